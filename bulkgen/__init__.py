@@ -1,0 +1,3 @@
+"""bulkgen: offline bulk LLM generation on your own GPUs behind an OpenAI-compatible batch API."""
+
+__version__ = "0.1.0"

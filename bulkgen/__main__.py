@@ -1,0 +1,4 @@
+from bulkgen.cli import cli
+
+if __name__ == "__main__":
+    cli()

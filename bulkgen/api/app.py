@@ -1,0 +1,47 @@
+"""The FastAPI application: routes, error shapes, health and Prometheus metrics."""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from bulkgen import __version__
+from bulkgen.api import batches, errors, files
+from bulkgen.api.prometheus import render_metrics
+
+
+def create_app(ctx, manager, api_key: str | None = None) -> FastAPI:
+    """`ctx`: bulkgen.config.Context; `manager`: runs batches (enqueue, expedite, queue_depth)."""
+    app = FastAPI(title="bulkgen", version=__version__, docs_url="/docs", redoc_url=None)
+    app.state.ctx, app.state.manager = ctx, manager
+    errors.install(app)
+    app.include_router(files.router)
+    app.include_router(batches.router)
+
+    if api_key:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            open_paths = ("/health", "/metrics")
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if request.url.path not in open_paths and not secrets.compare_digest(given, api_key):
+                body = errors.error_body("invalid API key", code="invalid_api_key", error_type="authentication_error")
+                return JSONResponse(body, status_code=401)
+            return await call_next(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in ctx.settings.models]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = render_metrics(ctx, manager)
+        return Response(body, media_type=content_type)
+
+    return app

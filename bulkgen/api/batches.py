@@ -1,0 +1,75 @@
+"""Batches API: create (validated at once, with every error and its line), retrieve, list, cancel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel
+
+from bulkgen.api.errors import Conflict
+from bulkgen.api.files import page
+from bulkgen.batch.lifecycle import validate_batch
+from bulkgen.batch.records import RecordNotFound
+from bulkgen.batch.schema import InvalidRequest, new_batch_record, public_view, set_status
+
+router = APIRouter(prefix="/v1/batches")
+
+
+class CreateBatch(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, Any] | None = None
+
+
+@router.post("")
+async def create_batch(request: Request, body: CreateBatch) -> dict:
+    return public_view(await run_in_threadpool(_create, request.app.state, body))
+
+
+def _create(state, body: CreateBatch) -> dict:
+    ctx = state.ctx
+    try:
+        meta = ctx.files.get(body.input_file_id)
+    except RecordNotFound:
+        raise InvalidRequest(f"input_file_id {body.input_file_id!r} does not exist", param="input_file_id",
+                             code="invalid_file") from None
+    if meta["purpose"] != "batch":
+        raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
+                             param="input_file_id")
+    record = ctx.batches.create(new_batch_record(meta["id"], body.endpoint, body.completion_window, body.metadata))
+    s = ctx.settings
+    record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
+    if record["status"] == "in_progress":
+        state.manager.enqueue(record["id"])
+    return record
+
+
+@router.get("/{batch_id}")
+async def retrieve_batch(request: Request, batch_id: str) -> dict:
+    return public_view(await run_in_threadpool(request.app.state.ctx.batches.get, batch_id))
+
+
+@router.get("")
+async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
+    items, has_more = await run_in_threadpool(request.app.state.ctx.batches.list, after, limit)
+    return page([public_view(r) for r in items], has_more)
+
+
+@router.post("/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str) -> dict:
+    state = request.app.state
+    record = await run_in_threadpool(state.ctx.batches.update, batch_id, _cancel)
+    state.manager.expedite(batch_id)
+    return public_view(record)
+
+
+def _cancel(record: dict) -> dict | None:
+    if record["status"] in ("cancelling", "cancelled"):
+        return None
+    if record["status"] not in ("validating", "in_progress"):
+        raise Conflict(f"batch {record['id']} is {record['status']} and can no longer be cancelled",
+                       code="batch_not_cancellable")
+    return set_status(record, "cancelling")

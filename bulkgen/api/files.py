@@ -1,0 +1,78 @@
+"""Files API: upload, list, retrieve, download and delete JSONL files."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from bulkgen.batch.schema import InvalidRequest
+
+router = APIRouter(prefix="/v1/files")
+
+
+@router.post("")
+async def create_file(
+    request: Request,
+    file: UploadFile,
+    purpose: str = Form(...),
+    expires_after_seconds: int | None = Form(None, alias="expires_after[seconds]"),
+) -> dict:
+    ctx = request.app.state.ctx
+    if purpose != "batch":
+        raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
+    limit = ctx.settings.max_file_bytes
+    size = file.size if file.size is not None else 0
+    if size > limit:
+        raise InvalidRequest(f"file is {size} bytes; the limit is {limit}", param="file", code="file_too_large")
+    name = file.filename or "upload.jsonl"
+    return await run_in_threadpool(ctx.files.create, file.file, name, purpose, expires_after_seconds)
+
+
+@router.get("")
+async def list_files(
+    request: Request,
+    after: str | None = None,
+    limit: int = Query(10000, ge=1, le=10000),
+    order: Literal["asc", "desc"] = "desc",
+    purpose: str | None = None,
+) -> dict:
+    files = request.app.state.ctx.files
+    items, has_more = await run_in_threadpool(files.list, after, limit, order, purpose)
+    return page(items, has_more)
+
+
+@router.get("/{file_id}")
+async def retrieve_file(request: Request, file_id: str) -> dict:
+    return await run_in_threadpool(request.app.state.ctx.files.get, file_id)
+
+
+@router.get("/{file_id}/content")
+async def file_content(request: Request, file_id: str) -> StreamingResponse:
+    files = request.app.state.ctx.files
+    stream = await run_in_threadpool(files.open, file_id)
+
+    def chunks():
+        with stream:
+            while block := stream.read(1024 * 1024):
+                yield block
+
+    return StreamingResponse(chunks(), media_type="application/jsonl")
+
+
+@router.delete("/{file_id}")
+async def delete_file(request: Request, file_id: str) -> dict:
+    await run_in_threadpool(request.app.state.ctx.files.delete, file_id)
+    return {"id": file_id, "object": "file", "deleted": True}
+
+
+def page(items: list[dict], has_more: bool) -> dict:
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": has_more,
+    }

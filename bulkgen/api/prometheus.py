@@ -1,0 +1,69 @@
+"""Prometheus metrics for the service, derived from the batch records (the system of record)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from bulkgen.batch.schema import ACTIVE_STATUSES
+
+_CACHE_S = 5.0
+_cache: dict = {"at": 0.0, "records": []}
+
+
+def _records(ctx) -> list[dict]:
+    """Batch records, re-listed at most every few seconds however often Prometheus scrapes."""
+    if time.monotonic() - _cache["at"] > _CACHE_S:
+        _cache["records"] = [r for _, r in _iter(ctx)]
+        _cache["at"] = time.monotonic()
+    return _cache["records"]
+
+
+def _iter(ctx):
+    for batch_id in ctx.batches.ids():
+        try:
+            yield batch_id, ctx.batches.get(batch_id)
+        except LookupError:
+            continue
+
+
+def render_metrics(ctx, manager) -> tuple[bytes, str]:
+    registry = CollectorRegistry()
+    batches = Gauge("bulkgen_batches", "Batches by status", ["status"], registry=registry)
+    requests = Gauge("bulkgen_requests", "Requests by outcome, over all stored batches", ["outcome"], registry=registry)
+    tokens = Gauge("bulkgen_tokens", "Tokens processed, over all stored batches", ["kind"], registry=registry)
+    queued = Gauge("bulkgen_queue_batches", "Batches waiting for the worker pool", registry=registry)
+    pending = Gauge("bulkgen_queue_requests", "Requests of active batches not finished yet", registry=registry)
+    busy = Gauge("bulkgen_worker_busy_ratio", "Share of the running batch's wall time a worker spent stepping",
+                 ["worker"], registry=registry)
+    for status in ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
+                   "cancelled"):
+        batches.labels(status).set(0)
+    for record in _records(ctx):
+        _add_record(record, batches, requests, tokens, pending)
+        if record["id"] == getattr(manager, "current", None):
+            _add_busy(record, busy)
+    queued.set(manager.queue_depth())
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _add_record(record: dict, batches, requests, tokens, pending) -> None:
+    counts, usage = record["request_counts"], record["usage"]
+    batches.labels(record["status"]).inc()
+    requests.labels("completed").inc(counts["completed"])
+    requests.labels("failed").inc(counts["failed"])
+    tokens.labels("input").inc(usage["input_tokens"])
+    tokens.labels("output").inc(usage["output_tokens"])
+    tokens.labels("cached").inc(usage["input_tokens_details"]["cached_tokens"])
+    if record["status"] in ACTIVE_STATUSES:
+        pending.inc(max(0, counts["total"] - counts["completed"] - counts["failed"]))
+
+
+def _add_busy(record: dict, busy) -> None:
+    metrics = record.get("metrics") or {}
+    wall = metrics.get("wall_time_s") or 0
+    for worker, stats in (metrics.get("per_worker") or {}).items():
+        if wall > 0:
+            busy.labels(worker).set(min(1.0, stats.get("busy_time_s", 0) / wall))

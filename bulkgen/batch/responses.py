@@ -1,0 +1,104 @@
+"""Output and error lines, in the envelope the hosted batch API writes."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from bulkgen.batch.ids import random_id
+from bulkgen.batch.requests import CHAT
+
+NOT_RUN_MESSAGES = {
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "batch_cancelled": "This request was not executed because the batch was cancelled.",
+}
+
+
+def envelope(custom_id: str, response: dict | None, error: dict | None) -> dict[str, Any]:
+    return {"id": random_id("batch_req_"), "custom_id": custom_id, "response": response, "error": error}
+
+
+def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
+    """`request`: ParsedRequest.to_dict(); `result`: the worker's finished-request dict."""
+    body = chat_body(result, model) if request["endpoint"] == CHAT else completion_body(result, model)
+    return envelope(request["custom_id"], {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)
+
+
+def refused_line(custom_id: str, message: str, code: str, param: str | None = None,
+                 error_type: str = "invalid_request_error") -> dict[str, Any]:
+    """A request the model endpoint refused (e.g. context_length_exceeded): HTTP 400 in the envelope."""
+    error = {"message": message, "type": error_type, "param": param, "code": code}
+    return envelope(custom_id, {"status_code": 400, "request_id": random_id("req_"), "body": {"error": error}}, None)
+
+
+def not_run_line(custom_id: str, code: str) -> dict[str, Any]:
+    """A request never executed (cancelled, expired)."""
+    return envelope(custom_id, None, {"code": code, "message": NOT_RUN_MESSAGES[code]})
+
+
+def usage(result: dict) -> dict[str, Any]:
+    prompt, completion = result["prompt_tokens"], result["completion_tokens"]
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": result.get("cached_tokens", 0)},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def chat_body(result: dict, model: str) -> dict[str, Any]:
+    choices = [
+        {
+            "index": c["index"],
+            "message": {"role": "assistant", "content": c["text"], "refusal": None},
+            "logprobs": {"content": [_chat_logprob(t) for t in c["logprobs"]], "refusal": None}
+            if c.get("logprobs") is not None else None,
+            "finish_reason": c["finish_reason"],
+        }
+        for c in result["completions"]
+    ]
+    return {"id": random_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(result), "system_fingerprint": None}
+
+
+def _chat_logprob(token: dict) -> dict[str, Any]:
+    return {
+        "token": token["token"],
+        "logprob": token["logprob"],
+        "bytes": list(token["token"].encode()),
+        "top_logprobs": [
+            {"token": t["token"], "logprob": t["logprob"], "bytes": list(t["token"].encode())}
+            for t in token.get("top_logprobs", [])
+        ],
+    }
+
+
+def completion_body(result: dict, model: str) -> dict[str, Any]:
+    choices = [
+        {"text": c["text"], "index": c["index"], "logprobs": _completion_logprobs(c.get("logprobs")),
+         "finish_reason": c["finish_reason"]}
+        for c in result["completions"]
+    ]
+    return {"id": random_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(result)}
+
+
+def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
+    if tokens is None:
+        return None
+    offsets, offset = [], 0
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t["token"])
+    return {
+        "tokens": [t["token"] for t in tokens],
+        "token_logprobs": [t["logprob"] for t in tokens],
+        "top_logprobs": [{a["token"]: a["logprob"] for a in t.get("top_logprobs", [])} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def dumps(line: dict) -> bytes:
+    return json.dumps(line, ensure_ascii=False).encode() + b"\n"

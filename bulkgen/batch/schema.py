@@ -1,0 +1,121 @@
+"""The batch object: fields, statuses and the checks on what a client may set."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from bulkgen.batch.ids import new_id
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ACTIVE_STATUSES = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
+TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+_WINDOW = re.compile(r"^\s*(\d+)\s*h\s*$")
+MAX_WINDOW_HOURS = 24 * 365
+INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
+
+
+class InvalidRequest(ValueError):
+    """A client error: rendered as HTTP 400 with OpenAI's error shape."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def parse_completion_window(window: str) -> int:
+    """'24h' (or any whole number of hours, 1h to a year) to seconds."""
+    match = _WINDOW.match(window) if isinstance(window, str) else None
+    hours = int(match.group(1)) if match else 0
+    if not match or not 1 <= hours <= MAX_WINDOW_HOURS:
+        raise InvalidRequest(
+            f"completion_window must be a whole number of hours such as '24h' (1h to {MAX_WINDOW_HOURS}h); got {window!r}",
+            param="completion_window",
+        )
+    return hours * 3600
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 and values up to 512 characters, all strings."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise InvalidRequest("metadata must be an object of string keys and values", param="metadata")
+    if len(metadata) > 16:
+        raise InvalidRequest(f"metadata has {len(metadata)} pairs; at most 16 are allowed", param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise InvalidRequest(f"metadata[{key!r}] must be a string", param=f"metadata.{key}")
+        if len(key) > 64 or len(value) > 512:
+            raise InvalidRequest(
+                f"metadata key {key[:64]!r}: keys are limited to 64 and values to 512 characters",
+                param=f"metadata.{key}",
+            )
+    return metadata
+
+
+def check_endpoint(endpoint: Any) -> str:
+    if endpoint not in ENDPOINTS:
+        raise InvalidRequest(
+            f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint"
+        )
+    return endpoint
+
+
+def new_batch_record(
+    input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None
+) -> dict[str, Any]:
+    """A fresh batch in `validating`, with every field the hosted API returns."""
+    window_s = parse_completion_window(completion_window)
+    now = int(time.time())
+    return {
+        "id": new_id("batch_"),
+        "object": "batch",
+        "endpoint": check_endpoint(endpoint),
+        "errors": None,
+        "input_file_id": input_file_id,
+        "completion_window": completion_window,
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": now,
+        "in_progress_at": None,
+        "expires_at": now + window_s,
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": check_metadata(metadata),
+        "usage": empty_usage(),
+        "model": None,
+        "metrics": None,
+        INTERNAL: {},
+    }
+
+
+def empty_usage() -> dict[str, Any]:
+    return {
+        "input_tokens": 0,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 0,
+    }
+
+
+def public_view(record: dict[str, Any]) -> dict[str, Any]:
+    """The batch object as clients see it (internal bookkeeping removed)."""
+    return {k: v for k, v in record.items() if k != INTERNAL}
+
+
+def set_status(record: dict[str, Any], status: str, now: int | None = None) -> dict[str, Any]:
+    """Move to `status` and stamp its `<status>_at` field once."""
+    record["status"] = status
+    stamp = f"{status}_at"
+    if stamp in record and record[stamp] is None:
+        record[stamp] = int(now if now is not None else time.time())
+    return record

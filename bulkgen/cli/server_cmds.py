@@ -1,0 +1,95 @@
+"""`bulkgen serve` (the job service) and `bulkgen run` (one shot, no server, embedded defaults)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import click
+
+from bulkgen.config import DEFAULT_STORAGE, Settings
+from bulkgen.models.registry import parse_model_specs
+from bulkgen.runtime.pool import PoolConfig
+
+_RUNTIME_OPTIONS = [
+    click.option("--storage", envvar="BULKGEN_STORAGE", default=DEFAULT_STORAGE, show_default=True,
+                 help="Where everything lives: a folder, file:///…, or s3://bucket/prefix (env BULKGEN_STORAGE)."),
+    click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."),
+    click.option("--model", "models", multiple=True, metavar="NAME=PATH",
+                 help="Served model (local folder or s3://…), repeatable; default: the bundled sample model."),
+    click.option("--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster instead of starting one."),
+    click.option("--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."),
+    click.option("--cpu-workers", type=int, default=1, show_default=True, help="CPU workers when there is no GPU."),
+    click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences per engine step."),
+    click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
+                 help="Token budget per engine step (chunked prefill above it)."),
+    click.option("--chunk-size", type=int, default=64, show_default=True, help="Requests per result part."),
+    click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True),
+]
+
+
+def runtime_options(fn):
+    for option in reversed(_RUNTIME_OPTIONS):
+        fn = option(fn)
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
+                "max_num_batched_tokens", "chunk_size", "max_requests_per_batch")
+        runtime = {k: kwargs.pop(k) for k in keys}
+        return fn(settings=_settings(**runtime), **kwargs)
+
+    return wrapper
+
+
+def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
+              max_num_batched_tokens, chunk_size, max_requests_per_batch) -> Settings:
+    try:
+        engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        pool = PoolConfig(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers, engine_kwargs=engine)
+        return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
+                        chunk_size=chunk_size, max_requests_per_batch=max_requests_per_batch, pool=pool)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--api-key", envvar="BULKGEN_API_KEY", help="Require this bearer key (env BULKGEN_API_KEY).")
+@runtime_options
+def serve(settings: Settings, host: str, port: int, api_key: str | None):
+    """Run the OpenAI-compatible Files + Batches service."""
+    import uvicorn
+
+    from bulkgen.api import create_app
+    from bulkgen.config import Context
+    from bulkgen.runtime.manager import BatchManager
+    from bulkgen.runtime.pool import WorkerPool
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    ctx = Context(settings)
+    manager = BatchManager(ctx, WorkerPool(settings.pool))
+    manager.start()
+    click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
+    uvicorn.run(create_app(ctx, manager, api_key), host=host, port=port, log_level="warning")
+
+
+@click.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Output JSONL; errors go beside it as NAME.errors.jsonl, metrics as NAME.metrics.json.")
+@click.option("--endpoint", help="Batch endpoint; default: the url of the file's first line.")
+@click.option("--completion-window", default="24h", show_default=True)
+@runtime_options
+def run(settings: Settings, file: Path, output: Path, endpoint: str | None, completion_window: str):
+    """Run FILE as one batch in this process (local Ray, no server) and write the results."""
+    from bulkgen.oneshot import OneShotError, run_file
+
+    try:
+        summary = run_file(settings, file, output, endpoint, completion_window, echo=click.echo)
+    except OneShotError as exc:
+        raise click.ClickException(str(exc)) from None
+    if summary["status"] != "completed":
+        raise click.ClickException(f"batch ended {summary['status']}")

@@ -1,0 +1,1 @@
+"""Model resolution: served-model names to local or object-store paths, and tiny test models."""

@@ -1,0 +1,50 @@
+"""Served models: names clients put in `body.model`, mapped to a local folder or an object-store URL."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "bulkgen-tiny"
+_REPO_SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "model"
+
+
+def default_model_path() -> str:
+    """The bundled sample model (override with BULKGEN_DEFAULT_MODEL)."""
+    return os.environ.get("BULKGEN_DEFAULT_MODEL", str(_REPO_SAMPLES))
+
+
+def parse_model_specs(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """`NAME=PATH` pairs (or a bare PATH, named after its folder); none means the bundled model."""
+    if not specs:
+        return {DEFAULT_MODEL_NAME: default_model_path()}
+    models: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            name, path = Path(spec.rstrip("/")).name, spec
+        if not name or not path:
+            raise ValueError(f"--model {spec!r}: expected NAME=PATH")
+        if name in models:
+            raise ValueError(f"--model {spec!r}: the name {name!r} is given twice")
+        models[name] = path
+    return models
+
+
+def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
+    """A local folder as is; `s3://…` or `file://…` copied once into a local cache, never from a hub."""
+    if "://" not in path or path.startswith("file://"):
+        local = Path(path.removeprefix("file://"))
+        if not (local / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {local} has no config.json")
+        return str(local)
+    from bulkgen.store import open_store
+
+    cache = Path(cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models"))
+    dest = cache / hashlib.sha256(path.encode()).hexdigest()[:16]
+    if not (dest / "config.json").is_file():
+        open_store(path).download_dir("", dest)
+    if not (dest / "config.json").is_file():
+        raise FileNotFoundError(f"model at {path} has no config.json")
+    return str(dest)

@@ -1,0 +1,85 @@
+"""Tiny, deterministic Hugging Face models built from a config: the bundled sample model and test fixtures.
+
+Nothing here touches a model hub. The tokenizer is byte-level BPE (every byte is a token, so any
+text round-trips) plus a few special tokens and a chat template, which is all the service needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def build_tokenizer():
+    """A byte-level tokenizer: 256 byte tokens, then the special tokens (ids 256..260)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|end|>", pad_token="<|pad|>", bos_token=None, unk_token=None
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(
+    path: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    vocab_size: int | None = None,
+    **overrides,
+) -> Path:
+    """Write a randomly initialised (fixed seed) decoder-only model and its tokenizer to `path`."""
+    import torch
+    import transformers
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[arch])
+    tok = build_tokenizer()
+    config = config_cls(
+        vocab_size=vocab_size or len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -1,0 +1,94 @@
+"""`bulkgen run`: one batch, in this process, on the embedded defaults, with the service's exact path.
+
+It goes through the same storage records, validation, runner and workers as `bulkgen serve`, so what
+works here works behind the API.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from bulkgen.batch.lifecycle import validate_batch
+from bulkgen.batch.schema import InvalidRequest, new_batch_record
+from bulkgen.client import ClientError, detect_endpoint, output_paths
+from bulkgen.config import Context, Settings
+from bulkgen.runtime.manager import run_batch
+from bulkgen.runtime.pool import WorkerPool
+
+
+class OneShotError(Exception):
+    """Bad input or a failed batch, explained in words."""
+
+
+def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None, window: str,
+             echo: Callable[[str], None] = print) -> dict:
+    ctx = Context(settings)
+    try:
+        endpoint = endpoint or detect_endpoint(file)
+        with file.open("rb") as f:
+            meta = ctx.files.create(f, file.name, "batch")
+        record = ctx.batches.create(new_batch_record(meta["id"], endpoint, window, None))
+    except (ClientError, InvalidRequest) as exc:
+        raise OneShotError(str(exc)) from None
+    s = settings
+    record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
+    if record["status"] == "failed":
+        lines = "\n".join(f"  {file}:{e['line'] or '-'}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
+        raise OneShotError(f"{file} failed validation:\n{lines}")
+    echo(f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})")
+    pool = WorkerPool(settings.pool)
+    pool.start()
+    record = _run_with_progress(ctx, pool, record)
+    _write_results(ctx, record, output, echo)
+    return record
+
+
+def _run_with_progress(ctx: Context, pool: WorkerPool, record: dict) -> dict:
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(run_batch(ctx, pool, record["id"])), daemon=True)
+    thread.start()
+    total = record["request_counts"]["total"]
+    with click.progressbar(length=total, label="requests", show_pos=True, show_eta=False) as bar:
+        done = 0
+        while thread.is_alive():
+            thread.join(1.0)
+            counts = ctx.batches.get(record["id"])["request_counts"]
+            now = counts["completed"] + counts["failed"]
+            bar.update(now - done)
+            done = now
+    return result
+
+
+def _write_results(ctx: Context, record: dict, output: Path, echo: Callable[[str], None]) -> None:
+    out_path, err_path = output_paths(output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    counts = record["request_counts"]
+    echo(f"{record['id']} {record['status']}: {counts['completed']} completed, {counts['failed']} failed")
+    for file_id, path in ((record["output_file_id"], out_path), (record["error_file_id"], err_path)):
+        if file_id:
+            with ctx.files.open(file_id) as src, path.open("wb") as dst:
+                while block := src.read(1 << 20):
+                    dst.write(block)
+            echo(f"wrote {path}")
+    metrics = record.get("metrics")
+    if metrics:
+        metrics_path = out_path.with_name(out_path.name.removesuffix(".jsonl") + ".metrics.json")
+        metrics_path.write_text(json.dumps(metrics, indent=2))
+        echo(f"wrote {metrics_path}")
+        echo(_metrics_line(metrics))
+    if record["errors"]:
+        echo(json.dumps(record["errors"]))
+
+
+def _metrics_line(m: dict) -> str:
+    def p50(name: str) -> str:
+        value = (m.get(name) or {}).get("p50")
+        return f"{value * 1000:.0f} ms" if value is not None else "-"
+
+    return (f"output {m.get('output_tokens', 0)} tokens at {m.get('output_tokens_per_s', 0):.1f} tok/s; "
+            f"slot efficiency {m.get('slot_efficiency', 0):.2f}; TTFT p50 {p50('ttft_s')}, TPOT p50 {p50('tpot_s')}")

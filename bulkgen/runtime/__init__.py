@@ -1,0 +1,1 @@
+"""Execution on Ray: engine worker actors (one per GPU, CPU actors without one) and per-batch runners."""
