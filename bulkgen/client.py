@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bulkgen.batch.schema import TERMINAL_STATUSES
@@ -17,16 +17,20 @@ class ClientError(Exception):
 def detect_endpoint(path: Path) -> str:
     """The `url` of the first request line, so users need not repeat it on the command line."""
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            if raw.strip():
-                try:
-                    url = json.loads(raw).get("url")
-                except (ValueError, AttributeError):
-                    raise ClientError(f"{path}:{number}: not a JSON object; is this a JSONL batch file?") from None
-                if not isinstance(url, str):
-                    raise ClientError(f"{path}:{number}: no 'url' field; pass --endpoint")
-                return url
-    raise ClientError(f"{path} has no request lines")
+        return endpoint_of(f, str(path))
+
+
+def endpoint_of(lines: Iterable[bytes], where: str) -> str:
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip():
+            try:
+                url = json.loads(raw).get("url")
+            except (ValueError, AttributeError):
+                raise ClientError(f"{where}:{number}: not a JSON object; is this a JSONL batch file?") from None
+            if not isinstance(url, str):
+                raise ClientError(f"{where}:{number}: no 'url' field; pass --endpoint")
+            return url
+    raise ClientError(f"{where} has no request lines")
 
 
 def make_client(base_url: str | None, api_key: str | None):

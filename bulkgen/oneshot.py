@@ -10,41 +10,79 @@ import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import click
 
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.schema import InvalidRequest, new_batch_record
-from bulkgen.client import ClientError, detect_endpoint, output_paths
+from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
 from bulkgen.config import Context, Settings
 from bulkgen.runtime.manager import run_batch
 from bulkgen.runtime.pool import WorkerPool
+from bulkgen.store import NotFound
 
 
 class OneShotError(Exception):
     """Bad input or a failed batch, explained in words."""
 
 
+def accept(ctx: Context, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> dict:
+    """Store the file and create + validate its batch, as `POST /v1/files` and `/v1/batches` do."""
+    try:
+        meta = ctx.files.create(fileobj, name, "batch")
+        record = ctx.batches.create(new_batch_record(meta["id"], endpoint, window, None))
+    except InvalidRequest as exc:
+        raise OneShotError(str(exc)) from None
+    s = ctx.settings
+    record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
+    if record["status"] == "failed":
+        lines = "\n".join(f"  {name}:{e['line'] or '-'}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
+        raise OneShotError(f"{name} failed validation:\n{lines}")
+    return record
+
+
 def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None, window: str,
              echo: Callable[[str], None] = print) -> dict:
+    """`bulkgen run`: a local JSONL file in, local result files out."""
     ctx = Context(settings)
     try:
         endpoint = endpoint or detect_endpoint(file)
-        with file.open("rb") as f:
-            meta = ctx.files.create(f, file.name, "batch")
-        record = ctx.batches.create(new_batch_record(meta["id"], endpoint, window, None))
-    except (ClientError, InvalidRequest) as exc:
+    except ClientError as exc:
         raise OneShotError(str(exc)) from None
-    s = settings
-    record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
-    if record["status"] == "failed":
-        lines = "\n".join(f"  {file}:{e['line'] or '-'}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
-        raise OneShotError(f"{file} failed validation:\n{lines}")
+    with file.open("rb") as f:
+        record = accept(ctx, f, str(file), endpoint, window)
     echo(f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})")
     pool = WorkerPool(settings.pool)
     pool.start()
     record = _run_with_progress(ctx, pool, record)
     _write_results(ctx, record, output, echo)
+    return record
+
+
+def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint: str | None = None,
+               window: str = "24h", echo: Callable[[str], None] = print) -> dict:
+    """A JSONL file already in storage (e.g. dropped under inbox/) run as a batch; results copied beside
+    it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.metrics.json."""
+    ctx = Context(settings)
+    try:
+        endpoint = endpoint or endpoint_of(ctx.store.iter_lines(input_key), input_key)
+        with ctx.store.open_read(input_key) as f:
+            record = accept(ctx, f, input_key, endpoint, window)
+    except (ClientError, NotFound) as exc:
+        raise OneShotError(f"{input_key}: {exc}") from None
+    echo(f"{record['id']}: {record['request_counts']['total']} requests from {input_key}")
+    pool = WorkerPool(settings.pool)
+    pool.start()
+    record = run_batch(ctx, pool, record["id"])
+    stem = f"{output_prefix.rstrip('/')}/{input_key.rsplit('/', 1)[-1].removesuffix('.jsonl')}"
+    for file_id, suffix in ((record["output_file_id"], "output.jsonl"), (record["error_file_id"], "errors.jsonl")):
+        if file_id:
+            with ctx.files.open(file_id) as src:
+                ctx.store.upload_fileobj(f"{stem}.{suffix}", src)
+    if record.get("metrics"):
+        ctx.store.write_bytes(f"{stem}.metrics.json", json.dumps(record["metrics"], indent=2).encode())
+    echo(f"{record['id']} {record['status']}: results under {stem}.*")
     return record
 
 

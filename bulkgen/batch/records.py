@@ -12,7 +12,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from bulkgen.batch.ids import new_id
 from bulkgen.store import NotFound, PreconditionFailed, Store

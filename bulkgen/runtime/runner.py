@@ -14,7 +14,7 @@ from collections import deque
 
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.responses import not_run_line
-from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
+from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.config import Context
 from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts

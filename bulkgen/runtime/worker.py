@@ -63,8 +63,9 @@ class EngineWorker:
                 self._cond.wait(timeout)
             finished, self._finished = self._finished, []
             steps, self._steps = self._steps, []
-        if self._error is not None:
-            raise RuntimeError(f"worker {self.index} engine failed: {self._error}")
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError(f"worker {self.index} engine failed: {error}")
         stats = self.engine.stats() if self.engine is not None else {}
         return {"finished": finished, "steps": steps, "stats": stats, "worker": self.index}
 
@@ -76,11 +77,11 @@ class EngineWorker:
                 self._drain(block=not busy)
                 if self.engine is not None and self.engine.has_unfinished():
                     self._step()
-            except Exception as exc:  # an engine failure must reach the runner, not kill the thread silently
+            except Exception as exc:  # reach the runner once; the next load() builds a fresh engine
                 with self._cond:
                     self._error = f"{type(exc).__name__}: {exc}"
+                    self.engine, self.model_name = None, None
                     self._cond.notify_all()
-                return
 
     def _drain(self, block: bool) -> None:
         try:
@@ -95,6 +96,11 @@ class EngineWorker:
                 return
 
     def _apply(self, kind: str, payload: list) -> None:
+        if self.engine is None:  # a failed engine: refuse its leftovers, never crash the loop
+            if kind == "add":
+                self._publish([{"request_id": r["id"], "error": "the worker's engine is not loaded"}
+                               for r in payload], [])
+            return
         if kind == "abort":
             self.engine.abort(payload)
             return

@@ -1,0 +1,117 @@
+"""A real bulkgen service for tests: uvicorn on 127.0.0.1, local Ray, the bundled model, the openai client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from bulkgen.api import create_app
+from bulkgen.config import Context, Settings
+from bulkgen.runtime.manager import BatchManager
+from bulkgen.runtime.pool import PoolConfig, WorkerPool
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+MODEL = "bulkgen-tiny"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Service:
+    """A running service: its base URL, its storage context, and a way to stop it."""
+
+    def __init__(self, settings: Settings, api_key: str | None = None) -> None:
+        self.ctx = Context(settings)
+        self.manager = BatchManager(self.ctx, WorkerPool(settings.pool))
+        self.manager.start()
+        port = free_port()
+        config = uvicorn.Config(create_app(self.ctx, self.manager, api_key), host="127.0.0.1", port=port,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.05)
+        self.base_url = f"http://127.0.0.1:{port}/v1"
+
+    def client(self, api_key: str = "test-key"):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.manager.stop()
+        self.thread.join(10)
+
+
+def settings_for(storage: str, **overrides) -> Settings:
+    pool = PoolConfig(cpu_workers=1, engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
+    return Settings(storage=storage, models={MODEL: str(SAMPLES / "model")}, chunk_size=16, pool=pool, **overrides)
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory):
+    svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500))
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def client(service):
+    return service.client()
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def chat_row(custom_id: str, content: str, max_tokens: int = 8, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                     "temperature": 0, **body}}
+
+
+def completion_row(custom_id: str, prompt: str, max_tokens: int = 8, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body}}
+
+
+def wait_for(client, batch_id: str, predicate, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if predicate(batch):
+            return batch
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting on {batch_id}: {batch.status} {batch.request_counts}")
+        time.sleep(0.2)
+
+
+def wait_done(client, batch_id: str, timeout: float = 120.0):
+    terminal = {"completed", "failed", "expired", "cancelled"}
+    return wait_for(client, batch_id, lambda b: b.status in terminal, timeout)
+
+
+def read_lines(client, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
+
+
+def upload(client, path: Path):
+    with path.open("rb") as f:
+        return client.files.create(file=(path.name, f), purpose="batch")

@@ -1,0 +1,104 @@
+"""Bad input: the batch fails validation with every error listed; the server never answers 500."""
+
+from __future__ import annotations
+
+import json
+from urllib.request import Request, urlopen
+
+import openai
+import pytest
+
+from tests.service.conftest import SAMPLES, chat_row, upload, write_jsonl
+
+
+def _create(client, path, endpoint="/v1/chat/completions"):
+    return client.batches.create(input_file_id=upload(client, path).id, endpoint=endpoint, completion_window="24h")
+
+
+def test_invalid_sample_lists_every_error_with_its_line(client):
+    batch = _create(client, SAMPLES / "invalid.jsonl")
+    assert batch.status == "failed" and batch.failed_at is not None
+    found = sorted((e.line, e.code) for e in batch.errors.data)
+    assert found == [(2, "duplicate_custom_id"), (3, "invalid_json_line"), (4, "missing_custom_id"),
+                     (5, "url_mismatch"), (6, "model_mismatch")]
+    by_code = {e.code: e for e in batch.errors.data}
+    assert by_code["url_mismatch"].param == "url"
+    assert "line 1" in by_code["duplicate_custom_id"].message  # names where the id was first used
+    assert client.batches.retrieve(batch.id).status == "failed"
+
+
+@pytest.mark.parametrize(
+    ("content", "code"),
+    [
+        (b"", "empty_file"),
+        (b"\n\n", "empty_file"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00binary", "invalid_json_line"),
+        (b"[1, 2, 3]\n", "invalid_json_line"),
+    ],
+)
+def test_not_jsonl_or_empty(client, tmp_path, content, code):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    batch = _create(client, path)
+    assert batch.status == "failed"
+    assert batch.errors.data[0].code == code
+
+
+def test_unknown_model_and_bad_fields_name_line_and_param(client, tmp_path):
+    rows = [
+        chat_row("a", "hi", model="no-such-model") | {},
+        {**chat_row("b", "hi"), "method": "GET"},
+        chat_row("c", "hi", stream=True),
+        chat_row("d", "hi", temperature=9),
+        chat_row("e", "hi", max_tokens=0),
+    ]
+    rows[0]["body"]["model"] = "no-such-model"
+    batch = _create(client, write_jsonl(tmp_path / "m.jsonl", rows))
+    errors = {(e.line, e.code, e.param) for e in batch.errors.data}
+    assert (1, "model_not_found", "body.model") in errors
+    assert (2, "invalid_method", "method") in errors
+    assert (3, "invalid_request", "body.stream") in errors
+    assert (4, "invalid_parameter", "body.temperature") in errors
+    assert (5, "invalid_parameter", "body.max_tokens") in errors
+
+
+def test_too_many_tasks(client, tmp_path):
+    rows = [chat_row(f"r{i}", "hi") for i in range(501)]  # the test service allows 500
+    batch = _create(client, write_jsonl(tmp_path / "big.jsonl", rows))
+    assert [e.code for e in batch.errors.data] == ["too_many_tasks"]
+
+
+def test_api_errors_are_4xx_with_openai_shape(service, client, tmp_path):
+    file_id = upload(client, write_jsonl(tmp_path / "ok.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="2d")
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={f"k{i}": "v" for i in range(17)})
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_doesnotexist")
+    with pytest.raises(openai.NotFoundError):
+        client.files.content("../../etc/passwd")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
+    request = Request(f"{service.base_url}/batches", data=b"{not json", method="POST",
+                      headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+    with pytest.raises(Exception) as info:
+        urlopen(request)
+    assert info.value.code == 400 and "error" in json.loads(info.value.read())
+    ok = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="72h")
+    assert ok.expires_at - ok.created_at == 72 * 3600  # any whole number of hours
+
+
+def test_cancel_a_finished_batch_is_a_conflict(client, tmp_path):
+    from tests.service.conftest import wait_done
+
+    file_id = upload(client, write_jsonl(tmp_path / "c.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    wait_done(client, batch.id)
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)

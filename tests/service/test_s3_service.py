@@ -1,0 +1,27 @@
+"""The whole service with its storage on a real S3 endpoint (moto's server over HTTP)."""
+
+from __future__ import annotations
+
+import boto3
+
+from tests.service.conftest import SAMPLES, Service, read_lines, settings_for, upload, wait_done
+
+
+def test_batch_round_trip_on_s3(s3_bucket_url, s3_server):
+    service = Service(settings_for(s3_bucket_url, endpoint_url=s3_server))
+    try:
+        client = service.client()
+        batch = client.batches.create(input_file_id=upload(client, SAMPLES / "completions.jsonl").id,
+                                      endpoint="/v1/completions", completion_window="24h")
+        batch = wait_done(client, batch.id)
+        assert batch.status == "completed"
+        assert len(read_lines(client, batch.output_file_id)) == 10
+    finally:
+        service.stop()
+    bucket = s3_bucket_url.removeprefix("s3://").split("/")[0]
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in
+            page.get("Contents", [])]
+    assert f"prefix/batches/{batch.id}.json" in keys
+    assert any(k.startswith(f"prefix/parts/{batch.id}/part-") for k in keys)
+    assert f"prefix/reports/{batch.id}/report.png" in keys
