@@ -42,7 +42,8 @@ def make_client(base_url: str | None, api_key: str | None):
 def format_errors(batch) -> str:
     errors = getattr(batch, "errors", None)
     data = errors.data if errors and errors.data else []
-    return "\n".join(f"  line {e.line or '-'}: [{e.code}] {e.message}" for e in data)
+    return "\n".join(f"  line {e.line}: [{e.code}] {e.message}" if e.line else f"  [{e.code}] {e.message}"
+                     for e in data)
 
 
 def wait(get_batch: Callable[[], object], on_update: Callable[[object], None], interval: float = 1.0):

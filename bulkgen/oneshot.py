@@ -37,7 +37,8 @@ def accept(ctx: Context, fileobj: BinaryIO, name: str, endpoint: str, window: st
     s = ctx.settings
     record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
     if record["status"] == "failed":
-        lines = "\n".join(f"  {name}:{e['line'] or '-'}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
+        lines = "\n".join(f"  {name}:{e['line']}: [{e['code']}] {e['message']}" if e["line"] else
+                           f"  {name}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
         raise OneShotError(f"{name} failed validation:\n{lines}")
     return record
 

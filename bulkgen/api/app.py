@@ -5,11 +5,12 @@ from __future__ import annotations
 import secrets
 
 from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 
 from bulkgen import __version__
 from bulkgen.api import batches, errors, files
-from bulkgen.api.prometheus import render_metrics
+from bulkgen.api.prometheus import RecordCache, render_metrics
 
 
 def create_app(ctx, manager, api_key: str | None = None) -> FastAPI:
@@ -39,9 +40,11 @@ def create_app(ctx, manager, api_key: str | None = None) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "version": __version__}
 
+    records = RecordCache(ctx)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = render_metrics(ctx, manager)
+        body, content_type = await run_in_threadpool(render_metrics, records, manager)
         return Response(body, media_type=content_type)
 
     return app

@@ -9,27 +9,29 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bulkgen.batch.schema import ACTIVE_STATUSES
 
-_CACHE_S = 5.0
-_cache: dict = {"at": 0.0, "records": []}
 
-
-def _records(ctx) -> list[dict]:
+class RecordCache:
     """Batch records, re-listed at most every few seconds however often Prometheus scrapes."""
-    if time.monotonic() - _cache["at"] > _CACHE_S:
-        _cache["records"] = [r for _, r in _iter(ctx)]
-        _cache["at"] = time.monotonic()
-    return _cache["records"]
+
+    def __init__(self, ctx, max_age_s: float = 5.0) -> None:
+        self.ctx, self.max_age_s = ctx, max_age_s
+        self.at, self.records = float("-inf"), []
+
+    def get(self) -> list[dict]:
+        if time.monotonic() - self.at > self.max_age_s:
+            self.records = list(self._iter())
+            self.at = time.monotonic()
+        return self.records
+
+    def _iter(self):
+        for batch_id in self.ctx.batches.ids():
+            try:
+                yield self.ctx.batches.get(batch_id)
+            except LookupError:  # deleted between listing and reading
+                continue
 
 
-def _iter(ctx):
-    for batch_id in ctx.batches.ids():
-        try:
-            yield batch_id, ctx.batches.get(batch_id)
-        except LookupError:
-            continue
-
-
-def render_metrics(ctx, manager) -> tuple[bytes, str]:
+def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
     registry = CollectorRegistry()
     batches = Gauge("bulkgen_batches", "Batches by status", ["status"], registry=registry)
     requests = Gauge("bulkgen_requests", "Requests by outcome, over all stored batches", ["outcome"], registry=registry)
@@ -41,7 +43,7 @@ def render_metrics(ctx, manager) -> tuple[bytes, str]:
     for status in ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
                    "cancelled"):
         batches.labels(status).set(0)
-    for record in _records(ctx):
+    for record in cache.get():
         _add_record(record, batches, requests, tokens, pending)
         if record["id"] == getattr(manager, "current", None):
             _add_busy(record, busy)

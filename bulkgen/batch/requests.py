@@ -45,55 +45,55 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise LineError("invalid_json_line", f"line {line} is not valid JSON: {exc}") from None
+        raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
-        raise LineError("invalid_json_line", f"line {line} must be a JSON object, got {type(obj).__name__}")
+        raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id.strip():
-        raise LineError("missing_custom_id", f"line {line}: custom_id must be a non-empty string", "custom_id")
+        raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
     if obj.get("method", "POST") != "POST":
-        raise LineError("invalid_method", f"line {line}: method must be POST, got {obj.get('method')!r}", "method")
+        raise LineError("invalid_method", f"method must be POST, got {obj.get('method')!r}", "method")
     if obj.get("url") != endpoint:
         raise LineError(
-            "url_mismatch", f"line {line}: url {obj.get('url')!r} does not match the batch endpoint {endpoint!r}", "url"
+            "url_mismatch", f"url {obj.get('url')!r} does not match the batch endpoint {endpoint!r}", "url"
         )
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise LineError("invalid_body", f"line {line}: body must be a JSON object", "body")
+        raise LineError("invalid_body", "body must be a JSON object", "body")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise LineError("missing_model", f"line {line}: body.model must be a non-empty string", "body.model")
+        raise LineError("missing_model", "body.model must be a non-empty string", "body.model")
     request = ParsedRequest(custom_id=custom_id, line=line, model=model, endpoint=endpoint)
     if endpoint == CHAT:
-        request.messages = _messages(body.get("messages"), line)
+        request.messages = _messages(body.get("messages"))
     else:
-        request.prompt = _prompt(body.get("prompt"), line)
-    request.sampling = _sampling(body, endpoint, line)
+        request.prompt = _prompt(body.get("prompt"))
+    request.sampling = _sampling(body, endpoint)
     return request
 
 
-def _messages(messages: Any, line: int) -> list[dict[str, str]]:
+def _messages(messages: Any) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise LineError("invalid_messages", f"line {line}: body.messages must be a non-empty list", "body.messages")
+        raise LineError("invalid_messages", "body.messages must be a non-empty list", "body.messages")
     out = []
     for i, message in enumerate(messages):
         param = f"body.messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
         if role not in _ROLES:
-            raise LineError("invalid_messages", f"line {line}: {param}.role must be one of {sorted(_ROLES)}", param)
-        out.append({"role": _ROLES[role], "content": _content(message.get("content"), line, param)})
+            raise LineError("invalid_messages", f"{param}.role must be one of {sorted(_ROLES)}", param)
+        out.append({"role": _ROLES[role], "content": _content(message.get("content"), param)})
     return out
 
 
-def _content(content: Any, line: int, param: str) -> str:
+def _content(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
         return "".join(str(p.get("text", "")) for p in content)
-    raise LineError("invalid_messages", f"line {line}: {param}.content must be a string or a list of text parts", param)
+    raise LineError("invalid_messages", f"{param}.content must be a string or a list of text parts", param)
 
 
-def _prompt(prompt: Any, line: int) -> str | list[int]:
+def _prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
@@ -102,35 +102,35 @@ def _prompt(prompt: Any, line: int) -> str | list[int]:
         return prompt
     raise LineError(
         "invalid_prompt",
-        f"line {line}: body.prompt must be a non-empty string or list of token ids (one prompt per line)",
+        "body.prompt must be a non-empty string or list of token ids (one prompt per line)",
         "body.prompt",
     )
 
 
-def _sampling(body: dict, endpoint: str, line: int) -> dict[str, Any]:
+def _sampling(body: dict, endpoint: str) -> dict[str, Any]:
     if body.get("stream"):
-        raise LineError("invalid_request", f"line {line}: streaming is not supported in batches", "body.stream")
+        raise LineError("invalid_request", "streaming is not supported in batches", "body.stream")
     for name, neutral in _UNSUPPORTED.items():
         if body.get(name, neutral) not in (neutral, None):
-            raise LineError("unsupported_parameter", f"line {line}: body.{name} is not supported", f"body.{name}")
+            raise LineError("unsupported_parameter", f"body.{name} is not supported", f"body.{name}")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
-        raise LineError("unsupported_parameter", f"line {line}: only response_format type 'text' is supported",
+        raise LineError("unsupported_parameter", "only response_format type 'text' is supported",
                         "body.response_format")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     out = {
-        "max_tokens": _number(max_tokens, line, "max_tokens", int, 1, None),
-        "temperature": _number(body.get("temperature", 1.0), line, "temperature", float, 0.0, 2.0),
-        "top_p": _number(body.get("top_p", 1.0), line, "top_p", float, 0.0, 1.0),
-        "n": _number(body.get("n", 1), line, "n", int, 1, 16),
-        "seed": _number(body.get("seed"), line, "seed", int, None, None),
-        "stop": _stop(body.get("stop"), line),
+        "max_tokens": _number(max_tokens, "max_tokens", int, 1, None),
+        "temperature": _number(body.get("temperature", 1.0), "temperature", float, 0.0, 2.0),
+        "top_p": _number(body.get("top_p", 1.0), "top_p", float, 0.0, 1.0),
+        "n": _number(body.get("n", 1), "n", int, 1, 16),
+        "seed": _number(body.get("seed"), "seed", int, None, None),
+        "stop": _stop(body.get("stop")),
     }
-    out["logprobs"] = _logprobs(body, endpoint, line)
+    out["logprobs"] = _logprobs(body, endpoint)
     return out
 
 
-def _number(value: Any, line: int, name: str, kind: type, low: float | None, high: float | None):
+def _number(value: Any, name: str, kind: type, low: float | None, high: float | None):
     if value is None:
         return None
     ok = isinstance(value, int | float) and not isinstance(value, bool)
@@ -138,26 +138,26 @@ def _number(value: Any, line: int, name: str, kind: type, low: float | None, hig
         ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok or (low is not None and value < low) or (high is not None and value > high):
         bounds = f" between {low} and {high}" if high is not None else (f" >= {low}" if low is not None else "")
-        raise LineError("invalid_parameter", f"line {line}: body.{name} must be {kind.__name__}{bounds}; got {value!r}",
+        raise LineError("invalid_parameter", f"body.{name} must be {kind.__name__}{bounds}; got {value!r}",
                         f"body.{name}")
     return kind(value)
 
 
-def _stop(stop: Any, line: int) -> list[str] | None:
+def _stop(stop: Any) -> list[str] | None:
     if stop is None:
         return None
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise LineError("invalid_parameter", f"line {line}: body.stop must be a string or up to 4 strings", "body.stop")
+        raise LineError("invalid_parameter", "body.stop must be a string or up to 4 strings", "body.stop")
     return stops
 
 
-def _logprobs(body: dict, endpoint: str, line: int) -> int | None:
+def _logprobs(body: dict, endpoint: str) -> int | None:
     if endpoint == COMPLETIONS:
-        return _number(body.get("logprobs"), line, "logprobs", int, 0, 20)
-    top = _number(body.get("top_logprobs"), line, "top_logprobs", int, 0, 20)
+        return _number(body.get("logprobs"), "logprobs", int, 0, 20)
+    top = _number(body.get("top_logprobs"), "top_logprobs", int, 0, 20)
     if body.get("logprobs"):
         return top or 0
     if top is not None:
-        raise LineError("invalid_parameter", f"line {line}: body.top_logprobs needs logprobs: true", "body.top_logprobs")
+        raise LineError("invalid_parameter", "body.top_logprobs needs logprobs: true", "body.top_logprobs")
     return None

@@ -60,7 +60,7 @@ def validate_lines(
 def _check_identity(result: ValidationResult, request, number: int, first_line: dict, served: set) -> None:
     if request.custom_id in first_line:
         result.add("duplicate_custom_id",
-                   f"line {number}: custom_id {request.custom_id!r} already used on line {first_line[request.custom_id]}",
+                   f"custom_id {request.custom_id!r} already used on line {first_line[request.custom_id]}",
                    number, "custom_id")
     else:
         first_line[request.custom_id] = number
@@ -68,11 +68,11 @@ def _check_identity(result: ValidationResult, request, number: int, first_line: 
         result.model = request.model
         if request.model not in served:
             result.add("model_not_found",
-                       f"line {number}: model {request.model!r} is not served here; available: {sorted(served)}",
+                       f"model {request.model!r} is not served here; available: {sorted(served)}",
                        number, "body.model")
     elif request.model != result.model:
         result.add("model_mismatch",
-                   f"line {number}: model {request.model!r} differs from {result.model!r}; one model per file",
+                   f"model {request.model!r} differs from {result.model!r}; one model per file",
                    number, "body.model")
 
 

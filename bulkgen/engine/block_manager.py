@@ -1,0 +1,126 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts, and prefix caching by chained block hashes.
+
+A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
+Blocks whose ref count drops to zero stay hashed in an LRU free list and are revived on a hit, so a
+system prompt shared by thousands of rows is computed once while memory allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] | None = None
+
+
+class BlockManager:
+    """Owns the block pool; sequences hold block ids in `seq.block_table`."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self._hashed: dict[int, tuple[int, int | None]] = {}  # seq_id -> (num hashed blocks, last hash)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so its table covers `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks equal to the prefix of `seq` (never the block holding its last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        matched, parent = [], None
+        bs = self.block_size
+        for i in range((len(seq) - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash((parent, tokens))
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            matched.append(block_id)
+            parent = h
+        return matched
+
+    def admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
+        """Give a waiting `seq` its cached prefix blocks plus fresh ones up to `num_tokens`; False if short."""
+        revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
+        fresh = max(0, -(-num_tokens // self.block_size) - len(cached))
+        if revived + fresh > len(self.free):
+            return False
+        for block_id in cached:
+            self._ref(block_id)
+        seq.block_table = list(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if cached:
+            last = self.blocks[cached[-1]].hash
+            self._hashed[seq.seq_id] = (len(cached), last)
+        return self.grow(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Append fresh blocks so `seq` can hold `num_tokens` tokens; False (nothing taken) if short."""
+        need = self.blocks_needed(seq, num_tokens)
+        if need > len(self.free):
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_free())
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Drop `seq`'s references; tail blocks go to the free list first so prefixes survive longest."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        self._hashed.pop(seq.seq_id, None)
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the blocks of `seq` that became full and computed, so later sequences can share them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        done, parent = self._hashed.get(seq.seq_id, (0, None))
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(done, full):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            parent = hash((parent, tokens))
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and parent not in self.hash_to_block:
+                block.hash, block.token_ids = parent, tokens
+                self.hash_to_block[parent] = block.block_id
+        if full > done:
+            self._hashed[seq.seq_id] = (full, parent)
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, None
+        block.ref_count = 1
+        return block_id

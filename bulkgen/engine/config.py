@@ -1,0 +1,50 @@
+"""Engine settings, validated once at construction (ValueError naming the field, never `assert`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES = ("continuous", "static", "dynamic")
+ADMISSIONS = ("longest_first", "shortest_first", "fifo")
+
+
+@dataclass
+class EngineConfig:
+    """Scheduling and KV-cache limits.
+
+    KV-cache size: `num_kv_blocks` wins if given; else `kv_cache_bytes`; else on CUDA
+    `kv_cache_memory_fraction` of the memory free after loading the model, and on CPU enough blocks
+    for `max_num_seqs` full-length sequences capped at 2 GiB.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int | None = None
+    kv_cache_memory_fraction: float = 0.85
+    policy: str = "continuous"
+    max_queue_delay: float = 0.05
+    admission: str = "longest_first"
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if not isinstance(self.max_queue_delay, (int, float)) or self.max_queue_delay < 0:
+            raise ValueError(f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")

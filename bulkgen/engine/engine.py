@@ -1,0 +1,223 @@
+"""The engine: requests in, one scheduling step + packed forward at a time, finished requests out.
+
+`generate()` is the offline loop (`while unfinished: step()`); a worker uses add_request/step/abort
+directly so its batch stays full across chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
+from .stats import EngineStats
+from .stopping import check_stop, completion_text
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """Continuous-batching generation over any HF decoder-only model (it takes over its attention)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, **engine_kwargs) -> None:
+        self.config = EngineConfig(**engine_kwargs)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
+        self.runner = ModelRunner(model, self.config, self.max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.stats_ = EngineStats(self.config.max_num_seqs)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._order = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None,
+                        **engine_kwargs) -> Engine:
+        """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dtype is None:
+            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        elif isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(model, tokenizer, **engine_kwargs)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError if the id is in use or the prompt is empty, invalid or too long."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        ids = self._tokenize(request_id, prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the context length "
+                f"({self.max_model_len}); it must be shorter"
+            )
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        blocks = -(-(len(ids) + max_tokens) // self.config.block_size)
+        if blocks > self.runner.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: needs {blocks} KV blocks but the cache has {self.runner.num_blocks}"
+            )
+        request = Request(request_id, ids, params, next(self._order))
+        for i in range(params.n):
+            request.seqs.append(Sequence(next(self._seq_ids), request, i, max_tokens))
+            self.scheduler.add(request.seqs[-1])
+        self.requests[request_id] = request
+
+    def _tokenize(self, request_id: str, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+            ids = list(prompt)
+        else:
+            raise ValueError(f"request {request_id!r}: prompt must be a str or a list of int token ids")
+        if not ids:
+            raise ValueError(f"request {request_id!r}: prompt is empty")
+        return ids
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass; returns requests that finished in this step."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            wait = self.scheduler.time_until_group()
+            if wait > 0:
+                time.sleep(min(wait, 0.01))
+            return []
+        start = time.time()
+        self._mark_scheduled(batch.items, start)
+        logits, sampling = self.runner.run(batch.items)
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
+        finished = self._append_tokens(sampling, tokens, logprobs)
+        self.stats_.record_step(batch, time.time() - start, len(tokens))
+        return finished
+
+    def _mark_scheduled(self, items: list[tuple[Sequence, int]], now: float) -> None:
+        for seq, _ in items:
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = seq.num_cached_tokens
+                self.stats_.add_cached(seq.num_cached_tokens)
+
+    def _append_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+        now = time.time()
+        done: list[RequestOutput] = []
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            if lp is not None:
+                seq.logprobs.append(self._logprob_entry(token, lp))
+            metrics = seq.request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            if check_stop(seq, self.tokenizer, self.eos_token_ids):
+                self.scheduler.finish(seq)
+                if seq.request.finished:
+                    done.append(self._finish_request(seq.request, now))
+        return done
+
+    def _logprob_entry(self, token: int, lp: tuple) -> dict:
+        chosen, ids, vals = lp
+        decode = self.tokenizer.decode
+        top = [{"token": decode([i]), "logprob": v} for i, v in zip(ids, vals, strict=True)]
+        return {"token": decode([token]), "logprob": chosen, "top_logprobs": top}
+
+    def _finish_request(self, request: Request, now: float) -> RequestOutput:
+        del self.requests[request.request_id]
+        metrics = request.metrics
+        metrics.finished_time = now
+        metrics.num_output_tokens = sum(s.num_output_tokens for s in request.seqs)
+        metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
+        outputs = [
+            CompletionOutput(s.index, s.output_token_ids, completion_text(s, self.tokenizer), s.finish_reason,
+                             s.logprobs)
+            for s in request.seqs
+        ]
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, metrics)
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in input order (request ids are str(index))."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if self.requests:
+            raise ValueError(f"generate() needs an idle engine; {len(self.requests)} requests are still in it")
+        ids = [str(i) for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p)
+        results: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Drop requests wherever they are and free their KV blocks; unknown ids are ignored."""
+        seqs = []
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is not None:
+                seqs.extend(request.seqs)
+        if seqs:
+            self.scheduler.abort(seqs)
+
+    def stats(self) -> dict:
+        return self.stats_.snapshot(self.scheduler.num_preemptions, self.scheduler.prefill_padding_tokens)
+
+    def pop_step_records(self) -> list[dict]:
+        return self.stats_.pop_records()
+
+
+def _max_model_len(hf_config, requested: int | None) -> int:
+    """Context length; clipped to a sliding window, inside which full attention is exact."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or requested or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
+        log.warning("clipping max_model_len to the sliding window (%d)", window)
+        limit = window
+    return min(requested, limit) if requested else limit
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), model.config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids

@@ -1,0 +1,193 @@
+"""Decides, every step, which sequences run and how many tokens each computes.
+
+Running sequences go first (decodes before unfinished prefills, so a long prompt never stalls
+decodes), each bounded by the per-step token budget; then waiting sequences are admitted while slots,
+budget and KV blocks allow. When a running sequence needs a block and none is free, the most recently
+admitted sequence is preempted: its blocks are freed and it is recomputed later (nothing is lost).
+
+Policies share this machinery. continuous: admit whenever there is room. static: admit a group only
+when nothing is running, and hold every member's slot until the slowest finishes. dynamic: like
+static, but a group starts only when max_num_seqs are waiting or the oldest waited max_queue_delay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    held_slots: int = 0
+    padding_slots: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: list[Sequence] = []  # sorted so the next to admit is last
+        self._dirty = False
+        self.preempted: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.group: list[Sequence] = []  # static/dynamic: members hold their slot until all finish
+        self.group_pending: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self.prefill_padding_tokens = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self._dirty = True
+
+    def num_unfinished_seqs(self) -> int:
+        return len(self.waiting) + len(self.preempted) + len(self.running) + len(self.group_pending)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        before = self.num_preemptions
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if self.num_preemptions == before:
+            self._admit(batch, budget)
+        grouped = self.config.policy != "continuous"
+        batch.held_slots = len(self.group) if grouped else len(self.running)
+        if grouped:
+            batch.padding_slots = sum(s.status is SequenceStatus.FINISHED for s in self.group)
+        for seq, n in batch.items:
+            is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+            if is_decode:
+                batch.decode_tokens += 1
+            else:
+                batch.prefill_tokens += n
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        order = sorted(self.running, key=lambda s: s.num_uncomputed != 1)
+        scheduled: set[int] = set()
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed, budget)
+            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled):
+                continue
+            batch.items.append((seq, n))
+            scheduled.add(seq.seq_id)
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
+        """Grow `seq` to `num_tokens`, preempting the newest unscheduled sequences; False if `seq` itself went."""
+        while not self.bm.grow(seq, num_tokens):
+            victims = [s for s in self.running if s.seq_id not in scheduled and s is not seq]
+            victim = victims[-1] if victims else seq
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.preempted.appendleft(seq)
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        if self.config.policy != "continuous" and not self.group_pending and not self.preempted:
+            if self.group and not all(s.status is SequenceStatus.FINISHED for s in self.group):
+                return
+            self.group = []
+            self._start_group()
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self._next_candidate()
+            if seq is None:
+                return
+            cached = self.bm.match_prefix(seq)
+            n = min(len(seq) - len(cached) * self.bm.block_size, budget)
+            if not self.bm.admit(seq, cached, len(cached) * self.bm.block_size + n):
+                return
+            self._pop_candidate(seq)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+
+    def _next_candidate(self) -> Sequence | None:
+        if self.preempted:
+            return self.preempted[0]
+        if self.config.policy != "continuous":
+            return self.group_pending[0] if self.group_pending else None
+        self._sort_waiting()
+        return self.waiting[-1] if self.waiting else None
+
+    def _pop_candidate(self, seq: Sequence) -> None:
+        if self.preempted and self.preempted[0] is seq:
+            self.preempted.popleft()
+        elif self.group_pending and self.group_pending[0] is seq:
+            self.group_pending.popleft()
+        else:
+            self.waiting.pop()
+
+    def _start_group(self) -> None:
+        """static/dynamic: take the next group of up to max_num_seqs waiting sequences."""
+        if not self.waiting:
+            return
+        if self.config.policy == "dynamic" and len(self.waiting) < self.config.max_num_seqs:
+            oldest = min(s.request.metrics.arrival_time for s in self.waiting)
+            if time.time() - oldest < self.config.max_queue_delay:
+                return
+        self._sort_waiting()
+        size = min(self.config.max_num_seqs, len(self.waiting))
+        members = [self.waiting.pop() for _ in range(size)]
+        self.group = list(members)
+        self.group_pending = deque(members)
+        longest = max(s.num_prompt_tokens for s in members)
+        self.prefill_padding_tokens += sum(longest - s.num_prompt_tokens for s in members)
+
+    def time_until_group(self) -> float:
+        """dynamic: seconds until a waiting group may start (0 when one can start now or policy differs)."""
+        if self.config.policy != "dynamic" or self.running or self.group_pending or not self.waiting:
+            return 0.0
+        oldest = min(s.request.metrics.arrival_time for s in self.waiting)
+        return max(0.0, self.config.max_queue_delay - (time.time() - oldest))
+
+    def _sort_waiting(self) -> None:
+        if not self._dirty:
+            return
+        adm = self.config.admission
+        if adm == "longest_first":
+            self.waiting.sort(key=lambda s: (s.total_work, -s.request.order, -s.index))
+        elif adm == "shortest_first":
+            self.waiting.sort(key=lambda s: (-s.total_work, -s.request.order, -s.index))
+        else:
+            self.waiting.sort(key=lambda s: (-s.request.order, -s.index))
+        self._dirty = False
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.running.remove(seq)
+        self.bm.release(seq)
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        doomed = {s.seq_id for s in seqs}
+        for seq in seqs:
+            if seq.block_table:
+                self.bm.release(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.waiting = [s for s in self.waiting if s.seq_id not in doomed]
+        self.preempted = deque(s for s in self.preempted if s.seq_id not in doomed)
+        self.running = [s for s in self.running if s.seq_id not in doomed]
+        self.group_pending = deque(s for s in self.group_pending if s.seq_id not in doomed)

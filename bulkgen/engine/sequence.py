@@ -1,0 +1,87 @@
+"""A sequence is one completion being generated; a request groups its `n` sequences."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from .outputs import RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """The unit the caller sees: a prompt, its sampling params, and `n` sequences."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, order: int):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.order = order
+        self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_token_ids))
+        self.seqs: list[Sequence] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status is SequenceStatus.FINISHED for s in self.seqs)
+
+
+class Sequence:
+    """Token ids (prompt + output), how many have KV in the cache, and the blocks holding them."""
+
+    def __init__(self, seq_id: int, request: Request, index: int, max_tokens: int):
+        self.seq_id = seq_id
+        self.request = request
+        self.index = index
+        self.params = request.params
+        self.max_tokens = max_tokens
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_text: str | None = None
+        self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.generator = _make_generator(self.params, index)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def total_work(self) -> int:
+        """Prompt plus output budget: what longest-first admission sorts by."""
+        return self.num_prompt_tokens + self.max_tokens
+
+
+def _make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
+    """A per-sequence RNG, so a seeded request samples the same tokens whatever shares its batch."""
+    if params.greedy:
+        return None
+    gen = torch.Generator()
+    if params.seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(params.seed + index)
+    return gen

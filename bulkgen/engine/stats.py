@@ -1,0 +1,61 @@
+"""Per-step records and cumulative counters: how full the slots were and how much work was useful."""
+
+from __future__ import annotations
+
+import time
+
+from .scheduler import ScheduledBatch
+
+
+class EngineStats:
+    """Cumulative, JSON-able counters plus the per-step records the worker drains."""
+
+    def __init__(self, max_num_seqs: int):
+        self.max_num_seqs = max_num_seqs
+        self.counters = dict(
+            steps=0, busy_time_s=0.0, slot_steps=0, active_slot_steps=0, useful_tokens=0, prefill_tokens=0,
+            decode_tokens=0, output_tokens=0, cached_prompt_tokens=0, padding_slot_steps=0,
+        )
+        self.histogram: dict[str, int] = {}
+        self.records: list[dict] = []
+
+    def record_step(self, batch: ScheduledBatch, duration_s: float, output_tokens: int) -> None:
+        c = self.counters
+        c["steps"] += 1
+        c["busy_time_s"] += duration_s
+        c["slot_steps"] += batch.held_slots
+        c["active_slot_steps"] += len(batch.items)
+        c["useful_tokens"] += batch.prefill_tokens + batch.decode_tokens
+        c["prefill_tokens"] += batch.prefill_tokens
+        c["decode_tokens"] += batch.decode_tokens
+        c["output_tokens"] += output_tokens
+        c["padding_slot_steps"] += batch.padding_slots
+        key = str(batch.held_slots)
+        self.histogram[key] = self.histogram.get(key, 0) + 1
+        self.records.append(dict(
+            t=time.time(), duration_s=duration_s, num_seqs=batch.held_slots, active_seqs=len(batch.items),
+            prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
+            padding_slots=batch.padding_slots, max_num_seqs=self.max_num_seqs,
+        ))
+
+    def add_cached(self, num_tokens: int) -> None:
+        self.counters["cached_prompt_tokens"] += num_tokens
+
+    def snapshot(self, preemptions: int, prefill_padding_tokens: int) -> dict:
+        """slot_efficiency: share of held slot-steps that computed a token (1.0 for continuous batching);
+        useful_tokens_per_slot_step counts prefill tokens too, so it can exceed 1."""
+        c = dict(self.counters)
+        slot_steps = c["slot_steps"]
+        c.update(
+            preemptions=preemptions,
+            prefill_padding_tokens=prefill_padding_tokens,
+            batch_size_histogram=dict(self.histogram),
+            slot_efficiency=c["active_slot_steps"] / slot_steps if slot_steps else 0.0,
+            useful_tokens_per_slot_step=c["useful_tokens"] / slot_steps if slot_steps else 0.0,
+            tokens_per_s=c["output_tokens"] / c["busy_time_s"] if c["busy_time_s"] else 0.0,
+        )
+        return c
+
+    def pop_records(self) -> list[dict]:
+        records, self.records = self.records, []
+        return records

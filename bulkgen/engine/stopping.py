@@ -1,0 +1,33 @@
+"""When a sequence stops, and what text it returns."""
+
+from __future__ import annotations
+
+from .sequence import Sequence
+
+
+def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int]) -> bool:
+    """Set `seq.finish_reason` ("stop" or "length") and return True once the last token ends it."""
+    params, token = seq.params, seq.token_ids[-1]
+    if (not params.ignore_eos and token in eos_token_ids) or (
+        params.stop_token_ids and token in params.stop_token_ids
+    ):
+        seq.finish_reason = "stop"
+        return True
+    if params.stop:
+        text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+        if hits:
+            seq.stop_text = text[: min(hits)]
+            seq.finish_reason = "stop"
+            return True
+    if seq.num_output_tokens >= seq.max_tokens:
+        seq.finish_reason = "length"
+        return True
+    return False
+
+
+def completion_text(seq: Sequence, tokenizer) -> str:
+    """Decoded output; ends before the stop string when one matched."""
+    if seq.stop_text is not None:
+        return seq.stop_text
+    return tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)

@@ -1,0 +1,23 @@
+"""Explanatory models: a discrete-step batching simulator and the latency budget of one request."""
+
+from bulkgen.sim.batching import (
+    DEFAULT_MAX_WAIT,
+    POLICIES,
+    Segment,
+    SimResult,
+    SimulationInputError,
+    Workload,
+    simulate,
+)
+from bulkgen.sim.latency import LatencyBudget
+
+__all__ = [
+    "DEFAULT_MAX_WAIT",
+    "POLICIES",
+    "LatencyBudget",
+    "Segment",
+    "SimResult",
+    "SimulationInputError",
+    "Workload",
+    "simulate",
+]

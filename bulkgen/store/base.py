@@ -1,0 +1,185 @@
+"""The storage contract every backend keeps, plus the parts that are the same everywhere.
+
+Object storage is bulkgen's system of record, so the contract is deliberately small and strict:
+keys are validated once here, missing keys are always `NotFound`, and a lost conditional write is
+always `PreconditionFailed`, whichever backend holds the bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+READ_CHUNK = 1 << 20
+
+
+class NotFound(KeyError):
+    """The key (or prefix) holds no object."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"no object at key {self.key!r}"
+
+
+class PreconditionFailed(Exception):
+    """A conditional write lost: the object changed (if_match) or already exists (if_none_match)."""
+
+    def __init__(self, key: str, detail: str = "") -> None:
+        super().__init__(f"precondition failed for key {key!r}" + (f": {detail}" if detail else ""))
+        self.key = key
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the store root or mean different things on different backends."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"storage key must be a non-empty string, got {key!r}")
+    if key.startswith("/") or key.endswith("/"):
+        raise ValueError(f"storage key {key!r} must not start or end with '/'")
+    for part in key.split("/"):
+        if part in ("", ".", ".."):
+            raise ValueError(f"storage key {key!r} has an empty, '.' or '..' segment")
+    if "\\" in key or "\x00" in key:
+        raise ValueError(f"storage key {key!r} must not contain a backslash or NUL")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A prefix is a key start: '' (everything), 'a/b/' (a folder) or 'a/b' (string prefix, as S3)."""
+    if prefix == "":
+        return prefix
+    if not isinstance(prefix, str):
+        raise ValueError(f"storage prefix must be a string, got {prefix!r}")
+    check_key(prefix.rstrip("/") or "/")
+    if prefix.endswith("//"):
+        raise ValueError(f"storage prefix {prefix!r} ends with an empty segment")
+    return prefix
+
+
+def check_write(key: str, data: bytes, if_match: str | None, if_none_match: bool) -> bytes:
+    """Validate write arguments the same way on every backend."""
+    check_key(key)
+    if if_match is not None and if_none_match:
+        raise ValueError(f"write to {key!r}: pass if_match or if_none_match, not both")
+    if if_match is not None and (not isinstance(if_match, str) or not if_match):
+        raise ValueError(f"write to {key!r}: if_match must be a version token string, got {if_match!r}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"write to {key!r}: data must be bytes, got {type(data).__name__}")
+    return bytes(data)
+
+
+def folder_prefix(prefix: str) -> str:
+    """'models/tiny' and 'models/tiny/' both mean the folder, never 'models/tiny2/...'."""
+    check_prefix(prefix)
+    return prefix.rstrip("/") + "/" if prefix else ""
+
+
+class Store(ABC):
+    """One storage URL: a local folder or an S3 bucket/prefix. Picklable; see `spec()`."""
+
+    url: str
+
+    @abstractmethod
+    def spec(self) -> dict[str, Any]:
+        """Arguments for `open_store(**spec)` that rebuild this store in another process."""
+
+    @abstractmethod
+    def read_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def read_versioned(self, key: str) -> tuple[bytes, str]: ...
+
+    @abstractmethod
+    def write_bytes(
+        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str: ...
+
+    @abstractmethod
+    def upload_fileobj(self, key: str, fileobj: BinaryIO) -> int: ...
+
+    @abstractmethod
+    def open_read(self, key: str) -> BinaryIO: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[str]: ...
+
+    @abstractmethod
+    def _download_file(self, key: str, path: Path) -> None:
+        """Copy one object to `path` (which the caller replaces atomically)."""
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except NotFound:
+            return False
+        return True
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under `prefix`; returns how many were deleted."""
+        count = 0
+        for key in list(self.list(prefix)):
+            self.delete(key)
+            count += 1
+        return count
+
+    def iter_lines(self, key: str) -> Iterator[bytes]:
+        """Stream lines without their '\\n' (or '\\r\\n'); a last line without a newline is still yielded."""
+        with self.open_read(key) as reader:
+            yield from split_lines(reader)
+
+    def download_dir(self, prefix: str, dest: Path) -> Path:
+        """Mirror every object under the folder `prefix` into `dest` (e.g. a model kept in the store)."""
+        folder = folder_prefix(prefix)
+        dest = Path(dest)
+        found = False
+        for key in self.list(folder):
+            found = True
+            target = dest.joinpath(*key[len(folder) :].split("/"))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+            os.close(fd)
+            try:
+                self._download_file(key, Path(tmp))
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        if not found:
+            raise NotFound(folder)
+        return dest
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def split_lines(reader: BinaryIO) -> Iterator[bytes]:
+    """Split a byte stream on '\\n' in bounded memory (one chunk plus the longest line)."""
+    tail = b""
+    while chunk := reader.read(READ_CHUNK):
+        lines = (tail + chunk).split(b"\n")
+        tail = lines.pop()
+        for line in lines:
+            yield line[:-1] if line.endswith(b"\r") else line
+    if tail:
+        yield tail[:-1] if tail.endswith(b"\r") else tail
+
+
+def copy_stream(src: BinaryIO, dst: BinaryIO) -> int:
+    """Copy in chunks and count, because a file-like from a request body may not know its size."""
+    total = 0
+    while chunk := src.read(READ_CHUNK):
+        dst.write(chunk)
+        total += len(chunk)
+    return total

@@ -1,0 +1,192 @@
+"""A local folder as the object store: the default for one machine, and the model for tests.
+
+Writes go to a temp file and `os.replace` it into place, so readers see the old or the new
+object, never half of one. A conditional write's check and replace run under an `fcntl` lock
+(striped by key hash, so the lock files stay few) which makes them atomic across processes on
+the same machine — the same guarantee S3 gives with If-Match / If-None-Match.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from bulkgen.store.base import (
+    NotFound,
+    PreconditionFailed,
+    Store,
+    check_key,
+    check_prefix,
+    check_write,
+    copy_stream,
+)
+
+INTERNAL_DIR = ".bulkgen-store"
+LOCK_STRIPES = 64
+
+
+def content_version(data: bytes) -> str:
+    """A content hash as the version token: equal bytes, equal token, like an S3 single-part ETag."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+class LocalStore(Store):
+    """Objects are plain files under `root`; keys map to relative paths."""
+
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"local store root {str(self.root)!r} exists and is not a folder")
+        self.url = str(self.root)
+        self.fsync = fsync
+
+    def spec(self) -> dict[str, Any]:
+        return {"url": self.url, "fsync": self.fsync}
+
+    def _path(self, key: str) -> Path:
+        check_key(key)
+        if key.split("/", 1)[0] == INTERNAL_DIR:
+            raise ValueError(f"storage key {key!r} is inside the reserved folder {INTERNAL_DIR!r}")
+        return self.root.joinpath(*key.split("/"))
+
+    def _internal(self, name: str) -> Path:
+        path = self.root / INTERNAL_DIR / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @contextmanager
+    def _locked(self, key: str) -> Iterator[None]:
+        stripe = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big") % LOCK_STRIPES
+        fd = os.open(self._internal("locks") / f"{stripe:02d}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    @contextmanager
+    def _temp_file(self) -> Iterator[tuple[BinaryIO, str]]:
+        fd, tmp = tempfile.mkstemp(dir=self._internal("tmp"), suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                yield fh, tmp
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _publish(self, fh: BinaryIO, tmp: str, path: Path) -> None:
+        fh.flush()
+        if self.fsync:
+            os.fsync(fh.fileno())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)
+
+    def read_bytes(self, key: str) -> bytes:
+        with self.open_read(key) as fh:
+            return fh.read()
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.read_bytes(key)
+        return data, content_version(data)
+
+    def write_bytes(
+        self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
+    ) -> str:
+        path = self._path(key)
+        data = check_write(key, data, if_match, if_none_match)
+        with self._temp_file() as (fh, tmp):
+            fh.write(data)
+            with self._locked(key):
+                self._check_condition(key, path, if_match, if_none_match)
+                self._publish(fh, tmp, path)
+        return content_version(data)
+
+    def _check_condition(self, key: str, path: Path, if_match: str | None, if_none_match: bool) -> None:
+        if if_none_match and path.is_file():
+            raise PreconditionFailed(key, "the key already exists (if_none_match)")
+        if if_match is not None:
+            try:
+                current = content_version(path.read_bytes())
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise PreconditionFailed(key, "the key does not exist (if_match)") from None
+            if current != if_match:
+                raise PreconditionFailed(key, f"version is {current}, not {if_match} (if_match)")
+
+    def upload_fileobj(self, key: str, fileobj: BinaryIO) -> int:
+        path = self._path(key)
+        with self._temp_file() as (fh, tmp):
+            total = copy_stream(fileobj, fh)
+            with self._locked(key):
+                self._publish(fh, tmp, path)
+        return total
+
+    def open_read(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(key) from None
+
+    def _download_file(self, key: str, path: Path) -> None:
+        with self.open_read(key) as src, open(path, "wb") as dst:
+            copy_stream(src, dst)
+
+    def size(self, key: str) -> int:
+        try:
+            st = self._path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(key) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise NotFound(key)
+        return st.st_size
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        with self._locked(key):
+            try:
+                path.unlink()
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                pass
+
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[str]:
+        """Walk only the folders that can hold matching keys, in S3's lexicographic key order."""
+        check_prefix(prefix)
+        base = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
+        return self._walk(self.root.joinpath(*base.split("/")), base, prefix, start_after)
+
+    def _walk(self, folder: Path, folder_key: str, prefix: str, start_after: str | None) -> Iterator[str]:
+        for key, path in _sorted_entries(folder, folder_key):
+            if not key.endswith("/"):
+                if key.startswith(prefix) and (start_after is None or key > start_after):
+                    yield key
+            elif _folder_may_match(key, prefix, start_after):
+                yield from self._walk(path, key, prefix, start_after)
+
+
+def _sorted_entries(folder: Path, folder_key: str) -> list[tuple[str, Path]]:
+    """Entries as (key, path); folders get a trailing '/' so sorting matches full-key order."""
+    try:
+        scan = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    entries = []
+    for entry in scan:
+        if entry.is_dir():
+            if not (folder_key == "" and entry.name == INTERNAL_DIR):
+                entries.append((f"{folder_key}{entry.name}/", Path(entry.path)))
+        elif entry.is_file():
+            entries.append((folder_key + entry.name, Path(entry.path)))
+    return sorted(entries)
+
+
+def _folder_may_match(folder_key: str, prefix: str, start_after: str | None) -> bool:
+    if not (folder_key.startswith(prefix) or prefix.startswith(folder_key)):
+        return False
+    # every key in the folder sorts before start_after when they differ inside the folder's own name
+    return start_after is None or folder_key > start_after or start_after.startswith(folder_key)
