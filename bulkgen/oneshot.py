@@ -18,6 +18,7 @@ from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.schema import InvalidRequest, new_batch_record
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
 from bulkgen.config import Context, Settings
+from bulkgen.metrics.table import describe_summary
 from bulkgen.runtime.manager import run_batch
 from bulkgen.runtime.pool import WorkerPool
 from bulkgen.store import NotFound
@@ -119,15 +120,6 @@ def _write_results(ctx: Context, record: dict, output: Path, echo: Callable[[str
         metrics_path = out_path.with_name(out_path.name.removesuffix(".jsonl") + ".metrics.json")
         metrics_path.write_text(json.dumps(metrics, indent=2))
         echo(f"wrote {metrics_path}")
-        echo(_metrics_line(metrics))
+        echo(describe_summary(metrics))
     if record["errors"]:
         echo(json.dumps(record["errors"]))
-
-
-def _metrics_line(m: dict) -> str:
-    def p50(name: str) -> str:
-        value = (m.get(name) or {}).get("p50")
-        return f"{value * 1000:.0f} ms" if value is not None else "-"
-
-    return (f"output {m.get('output_tokens', 0)} tokens at {m.get('output_tokens_per_s', 0):.1f} tok/s; "
-            f"slot efficiency {m.get('slot_efficiency', 0):.2f}; TTFT p50 {p50('ttft_s')}, TPOT p50 {p50('tpot_s')}")

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import click
 
+from bulkgen.models.registry import default_model_path
 from bulkgen.sim import DEFAULT_MAX_WAIT, POLICIES, LatencyBudget, SimulationInputError, Workload
 from bulkgen.sim import simulate as run_policy
-
-DEFAULT_BENCH_MODEL = "samples/model"
 
 
 def _int_list(option: str, text: str | None) -> tuple[int, ...] | None:
@@ -133,7 +132,7 @@ def latency(ttft_ms: float, tpot_ms: float, output_tokens: int, as_json: bool) -
 @click.option(
     "--model",
     "model_path",
-    default=DEFAULT_BENCH_MODEL,
+    default=default_model_path(),
     show_default=True,
     envvar="BULKGEN_MODEL",
     type=click.Path(exists=True, file_okay=False, path_type=Path),

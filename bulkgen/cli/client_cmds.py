@@ -98,7 +98,10 @@ def status(batch_id, metrics, as_json, base_url, api_key):
     if batch.errors and batch.errors.data:
         click.echo(c.format_errors(batch))
     if metrics:
-        click.echo(json.dumps((batch.model_extra or {}).get("metrics"), indent=2))
+        from bulkgen.metrics.table import describe_summary
+
+        summary = (batch.model_extra or {}).get("metrics")
+        click.echo(describe_summary(summary) if summary else "no metrics yet")
 
 
 @click.command(name="list")

@@ -15,3 +15,29 @@ def text_table(rows: list[list[str]]) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
+
+
+def describe_summary(summary: dict) -> str:
+    """A batch's metrics summary as a short readable table (for `bulkgen status --metrics` and `run`)."""
+
+    def num(value, fmt: str = "{:.3f}") -> str:
+        return "-" if value is None else fmt.format(value)
+
+    rows = [
+        ["measure", "value"],
+        ["requests", num(summary.get("requests"), "{}")],
+        ["wall time (s)", num(summary.get("wall_time_s"), "{:.2f}")],
+        ["output tokens", num(summary.get("output_tokens"), "{}")],
+        ["output tokens/s", num(summary.get("output_tokens_per_s"), "{:.1f}")],
+        ["cached prompt tokens", num(summary.get("cached_prompt_tokens"), "{}")],
+        ["slot efficiency", num(summary.get("slot_efficiency"))],
+        ["decode padding %", num(summary.get("decode_padding_pct"), "{:.1f}")],
+        ["prefill padding %", num(summary.get("prefill_padding_pct"), "{:.1f}")],
+        ["preemptions", num(summary.get("preemptions"), "{}")],
+    ]
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("queue_wait_s", "queue wait")):
+        pct = summary.get(key) or {}
+        rows.append([f"{label} p50/p95/p99 (ms)",
+                     "/".join(num(pct.get(p) * 1000 if pct.get(p) is not None else None, "{:.1f}")
+                              for p in ("p50", "p95", "p99"))])
+    return text_table(rows)

@@ -23,7 +23,7 @@ def test_invalid_sample_lists_every_error_with_its_line(client):
                      (5, "url_mismatch"), (6, "model_mismatch")]
     by_code = {e.code: e for e in batch.errors.data}
     assert by_code["url_mismatch"].param == "url"
-    assert "line 1" in by_code["duplicate_custom_id"].message  # names where the id was first used
+    assert "line 1" in by_code["duplicate_custom_id"].message and by_code["duplicate_custom_id"].line == 2  # names where the id was first used
     assert client.batches.retrieve(batch.id).status == "failed"
 
 

@@ -1,0 +1,96 @@
+"""Decoding one input line into engine work (no server): what validates is exactly what runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bulkgen.batch.requests import COMPLETIONS, LineError, parse_line
+from bulkgen.batch.responses import completion_body
+from bulkgen.runtime.prepare import fit_context, make_plan, prepare
+from tests.service.conftest import chat_row, completion_row
+
+
+def _line(row: dict) -> bytes:
+    return json.dumps(row).encode()
+
+
+def test_chat_fields_map_to_sampling_params():
+    row = chat_row("a", "hi", max_tokens=None, max_completion_tokens=7, temperature=0.5, top_p=0.9, n=2, seed=3,
+                   stop="END", logprobs=True, top_logprobs=3)
+    row["body"]["messages"] = [{"role": "developer", "content": [{"type": "text", "text": "be "},
+                                                                  {"type": "text", "text": "brief"}]},
+                               {"role": "user", "content": "hi"}]
+    request = parse_line(_line(row), 1, "/v1/chat/completions")
+    assert request.messages[0] == {"role": "system", "content": "be brief"}
+    assert request.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3,
+                                "stop": ["END"], "logprobs": 3}
+
+
+@pytest.mark.parametrize(
+    ("change", "code", "param"),
+    [
+        ({"tools": [{"type": "function"}]}, "unsupported_parameter", "body.tools"),
+        ({"presence_penalty": 0.5}, "unsupported_parameter", "body.presence_penalty"),
+        ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "body.response_format"),
+        ({"n": 17}, "invalid_parameter", "body.n"),
+        ({"top_p": True}, "invalid_parameter", "body.top_p"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_parameter", "body.stop"),
+        ({"top_logprobs": 2}, "invalid_parameter", "body.top_logprobs"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_messages", "body.messages[0]"),
+    ],
+)
+def test_refused_fields_name_the_param(change, code, param):
+    row = chat_row("a", "hi")
+    row["body"].update(change)
+    with pytest.raises(LineError) as info:
+        parse_line(_line(row), 4, "/v1/chat/completions")
+    assert (info.value.code, info.value.param) == (code, param)
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted():
+    row = chat_row("a", "hi", presence_penalty=0, logit_bias={}, response_format={"type": "text"})
+    assert parse_line(_line(row), 1, "/v1/chat/completions").custom_id == "a"
+
+
+def test_completion_prompt_forms():
+    assert parse_line(_line(completion_row("a", "text")), 1, COMPLETIONS).prompt == "text"
+    assert parse_line(_line(completion_row("a", ["one"])), 1, COMPLETIONS).prompt == "one"
+    row = completion_row("a", "x")
+    row["body"]["prompt"] = [1, 2, 3]
+    assert parse_line(_line(row), 1, COMPLETIONS).prompt == [1, 2, 3]
+    row["body"]["prompt"] = ["two", "prompts"]
+    with pytest.raises(LineError, match="one prompt per line"):
+        parse_line(_line(row), 1, COMPLETIONS)
+
+
+def test_fit_context_defaults_to_rest_of_context_and_refuses_overflow():
+    request = parse_line(_line(completion_row("a", "x", max_tokens=None)), 1, COMPLETIONS)
+    assert fit_context(request, prompt_len=10, max_model_len=50)["max_tokens"] == 40
+    request.sampling["max_tokens"] = 41
+    with pytest.raises(LineError) as info:
+        fit_context(request, prompt_len=10, max_model_len=50)
+    assert info.value.code == "context_length_exceeded" and "51 tokens" in info.value.message
+
+
+def test_plan_sorts_longest_work_first_and_chunks(tmp_path):
+    from bulkgen.models.tiny import build_tokenizer
+
+    tok = build_tokenizer()
+    rows = [completion_row(f"r{i}", "x" * (i + 1), max_tokens=5) for i in range(5)]
+    rows.append(completion_row("huge", "y", max_tokens=10_000))
+    items, refused = prepare([_line(r) for r in rows], COMPLETIONS, tok, max_model_len=64)
+    assert list(refused) == [6] and refused[6]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert make_plan(items, chunk_size=2) == [[5, 4], [3, 2], [1]]
+
+
+def test_completion_logprobs_shape():
+    result = {"prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 0, "completions": [{
+        "index": 0, "text": "ab", "finish_reason": "length",
+        "logprobs": [{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]},
+                     {"token": "b", "logprob": -0.2, "top_logprobs": []}]}]}
+    body = completion_body(result, "m")
+    assert body["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
+                                              "top_logprobs": [{"a": -0.1}, {}], "text_offset": [0, 1]}
+    assert body["usage"]["total_tokens"] == 4
