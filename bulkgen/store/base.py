@@ -90,36 +90,49 @@ class Store(ABC):
         """Arguments for `open_store(**spec)` that rebuild this store in another process."""
 
     @abstractmethod
-    def read_bytes(self, key: str) -> bytes: ...
+    def read_bytes(self, key: str) -> bytes:
+        """The whole object; NotFound if there is none."""
 
     @abstractmethod
-    def read_versioned(self, key: str) -> tuple[bytes, str]: ...
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """(bytes, version token) read together, for a later `write_bytes(..., if_match=token)`."""
 
     @abstractmethod
     def write_bytes(
         self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
-    ) -> str: ...
+    ) -> str:
+        """Replace the object atomically and return its new version token.
+
+        if_match: write only if the current version is this token; if_none_match: only if no object
+        exists. Otherwise PreconditionFailed, and nothing is written.
+        """
 
     @abstractmethod
-    def upload_fileobj(self, key: str, fileobj: BinaryIO) -> int: ...
+    def upload_fileobj(self, key: str, fileobj: BinaryIO) -> int:
+        """Stream a file-like into the object without holding it in memory; returns bytes written."""
 
     @abstractmethod
-    def open_read(self, key: str) -> BinaryIO: ...
+    def open_read(self, key: str) -> BinaryIO:
+        """A streaming binary reader (close it, or use `with`); NotFound if there is no object."""
 
     @abstractmethod
-    def size(self, key: str) -> int: ...
+    def size(self, key: str) -> int:
+        """Object size in bytes; NotFound if there is none."""
 
     @abstractmethod
-    def delete(self, key: str) -> None: ...
+    def delete(self, key: str) -> None:
+        """Remove the object; deleting a missing key is not an error (retried work deletes twice)."""
 
     @abstractmethod
-    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[str]: ...
+    def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[str]:
+        """Every key starting with `prefix` (a string prefix, as on S3), in lexicographic order, lazily."""
 
     @abstractmethod
     def _download_file(self, key: str, path: Path) -> None:
         """Copy one object to `path` (which the caller replaces atomically)."""
 
     def exists(self, key: str) -> bool:
+        """True if an object (not merely a "folder") is at `key`."""
         try:
             self.size(key)
         except NotFound:

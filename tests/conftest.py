@@ -1,0 +1,56 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+# ---- object storage: moto S3 server over real HTTP (owner: store) ------------------------------
+# `s3_server` (session): endpoint URL of a moto ThreadedMotoServer on 127.0.0.1 with fake credentials.
+# `s3_bucket_url` (function): "s3://<fresh bucket>/prefix", with AWS_ENDPOINT_URL set for subprocesses.
+
+_FAKE_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="session")
+def aws_test_credentials():
+    """Fake credentials and region for every S3 server the tests start (never real AWS)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in _FAKE_AWS_ENV.items():
+            mp.setenv(name, value)
+        for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE"):  # SeaweedFS rejects a token
+            mp.delenv(name, raising=False)
+        yield
+
+
+@pytest.fixture(scope="session")
+def s3_server(aws_test_credentials):
+    """A real S3 endpoint (moto) on 127.0.0.1; yields its URL, e.g. 'http://127.0.0.1:40123'."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_bucket_url(s3_server, monkeypatch):
+    """A fresh, empty bucket; AWS_ENDPOINT_URL points at the server so subprocesses and Ray workers find it."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    bucket = f"test-{uuid.uuid4().hex[:20]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/prefix"
+
+
+# ---- end of object storage fixtures ----------------------------------------------------------------

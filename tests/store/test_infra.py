@@ -1,0 +1,163 @@
+"""Static checks of the deployment files (Docker and Kubernetes cannot run here)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CFN = ROOT / "infra" / "aws" / "bulkgen.cfn.yaml"
+RAY = ROOT / "infra" / "kuberay" / "bulkgen-raycluster.yaml"
+
+
+class _CfnLoader(yaml.SafeLoader):
+    """Reads CloudFormation short tags (!Ref, !Sub, !GetAtt...) as their long form."""
+
+
+def _intrinsic(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> dict:
+    name = "Ref" if suffix == "Ref" else f"Fn::{suffix}"
+    if isinstance(node, yaml.ScalarNode):
+        value = loader.construct_scalar(node)
+        return {name: value.split(".", 1) if suffix == "GetAtt" else value}
+    if isinstance(node, yaml.SequenceNode):
+        return {name: loader.construct_sequence(node, deep=True)}
+    return {name: loader.construct_mapping(node, deep=True)}
+
+
+_CfnLoader.add_multi_constructor("!", _intrinsic)
+
+
+@pytest.fixture(scope="module")
+def template() -> dict:
+    return yaml.load(CFN.read_text(), Loader=_CfnLoader)
+
+
+def _resources(template: dict, kind: str) -> dict[str, dict]:
+    return {name: res for name, res in template["Resources"].items() if res["Type"] == kind}
+
+
+def test_cloudformation_passes_cfn_lint():
+    """cfn-lint (a test dependency) checks resource schemas, intrinsic functions and references."""
+    out = subprocess.run(
+        ["cfn-lint", "--format", "parseable", str(CFN)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_bucket_is_versioned_private_and_notifies_the_inbox_queue(template):
+    (bucket,) = _resources(template, "AWS::S3::Bucket").values()
+    props = bucket["Properties"]
+    assert props["VersioningConfiguration"] == {"Status": "Enabled"}
+    assert all(props["PublicAccessBlockConfiguration"].values())
+    (notification,) = props["NotificationConfiguration"]["QueueConfigurations"]
+    assert notification["Event"] == "s3:ObjectCreated:*"
+    queue_name = notification["Queue"]["Fn::GetAtt"][0]
+    assert template["Resources"][queue_name]["Type"] == "AWS::SQS::Queue"
+    (rule,) = notification["Filter"]["S3Key"]["Rules"]
+    assert rule["Name"] == "prefix" and rule["Value"]["Fn::Sub"].endswith("/inbox/")
+    assert bucket["DependsOn"] in _resources(template, "AWS::SQS::QueuePolicy")
+
+
+def test_queue_accepts_messages_from_the_bucket_only(template):
+    (policy,) = _resources(template, "AWS::SQS::QueuePolicy").values()
+    (statement,) = policy["Properties"]["PolicyDocument"]["Statement"]
+    assert statement["Principal"] == {"Service": "s3.amazonaws.com"}
+    assert statement["Action"] == "sqs:SendMessage"
+    assert "aws:SourceArn" in statement["Condition"]["ArnLike"]
+
+
+def test_service_policy_covers_every_s3_call_the_store_makes(template):
+    """The IAM actions behind each boto3 call in bulkgen/store/s3.py (multipart uploads need PutObject)."""
+    needed = {
+        "get_object": "s3:GetObject",
+        "head_object": "s3:GetObject",
+        "put_object": "s3:PutObject",
+        "upload_fileobj": "s3:PutObject",
+        "delete_object": "s3:DeleteObject",
+        "delete_objects": "s3:DeleteObject",
+        "list_objects_v2": "s3:ListBucket",
+        "download_file": "s3:GetObject",
+    }
+    source = (ROOT / "bulkgen" / "store" / "s3.py").read_text()
+    used = set(re.findall(r"\.(\w+)\(", source)) & set(needed)
+    assert used == set(needed), f"update this table: the store calls {sorted(used)}"
+    (policy,) = _resources(template, "AWS::IAM::ManagedPolicy").values()
+    granted = {
+        action for st in policy["Properties"]["PolicyDocument"]["Statement"] for action in st["Action"]
+    }
+    assert set(needed.values()) <= granted
+    assert {"sqs:ReceiveMessage", "sqs:DeleteMessage"} <= granted
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict]:
+    docs = [doc for doc in yaml.safe_load_all(RAY.read_text()) if doc]
+    return {doc["kind"]: doc for doc in docs}
+
+
+def test_kuberay_manifest_kinds(manifests):
+    assert set(manifests) == {"ServiceAccount", "RayCluster", "Service"}
+    assert manifests["RayCluster"]["apiVersion"] == "ray.io/v1"
+
+
+def test_head_serves_the_api_on_the_ray_cluster(manifests):
+    cluster = manifests["RayCluster"]
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    head = cluster["spec"]["headGroupSpec"]
+    assert head["rayStartParams"]["block"] == "false"
+    (container,) = head["template"]["spec"]["containers"]
+    command = " ".join(container["command"] + container["args"])
+    assert "$KUBERAY_GEN_RAY_START_CMD" in command
+    assert "bulkgen serve" in command and "--ray-address auto" in command and "--port 8000" in command
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {"name": "api", "containerPort": 8000} in container["ports"]
+    service = manifests["Service"]["spec"]
+    assert service["selector"] == {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
+    assert service["ports"][0]["targetPort"] == "api"
+
+
+def test_gpu_worker_group_asks_for_one_gpu_per_pod(manifests):
+    spec = manifests["RayCluster"]["spec"]
+    (group,) = spec["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "$KUBERAY_GEN_RAY_START_CMD" in " ".join(container["args"])
+    (head,) = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    assert container["image"] == head["image"]  # workers import the same bulkgen code
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def _dockerfile() -> dict[str, list[str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    instructions: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            word, _, rest = line.strip().partition(" ")
+            instructions.setdefault(word.upper(), []).append(rest.strip())
+    return instructions
+
+
+def test_dockerfile():
+    docker = _dockerfile()
+    assert docker["FROM"] == ["python:${PYTHON_VERSION}-slim"]
+    assert "PYTHON_VERSION=3.11" in docker["ARG"]
+    assert any(arg.startswith("TORCH_VERSION=") for arg in docker["ARG"])
+    assert any('"torch==${TORCH_VERSION}"' in run for run in docker["RUN"])  # never an unpinned torch
+    assert docker["USER"] == ["bulkgen"]
+    assert json.loads(docker["ENTRYPOINT"][0]) == ["bulkgen"]
+    assert json.loads(docker["CMD"][0]) == ["serve", "--host", "0.0.0.0", "--port", "8000"]
+    assert docker["EXPOSE"] == ["8000"]
+    assert "/health" in docker["HEALTHCHECK"][0]
+
+
+def test_dockerignore_sends_what_the_install_needs():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert patterns[0] == "*"  # an allowlist: nothing else reaches the build context
+    for needed in ("pyproject.toml", "bulkgen/", "samples/"):
+        assert f"!{needed}" in patterns
