@@ -25,11 +25,12 @@ def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
     return envelope(request["custom_id"], {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)
 
 
-def refused_line(custom_id: str, message: str, code: str, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> dict[str, Any]:
-    """A request the model endpoint refused (e.g. context_length_exceeded): HTTP 400 in the envelope."""
+def refused_line(custom_id: str, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    """A request the model endpoint refused (e.g. context_length_exceeded, 400) or failed on (500)."""
+    status, error_type = (500, "server_error") if code == "engine_error" else (400, "invalid_request_error")
     error = {"message": message, "type": error_type, "param": param, "code": code}
-    return envelope(custom_id, {"status_code": 400, "request_id": random_id("req_"), "body": {"error": error}}, None)
+    return envelope(custom_id, {"status_code": status, "request_id": random_id("req_"), "body": {"error": error}},
+                    None)
 
 
 def not_run_line(custom_id: str, code: str) -> dict[str, Any]:

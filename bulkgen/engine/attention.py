@@ -50,8 +50,7 @@ class DecodeBatch:
 class StepContext:
     """Per-step attention metadata, shared by every layer of one forward pass."""
 
-    slot_blocks: torch.Tensor  # [T] cache block of each new token
-    slot_offsets: torch.Tensor  # [T] offset inside that block
+    write_rows: torch.Tensor  # [T * Hkv] rows of the cache viewed as [-1, head_dim] for the new K/V
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
     prefills: list[PrefillSegment] = field(default_factory=list)
@@ -72,12 +71,16 @@ def paged_attention_forward(
     """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]."""
     if bulkgen_ctx is None:
         raise RuntimeError(
-            f"attention implementation {ATTN_IMPLEMENTATION!r} only runs inside bulkgen.engine (no step context)"
+            f"attention implementation {ATTN_IMPLEMENTATION!r} got no step context: it only runs inside "
+            f"bulkgen.engine, on models whose layers pass forward kwargs down to attention"
         )
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("bulkgen's paged attention has no logit soft-capping or attention sinks")
     ctx = bulkgen_ctx
     k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
-    k_cache[ctx.slot_blocks, :, ctx.slot_offsets] = key[0].transpose(0, 1)
-    v_cache[ctx.slot_blocks, :, ctx.slot_offsets] = value[0].transpose(0, 1)
+    dim = key.shape[-1]
+    k_cache.view(-1, dim).index_copy_(0, ctx.write_rows, key[0].transpose(0, 1).reshape(-1, dim))
+    v_cache.view(-1, dim).index_copy_(0, ctx.write_rows, value[0].transpose(0, 1).reshape(-1, dim))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0]  # [Hq, T, D]
     out = query.new_empty(q.shape[1], q.shape[0], q.shape[2])  # [T, Hq, D]
@@ -95,16 +98,16 @@ def _prefill(q, key, value, k_cache, v_cache, seg: PrefillSegment, scale: float)
         ks, vs = key[:, seg.q_start : seg.q_end], value[:, seg.q_start : seg.q_end]
     else:
         ks, vs = _contiguous(k_cache, seg), _contiguous(v_cache, seg)
-    out = F.scaled_dot_product_attention(
-        qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None and qs.shape[1] > 1, scale=scale,
-        enable_gqa=ks.shape[0] != qs.shape[0],
+    out = F.scaled_dot_product_attention(  # 4-D inputs reach the fused CPU kernel; 3-D ones do not
+        qs[None], ks[None], vs[None], attn_mask=seg.mask, is_causal=seg.mask is None and qs.shape[1] > 1,
+        scale=scale, enable_gqa=ks.shape[0] != qs.shape[0],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _contiguous(cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
     """[Hkv, context_len, D] for one sequence, gathered from its blocks."""
-    blocks = cache[seg.blocks]  # [nb, Hkv, bs, D]
+    blocks = cache.index_select(0, seg.blocks)  # [nb, Hkv, bs, D]
     hkv, dim = blocks.shape[1], blocks.shape[3]
     return blocks.transpose(0, 1).reshape(hkv, -1, dim)[:, : seg.context_len]
 
@@ -112,19 +115,19 @@ def _contiguous(cache: torch.Tensor, seg: PrefillSegment) -> torch.Tensor:
 def _decode(q: torch.Tensor, k_cache, v_cache, dec: DecodeBatch, scale: float) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]: per-block scores, softmax across each sequence's blocks."""
     num_seqs, hq, dim = q.shape
-    kb, vb = k_cache[dec.blocks], v_cache[dec.blocks]  # [NB, Hkv, bs, D]
+    kb, vb = k_cache.index_select(0, dec.blocks), v_cache.index_select(0, dec.blocks)  # [NB, Hkv, bs, D]
     hkv = kb.shape[1]
-    qb = q.reshape(num_seqs, hkv, hq // hkv, dim)[dec.owner]  # [NB, Hkv, G, D]
-    scores = torch.matmul(qb, kb.transpose(-1, -2)).mul_(scale)  # [NB, Hkv, G, bs]
+    qb = q.reshape(num_seqs, hkv, hq // hkv, dim).index_select(0, dec.owner)  # [NB, Hkv, G, D]
+    scores = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale)  # [NB, Hkv, G, bs], fp32 softmax
     scores.masked_fill_(dec.pad[:, None, None, :], float("-inf"))
     block_max = scores.amax(dim=-1)  # [NB, Hkv, G]
     seq_max = block_max.new_full((num_seqs, *block_max.shape[1:]), float("-inf"))
     seq_max.scatter_reduce_(0, dec.owner.view(-1, 1, 1).expand_as(block_max), block_max, "amax")
-    weights = torch.exp(scores - seq_max[dec.owner].unsqueeze(-1))
+    weights = torch.exp(scores - seq_max.index_select(0, dec.owner).unsqueeze(-1))
     denom = seq_max.new_zeros(seq_max.shape).index_add_(0, dec.owner, weights.sum(dim=-1))
-    partial = torch.matmul(weights, vb)  # [NB, Hkv, G, D]
+    partial = torch.matmul(weights.to(vb.dtype), vb).float()  # [NB, Hkv, G, D]
     out = partial.new_zeros((num_seqs, *partial.shape[1:])).index_add_(0, dec.owner, partial)
-    return (out / denom.unsqueeze(-1)).view(num_seqs, hq, dim)
+    return (out / denom.unsqueeze(-1)).view(num_seqs, hq, dim).to(q.dtype)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

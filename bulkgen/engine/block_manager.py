@@ -58,6 +58,12 @@ class BlockManager:
             parent = h
         return matched
 
+    def first_block_hash(self, seq: Sequence) -> int | None:
+        """Hash of the first full block (None without prefix caching or a full block to share)."""
+        if not self.enable_prefix_caching or len(seq) <= self.block_size:
+            return None
+        return hash((None, tuple(seq.token_ids[: self.block_size])))
+
     def admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> bool:
         """Give a waiting `seq` its cached prefix blocks plus fresh ones up to `num_tokens`; False if short."""
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)

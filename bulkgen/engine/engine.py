@@ -57,6 +57,8 @@ class Engine:
         if dtype is None:
             dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
         elif isinstance(dtype, str):
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -104,6 +106,8 @@ class Engine:
         """One scheduling decision and one forward pass; returns requests that finished in this step."""
         batch = self.scheduler.schedule()
         if not batch.items:
+            if self.config.policy != "dynamic" and self.requests:
+                raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests unfinished")
             wait = self.scheduler.time_until_group()
             if wait > 0:
                 time.sleep(min(wait, 0.01))

@@ -19,7 +19,13 @@ class ModelRunner:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        _check_supported(model)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+                "bulkgen cannot run it"
+            )
         hf = model.config
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
@@ -29,8 +35,6 @@ class ModelRunner:
         shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.lm_head = model.get_output_embeddings()
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.config
@@ -56,13 +60,14 @@ class ModelRunner:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), in that order."""
         input_ids, positions, ctx, rows, sampling = self._prepare(batch)
-        hidden = self.base(
-            input_ids=input_ids, position_ids=positions, use_cache=False, bulkgen_ctx=ctx
-        ).last_hidden_state
-        if not rows:
+        if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
+            self.model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False, bulkgen_ctx=ctx)
             return torch.empty(0), []
-        logits = self.lm_head(hidden[0, torch.tensor(rows, device=self.device)])
-        return logits.float(), sampling
+        keep = torch.tensor(rows, device=self.device)  # lm_head (and any logit scaling) on these rows only
+        out = self.model(
+            input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep, bulkgen_ctx=ctx
+        )
+        return out.logits[0].float(), sampling
 
     def _prepare(self, batch: list[tuple[Sequence, int]]):
         """Build the flat row and all attention metadata once per step: prefill chunks first, then decodes."""
@@ -78,8 +83,7 @@ class ModelRunner:
         tok_seq, tok_pos = _ranges(starts, counts, self.device)
         bs = self.block_size
         ctx = StepContext(
-            slot_blocks=tables[tok_seq, tok_pos // bs],
-            slot_offsets=tok_pos % bs,
+            write_rows=self._write_rows(tables[tok_seq, tok_pos // bs], tok_pos % bs),
             k_caches=self.k_caches,
             v_caches=self.v_caches,
         )
@@ -95,6 +99,12 @@ class ModelRunner:
             ctx.decode = self._decode_batch([s for s, _ in decode], q_off - len(decode), q_off)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         return input_ids, tok_pos.unsqueeze(0), ctx, rows, sampling
+
+    def _write_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Row of each (token, kv head) in the cache viewed as [-1, head_dim], token-major."""
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        rows = (blocks[:, None] * self.num_kv_heads + heads[None, :]) * self.block_size + offsets[:, None]
+        return rows.reshape(-1)
 
     def _segment(self, seq: Sequence, q_off: int, n: int, start: int) -> PrefillSegment:
         if start == 0:
@@ -119,6 +129,14 @@ class ModelRunner:
         valid[last] = torch.tensor(lengths, device=self.device) - (counts_t - 1) * bs
         pad = torch.arange(bs, device=self.device)[None, :] >= valid[:, None]
         return DecodeBatch(start, end, torch.tensor(blocks, device=self.device), owner, pad)
+
+
+def _check_supported(model: torch.nn.Module) -> None:
+    """Refuse hybrid models: their recurrent/conv layers would mix the sequences of a packed row."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+    if other:
+        raise ValueError(f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only")
 
 
 def _block_tables(batch: list[tuple[Sequence, int]], device: torch.device) -> torch.Tensor:

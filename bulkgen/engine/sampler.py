@@ -22,7 +22,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
 
 
 def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype, device=logits.device)
     logits = logits / temps.unsqueeze(1)
     top_k = [s.params.top_k for s in seqs]
     top_p = [s.params.top_p for s in seqs]
@@ -30,6 +30,7 @@ def _sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = _truncate(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=s.generator) for s in seqs])
+    noise = noise.to(probs.device)  # drawn on the CPU generators, so CUDA and CPU runs agree
     return (probs / noise).argmax(dim=-1)
 
 
@@ -37,12 +38,13 @@ def _truncate(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> tor
     """Mask tokens outside each row's top-k and top-p nucleus (always keeping the best token)."""
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab).unsqueeze(0)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).unsqueeze(1)
+    device = logits.device
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device).unsqueeze(1)
     drop = rank >= k
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     before = probs.cumsum(dim=-1) - probs
-    drop |= before >= torch.tensor(top_p, dtype=probs.dtype).unsqueeze(1)
+    drop |= before >= torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
     drop[:, 0] = False
     masked = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, masked)

@@ -23,6 +23,8 @@ from .sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
+    """One step's decision: (sequence, tokens to compute) pairs plus the slot accounting for metrics."""
+
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     held_slots: int = 0
     padding_slots: int = 0
@@ -31,6 +33,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Owns the queues (waiting, preempted, running, static group); the engine calls schedule() per step."""
+
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
@@ -46,9 +50,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self._dirty = True
-
-    def num_unfinished_seqs(self) -> int:
-        return len(self.waiting) + len(self.preempted) + len(self.running) + len(self.group_pending)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -109,15 +110,21 @@ class Scheduler:
                 return
             self.group = []
             self._start_group()
+        computing: set[int] = set()  # first-block hashes that sequences admitted now compute from scratch
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_candidate()
             if seq is None:
                 return
             cached = self.bm.match_prefix(seq)
+            first = None if cached else self.bm.first_block_hash(seq)
+            if first is not None and first in computing:
+                return  # its prefix is being computed now: admit it next step, as a cache hit
             n = min(len(seq) - len(cached) * self.bm.block_size, budget)
             if not self.bm.admit(seq, cached, len(cached) * self.bm.block_size + n):
                 return
             self._pop_candidate(seq)
+            if first is not None:
+                computing.add(first)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SequenceStatus.RUNNING

@@ -13,7 +13,7 @@ def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int]) -> bool:
     ):
         seq.finish_reason = "stop"
         return True
-    if params.stop:
+    if params.stop and _stop_in_tail(seq, tokenizer):
         text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
         if hits:
@@ -31,3 +31,10 @@ def completion_text(seq: Sequence, tokenizer) -> str:
     if seq.stop_text is not None:
         return seq.stop_text
     return tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+
+def _stop_in_tail(seq: Sequence, tokenizer) -> bool:
+    """Cheap per-token check on the last few tokens only, so long outputs do not cost O(n^2) decoding."""
+    window = 4 * max(len(s) for s in seq.params.stop) + 8
+    tail = tokenizer.decode(seq.output_token_ids[-window:], skip_special_tokens=True)
+    return any(s in tail for s in seq.params.stop)

@@ -42,7 +42,7 @@ class Dispatcher:
         next_control = next_publish = time.monotonic()
         while todo or self.inflight:
             self._fill(todo, batch_id)
-            self._collect(ray.get([w.poll.remote(0.2) for w in self.workers]))
+            self._collect(ray.get([w.poll.remote(batch_id, 0.2) for w in self.workers]))
             now = time.monotonic()
             if now >= next_control:
                 next_control = now + CONTROL_EVERY_S
@@ -53,6 +53,7 @@ class Dispatcher:
             if now >= next_publish:
                 next_publish = now + PUBLISH_EVERY_S
                 self.runner.publish(self._live_tally(), save_metrics=True)
+        self._release()
         self.runner.publish(self.tally, save_metrics=True)
         return None
 
@@ -65,7 +66,7 @@ class Dispatcher:
             lines = self.chunks[chunk]
             requests = [{"id": f"{batch_id}:{chunk}:{line}", "prompt_token_ids": self.items[line].prompt_token_ids,
                          "params": self.items[line].params} for line in lines]
-            self.workers[worker].submit.remote(requests)
+            self.workers[worker].submit.remote(batch_id, requests)
             self.inflight[chunk] = ChunkState(worker, set(lines))
             self.load[worker] += len(lines)
 
@@ -73,9 +74,8 @@ class Dispatcher:
         for poll in polls:
             _add_metrics(self.metrics, poll)
             for result in poll["finished"]:
-                batch_id, chunk, line = result["request_id"].rsplit(":", 2)
-                if batch_id == self.runner.batch_id:  # late results of an earlier batch are dropped
-                    self._finish(int(chunk), int(line), result)
+                _, chunk, line = result["request_id"].rsplit(":", 2)
+                self._finish(int(chunk), int(line), result)
 
     def _finish(self, chunk: int, line: int, result: dict) -> None:
         state = self.inflight.get(chunk)
@@ -83,7 +83,7 @@ class Dispatcher:
             return  # a duplicate delivery: results are idempotent per custom_id
         request = self.items[line].request
         if "error" in result:
-            envelope = refused_line(request.custom_id, result["error"], "invalid_request")
+            envelope = refused_line(request.custom_id, result["error"], result["code"])
             state.entries.append(parts.entry(line, False, envelope))
         else:
             usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
@@ -101,6 +101,9 @@ class Dispatcher:
             self.tally.add(e)
         del self.inflight[chunk]
 
+    def _release(self) -> None:
+        ray.get([w.release.remote(self.runner.batch_id) for w in self.workers])
+
     def _live_tally(self) -> parts.Tally:
         """Written parts plus what has finished in chunks not yet written: counts move with every request."""
         live = parts.Tally(**self.tally.__dict__)
@@ -114,7 +117,8 @@ class Dispatcher:
         ids = [f"{self.runner.batch_id}:{c}:{line}" for c, s in self.inflight.items() for line in s.remaining]
         for worker in self.workers:
             worker.abort.remote(ids)
-        self._collect(ray.get([w.poll.remote(0.0) for w in self.workers]))
+        self._collect(ray.get([w.poll.remote(self.runner.batch_id, 0.0) for w in self.workers]))
+        self._release()
         for chunk, state in list(self.inflight.items()):
             for line in sorted(state.remaining):
                 state.entries.append(parts.entry(line, False, not_run_line(self.items[line].request.custom_id, code)))

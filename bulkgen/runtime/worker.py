@@ -1,19 +1,24 @@
 """An engine worker: one continuous-batching engine per GPU (or CPU actor), fed without pauses.
 
-The runner submits requests in chunks and polls for finished ones; a background thread owns the engine
-and keeps stepping while anything is queued, so the batch stays full across chunk boundaries.
-The class is plain Python (testable without Ray); `bulkgen.runtime.pool` wraps it as a Ray actor.
+Runners submit requests in chunks and poll for finished ones; a background thread owns the engine and
+keeps stepping while anything is queued, so the batch stays full across chunk boundaries. Results are
+kept per group (a batch id), so several runners may share the workers without taking each other's
+results. The class is plain Python (testable without Ray); `bulkgen.runtime.pool` makes it an actor.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
 import time
+from collections import defaultdict
 from typing import Any
 
 from bulkgen.models.registry import resolve_model_path
+
+log = logging.getLogger(__name__)
 
 
 class EngineWorker:
@@ -23,53 +28,67 @@ class EngineWorker:
         self.cpu_threads = cpu_threads
         self.engine = None
         self.model_name: str | None = None
+        self.model_path: str | None = None
         self._inbox: queue.Queue = queue.Queue()
-        self._finished: list[dict] = []
+        self._group_of: dict[str, str] = {}
+        self._finished: dict[str, list[dict]] = defaultdict(list)
         self._steps: list[dict] = []
-        self._error: str | None = None
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._loop, name=f"bulkgen-engine-{index}", daemon=True)
         self._thread.start()
 
     def load(self, model_name: str, model_path: str) -> dict[str, Any]:
-        """Load (or keep) the model; returns what the worker runs on. Must be called while idle."""
-        if self.model_name != model_name:
-            import torch
-
-            from bulkgen.engine import Engine
-
-            if self.cpu_threads:
-                torch.set_num_threads(self.cpu_threads)
-            self.engine = None
-            self.engine = Engine.from_pretrained(resolve_model_path(model_path), **self.engine_kwargs)
-            self.model_name = model_name
+        """Load (or keep) the model; returns what the worker runs on. Call it while the worker is idle."""
+        if self.model_name != model_name or self.engine is None:
+            self.model_name, self.model_path = model_name, model_path
+            self._build_engine()
         return self.info()
 
     def info(self) -> dict[str, Any]:
         device = str(getattr(self.engine, "device", "unloaded"))
         return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid()}
 
-    def submit(self, requests: list[dict[str, Any]]) -> None:
-        """`requests`: {"id", "prompt_token_ids", "params": SamplingParams kwargs}."""
+    def submit(self, group: str, requests: list[dict[str, Any]]) -> None:
+        """`requests`: {"id", "prompt_token_ids", "params": SamplingParams kwargs}; ids unique per worker."""
+        with self._cond:
+            self._group_of.update((r["id"], group) for r in requests)
         self._inbox.put(("add", requests))
 
     def abort(self, request_ids: list[str]) -> None:
+        with self._cond:
+            for request_id in request_ids:
+                self._group_of.pop(request_id, None)
         self._inbox.put(("abort", request_ids))
 
-    def poll(self, timeout: float = 0.5) -> dict[str, Any]:
-        """Finished requests since the last poll (waits up to `timeout` for at least one)."""
+    def poll(self, group: str, timeout: float = 0.5) -> dict[str, Any]:
+        """The group's requests finished since its last poll (waits up to `timeout` for one)."""
         with self._cond:
-            if not self._finished and self._error is None:
+            if not self._finished.get(group):
                 self._cond.wait(timeout)
-            finished, self._finished = self._finished, []
+            finished = self._finished.pop(group, [])
             steps, self._steps = self._steps, []
-            error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError(f"worker {self.index} engine failed: {error}")
         stats = self.engine.stats() if self.engine is not None else {}
         return {"finished": finished, "steps": steps, "stats": stats, "worker": self.index}
 
+    def release(self, group: str) -> None:
+        """The group's runner is done: forget anything of it still here."""
+        with self._cond:
+            self._finished.pop(group, None)
+            stale = [rid for rid, g in self._group_of.items() if g == group]
+        if stale:
+            self.abort(stale)
+
     # -- the engine thread -------------------------------------------------------------------------
+    def _build_engine(self) -> None:
+        import torch
+
+        from bulkgen.engine import Engine
+
+        if self.cpu_threads:
+            torch.set_num_threads(self.cpu_threads)
+        self.engine = None
+        self.engine = Engine.from_pretrained(resolve_model_path(self.model_path), **self.engine_kwargs)
+
     def _loop(self) -> None:
         while True:
             busy = self.engine is not None and self.engine.has_unfinished()
@@ -77,11 +96,22 @@ class EngineWorker:
                 self._drain(block=not busy)
                 if self.engine is not None and self.engine.has_unfinished():
                     self._step()
-            except Exception as exc:  # reach the runner once; the next load() builds a fresh engine
-                with self._cond:
-                    self._error = f"{type(exc).__name__}: {exc}"
-                    self.engine, self.model_name = None, None
-                    self._cond.notify_all()
+            except Exception as exc:
+                self._recover(f"{type(exc).__name__}: {exc}")
+
+    def _recover(self, message: str) -> None:
+        """An engine failure fails the requests it held (each gets the reason), then a fresh engine
+        takes over, so one bad step never wedges the worker or loses a request silently."""
+        log.exception("worker %d: engine failed", self.index)
+        with self._cond:
+            held = list(self._group_of)
+        self._publish([{"request_id": rid, "error": f"engine failed: {message}", "code": "engine_error"}
+                       for rid in held], [])
+        try:
+            self._build_engine()
+        except Exception:
+            log.exception("worker %d: could not rebuild the engine", self.index)
+            self.engine = None
 
     def _drain(self, block: bool) -> None:
         try:
@@ -96,10 +126,10 @@ class EngineWorker:
                 return
 
     def _apply(self, kind: str, payload: list) -> None:
-        if self.engine is None:  # a failed engine: refuse its leftovers, never crash the loop
+        if self.engine is None:  # no engine: refuse what arrives, never crash the loop
             if kind == "add":
-                self._publish([{"request_id": r["id"], "error": "the worker's engine is not loaded"}
-                               for r in payload], [])
+                self._publish([{"request_id": r["id"], "error": "the worker has no model loaded",
+                                "code": "engine_error"} for r in payload], [])
             return
         if kind == "abort":
             self.engine.abort(payload)
@@ -111,18 +141,20 @@ class EngineWorker:
             try:
                 self.engine.add_request(request["id"], request["prompt_token_ids"], SamplingParams(**request["params"]))
             except ValueError as exc:
-                refused.append({"request_id": request["id"], "error": str(exc)})
+                refused.append({"request_id": request["id"], "error": str(exc), "code": "invalid_request"})
         if refused:
             self._publish(refused, [])
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        finished = [result_dict(o) for o in outputs]
-        self._publish(finished, self.engine.pop_step_records())
+        self._publish([result_dict(o) for o in outputs], self.engine.pop_step_records())
 
     def _publish(self, finished: list[dict], steps: list[dict]) -> None:
         with self._cond:
-            self._finished.extend(finished)
+            for result in finished:
+                group = self._group_of.pop(result["request_id"], None)
+                if group is not None:  # None: aborted or released meanwhile
+                    self._finished[group].append(result)
             self._steps.extend(steps)
             if finished:
                 self._cond.notify_all()

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from tests.service.conftest import SAMPLES, chat_row, write_jsonl
+from tests.service.conftest import SAMPLES, chat_row, wait_done, write_jsonl
 
 
 def _invoke(service, *args):
@@ -62,6 +62,7 @@ def test_cancel_command(service, tmp_path):
     batch_id = submitted.output.split()[0]
     result = _invoke(service, "cancel", batch_id)
     assert result.exit_code == 0 and result.output.split()[1] in ("cancelling", "cancelled")
+    assert wait_done(service.client(), batch_id, timeout=60).status == "cancelled"
 
 
 def test_run_one_shot_in_process(tmp_path):
