@@ -115,6 +115,8 @@ def _write_results(ctx: Context, record: dict, output: Path, echo: Callable[[str
                 while block := src.read(1 << 20):
                     dst.write(block)
             echo(f"wrote {path}")
+    if record["output_file_id"]:
+        echo(_preview(out_path))
     metrics = record.get("metrics")
     if metrics:
         metrics_path = out_path.with_name(out_path.name.removesuffix(".jsonl") + ".metrics.json")
@@ -123,3 +125,15 @@ def _write_results(ctx: Context, record: dict, output: Path, echo: Callable[[str
         echo(describe_summary(metrics))
     if record["errors"]:
         echo(json.dumps(record["errors"]))
+
+
+def _preview(path: Path, count: int = 3) -> str:
+    """The first few answers, so a user sees what came back without opening the file."""
+    lines = []
+    with path.open() as f:
+        for raw, _ in zip(f, range(count), strict=False):
+            entry = json.loads(raw)
+            choice = entry["response"]["body"]["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            lines.append(f"  {entry['custom_id']}: {text[:70]!r}")
+    return "first results:\n" + "\n".join(lines)
