@@ -14,14 +14,13 @@ def finalize(ctx: Context, batch_id: str, stop: str | None, metrics: BatchMetric
     """Idempotent: a runner resumed in `finalizing` simply merges the same parts again."""
     if stop is None:
         ctx.batches.update(batch_id, lambda r: set_status(r, "finalizing") if r["status"] == "in_progress" else None)
-    outputs, errors, (ok, failed) = parts.merge_parts(ctx.store, batch_id)
-    output_id = ctx.files.create(outputs, f"{batch_id}_output.jsonl", "batch_output")["id"] if ok else None
-    error_id = ctx.files.create(errors, f"{batch_id}_error.jsonl", "batch_output")["id"] if failed else None
-    index = parts.read_index(ctx.store, batch_id)
+    outputs, errors, tally = parts.merge_parts(ctx.store, batch_id)
+    output_id = ctx.files.create(outputs, f"{batch_id}_output.jsonl", "batch_output")["id"] if tally.completed else None
+    error_id = ctx.files.create(errors, f"{batch_id}_error.jsonl", "batch_output")["id"] if tally.failed else None
     report = _store_report(ctx, batch_id, metrics)
 
     def close(r: dict) -> dict:
-        index.tally.apply(r)
+        tally.apply(r)
         r["output_file_id"], r["error_file_id"] = output_id, error_id
         if report:
             r["metrics"] = {**report["summary"], "report_files": report["files"]}

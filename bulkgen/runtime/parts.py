@@ -86,7 +86,8 @@ def read_index(store: Store, batch_id: str) -> PartIndex:
 
 
 def merge_parts(store: Store, batch_id: str):
-    """-> (output file, error file) as spooled temp files in input-line order, one line per custom_id."""
+    """-> (output file, error file, tally): spooled temp files in input-line order, one line per custom_id,
+    and the counts and usage of exactly those lines."""
     entries = []
     for key, _ in iter_part_keys(store, batch_id):
         entries.extend(json.loads(raw) for raw in store.iter_lines(key) if raw.strip())
@@ -94,14 +95,14 @@ def merge_parts(store: Store, batch_id: str):
     outputs = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
     errors = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
     seen: set[str] = set()
-    counts = [0, 0]
+    tally = Tally()
     for e in entries:
         custom_id = e["envelope"]["custom_id"]
         if custom_id in seen:
             continue
         seen.add(custom_id)
         (outputs if e["ok"] else errors).write(json.dumps(e["envelope"], ensure_ascii=False).encode() + b"\n")
-        counts[0 if e["ok"] else 1] += 1
+        tally.add(e)
     outputs.seek(0)
     errors.seek(0)
-    return outputs, errors, counts
+    return outputs, errors, tally
