@@ -17,9 +17,10 @@ _FAKE_AWS_ENV = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def aws_test_credentials():
-    """Fake credentials and region for every S3 server the tests start (never real AWS)."""
+    """Fake credentials and region for every S3 server the tests start (never real AWS). Autouse, so
+    they are set before any test starts Ray: worker processes inherit the environment of that moment."""
     with pytest.MonkeyPatch.context() as mp:
         for name, value in _FAKE_AWS_ENV.items():
             mp.setenv(name, value)

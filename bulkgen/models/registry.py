@@ -32,7 +32,7 @@ def parse_model_specs(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
     return models
 
 
-def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
+def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: str | None = None) -> str:
     """A local folder as is; `s3://…` or `file://…` copied once into a local cache, never from a hub."""
     if "://" not in path or path.startswith("file://"):
         local = Path(path.removeprefix("file://"))
@@ -44,7 +44,7 @@ def resolve_model_path(path: str, cache_dir: str | None = None) -> str:
     cache = Path(cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models"))
     dest = cache / hashlib.sha256(path.encode()).hexdigest()[:16]
     if not (dest / "config.json").is_file():
-        open_store(path).download_dir("", dest)
+        open_store(path, endpoint_url=endpoint_url).download_dir("", dest)
     if not (dest / "config.json").is_file():
         raise FileNotFoundError(f"model at {path} has no config.json")
     return str(dest)

@@ -67,9 +67,9 @@ class WorkerPool:
         log.info("started %d %s worker(s)", count, "GPU" if use_gpu else "CPU")
         return self.workers
 
-    def load(self, model_name: str, model_path: str) -> list[dict]:
+    def load(self, model_name: str, model_path: str, endpoint_url: str | None = None) -> list[dict]:
         """Every worker loads `model_name` (a no-op where it is already loaded)."""
-        return ray.get([w.load.remote(model_name, model_path) for w in self.workers])
+        return ray.get([w.load.remote(model_name, model_path, endpoint_url) for w in self.workers])
 
     def shutdown(self) -> None:
         for handle in self.workers:

@@ -42,7 +42,7 @@ class BatchRunner:
             return finalize(self.ctx, self.batch_id, stop, self.metrics)
         model_name = record["model"]
         model_path = s.models[model_name]
-        tokenizer, max_model_len = _tokenizer(model_path)
+        tokenizer, max_model_len = _tokenizer(model_path, s.endpoint_url)
         items, refused = prepare(self.ctx.files.iter_lines(record["input_file_id"]), record["endpoint"],
                                  tokenizer, max_model_len)
         chunks = self._plan(items)
@@ -54,7 +54,7 @@ class BatchRunner:
                 index.tally.add(e)
         todo = deque(i for i in range(len(chunks)) if i not in index.done)
         if todo and not stop:
-            self.pool.load(model_name, model_path)
+            self.pool.load(model_name, model_path, s.endpoint_url)
             dispatcher = Dispatcher(self, chunks, items, index.tally, model_name)
             stop = dispatcher.run(todo)
         if stop:
@@ -113,11 +113,11 @@ class BatchRunner:
         self.publish(tally)
 
 
-def _tokenizer(model_path: str):
+def _tokenizer(model_path: str, endpoint_url: str | None):
     from transformers import AutoConfig, AutoTokenizer
 
     from bulkgen.models.registry import resolve_model_path
 
-    local = resolve_model_path(model_path)
+    local = resolve_model_path(model_path, endpoint_url=endpoint_url)
     config = AutoConfig.from_pretrained(local)
     return AutoTokenizer.from_pretrained(local), int(getattr(config, "max_position_embeddings", 2048))

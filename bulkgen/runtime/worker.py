@@ -29,6 +29,7 @@ class EngineWorker:
         self.engine = None
         self.model_name: str | None = None
         self.model_path: str | None = None
+        self.endpoint_url: str | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._group_of: dict[str, str] = {}
         self._finished: dict[str, list[dict]] = defaultdict(list)
@@ -37,10 +38,13 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._loop, name=f"bulkgen-engine-{index}", daemon=True)
         self._thread.start()
 
-    def load(self, model_name: str, model_path: str) -> dict[str, Any]:
-        """Load (or keep) the model; returns what the worker runs on. Call it while the worker is idle."""
+    def load(self, model_name: str, model_path: str, endpoint_url: str | None = None) -> dict[str, Any]:
+        """Load (or keep) the model; returns what the worker runs on. Call it while the worker is idle.
+
+        An `s3://` model is copied to this node's cache by the worker itself, so workers on other
+        nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         if self.model_name != model_name or self.engine is None:
-            self.model_name, self.model_path = model_name, model_path
+            self.model_name, self.model_path, self.endpoint_url = model_name, model_path, endpoint_url
             self._build_engine()
         return self.info()
 
@@ -87,7 +91,8 @@ class EngineWorker:
         if self.cpu_threads:
             torch.set_num_threads(self.cpu_threads)
         self.engine = None
-        self.engine = Engine.from_pretrained(resolve_model_path(self.model_path), **self.engine_kwargs)
+        self.engine = Engine.from_pretrained(resolve_model_path(self.model_path, endpoint_url=self.endpoint_url),
+                                             **self.engine_kwargs)
 
     def _loop(self) -> None:
         while True:
