@@ -38,15 +38,14 @@ def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
     tokens = Gauge("bulkgen_tokens", "Tokens processed, over all stored batches", ["kind"], registry=registry)
     queued = Gauge("bulkgen_queue_batches", "Batches waiting for the worker pool", registry=registry)
     pending = Gauge("bulkgen_queue_requests", "Requests of active batches not finished yet", registry=registry)
-    busy = Gauge("bulkgen_worker_busy_ratio", "Share of the running batch's wall time a worker spent stepping",
-                 ["worker"], registry=registry)
+    busy = Gauge("bulkgen_worker_busy_seconds", "Seconds each worker spent stepping its engine, over all stored "
+                 "batches; rate() of it is the worker's utilisation", ["worker"], registry=registry)
     for status in ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling",
                    "cancelled"):
         batches.labels(status).set(0)
     for record in cache.get():
         _add_record(record, batches, requests, tokens, pending)
-        if record["id"] == getattr(manager, "current", None):
-            _add_busy(record, busy)
+        _add_busy(record, busy)
     queued.set(manager.queue_depth())
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
@@ -64,8 +63,5 @@ def _add_record(record: dict, batches, requests, tokens, pending) -> None:
 
 
 def _add_busy(record: dict, busy) -> None:
-    metrics = record.get("metrics") or {}
-    wall = metrics.get("wall_time_s") or 0
-    for worker, stats in (metrics.get("per_worker") or {}).items():
-        if wall > 0:
-            busy.labels(worker).set(min(1.0, stats.get("busy_time_s", 0) / wall))
+    for worker, stats in ((record.get("metrics") or {}).get("per_worker") or {}).items():
+        busy.labels(worker).inc(stats.get("busy_time_s") or 0)

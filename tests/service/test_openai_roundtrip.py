@@ -124,9 +124,17 @@ def test_batches_list_pages_newest_first(client, tmp_path):
         wait_done(client, batch_id)
 
 
-def test_models_health_and_prometheus(service, client):
+def test_models_health_and_prometheus(service, client, tmp_path):
     assert [m.id for m in client.models.list()] == [MODEL]
+    file_id = upload(client, write_jsonl(tmp_path / "p.jsonl", [chat_row("p", "hi", max_tokens=2)])).id
+    wait_done(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                            completion_window="24h").id)
     root = service.base_url.removesuffix("/v1")
     assert json.loads(urlopen(f"{root}/health").read())["status"] == "ok"
     text = urlopen(f"{root}/metrics").read().decode()
     assert 'bulkgen_batches{status="completed"}' in text and "bulkgen_queue_batches" in text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values['bulkgen_requests{outcome="completed"}'] >= 1
+    assert values['bulkgen_tokens{kind="output"}'] >= 1
+    assert values['bulkgen_worker_busy_seconds{worker="bulkgen-worker-0"}'] > 0
