@@ -102,3 +102,18 @@ def test_cancel_a_finished_batch_is_a_conflict(client, tmp_path):
     wait_done(client, batch.id)
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
+
+
+def test_api_key_is_enforced_when_configured(tmp_path):
+    from urllib.request import urlopen as get
+
+    from tests.service.conftest import Service, settings_for
+
+    service = Service(settings_for(str(tmp_path / "store")), api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            service.client(api_key="wrong").models.list()
+        assert [m.id for m in service.client(api_key="s3cret").models.list()] == ["bulkgen-tiny"]
+        assert json.loads(get(service.base_url.removesuffix("/v1") + "/health").read())["status"] == "ok"
+    finally:
+        service.stop()
