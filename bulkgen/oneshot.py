@@ -14,8 +14,7 @@ from typing import BinaryIO
 
 import click
 
-from bulkgen.batch.lifecycle import validate_batch
-from bulkgen.batch.schema import InvalidRequest, new_batch_record
+from bulkgen.batch.schema import InvalidRequest
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
 from bulkgen.config import Context, Settings
 from bulkgen.metrics.table import describe_summary
@@ -31,12 +30,9 @@ class OneShotError(Exception):
 def accept(ctx: Context, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> dict:
     """Store the file and create + validate its batch, as `POST /v1/files` and `/v1/batches` do."""
     try:
-        meta = ctx.files.create(fileobj, name, "batch")
-        record = ctx.batches.create(new_batch_record(meta["id"], endpoint, window, None))
+        record = ctx.create_batch(ctx.files.create(fileobj, name, "batch")["id"], endpoint, window, None)
     except InvalidRequest as exc:
         raise OneShotError(str(exc)) from None
-    s = ctx.settings
-    record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
     if record["status"] == "failed":
         lines = "\n".join(f"  {name}:{e['line']}: [{e['code']}] {e['message']}" if e["line"] else
                            f"  {name}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])

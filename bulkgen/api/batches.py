@@ -10,9 +10,7 @@ from pydantic import BaseModel
 
 from bulkgen.api.errors import Conflict
 from bulkgen.api.files import page
-from bulkgen.batch.lifecycle import validate_batch
-from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.schema import InvalidRequest, new_batch_record, public_view, set_status
+from bulkgen.batch.schema import public_view, set_status
 
 router = APIRouter(prefix="/v1/batches")
 
@@ -30,18 +28,7 @@ async def create_batch(request: Request, body: CreateBatch) -> dict:
 
 
 def _create(state, body: CreateBatch) -> dict:
-    ctx = state.ctx
-    try:
-        meta = ctx.files.get(body.input_file_id)
-    except RecordNotFound:
-        raise InvalidRequest(f"input_file_id {body.input_file_id!r} does not exist", param="input_file_id",
-                             code="invalid_file") from None
-    if meta["purpose"] != "batch":
-        raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
-                             param="input_file_id")
-    record = ctx.batches.create(new_batch_record(meta["id"], body.endpoint, body.completion_window, body.metadata))
-    s = ctx.settings
-    record = validate_batch(ctx.files, ctx.batches, record["id"], s.models, s.max_requests_per_batch, s.max_file_bytes)
+    record = state.ctx.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     if record["status"] == "in_progress":
         state.manager.enqueue(record["id"])
     return record

@@ -12,7 +12,6 @@ import logging
 import time
 from collections import deque
 
-from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.responses import not_run_line
 from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.config import Context
@@ -33,8 +32,7 @@ class BatchRunner:
 
     def run(self) -> dict:
         s = self.ctx.settings
-        record = validate_batch(self.ctx.files, self.ctx.batches, self.batch_id, s.models,
-                                s.max_requests_per_batch, s.max_file_bytes)
+        record = self.ctx.validate(self.batch_id)
         if record["status"] in TERMINAL_STATUSES:
             return record
         stop = self.stop_reason(record)
