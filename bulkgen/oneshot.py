@@ -15,11 +15,11 @@ from typing import BinaryIO
 import click
 
 from bulkgen.batch.schema import InvalidRequest
+from bulkgen.batch.service import BatchService
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
-from bulkgen.config import Context, Settings
 from bulkgen.metrics.table import describe_summary
-from bulkgen.runtime.manager import run_batch
-from bulkgen.runtime.pool import WorkerPool
+from bulkgen.runtime.manager import BatchManager
+from bulkgen.settings import Settings
 from bulkgen.store import NotFound
 
 
@@ -27,10 +27,10 @@ class OneShotError(Exception):
     """Bad input or a failed batch, explained in words."""
 
 
-def accept(ctx: Context, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> dict:
+def accept(svc: BatchService, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> dict:
     """Store the file and create + validate its batch, as `POST /v1/files` and `/v1/batches` do."""
     try:
-        record = ctx.create_batch(ctx.files.create(fileobj, name, "batch")["id"], endpoint, window, None)
+        record = svc.create_batch(svc.files.create(fileobj, name, "batch")["id"], endpoint, window, None)
     except InvalidRequest as exc:
         raise OneShotError(str(exc)) from None
     if record["status"] == "failed":
@@ -43,71 +43,77 @@ def accept(ctx: Context, fileobj: BinaryIO, name: str, endpoint: str, window: st
 def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None, window: str,
              echo: Callable[[str], None] = print) -> dict:
     """`bulkgen run`: a local JSONL file in, local result files out."""
-    ctx = Context(settings)
+    svc = BatchService(settings)
     try:
         endpoint = endpoint or detect_endpoint(file)
     except ClientError as exc:
         raise OneShotError(str(exc)) from None
     with file.open("rb") as f:
-        record = accept(ctx, f, str(file), endpoint, window)
+        record = accept(svc, f, str(file), endpoint, window)
     echo(f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})")
-    pool = WorkerPool(settings.pool)
-    pool.start()
-    record = _run_with_progress(ctx, pool, record)
-    _write_results(ctx, record, output, echo)
+    record = _run_with_progress(svc, record)
+    _write_results(svc, record, output, echo)
     return record
+
+
+def run_accepted(svc: BatchService, batch_id: str) -> dict:
+    """Run one accepted batch in this process, on a worker pool of its own, to its end."""
+    manager = BatchManager(svc, only={batch_id})
+    manager.start()
+    try:
+        return manager.wait(batch_id)
+    finally:
+        manager.stop()
 
 
 def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint: str | None = None,
                window: str = "24h", echo: Callable[[str], None] = print) -> dict:
     """A JSONL file already in storage (e.g. dropped under inbox/) run as a batch; results copied beside
     it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.metrics.json."""
-    ctx = Context(settings)
+    svc = BatchService(settings)
     try:
-        endpoint = endpoint or endpoint_of(ctx.store.iter_lines(input_key), input_key)
-        with ctx.store.open_read(input_key) as f:
-            record = accept(ctx, f, input_key, endpoint, window)
+        endpoint = endpoint or endpoint_of(svc.store.iter_lines(input_key), input_key)
+        with svc.store.open_read(input_key) as f:
+            record = accept(svc, f, input_key, endpoint, window)
     except (ClientError, NotFound) as exc:
         raise OneShotError(f"{input_key}: {exc}") from None
     echo(f"{record['id']}: {record['request_counts']['total']} requests from {input_key}")
-    pool = WorkerPool(settings.pool)
-    pool.start()
-    record = run_batch(ctx, pool, record["id"])
+    record = run_accepted(svc, record["id"])
     stem = f"{output_prefix.rstrip('/')}/{input_key.rsplit('/', 1)[-1].removesuffix('.jsonl')}"
     for file_id, suffix in ((record["output_file_id"], "output.jsonl"), (record["error_file_id"], "errors.jsonl")):
         if file_id:
-            with ctx.files.open(file_id) as src:
-                ctx.store.upload_fileobj(f"{stem}.{suffix}", src)
+            with svc.files.open(file_id) as src:
+                svc.store.upload_fileobj(f"{stem}.{suffix}", src)
     if record.get("metrics"):
-        ctx.store.write_bytes(f"{stem}.metrics.json", json.dumps(record["metrics"], indent=2).encode())
+        svc.store.write_bytes(f"{stem}.metrics.json", json.dumps(record["metrics"], indent=2).encode())
     echo(f"{record['id']} {record['status']}: results under {stem}.*")
     return record
 
 
-def _run_with_progress(ctx: Context, pool: WorkerPool, record: dict) -> dict:
+def _run_with_progress(svc: BatchService, record: dict) -> dict:
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(run_batch(ctx, pool, record["id"])), daemon=True)
+    thread = threading.Thread(target=lambda: result.update(run_accepted(svc, record["id"])), daemon=True)
     thread.start()
     total = record["request_counts"]["total"]
     with click.progressbar(length=total, label="requests", show_pos=True, show_eta=False) as bar:
         done = 0
         while thread.is_alive():
             thread.join(1.0)
-            counts = ctx.batches.get(record["id"])["request_counts"]
+            counts = svc.batches.get(record["id"])["request_counts"]
             now = counts["completed"] + counts["failed"]
             bar.update(now - done)
             done = now
     return result
 
 
-def _write_results(ctx: Context, record: dict, output: Path, echo: Callable[[str], None]) -> None:
+def _write_results(svc: BatchService, record: dict, output: Path, echo: Callable[[str], None]) -> None:
     out_path, err_path = output_paths(output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     counts = record["request_counts"]
     echo(f"{record['id']} {record['status']}: {counts['completed']} completed, {counts['failed']} failed")
     for file_id, path in ((record["output_file_id"], out_path), (record["error_file_id"], err_path)):
         if file_id:
-            with ctx.files.open(file_id) as src, path.open("wb") as dst:
+            with svc.files.open(file_id) as src, path.open("wb") as dst:
                 while block := src.read(1 << 20):
                     dst.write(block)
             echo(f"wrote {path}")

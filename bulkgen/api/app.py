@@ -13,10 +13,10 @@ from bulkgen.api import batches, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
 
 
-def create_app(ctx, manager, api_key: str | None = None) -> FastAPI:
-    """`ctx`: bulkgen.config.Context; `manager`: runs batches (enqueue, expedite, queue_depth)."""
+def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
+    """`svc`: bulkgen.batch.service.BatchService; `manager`: runs batches (wake, queue_depth, workers)."""
     app = FastAPI(title="bulkgen", version=__version__, docs_url="/docs", redoc_url=None)
-    app.state.ctx, app.state.manager = ctx, manager
+    app.state.svc, app.state.manager = svc, manager
     errors.install(app)
     app.include_router(files.router)
     app.include_router(batches.router)
@@ -33,14 +33,14 @@ def create_app(ctx, manager, api_key: str | None = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in ctx.settings.models]
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in svc.settings.models]
         return {"object": "list", "data": data}
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "version": __version__}
 
-    records = RecordCache(ctx)
+    records = RecordCache(svc)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -8,9 +8,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
-from bulkgen.api.errors import Conflict
 from bulkgen.api.files import page
-from bulkgen.batch.schema import public_view, set_status
+from bulkgen.batch.schema import public_view
 
 router = APIRouter(prefix="/v1/batches")
 
@@ -28,35 +27,26 @@ async def create_batch(request: Request, body: CreateBatch) -> dict:
 
 
 def _create(state, body: CreateBatch) -> dict:
-    record = state.ctx.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+    record = state.svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     if record["status"] == "in_progress":
-        state.manager.enqueue(record["id"])
+        state.manager.wake()
     return record
 
 
 @router.get("/{batch_id}")
 async def retrieve_batch(request: Request, batch_id: str) -> dict:
-    return public_view(await run_in_threadpool(request.app.state.ctx.batches.get, batch_id))
+    return public_view(await run_in_threadpool(request.app.state.svc.batches.get, batch_id))
 
 
 @router.get("")
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
-    items, has_more = await run_in_threadpool(request.app.state.ctx.batches.list, after, limit)
+    items, has_more = await run_in_threadpool(request.app.state.svc.batches.list, after, limit)
     return page([public_view(r) for r in items], has_more)
 
 
 @router.post("/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> dict:
     state = request.app.state
-    record = await run_in_threadpool(state.ctx.batches.update, batch_id, _cancel)
-    state.manager.expedite(batch_id)
+    record = await run_in_threadpool(state.svc.cancel, batch_id)
+    state.manager.wake(batch_id)
     return public_view(record)
-
-
-def _cancel(record: dict) -> dict | None:
-    if record["status"] in ("cancelling", "cancelled"):
-        return None
-    if record["status"] not in ("validating", "in_progress"):
-        raise Conflict(f"batch {record['id']} is {record['status']} and can no longer be cancelled",
-                       code="batch_not_cancellable")
-    return set_status(record, "cancelling")

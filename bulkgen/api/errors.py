@@ -10,13 +10,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.schema import InvalidRequest
+from bulkgen.batch.schema import Conflict, InvalidRequest
 
 log = logging.getLogger(__name__)
-
-
-class Conflict(InvalidRequest):
-    """The request is valid but the object's state forbids it (HTTP 409)."""
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None,

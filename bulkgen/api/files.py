@@ -20,15 +20,15 @@ async def create_file(
     purpose: str = Form(...),
     expires_after_seconds: int | None = Form(None, alias="expires_after[seconds]"),
 ) -> dict:
-    ctx = request.app.state.ctx
+    svc = request.app.state.svc
     if purpose != "batch":
         raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
-    limit = ctx.settings.max_file_bytes
+    limit = svc.settings.max_file_bytes
     size = file.size if file.size is not None else 0
     if size > limit:
         raise InvalidRequest(f"file is {size} bytes; the limit is {limit}", param="file", code="file_too_large")
     name = file.filename or "upload.jsonl"
-    return await run_in_threadpool(ctx.files.create, file.file, name, purpose, expires_after_seconds)
+    return await run_in_threadpool(svc.files.create, file.file, name, purpose, expires_after_seconds)
 
 
 @router.get("")
@@ -39,19 +39,19 @@ async def list_files(
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
 ) -> dict:
-    files = request.app.state.ctx.files
+    files = request.app.state.svc.files
     items, has_more = await run_in_threadpool(files.list, after, limit, order, purpose)
     return page(items, has_more)
 
 
 @router.get("/{file_id}")
 async def retrieve_file(request: Request, file_id: str) -> dict:
-    return await run_in_threadpool(request.app.state.ctx.files.get, file_id)
+    return await run_in_threadpool(request.app.state.svc.files.get, file_id)
 
 
 @router.get("/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> StreamingResponse:
-    files = request.app.state.ctx.files
+    files = request.app.state.svc.files
     stream = await run_in_threadpool(files.open, file_id)
 
     def chunks():
@@ -64,7 +64,7 @@ async def file_content(request: Request, file_id: str) -> StreamingResponse:
 
 @router.delete("/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict:
-    await run_in_threadpool(request.app.state.ctx.files.delete, file_id)
+    await run_in_threadpool(request.app.state.svc.delete_file, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

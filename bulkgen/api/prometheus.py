@@ -13,8 +13,8 @@ from bulkgen.batch.schema import ACTIVE_STATUSES
 class RecordCache:
     """Batch records, re-listed at most every few seconds however often Prometheus scrapes."""
 
-    def __init__(self, ctx, max_age_s: float = 5.0) -> None:
-        self.ctx, self.max_age_s = ctx, max_age_s
+    def __init__(self, svc, max_age_s: float = 5.0) -> None:
+        self.svc, self.max_age_s = svc, max_age_s
         self.at, self.records = float("-inf"), []
 
     def get(self) -> list[dict]:
@@ -24,9 +24,9 @@ class RecordCache:
         return self.records
 
     def _iter(self):
-        for batch_id in self.ctx.batches.ids():
+        for batch_id in self.svc.batches.ids():
             try:
-                yield self.ctx.batches.get(batch_id)
+                yield self.svc.batches.get(batch_id)
             except LookupError:  # deleted between listing and reading
                 continue
 

@@ -58,7 +58,11 @@ class FileRepo:
 
     def create(self, fileobj: BinaryIO, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
         """Store the bytes first, then the record: a record never points at missing content."""
-        file_id = new_id("file-")
+        return self.put(new_id("file-"), fileobj, filename, purpose, expires_after_s)
+
+    def put(self, file_id: str, fileobj: BinaryIO, filename: str, purpose: str,
+            expires_after_s: int | None = None) -> dict:
+        """Write (or rewrite, with the same id) a file: how a retried finalize leaves no orphans."""
         size = self.store.upload_fileobj(self.data_key(file_id), fileobj)
         now = int(time.time())
         record = {

@@ -24,6 +24,10 @@ class InvalidRequest(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
+class Conflict(InvalidRequest):
+    """The request is valid but the object's state forbids it (HTTP 409)."""
+
+
 def parse_completion_window(window: str) -> int:
     """'24h' (or any whole number of hours, 1h to a year) to seconds."""
     match = _WINDOW.match(window) if isinstance(window, str) else None

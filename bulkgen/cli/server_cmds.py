@@ -8,9 +8,8 @@ from pathlib import Path
 
 import click
 
-from bulkgen.config import DEFAULT_STORAGE, Settings
 from bulkgen.models.registry import parse_model_specs
-from bulkgen.runtime.pool import PoolConfig
+from bulkgen.settings import DEFAULT_STORAGE, SCHEDULING, Settings, WorkerSettings
 
 _RUNTIME_OPTIONS = [
     click.option("--storage", envvar="BULKGEN_STORAGE", default=DEFAULT_STORAGE, show_default=True,
@@ -24,8 +23,15 @@ _RUNTIME_OPTIONS = [
     click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences per engine step."),
     click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
                  help="Token budget per engine step (chunked prefill above it)."),
-    click.option("--chunk-size", type=int, default=64, show_default=True, help="Requests per result part."),
+    click.option("--range-size", type=int, default=32, show_default=True,
+                 help="Requests per line range: the unit workers pull and results are checkpointed in."),
     click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True),
+    click.option("--scheduling", type=click.Choice(SCHEDULING), default="fifo", show_default=True,
+                 help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."),
+    click.option("--fair-share-after", "fair_share_after_s", type=float, default=30.0, show_default=True,
+                 help="Seconds a batch may get no work before it is served next (no batch starves)."),
+    click.option("--lease-ttl", "lease_ttl_s", type=float, default=30.0, show_default=True,
+                 help="Seconds after which another replica takes over a batch whose runner stopped renewing."),
 ]
 
 
@@ -36,7 +42,8 @@ def runtime_options(fn):
     @functools.wraps(fn)
     def wrapper(**kwargs):
         keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
-                "max_num_batched_tokens", "chunk_size", "max_requests_per_batch")
+                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling",
+                "fair_share_after_s", "lease_ttl_s")
         runtime = {k: kwargs.pop(k) for k in keys}
         return fn(settings=_settings(**runtime), **kwargs)
 
@@ -44,12 +51,15 @@ def runtime_options(fn):
 
 
 def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
-              max_num_batched_tokens, chunk_size, max_requests_per_batch) -> Settings:
+              max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
+              lease_ttl_s) -> Settings:
     try:
         engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-        pool = PoolConfig(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers, engine_kwargs=engine)
+        pool = WorkerSettings(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers,
+                              engine_kwargs=engine)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
-                        chunk_size=chunk_size, max_requests_per_batch=max_requests_per_batch, pool=pool)
+                        range_size=range_size, max_requests_per_batch=max_requests_per_batch, scheduling=scheduling,
+                        fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -64,16 +74,15 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None):
     import uvicorn
 
     from bulkgen.api import create_app
-    from bulkgen.config import Context
+    from bulkgen.batch.service import BatchService
     from bulkgen.runtime.manager import BatchManager
-    from bulkgen.runtime.pool import WorkerPool
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ctx = Context(settings)
-    manager = BatchManager(ctx, WorkerPool(settings.pool))
+    svc = BatchService(settings)
+    manager = BatchManager(svc)
     manager.start()
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
-    uvicorn.run(create_app(ctx, manager, api_key), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(svc, manager, api_key), host=host, port=port, log_level="warning")
 
 
 @click.command()

@@ -64,7 +64,8 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    tag: str | None = None) -> None:
         """Queue a request; ValueError if the id is in use or the prompt is empty, invalid or too long."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -83,6 +84,7 @@ class Engine:
                 f"request {request_id!r}: needs {blocks} KV blocks but the cache has {self.runner.num_blocks}"
             )
         request = Request(request_id, ids, params, next(self._order))
+        request.tag = tag or ""
         for i in range(params.n):
             request.seqs.append(Sequence(next(self._seq_ids), request, i, max_tokens))
             self.scheduler.add(request.seqs[-1])
@@ -121,6 +123,7 @@ class Engine:
         tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
         finished = self._append_tokens(sampling, tokens, logprobs)
         self.stats_.record_step(batch, time.time() - start, len(tokens))
+        self.stats_.records[-1]["by_tag"] = _by_tag(batch)
         return finished
 
     def _mark_scheduled(self, items: list[tuple[Sequence, int]], now: float) -> None:
@@ -202,8 +205,37 @@ class Engine:
     def stats(self) -> dict:
         return self.stats_.snapshot(self.scheduler.num_preemptions, self.scheduler.prefill_padding_tokens)
 
+    def reset(self) -> None:
+        """Drop every request and start from a clean scheduler and KV cache (the weights stay)."""
+        self.requests.clear()
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.config, self.block_manager)
+
+    def free_capacity(self) -> dict:
+        """Room for more work: free slots and KV blocks, and sequences still waiting for admission."""
+        waiting = len(self.scheduler.waiting) + len(self.scheduler.preempted)
+        held = waiting + len(self.scheduler.running)
+        return {"free_slots": max(0, self.config.max_num_seqs - held), "free_blocks": self.block_manager.num_free_blocks,
+                "waiting": waiting, "block_size": self.config.block_size, "max_num_seqs": self.config.max_num_seqs}
+
     def pop_step_records(self) -> list[dict]:
         return self.stats_.pop_records()
+
+
+def _by_tag(batch) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for seq, n in batch.items:
+        t = out.setdefault(seq.request.tag, {"held": 0, "active": 0, "prefill_tokens": 0, "decode_tokens": 0})
+        t["active"] += 1
+        if n == 1 and seq.num_output_tokens > 0:
+            t["decode_tokens"] += 1
+        else:
+            t["prefill_tokens"] += n
+    for t in out.values():
+        t["held"] = t["active"]
+    return out
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:

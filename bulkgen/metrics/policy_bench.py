@@ -97,7 +97,7 @@ def run_policy(
     for out in outputs:
         metrics.add_request(out.metrics.as_dict())
     metrics.add_steps("engine", engine.pop_step_records())
-    metrics.add_engine_stats("engine", engine.stats())
+    metrics.add_prefill_padding(engine.stats()["prefill_padding_tokens"])
     return {"policy": policy, **metrics.summary(wall_time_s=wall)}
 
 

@@ -1,134 +1,140 @@
-"""The dispatch loop: keep every worker's engine full, collect finished requests, checkpoint chunks.
+"""The dispatcher: one driver thread per worker actor, feeding it from the work queue as it has room.
 
-Each worker holds about two chunks at once, so when one chunk's last request is still decoding the
-next chunk's requests already fill the freed slots (continuous batching across chunk boundaries).
+Each thread long-polls its worker; the answer says how many requests the engine wants, which ranges
+finished (parts already stored) and the worker's steps per batch, which go to the batch runners. A
+worker that dies (killed, out of memory, node lost) shows up as a failed poll: its ranges in flight go
+back to the queue and a new actor takes its place under the same name.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass, field
+import logging
+import threading
+from dataclasses import asdict
 
 import ray
+from ray.exceptions import GetTimeoutError, RayError
 
-from bulkgen.batch.responses import not_run_line, refused_line, success_line
-from bulkgen.runtime import parts
+from bulkgen.runtime.workqueue import MAX_ATTEMPTS, WorkQueue, WorkRange
 
-CONTROL_EVERY_S = 1.0
-PUBLISH_EVERY_S = 2.0
+log = logging.getLogger(__name__)
 
-
-@dataclass
-class ChunkState:
-    worker: int
-    remaining: set
-    entries: list = field(default_factory=list)
+POLL_WAIT_S = 0.5
+POLL_DEADLINE_S = 120.0   # a worker that does not answer a poll for this long is presumed dead
+LOAD_DEADLINE_S = 1800.0
 
 
 class Dispatcher:
-    def __init__(self, runner, chunks, items, tally: parts.Tally, model_name: str) -> None:
-        self.runner, self.chunks, self.items, self.tally = runner, chunks, items, tally
-        self.model_name = model_name
-        self.workers = runner.pool.workers
-        self.inflight: dict[int, ChunkState] = {}
-        self.load = [0] * len(self.workers)
-        self.metrics = runner.metrics
-        self.capacity = 2 * runner.ctx.settings.chunk_size
+    def __init__(self, pool, queue: WorkQueue, models: dict[str, str], endpoint_url: str | None, runner_of) -> None:
+        self.pool, self.queue, self.models, self.endpoint_url = pool, queue, models, endpoint_url
+        self.runner_of = runner_of            # batch id -> its BatchRunner here, or None
+        self.inflight: list[dict[tuple, WorkRange]] = []
+        self.models_loaded: list[str | None] = []
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
 
-    def run(self, todo: deque) -> str | None:
-        """Run until all chunks are written; returns a stop reason if cancelled or expired first."""
-        batch_id = self.runner.batch_id
-        next_control = next_publish = time.monotonic()
-        while todo or self.inflight:
-            self._fill(todo, batch_id)
-            self._collect(ray.get([w.poll.remote(batch_id, 0.2) for w in self.workers]))
-            now = time.monotonic()
-            if now >= next_control:
-                next_control = now + CONTROL_EVERY_S
-                stop = self.runner.stop_reason()
-                if stop:
-                    self._stop(stop)
-                    return stop
-            if now >= next_publish:
-                next_publish = now + PUBLISH_EVERY_S
-                self.runner.publish(self._live_tally(), save_metrics=True)
-        self._release()
-        self.runner.publish(self.tally, save_metrics=True)
-        return None
+    def start(self) -> None:
+        self.inflight = [{} for _ in self.pool.workers]
+        self.models_loaded = [None for _ in self.pool.workers]
+        for index in range(len(self.pool.workers)):
+            threading.Thread(target=self._loop, args=(index,), name=f"bulkgen-dispatch-{index}", daemon=True).start()
 
-    def _fill(self, todo: deque, batch_id: str) -> None:
-        while todo:
-            worker = min(range(len(self.workers)), key=self.load.__getitem__)
-            if self.load[worker] >= self.capacity:
-                return
-            chunk = todo.popleft()
-            lines = self.chunks[chunk]
-            requests = [{"id": f"{batch_id}:{chunk}:{line}", "prompt_token_ids": self.items[line].prompt_token_ids,
-                         "params": self.items[line].params} for line in lines]
-            self.workers[worker].submit.remote(batch_id, requests)
-            self.inflight[chunk] = ChunkState(worker, set(lines))
-            self.load[worker] += len(lines)
+    def stop(self) -> None:
+        self._stopped.set()
 
-    def _collect(self, polls: list[dict]) -> None:
-        for poll in polls:
-            _add_metrics(self.metrics, poll)
-            for result in poll["finished"]:
-                _, chunk, line = result["request_id"].rsplit(":", 2)
-                self._finish(int(chunk), int(line), result)
+    def abort_batch(self, batch_id: str, code: str | None) -> None:
+        """Stop the batch on every worker; with `code`, each writes the parts of its ranges first."""
+        calls = [w.abort_batch.remote(batch_id, code) for w in self.pool.workers]
+        for call in calls:
+            try:
+                ray.get(call, timeout=POLL_DEADLINE_S)
+            except RayError as exc:  # a dead worker's ranges are simply not covered: the runner fills in
+                log.warning("abort of %s on a worker failed: %s", batch_id, exc)
+        with self._lock:
+            for inflight in self.inflight:
+                for key in [k for k in inflight if k[0] == batch_id]:
+                    del inflight[key]
 
-    def _finish(self, chunk: int, line: int, result: dict) -> None:
-        state = self.inflight.get(chunk)
-        if state is None or line not in state.remaining:
-            return  # a duplicate delivery: results are idempotent per custom_id
-        request = self.items[line].request
-        if "error" in result:
-            envelope = refused_line(request.custom_id, result["error"], result["code"])
-            state.entries.append(parts.entry(line, False, envelope))
-        else:
-            usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
-            state.entries.append(parts.entry(line, True, success_line(request.to_dict(), result, self.model_name),
-                                             usage))
-            self.metrics.add_request(result["metrics"])
-        state.remaining.discard(line)
-        self.load[state.worker] -= 1
-        if not state.remaining:
-            self._checkpoint(chunk, state)
+    def forget_batch(self, batch_id: str) -> None:
+        for w in self.pool.workers:
+            w.forget.remote(batch_id)
 
-    def _checkpoint(self, chunk: int, state: ChunkState) -> None:
-        parts.write_part(self.runner.ctx.store, self.runner.batch_id, chunk, state.entries)
-        for e in state.entries:
-            self.tally.add(e)
-        del self.inflight[chunk]
+    def workers_info(self) -> list[dict]:
+        with self._lock:
+            return [{"worker": f"bulkgen-worker-{i}", "model": self.models_loaded[i], "ranges": len(inflight),
+                     "batches": sorted({k[0] for k in inflight})} for i, inflight in enumerate(self.inflight)]
 
-    def _release(self) -> None:
-        ray.get([w.release.remote(self.runner.batch_id) for w in self.workers])
+    # -- one thread per worker -------------------------------------------------------------------------
+    def _loop(self, index: int) -> None:
+        while not self._stopped.is_set():
+            try:
+                self._serve(index)
+            except (RayError, GetTimeoutError) as exc:
+                self._lost(index, exc)
+            except Exception:
+                log.exception("dispatcher %d: unexpected error", index)
+                self._stopped.wait(1.0)
 
-    def _live_tally(self) -> parts.Tally:
-        """Written parts plus what has finished in chunks not yet written: counts move with every request."""
-        live = parts.Tally(**self.tally.__dict__)
-        for state in self.inflight.values():
-            for e in state.entries:
-                live.add(e)
-        return live
+    def _serve(self, index: int) -> None:
+        handle = self.pool.workers[index]
+        poll = ray.get(handle.poll.remote(POLL_WAIT_S), timeout=POLL_DEADLINE_S)
+        self.models_loaded[index] = poll["model"]
+        self._route(index, poll)
+        if poll["want"] < 1:
+            return
+        with self._lock:
+            idle = not self.inflight[index] and poll["held"] == 0
+        ranges = self.queue.take(index, poll["want"], poll["model"], idle)
+        if not ranges:
+            return
+        job = ranges[0].job
+        if poll["model"] != job.model and not self._load(index, handle, job.model, ranges):
+            return
+        with self._lock:
+            self.inflight[index].update((r.key, r) for r in ranges)
+        handle.assign.remote(asdict(job), [r.spec() for r in ranges])
 
-    def _stop(self, code: str) -> None:
-        """Abort in-flight requests, keep what finished, and mark the rest as never run."""
-        ids = [f"{self.runner.batch_id}:{c}:{line}" for c, s in self.inflight.items() for line in s.remaining]
-        for worker in self.workers:
-            worker.abort.remote(ids)
-        self._collect(ray.get([w.poll.remote(self.runner.batch_id, 0.0) for w in self.workers]))
-        self._release()
-        for chunk, state in list(self.inflight.items()):
-            for line in sorted(state.remaining):
-                state.entries.append(parts.entry(line, False, not_run_line(self.items[line].request.custom_id, code)))
-            state.remaining.clear()
-            self._checkpoint(chunk, state)
+    def _load(self, index: int, handle, model: str, ranges: list[WorkRange]) -> bool:
+        try:
+            ray.get(handle.load.remote(model, self.models[model], self.endpoint_url), timeout=LOAD_DEADLINE_S)
+            return True
+        except (RayError, GetTimeoutError) as exc:
+            if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails
+                runner = self.runner_of(ranges[0].job.batch_id)
+                if runner is not None:
+                    runner.fatal(f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}")
+                return False
+            self.queue.put_back(ranges)
+            raise
 
+    def _route(self, index: int, poll: dict) -> None:
+        for report in poll["done"]:
+            key = (report["batch_id"], report["lo"], report["hi"])
+            with self._lock:
+                r = self.inflight[index].pop(key, None)
+            if "error" in report:
+                if r is not None:
+                    self._give_up(self.queue.put_back([r]), report["error"])
+                continue
+            runner = self.runner_of(report["batch_id"])
+            if runner is not None:
+                runner.range_done(report, f"bulkgen-worker-{index}")
+        for batch_id, records in poll["steps"].items():
+            runner = self.runner_of(batch_id)
+            if runner is not None:
+                runner.add_steps(f"bulkgen-worker-{index}", records)
 
+    def _lost(self, index: int, exc: Exception) -> None:
+        log.warning("worker %d lost (%s); its ranges go back to the queue", index, type(exc).__name__)
+        with self._lock:
+            lost, self.inflight[index] = list(self.inflight[index].values()), {}
+        self.models_loaded[index] = None
+        self._give_up(self.queue.put_back(lost), f"the worker running this request died {MAX_ATTEMPTS} times")
+        if not self._stopped.is_set():
+            self.pool.replace(index)
 
-def _add_metrics(metrics, poll: dict) -> None:
-    worker = f"bulkgen-worker-{poll['worker']}"
-    metrics.add_steps(worker, poll["steps"])
-    if poll["stats"]:
-        metrics.add_engine_stats(worker, poll["stats"])
+    def _give_up(self, ranges: list[WorkRange], reason: str) -> None:
+        for r in ranges:
+            runner = self.runner_of(r.job.batch_id)
+            if runner is not None:
+                runner.give_up(r, reason)

@@ -1,42 +1,60 @@
-"""Finalize a batch: merge result parts into the output and error files, store the report, close it."""
+"""Finalize a batch once: merge its parts into output and error files, store the report, close it.
+
+The output and error files get ids derived from the batch id, so a finalize that is retried (its
+runner died half way) overwrites the same files instead of leaving orphans, and the closing status
+change is conditional: a batch already ended is never closed twice.
+"""
 
 from __future__ import annotations
 
-from bulkgen.batch.schema import set_status
-from bulkgen.config import Context
+from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
+from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
 
 _FINAL_STATUS = {None: "completed", "batch_cancelled": "cancelled", "batch_expired": "expired"}
 
 
-def finalize(ctx: Context, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None) -> dict:
-    """Idempotent: a runner resumed in `finalizing` simply merges the same parts again."""
-    if stop is None:
-        ctx.batches.update(batch_id, lambda r: set_status(r, "finalizing") if r["status"] == "in_progress" else None)
-    outputs, errors, tally = parts.merge_parts(ctx.store, batch_id)
-    output_id = ctx.files.create(outputs, f"{batch_id}_output.jsonl", "batch_output")["id"] if tally.completed else None
-    error_id = ctx.files.create(errors, f"{batch_id}_error.jsonl", "batch_output")["id"] if tally.failed else None
-    report = _store_report(ctx, batch_id, metrics)
+def result_file_ids(batch_id: str) -> tuple[str, str]:
+    stem = batch_id.removeprefix("batch_")
+    return f"file-{stem}-output", f"file-{stem}-errors"
 
-    def close(r: dict) -> dict:
+
+def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None) -> dict:
+    if stop is None:
+        svc.batches.update(batch_id, lambda r: set_status(r, "finalizing") if r["status"] == "in_progress" else None)
+    outputs, errors, tally = parts.merge_parts(svc.store, batch_id)
+    output_id, error_id = result_file_ids(batch_id)
+    with outputs, errors:
+        if tally.completed:
+            svc.files.put(output_id, outputs, f"{batch_id}_output.jsonl", "batch_output")
+        if tally.failed:
+            svc.files.put(error_id, errors, f"{batch_id}_error.jsonl", "batch_output")
+    report = _store_report(svc, batch_id, metrics)
+
+    def close(r: dict) -> dict | None:
+        if r["status"] in TERMINAL_STATUSES:
+            return None
         tally.apply(r)
-        r["output_file_id"], r["error_file_id"] = output_id, error_id
+        r["output_file_id"] = output_id if tally.completed else None
+        r["error_file_id"] = error_id if tally.failed else None
         if report:
             r["metrics"] = {**report["summary"], "report_files": report["files"]}
         if stop == "batch_cancelled" and r["cancelling_at"] is None:
             set_status(r, "cancelling")
         return set_status(r, _FINAL_STATUS[stop])
 
-    return ctx.batches.update(batch_id, close)
+    record = svc.batches.update(batch_id, close)
+    svc.mark_ended(batch_id)
+    return record
 
 
-def _store_report(ctx: Context, batch_id: str, metrics: BatchMetrics | None) -> dict | None:
+def _store_report(svc: BatchService, batch_id: str, metrics: BatchMetrics | None) -> dict | None:
     """report.json and report.png beside the output, under reports/<batch>/."""
     if metrics is None or not metrics.totals["requests"]:
         return None
     keys = {}
     for name, data in report_files(metrics).items():
         keys[name] = f"reports/{batch_id}/{name}"
-        ctx.store.write_bytes(keys[name], data)
+        svc.store.write_bytes(keys[name], data)
     return {"summary": metrics.summary(), "files": keys}

@@ -1,83 +1,127 @@
-"""The service's batch queue: runs batches one at a time over the shared worker pool, FIFO.
+"""The batch manager of one service replica: claims active batches, runs them together, keeps leases.
 
-On start it resumes every batch left active in storage (a previous process died, or another replica
-gave up), so nothing accepted is lost across restarts.
+Every few seconds (and at once when a batch is created or cancelled here) it scans the storage's
+index of active batches and takes the lease of any that no live runner holds: batches accepted by
+this replica, left behind by a replica that died, or by a previous run of this one. Each claimed batch
+gets a runner thread; all runners share one work queue and the worker pool, so several batches run at
+once. Leases are renewed here; a runner whose lease was taken stops without writing anything.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import os
+import secrets
+import socket
 import threading
+import time
 
-from bulkgen.batch.schema import ACTIVE_STATUSES, set_status
-from bulkgen.config import Context
+from bulkgen.batch.schema import TERMINAL_STATUSES
+from bulkgen.batch.service import BatchService
+from bulkgen.runtime.dispatch import Dispatcher
+from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.pool import WorkerPool
 from bulkgen.runtime.runner import BatchRunner
+from bulkgen.runtime.workqueue import WorkQueue
 
 log = logging.getLogger(__name__)
 
+SCAN_EVERY_S = 2.0
+
 
 class BatchManager:
-    def __init__(self, ctx: Context, pool: WorkerPool) -> None:
-        self.ctx, self.pool = ctx, pool
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._queued: set[str] = set()
+    def __init__(self, svc: BatchService, only: set[str] | None = None) -> None:
+        s = svc.settings
+        self.svc = svc
+        self.only = only                      # run just these batches (`bulkgen run`, a stored job)
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.pool = WorkerPool(s.workers, svc.store.spec())
+        self.queue = WorkQueue(lambda: len(self.pool.workers), s.fair_share_after_s)
+        self.dispatcher = Dispatcher(self.pool, self.queue, s.models, s.endpoint_url, self.runner_of)
+        self.runners: dict[str, BatchRunner] = {}
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="bulkgen-batches", daemon=True)
-        self.current: str | None = None
+        self._wake = threading.Event()
+        self._stopped = threading.Event()
+        self._renewed = 0.0
 
     def start(self) -> None:
         self.pool.start()
-        for batch_id in reversed(list(self.ctx.batches.ids())):  # oldest first
-            if self.ctx.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
-                self.enqueue(batch_id)
-        self._thread.start()
+        self.dispatcher.start()
+        if self.only is None:
+            self.svc.reindex_active()  # storage written before the active index existed
+        threading.Thread(target=self._loop, name="bulkgen-batches", daemon=True).start()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        self._stopped.set()
+        self._wake.set()
+        self.dispatcher.stop()
 
-    def enqueue(self, batch_id: str) -> None:
+    def wake(self, batch_id: str | None = None) -> None:
+        """A batch was created or cancelled here: look now."""
+        runner = self.runner_of(batch_id) if batch_id else None
+        if runner is not None:
+            runner.poke()
+        self._wake.set()
+
+    def runner_of(self, batch_id: str) -> BatchRunner | None:
         with self._lock:
-            if batch_id in self._queued:
-                return
-            self._queued.add(batch_id)
-        self._queue.put(batch_id)
-
-    def expedite(self, batch_id: str) -> None:
-        """Close a cancelled batch that waits behind others now, not when its turn comes.
-
-        The running batch's dispatcher sees the cancel itself within a second; a queued one is finished
-        here without touching the workers (a stopped runner never loads a model).
-        """
-        if self.current != batch_id:
-            threading.Thread(target=run_batch, args=(self.ctx, self.pool, batch_id), daemon=True).start()
+            return self.runners.get(batch_id)
 
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return self.queue.batches_waiting()
 
+    def wait(self, batch_id: str, poll_s: float = 0.5) -> dict:
+        """Block until the batch has ended (for `bulkgen run` and stored jobs)."""
+        while True:
+            record = self.svc.batches.get(batch_id)
+            if record["status"] in TERMINAL_STATUSES and self.runner_of(batch_id) is None:
+                return record
+            time.sleep(poll_s)
+
+    # -- the manager thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
-        while (batch_id := self._queue.get()) is not None:
-            self.current = batch_id
+        ttl = self.svc.settings.lease_ttl_s
+        while not self._stopped.is_set():
             try:
-                run_batch(self.ctx, self.pool, batch_id)
-            finally:
-                self.current = None
-                with self._lock:
-                    self._queued.discard(batch_id)
+                self._scan()
+                if time.monotonic() - self._renewed >= ttl / 3:
+                    self._renew()
+            except Exception:  # storage down for a moment: try again on the next tick
+                log.exception("batch manager: scan failed")
+            self._wake.wait(min(SCAN_EVERY_S, ttl / 3))
+            self._wake.clear()
 
+    def _scan(self) -> None:
+        for batch_id in self.svc.active_ids():
+            if (self.only is not None and batch_id not in self.only) or self.runner_of(batch_id):
+                continue
+            lease = Lease(self.svc.store, batch_id, self.owner, self.svc.settings.lease_ttl_s)
+            if not lease.acquire():
+                continue
+            runner = BatchRunner(self.svc, self.queue, self.dispatcher, lease, batch_id)
+            with self._lock:
+                self.runners[batch_id] = runner
+            threading.Thread(target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True).start()
 
-def run_batch(ctx: Context, pool: WorkerPool, batch_id: str) -> dict:
-    """Run one batch to a terminal status; an unexpected failure fails the batch with its reason."""
-    try:
-        return BatchRunner(ctx, pool, batch_id).run()
-    except Exception as exc:
-        log.exception("batch %s failed", batch_id)
-        message = f"internal error while running the batch: {type(exc).__name__}: {exc}"
+    def _run(self, runner: BatchRunner) -> None:
+        try:
+            runner.run()
+        except Exception as exc:
+            log.exception("batch %s: runner failed", runner.batch_id)
+            runner.fail(f"internal error while running the batch: {type(exc).__name__}: {exc}")
+        finally:
+            self.dispatcher.forget_batch(runner.batch_id)
+            with self._lock:
+                self.runners.pop(runner.batch_id, None)
+            if self.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
+                runner.lease.release()
 
-        def fail(r: dict) -> dict:
-            r["errors"] = {"object": "list", "data": [{"code": "internal_error", "line": None, "param": None,
-                                                       "message": message}]}
-            return set_status(r, "failed")
-
-        return ctx.batches.update(batch_id, fail)
+    def _renew(self) -> None:
+        self._renewed = time.monotonic()
+        with self._lock:
+            runners = list(self.runners.values())
+        for runner in runners:
+            try:
+                runner.lease.renew()
+            except LeaseLost:
+                runner.lease_lost()

@@ -1,7 +1,9 @@
 """Result parts: the checkpoints of a batch, and their merge into the output and error files.
 
-`parts/<batch>/part-<chunk>.jsonl` holds one line per request of that chunk; a retried chunk rewrites
-the same key, so at-least-once execution still yields exactly one result per custom_id.
+`parts/<batch>/lines-<first>-<last>.jsonl` holds one entry per request on input lines first..last.
+Whoever finishes a range writes its part (a retried range rewrites the same key), and everything
+downstream de-duplicates by line: coverage for a resumed runner, counts, and the final merge, which
+streams the parts in input order. At-least-once execution thus yields exactly one line per custom_id.
 """
 
 from __future__ import annotations
@@ -9,22 +11,35 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
+import numpy as np
+
+from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import Store
 
-REFUSED_CHUNK = "refused"
-_PART = re.compile(r"part-(\d+|refused)\.jsonl$")
+_PART = re.compile(r"/lines-(\d{9})-(\d{9})\.jsonl$")
+SPOOL_BYTES = 64 * 1024 * 1024
 
 
-def part_key(batch_id: str, chunk: int | str) -> str:
-    name = chunk if isinstance(chunk, str) else f"{chunk:06d}"
-    return f"parts/{batch_id}/part-{name}.jsonl"
+def part_key(batch_id: str, first_line: int, last_line: int) -> str:
+    return f"parts/{batch_id}/lines-{first_line:09d}-{last_line:09d}.jsonl"
+
+
+def entry(line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0, 0, 0)) -> dict:
+    return {"line": line, "ok": ok, "envelope": envelope, "usage": list(usage)}
+
+
+def write_part(store: Store, batch_id: str, first_line: int, last_line: int, entries: list[dict]) -> None:
+    entries = sorted(entries, key=lambda e: e["line"])
+    data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
+    store.write_bytes(part_key(batch_id, first_line, last_line), data)
 
 
 @dataclass
 class Tally:
-    """request_counts and usage, as parts are written."""
+    """request_counts and usage of the entries counted so far."""
 
     completed: int = 0
     failed: int = 0
@@ -42,6 +57,10 @@ class Tally:
         self.output_tokens += completion
         self.cached_tokens += cached
 
+    def merge(self, other: Tally) -> None:
+        for name, value in other.__dict__.items():
+            setattr(self, name, getattr(self, name) + value)
+
     def apply(self, record: dict) -> None:
         record["request_counts"].update(completed=self.completed, failed=self.failed)
         record["usage"].update(
@@ -51,58 +70,51 @@ class Tally:
         record["usage"]["input_tokens_details"]["cached_tokens"] = self.cached_tokens
 
 
-@dataclass
-class PartIndex:
-    done: set = field(default_factory=set)   # chunk numbers (and REFUSED_CHUNK) already written
-    tally: Tally = field(default_factory=Tally)
-
-
-def entry(line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0, 0, 0)) -> dict:
-    return {"line": line, "ok": ok, "envelope": envelope, "usage": list(usage)}
-
-
-def write_part(store: Store, batch_id: str, chunk: int | str, entries: list[dict]) -> None:
-    data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
-    store.write_bytes(part_key(batch_id, chunk), data)
-
-
-def iter_part_keys(store: Store, batch_id: str):
-    for key in store.list(f"parts/{batch_id}/"):
+def iter_parts(store: Store, batch_id: str) -> list[tuple[str, int, int]]:
+    """(key, first line, last line), in input order (a wider part first where two start together)."""
+    found = []
+    for key in store.list(f"parts/{batch_id}/lines-"):
         match = _PART.search(key)
         if match:
-            chunk = match.group(1)
-            yield key, chunk if chunk == REFUSED_CHUNK else int(chunk)
+            found.append((key, int(match.group(1)), int(match.group(2))))
+    return sorted(found, key=lambda p: (p[1], -p[2]))
 
 
-def read_index(store: Store, batch_id: str) -> PartIndex:
-    """What a resumed runner may skip, and the counts so far."""
-    index = PartIndex()
-    for key, chunk in iter_part_keys(store, batch_id):
-        index.done.add(chunk)
-        for raw in store.iter_lines(key):
-            if raw.strip():
-                index.tally.add(json.loads(raw))
-    return index
+def _entries(store: Store, key: str) -> Iterator[dict]:
+    for raw in store.iter_lines(key):
+        if raw.strip():
+            yield json.loads(raw)
+
+
+def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray, Tally]:
+    """Which requests already have a result (a mask over the index) and the counts of those results."""
+    done = np.zeros(len(index), dtype=bool)
+    tally = Tally()
+    for key, _, _ in iter_parts(store, batch_id):
+        for e in _entries(store, key):
+            pos = int(np.searchsorted(index.lines, e["line"]))
+            if pos < len(index) and index.lines[pos] == e["line"] and not done[pos]:
+                done[pos] = True
+                tally.add(e)
+    return done, tally
 
 
 def merge_parts(store: Store, batch_id: str):
-    """-> (output file, error file, tally): spooled temp files in input-line order, one line per custom_id,
-    and the counts and usage of exactly those lines."""
-    entries = []
-    for key, _ in iter_part_keys(store, batch_id):
-        entries.extend(json.loads(raw) for raw in store.iter_lines(key) if raw.strip())
-    entries.sort(key=lambda e: e["line"])
-    outputs = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
-    errors = tempfile.SpooledTemporaryFile(max_size=64 * 1024 * 1024)
-    seen: set[str] = set()
+    """-> (output file, error file, tally): spooled temp files in input-line order, one line per
+    request; parts are streamed one at a time, so memory holds one part, not the batch."""
+    outputs = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+    errors = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
     tally = Tally()
-    for e in entries:
-        custom_id = e["envelope"]["custom_id"]
-        if custom_id in seen:
-            continue
-        seen.add(custom_id)
-        (outputs if e["ok"] else errors).write(json.dumps(e["envelope"], ensure_ascii=False).encode() + b"\n")
-        tally.add(e)
+    last = 0
+    for key, _, last_line in iter_parts(store, batch_id):
+        if last_line <= last:
+            continue  # wholly covered by an earlier part (a retried range)
+        for e in _entries(store, key):
+            if e["line"] <= last:
+                continue
+            last = e["line"]
+            (outputs if e["ok"] else errors).write(json.dumps(e["envelope"], ensure_ascii=False).encode() + b"\n")
+            tally.add(e)
     outputs.seek(0)
     errors.seek(0)
     return outputs, errors, tally

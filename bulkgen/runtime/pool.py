@@ -1,38 +1,33 @@
 """Ray setup and the pool of engine worker actors: one per GPU (num_gpus=1), CPU actors without GPUs.
 
 Actors are named `bulkgen-worker-<n>` in the Ray namespace `bulkgen`, so operators can find them with
-`ray list actors` or `ray.get_actor("bulkgen-worker-0", namespace="bulkgen")`.
+`ray list actors` or `ray.get_actor("bulkgen-worker-0", namespace="bulkgen")`. GPU actors are spread
+over the cluster's nodes; an actor that dies is replaced under the same name by the dispatcher.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+import time
+from pathlib import Path
 from typing import Any
 
 import ray
 
 from bulkgen.runtime.worker import EngineWorker
+from bulkgen.settings import WorkerSettings
 
 NAMESPACE = "bulkgen"
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PoolConfig:
-    ray_address: str | None = None       # None: start a local Ray; "auto" or ray://…: join a cluster
-    num_workers: int | None = None       # None: one per GPU, else `cpu_workers`
-    cpu_workers: int = 1
-    cpu_threads: int | None = None       # torch threads per CPU worker (Ray sets 1 otherwise)
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
 def init_ray(address: str | None = None) -> None:
-    """Join `address`, or start a small local Ray that leaves memory to the engine."""
+    """Join `address`, or start a small local Ray on 127.0.0.1 that leaves memory to the engine."""
     if ray.is_initialized():
         return
     if address:
+        _use_token_auth_if_available()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return
     ray.init(
@@ -42,36 +37,77 @@ def init_ray(address: str | None = None) -> None:
         object_store_memory=256 * 1024 * 1024,
         log_to_driver=False,
         configure_logging=False,
+        _node_ip_address="127.0.0.1",
     )
 
 
+def _use_token_auth_if_available() -> None:
+    """Ray 2.5x+ heads started with `ray start` enable token auth when a token exists, but a client
+    given an explicit address sends its token only if RAY_AUTH_MODE=token: without it every call is
+    refused (a warning a second, then ConnectionError). Turn token mode on when a token is at hand."""
+    if os.environ.get("RAY_AUTH_MODE"):
+        return
+    token_file = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    if os.environ.get("RAY_AUTH_TOKEN") or token_file.is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+        try:  # the C++ config caches the mode when ray is imported; refresh it as `ray start` does
+            from ray._raylet import Config
+
+            Config.initialize("")
+        except (ImportError, AttributeError):
+            pass
+
+
 class WorkerPool:
-    def __init__(self, config: PoolConfig) -> None:
-        self.config = config
+    def __init__(self, settings: WorkerSettings, store_spec: dict[str, Any]) -> None:
+        self.settings = settings
+        self.store_spec = store_spec
         self.workers: list = []
+        self.use_gpu = False
+        self._threads: int | None = None
 
     def start(self) -> list:
-        init_ray(self.config.ray_address)
+        init_ray(self.settings.ray_address)
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        count = self.config.num_workers or gpus or self.config.cpu_workers
-        use_gpu = gpus > 0
-        threads = self.config.cpu_threads or (None if use_gpu else max(1, (os.cpu_count() or 1) // count))
-        actor = ray.remote(EngineWorker)
-        for index in range(count):
-            options = {"num_gpus": 1} if use_gpu else {"num_cpus": 1}
-            handle = actor.options(
-                name=f"bulkgen-worker-{index}", namespace=NAMESPACE, get_if_exists=True,
-                max_concurrency=4, max_restarts=0, **options,
-            ).remote(index, self.config.engine_kwargs, threads)
-            self.workers.append(handle)
-        log.info("started %d %s worker(s)", count, "GPU" if use_gpu else "CPU")
+        count = self.settings.num_workers or gpus or self.settings.cpu_workers
+        self.use_gpu = gpus > 0
+        cpu_share = max(1, (os.cpu_count() or 1) // count)
+        self._threads = self.settings.cpu_threads or (None if self.use_gpu else cpu_share)
+        self.workers = [self._create(i) for i in range(count)]
+        log.info("started %d %s worker(s)", count, "GPU" if self.use_gpu else "CPU")
         return self.workers
 
-    def load(self, model_name: str, model_path: str, endpoint_url: str | None = None) -> list[dict]:
-        """Every worker loads `model_name` (a no-op where it is already loaded)."""
-        return ray.get([w.load.remote(model_name, model_path, endpoint_url) for w in self.workers])
+    def _create(self, index: int):
+        options = {"num_gpus": 1, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": 1}
+        actor = ray.remote(EngineWorker).options(
+            name=f"bulkgen-worker-{index}", namespace=NAMESPACE, get_if_exists=True,
+            max_concurrency=8, max_restarts=0, **options,
+        )
+        return actor.remote(index, self.settings.engine_kwargs, self._threads, self.store_spec)
+
+    def replace(self, index: int, attempts: int = 60):
+        """A fresh actor under the dead one's name (its name frees once Ray has marked it dead)."""
+        old = self.workers[index]
+        try:
+            ray.kill(old)
+        except Exception:  # already gone
+            pass
+        for _ in range(attempts):
+            try:
+                handle = self._create(index)
+                ray.get(handle.poll.remote(0.0), timeout=120)
+                self.workers[index] = handle
+                log.warning("worker %d replaced", index)
+                return handle
+            except Exception as exc:  # the name is still taken by the dead actor, or no resources yet
+                log.info("worker %d not replaceable yet: %s", index, exc)
+                time.sleep(1.0)
+        raise RuntimeError(f"could not replace bulkgen-worker-{index}")
 
     def shutdown(self) -> None:
         for handle in self.workers:
-            ray.kill(handle)
+            try:
+                ray.kill(handle)
+            except Exception:
+                pass
         self.workers = []

@@ -1,30 +1,15 @@
-"""Turn a validated input file into engine work: chat template, tokenize, fit the context, sort, chunk.
+"""A request line made ready for the engine: chat template, tokenize, fit the context.
 
-Offline work is known up front, so the whole file is sorted by total work (prompt + output budget,
-longest first): long requests start early instead of straggling at the end, and neighbours in a chunk
-have similar lengths. The chunk plan is persisted so a resumed runner checkpoints the same parts.
+Runs inside the worker actors, which hold the model's real tokenizer and the engine's real context
+limit (`Engine.max_model_len`, which already accounts for sliding windows): this is the one place
+that decides whether a request fits, and the driver never needs the model at all.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
-from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
-from bulkgen.batch.responses import refused_line
-
-
-@dataclass
-class WorkItem:
-    request: ParsedRequest
-    prompt_token_ids: list[int]
-    params: dict[str, Any]          # SamplingParams kwargs, max_tokens resolved
-
-    @property
-    def work(self) -> int:
-        return len(self.prompt_token_ids) + self.params["max_tokens"] * self.params.get("n", 1)
+from bulkgen.batch.requests import LineError, ParsedRequest
 
 
 def tokenize(request: ParsedRequest, tokenizer) -> list[int]:
@@ -56,32 +41,3 @@ def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> 
         )
     params["max_tokens"] = max_tokens
     return params
-
-
-def prepare(lines: Iterable[bytes], endpoint: str, tokenizer, max_model_len: int):
-    """-> (work items by line, refused output lines by line)."""
-    items: dict[int, WorkItem] = {}
-    refused: dict[int, dict] = {}
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        request = parse_line(raw, number, endpoint)  # validated already: a failure here is a bug
-        try:
-            ids = tokenize(request, tokenizer)
-            items[number] = WorkItem(request, ids, fit_context(request, len(ids), max_model_len))
-        except LineError as err:
-            refused[number] = refused_line(request.custom_id, err.message, err.code, err.param)
-    return items, refused
-
-
-def make_plan(items: dict[int, WorkItem], chunk_size: int) -> list[list[int]]:
-    order = sorted(items, key=lambda line: (-items[line].work, line))
-    return [order[i:i + chunk_size] for i in range(0, len(order), chunk_size)]
-
-
-def plan_to_bytes(chunks: list[list[int]]) -> bytes:
-    return json.dumps({"chunks": chunks}).encode()
-
-
-def plan_from_bytes(data: bytes) -> list[list[int]]:
-    return json.loads(data)["chunks"]

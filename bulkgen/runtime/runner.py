@@ -1,85 +1,244 @@
-"""One runner per batch: stream its requests to the worker pool, checkpoint results, finalize.
+"""One runner per batch, in the driver: index its input, queue what has no result yet, watch, finalize.
 
-Runs in the Ray driver (the service process, or `bulkgen run`). Everything it needs to resume lives in
-object storage: the batch record, the chunk plan and the result parts, so a runner that died is
-resumed by another, which skips the chunks already written.
+Everything a runner needs to resume lives in storage: the batch record, the input file and the result
+parts, so a runner that died is replaced by one (here or on another replica, once its lease lapsed)
+that queues only the lines without a part. The runner never holds the file or the results: it holds
+the line index, a done-mask over it, the counts, and the batch's metrics (bounded sketches).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections import deque
 
-from bulkgen.batch.responses import not_run_line
-from bulkgen.batch.schema import TERMINAL_STATUSES
-from bulkgen.config import Context
+import numpy as np
+
+from bulkgen.batch.records import FileRepo
+from bulkgen.batch.responses import not_run_line, refused_line
+from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
+from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
-from bulkgen.runtime.dispatch import Dispatcher
 from bulkgen.runtime.finalize import finalize
-from bulkgen.runtime.prepare import make_plan, plan_from_bytes, plan_to_bytes, prepare
+from bulkgen.runtime.lease import Lease, LeaseLost
+from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
+from bulkgen.runtime.workqueue import BatchJob, WorkRange, make_ranges, true_runs
 from bulkgen.store import NotFound
 
 log = logging.getLogger(__name__)
 
+CONTROL_EVERY_S = 1.0
+PUBLISH_EVERY_S = 2.0
+
+
+class BatchFailed(Exception):
+    """The batch cannot run at all (its input is gone, its model cannot load): it ends `failed`."""
+
 
 class BatchRunner:
-    def __init__(self, ctx: Context, pool, batch_id: str) -> None:
-        self.ctx, self.pool, self.batch_id = ctx, pool, batch_id
+    def __init__(self, svc: BatchService, queue, dispatcher, lease: Lease, batch_id: str) -> None:
+        self.svc, self.queue, self.dispatcher, self.lease = svc, queue, dispatcher, lease
+        self.batch_id = batch_id
         self.metrics = self._load_metrics()
+        self.index: LineIndex | None = None
+        self.done: np.ndarray | None = None
+        self.tally = parts.Tally()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._fatal: str | None = None
+        self._lease_lost = False
+        self._started = time.time()
+        self._done_here = 0
 
+    # -- the runner's thread ---------------------------------------------------------------------------
     def run(self) -> dict:
-        s = self.ctx.settings
-        record = self.ctx.validate(self.batch_id)
-        if record["status"] in TERMINAL_STATUSES:
-            return record
-        stop = self.stop_reason(record)
-        if record["status"] == "finalizing" or (stop and record["request_counts"]["total"] == 0):
-            return finalize(self.ctx, self.batch_id, stop, self.metrics)
-        model_name = record["model"]
-        model_path = s.models[model_name]
-        tokenizer, max_model_len = _tokenizer(model_path, s.endpoint_url)
-        items, refused = prepare(self.ctx.files.iter_lines(record["input_file_id"]), record["endpoint"],
-                                 tokenizer, max_model_len)
-        chunks = self._plan(items)
-        index = parts.read_index(self.ctx.store, self.batch_id)
-        if parts.REFUSED_CHUNK not in index.done:
-            entries = [parts.entry(line, False, env) for line, env in sorted(refused.items())]
-            parts.write_part(self.ctx.store, self.batch_id, parts.REFUSED_CHUNK, entries)
-            for e in entries:
-                index.tally.add(e)
-        todo = deque(i for i in range(len(chunks)) if i not in index.done)
-        if todo and not stop:
-            self.pool.load(model_name, model_path, s.endpoint_url)
-            dispatcher = Dispatcher(self, chunks, items, index.tally, model_name)
-            stop = dispatcher.run(todo)
-        if stop:
-            self._write_not_run(chunks, todo, items, stop, index.tally)
-        return finalize(self.ctx, self.batch_id, stop, self.metrics)
+        try:
+            return self._run()
+        except LeaseLost:
+            log.warning("batch %s: lease lost; another runner has it", self.batch_id)
+            self._withdraw(None)
+            return self.svc.batches.get(self.batch_id)
+        except BatchFailed as exc:
+            return self.fail(str(exc))
 
+    def _run(self) -> dict:
+        record = self.svc.validate(self.batch_id)
+        if record["status"] in TERMINAL_STATUSES:
+            self.svc.mark_ended(self.batch_id)
+            return record
+        self._log_start()
+        stop = self.stop_reason(record)
+        if record["status"] != "finalizing":
+            self.index = self._scan(record)
+            self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
+            if not stop and not self.done.all():
+                stop = self._execute(record)
+            if stop:
+                self._withdraw(stop)
+                self._write_not_run(stop)
+        return finalize(self.svc, self.batch_id, stop, self.metrics)
+
+    def _execute(self, record: dict) -> str | None:
+        order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
+        job = BatchJob(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
+                       record["model"], float(order))
+        self.queue.add_batch(job, self.index, make_ranges(job, self.index, ~self.done, self.svc.settings.range_size))
+        next_control = next_publish = 0.0
+        while True:
+            self._wake.wait(0.5)
+            self._wake.clear()
+            if self._lease_lost:
+                raise LeaseLost(self.batch_id)
+            if self._fatal:
+                raise BatchFailed(self._fatal)
+            with self._lock:
+                finished = bool(self.done.all())
+            now = time.monotonic()
+            if finished:
+                self.queue.remove_batch(self.batch_id)
+                self.publish()
+                return None
+            if now >= next_control:
+                next_control = now + CONTROL_EVERY_S
+                stop = self.stop_reason()
+                if stop:
+                    return stop
+            if now >= next_publish:
+                next_publish = now + PUBLISH_EVERY_S
+                self.publish()
+
+    def _scan(self, record: dict) -> LineIndex:
+        try:
+            with self.svc.files.open(record["input_file_id"]) as f:
+                return scan(f, record["endpoint"])
+        except (NotFound, LookupError):
+            raise BatchFailed(f"the input file {record['input_file_id']} is gone; the batch cannot run") from None
+
+    def _log_start(self) -> None:
+        """parts/<batch>/runner-<owner>.json: who ran the batch and when (a replica's takeover shows here)."""
+        key = f"parts/{self.batch_id}/runner-{self.lease.owner}.json"
+        self.svc.store.write_bytes(key, json.dumps({"owner": self.lease.owner, "started_at": time.time()}).encode())
+
+    # -- calls from the dispatcher's threads ------------------------------------------------------------
+    def range_done(self, report: dict, worker: str) -> None:
+        lo, hi = report["lo"], report["hi"]
+        with self._lock:
+            if self.done is None or self.done[lo:hi].all():
+                return  # a duplicate (a range retried after its first worker was presumed dead)
+            if self.done[lo:hi].any():
+                self._recount(lo, hi)
+            else:
+                self.tally.merge(parts.Tally(**report["tally"]))
+                for m in report["requests"]:
+                    self.metrics.add_request(m)
+            self.done[lo:hi] = True
+            self._done_here += hi - lo
+        self._wake.set()
+
+    def add_steps(self, worker: str, records: list[dict]) -> None:
+        with self._lock:
+            self.metrics.add_steps(worker, records)
+
+    def give_up(self, r: WorkRange, reason: str) -> None:
+        """A request that kept killing its worker: an engine_error line, so the batch can finish."""
+        entries = [parts.entry(line, False, refused_line(parts_custom_id(raw), f"{reason}; it was not retried "
+                                                                               "again", "engine_error"))
+                   for line, raw in read_lines(self.svc.store, r.job.input_key, r.first_line, r.start, r.end)]
+        parts.write_part(self.svc.store, self.batch_id, r.first_line, r.last_line, entries)
+        self.range_done({"lo": r.lo, "hi": r.hi, "tally": {"failed": len(entries)}, "requests": []}, "")
+
+    def fatal(self, message: str) -> None:
+        self._fatal = message
+        self._wake.set()
+
+    def lease_lost(self) -> None:
+        self._lease_lost = True
+        self._wake.set()
+
+    def poke(self) -> None:
+        """Look at the record now (it was cancelled), not at the next control tick."""
+        self._wake.set()
+
+    # -- progress ----------------------------------------------------------------------------------------
     def stop_reason(self, record: dict | None = None) -> str | None:
         """'batch_cancelled' or 'batch_expired' when the batch must stop now, else None."""
-        record = record or self.ctx.batches.get(self.batch_id)
+        record = record or self.svc.batches.get(self.batch_id)
         if record["status"] == "cancelling":
             return "batch_cancelled"
         if time.time() >= record["expires_at"]:
             return "batch_expired"
         return None
 
-    def publish(self, tally: parts.Tally, save_metrics: bool = False) -> dict:
-        """Keep request_counts, usage and metrics current on the batch record."""
-        summary = self.metrics.summary() if self.metrics.totals["requests"] else None
-        if save_metrics:  # so a resumed runner reports the whole batch, not just its own part
-            self.ctx.store.write_bytes(self._metrics_key, json.dumps(self.metrics.to_state()).encode())
+    def publish(self) -> dict:
+        """Keep request_counts, usage, metrics and the time-to-completion estimate current."""
+        with self._lock:
+            tally = parts.Tally(**self.tally.__dict__)
+            summary = self.metrics.summary() if self.metrics.totals["requests"] else None
+            state = json.dumps(self.metrics.to_state()).encode()
+            remaining = int((~self.done).sum()) if self.done is not None else None
+        self.svc.store.write_bytes(self._metrics_key, state)  # a resumed runner reports the whole batch
+        if summary is not None:
+            summary.update(self._eta(remaining))
 
         def apply(r: dict) -> dict:
             tally.apply(r)
             r["metrics"] = summary or r.get("metrics")
             return r
 
-        return self.ctx.batches.update(self.batch_id, apply)
+        return self.svc.batches.update(self.batch_id, apply)
+
+    def _eta(self, remaining: int | None) -> dict:
+        """From the throughput this runner has measured: hosted APIs leave their users polling blind."""
+        elapsed = time.time() - self._started
+        if not remaining or not self._done_here or elapsed <= 0:
+            return {"eta_s": 0.0 if remaining == 0 else None, "estimated_completion_at": None}
+        eta = remaining / (self._done_here / elapsed)
+        return {"eta_s": round(eta, 1), "estimated_completion_at": int(time.time() + eta)}
+
+    # -- endings ------------------------------------------------------------------------------------------
+    def _withdraw(self, code: str | None) -> None:
+        """Take the batch off the queue and the workers; with `code`, they store what they hold."""
+        self.queue.remove_batch(self.batch_id)
+        self.dispatcher.abort_batch(self.batch_id, code)
+
+    def _write_not_run(self, code: str) -> None:
+        """Every request without a result yet gets `code` (cancelled / expired) in the error file."""
+        done, _ = parts.coverage(self.svc.store, self.batch_id, self.index)
+        key = FileRepo.data_key(self.svc.batches.get(self.batch_id)["input_file_id"])
+        size = self.svc.settings.range_size * 32
+        for lo, hi in true_runs(~done):
+            for start in range(lo, hi, size):
+                end = min(hi, start + size)
+                first, last = int(self.index.lines[start]), int(self.index.lines[end - 1])
+                lines = read_lines(self.svc.store, key, first, int(self.index.starts[start]), int(self.index.ends[end - 1]))
+                entries = [parts.entry(line, False, not_run_line(parts_custom_id(raw), code)) for line, raw in lines]
+                parts.write_part(self.svc.store, self.batch_id, first, last, entries)
+
+    def _recount(self, lo: int, hi: int) -> None:
+        """A range overlapping results already counted: count only its new lines, from its stored part."""
+        lines = set(int(x) for x, d in zip(self.index.lines[lo:hi], self.done[lo:hi], strict=True) if not d)
+        first, last = int(self.index.lines[lo]), int(self.index.lines[hi - 1])
+        for raw in self.svc.store.iter_lines(parts.part_key(self.batch_id, first, last)):
+            e = json.loads(raw) if raw.strip() else None
+            if e and e["line"] in lines:
+                self.tally.add(e)
+
+    def fail(self, message: str) -> dict:
+        log.error("batch %s failed: %s", self.batch_id, message)
+        self._withdraw(None)
+
+        def fail(r: dict) -> dict | None:
+            if r["status"] in TERMINAL_STATUSES:
+                return None
+            r["errors"] = {"object": "list", "data": [{"code": "batch_failed", "line": None, "param": None,
+                                                       "message": message[:2000]}]}
+            return set_status(r, "failed")
+
+        record = self.svc.batches.update(self.batch_id, fail)
+        self.svc.mark_ended(self.batch_id)
+        return record
 
     @property
     def _metrics_key(self) -> str:
@@ -87,35 +246,11 @@ class BatchRunner:
 
     def _load_metrics(self) -> BatchMetrics:
         try:
-            return BatchMetrics.from_state(json.loads(self.ctx.store.read_bytes(self._metrics_key)))
-        except NotFound:
+            return BatchMetrics.from_state(json.loads(self.svc.store.read_bytes(self._metrics_key)))
+        except (NotFound, ValueError, KeyError):
             return BatchMetrics()
 
-    def _plan(self, items) -> list[list[int]]:
-        key = f"parts/{self.batch_id}/plan.json"
-        try:
-            return plan_from_bytes(self.ctx.store.read_bytes(key))
-        except NotFound:
-            chunks = make_plan(items, self.ctx.settings.chunk_size)
-            self.ctx.store.write_bytes(key, plan_to_bytes(chunks))
-            return chunks
 
-    def _write_not_run(self, chunks, todo, items, code: str, tally: parts.Tally) -> None:
-        """Chunks never finished: whatever did finish is already in their parts; the rest go to errors."""
-        for chunk in todo:
-            entries = [parts.entry(line, False, not_run_line(items[line].request.custom_id, code))
-                       for line in chunks[chunk]]
-            parts.write_part(self.ctx.store, self.batch_id, chunk, entries)
-            for e in entries:
-                tally.add(e)
-        self.publish(tally)
-
-
-def _tokenizer(model_path: str, endpoint_url: str | None):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from bulkgen.models.registry import resolve_model_path
-
-    local = resolve_model_path(model_path, endpoint_url=endpoint_url)
-    config = AutoConfig.from_pretrained(local)
-    return AutoTokenizer.from_pretrained(local), int(getattr(config, "max_position_embeddings", 2048))
+def parts_custom_id(raw: bytes) -> str:
+    """The custom_id of a validated input line (for lines that never reached a worker)."""
+    return json.loads(raw)["custom_id"]

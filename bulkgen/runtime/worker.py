@@ -1,9 +1,17 @@
-"""An engine worker: one continuous-batching engine per GPU (or CPU actor), fed without pauses.
+"""An engine worker: one continuous-batching engine per GPU (or CPU actor), fed by pulling line ranges.
 
-Runners submit requests in chunks and poll for finished ones; a background thread owns the engine and
-keeps stepping while anything is queued, so the batch stays full across chunk boundaries. Results are
-kept per group (a batch id), so several runners may share the workers without taking each other's
-results. The class is plain Python (testable without Ray); `bulkgen.runtime.pool` makes it an actor.
+The driver's dispatcher long-polls `poll()`, which says how many more requests the engine has room
+for (`want`, from its free slots and its waiting queue, which grows when KV blocks run out), which
+ranges finished since the last poll (their parts are already in storage), and this worker's engine
+steps split per batch. `assign()` hands it ranges: the worker reads their bytes from storage, applies
+the chat template, tokenizes and fits the context, and queues them for the engine thread, which owns
+the engine and keeps stepping while anything is held. A writer thread stores each finished range's
+result part, so storage latency never stalls a step.
+
+A step that raises resets the engine and isolates the culprit by bisection: the requests it held are
+re-run in halves, alone, until the one that fails by itself is reported as `engine_error`; the rest
+finish normally, and no other batch is touched. The class is plain Python (testable without Ray);
+`bulkgen.runtime.pool` makes it an actor.
 """
 
 from __future__ import annotations
@@ -13,160 +21,350 @@ import os
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
+from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
+from bulkgen.batch.responses import not_run_line, refused_line, success_line
 from bulkgen.models.registry import resolve_model_path
+from bulkgen.runtime import parts
+from bulkgen.runtime.lineindex import read_lines
+from bulkgen.runtime.prepare import fit_context, tokenize
+from bulkgen.store import open_store
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Prepared:
+    request_id: str
+    range_key: tuple
+    request: ParsedRequest
+    prompt_ids: list[int]
+    params: dict[str, Any]
+
+
+@dataclass
+class RangeWork:
+    """One assigned range: what is still running, and the entries of what finished."""
+
+    batch_id: str
+    spec: dict
+    model: str
+    remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
+    entries: list[dict] = field(default_factory=list)
+    metrics: list[dict] = field(default_factory=list)
+
+    def report(self) -> dict:
+        tally = parts.Tally()
+        for e in self.entries:
+            tally.add(e)
+        return {**self.spec, "tally": tally.__dict__, "requests": self.metrics}
+
+
 class EngineWorker:
-    def __init__(self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None):
+    def __init__(self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None,
+                 store_spec: dict[str, Any] | None = None):
         self.index = index
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
+        self.store = open_store(**store_spec) if store_spec else None
         self.engine = None
         self.model_name: str | None = None
-        self.model_path: str | None = None
-        self.endpoint_url: str | None = None
-        self._inbox: queue.Queue = queue.Queue()
-        self._group_of: dict[str, str] = {}
-        self._finished: dict[str, list[dict]] = defaultdict(list)
-        self._steps: list[dict] = []
         self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name=f"bulkgen-engine-{index}", daemon=True)
-        self._thread.start()
+        self._prepare_lock = threading.Lock()
+        self._ranges: dict[tuple, RangeWork] = {}
+        self._live: dict[str, Prepared] = {}          # in the engine
+        self._inbox: deque[Prepared] = deque()         # prepared, not yet in the engine
+        self._aborts: list[str] = []
+        self._preparing = 0
+        self._stopped: set[str] = set()
+        self._done: list[dict] = []
+        self._steps: dict[str, list[dict]] = defaultdict(list)
+        self._quarantine: deque[list[Prepared]] = deque()
+        self._group: list[Prepared] | None = None      # the suspects in the engine while isolating a failure
+        self._writes: queue.Queue = queue.Queue()
+        threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
+        threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
+    # -- the driver's calls --------------------------------------------------------------------------
     def load(self, model_name: str, model_path: str, endpoint_url: str | None = None) -> dict[str, Any]:
-        """Load (or keep) the model; returns what the worker runs on. Call it while the worker is idle.
+        """Load (or keep) the model; the dispatcher switches models only while the worker holds nothing.
 
         An `s3://` model is copied to this node's cache by the worker itself, so workers on other
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         if self.model_name != model_name or self.engine is None:
-            self.model_name, self.model_path, self.endpoint_url = model_name, model_path, endpoint_url
-            self._build_engine()
+            import torch
+
+            from bulkgen.engine import Engine
+
+            if self.cpu_threads:
+                torch.set_num_threads(self.cpu_threads)
+            with self._cond:
+                self.engine, self.model_name = None, None
+            engine = Engine.from_pretrained(resolve_model_path(model_path, endpoint_url=endpoint_url),
+                                            **self.engine_kwargs)
+            with self._cond:
+                self.engine, self.model_name = engine, model_name
+                self._cond.notify_all()
         return self.info()
 
     def info(self) -> dict[str, Any]:
-        device = str(getattr(self.engine, "device", "unloaded"))
-        return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid()}
+        import ray
 
-    def submit(self, group: str, requests: list[dict[str, Any]]) -> None:
-        """`requests`: {"id", "prompt_token_ids", "params": SamplingParams kwargs}; ids unique per worker."""
-        with self._cond:
-            self._group_of.update((r["id"], group) for r in requests)
-        self._inbox.put(("add", requests))
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        device = str(next(self.engine.model.parameters()).device) if self.engine is not None else "unloaded"
+        return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node}
 
-    def abort(self, request_ids: list[str]) -> None:
+    def assign(self, job: dict, specs: list[dict]) -> None:
+        """Read, prepare and queue ranges of one batch (`job`: BatchJob fields)."""
         with self._cond:
-            for request_id in request_ids:
-                self._group_of.pop(request_id, None)
-        self._inbox.put(("abort", request_ids))
+            if job["batch_id"] in self._stopped:
+                return
+            self._preparing += sum(s["hi"] - s["lo"] for s in specs)
+        with self._prepare_lock:
+            for spec in specs:
+                self._prepare_range(job, spec)
 
-    def poll(self, group: str, timeout: float = 0.5) -> dict[str, Any]:
-        """The group's requests finished since its last poll (waits up to `timeout` for one)."""
+    def poll(self, timeout: float = 0.5) -> dict[str, Any]:
+        """Finished ranges, step records by batch, and how many more requests the engine wants."""
         with self._cond:
-            if not self._finished.get(group):
+            if not self._done and self._want() == 0:
                 self._cond.wait(timeout)
-            finished = self._finished.pop(group, [])
-            steps, self._steps = self._steps, []
-        stats = self.engine.stats() if self.engine is not None else {}
-        return {"finished": finished, "steps": steps, "stats": stats, "worker": self.index}
+            done, self._done = self._done, []
+            steps, self._steps = dict(self._steps), defaultdict(list)
+            return {"worker": self.index, "model": self.model_name, "done": done, "steps": steps,
+                    "want": self._want(), "held": len(self._live) + len(self._inbox) + self._preparing}
 
-    def release(self, group: str) -> None:
-        """The group's runner is done: forget anything of it still here."""
+    def abort_batch(self, batch_id: str, code: str | None) -> int:
+        """Stop the batch's work here. With `code` (batch_cancelled / batch_expired) each of its ranges
+        gets its part now: what finished, and `code` for the rest; without, nothing is written (the
+        lease moved elsewhere). Returns after every part of the batch is stored."""
         with self._cond:
-            self._finished.pop(group, None)
-            stale = [rid for rid, g in self._group_of.items() if g == group]
-        if stale:
-            self.abort(stale)
+            self._stopped.add(batch_id)
+            mine = {k: r for k, r in self._ranges.items() if r.batch_id == batch_id}
+            for key in mine:
+                del self._ranges[key]
+            self._aborts += [rid for rid, p in self._live.items() if p.range_key in mine]
+            self._inbox = deque(p for p in self._inbox if p.range_key not in mine)
+            self._quarantine = deque([p for p in g if p.range_key not in mine] for g in self._quarantine)
+            self._cond.notify_all()
+        self._writes.join()  # parts of its ranges that finished just before
+        if code:
+            for work in mine.values():
+                work.entries += [parts.entry(line, False, not_run_line(cid, code))
+                                 for line, cid in work.remaining.items()]
+                self._store_part(work)
+        return len(mine)
 
-    # -- the engine thread -------------------------------------------------------------------------
-    def _build_engine(self) -> None:
-        import torch
+    def forget(self, batch_id: str) -> None:
+        """The batch ended: drop its stop mark (ids are unique, so it would never be seen again)."""
+        with self._cond:
+            self._stopped.discard(batch_id)
 
-        from bulkgen.engine import Engine
-
-        if self.cpu_threads:
-            torch.set_num_threads(self.cpu_threads)
-        self.engine = None
-        self.engine = Engine.from_pretrained(resolve_model_path(self.model_path, endpoint_url=self.endpoint_url),
-                                             **self.engine_kwargs)
-
-    def _loop(self) -> None:
-        while True:
-            busy = self.engine is not None and self.engine.has_unfinished()
+    # -- preparation (RPC threads) --------------------------------------------------------------------
+    def _prepare_range(self, job: dict, spec: dict) -> None:
+        key = (job["batch_id"], spec["lo"], spec["hi"])
+        work = RangeWork(job["batch_id"], spec, job["model"])
+        ready: list[Prepared] = []
+        try:
+            lines = list(read_lines(self.store, job["input_key"], spec["first_line"], spec["start"], spec["end"]))
+        except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
+            log.exception("worker %d: could not read %s", self.index, key)
+            with self._cond:
+                self._preparing -= spec["hi"] - spec["lo"]
+                self._done.append({**spec, "error": f"{type(exc).__name__}: {exc}"})
+                self._cond.notify_all()
+            return
+        for line, raw in lines:
+            request = parse_line(raw, line, job["endpoint"])  # validated at create: a failure is a bug
+            work.remaining[line] = request.custom_id
             try:
-                self._drain(block=not busy)
-                if self.engine is not None and self.engine.has_unfinished():
+                ids = tokenize(request, self.engine.tokenizer)
+                params = fit_context(request, len(ids), self.engine.max_model_len)
+            except LineError as err:
+                self._settle(work, line, parts.entry(line, False, refused_line(request.custom_id, err.message,
+                                                                                err.code, err.param)))
+                continue
+            ready.append(Prepared(f"{job['batch_id']}|{line}", key, request, ids, params))
+        with self._cond:
+            self._preparing -= spec["hi"] - spec["lo"]
+            if job["batch_id"] in self._stopped:
+                return
+            self._ranges[key] = work
+            self._inbox.extend(ready)
+            if not work.remaining:
+                self._complete(key)
+            self._cond.notify_all()
+
+    # -- the engine thread ------------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._aborts or self._has_work()):
+                    self._cond.wait(0.5)
+                aborts, self._aborts = self._aborts, []
+            try:
+                if aborts:
+                    self.engine.abort(aborts)
+                    with self._cond:
+                        for rid in aborts:
+                            self._live.pop(rid, None)
+                self._admit()
+                if self.engine.has_unfinished():
                     self._step()
             except Exception as exc:
                 self._recover(f"{type(exc).__name__}: {exc}")
 
-    def _recover(self, message: str) -> None:
-        """An engine failure fails the requests it held (each gets the reason), then a fresh engine
-        takes over, so one bad step never wedges the worker or loses a request silently."""
-        log.exception("worker %d: engine failed", self.index)
+    def _has_work(self) -> bool:
+        engine_busy = self.engine is not None and self.engine.has_unfinished()
+        return engine_busy or (self.engine is not None and (bool(self._inbox) or bool(self._quarantine)))
+
+    def _admit(self) -> None:
         with self._cond:
-            held = list(self._group_of)
-        self._publish([{"request_id": rid, "error": f"engine failed: {message}", "code": "engine_error"}
-                       for rid in held], [])
-        try:
-            self._build_engine()
-        except Exception:
-            log.exception("worker %d: could not rebuild the engine", self.index)
-            self.engine = None
+            if self._group is not None and not self._live:
+                self._group = None                     # every suspect of the group settled
+            if self._group is not None:
+                return                                 # isolating: nothing new joins the suspects
+            if self._quarantine:
+                if self._live:
+                    return
+                self._group = batch = self._quarantine.popleft()
+            else:
+                batch, self._inbox = list(self._inbox), deque()
+            for p in batch:
+                self._live[p.request_id] = p
+        for p in batch:
+            self._add(p)
 
-    def _drain(self, block: bool) -> None:
-        try:
-            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(*command)
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _apply(self, kind: str, payload: list) -> None:
-        if self.engine is None:  # no engine: refuse what arrives, never crash the loop
-            if kind == "add":
-                self._publish([{"request_id": r["id"], "error": "the worker has no model loaded",
-                                "code": "engine_error"} for r in payload], [])
-            return
-        if kind == "abort":
-            self.engine.abort(payload)
-            return
+    def _add(self, p: Prepared) -> None:
         from bulkgen.engine import SamplingParams
 
-        refused = []
-        for request in payload:
-            try:
-                self.engine.add_request(request["id"], request["prompt_token_ids"], SamplingParams(**request["params"]))
-            except ValueError as exc:
-                refused.append({"request_id": request["id"], "error": str(exc), "code": "invalid_request"})
-        if refused:
-            self._publish(refused, [])
+        try:
+            self.engine.add_request(p.request_id, p.prompt_ids, SamplingParams(**p.params), tag=p.range_key[0])
+        except Exception as exc:  # one request's bad parameters never touch the others
+            self.engine.abort([p.request_id])
+            code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
+            self._fail(p, str(exc), code)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
-        self._publish([result_dict(o) for o in outputs], self.engine.pop_step_records())
-
-    def _publish(self, finished: list[dict], steps: list[dict]) -> None:
+        finished = self.engine.step()
+        records = self.engine.pop_step_records()
         with self._cond:
-            for result in finished:
-                group = self._group_of.pop(result["request_id"], None)
-                if group is not None:  # None: aborted or released meanwhile
-                    self._finished[group].append(result)
-            self._steps.extend(steps)
+            for out in finished:
+                p = self._live.pop(out.request_id, None)
+                if p is not None:
+                    self._finish(p, out)
+            for record in records:
+                for batch_id, share in split_step(record).items():
+                    self._steps[batch_id].append(share)
             if finished:
                 self._cond.notify_all()
 
+    def _finish(self, p: Prepared, out) -> None:
+        work = self._ranges.get(p.range_key)
+        if work is None:
+            return  # aborted meanwhile
+        result = result_dict(out)
+        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
+        envelope = success_line(p.request.to_dict(), result, work.model)
+        work.metrics.append(result["metrics"])
+        self._settle(work, p.request.line, parts.entry(p.request.line, True, envelope, usage))
+
+    def _fail(self, p: Prepared, message: str, code: str) -> None:
+        with self._cond:
+            self._live.pop(p.request_id, None)
+            work = self._ranges.get(p.range_key)
+            if work is not None:
+                envelope = refused_line(p.request.custom_id, message, code)
+                self._settle(work, p.request.line, parts.entry(p.request.line, False, envelope))
+
+    def _settle(self, work: RangeWork, line: int, entry: dict) -> None:
+        """Record one request's entry; a range whose every request settled goes to the writer."""
+        if work.remaining.pop(line, None) is None:
+            return
+        work.entries.append(entry)
+        key = (work.batch_id, work.spec["lo"], work.spec["hi"])
+        if not work.remaining and key in self._ranges:
+            self._complete(key)
+
+    def _complete(self, key: tuple) -> None:
+        self._writes.put(self._ranges.pop(key))
+
+    def _recover(self, message: str) -> None:
+        """A failed step: reset the engine, then bisect the requests it held until the culprit is alone."""
+        log.exception("worker %d: engine step failed", self.index)
+        with self._cond:
+            suspects, self._live = list(self._live.values()), {}
+            self._group = None
+        self._reset_engine()
+        if len(suspects) == 1:
+            self._fail(suspects[0], f"the engine failed on this request: {message}", "engine_error")
+            return
+        half = len(suspects) // 2
+        with self._cond:
+            self._quarantine.extendleft([suspects[half:], suspects[:half]])
+
+    def _reset_engine(self) -> None:
+        try:
+            self.engine.reset()
+        except Exception:
+            log.exception("worker %d: engine reset failed; rebuilding it", self.index)
+            self.engine = type(self.engine)(self.engine.model, self.engine.tokenizer, **self.engine_kwargs)
+
+    # -- the writer thread ----------------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            work = self._writes.get()
+            try:
+                self._store_part(work)
+                with self._cond:
+                    self._done.append(work.report())
+                    self._cond.notify_all()
+            except Exception:  # the range is not reported done, so the driver will hand it out again
+                log.exception("worker %d: could not store a part of %s", self.index, work.batch_id)
+            finally:
+                self._writes.task_done()
+
+    def _store_part(self, work: RangeWork) -> None:
+        parts.write_part(self.store, work.batch_id, work.spec["first_line"], work.spec["last_line"], work.entries)
+
+    # -- capacity ------------------------------------------------------------------------------------
+    def _want(self) -> int:
+        """Requests to pull now: enough to keep one full batch running and one waiting for admission
+        (so the scheduler can sort by length), none while the engine is KV-bound or isolating a crash."""
+        if self.engine is None:
+            return 0 if self.model_name else 1
+        if self._group is not None or self._quarantine:
+            return 0
+        capacity = self.engine.free_capacity()
+        slots = capacity["max_num_seqs"]
+        if capacity["waiting"] >= slots or (capacity["waiting"] and not capacity["free_blocks"]):
+            return 0
+        return max(0, 2 * slots - len(self._live) - len(self._inbox) - self._preparing)
+
+
+def split_step(record: dict) -> dict[str, dict]:
+    """One engine step record as each batch's share: its own slots and tokens, and the step time in
+    proportion to its tokens, so batches sharing a worker never count each other's work."""
+    by_tag = record.get("by_tag") or {}
+    total = sum(t["prefill_tokens"] + t["decode_tokens"] for t in by_tag.values()) or 1
+    held_all = record.get("num_seqs") or 1
+    out = {}
+    for tag, t in by_tag.items():
+        out[tag] = {
+            "t": record["t"], "duration_s": record["duration_s"] * (t["prefill_tokens"] + t["decode_tokens"]) / total,
+            "num_seqs": t["held"], "active_seqs": t["active"], "prefill_tokens": t["prefill_tokens"],
+            "decode_tokens": t["decode_tokens"], "output_tokens": t.get("output_tokens", 0),
+            "padding_slots": round(record.get("padding_slots", 0) * t["held"] / held_all),
+            "max_num_seqs": record.get("max_num_seqs"), "batch_size": record.get("num_seqs", t["held"]),
+        }
+    return out
+
 
 def result_dict(output) -> dict[str, Any]:
-    """A finished RequestOutput as plain data for the runner (no tensors cross the actor boundary)."""
+    """A finished RequestOutput as plain data (no tensors cross the actor boundary)."""
     metrics = output.metrics
     return {
         "request_id": output.request_id,

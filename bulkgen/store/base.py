@@ -116,6 +116,10 @@ class Store(ABC):
         """A streaming binary reader (close it, or use `with`); NotFound if there is no object."""
 
     @abstractmethod
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object (a ranged GET): how a worker reads its lines of a big file."""
+
+    @abstractmethod
     def size(self, key: str) -> int:
         """Object size in bytes; NotFound if there is none."""
 

@@ -133,6 +133,11 @@ class LocalStore(Store):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(key) from None
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        with self.open_read(key) as f:
+            f.seek(start)
+            return f.read(max(0, end - start))
+
     def _download_file(self, key: str, path: Path) -> None:
         with self.open_read(key) as src, open(path, "wb") as dst:
             copy_stream(src, dst)

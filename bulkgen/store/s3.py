@@ -191,6 +191,17 @@ class S3Store(Store):
         body = self._call(key, lambda: self._get(key)["Body"])
         return io.BufferedReader(_BodyReader(body), buffer_size=1 * MiB)
 
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+
+        def fetch() -> bytes:
+            full = self._full(check_key(key))
+            response = self._client().get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}")
+            return response["Body"].read()
+
+        return self._call(key, fetch)
+
     def _download_file(self, key: str, path: Path) -> None:
         with store_errors(key):
             self._client("transfer").download_file(

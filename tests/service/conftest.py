@@ -12,9 +12,9 @@ import pytest
 import uvicorn
 
 from bulkgen.api import create_app
-from bulkgen.config import Context, Settings
+from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
-from bulkgen.runtime.pool import PoolConfig, WorkerPool
+from bulkgen.settings import Settings, WorkerSettings
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 MODEL = "bulkgen-tiny"
@@ -30,11 +30,11 @@ class Service:
     """A running service: its base URL, its storage context, and a way to stop it."""
 
     def __init__(self, settings: Settings, api_key: str | None = None) -> None:
-        self.ctx = Context(settings)
-        self.manager = BatchManager(self.ctx, WorkerPool(settings.pool))
+        self.svc = BatchService(settings)
+        self.manager = BatchManager(self.svc)
         self.manager.start()
         port = free_port()
-        config = uvicorn.Config(create_app(self.ctx, self.manager, api_key), host="127.0.0.1", port=port,
+        config = uvicorn.Config(create_app(self.svc, self.manager, api_key), host="127.0.0.1", port=port,
                                 log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
@@ -58,8 +58,10 @@ class Service:
 
 
 def settings_for(storage: str, **overrides) -> Settings:
-    pool = PoolConfig(cpu_workers=1, engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
-    return Settings(storage=storage, models={MODEL: str(SAMPLES / "model")}, chunk_size=16, pool=pool, **overrides)
+    workers = WorkerSettings(cpu_workers=overrides.pop("cpu_workers", 1),
+                             engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
+    return Settings(storage=storage, models={MODEL: str(SAMPLES / "model")}, range_size=16, workers=workers,
+                    **overrides)
 
 
 @pytest.fixture(scope="session")

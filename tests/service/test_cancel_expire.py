@@ -49,7 +49,7 @@ def test_expiry_keeps_partial_results(service, client, tmp_path):
         record["expires_at"] = int(time.time())
         return record
 
-    service.ctx.batches.update(batch.id, expire_now)  # the record in storage is the source of truth
+    service.svc.batches.update(batch.id, expire_now)  # the record in storage is the source of truth
     batch = wait_done(client, batch.id, timeout=60)
     assert batch.status == "expired" and batch.expired_at is not None
     _check_partial(client, batch, "batch_expired")

@@ -8,7 +8,7 @@ import pytest
 
 from bulkgen.batch.requests import COMPLETIONS, LineError, parse_line
 from bulkgen.batch.responses import completion_body
-from bulkgen.runtime.prepare import fit_context, make_plan, prepare
+from bulkgen.runtime.prepare import fit_context
 from tests.service.conftest import chat_row, completion_row
 
 
@@ -72,17 +72,6 @@ def test_fit_context_defaults_to_rest_of_context_and_refuses_overflow():
     with pytest.raises(LineError) as info:
         fit_context(request, prompt_len=10, max_model_len=50)
     assert info.value.code == "context_length_exceeded" and "51 tokens" in info.value.message
-
-
-def test_plan_sorts_longest_work_first_and_chunks(tmp_path):
-    from bulkgen.models.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    rows = [completion_row(f"r{i}", "x" * (i + 1), max_tokens=5) for i in range(5)]
-    rows.append(completion_row("huge", "y", max_tokens=10_000))
-    items, refused = prepare([_line(r) for r in rows], COMPLETIONS, tok, max_model_len=64)
-    assert list(refused) == [6] and refused[6]["response"]["body"]["error"]["code"] == "context_length_exceeded"
-    assert make_plan(items, chunk_size=2) == [[5, 4], [3, 2], [1]]
 
 
 def test_completion_logprobs_shape():

@@ -1,0 +1,102 @@
+"""Where each request of an input file lies and how much work it is, from one streamed pass.
+
+The runner never holds the input file: it holds this index (about 30 bytes a request) and cuts line
+ranges from it; a worker then fetches exactly its range's bytes with a ranged read. The work estimate
+(prompt bytes / 4 + max_tokens × n) orders ranges longest first; the prefix key groups requests that
+share a leading prompt (the system message), so one worker's prefix cache serves them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from bulkgen.batch.requests import parse_line
+
+READ_CHUNK = 1 << 20
+UNKNOWN_MAX_TOKENS = 512  # a request without max_tokens runs to the context end: guess it is long
+PREFIX_CHARS = 256
+
+
+@dataclass
+class LineIndex:
+    lines: np.ndarray    # int64: 1-based line number of each request (blank lines are no requests)
+    starts: np.ndarray   # int64: byte offset where the line starts
+    ends: np.ndarray     # int64: byte offset where it ends (newline excluded)
+    work: np.ndarray     # int64: estimated tokens of work
+    prefix: np.ndarray   # uint64: key of the leading prompt part, 0 if none
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def positions(self, first_line: int, last_line: int) -> tuple[int, int]:
+        """Index positions [lo, hi) of the requests on lines first_line..last_line."""
+        lo = int(np.searchsorted(self.lines, first_line, side="left"))
+        hi = int(np.searchsorted(self.lines, last_line, side="right"))
+        return lo, hi
+
+
+def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
+    """Index a validated input file in bounded memory (a read buffer plus the index itself)."""
+    cols: tuple[list[int], ...] = ([], [], [], [], [])
+    for number, start, raw in _lines_with_offsets(reader):
+        if not raw.strip():
+            continue
+        request = parse_line(raw, number, endpoint)
+        for col, value in zip(cols, (number, start, start + len(raw), _work(request), _prefix_key(request)),
+                              strict=True):
+            col.append(value)
+    lines, starts, ends, work, prefix = cols
+    return LineIndex(np.array(lines, np.int64), np.array(starts, np.int64), np.array(ends, np.int64),
+                     np.array(work, np.int64), np.array(prefix, np.uint64))
+
+
+def _lines_with_offsets(reader: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, line without '\\n' / '\\r\\n')."""
+    offset, number, tail = 0, 0, b""
+    while chunk := reader.read(READ_CHUNK):
+        pieces = (tail + chunk).split(b"\n")
+        tail = pieces.pop()
+        for piece in pieces:
+            number += 1
+            yield number, offset, piece.removesuffix(b"\r")
+            offset += len(piece) + 1
+    if tail:
+        yield number + 1, offset, tail.removesuffix(b"\r")
+
+
+def _work(request) -> int:
+    if request.messages is not None:
+        prompt_tokens = sum(len(m["content"]) for m in request.messages) // 4
+    elif isinstance(request.prompt, list):
+        prompt_tokens = len(request.prompt)
+    else:
+        prompt_tokens = len(request.prompt) // 4
+    max_tokens = request.sampling.get("max_tokens") or UNKNOWN_MAX_TOKENS
+    return prompt_tokens + max_tokens * (request.sampling.get("n") or 1)
+
+
+def _prefix_key(request) -> int:
+    """The system message (or a lone message's start; a text prompt's start): what a prefix cache shares."""
+    if request.messages is not None:
+        first = request.messages[0]
+        text = first["content"] if first["role"] == "system" else first["content"][:PREFIX_CHARS]
+    else:
+        text = request.prompt[:PREFIX_CHARS] if isinstance(request.prompt, str) else ""
+    if not text:
+        return 0
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
+
+
+def read_lines(store, input_key: str, first_line: int, start: int, end: int) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw line) of the non-blank lines in bytes [start, end) of a stored input file,
+    the first of which is `first_line`: a worker's range, fetched with one ranged read."""
+    data = store.read_range(input_key, start, end)
+    for number, piece in enumerate(data.split(b"\n"), start=first_line):
+        raw = piece.removesuffix(b"\r")
+        if raw.strip():
+            yield number, raw

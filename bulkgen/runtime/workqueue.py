@@ -1,0 +1,201 @@
+"""The service's work queue: line ranges of every running batch, handed to workers as they have room.
+
+Workers pull; nothing is pushed in fixed chunks. `take(worker, want)` answers with ranges totalling
+about `want` requests, chosen so that:
+- batches go in order (FIFO by creation, or earliest deadline first), but a batch that got no work
+  for `fair_share_after_s` is served next, so a small batch behind a huge one is never starved;
+- within a batch, the longest work goes first, so long requests start early instead of straggling;
+- ranges whose requests share a leading prompt go to the worker that already served that prefix,
+  where its KV prefix cache still holds it;
+- at the tail (fewer pending requests than workers could hold) ranges are split, so every worker
+  gets a share and none is left with a long queue while the others idle.
+A range that was in flight on a worker that died comes back with one more attempt; after a second
+failure it is halved, so a request that kills its worker is isolated and, alone, given up on.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bulkgen.runtime.lineindex import LineIndex
+
+MAX_ATTEMPTS = 3
+AFFINITY_LOOKAHEAD = 16
+
+
+@dataclass
+class BatchJob:
+    """What a worker needs to know about a range's batch (small; sent with every assignment)."""
+
+    batch_id: str
+    input_key: str
+    endpoint: str
+    model: str
+    order_key: float          # created_at (fifo) or expires_at (deadline): lower goes first
+
+
+@dataclass
+class WorkRange:
+    job: BatchJob
+    lo: int                   # index positions [lo, hi) of the batch's LineIndex
+    hi: int
+    first_line: int
+    last_line: int
+    start: int                # bytes [start, end) of the input file
+    end: int
+    work: int
+    prefix: int
+    attempts: int = 0
+
+    @property
+    def size(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.job.batch_id, self.lo, self.hi
+
+    def spec(self) -> dict:
+        """The assignment a worker receives."""
+        return {"batch_id": self.job.batch_id, "lo": self.lo, "hi": self.hi, "first_line": self.first_line,
+                "last_line": self.last_line, "start": self.start, "end": self.end}
+
+
+def cut_range(job: BatchJob, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> WorkRange:
+    return WorkRange(job, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]), int(index.starts[lo]),
+                     int(index.ends[hi - 1]), int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
+
+
+def make_ranges(job: BatchJob, index: LineIndex, todo: np.ndarray, size: int) -> list[WorkRange]:
+    """Ranges of at most `size` consecutive requests over the positions where `todo` is True."""
+    ranges = []
+    for lo, hi in true_runs(todo):
+        for start in range(lo, hi, size):
+            ranges.append(cut_range(job, index, start, min(hi, start + size)))
+    return ranges
+
+
+def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) runs where `mask` is True."""
+    padded = np.concatenate(([False], mask.astype(bool), [False]))
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+@dataclass
+class _Pending:
+    job: BatchJob
+    index: LineIndex
+    ranges: list[WorkRange] = field(default_factory=list)    # longest work per request first
+    last_served: float = field(default_factory=time.monotonic)
+
+    def sort(self) -> None:
+        self.ranges.sort(key=lambda r: (-r.work / r.size, r.lo))
+
+
+class WorkQueue:
+    def __init__(self, num_workers, fair_share_after_s: float = 30.0) -> None:
+        self._num_workers = num_workers          # a callable: the pool's current size
+        self.fair_share_after_s = fair_share_after_s
+        self._batches: dict[str, _Pending] = {}
+        self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
+        self._lock = threading.Lock()
+
+    def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[WorkRange]) -> None:
+        with self._lock:
+            pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
+            pending.ranges.extend(ranges)
+            pending.sort()
+
+    def remove_batch(self, batch_id: str) -> None:
+        """Drop the batch's pending ranges (cancelled, expired, lease lost, or done)."""
+        with self._lock:
+            self._batches.pop(batch_id, None)
+
+    def pending_requests(self) -> int:
+        with self._lock:
+            return sum(r.size for p in self._batches.values() for r in p.ranges)
+
+    def batches_waiting(self) -> int:
+        with self._lock:
+            return sum(1 for p in self._batches.values() if p.ranges)
+
+    def take(self, worker: int, want: int, model: str | None, idle: bool) -> list[WorkRange]:
+        """Ranges for `worker`, about `want` requests, of `model` (any model when the worker is idle)."""
+        if want < 1:
+            return []
+        with self._lock:
+            pending = self._next_batch(model, idle)
+            if pending is None:
+                return []
+            pending.last_served = time.monotonic()
+            want = min(want, self._tail_share())
+            taken: list[WorkRange] = []
+            count = 0
+            while pending.ranges and count < want:
+                taken.append(self._pop(pending, worker, want - count))
+                count += taken[-1].size
+            return taken
+
+    def put_back(self, ranges: list[WorkRange]) -> list[WorkRange]:
+        """Ranges lost with a dead worker go back, one attempt older; returns those given up on."""
+        given_up = []
+        with self._lock:
+            for r in ranges:
+                pending = self._batches.get(r.job.batch_id)
+                if pending is None:
+                    continue  # the batch stopped meanwhile
+                attempts = r.attempts + 1
+                if attempts >= MAX_ATTEMPTS and r.size == 1:
+                    given_up.append(r)
+                elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it
+                    mid = (r.lo + r.hi) // 2
+                    pending.ranges += [cut_range(r.job, pending.index, r.lo, mid, attempts),
+                                       cut_range(r.job, pending.index, mid, r.hi, attempts)]
+                else:
+                    pending.ranges.append(cut_range(r.job, pending.index, r.lo, r.hi, attempts))
+                pending.sort()
+        return given_up
+
+    # -- choices ---------------------------------------------------------------------------------
+    def _next_batch(self, model: str | None, idle: bool) -> _Pending | None:
+        candidates = [p for p in self._batches.values() if p.ranges and (idle or p.job.model == model)]
+        if not candidates:
+            return None
+        now = time.monotonic()
+        starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
+        pool = starving or candidates
+        same_model = [p for p in pool if p.job.model == model]  # avoid reloading when there is a choice
+        return min(same_model or pool, key=lambda p: (p.job.order_key, p.job.batch_id))
+
+    def _tail_share(self) -> int:
+        """Requests one worker should take now: all it wants, except at the tail, where work is split."""
+        pending = sum(r.size for p in self._batches.values() for r in p.ranges)
+        return max(1, math.ceil(pending / max(1, self._num_workers())))
+
+    def _pop(self, pending: _Pending, worker: int, limit: int) -> WorkRange:
+        choice = self._affine(pending, worker)
+        r = pending.ranges.pop(choice)
+        if r.size > limit:  # keep the remainder queued
+            pending.ranges.insert(choice, cut_range(r.job, pending.index, r.lo + limit, r.hi, r.attempts))
+            r = cut_range(r.job, pending.index, r.lo, r.lo + limit, r.attempts)
+        if r.prefix:
+            self._affinity[r.prefix] = worker
+        return r
+
+    def _affine(self, pending: _Pending, worker: int) -> int:
+        """Among the next few longest ranges: one whose prefix this worker holds, else one no other
+        worker holds, else the longest."""
+        window = pending.ranges[:AFFINITY_LOOKAHEAD]
+        for i, r in enumerate(window):
+            if r.prefix and self._affinity.get(r.prefix) == worker:
+                return i
+        for i, r in enumerate(window):
+            if not r.prefix or r.prefix not in self._affinity:
+                return i
+        return 0
