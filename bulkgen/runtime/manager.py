@@ -51,10 +51,12 @@ class BatchManager:
             self.svc.reindex_active()  # storage written before the active index existed
         threading.Thread(target=self._loop, name="bulkgen-batches", daemon=True).start()
 
-    def stop(self) -> None:
+    def stop(self, kill_workers: bool = True) -> None:
         self._stopped.set()
         self._wake.set()
         self.dispatcher.stop()
+        if kill_workers:
+            self.pool.shutdown()
 
     def wake(self, batch_id: str | None = None) -> None:
         """A batch was created or cancelled here: look now."""

@@ -169,9 +169,10 @@ class WorkQueue:
             return None
         now = time.monotonic()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
-        pool = starving or candidates
-        same_model = [p for p in pool if p.job.model == model]  # avoid reloading when there is a choice
-        return min(same_model or pool, key=lambda p: (p.job.order_key, p.job.batch_id))
+        if starving:  # the one that waited longest, whatever the order says
+            return min(starving, key=lambda p: p.last_served)
+        same_model = [p for p in candidates if p.job.model == model]  # avoid a reload when there is a choice
+        return min(same_model or candidates, key=lambda p: (p.job.order_key, p.job.batch_id))
 
     def _tail_share(self) -> int:
         """Requests one worker should take now: all it wants, except at the tail, where work is split."""

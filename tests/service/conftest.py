@@ -66,7 +66,8 @@ def settings_for(storage: str, **overrides) -> Settings:
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory):
-    svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500))
+    svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500,
+                               fair_share_after_s=2.0))
     yield svc
     svc.stop()
 

@@ -1,0 +1,150 @@
+"""The worker actor's class as plain Python: ranges in, parts out, a poison request isolated."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from bulkgen.runtime import parts
+from bulkgen.runtime.lease import Lease, LeaseLost
+from bulkgen.runtime.lineindex import scan
+from bulkgen.runtime.worker import EngineWorker
+from bulkgen.store import LocalStore
+from tests.service.conftest import MODEL, SAMPLES, completion_row
+
+
+def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[dict]]:
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    key = f"files/data/{batch_id}-in"
+    store.write_bytes(key, data)
+    index = scan(__import__("io").BytesIO(data), "/v1/completions")
+    job = {"batch_id": batch_id, "input_key": key, "endpoint": "/v1/completions", "model": MODEL, "order_key": 0}
+    specs = [{"batch_id": batch_id, "lo": lo, "hi": min(lo + 4, len(index)), "first_line": int(index.lines[lo]),
+              "last_line": int(index.lines[min(lo + 4, len(index)) - 1]), "start": int(index.starts[lo]),
+              "end": int(index.ends[min(lo + 4, len(index)) - 1])} for lo in range(0, len(index), 4)]
+    return job, specs
+
+
+def _worker(store) -> EngineWorker:
+    worker = EngineWorker(0, {"max_num_seqs": 8}, store_spec=store.spec())
+    worker.load(MODEL, str(SAMPLES / "model"))
+    return worker
+
+
+def _drain(worker: EngineWorker, ranges: int, timeout: float = 90) -> list[dict]:
+    done: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while len(done) < ranges and time.monotonic() < deadline:
+        done += worker.poll(0.2)["done"]
+    return done
+
+
+def _lines(store, batch_id: str) -> dict[int, dict]:
+    out = {}
+    for key, _, _ in parts.iter_parts(store, batch_id):
+        for raw in store.iter_lines(key):
+            e = json.loads(raw)
+            assert e["line"] not in out
+            out[e["line"]] = e
+    return out
+
+
+def test_ranges_become_parts_with_one_entry_per_line(tmp_path):
+    store = LocalStore(tmp_path)
+    rows = [completion_row(f"r{i}", "hello " * (i + 1), max_tokens=3) for i in range(6)]
+    rows.append(completion_row("too-long", "x", max_tokens=100_000))
+    job, specs = _stored_batch(store, "batch_a", rows)
+    worker = _worker(store)
+    assert worker.poll(0)["want"] == 16  # two full batches of slots: one running, one to sort from
+    worker.assign(job, specs)
+    reports = _drain(worker, len(specs))
+    assert sorted((r["lo"], r["hi"]) for r in reports) == [(0, 4), (4, 7)]
+    lines = _lines(store, "batch_a")
+    assert sorted(lines) == list(range(1, 8))
+    assert lines[7]["envelope"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    assert all(lines[i]["ok"] and lines[i]["usage"][1] == 3 for i in range(1, 7))
+    assert sum(r["tally"]["completed"] for r in reports) == 6 and sum(len(r["requests"]) for r in reports) == 6
+    steps = worker.poll(0)["steps"]
+    assert set(steps) <= {"batch_a"}
+
+
+def test_a_poison_request_is_isolated_and_costs_no_one_else(tmp_path):
+    store = LocalStore(tmp_path)
+    worker = _worker(store)
+    engine = worker.engine
+    real_step = engine.step
+
+    def step_that_dies_on_poison():
+        if "batch_p|3" in engine.requests:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_step()
+
+    engine.step = step_that_dies_on_poison
+    job_p, specs_p = _stored_batch(store, "batch_p", [completion_row(f"p{i}", f"q {i}", max_tokens=4)
+                                                       for i in range(8)])
+    job_o, specs_o = _stored_batch(store, "batch_o", [completion_row(f"o{i}", f"z {i}", max_tokens=4)
+                                                       for i in range(4)])
+    worker.assign(job_p, specs_p)
+    worker.assign(job_o, specs_o)
+    _drain(worker, len(specs_p) + len(specs_o))
+    poisoned = _lines(store, "batch_p")
+    assert sorted(poisoned) == list(range(1, 9))
+    bad = [e for e in poisoned.values() if not e["ok"]]
+    assert [e["line"] for e in bad] == [3]
+    assert bad[0]["envelope"]["response"]["body"]["error"]["code"] == "engine_error"
+    assert "illegal memory access" in bad[0]["envelope"]["response"]["body"]["error"]["message"]
+    other = _lines(store, "batch_o")
+    assert sorted(other) == [1, 2, 3, 4] and all(e["ok"] for e in other.values())
+    # the engine is healthy afterwards: a later batch runs normally
+    job_l, specs_l = _stored_batch(store, "batch_l", [completion_row("l0", "later", max_tokens=2)])
+    worker.assign(job_l, specs_l)
+    _drain(worker, 1)
+    assert _lines(store, "batch_l")[1]["ok"]
+
+
+def test_abort_with_a_code_stores_what_finished_and_marks_the_rest(tmp_path):
+    store = LocalStore(tmp_path)
+    worker = _worker(store)
+    rows = [completion_row(f"r{i}", "long", max_tokens=4000) for i in range(4)]
+    job, specs = _stored_batch(store, "batch_c", rows)
+    worker.assign(job, specs)
+    time.sleep(0.5)
+    assert worker.abort_batch("batch_c", "batch_cancelled") == 1
+    lines = _lines(store, "batch_c")
+    assert sorted(lines) == [1, 2, 3, 4]
+    assert all(e["envelope"]["error"]["code"] == "batch_cancelled" for e in lines.values())
+    worker.assign(job, specs)  # a late assignment of a stopped batch is ignored
+    time.sleep(0.3)
+    assert worker.poll(0)["held"] == 0 and not worker.engine.has_unfinished()
+
+
+def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):
+    store = LocalStore(tmp_path)
+    a = Lease(store, "batch_x", "replica-a", ttl_s=0.5)
+    b = Lease(store, "batch_x", "replica-b", ttl_s=0.5)
+    assert a.acquire() and not b.acquire()
+    a.renew()
+    time.sleep(0.6)
+    assert b.acquire()          # a's lease lapsed (its process stopped renewing)
+    try:
+        a.renew()
+        raise AssertionError("a stale owner renewed a lease it lost")
+    except LeaseLost:
+        pass
+    b.release()
+    assert a.acquire()
+
+
+def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
+    store = LocalStore(tmp_path)
+
+    def e(line: int, tag: str) -> dict:
+        return parts.entry(line, True, {"custom_id": f"c{line}", "tag": tag}, (1, 1, 0))
+
+    parts.write_part(store, "b", 5, 8, [e(5, "x"), e(8, "x")])
+    parts.write_part(store, "b", 1, 4, [e(1, "x"), e(2, "x"), e(4, "x")])
+    parts.write_part(store, "b", 1, 2, [e(1, "retry"), e(2, "retry")])   # a retried half: a duplicate
+    out, err, tally = parts.merge_parts(store, "b")
+    lines = [json.loads(x) for x in out.read().splitlines()]
+    assert [x["custom_id"] for x in lines] == ["c1", "c2", "c4", "c5", "c8"]
+    assert tally.completed == 5 and tally.input_tokens == 5 and err.read() == b""

@@ -1,0 +1,120 @@
+"""The work queue and the line index on hand-made inputs (no Ray, no engine)."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import numpy as np
+
+from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
+from bulkgen.runtime.workqueue import MAX_ATTEMPTS, BatchJob, WorkQueue, make_ranges
+from bulkgen.store import LocalStore
+
+
+def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
+    n = len(work)
+    return LineIndex(np.arange(1, n + 1), np.arange(n) * 10, np.arange(n) * 10 + 9, np.array(work),
+                     np.array(prefix or [0] * n, dtype=np.uint64))
+
+
+def _job(batch_id: str, order: float, model: str = "m") -> BatchJob:
+    return BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", model, order)
+
+
+def _queue(workers: int = 1, fair_after: float = 30.0) -> WorkQueue:
+    return WorkQueue(lambda: workers, fair_after)
+
+
+def _add(q: WorkQueue, job: BatchJob, index: LineIndex, size: int) -> None:
+    q.add_batch(job, index, make_ranges(job, index, np.ones(len(index), bool), size))
+
+
+def test_ranges_skip_done_lines_and_longest_work_goes_first():
+    index = _index([1, 1, 9, 9, 5, 5])
+    job = _job("b", 0)
+    done = np.array([False, False, False, False, True, False])
+    ranges = make_ranges(job, index, ~done, 2)
+    assert [(r.lo, r.hi) for r in ranges] == [(0, 2), (2, 4), (5, 6)]
+    q = _queue()
+    q.add_batch(job, index, ranges)
+    assert [(r.lo, r.hi) for r in q.take(0, 2, "m", idle=False)] == [(2, 4)]   # work 9 per request
+    assert [(r.lo, r.hi) for r in q.take(0, 1, "m", idle=False)] == [(5, 6)]
+    assert [(r.lo, r.hi) for r in q.take(0, 1, "m", idle=False)] == [(0, 1)]   # no more than wanted
+    assert [(r.lo, r.hi) for r in q.take(0, 5, "m", idle=False)] == [(1, 2)]
+    assert q.take(0, 1, "m", idle=False) == []
+
+
+def test_fifo_then_deadline_and_no_starvation():
+    q = _queue(fair_after=0.2)
+    _add(q, _job("old-big", order=1.0), _index([1] * 100), 10)
+    _add(q, _job("new-small", order=2.0), _index([1] * 5), 10)
+    assert q.take(0, 10, "m", idle=False)[0].job.batch_id == "old-big"
+    time.sleep(0.25)  # new-small got nothing for longer than fair_share_after_s: it goes next
+    assert q.take(0, 10, "m", idle=False)[0].job.batch_id == "new-small"
+    assert q.take(0, 10, "m", idle=False)[0].job.batch_id == "old-big"
+
+
+def test_a_worker_keeps_its_model_unless_idle():
+    q = _queue()
+    _add(q, _job("a", 1.0, model="other"), _index([1] * 4), 4)
+    assert q.take(0, 4, "m", idle=False) == []
+    assert q.take(0, 4, "m", idle=True)[0].job.model == "other"
+
+
+def test_the_tail_is_split_among_workers():
+    q = _queue(workers=4)
+    _add(q, _job("b", 0), _index([1] * 8), 8)
+    got = q.take(0, 100, "m", idle=False)
+    assert sum(r.size for r in got) == 2  # 8 pending over 4 workers
+    assert q.pending_requests() == 6
+
+
+def test_lost_ranges_come_back_halved_and_a_lone_killer_is_given_up():
+    q = _queue()
+    _add(q, _job("b", 0), _index([1] * 4), 4)
+    [r] = q.take(0, 4, "m", idle=False)
+    assert q.put_back([r]) == [] and q.pending_requests() == 4     # attempt 1: the same range again
+    [r] = q.take(0, 4, "m", idle=False)
+    assert q.put_back([r]) == []                                     # attempt 2: halved
+    halves = q.take(0, 2, "m", idle=False) + q.take(0, 2, "m", idle=False)
+    assert sorted(h.size for h in halves) == [2, 2]
+    suspect = halves[0]
+    for _ in range(MAX_ATTEMPTS):
+        q.put_back([suspect])
+        taken = q.take(0, 1, "m", idle=False)
+        if not taken:
+            break
+        suspect = taken[0]
+    single = suspect
+    assert single.size == 1
+    given_up = []
+    while not given_up:
+        given_up = q.put_back([single])
+        single = (q.take(0, 1, "m", idle=False) or [single])[0]
+    assert given_up[0].size == 1 and given_up[0].attempts + 1 >= MAX_ATTEMPTS
+
+
+def test_shared_prefixes_stay_on_the_worker_that_cached_them():
+    q = _queue(workers=2)
+    _add(q, _job("b", 0), _index([5] * 40, prefix=[7] * 20 + [9] * 20), 5)
+    first = {w: q.take(w, 5, "m", idle=False)[0].prefix for w in (0, 1)}
+    assert first[0] != first[1]
+    for _ in range(3):
+        for w in (0, 1):
+            assert q.take(w, 5, "m", idle=False)[0].prefix == first[w]
+
+
+def test_scan_indexes_offsets_across_blank_and_crlf_lines(tmp_path):
+    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": "x" * (4 * i + 4), "max_tokens": 3}} for i in range(3)]
+    data = (json.dumps(rows[0]) + "\r\n\n" + json.dumps(rows[1]) + "\n   \n" + json.dumps(rows[2])).encode()
+    index = scan(io.BytesIO(data), "/v1/completions")
+    assert index.lines.tolist() == [1, 3, 5]
+    assert index.work.tolist() == [1 + 3, 2 + 3, 3 + 3]
+    store = LocalStore(tmp_path)
+    store.write_bytes("in.jsonl", data)
+    got = list(read_lines(store, "in.jsonl", 3, int(index.starts[1]), int(index.ends[2])))
+    assert [(n, json.loads(raw)["custom_id"]) for n, raw in got] == [(3, "r1"), (5, "r2")]
+    assert index.positions(2, 5) == (1, 3)
