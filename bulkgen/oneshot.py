@@ -62,8 +62,8 @@ def run_accepted(svc: BatchService, batch_id: str) -> dict:
     manager.start()
     try:
         return manager.wait(batch_id)
-    finally:
-        manager.stop()
+    finally:  # the workers may be shared with a service on the same Ray: leave them running
+        manager.stop(kill_workers=False)
 
 
 def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint: str | None = None,

@@ -55,3 +55,22 @@ def s3_bucket_url(s3_server, monkeypatch):
 
 
 # ---- end of object storage fixtures ----------------------------------------------------------------
+
+
+# ---- one bulkgen service per test session (uvicorn + local Ray in this process), shared by tests/service
+# and tests/runtime: Ray runs once per process and worker actors are named, so there is only one.
+
+
+@pytest.fixture(scope="session")
+def service(tmp_path_factory, aws_test_credentials):
+    from tests.service.conftest import Service, settings_for
+
+    svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500,
+                               fair_share_after_s=2.0))
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture
+def client(service):
+    return service.client()

@@ -25,8 +25,10 @@ LOAD_DEADLINE_S = 1800.0
 
 
 class Dispatcher:
-    def __init__(self, pool, queue: WorkQueue, models: dict[str, str], endpoint_url: str | None, runner_of) -> None:
+    def __init__(self, pool, queue: WorkQueue, models: dict[str, str], endpoint_url: str | None, runner_of,
+                 owner: str) -> None:
         self.pool, self.queue, self.models, self.endpoint_url = pool, queue, models, endpoint_url
+        self.owner = owner                    # this driver's name on workers that several drivers share
         self.runner_of = runner_of            # batch id -> its BatchRunner here, or None
         self.inflight: list[dict[tuple, WorkRange]] = []
         self.models_loaded: list[str | None] = []
@@ -77,7 +79,7 @@ class Dispatcher:
 
     def _serve(self, index: int) -> None:
         handle = self.pool.workers[index]
-        poll = ray.get(handle.poll.remote(POLL_WAIT_S), timeout=POLL_DEADLINE_S)
+        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S), timeout=POLL_DEADLINE_S)
         self.models_loaded[index] = poll["model"]
         self._route(index, poll)
         if poll["want"] < 1:
@@ -92,7 +94,7 @@ class Dispatcher:
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)
-        handle.assign.remote(asdict(job), [r.spec() for r in ranges])
+        handle.assign.remote(asdict(job), [r.spec() for r in ranges], self.owner)
 
     def _load(self, index: int, handle, model: str, ranges: list[WorkRange]) -> bool:
         try:

@@ -95,7 +95,7 @@ class WorkerPool:
         for _ in range(attempts):
             try:
                 handle = self._create(index)
-                ray.get(handle.poll.remote(0.0), timeout=120)
+                ray.get(handle.poll.remote("", 0.0), timeout=120)
                 self.workers[index] = handle
                 log.warning("worker %d replaced", index)
                 return handle

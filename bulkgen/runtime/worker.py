@@ -80,8 +80,9 @@ class EngineWorker:
         self._aborts: list[str] = []
         self._preparing = 0
         self._stopped: set[str] = set()
-        self._done: list[dict] = []
-        self._steps: dict[str, list[dict]] = defaultdict(list)
+        self._owner_of: dict[str, str] = {}            # batch id -> the driver that assigned it
+        self._done: dict[str, list[dict]] = defaultdict(list)             # per driver
+        self._steps: dict[str, dict[str, list[dict]]] = defaultdict(dict)  # per driver, per batch
         self._quarantine: deque[list[Prepared]] = deque()
         self._group: list[Prepared] | None = None      # the suspects in the engine while isolating a failure
         self._writes: queue.Queue = queue.Queue()
@@ -117,23 +118,26 @@ class EngineWorker:
         device = str(next(self.engine.model.parameters()).device) if self.engine is not None else "unloaded"
         return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node}
 
-    def assign(self, job: dict, specs: list[dict]) -> None:
-        """Read, prepare and queue ranges of one batch (`job`: BatchJob fields)."""
+    def assign(self, job: dict, specs: list[dict], owner: str = "") -> None:
+        """Read, prepare and queue ranges of one batch (`job`: BatchJob fields). `owner` names the
+        driver that assigned them: several drivers (service replicas, a `bulkgen run`) may share a
+        worker, and each polls only its own results."""
         with self._cond:
             if job["batch_id"] in self._stopped:
                 return
+            self._owner_of[job["batch_id"]] = owner
             self._preparing += sum(s["hi"] - s["lo"] for s in specs)
         with self._prepare_lock:
             for spec in specs:
                 self._prepare_range(job, spec)
 
-    def poll(self, timeout: float = 0.5) -> dict[str, Any]:
-        """Finished ranges, step records by batch, and how many more requests the engine wants."""
+    def poll(self, owner: str = "", timeout: float = 0.5) -> dict[str, Any]:
+        """`owner`'s finished ranges and step records by batch, and how many more requests the engine wants."""
         with self._cond:
-            if not self._done and self._want() == 0:
+            if not self._done.get(owner) and self._want() == 0:
                 self._cond.wait(timeout)
-            done, self._done = self._done, []
-            steps, self._steps = dict(self._steps), defaultdict(list)
+            done = self._done.pop(owner, [])
+            steps = self._steps.pop(owner, {})
             return {"worker": self.index, "model": self.model_name, "done": done, "steps": steps,
                     "want": self._want(), "held": len(self._live) + len(self._inbox) + self._preparing}
 
@@ -162,6 +166,7 @@ class EngineWorker:
         """The batch ended: drop its stop mark (ids are unique, so it would never be seen again)."""
         with self._cond:
             self._stopped.discard(batch_id)
+            self._owner_of.pop(batch_id, None)
 
     # -- preparation (RPC threads) --------------------------------------------------------------------
     def _prepare_range(self, job: dict, spec: dict) -> None:
@@ -174,7 +179,8 @@ class EngineWorker:
             log.exception("worker %d: could not read %s", self.index, key)
             with self._cond:
                 self._preparing -= spec["hi"] - spec["lo"]
-                self._done.append({**spec, "error": f"{type(exc).__name__}: {exc}"})
+                self._done[self._owner_of.get(job["batch_id"], "")].append(
+                    {**spec, "error": f"{type(exc).__name__}: {exc}"})
                 self._cond.notify_all()
             return
         for line, raw in lines:
@@ -258,7 +264,8 @@ class EngineWorker:
                     self._finish(p, out)
             for record in records:
                 for batch_id, share in split_step(record).items():
-                    self._steps[batch_id].append(share)
+                    owner = self._owner_of.get(batch_id, "")
+                    self._steps[owner].setdefault(batch_id, []).append(share)
             if finished:
                 self._cond.notify_all()
 
@@ -320,7 +327,7 @@ class EngineWorker:
             try:
                 self._store_part(work)
                 with self._cond:
-                    self._done.append(work.report())
+                    self._done[self._owner_of.get(work.batch_id, "")].append(work.report())
                     self._cond.notify_all()
             except Exception:  # the range is not reported done, so the driver will hand it out again
                 log.exception("worker %d: could not store a part of %s", self.index, work.batch_id)

@@ -35,7 +35,7 @@ def _drain(worker: EngineWorker, ranges: int, timeout: float = 90) -> list[dict]
     done: list[dict] = []
     deadline = time.monotonic() + timeout
     while len(done) < ranges and time.monotonic() < deadline:
-        done += worker.poll(0.2)["done"]
+        done += worker.poll("", 0.2)["done"]
     return done
 
 
@@ -55,7 +55,7 @@ def test_ranges_become_parts_with_one_entry_per_line(tmp_path):
     rows.append(completion_row("too-long", "x", max_tokens=100_000))
     job, specs = _stored_batch(store, "batch_a", rows)
     worker = _worker(store)
-    assert worker.poll(0)["want"] == 16  # two full batches of slots: one running, one to sort from
+    assert worker.poll("", 0)["want"] == 16  # two full batches of slots: one running, one to sort from
     worker.assign(job, specs)
     reports = _drain(worker, len(specs))
     assert sorted((r["lo"], r["hi"]) for r in reports) == [(0, 4), (4, 7)]
@@ -64,7 +64,7 @@ def test_ranges_become_parts_with_one_entry_per_line(tmp_path):
     assert lines[7]["envelope"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
     assert all(lines[i]["ok"] and lines[i]["usage"][1] == 3 for i in range(1, 7))
     assert sum(r["tally"]["completed"] for r in reports) == 6 and sum(len(r["requests"]) for r in reports) == 6
-    steps = worker.poll(0)["steps"]
+    steps = worker.poll("", 0)["steps"]
     assert set(steps) <= {"batch_a"}
 
 
@@ -115,7 +115,7 @@ def test_abort_with_a_code_stores_what_finished_and_marks_the_rest(tmp_path):
     assert all(e["envelope"]["error"]["code"] == "batch_cancelled" for e in lines.values())
     worker.assign(job, specs)  # a late assignment of a stopped batch is ignored
     time.sleep(0.3)
-    assert worker.poll(0)["held"] == 0 and not worker.engine.has_unfinished()
+    assert worker.poll("", 0)["held"] == 0 and not worker.engine.has_unfinished()
 
 
 def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):

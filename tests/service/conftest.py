@@ -8,7 +8,6 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import uvicorn
 
 from bulkgen.api import create_app
@@ -62,19 +61,6 @@ def settings_for(storage: str, **overrides) -> Settings:
                              engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
     return Settings(storage=storage, models={MODEL: str(SAMPLES / "model")}, range_size=16, workers=workers,
                     **overrides)
-
-
-@pytest.fixture(scope="session")
-def service(tmp_path_factory):
-    svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500,
-                               fair_share_after_s=2.0))
-    yield svc
-    svc.stop()
-
-
-@pytest.fixture
-def client(service):
-    return service.client()
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -1,0 +1,139 @@
+"""Exactly once across faults, on a real local Ray: a killed worker, a SIGKILLed service, two replicas,
+two batches at once, a cancelled queued batch, and a deleted input file."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+import ray
+
+from bulkgen.runtime.pool import NAMESPACE
+from bulkgen.store import LocalStore
+from tests.service.conftest import completion_row, read_lines, upload, wait_done, wait_for, write_jsonl
+
+pytestmark = pytest.mark.slow
+
+
+def _create(client, path: Path, rows: list[dict]):
+    file_id = upload(client, write_jsonl(path, rows)).id
+    return client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+
+
+def _rows(prefix: str, n: int, max_tokens: int) -> list[dict]:
+    return [completion_row(f"{prefix}{i}", f"item {i} " * (1 + i % 5), max_tokens=max_tokens) for i in range(n)]
+
+
+def _assert_exactly_once(client, batch, rows: list[dict]) -> None:
+    out, err = read_lines(client, batch.output_file_id), read_lines(client, batch.error_file_id)
+    ids = [line["custom_id"] for line in out + err]
+    assert sorted(ids) == sorted(r["custom_id"] for r in rows)  # every custom_id, none twice
+    assert [line["custom_id"] for line in out] == [r["custom_id"] for r in rows if r["custom_id"] in set(ids) and
+                                                   any(o["custom_id"] == r["custom_id"] for o in out)]
+    assert batch.request_counts.completed == len(out) and batch.request_counts.failed == len(err)
+
+
+def _parts(store: LocalStore, batch_id: str) -> dict[str, bytes]:
+    return {k: store.read_bytes(k) for k in store.list(f"parts/{batch_id}/lines-")}
+
+
+def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, client, tmp_path):
+    rows = _rows("k", 400, 48)
+    batch = _create(client, tmp_path / "kill.jsonl", rows)
+    running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
+    assert running.status == "in_progress" and running.model_extra["metrics"]["eta_s"] is not None
+    store = service.svc.store
+    before = _parts(store, batch.id)
+    ray.kill(ray.get_actor("bulkgen-worker-0", namespace=NAMESPACE))
+    batch = wait_done(client, batch.id, timeout=300)
+    assert batch.status == "completed"
+    _assert_exactly_once(client, batch, rows)
+    assert batch.request_counts.failed == 0
+    after = _parts(store, batch.id)
+    assert all(after[key] == data for key, data in before.items())  # finished work kept, not redone
+
+
+def test_two_batches_share_the_workers_and_a_small_one_is_not_starved(service, client, tmp_path):
+    big_rows, small_rows = _rows("big", 300, 48), _rows("small", 10, 4)
+    big = _create(client, tmp_path / "big.jsonl", big_rows)
+    wait_for(client, big.id, lambda b: b.request_counts.completed >= 16, timeout=180)
+    small = _create(client, tmp_path / "small.jsonl", small_rows)
+    small = wait_done(client, small.id, timeout=180)
+    assert client.batches.retrieve(big.id).status == "in_progress"  # it finished while the big one ran
+    big = wait_done(client, big.id, timeout=300)
+    _assert_exactly_once(client, small, small_rows)
+    _assert_exactly_once(client, big, big_rows)
+    # each batch's metrics count only its own requests and steps
+    assert small.model_extra["metrics"]["requests"] == 10 and big.model_extra["metrics"]["requests"] == 300
+    small_tokens = sum(w["steps"] for w in small.model_extra["metrics"]["per_worker"].values())
+    big_tokens = sum(w["steps"] for w in big.model_extra["metrics"]["per_worker"].values())
+    assert 0 < small_tokens < big_tokens
+
+
+def test_concurrent_cancels_of_a_queued_batch_end_it_once(service, client, tmp_path):
+    blocker = _create(client, tmp_path / "blocker.jsonl", _rows("b", 200, 64))
+    rows = _rows("q", 40, 8)
+    queued = _create(client, tmp_path / "queued.jsonl", rows)
+    threads = [threading.Thread(target=client.batches.cancel, args=(queued.id,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queued = wait_done(client, queued.id, timeout=120)
+    assert queued.status == "cancelled"
+    _assert_exactly_once(client, queued, rows)
+    names = [f.filename for f in client.files.list(purpose="batch_output").data]
+    assert sum(queued.id in name for name in names) == (queued.output_file_id is not None) + 1
+    runners = list(service.svc.store.list(f"parts/{queued.id}/runner-"))
+    assert len(runners) == 1
+    client.batches.cancel(blocker.id)
+    wait_done(client, blocker.id, timeout=120)
+
+
+def test_the_input_of_a_running_batch_cannot_be_deleted(client, tmp_path):
+    rows = _rows("d", 60, 16)
+    batch = _create(client, tmp_path / "del.jsonl", rows)
+    with pytest.raises(openai.ConflictError, match="is the input of batch"):
+        client.files.delete(batch.input_file_id)
+    batch = wait_done(client, batch.id, timeout=180)
+    assert batch.status == "completed" and len(read_lines(client, batch.output_file_id)) == 60
+    assert client.files.delete(batch.input_file_id).deleted
+
+
+def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_path):
+    storage = str(tmp_path / "store")
+    first = serve_process(storage, "--lease-ttl", "4")
+    client = first.client()
+    rows = _rows("s", 400, 48)
+    batch = _create(client, tmp_path / "s.jsonl", rows)
+    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
+    first.kill()
+    store = LocalStore(storage)
+    before = _parts(store, batch.id)
+    assert before and len(before) < 400 // 16
+    second = serve_process(storage, "--lease-ttl", "4")
+    batch = wait_done(second.client(), batch.id, timeout=300)
+    assert batch.status == "completed"
+    _assert_exactly_once(second.client(), batch, rows)
+    after = _parts(store, batch.id)
+    assert all(after[key] == data for key, data in before.items())
+    owners = [json.loads(store.read_bytes(k))["owner"] for k in store.list(f"parts/{batch.id}/runner-")]
+    assert len(set(owners)) == 2  # the dead service's runner, then the new one
+
+
+def test_two_replicas_on_one_storage_run_each_batch_once(serve_process, tmp_path):
+    storage = str(tmp_path / "store")
+    a, b = serve_process(storage), serve_process(storage)
+    batches = [(_create(c, tmp_path / f"r{i}.jsonl", _rows(f"r{i}-", 48, 8)), _rows(f"r{i}-", 48, 8))
+               for i, c in enumerate([a.client(), b.client(), a.client(), b.client()])]
+    store = LocalStore(storage)
+    for batch, rows in batches:
+        done = wait_done(a.client(), batch.id, timeout=300)
+        assert done.status == "completed"
+        _assert_exactly_once(a.client(), done, rows)
+        assert len(list(store.list(f"parts/{batch.id}/runner-"))) == 1   # one runner, one finalize
+    outputs = [f for f in a.client().files.list(purpose="batch_output").data]
+    assert len(outputs) == len(batches)
