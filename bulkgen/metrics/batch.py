@@ -94,7 +94,7 @@ class BatchMetrics:
             "output_tokens_per_s": round(output_tokens / wall_time_s, 3) if wall_time_s > 0 else None,
             "input_tokens": self.totals["num_prompt_tokens"],
             "cached_prompt_tokens": self.totals["num_cached_tokens"],
-            "slot_efficiency": _ratio(engine["active_slot_steps"], engine["slot_steps"]),
+            "slot_efficiency": slot_efficiency(engine),
             "decode_padding_pct": _pct(engine["padding_slot_steps"], engine["slot_steps"]),
             "prefill_padding_pct": _pct(self.prefill_padding_tokens, prefill_slots),
             **{key: _percentiles(self.latencies[key]) for key in LATENCY_KEYS},
@@ -120,7 +120,7 @@ class BatchMetrics:
             worker: {
                 "busy_time_s": round(sums["busy_time_s"], 6),
                 "steps": sums["steps"],
-                "slot_efficiency": _ratio(sums["active_slot_steps"], sums["slot_steps"]),
+                "slot_efficiency": slot_efficiency(sums),
             }
             for worker, sums in sorted(self.workers.items())
         }
@@ -182,6 +182,14 @@ def _number(metrics: dict, key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"request metrics field {key!r} must be a finite number, got {value!r}")
     return float(value)
+
+
+def slot_efficiency(stats: dict) -> float | None:
+    """Share of held slot-steps that produced a token (from engine counters: ``Engine.stats()``)."""
+    active = stats.get("active_slot_steps")
+    if active is None:
+        active = (stats.get("slot_steps") or 0) - (stats.get("padding_slot_steps") or 0)
+    return _ratio(active, stats.get("slot_steps") or 0)
 
 
 def _ratio(part: float, whole: float) -> float | None:

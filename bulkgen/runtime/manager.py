@@ -35,7 +35,7 @@ class BatchManager:
         self.svc = svc
         self.only = only                      # run just these batches (`bulkgen run`, a stored job)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.pool = WorkerPool(s.workers, svc.store.spec())
+        self.pool = WorkerPool(s.workers)
         self.queue = WorkQueue(lambda: len(self.pool.workers), s.fair_share_after_s)
         self.dispatcher = Dispatcher(self.pool, self.queue, s.models, s.endpoint_url, self.runner_of, self.owner)
         self.runners: dict[str, BatchRunner] = {}

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import ray
 
@@ -59,9 +58,8 @@ def _use_token_auth_if_available() -> None:
 
 
 class WorkerPool:
-    def __init__(self, settings: WorkerSettings, store_spec: dict[str, Any]) -> None:
+    def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
-        self.store_spec = store_spec
         self.workers: list = []
         self.use_gpu = False
         self._threads: int | None = None
@@ -83,7 +81,7 @@ class WorkerPool:
             name=f"bulkgen-worker-{index}", namespace=NAMESPACE, get_if_exists=True,
             max_concurrency=8, max_restarts=0, **options,
         )
-        return actor.remote(index, self.settings.engine_kwargs, self._threads, self.store_spec)
+        return actor.remote(index, self.settings.engine_kwargs, self._threads)
 
     def replace(self, index: int, attempts: int = 60):
         """A fresh actor under the dead one's name (its name frees once Ray has marked it dead)."""

@@ -16,6 +16,7 @@ finish normally, and no other batch is touched. The class is plain Python (testa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -52,6 +53,7 @@ class RangeWork:
     batch_id: str
     spec: dict
     model: str
+    store: Any
     remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
     entries: list[dict] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
@@ -64,12 +66,11 @@ class RangeWork:
 
 
 class EngineWorker:
-    def __init__(self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None,
-                 store_spec: dict[str, Any] | None = None):
+    def __init__(self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None):
         self.index = index
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
-        self.store = open_store(**store_spec) if store_spec else None
+        self._stores: dict[str, Any] = {}
         self.engine = None
         self.model_name: str | None = None
         self._cond = threading.Condition()
@@ -171,10 +172,10 @@ class EngineWorker:
     # -- preparation (RPC threads) --------------------------------------------------------------------
     def _prepare_range(self, job: dict, spec: dict) -> None:
         key = (job["batch_id"], spec["lo"], spec["hi"])
-        work = RangeWork(job["batch_id"], spec, job["model"])
+        work = RangeWork(job["batch_id"], spec, job["model"], self._store(job["store"]))
         ready: list[Prepared] = []
         try:
-            lines = list(read_lines(self.store, job["input_key"], spec["first_line"], spec["start"], spec["end"]))
+            lines = list(read_lines(work.store, job["input_key"], spec["first_line"], spec["start"], spec["end"]))
         except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
             log.exception("worker %d: could not read %s", self.index, key)
             with self._cond:
@@ -334,8 +335,14 @@ class EngineWorker:
             finally:
                 self._writes.task_done()
 
+    def _store(self, spec: dict[str, Any]):
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self._stores:
+            self._stores[key] = open_store(**spec)
+        return self._stores[key]
+
     def _store_part(self, work: RangeWork) -> None:
-        parts.write_part(self.store, work.batch_id, work.spec["first_line"], work.spec["last_line"], work.entries)
+        parts.write_part(work.store, work.batch_id, work.spec["first_line"], work.spec["last_line"], work.entries)
 
     # -- capacity ------------------------------------------------------------------------------------
     def _want(self) -> int:

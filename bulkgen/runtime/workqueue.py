@@ -37,6 +37,7 @@ class BatchJob:
     endpoint: str
     model: str
     order_key: float          # created_at (fifo) or expires_at (deadline): lower goes first
+    store: dict               # the batch's storage (`Store.spec()`): workers may serve several services
 
 
 @dataclass

@@ -35,7 +35,6 @@ def filled_metrics() -> BatchMetrics:
             for k in range(60)
         ],
     )
-    metrics.add_engine_stats("w0", {"slot_steps": 270, "active_slot_steps": 270, "steps": 60})
     return metrics
 
 

@@ -26,7 +26,7 @@ PLACEMENT = textwrap.dedent('''
         cluster.add_node(num_cpus=2, num_gpus=2, node_ip_address="127.0.0.1")
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace="bulkgen")
-    pool = WorkerPool(WorkerSettings(ray_address=cluster.address, cpu_threads=1), {"url": sys.argv[1]})
+    pool = WorkerPool(WorkerSettings(ray_address=cluster.address, cpu_threads=1))
     workers = pool.start()
     infos = ray.get([w.load.remote("bulkgen-tiny", sys.argv[2]) for w in workers])
     print(json.dumps({"gpu": pool.use_gpu, "nodes": collections.Counter(i["node"] for i in infos),

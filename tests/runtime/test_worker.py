@@ -18,7 +18,8 @@ def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[di
     key = f"files/data/{batch_id}-in"
     store.write_bytes(key, data)
     index = scan(__import__("io").BytesIO(data), "/v1/completions")
-    job = {"batch_id": batch_id, "input_key": key, "endpoint": "/v1/completions", "model": MODEL, "order_key": 0}
+    job = {"batch_id": batch_id, "input_key": key, "endpoint": "/v1/completions", "model": MODEL, "order_key": 0,
+           "store": store.spec()}
     specs = [{"batch_id": batch_id, "lo": lo, "hi": min(lo + 4, len(index)), "first_line": int(index.lines[lo]),
               "last_line": int(index.lines[min(lo + 4, len(index)) - 1]), "start": int(index.starts[lo]),
               "end": int(index.ends[min(lo + 4, len(index)) - 1])} for lo in range(0, len(index), 4)]
@@ -26,7 +27,7 @@ def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[di
 
 
 def _worker(store) -> EngineWorker:
-    worker = EngineWorker(0, {"max_num_seqs": 8}, store_spec=store.spec())
+    worker = EngineWorker(0, {"max_num_seqs": 8})
     worker.load(MODEL, str(SAMPLES / "model"))
     return worker
 

@@ -20,7 +20,7 @@ def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
 
 
 def _job(batch_id: str, order: float, model: str = "m") -> BatchJob:
-    return BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", model, order)
+    return BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", model, order, {"url": "unused"})
 
 
 def _queue(workers: int = 1, fair_after: float = 30.0) -> WorkQueue:
