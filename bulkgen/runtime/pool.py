@@ -27,7 +27,10 @@ def init_ray(address: str | None = None) -> None:
         return
     if address:
         _use_token_auth_if_available()
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        # Ray rewrites a loopback address to this host's IP unless told the driver's node is loopback too
+        loopback = address.split("://")[-1].startswith(("127.", "localhost"))
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+                 **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
         return
     ray.init(
         namespace=NAMESPACE,
