@@ -57,7 +57,10 @@ def serve_process():
     started: list[ServeProcess] = []
 
     def start(storage: str, *extra: str) -> ServeProcess:
-        started.append(ServeProcess(storage, *extra))
+        try:
+            started.append(ServeProcess(storage, *extra))
+        except RuntimeError:  # Ray gives a node 30 s to start; on a loaded 2-core box try once more
+            started.append(ServeProcess(storage, *extra))
         return started[-1]
 
     yield start
