@@ -1,0 +1,130 @@
+"""What the runtime costs, and what a second worker buys, measured in one run (issue #7).
+
+Three configurations on the same requests (greedy, so every run generates the same tokens):
+- engine: bulkgen's `Engine.generate` in one process, prompts prepared up front (no Ray, no storage);
+- run, 1 worker: the whole `bulkgen run` path (storage records, validation, line index, work queue,
+  a Ray worker actor that reads, tokenizes and writes parts, finalize), one CPU worker with every core;
+- run, 2 workers: the same with two CPU workers sharing the cores.
+Each runs in its own process (Ray starts once per process). For the service runs, `generate s` is the
+batch's own first-arrival-to-last-finish time from its metrics, and `total s` adds Ray start, model
+load, validation and finalize. The goal: the runtime costs under 10% of the engine's wall time.
+
+    python bench/bench_runtime.py [--requests 600] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORDS = ("the data batch model token cache queue worker prompt result slot stream range part lease "
+         "engine offline bulk label summary review answer question detail").split()
+
+
+def workload(path: Path, count: int, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(count):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60)))
+            body = {"model": "bulkgen-tiny", "prompt": prompt, "max_tokens": rng.randint(8, 32), "temperature": 0}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+    return path
+
+
+def run_engine(path: Path, engine_kwargs: dict) -> dict:
+    from bulkgen.batch.requests import parse_line
+    from bulkgen.engine import Engine, SamplingParams
+    from bulkgen.models.registry import default_model_path
+    from bulkgen.runtime.prepare import fit_context, tokenize
+
+    engine = Engine.from_pretrained(default_model_path(), **engine_kwargs)
+    requests = [parse_line(raw, n, "/v1/completions") for n, raw in enumerate(path.read_bytes().splitlines(), 1)]
+    prompts, params = [], []
+    for r in requests:
+        ids = tokenize(r, engine.tokenizer)
+        prompts.append(ids)
+        params.append(SamplingParams(**fit_context(r, len(ids), engine.max_model_len)))
+    engine.generate(prompts[:4], params[:4])  # warm-up, as the service's first steps are
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"config": "engine", "generate_s": wall, "total_s": wall, "output_tokens": tokens}
+
+
+def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
+    from bulkgen.batch.service import BatchService
+    from bulkgen.oneshot import accept, run_accepted
+    from bulkgen.settings import Settings, WorkerSettings
+
+    with tempfile.TemporaryDirectory() as storage:
+        settings = Settings(storage=storage, workers=WorkerSettings(cpu_workers=workers, engine_kwargs=engine_kwargs))
+        svc = BatchService(settings)
+        start = time.perf_counter()
+        with path.open("rb") as f:
+            record = accept(svc, f, path.name, "/v1/completions", "24h")
+        record = run_accepted(svc, record["id"])
+        total = time.perf_counter() - start
+    metrics = record["metrics"]
+    return {"config": f"run, {workers} worker{'s' if workers > 1 else ''}", "generate_s": metrics["wall_time_s"],
+            "total_s": total, "output_tokens": metrics["output_tokens"], "status": record["status"]}
+
+
+def _child(args) -> None:
+    kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    path = Path(args.file)
+    result = run_engine(path, kwargs) if args.one == "engine" else run_service(path, int(args.one), kwargs)
+    print("RESULT " + json.dumps(result))
+
+
+def _measure(config: str, path: Path, args) -> dict:
+    cmd = [sys.executable, __file__, "--one", config, "--file", str(path), "--max-num-seqs", str(args.max_num_seqs),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{config} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--file", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        return _child(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = workload(Path(tmp) / "requests.jsonl", args.requests)
+        rows = [_measure(c, path, args) for c in ("engine", "1", "2")]
+    base = rows[0]
+    for row in rows:
+        row["tok_per_s"] = row["output_tokens"] / row["generate_s"]
+        row["overhead_vs_engine"] = row["generate_s"] / base["generate_s"] - 1
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    from bulkgen.metrics.table import text_table
+
+    table = [["config", "generate s", "total s", "out tokens", "out tok/s", "vs engine"]]
+    table += [[r["config"], f"{r['generate_s']:.2f}", f"{r['total_s']:.2f}", str(r["output_tokens"]),
+               f"{r['tok_per_s']:.0f}", f"{r['overhead_vs_engine']:+.1%}"] for r in rows]
+    print(text_table(table))
+    print(f"\n{args.requests} requests, greedy, max_num_seqs {args.max_num_seqs}, {os.cpu_count()} cores; "
+          f"runtime cost (1 worker): {rows[1]['overhead_vs_engine']:+.1%} of the engine's time (goal < +10%); "
+          f"2 workers vs 1: {rows[1]['generate_s'] / rows[2]['generate_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
