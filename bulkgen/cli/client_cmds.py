@@ -94,7 +94,9 @@ def status(batch_id, metrics, as_json, base_url, api_key):
         click.echo(json.dumps(batch.model_dump(), indent=2))
         return
     counts = batch.request_counts
-    click.echo(f"{batch.id}  {batch.status}  {counts.completed}/{counts.total} completed, {counts.failed} failed")
+    eta = ((batch.model_extra or {}).get("metrics") or {}).get("eta_s")
+    left = f", about {_duration(eta)} left" if batch.status == "in_progress" and eta else ""
+    click.echo(f"{batch.id}  {batch.status}  {counts.completed}/{counts.total} completed, {counts.failed} failed{left}")
     if batch.errors and batch.errors.data:
         click.echo(c.format_errors(batch))
     if metrics:
@@ -102,6 +104,12 @@ def status(batch_id, metrics, as_json, base_url, api_key):
 
         summary = (batch.model_extra or {}).get("metrics")
         click.echo(describe_summary(summary) if summary else "no metrics yet")
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else (f"{minutes}m{secs:02d}s" if minutes else f"{secs}s")
 
 
 @click.command(name="list")

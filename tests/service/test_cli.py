@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from tests.service.conftest import SAMPLES, chat_row, wait_done, write_jsonl
+from tests.service.conftest import SAMPLES, chat_row, wait_done, wait_for, write_jsonl
 
 
 def _invoke(service, *args):
@@ -91,3 +91,15 @@ def test_run_as_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "22 completed, 0 failed" in proc.stdout
     assert len(out.read_text().splitlines()) == 22
+
+
+def test_status_shows_time_left_while_running(service, tmp_path):
+    rows = [chat_row(f"eta-{i}", f"item {i}", max_tokens=64) for i in range(600)]
+    submitted = _invoke(service, "submit", str(write_jsonl(tmp_path / "eta.jsonl", rows)))
+    batch_id = submitted.output.split()[0]
+    client = service.client()
+    wait_for(client, batch_id, lambda b: (b.model_extra.get("metrics") or {}).get("eta_s"))
+    shown = _invoke(service, "status", batch_id).output
+    client.batches.cancel(batch_id)
+    assert "in_progress" in shown and " left" in shown, shown
+    wait_done(client, batch_id)
