@@ -21,6 +21,7 @@ LATENCY_KEYS = ("ttft_s", "tpot_s", "queue_wait_s")
 TOKEN_KEYS = ("num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions")
 STEP_SUMS = ("steps", "busy_time_s", "slot_steps", "active_slot_steps", "prefill_tokens", "decode_tokens",
              "padding_slot_steps")
+SPAN = ("first_step_start", "last_step_end")
 STATE_VERSION = 2
 
 
@@ -59,11 +60,15 @@ class BatchMetrics:
         """Add this batch's step records from one worker (``engine.pop_step_records()`` shape:
         t, duration_s, num_seqs = slots it held, active_seqs, prefill/decode tokens, padding_slots;
         ``batch_size``, when given, is the whole step's size for the histogram)."""
-        sums = self.workers.setdefault(str(worker_id), dict.fromkeys(STEP_SUMS, 0))
+        sums = self.workers.setdefault(str(worker_id), {**dict.fromkeys(STEP_SUMS, 0), **dict.fromkeys(SPAN)})
         for i, record in enumerate(records):
             if not isinstance(record, dict) or "t" not in record:
                 raise ValueError(f"step record {i} from worker {worker_id!r} must be a dict with a 't' key")
             self.timeline.add(record)
+            start = float(record["t"]) - float(record.get("duration_s", 0.0))
+            first, last = sums["first_step_start"], sums["last_step_end"]
+            sums["first_step_start"] = start if first is None else min(first, start)
+            sums["last_step_end"] = float(record["t"]) if last is None else max(last, float(record["t"]))
             held = int(record.get("num_seqs", 0))
             sums["steps"] += 1
             sums["busy_time_s"] += float(record.get("duration_s", 0.0))
@@ -116,9 +121,16 @@ class BatchMetrics:
         }
 
     def _per_worker(self) -> dict[str, dict]:
+        """busy: the worker's time on this batch's steps; idle: the rest of the span in which it served
+        the batch (no step at all, or steps of other batches sharing the worker)."""
+        def span(sums: dict) -> float:
+            first, last = sums.get("first_step_start"), sums.get("last_step_end")
+            return (last - first) if first is not None and last is not None else 0.0
+
         return {
             worker: {
                 "busy_time_s": round(sums["busy_time_s"], 6),
+                "idle_time_s": round(max(0.0, span(sums) - sums["busy_time_s"]), 6),
                 "steps": sums["steps"],
                 "slot_efficiency": slot_efficiency(sums),
             }

@@ -80,7 +80,11 @@ def test_steps_sum_per_worker_into_efficiency_padding_and_histogram():
     assert s["decode_padding_pct"] == pytest.approx(10.0)
     assert s["batch_size_histogram"] == {"2": 1, "4": 1, "8": 1}
     assert s["preemptions"] == 2
-    assert s["per_worker"]["w-a"] == {"busy_time_s": pytest.approx(0.2), "steps": 2, "slot_efficiency": 0.875}
+    # w-a's steps cover 0.9..1.1 s: 0.2 s busy, no gap; w-b: one step
+    assert s["per_worker"]["w-a"] == {"busy_time_s": pytest.approx(0.2), "idle_time_s": pytest.approx(0.0, abs=1e-6),
+                                      "steps": 2, "slot_efficiency": 0.875}
+    metrics.add_steps("w-a", [step(2.0, 4, 4)])   # 1.1 -> 1.9 s with no step of this batch: idle
+    assert metrics.summary()["per_worker"]["w-a"]["idle_time_s"] == pytest.approx(0.8)
     assert s["per_worker"]["w-b"]["busy_time_s"] == pytest.approx(0.5)
 
 

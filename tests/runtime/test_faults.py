@@ -137,3 +137,18 @@ def test_two_replicas_on_one_storage_run_each_batch_once(serve_process, tmp_path
         assert len(list(store.list(f"parts/{batch.id}/runner-"))) == 1   # one runner, one finalize
     outputs = [f for f in a.client().files.list(purpose="batch_output").data]
     assert len(outputs) == len(batches)
+
+
+def test_a_poison_line_costs_only_itself_and_no_other_batch(client, tmp_path):
+    """The line that once failed its whole batch and a later one (seed 2**64-1 with n=2)."""
+    rows = _rows("p", 20, 8)
+    rows.insert(7, completion_row("poison", "seeded", max_tokens=8, seed=2**64 - 1, n=2))
+    batch = wait_done(client, _create(client, tmp_path / "poison.jsonl", rows).id, timeout=180)
+    assert batch.status == "completed"
+    _assert_exactly_once(client, batch, rows)
+    failed = read_lines(client, batch.error_file_id)
+    assert [e["custom_id"] for e in failed] in ([], ["poison"])   # refused alone, or run: never its neighbours
+    assert batch.request_counts.completed >= 20
+    later_rows = _rows("after", 4, 4)
+    later = wait_done(client, _create(client, tmp_path / "after.jsonl", later_rows).id, timeout=180)
+    assert later.request_counts.completed == 4 and later.request_counts.failed == 0
