@@ -6,6 +6,7 @@ it keeps two small indexes in storage:
 
   active/<batch_id>             one empty object per batch not yet ended: what runners scan for work
   files/refs/<file_id>/<batch>  a batch that reads this file: the file cannot be deleted while it runs
+  meta/active-indexed           the active index was built from older records (done once per storage)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from bulkgen.settings import Settings
 from bulkgen.store import Store, open_store
 
 ACTIVE_PREFIX = "active/"
+INDEXED_MARK = "meta/active-indexed"
 
 
 class BatchService:
@@ -65,12 +67,16 @@ class BatchService:
         self.store.delete(ACTIVE_PREFIX + batch_id)
 
     def reindex_active(self) -> int:
-        """Rebuild the active index from the records (storage written by an older version); -> count."""
+        """Build the active index from the records, once per storage (written by an older version that
+        had none); -> batches found active."""
+        if self.store.exists(INDEXED_MARK):
+            return 0
         found = 0
         for batch_id in self.batches.ids():
             if self.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
                 self.store.write_bytes(ACTIVE_PREFIX + batch_id, b"")
                 found += 1
+        self.store.write_bytes(INDEXED_MARK, b"")
         return found
 
     def delete_file(self, file_id: str) -> None:

@@ -143,7 +143,7 @@ class BatchRunner:
 
     def give_up(self, r: WorkRange, reason: str) -> None:
         """A request that kept killing its worker: an engine_error line, so the batch can finish."""
-        entries = [parts.entry(line, False, refused_line(parts_custom_id(raw), f"{reason}; it was not retried "
+        entries = [parts.entry(line, False, refused_line(custom_id_of(raw), f"{reason}; it was not retried "
                                                                                "again", "engine_error"))
                    for line, raw in read_lines(self.svc.store, r.job.input_key, r.first_line, r.start, r.end)]
         parts.write_part(self.svc.store, self.batch_id, r.first_line, r.last_line, entries)
@@ -213,7 +213,7 @@ class BatchRunner:
                 end = min(hi, start + size)
                 first, last = int(self.index.lines[start]), int(self.index.lines[end - 1])
                 lines = read_lines(self.svc.store, key, first, int(self.index.starts[start]), int(self.index.ends[end - 1]))
-                entries = [parts.entry(line, False, not_run_line(parts_custom_id(raw), code)) for line, raw in lines]
+                entries = [parts.entry(line, False, not_run_line(custom_id_of(raw), code)) for line, raw in lines]
                 parts.write_part(self.svc.store, self.batch_id, first, last, entries)
 
     def _recount(self, lo: int, hi: int) -> None:
@@ -251,6 +251,6 @@ class BatchRunner:
             return BatchMetrics()
 
 
-def parts_custom_id(raw: bytes) -> str:
+def custom_id_of(raw: bytes) -> str:
     """The custom_id of a validated input line (for lines that never reached a worker)."""
     return json.loads(raw)["custom_id"]

@@ -213,7 +213,7 @@ class EngineWorker:
                     self._cond.wait(0.5)
                 aborts, self._aborts = self._aborts, []
             try:
-                if aborts:
+                if aborts and self.engine is not None:
                     self.engine.abort(aborts)
                     with self._cond:
                         for rid in aborts:
