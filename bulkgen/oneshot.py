@@ -7,7 +7,6 @@ works here works behind the API.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -56,12 +55,12 @@ def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None,
     return record
 
 
-def run_accepted(svc: BatchService, batch_id: str) -> dict:
-    """Run one accepted batch in this process, on a worker pool of its own, to its end."""
+def run_accepted(svc: BatchService, batch_id: str, on_poll: Callable[[dict], None] | None = None) -> dict:
+    """Run one accepted batch in this process to its end (Ray starts here, in the calling thread)."""
     manager = BatchManager(svc, only={batch_id})
     manager.start()
     try:
-        return manager.wait(batch_id)
+        return manager.wait(batch_id, on_poll=on_poll)
     finally:  # the workers may be shared with a service on the same Ray: leave them running
         manager.stop(kill_workers=False)
 
@@ -91,19 +90,16 @@ def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint:
 
 
 def _run_with_progress(svc: BatchService, record: dict) -> dict:
-    result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(run_accepted(svc, record["id"])), daemon=True)
-    thread.start()
     total = record["request_counts"]["total"]
     with click.progressbar(length=total, label="requests", show_pos=True, show_eta=False) as bar:
-        done = 0
-        while thread.is_alive():
-            thread.join(1.0)
-            counts = svc.batches.get(record["id"])["request_counts"]
-            now = counts["completed"] + counts["failed"]
-            bar.update(now - done)
-            done = now
-    return result
+        seen = {"done": 0}
+
+        def show(current: dict) -> None:
+            counts = current["request_counts"]
+            bar.update(counts["completed"] + counts["failed"] - seen["done"])
+            seen["done"] = counts["completed"] + counts["failed"]
+
+        return run_accepted(svc, record["id"], on_poll=show)
 
 
 def _write_results(svc: BatchService, record: dict, output: Path, echo: Callable[[str], None]) -> None:

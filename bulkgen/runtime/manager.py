@@ -72,10 +72,13 @@ class BatchManager:
     def queue_depth(self) -> int:
         return self.queue.batches_waiting()
 
-    def wait(self, batch_id: str, poll_s: float = 0.5) -> dict:
-        """Block until the batch has ended (for `bulkgen run` and stored jobs)."""
+    def wait(self, batch_id: str, poll_s: float = 0.5, on_poll=None) -> dict:
+        """Block until the batch has ended (for `bulkgen run` and stored jobs); `on_poll(record)` sees
+        each look at it (a progress bar)."""
         while True:
             record = self.svc.batches.get(batch_id)
+            if on_poll is not None:
+                on_poll(record)
             if record["status"] in TERMINAL_STATUSES and self.runner_of(batch_id) is None:
                 return record
             time.sleep(poll_s)
