@@ -110,6 +110,7 @@ class Dispatcher:
             raise
 
     def _route(self, index: int, poll: dict) -> None:
+        holding = {r.batch_id: r for r in self._runners_in_flight(index)}  # before done ranges leave
         for report in poll["done"]:
             key = (report["batch_id"], report["lo"], report["hi"])
             with self._lock:
@@ -125,6 +126,13 @@ class Dispatcher:
             runner = self.runner_of(batch_id)
             if runner is not None:
                 runner.add_steps(f"bulkgen-worker-{index}", records)
+        for runner in holding.values():
+            runner.live_progress(f"bulkgen-worker-{index}", poll["progress"].get(runner.batch_id))
+
+    def _runners_in_flight(self, index: int) -> list:
+        with self._lock:
+            batches = {key[0] for key in self.inflight[index]}
+        return [r for r in map(self.runner_of, batches) if r is not None]
 
     def _lost(self, index: int, exc: Exception) -> None:
         log.warning("worker %d lost (%s); its ranges go back to the queue", index, type(exc).__name__)

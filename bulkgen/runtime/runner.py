@@ -51,6 +51,7 @@ class BatchRunner:
         self._lease_lost = False
         self._started = time.time()
         self._done_here = 0
+        self._live: dict[str, dict] = {}   # per worker: requests settled in ranges not yet written
 
     # -- the runner's thread ---------------------------------------------------------------------------
     def run(self) -> dict:
@@ -137,6 +138,10 @@ class BatchRunner:
             self._done_here += hi - lo
         self._wake.set()
 
+    def live_progress(self, worker: str, counts: dict | None) -> None:
+        with self._lock:
+            self._live[worker] = counts or {}
+
     def add_steps(self, worker: str, records: list[dict]) -> None:
         with self._lock:
             self.metrics.add_steps(worker, records)
@@ -175,6 +180,9 @@ class BatchRunner:
         """Keep request_counts, usage, metrics and the time-to-completion estimate current."""
         with self._lock:
             tally = parts.Tally(**self.tally.__dict__)
+            for counts in self._live.values():  # written ranges, plus what finished in open ones
+                tally.completed += counts.get("completed", 0)
+                tally.failed += counts.get("failed", 0)
             summary = self.metrics.summary() if self.metrics.totals["requests"] else None
             state = json.dumps(self.metrics.to_state()).encode()
             remaining = int((~self.done).sum()) if self.done is not None else None
@@ -202,6 +210,8 @@ class BatchRunner:
         """Take the batch off the queue and the workers; with `code`, they store what they hold."""
         self.queue.remove_batch(self.batch_id)
         self.dispatcher.abort_batch(self.batch_id, code)
+        with self._lock:
+            self._live.clear()
 
     def _write_not_run(self, code: str) -> None:
         """Every request without a result yet gets `code` (cancelled / expired) in the error file."""

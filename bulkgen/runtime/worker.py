@@ -140,6 +140,7 @@ class EngineWorker:
             done = self._done.pop(owner, [])
             steps = self._steps.pop(owner, {})
             return {"worker": self.index, "model": self.model_name, "done": done, "steps": steps,
+                    "progress": self._progress(owner),
                     "want": self._want(), "held": len(self._live) + len(self._inbox) + self._preparing}
 
     def abort_batch(self, batch_id: str, code: str | None) -> int:
@@ -343,6 +344,16 @@ class EngineWorker:
 
     def _store_part(self, work: RangeWork) -> None:
         parts.write_part(work.store, work.batch_id, work.spec["first_line"], work.spec["last_line"], work.entries)
+
+    def _progress(self, owner: str) -> dict[str, dict[str, int]]:
+        """Requests settled in ranges not yet written, per batch: so counts move with every request."""
+        out: dict[str, dict[str, int]] = {}
+        for work in self._ranges.values():
+            if self._owner_of.get(work.batch_id, "") == owner and work.entries:
+                counts = out.setdefault(work.batch_id, {"completed": 0, "failed": 0})
+                for e in work.entries:
+                    counts["completed" if e["ok"] else "failed"] += 1
+        return out
 
     # -- capacity ------------------------------------------------------------------------------------
     def _want(self) -> int:

@@ -149,3 +149,19 @@ def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
     lines = [json.loads(x) for x in out.read().splitlines()]
     assert [x["custom_id"] for x in lines] == ["c1", "c2", "c4", "c5", "c8"]
     assert tally.completed == 5 and tally.input_tokens == 5 and err.read() == b""
+
+
+def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path):
+    store = LocalStore(tmp_path)
+    worker = _worker(store)
+    rows = [completion_row("quick", "a", max_tokens=1)] + [completion_row(f"slow{i}", "b", max_tokens=3000)
+                                                          for i in range(3)]
+    job, specs = _stored_batch(store, "batch_g", rows)
+    worker.assign(job, specs, owner="me")
+    deadline = time.monotonic() + 60
+    progress = {}
+    while time.monotonic() < deadline and not progress:
+        progress = worker.poll("me", 0.2)["progress"]
+    assert progress == {"batch_g": {"completed": 1, "failed": 0}}
+    assert worker.poll("someone-else", 0)["progress"] == {}
+    worker.abort_batch("batch_g", None)
