@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from bulkgen.runtime.worker import EngineWorker
-from tests.service.conftest import MODEL, SAMPLES
+from tests.service.conftest import MODEL, random_model
 
 
 def _requests(prefix: str, n: int, max_tokens: int = 4) -> list[dict]:
@@ -23,7 +23,7 @@ def _collect(worker: EngineWorker, group: str, n: int, timeout: float = 60) -> l
 
 def _worker() -> EngineWorker:
     worker = EngineWorker(0, {"max_num_seqs": 8})
-    worker.load(MODEL, str(SAMPLES / "model"))
+    worker.load(MODEL, str(random_model()))
     return worker
 
 
