@@ -7,12 +7,12 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "bulkgen-tiny"
-_REPO_SAMPLES = Path(__file__).resolve().parents[2] / "samples" / "model"
+BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled"  # package data: ships in the wheel
 
 
 def default_model_path() -> str:
-    """The bundled sample model (override with BULKGEN_DEFAULT_MODEL)."""
-    return os.environ.get("BULKGEN_DEFAULT_MODEL", str(_REPO_SAMPLES))
+    """The bundled model, trained by jobs/train_tiny.py (override with BULKGEN_DEFAULT_MODEL)."""
+    return os.environ.get("BULKGEN_DEFAULT_MODEL", str(BUNDLED_MODEL))
 
 
 def parse_model_specs(specs: tuple[str, ...] | list[str]) -> dict[str, str]:

@@ -1,4 +1,7 @@
-"""Tiny, deterministic Hugging Face models built from a config: the bundled sample model and test fixtures.
+"""Tiny, deterministic random-weight Hugging Face models built from a config: test and benchmark fixtures.
+
+Their text is noise by design (the engine-equality tests compare engines, not prose); the bundled default
+model is trained instead, by jobs/train_tiny.py, which reuses SPECIAL_TOKENS and CHAT_TEMPLATE from here.
 
 Nothing here touches a model hub. The tokenizer is byte-level BPE (every byte is a token, so any
 text round-trips) plus a few special tokens and a chat template, which is all the service needs.

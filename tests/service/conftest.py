@@ -1,11 +1,21 @@
-"""A real bulkgen service for tests: uvicorn on 127.0.0.1, local Ray, the bundled model, the openai client."""
+"""A real bulkgen service for tests: uvicorn on 127.0.0.1, local Ray, a tiny random model, the openai client.
+
+The service mechanics (cancel, expiry, resume, exact token counts) are tested on a random-weight model: it
+has a 4,096-token context, so long requests stay in flight, and it almost never samples <|end|>, so
+max_tokens runs to its end. The trained bundled model (512-token context, stops at <|end|>) is what
+`bulkgen run` uses by default; tests/models and the `bulkgen run` tests here check it.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
 import socket
+import tempfile
 import threading
 import time
+from functools import lru_cache
 from pathlib import Path
 
 import uvicorn
@@ -17,6 +27,18 @@ from bulkgen.settings import Settings, WorkerSettings
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 MODEL = "bulkgen-tiny"
+
+
+@lru_cache(maxsize=1)
+def random_model() -> Path:
+    """Built once per test session from a config (fixed seed); Ray workers load it from this folder."""
+    from bulkgen.models.tiny import build_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="bulkgen-random-model-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return build_tiny_model(root / "model", arch="llama", seed=1234, hidden_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+                            max_position_embeddings=4096)
 
 
 def free_port() -> int:
@@ -59,7 +81,7 @@ class Service:
 def settings_for(storage: str, **overrides) -> Settings:
     workers = WorkerSettings(cpu_workers=overrides.pop("cpu_workers", 1),
                              engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
-    return Settings(storage=storage, models={MODEL: str(SAMPLES / "model")}, range_size=16, workers=workers,
+    return Settings(storage=storage, models={MODEL: str(random_model())}, range_size=16, workers=workers,
                     **overrides)
 
 

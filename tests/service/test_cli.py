@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from tests.service.conftest import SAMPLES, chat_row, wait_done, wait_for, write_jsonl
+from tests.models.english import looks_like_english
+from tests.service.conftest import SAMPLES, chat_row, random_model, wait_done, wait_for, write_jsonl
 
 
 def _invoke(service, *args):
@@ -65,7 +66,12 @@ def test_cancel_command(service, tmp_path):
     assert wait_done(service.client(), batch_id, timeout=60).status == "cancelled"
 
 
-def test_run_one_shot_in_process(tmp_path):
+def test_run_one_shot_in_process(tmp_path, monkeypatch):
+    # The default model comes from BULKGEN_DEFAULT_MODEL here: this test shares the session's Ray workers,
+    # which already serve the random model as "bulkgen-tiny", and a worker keeps a loaded model by name
+    # even when its path differs (bulkgen/runtime/worker.py). The trained default is covered by
+    # test_run_as_subprocess (a fresh Ray) and tests/models.
+    monkeypatch.setenv("BULKGEN_DEFAULT_MODEL", str(random_model()))
     out = tmp_path / "res.jsonl"
     result = CliRunner().invoke(cli, ["run", str(SAMPLES / "completions.jsonl"), "--output", str(out),
                                       "--storage", str(tmp_path / "store")])
@@ -90,7 +96,10 @@ def test_run_as_subprocess(tmp_path):
                           cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "22 completed, 0 failed" in proc.stdout
-    assert len(out.read_text().splitlines()) == 22
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 22
+    texts = [line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
+    assert sum(looks_like_english(t) for t in texts) >= 18, texts  # the bundled trained model, not noise
 
 
 def test_status_shows_time_left_while_running(service, tmp_path):

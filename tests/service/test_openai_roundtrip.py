@@ -12,6 +12,7 @@ from tests.service.conftest import (
     MODEL,
     SAMPLES,
     chat_row,
+    random_model,
     read_lines,
     upload,
     wait_done,
@@ -69,7 +70,7 @@ def test_greedy_chat_output_is_deterministic_and_matches_the_engine(client, tmp_
     batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "g.jsonl", rows)).id,
                                   endpoint="/v1/chat/completions", completion_window="24h")
     lines = read_lines(client, wait_done(client, batch.id).output_file_id)
-    engine = Engine.from_pretrained(str(SAMPLES / "model"))
+    engine = Engine.from_pretrained(str(random_model()))
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template(r["body"]["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]

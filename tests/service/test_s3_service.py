@@ -6,7 +6,7 @@ import json
 
 import boto3
 
-from tests.service.conftest import SAMPLES, Service, read_lines, settings_for, upload, wait_done
+from tests.service.conftest import SAMPLES, Service, random_model, read_lines, settings_for, upload, wait_done
 
 
 def test_batch_round_trip_on_s3(s3_bucket_url, s3_server):
@@ -33,7 +33,7 @@ def test_model_loaded_from_object_storage(s3_bucket_url, s3_server):
     """`--model NAME=s3://…`: the driver and every worker copy it from the bucket, never from a hub."""
     bucket, prefix = s3_bucket_url.removeprefix("s3://").split("/", 1)
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
-    for path in (SAMPLES / "model").iterdir():
+    for path in random_model().iterdir():
         s3.upload_file(str(path), bucket, f"{prefix}/models/tiny/{path.name}")
     settings = settings_for(s3_bucket_url, endpoint_url=s3_server)
     settings.models = {"tiny-from-s3": f"s3://{bucket}/{prefix}/models/tiny"}

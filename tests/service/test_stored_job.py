@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.service.conftest import SAMPLES
+from tests.service.conftest import SAMPLES, random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_batch_job_runs_a_dropped_file_on_s3(s3_bucket_url, s3_server, tmp_path)
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
     s3.upload_file(str(SAMPLES / "completions.jsonl"), bucket, f"{prefix}/inbox/day1.jsonl")
     s3.put_object(Bucket=bucket, Key=f"{prefix}/inbox/broken.jsonl", Body=b"not json\n")
-    model = f"bulkgen-tiny={SAMPLES / 'model'}"
+    model = f"bulkgen-tiny={random_model()}"
     base = [sys.executable, str(ROOT / "jobs" / "batch_job.py"), "--storage", s3_bucket_url, "--model", model]
 
     ok = subprocess.run([*base, "--input", "inbox/day1.jsonl"], capture_output=True, text=True, timeout=300,
