@@ -33,8 +33,8 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 WORKDIR /app
 COPY . /app
-# Editable install: the bundled sample model is found next to the package (samples/model).
-RUN pip install -e . && bulkgen --version
+# The bundled model (bulkgen/models/bundled) is package data, so a plain install finds it.
+RUN pip install . && bulkgen --version
 
 USER bulkgen
 VOLUME ["/data"]

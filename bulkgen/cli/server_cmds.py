@@ -102,3 +102,6 @@ def run(settings: Settings, file: Path, output: Path, endpoint: str | None, comp
         raise click.ClickException(str(exc)) from None
     if summary["status"] != "completed":
         raise click.ClickException(f"batch ended {summary['status']}")
+    counts = summary["request_counts"]
+    if counts["total"] and not counts["completed"]:
+        raise click.ClickException(f"no request succeeded: all {counts['failed']} are in the error file")

@@ -25,9 +25,8 @@ LOAD_DEADLINE_S = 1800.0
 
 
 class Dispatcher:
-    def __init__(self, pool, queue: WorkQueue, models: dict[str, str], endpoint_url: str | None, runner_of,
-                 owner: str) -> None:
-        self.pool, self.queue, self.models, self.endpoint_url = pool, queue, models, endpoint_url
+    def __init__(self, pool, queue: WorkQueue, endpoint_url: str | None, runner_of, owner: str) -> None:
+        self.pool, self.queue, self.endpoint_url = pool, queue, endpoint_url
         self.owner = owner                    # this driver's name on workers that several drivers share
         self.runner_of = runner_of            # batch id -> its BatchRunner here, or None
         self.inflight: list[dict[tuple, WorkRange]] = []
@@ -90,15 +89,17 @@ class Dispatcher:
         if not ranges:
             return
         job = ranges[0].job
-        if poll["model"] != job.model and not self._load(index, handle, job.model, ranges):
+        if poll["model"] != job.model_key and not self._load(handle, ranges):
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)
         handle.assign.remote(asdict(job), [r.spec() for r in ranges], self.owner)
 
-    def _load(self, index: int, handle, model: str, ranges: list[WorkRange]) -> bool:
+    def _load(self, handle, ranges: list[WorkRange]) -> bool:
+        job = ranges[0].job
+        model = job.model
         try:
-            ray.get(handle.load.remote(model, self.models[model], self.endpoint_url), timeout=LOAD_DEADLINE_S)
+            ray.get(handle.load.remote(model, job.model_path, self.endpoint_url), timeout=LOAD_DEADLINE_S)
             return True
         except (RayError, GetTimeoutError) as exc:
             if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails

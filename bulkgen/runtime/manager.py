@@ -37,7 +37,7 @@ class BatchManager:
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.pool = WorkerPool(s.workers)
         self.queue = WorkQueue(lambda: len(self.pool.workers), s.fair_share_after_s)
-        self.dispatcher = Dispatcher(self.pool, self.queue, s.models, s.endpoint_url, self.runner_of, self.owner)
+        self.dispatcher = Dispatcher(self.pool, self.queue, s.endpoint_url, self.runner_of, self.owner)
         self.runners: dict[str, BatchRunner] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()

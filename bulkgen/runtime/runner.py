@@ -84,7 +84,8 @@ class BatchRunner:
     def _execute(self, record: dict) -> str | None:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
         job = BatchJob(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
-                       record["model"], float(order), self.svc.store.spec())
+                       record["model"], self.svc.settings.models[record["model"]], float(order),
+                       self.svc.store.spec())
         self.queue.add_batch(job, self.index, make_ranges(job, self.index, ~self.done, self.svc.settings.range_size))
         next_control = next_publish = 0.0
         while True:

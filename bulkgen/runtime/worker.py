@@ -32,6 +32,7 @@ from bulkgen.models.registry import resolve_model_path
 from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import read_lines
 from bulkgen.runtime.prepare import fit_context, tokenize
+from bulkgen.runtime.workqueue import model_key
 from bulkgen.store import open_store
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class EngineWorker:
         self._stores: dict[str, Any] = {}
         self.engine = None
         self.model_name: str | None = None
+        self.model_key: str | None = None
         self._cond = threading.Condition()
         self._prepare_lock = threading.Lock()
         self._ranges: dict[tuple, RangeWork] = {}
@@ -96,7 +98,7 @@ class EngineWorker:
 
         An `s3://` model is copied to this node's cache by the worker itself, so workers on other
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
-        if self.model_name != model_name or self.engine is None:
+        if self.model_key != model_key(model_name, model_path) or self.engine is None:
             import torch
 
             from bulkgen.engine import Engine
@@ -104,11 +106,12 @@ class EngineWorker:
             if self.cpu_threads:
                 torch.set_num_threads(self.cpu_threads)
             with self._cond:
-                self.engine, self.model_name = None, None
+                self.engine, self.model_name, self.model_key = None, None, None
             engine = Engine.from_pretrained(resolve_model_path(model_path, endpoint_url=endpoint_url),
                                             **self.engine_kwargs)
             with self._cond:
                 self.engine, self.model_name = engine, model_name
+                self.model_key = model_key(model_name, model_path)
                 self._cond.notify_all()
         return self.info()
 
@@ -139,7 +142,7 @@ class EngineWorker:
                 self._cond.wait(timeout)
             done = self._done.pop(owner, [])
             steps = self._steps.pop(owner, {})
-            return {"worker": self.index, "model": self.model_name, "done": done, "steps": steps,
+            return {"worker": self.index, "model": self.model_key, "done": done, "steps": steps,
                     "progress": self._progress(owner),
                     "want": self._want(), "held": len(self._live) + len(self._inbox) + self._preparing}
 

@@ -35,9 +35,20 @@ class BatchJob:
     batch_id: str
     input_key: str
     endpoint: str
-    model: str
+    model: str                # the name clients use
+    model_path: str           # where it is: two drivers may serve one name from different places
     order_key: float          # created_at (fifo) or expires_at (deadline): lower goes first
     store: dict               # the batch's storage (`Store.spec()`): workers may serve several services
+
+
+    @property
+    def model_key(self) -> str:
+        return model_key(self.model, self.model_path)
+
+
+def model_key(name: str | None, path: str | None) -> str | None:
+    """What a worker has loaded: a name alone is not enough when drivers share workers."""
+    return f"{name}@{path}" if name else None
 
 
 @dataclass
@@ -62,7 +73,7 @@ class WorkRange:
         return self.job.batch_id, self.lo, self.hi
 
     def spec(self) -> dict:
-        """The assignment a worker receives."""
+        """The assignment a worker receives (its batch comes along as `BatchJob` fields)."""
         return {"batch_id": self.job.batch_id, "lo": self.lo, "hi": self.hi, "first_line": self.first_line,
                 "last_line": self.last_line, "start": self.start, "end": self.end}
 
@@ -127,7 +138,8 @@ class WorkQueue:
             return sum(1 for p in self._batches.values() if p.ranges)
 
     def take(self, worker: int, want: int, model: str | None, idle: bool) -> list[WorkRange]:
-        """Ranges for `worker`, about `want` requests, of `model` (any model when the worker is idle)."""
+        """Ranges for `worker`, about `want` requests, of `model` (a `model_key`; any model when the
+        worker is idle)."""
         if want < 1:
             return []
         with self._lock:
@@ -165,14 +177,14 @@ class WorkQueue:
 
     # -- choices ---------------------------------------------------------------------------------
     def _next_batch(self, model: str | None, idle: bool) -> _Pending | None:
-        candidates = [p for p in self._batches.values() if p.ranges and (idle or p.job.model == model)]
+        candidates = [p for p in self._batches.values() if p.ranges and (idle or p.job.model_key == model)]
         if not candidates:
             return None
         now = time.monotonic()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
         if starving:  # the one that waited longest, whatever the order says
             return min(starving, key=lambda p: p.last_served)
-        same_model = [p for p in candidates if p.job.model == model]  # avoid a reload when there is a choice
+        same_model = [p for p in candidates if p.job.model_key == model]  # no reload when there is a choice
         return min(same_model or candidates, key=lambda p: (p.job.order_key, p.job.batch_id))
 
     def _tail_share(self) -> int:

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.service.conftest import SAMPLES
+from tests.service.conftest import random_model
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_one_actor_per_declared_gpu_spread_over_the_nodes(tmp_path):
     import json
 
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}  # this test cluster runs without token auth
-    out = subprocess.run([sys.executable, "-c", PLACEMENT, str(tmp_path / "store"), str(SAMPLES / "model")],
+    out = subprocess.run([sys.executable, "-c", PLACEMENT, str(tmp_path / "store"), str(random_model())],
                          capture_output=True, text=True, timeout=280, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -10,7 +10,7 @@ from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import scan
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.store import LocalStore
-from tests.service.conftest import MODEL, SAMPLES, completion_row
+from tests.service.conftest import MODEL, completion_row, random_model
 
 
 def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[dict]]:
@@ -28,7 +28,7 @@ def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[di
 
 def _worker(store) -> EngineWorker:
     worker = EngineWorker(0, {"max_num_seqs": 8})
-    worker.load(MODEL, str(SAMPLES / "model"))
+    worker.load(MODEL, str(random_model()))
     return worker
 
 

@@ -20,7 +20,7 @@ def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
 
 
 def _job(batch_id: str, order: float, model: str = "m") -> BatchJob:
-    return BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", model, order, {"url": "unused"})
+    return BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", model, "p", order, {"url": "unused"})
 
 
 def _queue(workers: int = 1, fair_after: float = 30.0) -> WorkQueue:
@@ -39,34 +39,34 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
     assert [(r.lo, r.hi) for r in ranges] == [(0, 2), (2, 4), (5, 6)]
     q = _queue()
     q.add_batch(job, index, ranges)
-    assert [(r.lo, r.hi) for r in q.take(0, 2, "m", idle=False)] == [(2, 4)]   # work 9 per request
-    assert [(r.lo, r.hi) for r in q.take(0, 1, "m", idle=False)] == [(5, 6)]
-    assert [(r.lo, r.hi) for r in q.take(0, 1, "m", idle=False)] == [(0, 1)]   # no more than wanted
-    assert [(r.lo, r.hi) for r in q.take(0, 5, "m", idle=False)] == [(1, 2)]
-    assert q.take(0, 1, "m", idle=False) == []
+    assert [(r.lo, r.hi) for r in q.take(0, 2, "m@p", idle=False)] == [(2, 4)]   # work 9 per request
+    assert [(r.lo, r.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(5, 6)]
+    assert [(r.lo, r.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(0, 1)]   # no more than wanted
+    assert [(r.lo, r.hi) for r in q.take(0, 5, "m@p", idle=False)] == [(1, 2)]
+    assert q.take(0, 1, "m@p", idle=False) == []
 
 
 def test_fifo_then_deadline_and_no_starvation():
     q = _queue(fair_after=0.2)
     _add(q, _job("old-big", order=1.0), _index([1] * 100), 10)
     _add(q, _job("new-small", order=2.0), _index([1] * 5), 10)
-    assert q.take(0, 10, "m", idle=False)[0].job.batch_id == "old-big"
+    assert q.take(0, 10, "m@p", idle=False)[0].job.batch_id == "old-big"
     time.sleep(0.25)  # new-small got nothing for longer than fair_share_after_s: it goes next
-    assert q.take(0, 10, "m", idle=False)[0].job.batch_id == "new-small"
-    assert q.take(0, 10, "m", idle=False)[0].job.batch_id == "old-big"
+    assert q.take(0, 10, "m@p", idle=False)[0].job.batch_id == "new-small"
+    assert q.take(0, 10, "m@p", idle=False)[0].job.batch_id == "old-big"
 
 
 def test_a_worker_keeps_its_model_unless_idle():
     q = _queue()
     _add(q, _job("a", 1.0, model="other"), _index([1] * 4), 4)
-    assert q.take(0, 4, "m", idle=False) == []
-    assert q.take(0, 4, "m", idle=True)[0].job.model == "other"
+    assert q.take(0, 4, "m@p", idle=False) == []
+    assert q.take(0, 4, "m@p", idle=True)[0].job.model == "other"
 
 
 def test_the_tail_is_split_among_workers():
     q = _queue(workers=4)
     _add(q, _job("b", 0), _index([1] * 8), 8)
-    got = q.take(0, 100, "m", idle=False)
+    got = q.take(0, 100, "m@p", idle=False)
     assert sum(r.size for r in got) == 2  # 8 pending over 4 workers
     assert q.pending_requests() == 6
 
@@ -74,16 +74,16 @@ def test_the_tail_is_split_among_workers():
 def test_lost_ranges_come_back_halved_and_a_lone_killer_is_given_up():
     q = _queue()
     _add(q, _job("b", 0), _index([1] * 4), 4)
-    [r] = q.take(0, 4, "m", idle=False)
+    [r] = q.take(0, 4, "m@p", idle=False)
     assert q.put_back([r]) == [] and q.pending_requests() == 4     # attempt 1: the same range again
-    [r] = q.take(0, 4, "m", idle=False)
+    [r] = q.take(0, 4, "m@p", idle=False)
     assert q.put_back([r]) == []                                     # attempt 2: halved
-    halves = q.take(0, 2, "m", idle=False) + q.take(0, 2, "m", idle=False)
+    halves = q.take(0, 2, "m@p", idle=False) + q.take(0, 2, "m@p", idle=False)
     assert sorted(h.size for h in halves) == [2, 2]
     suspect = halves[0]
     for _ in range(MAX_ATTEMPTS):
         q.put_back([suspect])
-        taken = q.take(0, 1, "m", idle=False)
+        taken = q.take(0, 1, "m@p", idle=False)
         if not taken:
             break
         suspect = taken[0]
@@ -92,18 +92,18 @@ def test_lost_ranges_come_back_halved_and_a_lone_killer_is_given_up():
     given_up = []
     while not given_up:
         given_up = q.put_back([single])
-        single = (q.take(0, 1, "m", idle=False) or [single])[0]
+        single = (q.take(0, 1, "m@p", idle=False) or [single])[0]
     assert given_up[0].size == 1 and given_up[0].attempts + 1 >= MAX_ATTEMPTS
 
 
 def test_shared_prefixes_stay_on_the_worker_that_cached_them():
     q = _queue(workers=2)
     _add(q, _job("b", 0), _index([5] * 40, prefix=[7] * 20 + [9] * 20), 5)
-    first = {w: q.take(w, 5, "m", idle=False)[0].prefix for w in (0, 1)}
+    first = {w: q.take(w, 5, "m@p", idle=False)[0].prefix for w in (0, 1)}
     assert first[0] != first[1]
     for _ in range(3):
         for w in (0, 1):
-            assert q.take(w, 5, "m", idle=False)[0].prefix == first[w]
+            assert q.take(w, 5, "m@p", idle=False)[0].prefix == first[w]
 
 
 def test_scan_indexes_offsets_across_blank_and_crlf_lines(tmp_path):
