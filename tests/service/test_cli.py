@@ -66,18 +66,27 @@ def test_cancel_command(service, tmp_path):
     assert wait_done(service.client(), batch_id, timeout=60).status == "cancelled"
 
 
-def test_run_one_shot_in_process(tmp_path, monkeypatch):
-    # The default model comes from BULKGEN_DEFAULT_MODEL here: this test shares the session's Ray workers,
-    # which already serve the random model as "bulkgen-tiny", and a worker keeps a loaded model by name
-    # even when its path differs (bulkgen/runtime/worker.py). The trained default is covered by
-    # test_run_as_subprocess (a fresh Ray) and tests/models.
-    monkeypatch.setenv("BULKGEN_DEFAULT_MODEL", str(random_model()))
+def test_run_one_shot_in_process(tmp_path):
+    """In-process `bulkgen run` with the trained default model, on the Ray workers this session's service
+    already runs with a random model under the same name: the worker keys models by name and path."""
     out = tmp_path / "res.jsonl"
     result = CliRunner().invoke(cli, ["run", str(SAMPLES / "completions.jsonl"), "--output", str(out),
                                       "--storage", str(tmp_path / "store")])
     assert result.exit_code == 0, result.output
-    assert len(out.read_text().splitlines()) == 10
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 10
+    assert sum(looks_like_english(x["response"]["body"]["choices"][0]["text"]) for x in lines) >= 7
     assert json.loads((tmp_path / "res.metrics.json").read_text())["requests"] == 10
+
+
+def test_run_fails_when_no_request_succeeded(tmp_path, monkeypatch):
+    monkeypatch.setenv("BULKGEN_DEFAULT_MODEL", str(random_model()))
+    rows = [{"custom_id": f"big-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "bulkgen-tiny", "prompt": "x", "max_tokens": 1_000_000}} for i in range(3)]
+    result = CliRunner().invoke(cli, ["run", str(write_jsonl(tmp_path / "big.jsonl", rows)), "--output",
+                                      str(tmp_path / "o.jsonl"), "--storage", str(tmp_path / "store")])
+    assert result.exit_code == 1 and "no request succeeded: all 3 are in the error file" in result.output
+    assert len((tmp_path / "o.errors.jsonl").read_text().splitlines()) == 3
 
 
 def test_run_invalid_file_names_file_and_line(tmp_path):
