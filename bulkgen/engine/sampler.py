@@ -24,12 +24,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     """Return the next token of each row and, where asked, (chosen logprob, top-k ids, top-k logprobs).
 
     The sampled tokens cross to the host in one copy."""
-    tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if rows:
-        if len(rows) == len(seqs):
-            tokens = sample_random(logits, seqs)
-        else:
+    if len(rows) == len(seqs):
+        tokens = sample_random(logits, seqs)
+    else:
+        tokens = logits.argmax(dim=-1)
+        if rows:
             index = torch.tensor(rows, device=logits.device)
             tokens.index_copy_(0, index, sample_random(logits.index_select(0, index), [seqs[i] for i in rows]))
     token_list = tokens.tolist()
@@ -47,35 +47,35 @@ def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
     inv_temp, top_p = floats[:, 0:1], floats[:, 1:2]
     key_lo, key_hi, counter, top_k = (ints[:, i : i + 1] for i in range(4))
-    scaled = logits * inv_temp
-    weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
+    weights = torch.softmax(logits * inv_temp, dim=-1)
     vocab = weights.shape[1]
     max_k = max((s.params.top_k for s in seqs if s.params.top_k < vocab), default=0)
     if max_k > 0:
         weights = _mask_top_k(weights, torch.where(top_k < vocab, top_k, 0), max_k)
     cum = weights.cumsum(dim=-1)
-    total = cum[:, -1:]
-
-    def draw(round_: int) -> torch.Tensor:
-        u = uniforms(key_lo, key_hi, counter + round_)
-        return torch.searchsorted(cum, u * total, right=True).clamp_(max=cum.shape[1] - 1)
-
-    token = draw(0)
+    token = _draw(cum, key_lo, key_hi, counter)
     if all(s.params.top_p >= 1.0 for s in seqs):
         return token.squeeze(1)
-    limit = top_p * total
+    limit = top_p * cum[:, -1:]
     accepted = _in_nucleus(weights, token, limit)
+    pending = (~accepted).squeeze(1).nonzero().squeeze(1)  # usually a few rows: redraw only those
     for round_ in range(1, REJECTION_ROUNDS):
-        if bool(accepted.all()):
+        if not pending.numel():
             return token.squeeze(1)
-        retry = draw(round_)
-        token = torch.where(accepted, token, retry)
-        accepted = accepted | _in_nucleus(weights, retry, limit)
-    if not bool(accepted.all()):
-        rows = (~accepted).squeeze(1).nonzero().squeeze(1)
-        u = uniforms(key_lo[rows], key_hi[rows], counter[rows] + REJECTION_ROUNDS)
-        token[rows, 0] = _sorted_nucleus(weights[rows], top_p[rows], u)
+        retry = _draw(cum[pending], key_lo[pending], key_hi[pending], counter[pending] + round_)
+        ok = _in_nucleus(weights[pending], retry, limit[pending])
+        token[pending] = torch.where(ok, retry, token[pending])
+        pending = pending[~ok.squeeze(1)]
+    if pending.numel():
+        u = uniforms(key_lo[pending], key_hi[pending], counter[pending] + REJECTION_ROUNDS)
+        token[pending, 0] = _sorted_nucleus(weights[pending], top_p[pending], u)
     return token.squeeze(1)
+
+
+def _draw(cum: torch.Tensor, key_lo, key_hi, counter) -> torch.Tensor:
+    """[B, 1] inverse-CDF draws: the first token whose cumulative weight exceeds u * total."""
+    u = uniforms(key_lo, key_hi, counter)
+    return torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=cum.shape[1] - 1)
 
 
 def _mask_top_k(weights: torch.Tensor, top_k: torch.Tensor, max_k: int) -> torch.Tensor:

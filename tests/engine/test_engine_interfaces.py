@@ -1,0 +1,99 @@
+"""What the runtime needs from the engine: reset, tags in step records, free capacity, sized defaults,
+and the attention backend choice (CPU side of the device path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bulkgen.engine import SamplingParams, attn_select
+from bulkgen.engine.attn_backends import PlainBackend
+from bulkgen.engine.config import EngineConfig, resolve_limits
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_reset_drops_everything_and_the_engine_works_after(make_engine, reference, mixed_prompts):
+    prompts = mixed_prompts(seed=50, count=4, low=5, high=40)
+    engine = make_engine("llama", max_num_batched_tokens=32, block_size=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, _greedy(5))
+    engine.step()
+    engine.step()
+    engine.reset()
+    assert not engine.has_unfinished()
+    assert engine.free_capacity()["free_blocks"] == engine.runner.num_blocks
+    outs = engine.generate(prompts, _greedy(5))
+    assert [o.token_ids for o in outs] == [reference.greedy("llama", p, 5) for p in prompts]
+
+
+def test_step_records_count_work_per_tag(make_engine, mixed_prompts):
+    prompts = mixed_prompts(seed=51, count=5, low=5, high=20)
+    engine = make_engine("llama", max_num_seqs=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, _greedy(3 + i), tag="batch-a" if i < 3 else ("batch-b" if i == 3 else None))
+    while engine.has_unfinished():
+        engine.step()
+    records = engine.pop_step_records()
+    totals: dict[str, dict[str, int]] = {}
+    for r in records:
+        assert sum(t["held"] for t in r["by_tag"].values()) == r["num_seqs"]
+        assert sum(t["active"] for t in r["by_tag"].values()) == r["active_seqs"]
+        assert sum(t["prefill_tokens"] for t in r["by_tag"].values()) == r["prefill_tokens"]
+        assert sum(t["decode_tokens"] for t in r["by_tag"].values()) == r["decode_tokens"]
+        for tag, counts in r["by_tag"].items():
+            for key, value in counts.items():
+                totals.setdefault(tag, {}).setdefault(key, 0)
+                totals[tag][key] += value
+    assert set(totals) == {"batch-a", "batch-b", ""}
+    assert totals["batch-a"]["output_tokens"] == 3 + 4 + 5
+    assert totals["batch-b"]["output_tokens"] == 6 and totals[""]["output_tokens"] == 7
+    assert totals["batch-a"]["prefill_tokens"] == sum(len(p) for p in prompts[:3])
+
+
+def test_free_capacity_tracks_slots_blocks_and_waiting(make_engine, mixed_prompts):
+    engine = make_engine("llama", max_num_seqs=3, block_size=4, num_kv_blocks=64)
+    empty = engine.free_capacity()
+    assert empty == {"free_slots": 3, "free_blocks": 64, "waiting": 0, "block_size": 4, "max_num_seqs": 3}
+    for i, p in enumerate(mixed_prompts(seed=52, count=2, low=6, high=6)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=i))
+    cap = engine.free_capacity()
+    assert cap["waiting"] == 4 and cap["free_slots"] == -1
+    engine.step()
+    cap = engine.free_capacity()
+    running = len(engine.scheduler.running)
+    assert 0 < running <= 3 and cap["waiting"] == 4 - running
+    assert cap["free_slots"] == -1 and cap["free_blocks"] < 64
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.free_capacity() == empty
+
+
+def test_defaults_are_modest_on_cpu_and_fill_a_large_gpu(monkeypatch):
+    cpu = resolve_limits(EngineConfig(), torch.device("cpu"))
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 2048)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 << 30, 141 << 30))
+    big = resolve_limits(EngineConfig(), torch.device("cuda"))
+    assert (big.max_num_seqs, big.max_num_batched_tokens) == (512, 16384)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 << 30, 24 << 30))
+    mid = resolve_limits(EngineConfig(max_num_seqs=100), torch.device("cuda"))
+    assert (mid.max_num_seqs, mid.max_num_batched_tokens) == (100, 8192)
+
+
+class _Broken(PlainBackend):
+    name = "broken"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        return super().attend(q, k, v, k_cache, v_cache, meta, scale) * 1.01
+
+
+def test_backend_choice_keeps_only_candidates_that_match_plain(monkeypatch):
+    assert attn_select.select_backend(torch.device("cpu"), torch.float32, 4, 2, 16, 8).name == "plain"
+    args = (torch.device("cpu"), torch.float32, 4, 2, 16, 8)
+    assert attn_select.self_check(PlainBackend(), *args) is None
+    assert "error" in attn_select.self_check(_Broken(), *args)
+    monkeypatch.setenv("BULKGEN_ATTENTION", "nope")
+    with pytest.raises(ValueError, match="BULKGEN_ATTENTION"):
+        attn_select.select_backend(*args)
