@@ -33,6 +33,7 @@ class EngineConfig:
     admission: str = "longest_first"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    cuda_graphs: bool | None = None  # decode steps over static buffers; None: on CUDA only
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -45,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
         if not isinstance(self.max_queue_delay, (int, float)) or self.max_queue_delay < 0:
             raise ValueError(f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
 

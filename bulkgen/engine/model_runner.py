@@ -7,6 +7,7 @@ import torch
 from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
+from .decode_graphs import DecodeGraphs
 from .sequence import Sequence
 from .step_plan import HostPack, StepPlan
 
@@ -30,10 +31,20 @@ class ModelRunner:
         self.backend = select_backend(self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
                                       self.head_dim, self.block_size)
         self.num_blocks = self._num_blocks(max_model_len)
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)  # + a scratch block
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.pack = HostPack(self.device)
+        self.graphs = self._decode_graphs(max_model_len)
+
+    def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        on_cuda = self.device.type == "cuda"
+        wanted = self.config.cuda_graphs
+        if not (wanted or (wanted is None and on_cuda)):
+            return None
+        max_width = 1 << (-(-max_model_len // self.block_size) - 1).bit_length()
+        return DecodeGraphs(self.model, self.k_caches, self.v_caches, self.block_size,
+                            self.num_blocks * self.block_size, self.config.max_num_seqs, max_width, capture=on_cuda)
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.config
@@ -65,8 +76,11 @@ class ModelRunner:
             if seq.num_computed_tokens + n == len(seq):
                 rows.append(q_off - 1)
                 sampling.append(seq)
+        tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens:][:n]]
+        if self.graphs is not None and not plan.num_prefill:
+            return self.graphs.run(plan, tokens), sampling
         pack = self.pack
-        ids = pack.add([t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens:][:n]])
+        ids = pack.add(tokens)
         positions, slots = pack.add(plan.positions()), pack.add(plan.slots())
         keep = pack.add(rows)
         meta = self.backend.prepare(plan, pack)
