@@ -117,15 +117,18 @@ def _sdpa_segment(q, k, v, k_cache, v_cache, seg: Segment, scale: float) -> torc
 
 def paged_decode(q: torch.Tensor, k_cache, v_cache, dec: DecodeMeta, scale: float) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]: each sequence's blocks gathered into a padded [B, Hkv, L, D] and one
-    masked SDPA call, in float32 (bf16 scores before the softmax cost 5x the error of float32 ones).
-    Copies the decode sequences' KV per layer: the CPU path, and the CUDA fallback only."""
+    masked SDPA call. Scores stay float32 (bf16 scores before the softmax cost 5x the error): on CPU
+    by computing in float32, on CUDA inside the fused (memory-efficient) SDPA kernel, which
+    accumulates in float32. Copies the decode sequences' KV per layer: the CPU path, and on CUDA the
+    fallback where no paged kernel exists."""
     num_seqs, hq, dim = q.shape
     hkv = k_cache.shape[2]
-    k = k_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).float()  # [B, Hkv, L, D]
-    v = v_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).float()
+    compute = torch.float32 if q.device.type == "cpu" else q.dtype
+    k = k_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).to(compute)  # [B, Hkv, L, D]
+    v = v_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).to(compute)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < dec.lengths[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(
-        q.float()[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=hkv != hq
+        q.to(compute)[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=hkv != hq
     )
     return out[:, :, 0].to(q.dtype)
 

@@ -1,8 +1,8 @@
 """Decode-only steps over static buffers, replayed from CUDA graphs captured per shape bucket.
 
 A decode step's shapes depend only on its batch size and the widest block table, so both are rounded
-up to powers of two and each (batch, width) bucket gets static device buffers and, on CUDA, one graph
-captured on first use (the ~1,000 eager kernel launches of a forward become one replay). Padded rows
+up to the next of 1, 2, 3, 4, 6, 8, 12, ... (at most 1.5x padding) and each (batch, width) bucket gets
+static device buffers and, on CUDA, one graph captured on first use or ahead by `capture()` (the ~1,000 eager kernel launches of a forward become one replay). Padded rows
 read block 0 and write their K/V to a scratch slot past the last real block; their logits are
 dropped. The step's integers are staged in a pinned host buffer and copied in one non-blocking copy.
 On CPU the same path runs eagerly (`EngineConfig.cuda_graphs=True`), so its padding is tested there.
@@ -23,8 +23,19 @@ MIN_WIDTH = 4
 
 
 def bucket(n: int, limit: int) -> int:
-    """The smallest power of two >= n, capped at `limit` (itself >= n)."""
-    return min(1 << max(0, n - 1).bit_length(), limit)
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... that is >= n, capped at `limit` (itself >= n)."""
+    power = 1 << max(0, n - 1).bit_length()
+    return min(power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power, limit)
+
+
+def buckets_up_to(limit: int) -> list[int]:
+    sizes, n = [], 1
+    while True:
+        size = bucket(n, limit)
+        sizes.append(size)
+        if size >= limit:
+            return sizes
+        n = size + 1
 
 
 @dataclass
@@ -53,6 +64,16 @@ class DecodeGraphs:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = None
         self.plain = PlainBackend()
+
+    def capture(self, max_context: int) -> int:
+        """Build (and on CUDA capture) every bucket for contexts up to `max_context` tokens, so no
+        capture happens mid-run (what vLLM does at startup); returns the number of buckets."""
+        top = bucket(max(-(-max_context // self.block_size), MIN_WIDTH), self.max_width)
+        widths = [w for w in buckets_up_to(top) if w >= MIN_WIDTH]
+        for batch in buckets_up_to(self.max_batch):
+            for width in widths:
+                self._bucket(batch, width)
+        return len(self.buckets)
 
     def run(self, plan: StepPlan, ids: list[int]) -> torch.Tensor:
         """Logits [B, vocab] (float32) of a decode-only plan."""

@@ -101,14 +101,16 @@ def test_backend_choice_keeps_only_candidates_that_match_plain(monkeypatch):
 
 def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference, mixed_prompts):
     """The CUDA-graph decode path (padded static buckets, scratch slot), run eagerly on CPU."""
-    from bulkgen.engine.decode_graphs import bucket
+    from bulkgen.engine.decode_graphs import bucket, buckets_up_to
 
-    assert [bucket(n, 512) for n in (1, 2, 3, 5, 64, 65, 500, 512)] == [1, 2, 4, 8, 64, 128, 512, 512]
+    assert [bucket(n, 512) for n in (1, 2, 3, 5, 7, 64, 65, 97, 500, 512)] == [1, 2, 3, 6, 8, 64, 96, 128, 512, 512]
     assert bucket(300, 256) == 256
+    assert buckets_up_to(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
     prompts = mixed_prompts(seed=53, count=7, low=1, high=70)
     engine = make_engine("qwen2", cuda_graphs=True, max_num_seqs=5, block_size=4, max_num_batched_tokens=48)
     outs = engine.generate(prompts, [_greedy(n) for n in (3, 9, 5, 12, 1, 7, 10)])
     assert [o.token_ids for o in outs] == [reference.greedy("qwen2", p, n)
                                          for p, n in zip(prompts, (3, 9, 5, 12, 1, 7, 10), strict=True)]
     assert len(engine.runner.graphs.buckets) >= 2
+    assert engine.runner.graphs.capture(max_context=40) == len(engine.runner.graphs.buckets) >= 4 * 3
     assert engine.runner.k_caches[0].shape[0] == engine.runner.num_blocks + 1
