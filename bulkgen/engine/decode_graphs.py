@@ -60,7 +60,7 @@ class DecodeGraphs:
         self.block_size, self.scratch_slot = block_size, scratch_slot
         self.max_batch, self.max_width = max_batch, max_width
         self.device = k_caches[0].device
-        self.capture = capture
+        self.use_graphs = capture
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = None
         self.plain = PlainBackend()
@@ -109,7 +109,7 @@ class DecodeGraphs:
             _, _, slots, lengths, _ = b.views()
             slots.fill_(self.scratch_slot)  # an all-padding step: safe to run while capturing
             lengths.fill_(1)
-            if self.capture:
+            if self.use_graphs:
                 self._capture(b)
             self.buckets[key] = b
         return self.buckets[key]
