@@ -1,12 +1,13 @@
 """Decode-only steps over static buffers, replayed from CUDA graphs captured per shape bucket.
 
 A decode step's shapes depend only on its batch size and the widest block table, so both are rounded
-up to the next of 1, 2, 3, 4, 6, 8, 12, ... (at most 1.5x padding) and each (batch, width) bucket gets
-static device buffers and, on CUDA, one graph captured on first use or ahead by `capture()` (the ~1,000 eager kernel launches of a forward become one replay). Padded rows
-read block 0 and write their K/V to a scratch slot past the last real block; their logits are
-dropped. The step's integers are staged in a pinned host buffer and copied in one non-blocking copy.
-On CPU the same path runs eagerly (`EngineConfig.cuda_graphs=True`), so its padding is tested there.
-Decode attention inside graphs is the plain padded SDPA (static shapes, float32 scores).
+up to the next of 1, 2, 3, 4, 6, 8, 12, ... (at most 1.5x padding) and each (batch, width) bucket
+gets static device buffers and, on CUDA, one graph, captured on first use or ahead by `capture()`
+(the ~1,000 eager kernel launches of a forward become one replay). Padded rows read block 0 and
+write their K/V to a scratch slot past the last real block; their logits are dropped. The step's
+integers are staged in a pinned host buffer and copied in one non-blocking copy. On CPU the same
+path runs eagerly (`EngineConfig.cuda_graphs=True`), so its padding is tested there. Decode
+attention inside graphs is the plain padded SDPA (static shapes, float32 score accumulation).
 """
 
 from __future__ import annotations
