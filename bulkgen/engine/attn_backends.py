@@ -127,10 +127,11 @@ def paged_decode(q: torch.Tensor, k_cache, v_cache, dec: DecodeMeta, scale: floa
     k = k_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).to(compute)  # [B, Hkv, L, D]
     v = v_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).to(compute)
     mask = torch.arange(k.shape[2], device=q.device)[None, :] < dec.lengths[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(
-        q.to(compute)[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=hkv != hq
-    )
-    return out[:, :, 0].to(q.dtype)
+    # The query heads sharing a KV head become that head's query rows: no GQA expansion, and the
+    # masked bf16 case stays eligible for the memory-efficient kernel (which lacks enable_gqa).
+    grouped = q.to(compute).view(num_seqs, hkv, hq // hkv, dim)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(num_seqs, hq, dim).to(q.dtype)
 
 
 @dataclass
@@ -191,7 +192,8 @@ class FlashVarlenBackend(PlainBackend):
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         out = torch.ops.aten._flash_attention_forward(
-            q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, 0.0, True, False, scale=scale
+            q.contiguous(), k.contiguous(), v.contiguous(), meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, 0.0,
+            True, False, scale=scale,
         )
         return out[0]
 
@@ -217,7 +219,7 @@ class VarlenPagedBackend:
         from torch.nn.attention.varlen import varlen_attn
 
         return varlen_attn(
-            q, k_cache, v_cache, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, scale=scale,
+            q.contiguous(), k_cache, v_cache, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, scale=scale,
             window_size=(-1, 0), enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=meta.seqused_k,
             block_table=meta.block_table,
         )

@@ -47,6 +47,7 @@ class _Bucket:
     staging: torch.Tensor  # host (pinned on CUDA) twin of buf
     graph: object | None = None
     out: torch.Tensor | None = None
+    copied: object | None = None  # CUDA event behind the last staging copy
 
     def views(self):
         b = self.batch
@@ -81,8 +82,13 @@ class DecodeGraphs:
         num = len(ids)
         width = max(-(-(s + 1) // self.block_size) for s in plan.starts)
         b = self._bucket(bucket(num, self.max_batch), bucket(max(width, MIN_WIDTH), self.max_width))
+        if b.copied is not None:
+            b.copied.synchronize()  # the staging buffer's previous copy has left it
         self._stage(b, plan, ids)
         b.buf.copy_(b.staging, non_blocking=True)
+        if self.device.type == "cuda":
+            b.copied = torch.cuda.Event()
+            b.copied.record()
         if b.graph is not None:
             b.graph.replay()
             return b.out[:num].float()

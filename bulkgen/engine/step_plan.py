@@ -50,12 +50,18 @@ class StepPlan:
 
 
 class HostPack:
-    """Collects int lists, uploads them as one int64 tensor; `add` returns the slice to read back."""
+    """Collects int lists, uploads them as one int64 tensor; `add` returns the slice to read back.
+
+    On CUDA the values are staged in two persistent pinned buffers used in turn; a buffer is
+    rewritten only after the event recorded behind its last copy has passed (a prefill-only step
+    never syncs, so the previous copy may still be queued)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.values: list[int] = []
-        self._pinned: torch.Tensor | None = None
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._events: list[object | None] = [None, None]
+        self._turn = 0
 
     def add(self, values: list[int]) -> slice:
         start = len(self.values)
@@ -67,8 +73,19 @@ class HostPack:
         self.values = []
         if self.device.type != "cuda":
             return host
-        if self._pinned is None or self._pinned.numel() < host.numel():
-            self._pinned = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
-        staged = self._pinned[: host.numel()]
-        staged.copy_(host)  # the previous step's copy finished: its tokens were read back since
-        return staged.to(self.device, non_blocking=True)
+        return self._stage(host)
+
+    def _stage(self, host: torch.Tensor) -> torch.Tensor:
+        turn = self._turn = 1 - self._turn
+        if self._events[turn] is not None:
+            self._events[turn].synchronize()
+        buf = self._pinned[turn]
+        if buf is None or buf.numel() < host.numel():
+            buf = self._pinned[turn] = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+        staged = buf[: host.numel()]
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._events[turn] = event
+        return out
