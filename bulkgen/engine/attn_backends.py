@@ -191,11 +191,7 @@ class FlashVarlenBackend(PlainBackend):
         if k.shape[1] != q.shape[1]:  # this kernel wants as many KV heads as query heads
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        out = torch.ops.aten._flash_attention_forward(
-            q.contiguous(), k.contiguous(), v.contiguous(), meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, 0.0,
-            True, False, scale=scale,
-        )
-        return out[0]
+        return flash_varlen(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, scale)
 
 
 class VarlenPagedBackend:
@@ -216,13 +212,27 @@ class VarlenPagedBackend:
         return meta
 
     def attend(self, q, k, v, k_cache, v_cache, meta: VarlenMeta, scale: float) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
+        return varlen_paged(q, k_cache, v_cache, meta, scale)
 
-        return varlen_attn(
-            q.contiguous(), k_cache, v_cache, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, scale=scale,
-            window_size=(-1, 0), enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=meta.seqused_k,
-            block_table=meta.block_table,
-        )
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Causal varlen attention (bottom-right aligned when a sequence has more keys than queries).
+    Module-level so CPU tests can put a reference implementation in its place."""
+    out = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+    )
+    return out[0]
+
+
+def varlen_paged(q, k_cache, v_cache, meta: VarlenMeta, scale: float) -> torch.Tensor:
+    """Causal varlen attention reading K/V through a block table (torch >= 2.13)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(
+        q.contiguous(), k_cache, v_cache, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, scale=scale,
+        window_size=(-1, 0), enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=meta.seqused_k,
+        block_table=meta.block_table,
+    )
 
 
 def _cumsum(values: list[int]) -> list[int]:

@@ -39,16 +39,22 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     return PlainBackend()
 
 
-def probe_plan(block_size: int) -> StepPlan:
-    """A fresh 7-token prompt, a 5-token continuation chunk, and two decodes, on disjoint blocks."""
+def probe_plan(block_size: int, starts=None, counts=None, num_prefill: int = 2) -> StepPlan:
+    """Default: a fresh 7-token prompt, a 5-token continuation chunk and two decodes, on disjoint blocks."""
     bs = block_size
-    starts, counts = [0, bs + 3, 2 * bs + 1, 5], [7, 5, 1, 1]
+    starts, counts = starts or [0, bs + 3, 2 * bs + 1, 5], counts or [7, 5, 1, 1]
     tables, next_block = [], 0
     for start, n in zip(starts, counts, strict=True):
         width = -(-(start + n) // bs)
         tables.append(list(range(next_block, next_block + width)))
         next_block += width
-    return StepPlan(starts, counts, tables, num_prefill=2, block_size=bs)
+    return StepPlan(starts, counts, tables, num_prefill=num_prefill, block_size=bs)
+
+
+def probe_plans(block_size: int) -> list[StepPlan]:
+    """Mixed; fresh prompts with one decode; decodes only."""
+    bs = block_size
+    return [probe_plan(bs), probe_plan(bs, [0, 0, bs + 2], [6, 3, 1]), probe_plan(bs, [3, 2 * bs, bs - 1], [1, 1, 1], 0)]
 
 
 def run_backend(backend, plan: StepPlan, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
@@ -65,8 +71,15 @@ def run_backend(backend, plan: StepPlan, q, k, v, k_cache, v_cache, scale: float
 
 
 def self_check(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size) -> str | None:
-    """None if `backend` matches `plain` in float32 on the probe step, else why not."""
-    plan = probe_plan(block_size)
+    """None if `backend` matches `plain` in float32 on the probe steps, else why not."""
+    for plan in probe_plans(block_size):
+        error = _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+        if error is not None:
+            return error
+    return None
+
+
+def _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim, block_size) -> str | None:
     gen = torch.Generator().manual_seed(0)
     tokens, blocks = sum(plan.counts), sum(len(t) for t in plan.block_tables)
 

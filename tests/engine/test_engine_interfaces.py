@@ -114,3 +114,44 @@ def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference,
     assert len(engine.runner.graphs.buckets) >= 2
     assert engine.runner.graphs.capture(max_context=40) == len(engine.runner.graphs.buckets) >= 4 * 3
     assert engine.runner.k_caches[0].shape[0] == engine.runner.num_blocks + 1
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, scale):
+    """float64 causal varlen attention, bottom-right aligned, the flash-attention semantics."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        qi, ki, vi = q[qs].double(), k[ks].double().repeat_interleave(group, 1), v[ks].double().repeat_interleave(group, 1)
+        offset = ki.shape[0] - qi.shape[0]
+        allowed = torch.arange(ki.shape[0])[None, :] <= torch.arange(qi.shape[0])[:, None] + offset
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        out[qs] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vi)
+    return out.to(q.dtype)
+
+
+def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch):
+    """The CUDA backends' packing (cumulative lengths, gathered context rows, block tables) checked on CPU
+    by putting float64 reference kernels where the CUDA-only ones would run."""
+    from bulkgen.engine import attn_backends
+
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        assert k.shape[1] == q.shape[1] and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        return _reference_varlen(q, k, v, cu_q, cu_k, scale)
+
+    def fake_paged(q, k_cache, v_cache, meta, scale):
+        bs, rows, k_parts, v_parts, cu_k = k_cache.shape[1], [], [], [], [0]
+        for i, used in enumerate(meta.seqused_k.tolist()):
+            table = meta.block_table[i]
+            rows = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(used)])
+            k_parts.append(k_cache.view(-1, *k_cache.shape[2:])[rows])
+            v_parts.append(v_cache.view(-1, *v_cache.shape[2:])[rows])
+            cu_k.append(cu_k[-1] + used)
+        assert cu_k == meta.cu_k.tolist()
+        return _reference_varlen(q, torch.cat(k_parts), torch.cat(v_parts), meta.cu_q, cu_k, scale)
+
+    monkeypatch.setattr(attn_backends, "flash_varlen", fake_flash)
+    monkeypatch.setattr(attn_backends, "varlen_paged", fake_paged)
+    for backend in (attn_backends.FlashVarlenBackend(), attn_backends.VarlenPagedBackend()):
+        for block_size in (4, 16):
+            assert attn_select.self_check(backend, torch.device("cpu"), torch.float32, 8, 2, 16, block_size) is None
