@@ -1,7 +1,12 @@
 """bulkgen.engine: continuous batching, packed varlen prompts and a paged KV cache over HF models.
 
-    engine = Engine.from_pretrained(path, max_num_seqs=64, max_num_batched_tokens=2048)
+    engine = Engine.from_pretrained(path)  # step limits sized for the device (64 / 2,048 on CPU)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
+
+Sampling runs on the logits' device with counter-based random numbers keyed by (seed, completion,
+position). On CUDA, attention uses the fastest fused varlen kernel this torch offers that passes a
+self-check against the plain path, and decode steps replay CUDA graphs; none of the CUDA path has
+run on a GPU in development (its tests are marked `gpu`).
 
 Greedy output is checked token for token against transformers' `generate` (fp32, CPU) for Llama,
 Qwen2, Qwen3 and Mistral. The same check also passed, once, for tiny random Gemma, Olmo, Olmo2,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import torch
 
 POLICIES = ("continuous", "static", "dynamic")
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
@@ -12,13 +14,16 @@ ADMISSIONS = ("longest_first", "shortest_first", "fifo")
 class EngineConfig:
     """Scheduling and KV-cache limits.
 
+    `max_num_seqs` and `max_num_batched_tokens` left as None are sized for the device by
+    `resolve_limits`: 64 / 2,048 on CPU; on CUDA from the memory free after loading the weights.
+
     KV-cache size: `num_kv_blocks` wins if given; else `kv_cache_bytes`; else on CUDA
     `kv_cache_memory_fraction` of the memory free after loading the model, and on CPU enough blocks
     for `max_num_seqs` full-length sequences capped at 2 GiB.
     """
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
@@ -28,11 +33,11 @@ class EngineConfig:
     admission: str = "longest_first"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    cuda_graphs: bool | None = None  # decode steps over static buffers; None: on CUDA only
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            _positive_int(name, getattr(self, name))
-        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+        _positive_int("block_size", self.block_size)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_bytes", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if not 0 < self.kv_cache_memory_fraction <= 1:
@@ -41,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
         if not isinstance(self.max_queue_delay, (int, float)) or self.max_queue_delay < 0:
             raise ValueError(f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
 
@@ -48,3 +55,22 @@ class EngineConfig:
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+CPU_DEFAULTS = (64, 2048)  # (max_num_seqs, max_num_batched_tokens)
+GIB = 1 << 30
+
+
+def resolve_limits(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """Fill unset step limits for the device. A GPU is only busy with hundreds of sequences per
+    step: with >= 40 GiB free (an H100/H200 after a small model) 512 sequences and 16k tokens,
+    with >= 16 GiB 256 / 8k, else 128 / 4k. Explicit values always win."""
+    seqs, tokens = CPU_DEFAULTS
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        seqs, tokens = (512, 16384) if free >= 40 * GIB else (256, 8192) if free >= 16 * GIB else (128, 4096)
+    return replace(
+        config,
+        max_num_seqs=config.max_num_seqs or seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens or tokens,
+    )

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, resolve_limits
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .sampler import sample
@@ -28,24 +28,35 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Continuous-batching generation over any HF decoder-only model (it takes over its attention)."""
+    """Continuous-batching generation over any HF decoder-only model.
+
+    The model's attention is switched to bulkgen's paged implementation only inside the engine's
+    own forward calls, so the caller can still use the model (e.g. `model.generate()`) between steps."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, **engine_kwargs) -> None:
-        self.config = EngineConfig(**engine_kwargs)
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
         self.runner = ModelRunner(model, self.config, self.max_model_len)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.stats_ = EngineStats(self.config.max_num_seqs)
+        self._seq_ids = itertools.count()
+        self._order = itertools.count()
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every request and start the scheduler and KV bookkeeping afresh; weights stay loaded.
+
+        A worker calls this after a failed step instead of reloading the model. The cache tensors are
+        kept (stale contents are never read: a slot is written before it is attended to)."""
+        self.requests: dict[str, Request] = {}
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config, self.block_manager)
-        self.stats_ = EngineStats(self.config.max_num_seqs)
-        self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
-        self._order = itertools.count()
 
     @classmethod
     def from_pretrained(cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None,
@@ -66,11 +77,18 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     tag: str | None = None) -> None:
-        """Queue a request; ValueError if the id is in use or the prompt is empty, invalid or too long."""
+        """Queue a request; ValueError if the id is in use or the prompt or params do not fit this engine.
+
+        The whole request (all `n` sequences) is built and checked before any part is queued.
+        `tag` is opaque (the runtime passes a batch id); step records count work per tag."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(
+                f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})"
+            )
         ids = self._tokenize(request_id, prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -83,11 +101,11 @@ class Engine:
             raise ValueError(
                 f"request {request_id!r}: needs {blocks} KV blocks but the cache has {self.runner.num_blocks}"
             )
-        request = Request(request_id, ids, params, next(self._order))
-        request.tag = tag or ""
-        for i in range(params.n):
-            request.seqs.append(Sequence(next(self._seq_ids), request, i, max_tokens))
-            self.scheduler.add(request.seqs[-1])
+        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        request = Request(request_id, ids, params, next(self._order), tag, stop_ids)
+        request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(params.n)]
+        for seq in request.seqs:
+            self.scheduler.add(seq)
         self.requests[request_id] = request
 
     def _tokenize(self, request_id: str, prompt: str | list[int]) -> list[int]:
@@ -105,7 +123,11 @@ class Engine:
         return ids
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and one forward pass; returns requests that finished in this step."""
+        """One scheduling decision and one forward pass; returns requests that finished in this step.
+
+        The forward pass and sampling change no sequence: if either raises, every sequence still
+        holds its blocks and counts, so the next step recomputes the same tokens (or the caller
+        aborts a request, or calls reset())."""
         batch = self.scheduler.schedule()
         if not batch.items:
             if self.config.policy != "dynamic" and self.requests:
@@ -117,13 +139,12 @@ class Engine:
         start = time.time()
         self._mark_scheduled(batch.items, start)
         logits, sampling = self.runner.run(batch.items)
+        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
         for seq, n in batch.items:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
         finished = self._append_tokens(sampling, tokens, logprobs)
-        self.stats_.record_step(batch, time.time() - start, len(tokens))
-        self.stats_.records[-1]["by_tag"] = _by_tag(batch)
+        self.stats_.record_step(batch, time.time() - start, sampling)
         return finished
 
     def _mark_scheduled(self, items: list[tuple[Sequence, int]], now: float) -> None:
@@ -143,7 +164,7 @@ class Engine:
                 seq.logprobs.append(self._logprob_entry(token, lp))
             metrics = seq.request.metrics
             metrics.first_token_time = metrics.first_token_time or now
-            if check_stop(seq, self.tokenizer, self.eos_token_ids):
+            if check_stop(seq, self.tokenizer):
                 self.scheduler.finish(seq)
                 if seq.request.finished:
                     done.append(self._finish_request(seq.request, now))
@@ -202,40 +223,22 @@ class Engine:
         if seqs:
             self.scheduler.abort(seqs)
 
+    def free_capacity(self) -> dict:
+        """Room for more work: a worker pulls new requests while free_slots > 0 and blocks remain."""
+        sched = self.scheduler
+        return {
+            "free_slots": self.config.max_num_seqs - (len(sched.running) + sched.num_waiting),
+            "free_blocks": self.block_manager.num_free_blocks,
+            "waiting": sched.num_waiting,
+            "block_size": self.config.block_size,
+            "max_num_seqs": self.config.max_num_seqs,
+        }
+
     def stats(self) -> dict:
         return self.stats_.snapshot(self.scheduler.num_preemptions, self.scheduler.prefill_padding_tokens)
 
-    def reset(self) -> None:
-        """Drop every request and start from a clean scheduler and KV cache (the weights stay)."""
-        self.requests.clear()
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(self.config, self.block_manager)
-
-    def free_capacity(self) -> dict:
-        """Room for more work: free slots and KV blocks, and sequences still waiting for admission."""
-        waiting = len(self.scheduler.waiting) + len(self.scheduler.preempted)
-        held = waiting + len(self.scheduler.running)
-        return {"free_slots": max(0, self.config.max_num_seqs - held), "free_blocks": self.block_manager.num_free_blocks,
-                "waiting": waiting, "block_size": self.config.block_size, "max_num_seqs": self.config.max_num_seqs}
-
     def pop_step_records(self) -> list[dict]:
         return self.stats_.pop_records()
-
-
-def _by_tag(batch) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for seq, n in batch.items:
-        t = out.setdefault(seq.request.tag, {"held": 0, "active": 0, "prefill_tokens": 0, "decode_tokens": 0})
-        t["active"] += 1
-        if n == 1 and seq.num_output_tokens > 0:
-            t["decode_tokens"] += 1
-        else:
-            t["prefill_tokens"] += n
-    for t in out.values():
-        t["held"] = t["active"]
-    return out
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from .attention import ATTN_IMPLEMENTATION, DecodeBatch, PrefillSegment, StepContext
+from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
+from .attn_select import select_backend
 from .config import EngineConfig
+from .decode_graphs import DecodeGraphs
 from .sequence import Sequence
+from .step_plan import HostPack, StepPlan
 
 CPU_KV_CAP_BYTES = 2 << 30
 
 
 class ModelRunner:
-    """Owns the paged KV cache and turns a scheduled batch into one call of the HF base model."""
+    """Owns the paged KV cache and turns a scheduled batch into one call of the HF model."""
 
     def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int):
         self.model = model
@@ -20,21 +23,28 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         _check_supported(model)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            raise ValueError(
-                f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
-                "bulkgen cannot run it"
-            )
         hf = model.config
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
+        self.backend = select_backend(self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
+                                      self.head_dim, self.block_size)
         self.num_blocks = self._num_blocks(max_model_len)
-        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)  # + a scratch block
         self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.pack = HostPack(self.device)
+        self.graphs = self._decode_graphs(max_model_len)
+
+    def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        on_cuda = self.device.type == "cuda"
+        wanted = self.config.cuda_graphs
+        if not (wanted or (wanted is None and on_cuda)):
+            return None
+        max_width = 1 << (-(-max_model_len // self.block_size) - 1).bit_length()
+        return DecodeGraphs(self.model, self.k_caches, self.v_caches, self.block_size,
+                            self.num_blocks * self.block_size, self.config.max_num_seqs, max_width, capture=on_cuda)
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.config
@@ -58,77 +68,57 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
-        whose scheduled tokens reach their end (they sample now), in that order."""
-        input_ids, positions, ctx, rows, sampling = self._prepare(batch)
-        if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
-            self.model.get_decoder()(input_ids=input_ids, position_ids=positions, use_cache=False, bulkgen_ctx=ctx)
-            return torch.empty(0), []
-        keep = torch.tensor(rows, device=self.device)  # lm_head (and any logit scaling) on these rows only
-        out = self.model(
-            input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=keep, bulkgen_ctx=ctx
-        )
+        whose scheduled tokens reach their end (they sample now), in that order. Changes no sequence."""
+        ordered, plan = self._plan(batch)
+        rows, sampling, q_off = [], [], 0
+        for seq, n in ordered:
+            q_off += n
+            if seq.num_computed_tokens + n == len(seq):
+                rows.append(q_off - 1)
+                sampling.append(seq)
+        tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens:][:n]]
+        if self.graphs is not None and not plan.num_prefill:
+            return self.graphs.run(plan, tokens), sampling
+        pack = self.pack
+        ids = pack.add(tokens)
+        positions, slots = pack.add(plan.positions()), pack.add(plan.slots())
+        keep = pack.add(rows)
+        meta = self.backend.prepare(plan, pack)
+        flat = pack.upload()
+        ctx = StepContext(flat[slots], self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat))
+        kwargs = dict(input_ids=flat[ids][None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx)
+        with attention_scope(self.model):
+            if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
+                self.model.get_decoder()(**kwargs)
+                return torch.empty(0), []
+            out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the sampled rows only
         return out.logits[0].float(), sampling
 
-    def _prepare(self, batch: list[tuple[Sequence, int]]):
-        """Build the flat row and all attention metadata once per step: prefill chunks first, then decodes."""
+    def _plan(self, batch: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], StepPlan]:
+        """Prefill chunks first, then decodes (one token after cached context)."""
         prefill = [(s, n) for s, n in batch if not (n == 1 and s.num_computed_tokens > 0)]
         decode = [(s, n) for s, n in batch if n == 1 and s.num_computed_tokens > 0]
         ordered = prefill + decode
-        starts = [s.num_computed_tokens for s, _ in ordered]
-        counts = [n for _, n in ordered]
-        ids: list[int] = []
-        for (seq, n), start in zip(ordered, starts, strict=True):
-            ids.extend(seq.token_ids[start : start + n])
-        tables = _block_tables(ordered, self.device)
-        tok_seq, tok_pos = _ranges(starts, counts, self.device)
-        bs = self.block_size
-        ctx = StepContext(
-            write_rows=self._write_rows(tables[tok_seq, tok_pos // bs], tok_pos % bs),
-            k_caches=self.k_caches,
-            v_caches=self.v_caches,
+        plan = StepPlan(
+            [s.num_computed_tokens for s, _ in ordered], [n for _, n in ordered],
+            [s.block_table for s, _ in ordered], len(prefill), self.block_size,
         )
-        rows, sampling, q_off = [], [], 0
-        for i, (seq, n) in enumerate(ordered):
-            if i < len(prefill):
-                ctx.prefills.append(self._segment(seq, q_off, n, starts[i]))
-            if starts[i] + n == len(seq):
-                rows.append(q_off + n - 1)
-                sampling.append(seq)
-            q_off += n
-        if decode:
-            ctx.decode = self._decode_batch([s for s, _ in decode], q_off - len(decode), q_off)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return input_ids, tok_pos.unsqueeze(0), ctx, rows, sampling
+        return ordered, plan
 
-    def _write_rows(self, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Row of each (token, kv head) in the cache viewed as [-1, head_dim], token-major."""
-        heads = torch.arange(self.num_kv_heads, device=self.device)
-        rows = (blocks[:, None] * self.num_kv_heads + heads[None, :]) * self.block_size + offsets[:, None]
-        return rows.reshape(-1)
 
-    def _segment(self, seq: Sequence, q_off: int, n: int, start: int) -> PrefillSegment:
-        if start == 0:
-            return PrefillSegment(q_off, q_off + n)
-        end = start + n
-        blocks = torch.tensor(seq.block_table[: -(-end // self.block_size)], device=self.device)
-        q_pos = torch.arange(start, end, device=self.device)
-        mask = torch.arange(end, device=self.device)[None, :] <= q_pos[:, None]
-        return PrefillSegment(q_off, q_off + n, blocks, end, mask)
-
-    def _decode_batch(self, seqs: list[Sequence], start: int, end: int) -> DecodeBatch:
-        bs = self.block_size
-        lengths = [s.num_computed_tokens + 1 for s in seqs]
-        counts = [-(-n // bs) for n in lengths]
-        blocks: list[int] = []
-        for seq, count in zip(seqs, counts, strict=True):
-            blocks.extend(seq.block_table[:count])
-        counts_t = torch.tensor(counts, device=self.device)
-        owner = torch.repeat_interleave(torch.arange(len(seqs), device=self.device), counts_t)
-        valid = torch.full((len(blocks),), bs, device=self.device)
-        last = torch.cumsum(counts_t, 0) - 1
-        valid[last] = torch.tensor(lengths, device=self.device) - (counts_t - 1) * bs
-        pad = torch.arange(bs, device=self.device)[None, :] >= valid[:, None]
-        return DecodeBatch(start, end, torch.tensor(blocks, device=self.device), owner, pad)
+def check_attention_routing(model: torch.nn.Module) -> None:
+    """Refuse models whose attention cannot be routed to bulkgen; leave the model's setting as it was."""
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        routed = model.config._attn_implementation == ATTN_IMPLEMENTATION
+    finally:
+        model.config._attn_implementation = previous
+    if not routed:
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+            "bulkgen cannot run it"
+        )
 
 
 def _check_supported(model: torch.nn.Module) -> None:
@@ -137,18 +127,4 @@ def _check_supported(model: torch.nn.Module) -> None:
     other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other:
         raise ValueError(f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only")
-
-
-def _block_tables(batch: list[tuple[Sequence, int]], device: torch.device) -> torch.Tensor:
-    """[B, max_blocks] block ids (metadata only; rows are padded with 0 and never read past their length)."""
-    width = max(len(s.block_table) for s, _ in batch)
-    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in batch], device=device)
-
-
-def _ranges(starts: list[int], counts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenated ranges [start, start+count) as (owner index, value) tensors, without a Python loop per item."""
-    counts_t = torch.tensor(counts, device=device)
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t)
-    offsets = torch.cumsum(counts_t, 0) - counts_t
-    base = torch.tensor(starts, device=device) - offsets
-    return owner, torch.arange(int(counts_t.sum()), device=device) + base[owner]
+    check_attention_routing(model)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GREEDY_TEMPERATURE = 1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
+
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. `temperature == 0` means greedy; `n` completions share the prompt."""
+    """How one request is decoded. `temperature` below 1e-5 (0 included) means greedy; `n` completions share
+    the prompt; `seed` makes sampling reproducible (completion i draws from the stream of (seed, i))."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -47,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

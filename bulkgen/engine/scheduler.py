@@ -26,6 +26,8 @@ class ScheduledBatch:
     """One step's decision: (sequence, tokens to compute) pairs plus the slot accounting for metrics."""
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
+    is_decode: list[bool] = field(default_factory=list)  # per item
+    held: list[Sequence] = field(default_factory=list)  # sequences holding a slot this step
     held_slots: int = 0
     padding_slots: int = 0
     prefill_tokens: int = 0
@@ -58,11 +60,13 @@ class Scheduler:
         if self.num_preemptions == before:
             self._admit(batch, budget)
         grouped = self.config.policy != "continuous"
-        batch.held_slots = len(self.group) if grouped else len(self.running)
+        batch.held = list(self.group if grouped else self.running)
+        batch.held_slots = len(batch.held)
         if grouped:
             batch.padding_slots = sum(s.status is SequenceStatus.FINISHED for s in self.group)
         for seq, n in batch.items:
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+            batch.is_decode.append(is_decode)
             if is_decode:
                 batch.decode_tokens += 1
             else:
@@ -182,6 +186,11 @@ class Scheduler:
         else:
             self.waiting.sort(key=lambda s: (-s.request.order, -s.index))
         self._dirty = False
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not admitted yet (queued, preempted, or in a static group's pending list)."""
+        return len(self.waiting) + len(self.preempted) + len(self.group_pending)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED

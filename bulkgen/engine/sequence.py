@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 
-import torch
-
+from .counter_rng import stream_key
 from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 
@@ -20,8 +20,11 @@ class SequenceStatus(enum.Enum):
 class Request:
     """The unit the caller sees: a prompt, its sampling params, and `n` sequences."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, order: int):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, order: int,
+                 tag: str | None = None, stop_ids: frozenset[int] = frozenset()):
         self.request_id = request_id
+        self.tag = tag or ""
+        self.stop_ids = stop_ids  # EOS (unless ignored) plus stop_token_ids: one set lookup per token
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.order = order
@@ -52,7 +55,7 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
         self.num_cached_tokens = 0
         self.num_preemptions = 0
-        self.generator = _make_generator(self.params, index)
+        self.rng_key = _rng_key(self.params, index)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -75,13 +78,7 @@ class Sequence:
         return self.num_prompt_tokens + self.max_tokens
 
 
-def _make_generator(params: SamplingParams, index: int) -> torch.Generator | None:
-    """A per-sequence RNG, so a seeded request samples the same tokens whatever shares its batch."""
-    if params.greedy:
-        return None
-    gen = torch.Generator()
-    if params.seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(params.seed + index)
-    return gen
+def _rng_key(params: SamplingParams, index: int) -> int:
+    """The sequence's counter-based stream key: from (seed, index), or fresh randomness if unseeded."""
+    seed = secrets.randbits(64) if params.seed is None else params.seed
+    return stream_key(seed, index)

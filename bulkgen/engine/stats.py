@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
 
 
 class EngineStats:
@@ -19,7 +20,8 @@ class EngineStats:
         self.histogram: dict[str, int] = {}
         self.records: list[dict] = []
 
-    def record_step(self, batch: ScheduledBatch, duration_s: float, output_tokens: int) -> None:
+    def record_step(self, batch: ScheduledBatch, duration_s: float, sampled: list[Sequence]) -> None:
+        output_tokens = len(sampled)
         c = self.counters
         c["steps"] += 1
         c["busy_time_s"] += duration_s
@@ -36,6 +38,7 @@ class EngineStats:
             t=time.time(), duration_s=duration_s, num_seqs=batch.held_slots, active_seqs=len(batch.items),
             prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
             padding_slots=batch.padding_slots, max_num_seqs=self.max_num_seqs,
+            by_tag=by_tag(batch, sampled),
         ))
 
     def add_cached(self, num_tokens: int) -> None:
@@ -59,3 +62,24 @@ class EngineStats:
     def pop_records(self) -> list[dict]:
         records, self.records = self.records, []
         return records
+
+
+def by_tag(batch: ScheduledBatch, sampled: list[Sequence]) -> dict[str, dict[str, int]]:
+    """Per-tag share of one step (host-side counting over the step's sequences; untagged under "")."""
+    tags: dict[str, dict[str, int]] = {}
+
+    def entry(seq: Sequence) -> dict[str, int]:
+        tag = seq.request.tag
+        if tag not in tags:
+            tags[tag] = dict(held=0, active=0, prefill_tokens=0, decode_tokens=0, output_tokens=0)
+        return tags[tag]
+
+    for seq in batch.held:
+        entry(seq)["held"] += 1
+    for (seq, n), is_decode in zip(batch.items, batch.is_decode, strict=True):
+        counts = entry(seq)
+        counts["active"] += 1
+        counts["decode_tokens" if is_decode else "prefill_tokens"] += n
+    for seq in sampled:
+        entry(seq)["output_tokens"] += 1
+    return tags

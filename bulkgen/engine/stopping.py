@@ -5,12 +5,12 @@ from __future__ import annotations
 from .sequence import Sequence
 
 
-def check_stop(seq: Sequence, tokenizer, eos_token_ids: set[int]) -> bool:
-    """Set `seq.finish_reason` ("stop" or "length") and return True once the last token ends it."""
+def check_stop(seq: Sequence, tokenizer) -> bool:
+    """Set `seq.finish_reason` ("stop" or "length") and return True once the last token ends it.
+
+    EOS and stop ids are one lookup in the request's precomputed stop set; only stop strings decode."""
     params, token = seq.params, seq.token_ids[-1]
-    if (not params.ignore_eos and token in eos_token_ids) or (
-        params.stop_token_ids and token in params.stop_token_ids
-    ):
+    if token in seq.request.stop_ids:
         seq.finish_reason = "stop"
         return True
     if params.stop and _stop_in_tail(seq, tokenizer):

@@ -85,7 +85,7 @@ def test_incremental_interface_metrics_and_abort(make_engine, mixed_prompts):
     records = engine.pop_step_records()
     assert records and engine.pop_step_records() == []
     assert set(records[0]) == {"t", "duration_s", "num_seqs", "active_seqs", "prefill_tokens",
-                               "decode_tokens", "padding_slots", "max_num_seqs"}
+                               "decode_tokens", "padding_slots", "max_num_seqs", "by_tag"}
 
 
 def test_bad_requests_and_config_raise_clear_errors(make_engine):

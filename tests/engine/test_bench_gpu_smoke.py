@@ -1,0 +1,49 @@
+"""bench/gpu.py and bench/bench_sampling.py in their --quick modes, so the scripts cannot rot on CPU CI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_gpu_bench_quick_mode_writes_its_table_and_json(tmp_path, capsys):
+    gpu = _load("gpu")
+    report = gpu.main(["--quick", "--out", str(tmp_path)])
+    written = json.loads(next(tmp_path.glob("gpu-*-quick.json")).read_text())
+    assert written == json.loads(json.dumps(report))
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"hf_static", "bulkgen_greedy", "bulkgen_sampled"}
+    assert all(r["output_tokens"] == report["output_tokens"] and r["wall_s"] > 0 for r in rows.values())
+    assert rows["bulkgen_greedy"]["slot_efficiency"] == 1.0 and rows["hf_static"]["slot_efficiency"] < 1.0
+    assert report["greedy_vs_hf_static"]["identical_share"] == 1.0  # fp32 on CPU: token for token
+    assert "x static" in capsys.readouterr().out
+
+
+def test_anchor_workload_is_the_issue_s():
+    gpu = _load("gpu")
+    a = gpu.ANCHOR
+    assert (a["requests"], a["prompt"], a["output"], a["static_batch"], a["dtype"]) == (
+        512, (16, 1024), (8, 256), 64, "bfloat16")
+    assert {k: a["model"][k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                       "num_attention_heads", "num_key_value_heads", "vocab_size")} == dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256)
+    assert a["model"]["tie_word_embeddings"] and a["model"]["rope_theta"] == 500000.0
+
+
+def test_sampling_bench_quick_mode_reports_the_ratio():
+    report = _load("bench_sampling").main(["--quick", "--json"])
+    assert report["ratio"] > 0 and report["greedy_s"] > 0 and report["vocab_size"] == 32000

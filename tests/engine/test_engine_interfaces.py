@@ -1,0 +1,157 @@
+"""What the runtime needs from the engine: reset, tags in step records, free capacity, sized defaults,
+and the attention backend choice (CPU side of the device path)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bulkgen.engine import SamplingParams, attn_select
+from bulkgen.engine.attn_backends import PlainBackend
+from bulkgen.engine.config import EngineConfig, resolve_limits
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_reset_drops_everything_and_the_engine_works_after(make_engine, reference, mixed_prompts):
+    prompts = mixed_prompts(seed=50, count=4, low=5, high=40)
+    engine = make_engine("llama", max_num_batched_tokens=32, block_size=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, _greedy(5))
+    engine.step()
+    engine.step()
+    engine.reset()
+    assert not engine.has_unfinished()
+    assert engine.free_capacity()["free_blocks"] == engine.runner.num_blocks
+    outs = engine.generate(prompts, _greedy(5))
+    assert [o.token_ids for o in outs] == [reference.greedy("llama", p, 5) for p in prompts]
+
+
+def test_step_records_count_work_per_tag(make_engine, mixed_prompts):
+    prompts = mixed_prompts(seed=51, count=5, low=5, high=20)
+    engine = make_engine("llama", max_num_seqs=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, _greedy(3 + i), tag="batch-a" if i < 3 else ("batch-b" if i == 3 else None))
+    while engine.has_unfinished():
+        engine.step()
+    records = engine.pop_step_records()
+    totals: dict[str, dict[str, int]] = {}
+    for r in records:
+        assert sum(t["held"] for t in r["by_tag"].values()) == r["num_seqs"]
+        assert sum(t["active"] for t in r["by_tag"].values()) == r["active_seqs"]
+        assert sum(t["prefill_tokens"] for t in r["by_tag"].values()) == r["prefill_tokens"]
+        assert sum(t["decode_tokens"] for t in r["by_tag"].values()) == r["decode_tokens"]
+        for tag, counts in r["by_tag"].items():
+            for key, value in counts.items():
+                totals.setdefault(tag, {}).setdefault(key, 0)
+                totals[tag][key] += value
+    assert set(totals) == {"batch-a", "batch-b", ""}
+    assert totals["batch-a"]["output_tokens"] == 3 + 4 + 5
+    assert totals["batch-b"]["output_tokens"] == 6 and totals[""]["output_tokens"] == 7
+    assert totals["batch-a"]["prefill_tokens"] == sum(len(p) for p in prompts[:3])
+
+
+def test_free_capacity_tracks_slots_blocks_and_waiting(make_engine, mixed_prompts):
+    engine = make_engine("llama", max_num_seqs=3, block_size=4, num_kv_blocks=64)
+    empty = engine.free_capacity()
+    assert empty == {"free_slots": 3, "free_blocks": 64, "waiting": 0, "block_size": 4, "max_num_seqs": 3}
+    for i, p in enumerate(mixed_prompts(seed=52, count=2, low=6, high=6)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=4, n=2, temperature=1.0, seed=i))
+    cap = engine.free_capacity()
+    assert cap["waiting"] == 4 and cap["free_slots"] == -1
+    engine.step()
+    cap = engine.free_capacity()
+    running = len(engine.scheduler.running)
+    assert 0 < running <= 3 and cap["waiting"] == 4 - running
+    assert cap["free_slots"] == -1 and cap["free_blocks"] < 64
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.free_capacity() == empty
+
+
+def test_defaults_are_modest_on_cpu_and_fill_a_large_gpu(monkeypatch):
+    cpu = resolve_limits(EngineConfig(), torch.device("cpu"))
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 2048)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (120 << 30, 141 << 30))
+    big = resolve_limits(EngineConfig(), torch.device("cuda"))
+    assert (big.max_num_seqs, big.max_num_batched_tokens) == (512, 16384)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 << 30, 24 << 30))
+    mid = resolve_limits(EngineConfig(max_num_seqs=100), torch.device("cuda"))
+    assert (mid.max_num_seqs, mid.max_num_batched_tokens) == (100, 8192)
+
+
+class _Broken(PlainBackend):
+    name = "broken"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        return super().attend(q, k, v, k_cache, v_cache, meta, scale) * 1.01
+
+
+def test_backend_choice_keeps_only_candidates_that_match_plain(monkeypatch):
+    assert attn_select.select_backend(torch.device("cpu"), torch.float32, 4, 2, 16, 8).name == "plain"
+    args = (torch.device("cpu"), torch.float32, 4, 2, 16, 8)
+    assert attn_select.self_check(PlainBackend(), *args) is None
+    assert "error" in attn_select.self_check(_Broken(), *args)
+    monkeypatch.setenv("BULKGEN_ATTENTION", "nope")
+    with pytest.raises(ValueError, match="BULKGEN_ATTENTION"):
+        attn_select.select_backend(*args)
+
+
+def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference, mixed_prompts):
+    """The CUDA-graph decode path (padded static buckets, scratch slot), run eagerly on CPU."""
+    from bulkgen.engine.decode_graphs import bucket, buckets_up_to
+
+    assert [bucket(n, 512) for n in (1, 2, 3, 5, 7, 64, 65, 97, 500, 512)] == [1, 2, 3, 6, 8, 64, 96, 128, 512, 512]
+    assert bucket(300, 256) == 256
+    assert buckets_up_to(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
+    prompts = mixed_prompts(seed=53, count=7, low=1, high=70)
+    engine = make_engine("qwen2", cuda_graphs=True, max_num_seqs=5, block_size=4, max_num_batched_tokens=48)
+    outs = engine.generate(prompts, [_greedy(n) for n in (3, 9, 5, 12, 1, 7, 10)])
+    assert [o.token_ids for o in outs] == [reference.greedy("qwen2", p, n)
+                                         for p, n in zip(prompts, (3, 9, 5, 12, 1, 7, 10), strict=True)]
+    assert len(engine.runner.graphs.buckets) >= 2
+    assert engine.runner.graphs.capture(max_context=40) == len(engine.runner.graphs.buckets) >= 4 * 3
+    assert engine.runner.k_caches[0].shape[0] == engine.runner.num_blocks + 1
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, scale):
+    """float64 causal varlen attention, bottom-right aligned, the flash-attention semantics."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k.shape[1]
+    for i in range(len(cu_q) - 1):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        qi, ki, vi = q[qs].double(), k[ks].double().repeat_interleave(group, 1), v[ks].double().repeat_interleave(group, 1)
+        offset = ki.shape[0] - qi.shape[0]
+        allowed = torch.arange(ki.shape[0])[None, :] <= torch.arange(qi.shape[0])[:, None] + offset
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        out[qs] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vi)
+    return out.to(q.dtype)
+
+
+def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch):
+    """The CUDA backends' packing (cumulative lengths, gathered context rows, block tables) checked on CPU
+    by putting float64 reference kernels where the CUDA-only ones would run."""
+    from bulkgen.engine import attn_backends
+
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        assert k.shape[1] == q.shape[1] and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+        return _reference_varlen(q, k, v, cu_q, cu_k, scale)
+
+    def fake_paged(q, k_cache, v_cache, meta, scale):
+        bs, rows, k_parts, v_parts, cu_k = k_cache.shape[1], [], [], [], [0]
+        for i, used in enumerate(meta.seqused_k.tolist()):
+            table = meta.block_table[i]
+            rows = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(used)])
+            k_parts.append(k_cache.view(-1, *k_cache.shape[2:])[rows])
+            v_parts.append(v_cache.view(-1, *v_cache.shape[2:])[rows])
+            cu_k.append(cu_k[-1] + used)
+        assert cu_k == meta.cu_k.tolist()
+        return _reference_varlen(q, torch.cat(k_parts), torch.cat(v_parts), meta.cu_q, cu_k, scale)
+
+    monkeypatch.setattr(attn_backends, "flash_varlen", fake_flash)
+    monkeypatch.setattr(attn_backends, "varlen_paged", fake_paged)
+    for backend in (attn_backends.FlashVarlenBackend(), attn_backends.VarlenPagedBackend()):
+        for block_size in (4, 16):
+            assert attn_select.self_check(backend, torch.device("cpu"), torch.float32, 8, 2, 16, block_size) is None
