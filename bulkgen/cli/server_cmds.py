@@ -20,9 +20,10 @@ _RUNTIME_OPTIONS = [
     click.option("--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster instead of starting one."),
     click.option("--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."),
     click.option("--cpu-workers", type=int, default=1, show_default=True, help="CPU workers when there is no GPU."),
-    click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Sequences per engine step."),
-    click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
-                 help="Token budget per engine step (chunked prefill above it)."),
+    click.option("--max-num-seqs", type=int,
+                 help="Sequences per engine step; default sized for the device (CPU 64, GPU 128-512 by free memory)."),
+    click.option("--max-num-batched-tokens", type=int,
+                 help="Token budget per engine step (chunked prefill above it); default by device (CPU 2048, GPU 4k-16k)."),
     click.option("--range-size", type=int, default=32, show_default=True,
                  help="Requests per line range: the unit workers pull and results are checkpointed in."),
     click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True),
@@ -54,7 +55,8 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
               max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
               lease_ttl_s) -> Settings:
     try:
-        engine = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+        engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
+                  if v is not None}
         pool = WorkerSettings(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers,
                               engine_kwargs=engine)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
