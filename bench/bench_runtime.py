@@ -1,7 +1,7 @@
 """What the runtime costs, and what a second worker buys, measured in one run (issue #7).
 
 Three configurations on the same requests (greedy, so every run generates the same tokens):
-- engine: bulkgen's `Engine.generate` in one process, prompts prepared up front (no Ray, no storage);
+- engine: bulkgen's `Engine.generate` in one process: parse, tokenize, generate (no Ray, no storage);
 - run, 1 worker: the whole `bulkgen run` path (storage records, validation, line index, work queue,
   a Ray worker actor that reads, tokenizes and writes parts, finalize), one CPU worker with every core;
 - run, 2 workers: the same with two CPU workers sharing the cores.
@@ -45,14 +45,14 @@ def run_engine(path: Path, engine_kwargs: dict) -> dict:
     from bulkgen.runtime.prepare import fit_context, tokenize
 
     engine = Engine.from_pretrained(default_model_path(), **engine_kwargs)
+    engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4))  # warm-up, as the service's first steps are
+    start = time.perf_counter()  # parsing and tokenizing count: a user of the engine does them too
     requests = [parse_line(raw, n, "/v1/completions") for n, raw in enumerate(path.read_bytes().splitlines(), 1)]
     prompts, params = [], []
     for r in requests:
         ids = tokenize(r, engine.tokenizer)
         prompts.append(ids)
         params.append(SamplingParams(**fit_context(r, len(ids), engine.max_model_len)))
-    engine.generate(prompts[:4], params[:4])  # warm-up, as the service's first steps are
-    start = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)

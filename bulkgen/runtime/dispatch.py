@@ -33,10 +33,12 @@ class Dispatcher:
         self.models_loaded: list[str | None] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
+        self._had_work: list[bool] = []
 
     def start(self) -> None:
         self.inflight = [{} for _ in self.pool.workers]
         self.models_loaded = [None for _ in self.pool.workers]
+        self._had_work = [True for _ in self.pool.workers]
         for index in range(len(self.pool.workers)):
             threading.Thread(target=self._loop, args=(index,), name=f"bulkgen-dispatch-{index}", daemon=True).start()
 
@@ -78,7 +80,7 @@ class Dispatcher:
 
     def _serve(self, index: int) -> None:
         handle = self.pool.workers[index]
-        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S), timeout=POLL_DEADLINE_S)
+        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index]), timeout=POLL_DEADLINE_S)
         self.models_loaded[index] = poll["model"]
         self._route(index, poll)
         if poll["want"] < 1:
@@ -86,6 +88,7 @@ class Dispatcher:
         with self._lock:
             idle = not self.inflight[index] and poll["held"] == 0
         ranges = self.queue.take(index, poll["want"], poll["model"], idle)
+        self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
         if not ranges:
             return
         job = ranges[0].job

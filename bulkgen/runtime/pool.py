@@ -80,6 +80,9 @@ class WorkerPool:
 
     def _create(self, index: int):
         options = {"num_gpus": 1, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": 1}
+        if self._threads:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus; the BLAS must see ours
+            threads = str(self._threads)
+            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
         actor = ray.remote(EngineWorker).options(
             name=f"bulkgen-worker-{index}", namespace=NAMESPACE, get_if_exists=True,
             max_concurrency=8, max_restarts=0, **options,

@@ -99,12 +99,9 @@ class EngineWorker:
         An `s3://` model is copied to this node's cache by the worker itself, so workers on other
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         if self.model_key != model_key(model_name, model_path) or self.engine is None:
-            import torch
 
             from bulkgen.engine import Engine
 
-            if self.cpu_threads:
-                torch.set_num_threads(self.cpu_threads)
             with self._cond:
                 self.engine, self.model_name, self.model_key = None, None, None
             engine = Engine.from_pretrained(resolve_model_path(model_path, endpoint_url=endpoint_url),
@@ -135,10 +132,13 @@ class EngineWorker:
             for spec in specs:
                 self._prepare_range(job, spec)
 
-    def poll(self, owner: str = "", timeout: float = 0.5) -> dict[str, Any]:
-        """`owner`'s finished ranges and step records by batch, and how many more requests the engine wants."""
+    def poll(self, owner: str = "", timeout: float = 0.5, for_work: bool = True) -> dict[str, Any]:
+        """`owner`'s finished ranges and step records by batch, and how many more requests the engine
+        wants. Waits up to `timeout` for something to report: a finished range, or (with `for_work`)
+        room in the engine; a driver with nothing to hand out polls without `for_work`, so its polls
+        do not spin against a worker that is busy stepping."""
         with self._cond:
-            if not self._done.get(owner) and self._want() == 0:
+            if not self._done.get(owner) and not (for_work and self._want() > 0):
                 self._cond.wait(timeout)
             done = self._done.pop(owner, [])
             steps = self._steps.pop(owner, {})
@@ -211,6 +211,10 @@ class EngineWorker:
 
     # -- the engine thread ------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
+        if self.cpu_threads:  # OpenMP's thread count is per calling thread: set it where forward runs
+            import torch
+
+            torch.set_num_threads(self.cpu_threads)
         while True:
             with self._cond:
                 while not (self._aborts or self._has_work()):
@@ -280,9 +284,10 @@ class EngineWorker:
             return  # aborted meanwhile
         result = result_dict(out)
         usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
-        envelope = success_line(p.request.to_dict(), result, work.model)
         work.metrics.append(result["metrics"])
-        self._settle(work, p.request.line, parts.entry(p.request.line, True, envelope, usage))
+        entry = parts.entry(p.request.line, True, None, usage)
+        entry["result"] = (p.request, result)  # the writer thread builds the envelope, off the step loop
+        self._settle(work, p.request.line, entry)
 
     def _fail(self, p: Prepared, message: str, code: str) -> None:
         with self._cond:
@@ -346,6 +351,10 @@ class EngineWorker:
         return self._stores[key]
 
     def _store_part(self, work: RangeWork) -> None:
+        for e in work.entries:
+            if "result" in e:
+                request, result = e.pop("result")
+                e["envelope"] = success_line(request.to_dict(), result, work.model)
         parts.write_part(work.store, work.batch_id, work.spec["first_line"], work.spec["last_line"], work.entries)
 
     def _progress(self, owner: str) -> dict[str, dict[str, int]]:
@@ -361,7 +370,8 @@ class EngineWorker:
     # -- capacity ------------------------------------------------------------------------------------
     def _want(self) -> int:
         """Requests to pull now: enough to keep one full batch running and one waiting for admission
-        (so the scheduler can sort by length), none while the engine is KV-bound or isolating a crash."""
+        (so the scheduler can sort by length), none while the engine is KV-bound or isolating a crash.
+        Room is reported in steps of half a batch, so work arrives in whole ranges, not one by one."""
         if self.engine is None:
             return 0 if self.model_name else 1
         if self._group is not None or self._quarantine:
@@ -370,7 +380,8 @@ class EngineWorker:
         slots = capacity["max_num_seqs"]
         if capacity["waiting"] >= slots or (capacity["waiting"] and not capacity["free_blocks"]):
             return 0
-        return max(0, 2 * slots - len(self._live) - len(self._inbox) - self._preparing)
+        room = 2 * slots - len(self._live) - len(self._inbox) - self._preparing
+        return room if room >= max(1, slots // 2) else 0
 
 
 def split_step(record: dict) -> dict[str, dict]:

@@ -147,11 +147,13 @@ class WorkQueue:
             if pending is None:
                 return []
             pending.last_served = time.monotonic()
-            want = min(want, self._tail_share())
+            share = self._tail_share()
+            tail = share < pending.ranges[0].size   # split ranges only where they would cause stragglers
+            want = min(want, share)
             taken: list[WorkRange] = []
             count = 0
             while pending.ranges and count < want:
-                taken.append(self._pop(pending, worker, want - count))
+                taken.append(self._pop(pending, worker, want - count if tail else None))
                 count += taken[-1].size
             return taken
 
@@ -192,10 +194,10 @@ class WorkQueue:
         pending = sum(r.size for p in self._batches.values() for r in p.ranges)
         return max(1, math.ceil(pending / max(1, self._num_workers())))
 
-    def _pop(self, pending: _Pending, worker: int, limit: int) -> WorkRange:
+    def _pop(self, pending: _Pending, worker: int, limit: int | None) -> WorkRange:
         choice = self._affine(pending, worker)
         r = pending.ranges.pop(choice)
-        if r.size > limit:  # keep the remainder queued
+        if limit is not None and r.size > limit:  # keep the remainder queued
             pending.ranges.insert(choice, cut_range(r.job, pending.index, r.lo + limit, r.hi, r.attempts))
             r = cut_range(r.job, pending.index, r.lo, r.lo + limit, r.attempts)
         if r.prefix:
