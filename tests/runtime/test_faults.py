@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -40,13 +41,22 @@ def _parts(store: LocalStore, batch_id: str) -> dict[str, bytes]:
     return {k: store.read_bytes(k) for k in store.list(f"parts/{batch_id}/lines-")}
 
 
+def _some_parts(store, batch_id: str, timeout: float = 180) -> dict[str, bytes]:
+    """Wait until some ranges are stored (counts move per request, parts per range)."""
+    deadline = time.monotonic() + timeout
+    while not (found := _parts(store, batch_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert found, "no part was written in time"
+    return found
+
+
 def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, client, tmp_path):
     rows = _rows("k", 400, 48)
     batch = _create(client, tmp_path / "kill.jsonl", rows)
     running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
     assert running.status == "in_progress" and running.model_extra["metrics"]["eta_s"] is not None
     store = service.svc.store
-    before = _parts(store, batch.id)
+    before = _some_parts(store, batch.id)
     ray.kill(ray.get_actor("bulkgen-worker-0", namespace=NAMESPACE))
     batch = wait_done(client, batch.id, timeout=300)
     assert batch.status == "completed"
@@ -109,9 +119,9 @@ def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_pa
     client = first.client()
     rows = _rows("s", 400, 48)
     batch = _create(client, tmp_path / "s.jsonl", rows)
-    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
-    first.kill()
     store = LocalStore(storage)
+    _some_parts(store, batch.id)
+    first.kill()
     before = _parts(store, batch.id)
     assert before and len(before) < 400 // 16
     second = serve_process(storage, "--lease-ttl", "4")
