@@ -62,11 +62,6 @@ class Dispatcher:
         for w in self.pool.workers:
             w.forget.remote(batch_id)
 
-    def workers_info(self) -> list[dict]:
-        with self._lock:
-            return [{"worker": f"bulkgen-worker-{i}", "model": self.models_loaded[i], "ranges": len(inflight),
-                     "batches": sorted({k[0] for k in inflight})} for i, inflight in enumerate(self.inflight)]
-
     # -- one thread per worker -------------------------------------------------------------------------
     def _loop(self, index: int) -> None:
         while not self._stopped.is_set():
