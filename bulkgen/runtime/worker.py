@@ -59,6 +59,10 @@ class RangeWork:
     entries: list[dict] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
 
+    @property
+    def key(self) -> tuple:
+        return self.batch_id, self.spec["lo"], self.spec["hi"]
+
     def report(self) -> dict:
         tally = parts.Tally()
         for e in self.entries:
@@ -175,8 +179,8 @@ class EngineWorker:
 
     # -- preparation (RPC threads) --------------------------------------------------------------------
     def _prepare_range(self, job: dict, spec: dict) -> None:
-        key = (job["batch_id"], spec["lo"], spec["hi"])
         work = RangeWork(job["batch_id"], spec, job["model"], self._store(job["store"]))
+        key = work.key
         ready: list[Prepared] = []
         try:
             lines = list(read_lines(work.store, job["input_key"], spec["first_line"], spec["start"], spec["end"]))
@@ -233,8 +237,7 @@ class EngineWorker:
                 self._recover(f"{type(exc).__name__}: {exc}")
 
     def _has_work(self) -> bool:
-        engine_busy = self.engine is not None and self.engine.has_unfinished()
-        return engine_busy or (self.engine is not None and (bool(self._inbox) or bool(self._quarantine)))
+        return self.engine is not None and bool(self.engine.has_unfinished() or self._inbox or self._quarantine)
 
     def _admit(self) -> None:
         with self._cond:
@@ -302,9 +305,8 @@ class EngineWorker:
         if work.remaining.pop(line, None) is None:
             return
         work.entries.append(entry)
-        key = (work.batch_id, work.spec["lo"], work.spec["hi"])
-        if not work.remaining and key in self._ranges:
-            self._complete(key)
+        if not work.remaining and work.key in self._ranges:
+            self._complete(work.key)
 
     def _complete(self, key: tuple) -> None:
         self._writes.put(self._ranges.pop(key))
