@@ -67,7 +67,7 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, cli
 
 
 def test_two_batches_share_the_workers_and_a_small_one_is_not_starved(service, client, tmp_path):
-    big_rows, small_rows = _rows("big", 450, 64), _rows("small", 10, 4)
+    big_rows, small_rows = _rows("big", 450, 160), _rows("small", 10, 4)
     big = _create(client, tmp_path / "big.jsonl", big_rows)
     wait_for(client, big.id, lambda b: b.request_counts.completed >= 16, timeout=180)
     small = _create(client, tmp_path / "small.jsonl", small_rows)
