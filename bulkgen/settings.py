@@ -37,6 +37,7 @@ class Settings:
     scheduling: str = "fifo"                # order of batches: "fifo" (created_at) or "deadline" (expires_at)
     fair_share_after_s: float = 30.0        # a batch given no work for this long is served next (no starvation)
     lease_ttl_s: float = 30.0               # a runner's claim on a batch lapses this long after its last renewal
+    storage_outage_timeout_s: float = 300.0  # a runner whose storage stays down this long stops (batch stays active)
     workers: WorkerSettings = field(default_factory=WorkerSettings)
 
     def __post_init__(self) -> None:
@@ -47,6 +48,8 @@ class Settings:
             raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
         if self.lease_ttl_s < 1:
             raise ValueError(f"lease_ttl_s must be at least 1 second, got {self.lease_ttl_s!r}")
+        if not self.storage_outage_timeout_s > 0:
+            raise ValueError(f"storage_outage_timeout_s must be > 0, got {self.storage_outage_timeout_s!r}")
         if self.fair_share_after_s < 0:
             raise ValueError(f"fair_share_after_s must be >= 0, got {self.fair_share_after_s!r}")
         if not self.models:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -11,6 +13,27 @@ from fastapi.responses import JSONResponse, Response
 from bulkgen import __version__
 from bulkgen.api import batches, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
+from bulkgen.store import StorageUnavailable
+
+
+class StorageProbe:
+    """The storage's state for /health: one cheap check (a single try) at most every `max_age_s`."""
+
+    def __init__(self, store, max_age_s: float = 5.0) -> None:
+        self.store, self.max_age_s = store, max_age_s
+        self.at, self.last = float("-inf"), "ok"
+        self._lock = threading.Lock()
+
+    def state(self) -> str:
+        with self._lock:
+            if time.monotonic() - self.at >= self.max_age_s:
+                try:
+                    self.store.check(attempts=1)
+                    self.last = "ok"
+                except StorageUnavailable as exc:
+                    self.last = f"unavailable: {exc.reason}"
+                self.at = time.monotonic()
+            return self.last
 
 
 def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
@@ -36,9 +59,14 @@ def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in svc.settings.models]
         return {"object": "list", "data": data}
 
+    probe = StorageProbe(svc.store)
+
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "version": __version__}
+        """Always 200 while the process answers (restarting it would not bring storage back);
+        `status` is "degraded" and `storage` says why while the storage cannot be used."""
+        storage = await run_in_threadpool(probe.state)
+        return {"status": "ok" if storage == "ok" else "degraded", "storage": storage, "version": __version__}
 
     records = RecordCache(svc)
 

@@ -9,6 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
 from bulkgen.api.files import page
+from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import public_view
 
 router = APIRouter(prefix="/v1/batches")
@@ -19,6 +20,7 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Any] | None = None
+    output_expires_after: dict[str, Any] | None = None  # {anchor: "created_at", seconds} for the result files
 
 
 @router.post("")
@@ -27,7 +29,10 @@ async def create_batch(request: Request, body: CreateBatch) -> dict:
 
 
 def _create(state, body: CreateBatch) -> dict:
-    record = state.svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+    expiry = body.output_expires_after or {}
+    seconds = check_expires_after(expiry.get("seconds"), expiry.get("anchor"), "output_expires_after")
+    record = state.svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
+                                    output_expires_after_s=seconds)
     if record["status"] == "in_progress":
         state.manager.wake()
     return record

@@ -11,6 +11,7 @@ from starlette.exceptions import HTTPException
 
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import Conflict, InvalidRequest
+from bulkgen.store import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RecordNotFound)
     async def not_found(_: Request, exc: RecordNotFound) -> JSONResponse:
         return JSONResponse(error_body(str(exc), code="not_found"), status_code=404)
+
+    @app.exception_handler(StorageUnavailable)
+    async def storage_down(_: Request, exc: StorageUnavailable) -> JSONResponse:
+        log.warning("%s", exc)  # one line: the service keeps answering while storage is down
+        body = error_body(f"{exc}; try again later", code="storage_unavailable", error_type="server_error")
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
 
     @app.exception_handler(RequestValidationError)
     async def bad_shape(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import InvalidRequest
 
 router = APIRouter(prefix="/v1/files")
@@ -18,11 +19,13 @@ async def create_file(
     request: Request,
     file: UploadFile,
     purpose: str = Form(...),
-    expires_after_seconds: int | None = Form(None, alias="expires_after[seconds]"),
+    expires_after_seconds: str | None = Form(None, alias="expires_after[seconds]"),
+    expires_after_anchor: str | None = Form(None, alias="expires_after[anchor]"),
 ) -> dict:
     svc = request.app.state.svc
     if purpose != "batch":
         raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
+    expires_after_seconds = check_expires_after(expires_after_seconds, expires_after_anchor or "created_at")
     limit = svc.settings.max_file_bytes
     size = file.size if file.size is not None else 0
     if size > limit:

@@ -3,7 +3,14 @@
 Layout under the storage URL:
   files/meta/<file_id>.json   file object        files/data/<file_id>   its bytes
   batches/<batch_id>.json     batch object (conditional writes: two writers never overwrite each other)
-Ids sort newest-first, so the default listing order is a plain key listing.
+Ids sort newest-first, so the default listing order is a plain key listing, and a page is a listing
+that starts after the cursor's key: O(page) whatever is stored, and right even when the cursor's own
+object was deleted meanwhile (a cursor is a position, not an object). Files listed oldest first (order=asc)
+read the keys up to the cursor (keys only, no records; 1,000 per S3 request) and keep the last page of
+them: O(page) records and memory, O(position) key listing.
+
+A file whose `expires_at` has passed is gone for every reader at once (404, left out of lists); `bulkgen
+gc` removes its bytes later.
 """
 
 from __future__ import annotations
@@ -11,14 +18,17 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from bulkgen.batch.ids import new_id
+from bulkgen.batch.schema import InvalidRequest
 from bulkgen.store import NotFound, PreconditionFailed, Store
 
 _ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 FILE_PURPOSES = ("batch", "batch_output")
+MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # the hosted API's bounds for expires_after[seconds]
 
 
 class RecordNotFound(LookupError):
@@ -29,6 +39,25 @@ def _check_id(kind: str, object_id: str) -> str:
     if not _ID.match(object_id or ""):
         raise RecordNotFound(f"No such {kind}: {object_id!r}")
     return object_id
+
+
+def check_expires_after(seconds: Any, anchor: Any = "created_at", param: str = "expires_after") -> int | None:
+    """`expires_after` (files) or `output_expires_after` (batches): anchor created_at, 1 hour to 30 days."""
+    if seconds is None and anchor in (None, "created_at"):
+        return None
+    if anchor != "created_at":
+        raise InvalidRequest(f"{param}[anchor] must be 'created_at'; got {anchor!r}", param=f"{param}[anchor]")
+    if isinstance(seconds, str) and seconds.strip().lstrip("-").isdigit():
+        seconds = int(seconds)
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
+        raise InvalidRequest(f"{param}[seconds] must be a whole number of seconds from {MIN_EXPIRY_S} (1 hour) to "
+                             f"{MAX_EXPIRY_S} (30 days); got {seconds!r}", param=f"{param}[seconds]")
+    return seconds
+
+
+def expired(record: dict, now: float | None = None) -> bool:
+    at = record.get("expires_at")
+    return at is not None and at <= (time.time() if now is None else now)
 
 
 def _page(keys: Iterator[str], limit: int, keep: Callable[[dict], bool], load: Callable[[str], dict | None]):
@@ -79,18 +108,27 @@ class FileRepo:
         self.store.write_bytes(self.meta_key(file_id), json.dumps(record).encode())
         return record
 
-    def get(self, file_id: str) -> dict:
+    def get(self, file_id: str, *, include_expired: bool = False) -> dict:
         try:
-            return json.loads(self.store.read_bytes(self.meta_key(file_id)))
+            record = json.loads(self.store.read_bytes(self.meta_key(file_id)))
         except NotFound:
             raise RecordNotFound(f"No such file: {file_id!r}") from None
+        if expired(record) and not include_expired:
+            raise RecordNotFound(f"No such file: {file_id!r} (it expired at {record['expires_at']})")
+        return record
 
     def list(self, after: str | None, limit: int, order: str = "desc", purpose: str | None = None):
-        keys = self.store.list("files/meta/")
+        marker = self.meta_key(after) if after else None
         if order == "asc":
-            keys = reversed(list(keys))
-        keys = _skip_through(keys, self.meta_key(after) if after else None)
-        return _page(keys, limit, lambda r: purpose is None or r["purpose"] == purpose, lambda key: _load_json(self.store, key))
+            keys = _before(lambda: self.store.list("files/meta/"), marker, limit + 1)
+        else:
+            keys = self.store.list("files/meta/", start_after=marker)
+        now = time.time()
+
+        def keep(r: dict) -> bool:
+            return (purpose is None or r["purpose"] == purpose) and not expired(r, now)
+
+        return _page(keys, limit, keep, lambda key: _load_json(self.store, key))
 
     def open(self, file_id: str) -> BinaryIO:
         self.get(file_id)
@@ -112,14 +150,20 @@ def _load_json(store: Store, key: str) -> dict | None:
         return None
 
 
-def _skip_through(keys, marker: str | None):
-    """Yield the keys after `marker` (the SDK's `after` cursor) in the given order."""
-    seen = marker is None
-    for key in keys:
-        if seen:
-            yield key
-        elif key == marker:
-            seen = True
+def _before(list_keys: Callable[[], Iterator[str]], marker: str | None, count: int) -> Iterator[str]:
+    """Newest-first keys -> the keys just before `marker` (all keys without one), oldest first, `count`
+    at a time: pages that skip expired or filtered records may need another window, which ends where
+    the last one began (another pass over the keys before it)."""
+    while True:
+        window: deque[str] = deque(maxlen=count)
+        for key in list_keys():
+            if marker is not None and key >= marker:
+                break
+            window.append(key)
+        yield from reversed(window)
+        if len(window) < count:
+            return
+        marker = window[0]
 
 
 class BatchRepo:
@@ -159,7 +203,7 @@ class BatchRepo:
         raise RuntimeError(f"batch {batch_id}: too many concurrent updates")
 
     def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        keys = _skip_through(self.store.list("batches/"), self.key(after) if after else None)
+        keys = self.store.list("batches/", start_after=self.key(after) if after else None)
         return _page(keys, limit, lambda r: True, lambda key: _load_json(self.store, key))
 
     def ids(self) -> Iterator[str]:

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from bulkgen.batch import totals
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
-from bulkgen.batch.schema import ACTIVE_STATUSES, Conflict, InvalidRequest, new_batch_record, set_status
+from bulkgen.batch.schema import (
+    ACTIVE_STATUSES,
+    INTERNAL,
+    TERMINAL_STATUSES,
+    Conflict,
+    InvalidRequest,
+    new_batch_record,
+    set_status,
+)
 from bulkgen.settings import Settings
 from bulkgen.store import Store, open_store
 
@@ -30,7 +39,8 @@ class BatchService:
         self.files = FileRepo(self.store)
         self.batches = BatchRepo(self.store)
 
-    def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
+    def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
+                     output_expires_after_s: int | None = None) -> dict:
         """POST /v1/batches: check the input file, create the record, validate it at once."""
         try:
             meta = self.files.get(input_file_id)
@@ -41,6 +51,8 @@ class BatchService:
             raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
                                  param="input_file_id")
         record = new_batch_record(meta["id"], endpoint, window, metadata)
+        if output_expires_after_s:
+            record[INTERNAL]["output_expires_after_s"] = output_expires_after_s
         self.store.write_bytes(_ref_key(meta["id"], record["id"]), b"")
         self.store.write_bytes(ACTIVE_PREFIX + record["id"], b"")
         self.batches.create(record)
@@ -51,7 +63,7 @@ class BatchService:
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
                                 s.max_file_bytes)
         if record["status"] == "failed":
-            self.store.delete(ACTIVE_PREFIX + batch_id)
+            self.mark_ended(batch_id, record)
         return record
 
     def cancel(self, batch_id: str) -> dict:
@@ -63,8 +75,23 @@ class BatchService:
         ids = [key.removeprefix(ACTIVE_PREFIX) for key in self.store.list(ACTIVE_PREFIX)]
         return reversed(ids)  # ids sort newest first
 
-    def mark_ended(self, batch_id: str) -> None:
+    def mark_ended(self, batch_id: str, record: dict | None = None) -> None:
+        """The batch ended: add it to the running totals (once), then drop it from the active index."""
+        record = record or self.batches.get(batch_id)
+        if record["status"] in TERMINAL_STATUSES:
+            totals.add_ended(self.store, record)
         self.store.delete(ACTIVE_PREFIX + batch_id)
+
+    def build_totals(self) -> bool:
+        """Running totals for storage written before they existed (once per storage)."""
+        return totals.build_once(self.store, self._all_records())
+
+    def _all_records(self) -> Iterator[dict]:
+        for batch_id in self.batches.ids():
+            try:
+                yield self.batches.get(batch_id)
+            except RecordNotFound:
+                continue
 
     def reindex_active(self) -> int:
         """Build the active index from the records, once per storage (written by an older version that

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from pathlib import Path
@@ -33,6 +34,9 @@ _RUNTIME_OPTIONS = [
                  help="Seconds a batch may get no work before it is served next (no batch starves)."),
     click.option("--lease-ttl", "lease_ttl_s", type=float, default=30.0, show_default=True,
                  help="Seconds after which another replica takes over a batch whose runner stopped renewing."),
+    click.option("--storage-outage-timeout", "storage_outage_timeout_s", type=float, default=300.0,
+                 show_default=True, help="Seconds a running batch waits for storage that stopped answering; "
+                 "then its runner stops, the batch stays active and resumes once storage answers."),
 ]
 
 
@@ -44,16 +48,42 @@ def runtime_options(fn):
     def wrapper(**kwargs):
         keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
                 "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling",
-                "fair_share_after_s", "lease_ttl_s")
+                "fair_share_after_s", "lease_ttl_s", "storage_outage_timeout_s")
         runtime = {k: kwargs.pop(k) for k in keys}
-        return fn(settings=_settings(**runtime), **kwargs)
+        settings = _settings(**runtime)
+        with storage_errors():
+            check_storage(settings.storage, settings.endpoint_url)
+            return fn(settings=settings, **kwargs)
 
     return wrapper
 
 
+@contextlib.contextmanager
+def storage_errors():
+    """Storage that cannot be used, at startup or later: one line naming it and why, exit status 1."""
+    from bulkgen.store import StorageUnavailable
+
+    try:
+        yield
+    except StorageUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def check_storage(url: str, endpoint_url: str | None):
+    """Open the storage and look at it once, before anything starts; -> the store."""
+    from bulkgen.store import open_store
+
+    try:
+        store = open_store(url, endpoint_url=endpoint_url)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    store.check(attempts=3)
+    return store
+
+
 def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
               max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
-              lease_ttl_s) -> Settings:
+              lease_ttl_s, storage_outage_timeout_s) -> Settings:
     try:
         engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
                   if v is not None}
@@ -61,7 +91,8 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
                               engine_kwargs=engine)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
                         range_size=range_size, max_requests_per_batch=max_requests_per_batch, scheduling=scheduling,
-                        fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool)
+                        fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s,
+                        storage_outage_timeout_s=storage_outage_timeout_s, workers=pool)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 

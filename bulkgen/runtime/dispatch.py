@@ -115,7 +115,9 @@ class Dispatcher:
             with self._lock:
                 r = self.inflight[index].pop(key, None)
             if "error" in report:
-                if r is not None:
+                if r is not None and report.get("storage"):  # storage down: no attempt used, no request failed
+                    self.queue.put_back([r], count=False)
+                elif r is not None:
                     self._give_up(self.queue.put_back([r]), report["error"])
                 continue
             runner = self.runner_of(report["batch_id"])

@@ -2,12 +2,13 @@
 
 The output and error files get ids derived from the batch id, so a finalize that is retried (its
 runner died half way) overwrites the same files instead of leaving orphans, and the closing status
-change is conditional: a batch already ended is never closed twice.
+change is conditional: a batch already ended is never closed twice. Once the batch is closed its
+parts are deleted (a finalize that dies before leaves them to `bulkgen gc`).
 """
 
 from __future__ import annotations
 
-from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
+from bulkgen.batch.schema import INTERNAL, TERMINAL_STATUSES, set_status
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
@@ -22,14 +23,18 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
 
 def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None) -> dict:
     if stop is None:
-        svc.batches.update(batch_id, lambda r: set_status(r, "finalizing") if r["status"] == "in_progress" else None)
+        record = svc.batches.update(batch_id,
+                                    lambda r: set_status(r, "finalizing") if r["status"] == "in_progress" else None)
+    else:
+        record = svc.batches.get(batch_id)
+    expiry = (record.get(INTERNAL) or {}).get("output_expires_after_s")  # the batch's output_expires_after
     outputs, errors, tally = parts.merge_parts(svc.store, batch_id)
     output_id, error_id = result_file_ids(batch_id)
     with outputs, errors:
         if tally.completed:
-            svc.files.put(output_id, outputs, f"{batch_id}_output.jsonl", "batch_output")
+            svc.files.put(output_id, outputs, f"{batch_id}_output.jsonl", "batch_output", expiry)
         if tally.failed:
-            svc.files.put(error_id, errors, f"{batch_id}_error.jsonl", "batch_output")
+            svc.files.put(error_id, errors, f"{batch_id}_error.jsonl", "batch_output", expiry)
     report = _store_report(svc, batch_id, metrics)
 
     def close(r: dict) -> dict | None:
@@ -45,7 +50,9 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
         return set_status(r, _FINAL_STATUS[stop])
 
     record = svc.batches.update(batch_id, close)
-    svc.mark_ended(batch_id)
+    svc.mark_ended(batch_id, record)
+    if record["status"] in TERMINAL_STATUSES:
+        parts.delete_parts(svc.store, batch_id)
     return record
 
 

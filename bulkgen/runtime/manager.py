@@ -23,6 +23,7 @@ from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.pool import WorkerPool
 from bulkgen.runtime.runner import BatchRunner
 from bulkgen.runtime.workqueue import WorkQueue
+from bulkgen.store import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class BatchManager:
         self.dispatcher.start()
         if self.only is None:
             self.svc.reindex_active()  # storage written before the active index existed
+            self.svc.build_totals()    # ... or before the running totals /metrics reads
         threading.Thread(target=self._loop, name="bulkgen-batches", daemon=True).start()
 
     def stop(self, kill_workers: bool = True) -> None:
@@ -75,8 +77,17 @@ class BatchManager:
     def wait(self, batch_id: str, poll_s: float = 0.5, on_poll=None) -> dict:
         """Block until the batch has ended (for `bulkgen run` and stored jobs); `on_poll(record)` sees
         each look at it (a progress bar)."""
+        down_since = None
         while True:
-            record = self.svc.batches.get(batch_id)
+            try:
+                record = self.svc.batches.get(batch_id)
+                down_since = None
+            except StorageUnavailable:  # as long as a runner would wait for it, then give up
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since >= self.svc.settings.storage_outage_timeout_s:
+                    raise
+                time.sleep(poll_s)
+                continue
             if on_poll is not None:
                 on_poll(record)
             if record["status"] in TERMINAL_STATUSES and self.runner_of(batch_id) is None:
@@ -91,7 +102,9 @@ class BatchManager:
                 self._scan()
                 if time.monotonic() - self._renewed >= ttl / 3:
                     self._renew()
-            except Exception:  # storage down for a moment: try again on the next tick
+            except StorageUnavailable as exc:  # storage down: say so in one line, try again on the next tick
+                log.warning("batch manager: %s", exc)
+            except Exception:
                 log.exception("batch manager: scan failed")
             self._wake.wait(min(SCAN_EVERY_S, ttl / 3))
             self._wake.clear()
@@ -118,8 +131,11 @@ class BatchManager:
             self.dispatcher.forget_batch(runner.batch_id)
             with self._lock:
                 self.runners.pop(runner.batch_id, None)
-            if self.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
-                runner.lease.release()
+            try:
+                if self.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
+                    runner.lease.release()
+            except StorageUnavailable:  # the lease lapses by itself
+                pass
 
     def _renew(self) -> None:
         self._renewed = time.monotonic()

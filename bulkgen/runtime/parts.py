@@ -37,6 +37,14 @@ def write_part(store: Store, batch_id: str, first_line: int, last_line: int, ent
     store.write_bytes(part_key(batch_id, first_line, last_line), data)
 
 
+def delete_parts(store: Store, batch_id: str) -> int:
+    """Drop the intermediate results of an ended batch (its output is final): the line parts and the
+    metrics state. The small runner-<owner>.json notes stay, as the record of who ran it."""
+    count = store.delete_prefix(f"parts/{batch_id}/lines-")
+    store.delete(f"parts/{batch_id}/metrics-state.json")
+    return count
+
+
 @dataclass
 class Tally:
     """request_counts and usage of the entries counted so far."""

@@ -2,7 +2,13 @@
 
 Everything a runner needs to resume lives in storage: the batch record, the input file and the result
 parts, so a runner that died is replaced by one (here or on another replica, once its lease lapsed)
-that queues only the lines without a part. The runner never holds the file or the results: it holds
+that queues only the lines without a part.
+
+Storage that stops answering: each store call retries for a few seconds itself; a runner that still
+cannot reach storage keeps trying for `storage_outage_timeout_s`, then stops (one error line in the log)
+and withdraws its work from the workers. It cannot record anything while storage is down, so the batch
+stays active with its parts and lease; once storage answers again the manager's next scan (in this
+process, or in a restarted service) starts a new runner that resumes from the stored parts. The runner never holds the file or the results: it holds
 the line index, a done-mask over it, the counts, and the batch's metrics (bounded sketches).
 """
 
@@ -25,12 +31,16 @@ from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
 from bulkgen.runtime.workqueue import BatchJob, WorkRange, make_ranges, true_runs
-from bulkgen.store import NotFound
+from bulkgen.store import NotFound, StorageUnavailable
 
 log = logging.getLogger(__name__)
 
 CONTROL_EVERY_S = 1.0
 PUBLISH_EVERY_S = 2.0
+
+
+class StorageOutage(Exception):
+    """Storage stayed unavailable past the outage timeout: the runner stops and the batch stays active."""
 
 
 class BatchFailed(Exception):
@@ -52,6 +62,8 @@ class BatchRunner:
         self._started = time.time()
         self._done_here = 0
         self._live: dict[str, dict] = {}   # per worker: requests settled in ranges not yet written
+        self._outage_since: float | None = None
+        self.outage: str | None = None     # why the runner stopped with storage down (the batch stays active)
 
     # -- the runner's thread ---------------------------------------------------------------------------
     def run(self) -> dict:
@@ -63,11 +75,17 @@ class BatchRunner:
             return self.svc.batches.get(self.batch_id)
         except BatchFailed as exc:
             return self.fail(str(exc))
+        except (StorageOutage, StorageUnavailable) as exc:
+            self.outage = str(exc)
+            log.error("batch %s: runner stopped: %s; the batch stays active and resumes from its stored parts "
+                      "once storage answers", self.batch_id, exc)
+            self._withdraw(None)
+            return None
 
     def _run(self) -> dict:
         record = self.svc.validate(self.batch_id)
         if record["status"] in TERMINAL_STATUSES:
-            self.svc.mark_ended(self.batch_id)
+            self.svc.mark_ended(self.batch_id, record)
             return record
         self._log_start()
         stop = self.stop_reason(record)
@@ -98,18 +116,31 @@ class BatchRunner:
             with self._lock:
                 finished = bool(self.done.all())
             now = time.monotonic()
-            if finished:
-                self.queue.remove_batch(self.batch_id)
-                self.publish()
-                return None
-            if now >= next_control:
-                next_control = now + CONTROL_EVERY_S
-                stop = self.stop_reason()
-                if stop:
-                    return stop
-            if now >= next_publish:
-                next_publish = now + PUBLISH_EVERY_S
-                self.publish()
+            try:
+                if finished:
+                    self.queue.remove_batch(self.batch_id)
+                    self.publish()
+                    return None
+                if now >= next_control:
+                    next_control = now + CONTROL_EVERY_S
+                    stop = self.stop_reason()
+                    if stop:
+                        return stop
+                if now >= next_publish:
+                    next_publish = now + PUBLISH_EVERY_S
+                    self.publish()
+                self._outage_since = None
+            except StorageUnavailable as exc:
+                self._storage_down(exc)
+
+    def _storage_down(self, exc: StorageUnavailable) -> None:
+        """Keep the workers going (they hold their results) until the outage lasts too long."""
+        timeout = self.svc.settings.storage_outage_timeout_s
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            log.warning("batch %s: %s; waiting up to %.0f s for it", self.batch_id, exc, timeout)
+        elif time.monotonic() - self._outage_since >= timeout:
+            raise StorageOutage(f"{exc} (for {timeout:.0f} s)")
 
     def _scan(self, record: dict) -> LineIndex:
         try:
@@ -248,7 +279,7 @@ class BatchRunner:
             return set_status(r, "failed")
 
         record = self.svc.batches.update(self.batch_id, fail)
-        self.svc.mark_ended(self.batch_id)
+        self.svc.mark_ended(self.batch_id, record)
         return record
 
     @property

@@ -33,7 +33,7 @@ from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import read_lines
 from bulkgen.runtime.prepare import fit_context, tokenize
 from bulkgen.runtime.workqueue import model_key
-from bulkgen.store import open_store
+from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +189,7 @@ class EngineWorker:
             with self._cond:
                 self._preparing -= spec["hi"] - spec["lo"]
                 self._done[self._owner_of.get(job["batch_id"], "")].append(
-                    {**spec, "error": f"{type(exc).__name__}: {exc}"})
+                    {**spec, "error": f"{type(exc).__name__}: {exc}", "storage": isinstance(exc, StorageUnavailable)})
                 self._cond.notify_all()
             return
         for line, raw in lines:
@@ -337,14 +337,30 @@ class EngineWorker:
         while True:
             work = self._writes.get()
             try:
-                self._store_part(work)
-                with self._cond:
-                    self._done[self._owner_of.get(work.batch_id, "")].append(work.report())
-                    self._cond.notify_all()
+                if self._store_until_done(work):
+                    with self._cond:
+                        self._done[self._owner_of.get(work.batch_id, "")].append(work.report())
+                        self._cond.notify_all()
             except Exception:  # the range is not reported done, so the driver will hand it out again
                 log.exception("worker %d: could not store a part of %s", self.index, work.batch_id)
             finally:
                 self._writes.task_done()
+
+    def _store_until_done(self, work: RangeWork) -> bool:
+        """Storage down: keep the results and try again (the part write is idempotent) until it answers
+        or the batch is withdrawn from this worker (its runner gave up; a resumed one redoes the range)."""
+        delay = 0.5
+        while True:
+            try:
+                self._store_part(work)
+                return True
+            except StorageUnavailable as exc:
+                log.warning("worker %d: part of %s not stored yet: %s", self.index, work.batch_id, exc)
+            with self._cond:
+                if work.batch_id in self._stopped:
+                    return False
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
     def _store(self, spec: dict[str, Any]):
         key = json.dumps(spec, sort_keys=True)

@@ -157,15 +157,16 @@ class WorkQueue:
                 count += taken[-1].size
             return taken
 
-    def put_back(self, ranges: list[WorkRange]) -> list[WorkRange]:
-        """Ranges lost with a dead worker go back, one attempt older; returns those given up on."""
+    def put_back(self, ranges: list[WorkRange], count: bool = True) -> list[WorkRange]:
+        """Ranges lost with a dead worker go back, one attempt older; returns those given up on.
+        count=False: the request was not at fault (storage did not answer), so it is not an attempt."""
         given_up = []
         with self._lock:
             for r in ranges:
                 pending = self._batches.get(r.job.batch_id)
                 if pending is None:
                     continue  # the batch stopped meanwhile
-                attempts = r.attempts + 1
+                attempts = r.attempts + int(count)
                 if attempts >= MAX_ATTEMPTS and r.size == 1:
                     given_up.append(r)
                 elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it

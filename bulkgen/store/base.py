@@ -28,6 +28,16 @@ class NotFound(KeyError):
         return f"no object at key {self.key!r}"
 
 
+class StorageUnavailable(Exception):
+    """The storage itself cannot be used: unreachable, no such bucket, access denied, bad credentials,
+    or still failing after the retries. `str()` is one line naming the storage and the reason."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        reason = " ".join(str(reason).split())  # one line, whatever the library said
+        super().__init__(f"storage {url} is unavailable: {reason}")
+        self.url, self.reason = url, reason
+
+
 class PreconditionFailed(Exception):
     """A conditional write lost: the object changed (if_match) or already exists (if_none_match)."""
 
@@ -134,6 +144,11 @@ class Store(ABC):
     @abstractmethod
     def _download_file(self, key: str, path: Path) -> None:
         """Copy one object to `path` (which the caller replaces atomically)."""
+
+    def check(self, *, attempts: int | None = None) -> None:
+        """A cheap look at the storage (one small listing); StorageUnavailable says why it cannot be used.
+        `attempts` bounds the retries (the health check uses 1; startup keeps the store's own)."""
+        next(iter(self.list("")), None)
 
     def exists(self, key: str) -> bool:
         """True if an object (not merely a "folder") is at `key`."""

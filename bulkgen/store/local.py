@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 from bulkgen.store.base import (
     NotFound,
     PreconditionFailed,
+    StorageUnavailable,
     Store,
     check_key,
     check_prefix,
@@ -49,6 +50,16 @@ class LocalStore(Store):
 
     def spec(self) -> dict[str, Any]:
         return {"url": self.url, "fsync": self.fsync}
+
+    def check(self, *, attempts: int | None = None) -> None:
+        """The folder exists (or can be made) and this process may write in it."""
+        try:
+            self._internal("tmp")
+            fd, tmp = tempfile.mkstemp(dir=self.root / INTERNAL_DIR / "tmp", suffix=".check")
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            raise StorageUnavailable(self.url, f"cannot write in the folder ({exc.strerror or exc})") from None
 
     def _path(self, key: str) -> Path:
         check_key(key)

@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
+from boto3.exceptions import S3TransferFailedError, S3UploadFailedError
 from botocore.exceptions import (
+    BotoCoreError,
     ClientError,
     ConnectionClosedError,
     ConnectTimeoutError,
@@ -22,7 +24,7 @@ from botocore.exceptions import (
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 from urllib3.exceptions import ProtocolError
 
-from bulkgen.store.base import NotFound, PreconditionFailed
+from bulkgen.store.base import NotFound, PreconditionFailed, StorageUnavailable
 
 T = TypeVar("T")
 
@@ -50,6 +52,10 @@ DROPPED_CONNECTION = (
 )
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
+CREDENTIAL_CODES = frozenset(
+    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+     "AuthorizationHeaderMalformed", "InvalidClientTokenId"}
+)
 
 
 def error_code(exc: ClientError) -> tuple[str, int]:
@@ -78,6 +84,33 @@ def call_with_retries(fn: Callable[[], T], *, attempts: int, base_delay: float, 
     return retrying(fn)
 
 
+def storage_reason(exc: BaseException, endpoint: str | None = None) -> str:
+    """Why the storage cannot be used, in words a new user acts on (one line, no traceback)."""
+    where = endpoint or "the default AWS S3 endpoint"
+    if isinstance(exc, (ClientError, S3UploadFailedError, S3TransferFailedError)):
+        inner = exc if isinstance(exc, ClientError) else (exc.__context__ or exc)
+        if isinstance(inner, ClientError):
+            code, status = error_code(inner)
+            message = inner.response.get("Error", {}).get("Message") or ""
+            if code == "NoSuchBucket":
+                return "no such bucket"
+            if code in CREDENTIAL_CODES:
+                return f"bad credentials ({code}: {message})".replace(": )", ")")
+            if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+                return f"access denied ({code or status})"
+            if is_retryable(inner):
+                return f"{where} kept answering {status} {code} after the retries"
+            return f"{where} answered {status} {code}: {message}".rstrip(": ")
+        return f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
+        return f"unreachable: cannot connect to {where}"
+    if isinstance(exc, DROPPED_CONNECTION):
+        return f"unreachable: the connection to {where} failed ({type(exc).__name__})"
+    if isinstance(exc, BotoCoreError):  # NoCredentialsError, PartialCredentialsError, ...
+        return f"bad credentials or configuration: {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def map_client_error(exc: ClientError, key: str, *, conditional_write: bool = False) -> Exception:
     """NotFound / PreconditionFailed for the answers callers act on; other errors pass through."""
     code, status = error_code(exc)
@@ -96,12 +129,16 @@ def map_client_error(exc: ClientError, key: str, *, conditional_write: bool = Fa
 
 
 @contextmanager
-def store_errors(key: str, *, conditional_write: bool = False) -> Iterator[None]:
-    """Raise NotFound / PreconditionFailed in place of the S3 errors that mean them."""
+def store_errors(key: str, *, url: str = "s3", endpoint: str | None = None,
+                 conditional_write: bool = False) -> Iterator[None]:
+    """Raise NotFound / PreconditionFailed in place of the S3 errors that mean them, and
+    StorageUnavailable for every failure of the storage itself (after the retries)."""
     try:
         yield
     except ClientError as exc:
         mapped = map_client_error(exc, key, conditional_write=conditional_write)
         if mapped is exc:
-            raise
+            raise StorageUnavailable(url, storage_reason(exc, endpoint)) from exc
         raise mapped from exc
+    except (BotoCoreError, S3UploadFailedError, S3TransferFailedError, ProtocolError) as exc:
+        raise StorageUnavailable(url, storage_reason(exc, endpoint)) from exc

@@ -129,9 +129,19 @@ class S3Store(Store):
     def _full(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
 
-    def _call(self, key: str, fn: Callable[[], T], *, conditional_write: bool = False) -> T:
-        with store_errors(key, conditional_write=conditional_write):
-            return call_with_retries(fn, **self.retry)
+    def _errors(self, key: str, *, conditional_write: bool = False):
+        return store_errors(key, url=self.url, endpoint=self.endpoint_url, conditional_write=conditional_write)
+
+    def _call(self, key: str, fn: Callable[[], T], *, conditional_write: bool = False,
+              attempts: int | None = None) -> T:
+        retry = {**self.retry, "attempts": attempts or self.retry["attempts"]}
+        with self._errors(key, conditional_write=conditional_write):
+            return call_with_retries(fn, **retry)
+
+    def check(self, *, attempts: int | None = None) -> None:
+        """One small listing: reaches the endpoint, finds the bucket, proves the credentials and access."""
+        request = {"Bucket": self.bucket, "Prefix": f"{self.root}/" if self.root else "", "MaxKeys": 1}
+        self._call("", lambda: self._client().list_objects_v2(**request), attempts=attempts)
 
     def _get(self, key: str) -> dict[str, Any]:
         return self._client().get_object(Bucket=self.bucket, Key=self._full(check_key(key)))
@@ -183,13 +193,13 @@ class S3Store(Store):
 
     def upload_fileobj(self, key: str, fileobj: BinaryIO) -> int:
         full = self._full(check_key(key))
-        with store_errors(key):
+        with self._errors(key):
             self._client("transfer").upload_fileobj(fileobj, self.bucket, full, Config=self.transfer)
         return self.size(key)
 
     def open_read(self, key: str) -> BinaryIO:
         body = self._call(key, lambda: self._get(key)["Body"])
-        return io.BufferedReader(_BodyReader(body), buffer_size=1 * MiB)
+        return io.BufferedReader(_BodyReader(body, lambda: self._errors(key)), buffer_size=1 * MiB)
 
     def read_range(self, key: str, start: int, end: int) -> bytes:
         if end <= start:
@@ -203,7 +213,7 @@ class S3Store(Store):
         return self._call(key, fetch)
 
     def _download_file(self, key: str, path: Path) -> None:
-        with store_errors(key):
+        with self._errors(key):
             self._client("transfer").download_file(
                 self.bucket, self._full(key), str(path), Config=self.transfer
             )
@@ -274,14 +284,15 @@ os.register_at_fork(after_in_child=_reset_after_fork)
 class _BodyReader(io.RawIOBase):
     """botocore's StreamingBody as a raw stream, so callers get a normal buffered binary file."""
 
-    def __init__(self, body: Any) -> None:
-        self._body = body
+    def __init__(self, body: Any, errors: Any) -> None:
+        self._body, self._errors = body, errors  # a connection dropped mid-stream is StorageUnavailable
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = self._body.read(len(buffer))
+        with self._errors():
+            data = self._body.read(len(buffer))
         buffer[: len(data)] = data
         return len(data)
 

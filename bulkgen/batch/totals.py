@@ -1,0 +1,83 @@
+"""Running totals of ended batches, so /metrics costs the same with 10 or 10,000 stored batches.
+
+`meta/totals.json` holds the sums over every ended batch: batches by final status, request counts,
+tokens and worker busy time. A batch is added once, when it ends (`BatchService.mark_ended`), by a
+conditional read-modify-write; the last ids added are kept in it, so an ending that is retried (its
+runner died after adding, before clearing the active index) is not added twice. Live batches are
+read from the active index instead, so they are never in the totals.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from bulkgen.batch.schema import TERMINAL_STATUSES
+from bulkgen.store import NotFound, PreconditionFailed, Store
+
+TOTALS_KEY = "meta/totals.json"
+RECENT_IDS = 1000
+
+
+def empty() -> dict:
+    return {"batches": {s: 0 for s in sorted(TERMINAL_STATUSES)}, "requests": {"completed": 0, "failed": 0},
+            "tokens": {"input": 0, "output": 0, "cached": 0}, "worker_busy_s": {}, "recent": []}
+
+
+def load(store: Store) -> dict:
+    try:
+        return json.loads(store.read_bytes(TOTALS_KEY))
+    except NotFound:
+        return empty()
+
+
+def add(totals: dict, record: dict) -> None:
+    """Add one batch's counts (ended or not: /metrics adds live ones to a copy)."""
+    counts, usage = record["request_counts"], record["usage"]
+    totals["batches"][record["status"]] = totals["batches"].get(record["status"], 0) + 1
+    totals["requests"]["completed"] += counts["completed"]
+    totals["requests"]["failed"] += counts["failed"]
+    totals["tokens"]["input"] += usage["input_tokens"]
+    totals["tokens"]["output"] += usage["output_tokens"]
+    totals["tokens"]["cached"] += usage["input_tokens_details"]["cached_tokens"]
+    for worker, stats in ((record.get("metrics") or {}).get("per_worker") or {}).items():
+        busy = totals["worker_busy_s"]
+        busy[worker] = busy.get(worker, 0.0) + (stats.get("busy_time_s") or 0)
+
+
+def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:
+    """Add an ended batch once; False if it was already in."""
+    if record["status"] not in TERMINAL_STATUSES:
+        raise ValueError(f"batch {record['id']} is {record['status']}, not ended")
+    for _ in range(attempts):
+        try:
+            data, version = store.read_versioned(TOTALS_KEY)
+            totals = json.loads(data)
+        except NotFound:
+            totals, version = empty(), None
+        if record["id"] in totals["recent"]:
+            return False
+        add(totals, record)
+        totals["recent"] = (totals["recent"] + [record["id"]])[-RECENT_IDS:]
+        try:
+            store.write_bytes(TOTALS_KEY, json.dumps(totals).encode(), if_match=version,
+                              if_none_match=version is None)
+            return True
+        except PreconditionFailed:
+            time.sleep(0.005)
+    raise RuntimeError(f"{TOTALS_KEY}: too many concurrent updates")
+
+
+def build_once(store: Store, records) -> bool:
+    """Storage written before the totals existed: sum its ended batches once (-> True if built now)."""
+    if store.exists(TOTALS_KEY):
+        return False
+    totals = empty()
+    for record in records:
+        if record["status"] in TERMINAL_STATUSES:
+            add(totals, record)
+    try:
+        store.write_bytes(TOTALS_KEY, json.dumps(totals).encode(), if_none_match=True)
+    except PreconditionFailed:  # another replica built it (or a batch ended) first
+        return False
+    return True
