@@ -98,9 +98,10 @@ def storage_reason(exc: BaseException, endpoint: str | None = None) -> str:
                 return f"bad credentials ({code}: {message})".replace(": )", ")")
             if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
                 return f"access denied ({code or status})"
+            answer = f"{status} {code}" if code and code != str(status) else str(status)
             if is_retryable(inner):
-                return f"{where} kept answering {status} {code} after the retries"
-            return f"{where} answered {status} {code}: {message}".rstrip(": ")
+                return f"{where} kept answering {answer} after the retries"
+            return f"{where} answered {answer}: {message}".rstrip(": ")
         return f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
         return f"unreachable: cannot connect to {where}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import random
 import shutil
 import socket
 import subprocess
@@ -39,20 +40,33 @@ SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+ANSWERS = {
+    "503": (503, SLOW_DOWN),
+    "500": (500, b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+                 b"<Message>We encountered an internal error. Please try again.</Message></Error>"),
+    "403": (403, b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+                 b"<Message>Access Denied</Message></Error>"),
+    "badkey": (403, b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
+                    b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>"),
+}
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host"}
 
 
 class FlakyProxy:
     """A real HTTP hop in front of moto: fails the first requests as told by `fail`, then forwards.
 
-    `fail` is a list consumed in order: "503" answers SlowDown, "drop" closes the connection unanswered,
-    "lost" forwards the request (so it takes effect) but answers SlowDown, as when a reply is lost.
-    `log` records (method, path, status) for every request that reached the proxy.
+    `fail` is a list consumed in order: "503" answers SlowDown, "500" InternalError, "drop" closes the
+    connection unanswered, "lost" forwards the request (so it takes effect) but answers SlowDown, as when
+    a reply is lost; "403" answers AccessDenied and "badkey" InvalidAccessKeyId. Besides, `rate` fails
+    that fraction of the other requests with a mode drawn from `rate_modes` (seeded), and while `down` is
+    set every request fails that way (an outage window). `log` records (method, path, status).
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlparse(upstream)
         self.fail: list[str] = []
+        self.rate, self.rate_modes, self.down = 0.0, ("503", "500", "drop", "lost"), None
+        self.random = random.Random(1234)
         self.log: list[tuple[str, str, int]] = []
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -62,7 +76,13 @@ class FlakyProxy:
 
     def _next_failure(self) -> str | None:
         with self.lock:
-            return self.fail.pop(0) if self.fail else None
+            if self.fail:
+                return self.fail.pop(0)
+            if self.down:
+                return self.down
+            if self.rate and self.random.random() < self.rate:
+                return self.random.choice(self.rate_modes)
+            return None
 
     def _forward(self, handler: BaseHTTPRequestHandler) -> tuple[int, list[tuple[str, str]], bytes]:
         length = int(handler.headers.get("Content-Length") or 0)
@@ -91,8 +111,9 @@ class FlakyProxy:
                     proxy.log.append((self.command, self.path, 0))
                     self.close_connection = True
                     return
-                if failure == "503":
-                    status, headers, body = 503, [("Content-Type", "application/xml")], SLOW_DOWN
+                if failure in ANSWERS:
+                    status, body = ANSWERS[failure]
+                    headers = [("Content-Type", "application/xml")]
                     self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 else:
                     status, headers, body = proxy._forward(self)
