@@ -68,7 +68,7 @@ def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
         storage = await run_in_threadpool(probe.state)
         return {"status": "ok" if storage == "ok" else "degraded", "storage": storage, "version": __version__}
 
-    records = RecordCache(svc)
+    records = app.state.metrics_cache = RecordCache(svc)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -25,7 +25,8 @@ def test_batch_round_trip_on_s3(s3_bucket_url, s3_server):
     keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket) for o in
             page.get("Contents", [])]
     assert f"prefix/batches/{batch.id}.json" in keys
-    assert any(k.startswith(f"prefix/parts/{batch.id}/lines-") for k in keys)
+    assert not any(k.startswith(f"prefix/parts/{batch.id}/lines-") for k in keys)  # deleted once final
+    assert any(k.startswith(f"prefix/parts/{batch.id}/runner-") for k in keys)
     assert f"prefix/reports/{batch.id}/report.png" in keys
 
 
