@@ -59,7 +59,7 @@ def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in svc.settings.models]
         return {"object": "list", "data": data}
 
-    probe = StorageProbe(svc.store)
+    probe = app.state.storage_probe = StorageProbe(svc.store)
 
     @app.get("/health")
     async def health() -> dict:

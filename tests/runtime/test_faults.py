@@ -129,6 +129,10 @@ def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_pa
     assert batch.status == "completed"
     _assert_exactly_once(second.client(), batch, rows)
     assert _parts(store, batch.id) == {}  # the output is final: its parts are deleted
+    final = {json.dumps(line, sort_keys=True) for line in read_lines(second.client(), batch.output_file_id)
+             + read_lines(second.client(), batch.error_file_id)}
+    kept = [json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()]
+    assert all(json.dumps(e, sort_keys=True) in final for e in kept)  # results written before were not redone
     owners = [json.loads(store.read_bytes(k))["owner"] for k in store.list(f"parts/{batch.id}/runner-")]
     assert len(set(owners)) == 2  # the dead service's runner, then the new one
 

@@ -1,0 +1,125 @@
+"""Storage faults under a running service: the API answers 503 in OpenAI's shape while storage is down,
+injected S3 faults during a batch lose and duplicate nothing, and a lasting outage stops the runner
+(the batch stays active) until storage is back, when the batch resumes from its parts."""
+
+from __future__ import annotations
+
+import json
+import time
+from urllib.request import urlopen
+
+import boto3
+import openai
+import pytest
+
+from bulkgen.store import open_store
+from tests.service.api_only import ApiOnly
+from tests.service.conftest import (
+    Service,
+    completion_row,
+    read_lines,
+    settings_for,
+    upload,
+    wait_done,
+    write_jsonl,
+)
+from tests.store.conftest import FAST_RETRY, FlakyProxy
+
+
+@pytest.fixture
+def proxy(s3_server):
+    p = FlakyProxy(s3_server)
+    p.thread.start()
+    yield p
+    p.server.shutdown()
+    p.server.server_close()
+
+
+def _health(root: str) -> dict:
+    with urlopen(f"{root}/health") as response:
+        assert response.status == 200
+        return json.loads(response.read())
+
+
+def test_api_answers_503_while_storage_is_down(s3_bucket_url, proxy):
+    api = ApiOnly(open_store(s3_bucket_url, endpoint_url=proxy.url, retry_attempts=2, **FAST_RETRY))
+    api.app.state.storage_probe.max_age_s = 0
+    try:
+        client = api.client()
+        uploaded = client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
+        assert _health(api.root)["storage"] == "ok"
+        proxy.down = "drop"
+        for call in (lambda: client.files.list(), lambda: client.files.retrieve(uploaded.id),
+                     lambda: client.batches.list(), lambda: client.files.create(file=("b.jsonl", b"{}\n"),
+                                                                               purpose="batch")):
+            with pytest.raises(openai.InternalServerError) as err:
+                call()
+            assert err.value.status_code == 503
+            assert err.value.body["code"] == "storage_unavailable" and err.value.body["type"] == "server_error"
+            assert err.value.body["message"].startswith(f"storage {s3_bucket_url} is unavailable: unreachable")
+        health = _health(api.root)
+        assert health["status"] == "degraded" and health["storage"].startswith("unavailable: unreachable")
+        proxy.down = None
+        assert _health(api.root)["status"] == "ok"
+        assert client.files.retrieve(uploaded.id).id == uploaded.id
+    finally:
+        api.stop()
+
+
+def _rows(n: int, max_tokens: int) -> list[dict]:
+    return [completion_row(f"c{i}", f"item {i} " * (1 + i % 4), max_tokens=max_tokens) for i in range(n)]
+
+
+def _assert_exactly_once(client, batch, rows) -> None:
+    out, err = read_lines(client, batch.output_file_id), read_lines(client, batch.error_file_id)
+    assert err == []
+    assert [line["custom_id"] for line in out] == [r["custom_id"] for r in rows]  # each once, in input order
+    assert batch.request_counts.completed == len(rows)
+
+
+def test_s3_faults_during_a_batch_lose_and_duplicate_nothing(s3_bucket_url, proxy, tmp_path):
+    service = Service(settings_for(s3_bucket_url, endpoint_url=proxy.url))
+    try:
+        client = service.client()
+        rows = _rows(96, 8)
+        file_id = upload(client, write_jsonl(tmp_path / "f.jsonl", rows)).id
+        proxy.rate = 0.15  # 5xx, SlowDown, dropped connections and lost answers, from here on
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        batch = wait_done(client, batch.id, timeout=300)
+        proxy.rate = 0
+        assert batch.status == "completed", batch.errors
+        _assert_exactly_once(client, batch, rows)
+        injected = [s for _, _, s in proxy.log if s in (0, 500, 503)]
+        assert len(injected) >= 10, len(injected)
+    finally:
+        service.stop()
+
+
+def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3_server, proxy, tmp_path):
+    service = Service(settings_for(s3_bucket_url, endpoint_url=proxy.url, storage_outage_timeout_s=3))
+    try:
+        client = service.client()
+        rows = _rows(240, 24)
+        file_id = upload(client, write_jsonl(tmp_path / "o.jsonl", rows)).id
+        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while client.batches.retrieve(batch.id).request_counts.completed == 0:
+            assert time.monotonic() < deadline, "the batch never started"
+            time.sleep(0.2)
+        proxy.down = "drop"
+        deadline = time.monotonic() + 120
+        while service.manager.runner_of(batch.id) is not None:
+            assert time.monotonic() < deadline, "the runner kept waiting past the outage timeout"
+            time.sleep(0.5)
+        bucket, prefix = s3_bucket_url.removeprefix("s3://").split("/", 1)
+        s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+        stored = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/batches/{batch.id}.json")["Body"].read())
+        assert stored["status"] == "in_progress"  # left active: nothing could be written while down
+        s3.head_object(Bucket=bucket, Key=f"{prefix}/active/{batch.id}")
+        proxy.down = None
+        batch = wait_done(client, batch.id, timeout=300)
+        assert batch.status == "completed", batch.errors
+        _assert_exactly_once(client, batch, rows)
+    finally:
+        proxy.down = None
+        service.stop()
