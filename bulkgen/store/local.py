@@ -9,6 +9,7 @@ the same machine — the same guarantee S3 gives with If-Match / If-None-Match.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import stat
@@ -31,6 +32,19 @@ from bulkgen.store.base import (
 
 INTERNAL_DIR = ".bulkgen-store"
 LOCK_STRIPES = 64
+
+
+def _os_errors(method):
+    """A failing disk or folder (full, read-only, permission denied, gone) is StorageUnavailable."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as exc:
+            raise StorageUnavailable(self.url, f"{exc.strerror or exc} ({type(exc).__name__})") from exc
+
+    return wrapper
 
 
 def content_version(data: bytes) -> str:
@@ -99,6 +113,7 @@ class LocalStore(Store):
         path.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, path)
 
+    @_os_errors
     def read_bytes(self, key: str) -> bytes:
         with self.open_read(key) as fh:
             return fh.read()
@@ -107,6 +122,7 @@ class LocalStore(Store):
         data = self.read_bytes(key)
         return data, content_version(data)
 
+    @_os_errors
     def write_bytes(
         self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False
     ) -> str:
@@ -130,6 +146,7 @@ class LocalStore(Store):
             if current != if_match:
                 raise PreconditionFailed(key, f"version is {current}, not {if_match} (if_match)")
 
+    @_os_errors
     def upload_fileobj(self, key: str, fileobj: BinaryIO) -> int:
         path = self._path(key)
         with self._temp_file() as (fh, tmp):
@@ -138,12 +155,14 @@ class LocalStore(Store):
                 self._publish(fh, tmp, path)
         return total
 
+    @_os_errors
     def open_read(self, key: str) -> BinaryIO:
         try:
             return open(self._path(key), "rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(key) from None
 
+    @_os_errors
     def read_range(self, key: str, start: int, end: int) -> bytes:
         with self.open_read(key) as f:
             f.seek(start)
@@ -153,6 +172,7 @@ class LocalStore(Store):
         with self.open_read(key) as src, open(path, "wb") as dst:
             copy_stream(src, dst)
 
+    @_os_errors
     def size(self, key: str) -> int:
         try:
             st = self._path(key).stat()
@@ -162,6 +182,7 @@ class LocalStore(Store):
             raise NotFound(key)
         return st.st_size
 
+    @_os_errors
     def delete(self, key: str) -> None:
         path = self._path(key)
         with self._locked(key):

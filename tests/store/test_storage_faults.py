@@ -89,3 +89,16 @@ def test_every_command_says_which_storage_in_one_line(command, tmp_path):
     assert out.stderr == (f"Error: storage s3://bulkgen-bucket/prefix is unavailable: unreachable: cannot connect "
                           f"to {endpoint}\n")
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_local_folder_that_goes_away_while_in_use(tmp_path):
+    import shutil
+
+    store = open_store(str(tmp_path / "storage"))
+    store.write_bytes("batches/a.json", b"{}")
+    shutil.rmtree(tmp_path / "storage")
+    (tmp_path / "storage").write_text("a file where the folder was")
+    with pytest.raises(StorageUnavailable, match=r"storage .*/storage is unavailable: Not a directory"):
+        store.write_bytes("batches/b.json", b"{}")
+    with pytest.raises(StorageUnavailable, match="cannot write in the folder"):
+        store.check()
