@@ -50,7 +50,7 @@ class BatchManager:
         self.dispatcher.start()
         if self.only is None:
             self.svc.reindex_active()  # storage written before the active index existed
-            self.svc.build_totals()    # ... or before the running totals /metrics reads
+        self.svc.build_totals()        # ... or before the running totals /metrics reads (once per storage)
         threading.Thread(target=self._loop, name="bulkgen-batches", daemon=True).start()
 
     def stop(self, kill_workers: bool = True) -> None:

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import boto3
 import pytest
+
 from bulkgen.store import NotFound, PreconditionFailed, S3Store, StorageUnavailable, open_store
 
 FAST_RETRY = {"retry_base_delay": 0.01, "retry_max_delay": 0.05}
