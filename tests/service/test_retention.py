@@ -105,6 +105,11 @@ def test_metrics_reads_do_not_grow_with_stored_batches(tmp_path):
     store = CountingStore(tmp_path / "storage")
     server = ApiOnly(store)
     server.app.state.metrics_cache.max_age_s = 0  # every scrape reads storage (else once per 5 s)
+    for _ in range(2):  # two live batches: read from the active index, one record each
+        record = set_status(new_batch_record("file-x", "/v1/completions", "24h", None), "in_progress")
+        record["request_counts"].update(total=10, completed=4)
+        server.svc.batches.create(record)
+        store.write_bytes(f"active/{record['id']}", b"")
     try:
         costs = []
         for count in (10, 1000):
@@ -113,9 +118,11 @@ def test_metrics_reads_do_not_grow_with_stored_batches(tmp_path):
             values = _scrape(server.root)
             costs.append((store.reads, store.listings))
             assert values['bulkgen_batches{status="completed"}'] == count
-            assert values['bulkgen_requests{outcome="completed"}'] == 2 * count
+            assert values['bulkgen_batches{status="in_progress"}'] == 2
+            assert values['bulkgen_requests{outcome="completed"}'] == 2 * count + 8
             assert values['bulkgen_tokens{kind="output"}'] == 5 * count
-        assert costs == [(1, 1), (1, 1)]  # the totals object, and the (empty) active index
+            assert values["bulkgen_queue_requests"] == 12
+        assert costs == [(3, 1), (3, 1)]  # the totals, the active index and its two records
     finally:
         server.stop()
 
