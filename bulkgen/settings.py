@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.models.registry import parse_model_specs
+from bulkgen.tenants import DEFAULT_TENANT, check_tenant
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
@@ -39,8 +40,10 @@ class Settings:
     lease_ttl_s: float = 30.0               # a runner's claim on a batch lapses this long after its last renewal
     storage_outage_timeout_s: float = 300.0  # a runner whose storage stays down this long stops (batch stays active)
     workers: WorkerSettings = field(default_factory=WorkerSettings)
+    tenant: str = DEFAULT_TENANT            # whose batches `bulkgen run` / the watcher / a keyless service make
 
     def __post_init__(self) -> None:
+        check_tenant(self.tenant)
         for name in ("range_size", "max_requests_per_batch", "max_file_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from bulkgen.api.auth import service_of
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import InvalidRequest
 
@@ -22,7 +23,7 @@ async def create_file(
     expires_after_seconds: str | None = Form(None, alias="expires_after[seconds]"),
     expires_after_anchor: str | None = Form(None, alias="expires_after[anchor]"),
 ) -> dict:
-    svc = request.app.state.svc
+    svc = service_of(request)
     if purpose != "batch":
         raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
     expires_after_seconds = check_expires_after(expires_after_seconds, expires_after_anchor or "created_at")
@@ -42,19 +43,19 @@ async def list_files(
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
 ) -> dict:
-    files = request.app.state.svc.files
+    files = service_of(request).files
     items, has_more = await run_in_threadpool(files.list, after, limit, order, purpose)
     return page(items, has_more)
 
 
 @router.get("/{file_id}")
 async def retrieve_file(request: Request, file_id: str) -> dict:
-    return await run_in_threadpool(request.app.state.svc.files.get, file_id)
+    return await run_in_threadpool(service_of(request).files.get, file_id)
 
 
 @router.get("/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> StreamingResponse:
-    files = request.app.state.svc.files
+    files = service_of(request).files
     stream = await run_in_threadpool(files.open, file_id)
 
     def chunks():
@@ -67,7 +68,7 @@ async def file_content(request: Request, file_id: str) -> StreamingResponse:
 
 @router.delete("/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict:
-    await run_in_threadpool(request.app.state.svc.delete_file, file_id)
+    await run_in_threadpool(service_of(request).delete_file, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

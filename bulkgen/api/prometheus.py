@@ -1,7 +1,8 @@
 """Prometheus metrics for the service: the running totals of ended batches plus the live ones.
 
 A scrape reads `meta/totals.json` (one object, updated when a batch ends) and the records of the
-batches in the active index, so it costs the same with 10 or 10,000 stored batches.
+batches in the active index, so it costs the same with 10 or 10,000 stored batches. Both cover every
+tenant: /metrics shows service-wide totals only.
 """
 
 from __future__ import annotations
@@ -31,14 +32,14 @@ class RecordCache:
     def get(self) -> tuple[dict, list[dict]]:
         with self._lock:
             if time.monotonic() - self.at > self.max_age_s:
-                self.value = (running_totals.load(self.svc.store), list(self._live()))
+                self.value = (running_totals.load(self.svc.root), list(self._live()))
                 self.at = time.monotonic()
             return self.value
 
     def _live(self):
-        for batch_id in self.svc.active_ids():
+        for tenant, batch_id in self.svc.active_batches():  # every tenant's: the totals are service-wide
             try:
-                record = self.svc.batches.get(batch_id)
+                record = self.svc.for_tenant(tenant).batches.get(batch_id)
             except LookupError:  # ended and removed between listing and reading
                 continue
             if record["status"] in ACTIVE_STATUSES:  # an ended one is in the totals (or about to be)

@@ -19,6 +19,7 @@ from bulkgen.batch.records import FileRepo, RecordNotFound, expired
 from bulkgen.batch.schema import ACTIVE_STATUSES
 from bulkgen.batch.service import BatchService
 from bulkgen.store import NotFound
+from bulkgen.tenants import DEFAULT_TENANT
 
 
 @dataclass
@@ -47,13 +48,22 @@ def _ids(ids: list[str], show: int = 5) -> str:
 
 
 def collect(svc: BatchService, dry_run: bool = False, now: float | None = None) -> Collected:
+    """Every tenant's objects on the storage (the default tenant's at its root, the others' under
+    tenants/<name>/)."""
     now = time.time() if now is None else now
     found = Collected()
-    status_of = _StatusCache(svc)
-    _expired_files(svc, found, status_of, now, dry_run)
-    _orphaned_parts(svc, found, status_of, dry_run)
-    _stale_leases(svc, found, status_of, dry_run)
+    for tenant in tenants(svc):
+        one = svc.for_tenant(tenant)
+        status_of = _StatusCache(one)
+        _expired_files(one, found, status_of, now, dry_run)
+        _orphaned_parts(one, found, status_of, dry_run)
+        _stale_leases(one, found, status_of, dry_run)
     return found
+
+
+def tenants(svc: BatchService) -> list[str]:
+    names = {key.split("/")[1] for key in svc.root.list("tenants/") if key.count("/") >= 2}
+    return [DEFAULT_TENANT, *sorted(names)]
 
 
 class _StatusCache:

@@ -80,7 +80,7 @@ class BatchManager:
         down_since = None
         while True:
             try:
-                record = self.svc.batches.get(batch_id)
+                record = self.svc.batches.get(batch_id)  # the caller's tenant: its own batch
                 down_since = None
             except StorageUnavailable:  # as long as a runner would wait for it, then give up
                 down_since = down_since or time.monotonic()
@@ -110,13 +110,14 @@ class BatchManager:
             self._wake.clear()
 
     def _scan(self) -> None:
-        for batch_id in self.svc.active_ids():
+        for tenant, batch_id in self.svc.active_batches():
             if (self.only is not None and batch_id not in self.only) or self.runner_of(batch_id):
                 continue
-            lease = Lease(self.svc.store, batch_id, self.owner, self.svc.settings.lease_ttl_s)
+            svc = self.svc.for_tenant(tenant)
+            lease = Lease(svc.store, batch_id, self.owner, svc.settings.lease_ttl_s)
             if not lease.acquire():
                 continue
-            runner = BatchRunner(self.svc, self.queue, self.dispatcher, lease, batch_id)
+            runner = BatchRunner(svc, self.queue, self.dispatcher, lease, batch_id)
             with self._lock:
                 self.runners[batch_id] = runner
             threading.Thread(target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True).start()
@@ -132,7 +133,7 @@ class BatchManager:
             with self._lock:
                 self.runners.pop(runner.batch_id, None)
             try:
-                if self.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
+                if runner.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
                     runner.lease.release()
             except StorageUnavailable:  # the lease lapses by itself
                 pass
