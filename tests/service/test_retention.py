@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -173,3 +174,23 @@ def test_output_expires_after_is_checked_at_create(client, tmp_path):
                               output_expires_after={"anchor": "created_at", "seconds": 10})
 
 
+
+
+def test_gc_covers_every_tenant(tmp_path):
+    from bulkgen.batch.service import BatchService
+    from bulkgen.runtime.gc import collect
+    from bulkgen.settings import Settings
+
+    root = LocalStore(tmp_path / "storage", fsync=False)
+    svc = BatchService(Settings(storage=root.url), store=root)
+    ids = {}
+    for tenant in ("default", "acme"):
+        one = svc.for_tenant(tenant)
+        ids[tenant] = one.files.create(io.BytesIO(b"{}\n"), "x.jsonl", "batch", 3600)["id"]
+        _age(one.store, ids[tenant], 1)
+    assert root.exists(f"tenants/acme/{FileRepo.data_key(ids['acme'])}")
+    assert sorted(collect(svc, dry_run=True).expired_files) == sorted(ids.values())
+    collect(svc)
+    assert not root.exists(FileRepo.data_key(ids["default"]))
+    assert not root.exists(f"tenants/acme/{FileRepo.data_key(ids['acme'])}")
+    assert collect(svc).expired_files == []
