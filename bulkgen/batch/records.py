@@ -55,7 +55,7 @@ def check_expires_after(seconds: Any, anchor: Any = "created_at", param: str = "
         seconds = int(seconds)
     if isinstance(seconds, bool) or not isinstance(seconds, int) or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
         raise InvalidRequest(f"{param}[seconds] must be a whole number of seconds from {MIN_EXPIRY_S} (1 hour) to "
-                             f"{MAX_EXPIRY_S} (30 days); got {seconds!r}", param=f"{param}[seconds]")
+                             f"{MAX_EXPIRY_S} (30 days); got {repr(seconds)[:64]}", param=f"{param}[seconds]")
     return seconds
 
 
