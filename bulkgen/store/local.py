@@ -8,6 +8,7 @@ the same machine — the same guarantee S3 gives with If-Match / If-None-Match.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import functools
 import hashlib
@@ -198,28 +199,40 @@ class LocalStore(Store):
         return self._walk(self.root.joinpath(*base.split("/")), base, prefix, start_after)
 
     def _walk(self, folder: Path, folder_key: str, prefix: str, start_after: str | None) -> Iterator[str]:
-        for key, path in _sorted_entries(folder, folder_key):
+        """Keys of one folder sorted once, then a bisect to the first that can follow `start_after`:
+        a page of a big folder costs one directory read and a sort, not a Path per entry."""
+        keys = _sorted_keys(folder, folder_key)
+        lo = bisect.bisect_left(keys, prefix)  # every match starts with prefix (its folder is the walk's root)
+        if start_after is not None:
+            after = bisect.bisect_right(keys, start_after)
+            if after and keys[after - 1].endswith("/") and start_after.startswith(keys[after - 1]):
+                after -= 1  # the folder holding start_after: keys after it may be inside
+            lo = max(lo, after)
+        for key in keys[lo:]:
+            if not key.startswith(prefix) and not prefix.startswith(key):
+                return  # sorted: past every key with the prefix
             if not key.endswith("/"):
                 if key.startswith(prefix) and (start_after is None or key > start_after):
                     yield key
             elif _folder_may_match(key, prefix, start_after):
-                yield from self._walk(path, key, prefix, start_after)
+                yield from self._walk(folder / key[len(folder_key):-1], key, prefix, start_after)
 
 
-def _sorted_entries(folder: Path, folder_key: str) -> list[tuple[str, Path]]:
-    """Entries as (key, path); folders get a trailing '/' so sorting matches full-key order."""
+def _sorted_keys(folder: Path, folder_key: str) -> list[str]:
+    """The folder's entries as keys, sorted; sub-folders get a trailing '/' so sorting matches full-key order."""
+    keys = []
     try:
-        scan = list(os.scandir(folder))
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.is_dir():
+                    if not (folder_key == "" and entry.name == INTERNAL_DIR):
+                        keys.append(f"{folder_key}{entry.name}/")
+                elif entry.is_file():
+                    keys.append(folder_key + entry.name)
     except (FileNotFoundError, NotADirectoryError):
         return []
-    entries = []
-    for entry in scan:
-        if entry.is_dir():
-            if entry.name != INTERNAL_DIR:
-                entries.append((f"{folder_key}{entry.name}/", Path(entry.path)))
-        elif entry.is_file():
-            entries.append((folder_key + entry.name, Path(entry.path)))
-    return sorted(entries)
+    keys.sort()
+    return keys
 
 
 def _folder_may_match(folder_key: str, prefix: str, start_after: str | None) -> bool:
