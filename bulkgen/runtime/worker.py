@@ -185,7 +185,10 @@ class EngineWorker:
         try:
             lines = list(read_lines(work.store, job["input_key"], spec["first_line"], spec["start"], spec["end"]))
         except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
-            log.exception("worker %d: could not read %s", self.index, key)
+            if isinstance(exc, StorageUnavailable):
+                log.warning("worker %d: could not read %s: %s", self.index, key, exc)
+            else:
+                log.exception("worker %d: could not read %s", self.index, key)
             with self._cond:
                 self._preparing -= spec["hi"] - spec["lo"]
                 self._done[self._owner_of.get(job["batch_id"], "")].append(
