@@ -11,6 +11,8 @@ from fastapi.responses import JSONResponse, Response
 from bulkgen import __version__
 from bulkgen.api import batches, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
+from bulkgen.web import install as install_dashboard
+from bulkgen.web import is_open_path
 
 
 def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
@@ -20,13 +22,15 @@ def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(files.router)
     app.include_router(batches.router)
+    install_dashboard(app)  # the page shell at / and its assets under /ui/; its data comes from /v1/...
 
     if api_key:
         @app.middleware("http")
         async def require_key(request: Request, call_next):
             open_paths = ("/health", "/metrics")
             given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if request.url.path not in open_paths and not secrets.compare_digest(given, api_key):
+            path = request.url.path
+            if path not in open_paths and not is_open_path(path) and not secrets.compare_digest(given, api_key):
                 body = errors.error_body("invalid API key", code="invalid_api_key", error_type="authentication_error")
                 return JSONResponse(body, status_code=401)
             return await call_next(request)
