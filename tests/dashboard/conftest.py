@@ -74,6 +74,10 @@ def page(browser, request):
 
 
 def shot(page, name: str) -> Path:
+    """Save a screenshot, once the page shows no leaked JavaScript value."""
+    text = page.locator("main").inner_text()
+    for word in ("null", "undefined", "NaN", "[object"):
+        assert word not in text, f"{name}: the page shows {word!r}:\n{text}"
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)

@@ -14,7 +14,7 @@ from tests.service.conftest import chat_row, upload, wait_done, write_jsonl
 
 
 def test_create_watch_inspect_download(page, root_url, client, tmp_path):
-    rows = [chat_row(f"req-{i}", f"say something about the number {i}", max_tokens=12) for i in range(8)]
+    rows = [chat_row(f"req-{i}", f"say something about the number {i}", max_tokens=48) for i in range(40)]
     path = write_jsonl(tmp_path / "questions.jsonl", rows)
     page.goto(root_url + "/")
     page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
@@ -36,7 +36,10 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     expect(page.locator("#metrics")).to_be_visible()
     charts = page.locator("#metrics svg.chart")
     expect(charts).to_have_count(6)
-    assert page.locator("#metrics svg.chart path.line").count() == 3  # tokens/s, occupancy, batch size
+    lines = page.locator("#metrics svg.chart path.line")  # tokens/s, occupancy, batch size
+    assert lines.count() == 3
+    for i in range(3):  # drawn over the run, not a single point
+        assert lines.nth(i).bounding_box()["width"] > 100
     assert page.locator("#metrics svg.chart rect.bar").count() >= 3   # TTFT, TPOT, queue wait
     expect(page.get_by_text("Slot efficiency").first).to_be_visible()
     expect(page.locator("dl.facts")).to_contain_text(["Created", "Output tokens"])
@@ -55,7 +58,7 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     row = page.locator(f"#batches tr[data-id='{batch_id}']")
     expect(row).to_contain_text("completed")
     expect(row).to_contain_text("project=dash-test")
-    expect(row).to_contain_text("8 done · 0 failed · 8 total")
+    expect(row).to_contain_text("40 done · 0 failed · 40 total")
     page.get_by_label("Status").select_option("failed")
     expect(page).to_have_url(re.compile(r"status=failed"))
     expect(page.locator(f"#batches tr[data-id='{batch_id}']")).to_have_count(0)
@@ -74,15 +77,24 @@ def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path
     row = page.locator(f"#batches tr[data-id='{batch.id}']")
     expect(row.locator(".status")).to_have_text("in progress", timeout=30_000)
     expect(row.get_by_role("progressbar")).to_be_visible()
-    expect(row).not_to_contain_text(" 0 done", timeout=30_000)  # the list refreshes itself
+    first_seen = row.locator(".progress-text").inner_text()
+    expect(row.locator(".progress-text")).not_to_have_text(first_seen, timeout=30_000)  # refreshes itself
+    expect(row.locator("td").nth(7)).to_have_text(re.compile(r"^≈ \d"), timeout=30_000)  # the ETA
+    expect(row).to_contain_text("kind=long")
+    wrap = page.locator(".table-wrap").first  # every column fits a laptop screen
+    assert wrap.evaluate("w => w.scrollWidth <= w.clientWidth")
     shot(page, "batches")
+    page.set_viewport_size({"width": 390, "height": 844})
+    expect(row.locator(".status")).to_be_visible()
+    shot(page, "batches-phone")
+    page.set_viewport_size({"width": 1280, "height": 900})
 
     page.get_by_role("link", name="Workers").click()
     worker = page.locator("#workers tbody tr").first
     expect(worker).to_contain_text("bulkgen-worker-0")
     expect(worker).to_contain_text("bulkgen-tiny")
     expect(worker).to_contain_text(batch.id)
-    expect(worker).not_to_contain_text(" 0% busy", timeout=10_000)
+    expect(worker.locator(".progress-text")).to_have_text(re.compile(r"^[1-9]\d*% busy"), timeout=10_000)
     shot(page, "workers")
 
     worker.get_by_role("link", name=batch.id).click()

@@ -40,6 +40,12 @@ function fmtTime(s) {
   const d = new Date(s * 1000);
   return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
 }
+function fmtShort(s) {  // tables: the time alone for today, else the date and minute
+  if (!s) return "—";
+  const d = new Date(s * 1000), now = new Date();
+  if (d.toDateString() === now.toDateString()) return `${pad(d.getHours())}:${pad(d.getMinutes())}:${pad(d.getSeconds())}`;
+  return `${d.getFullYear()}-${pad(d.getMonth() + 1)}-${pad(d.getDate())} ${pad(d.getHours())}:${pad(d.getMinutes())}`;
+}
 function fmtDur(s) {
   if (s === null || s === undefined) return "—";
   s = Math.round(s);
@@ -154,7 +160,7 @@ function errorsTable(errors) {
 function niceMax(v) {
   if (!(v > 0)) return 1;
   const p = Math.pow(10, Math.floor(Math.log10(v)));
-  for (const m of [1, 2, 2.5, 5, 10]) if (m * p >= v) return m * p;
+  for (const m of [1, 2, 5, 10]) if (m * p >= v) return m * p;
   return 10 * p;
 }
 
@@ -171,16 +177,19 @@ function frame(W, H, L, B, xMax, yMax, xUnit, yFmt) {
   return g;
 }
 
-function lineChart(title, xs, ys, opts = {}) {
+function lineChart(title, points, value, opts = {}) {
+  // A step plot: each timeline point covers [t_s, t_s + width_s).
   const W = 360, H = 170, L = 46, B = 22;
-  const xMax = Math.max(1e-9, ...xs), yMax = opts.yMax || niceMax(Math.max(0, ...ys));
+  const ys = points.map(value);
+  const xMax = Math.max(1e-9, ...points.map((p) => p.t_s + p.width_s));
+  const yMax = opts.yMax || niceMax(Math.max(0, ...ys));
   const chart = svg("svg", { class: "chart", viewBox: `0 0 ${W} ${H}`, role: "img", "aria-label": title });
   chart.append(svg("title", {}, title));
   chart.append(frame(W, H, L, B, xMax, yMax, "s", opts.yFmt || ((v) => fmtNum(v, 2))));
-  if (xs.length) {
+  if (points.length) {
     const X = (x) => L + (x / xMax) * (W - 8 - L), Y = (y) => H - B - (Math.min(y, yMax) / yMax) * (H - B - 8);
-    let d = `M${X(xs[0])},${Y(ys[0])}`;
-    for (let i = 1; i < xs.length; i++) d += ` H${X(xs[i])} V${Y(ys[i])}`;
+    let d = `M${X(points[0].t_s).toFixed(1)},${Y(ys[0]).toFixed(1)}`;
+    points.forEach((p, i) => { d += ` V${Y(ys[i]).toFixed(1)} H${X(p.t_s + p.width_s).toFixed(1)}`; });
     chart.append(svg("path", { class: "line", d }));
   }
   return chart;
@@ -254,11 +263,14 @@ function batchesTable(rows) {
         ? `≈ ${fmtDur(b.metrics.eta_s)}` : "—";
       const meta = Object.entries(b.metadata || {}).map(([k, v]) => `${k}=${v}`).join(", ");
       return el("tr", { "data-id": b.id, "data-status": b.status },
-        el("td", {}, el("a", { href: `#/batch/${b.id}`, class: "mono" }, b.id)),
-        el("td", {}, statusBadge(b.status)), el("td", {}, progress(b.request_counts)),
-        el("td", {}, b.model || "—"), el("td", { class: "hide-sm mono" }, b.endpoint),
-        el("td", { class: "num" }, fmtTime(b.created_at)), el("td", { class: "num hide-sm" }, fmtTime(finishedAt(b))),
-        el("td", { class: "num" }, eta), el("td", { class: "hide-sm" }, meta || "—"));
+        el("td", { "data-label": "Batch" }, el("a", { href: `#/batch/${b.id}`, class: "mono" }, b.id)),
+        el("td", { "data-label": "Status" }, statusBadge(b.status)),
+        el("td", { "data-label": "Progress" }, progress(b.request_counts)),
+        el("td", { class: "nowrap", "data-label": "Model" }, b.model || "—"),
+        el("td", { class: "hide-sm mono", "data-label": "Endpoint" }, b.endpoint),
+        el("td", { class: "num", title: fmtTime(b.created_at), "data-label": "Created" }, fmtShort(b.created_at)),
+        el("td", { class: "num hide-sm", title: fmtTime(finishedAt(b)), "data-label": "Finished" }, fmtShort(finishedAt(b))),
+        el("td", { class: "num", "data-label": "ETA" }, eta), el("td", { class: "hide-sm", "data-label": "Metadata" }, meta || "—"));
     }))));
 }
 
@@ -299,7 +311,8 @@ async function batchView(id) {
         ["Model", b.model || "—"], ["Endpoint", b.endpoint], ["Window", b.completion_window],
         ["Input file", b.input_file_id], ["Output file", b.output_file_id || "—"], ["Error file", b.error_file_id || "—"],
         ["Metadata", Object.entries(b.metadata || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "—"]])));
-    errs.replaceChildren(errorsTable(b.errors));
+    errs.replaceChildren(el("div", {}, errorsTable(b.errors), b.error_file_id ? el("p", { class: "muted" },
+      "Requests that failed or did not run are listed, one line each, in the error file (Download errors).") : null));
     charts.replaceChildren(metricsPanel(tl, m));
     if (ACTIVE.has(b.status)) refresh(() => load().catch(showError), 1500);
   }
@@ -308,7 +321,6 @@ async function batchView(id) {
 
 function metricsPanel(tl, m) {
   const pts = tl.points || [];
-  const xs = pts.map((p) => p.t_s);
   const s = tl.summary || {};
   const pct = (v) => (v === null || v === undefined ? "—" : `${fmtNum(v, 2)}%`);
   const lat = (k) => { const p = s[k] || {}; return `p50 ${fmtMs(p.p50)} · p95 ${fmtMs(p.p95)} · p99 ${fmtMs(p.p99)} · ${p.count || 0} requests`; };
@@ -322,11 +334,11 @@ function metricsPanel(tl, m) {
       el("dt", {}, "Wall time"), el("dd", {}, s.wall_time_s !== undefined ? `${fmtNum(s.wall_time_s, 2)} s` : "—"),
       el("dt", {}, "Preemptions"), el("dd", {}, fmtNum(s.preemptions, 0)))),
     el("div", { class: "grid" },
-      figure("Output tokens/s over time", lineChart("Output tokens per second over time", xs, pts.map((p) => p.output_tokens_per_s)),
+      figure("Output tokens/s over time", lineChart("Output tokens per second over time", pts, (p) => p.output_tokens_per_s),
         `mean ${fmtNum(s.output_tokens_per_s)} tokens/s`),
-      figure("Slot occupancy over time", lineChart("Slot occupancy over time", xs, pts.map((p) => p.occupancy),
+      figure("Slot occupancy over time", lineChart("Slot occupancy over time", pts, (p) => p.occupancy,
         { yMax: 1, yFmt: (v) => `${Math.round(v * 100)}%` }), `slot efficiency ${s.slot_efficiency === null || s.slot_efficiency === undefined ? "—" : fmtNum(s.slot_efficiency * 100, 1) + "%"}`),
-      figure("Batch size over time", lineChart("Mean active sequences of this batch over time", xs, pts.map((p) => p.batch_size)),
+      figure("Batch size over time", lineChart("Mean active sequences of this batch over time", pts, (p) => p.batch_size),
         `decode padding ${pct(s.decode_padding_pct)} · prefill padding ${pct(s.prefill_padding_pct)}`),
       figure("Time to first token", histChart("TTFT distribution", tl.histograms.ttft_s), lat("ttft_s")),
       figure("Time per output token", histChart("TPOT distribution", tl.histograms.tpot_s), lat("tpot_s")),
