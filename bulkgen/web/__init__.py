@@ -15,21 +15,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from bulkgen.api.auth import service_of, tenant_of
 from bulkgen.metrics import BatchMetrics
 from bulkgen.metrics.batch import LATENCY_KEYS
 from bulkgen.store import NotFound
 
-STATIC = Path(__file__).resolve().parent / "static"
-OPEN_PREFIX = "/ui/"
+STATIC = Path(__file__).resolve().parent / "static"  # served openly: bulkgen.api.auth exempts / and /ui/
 MAX_POINTS = 240          # timeline points sent to the page (neighbouring buckets merged beyond that)
 HISTOGRAM_BINS = 30
 
 router = APIRouter()
-
-
-def is_open_path(path: str) -> bool:
-    """The shell and its static assets: served without a key (they hold no data)."""
-    return path == "/" or path.startswith(OPEN_PREFIX)
 
 
 @router.get("/", include_in_schema=False)
@@ -39,20 +34,32 @@ async def shell() -> FileResponse:
 
 @router.get("/v1/dashboard/workers")
 async def workers(request: Request) -> dict:
-    """Each worker actor: device, loaded model, busy share over the last 30 s, batches it serves."""
-    dispatcher = getattr(request.app.state.manager, "dispatcher", None)
+    """Each worker actor: device, loaded model, busy share over the last 30 s, and the caller's batches it
+    serves (other tenants' batches are only counted, never named)."""
+    manager = request.app.state.manager
+    dispatcher = getattr(manager, "dispatcher", None)
     data = dispatcher.worker_states() if dispatcher is not None else []
+    tenant = tenant_of(request)
+    for worker in data:
+        mine = [b for b in worker["batches"] if _tenant_of_batch(manager, b["id"]) == tenant]
+        worker["other_batches"] = len(worker["batches"]) - len(mine)
+        worker["batches"] = mine
     return {"object": "list", "data": data}
+
+
+def _tenant_of_batch(manager, batch_id: str) -> str | None:
+    runner = manager.runner_of(batch_id)
+    return runner.svc.tenant if runner is not None else None
 
 
 @router.get("/v1/dashboard/batches/{batch_id}/timeline")
 async def batch_timeline(request: Request, batch_id: str) -> dict:
     """The batch's metrics over time and its latency distributions, from the runner's stored state."""
-    return await run_in_threadpool(_timeline, request.app.state.svc, batch_id)
+    return await run_in_threadpool(_timeline, service_of(request), batch_id)
 
 
 def _timeline(svc, batch_id: str) -> dict:
-    svc.batches.get(batch_id)  # 404 for a batch this caller cannot see
+    svc.batches.get(batch_id)  # 404 for another tenant's batch, as everywhere in the API
     try:
         metrics = BatchMetrics.from_state(json.loads(svc.store.read_bytes(f"parts/{batch_id}/metrics-state.json")))
     except (NotFound, ValueError, KeyError):

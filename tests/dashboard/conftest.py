@@ -84,15 +84,12 @@ def shot(page, name: str) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def keyed_url(service):
-    """A second app over the same service and manager, with an API key: the key prompt's server."""
-    from bulkgen.api import create_app
+def _serve(app):
+    """Run `app` on a free port of 127.0.0.1 in a thread; yields its root URL."""
     from tests.service.conftest import free_port
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(service.svc, service.manager, "dash-key"), host="127.0.0.1",
-                                           port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -102,3 +99,21 @@ def keyed_url(service):
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def keyed_url(service):
+    """A second app over the same service and manager with one API key (create_app's `api_key`)."""
+    from bulkgen.api import create_app
+
+    yield from _serve(create_app(service.svc, service.manager, "dash-key"))
+
+
+@pytest.fixture(scope="session")
+def tenants_url(service):
+    """An app with two tenants' keys: `own-key` (the session service's tenant) and `other-key` (team-z)."""
+    from bulkgen.api import create_app
+    from bulkgen.tenants import KeyRing, hash_key
+
+    ring = KeyRing({hash_key("own-key"): service.svc.tenant, hash_key("other-key"): "team-z"})
+    yield from _serve(create_app(service.svc, service.manager, keyring=ring))

@@ -153,3 +153,29 @@ def test_key_prompt(page, keyed_url, service, tmp_path):
     assert keyed, "the page fetched no data"
     page.get_by_role("link", name="Workers").click()
     expect(page.locator("#workers")).to_contain_text("bulkgen-worker-0")  # the key is kept for later calls
+
+
+def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path):
+    """The page uses only /v1/... with the key, so a key sees its own tenant's batches and nothing else."""
+    rows = [chat_row(f"t-{i}", f"tenant check {i}", max_tokens=200) for i in range(150)]
+    own = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "own.jsonl", rows)).id,
+                                endpoint="/v1/chat/completions", completion_window="24h")
+    page.goto(tenants_url + "/")
+    page.get_by_label("Key", exact=True).fill("other-key")
+    page.get_by_role("button", name="Use key").click()
+    expect(page.locator("#empty")).to_have_text("No batches yet. Create one with New batch.")
+    page.goto(f"{tenants_url}/#/batch/{own.id}")
+    expect(page.get_by_role("alert")).to_contain_text("No such batch")
+    page.goto(tenants_url + "/#/workers")
+    expect(page.locator("#workers")).to_contain_text("bulkgen-worker-0")
+    expect(page.locator("#workers")).not_to_contain_text(own.id)
+
+    page.get_by_role("button", name="Forget key").click()
+    page.get_by_label("Key", exact=True).fill("own-key")
+    page.get_by_role("button", name="Use key").click()
+    page.goto(tenants_url + "/#/workers")
+    expect(page.locator("#workers")).to_contain_text(own.id, timeout=20_000)
+    page.goto(tenants_url + "/")
+    expect(page.locator(f"#batches tr[data-id='{own.id}']")).to_have_count(1)
+    client.batches.cancel(own.id)
+    wait_done(client, own.id)
