@@ -7,10 +7,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from bulkgen import __version__
-from bulkgen.api import auth, batches, errors, files
+from bulkgen.api import auth, batches, dashboard, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
 from bulkgen.tenants import KeyRing
-from bulkgen.web import install as install_dashboard
 
 
 def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None = None) -> FastAPI:
@@ -24,7 +23,7 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
     auth.install(app, keyring, svc.tenant)
     app.include_router(files.router)
     app.include_router(batches.router)
-    install_dashboard(app)  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
+    dashboard.install(app)  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -111,8 +111,13 @@ def test_broken_file_shows_errors_with_lines(page, root_url, tmp_path):
     path = write_jsonl(tmp_path / "broken.jsonl", [chat_row("ok-1", "fine"), "{not json",
                                                    {"method": "POST", "url": "/v1/chat/completions", "body": {}}])
     page.goto(root_url + "/#/new")
-    page.set_input_files("#file-input", str(path))
-    page.get_by_role("button", name="Create batch").click()
+    page.get_by_role("button", name="Choose a file").focus()  # the keyboard alone: Enter opens the picker
+    with page.expect_file_chooser() as chooser:
+        page.keyboard.press("Enter")
+    chooser.value.set_files(str(path))
+    expect(page.locator("#file-name")).to_contain_text("broken.jsonl")
+    page.get_by_role("button", name="Create batch").focus()
+    page.keyboard.press("Enter")
     box = page.locator("#validation-errors")
     expect(box).to_contain_text("failed validation", timeout=30_000)
     table = box.locator("table.errors tbody")

@@ -113,6 +113,8 @@ async function api(path, options = {}) {
     if (key) headers.Authorization = `Bearer ${key}`;
     const res = await fetch(path, Object.assign({}, options, { headers }));
     if (res.status === 401) {
+      sessionStorage.removeItem(KEY_NAME);
+      showForget();
       await askKey(key ? "That key was refused. Enter a valid API key." : "This service needs an API key.");
       continue;
     }
@@ -348,7 +350,7 @@ function metricsPanel(tl, m) {
 function newView() {
   let file = null;
   const out = el("div", { id: "result" });
-  const fileInput = el("input", { type: "file", id: "file-input", accept: ".jsonl,.json,.txt,application/jsonl", class: "sr-only" });
+  const fileInput = el("input", { type: "file", id: "file-input", accept: ".jsonl,.json,.txt,application/jsonl", class: "sr-only", tabindex: -1, "aria-hidden": "true" });
   const fileName = el("span", { id: "file-name", class: "muted" }, "No file chosen.");
   const endpoint = el("select", { id: "endpoint", name: "endpoint" },
     el("option", { value: "/v1/chat/completions" }, "/v1/chat/completions"), el("option", { value: "/v1/completions" }, "/v1/completions"));
@@ -448,8 +450,10 @@ async function workersView() {
           "aria-valuenow": Math.round(w.busy_share * 100), "aria-label": `busy ${Math.round(w.busy_share * 100)}%` },
         el("div", { class: "done", style: `width:${w.busy_share * 100}%` })),
         el("div", { class: "progress-text" }, `${Math.round(w.busy_share * 100)}% busy`)),
-        el("td", {}, w.batches.length ? w.batches.map((b) => el("div", {},
-          el("a", { href: `#/batch/${b.id}`, class: "mono" }, b.id), ` (${b.requests_in_flight} requests in flight)`)) : "idle"))))))
+        el("td", {}, w.batches.map((b) => el("div", {},
+          el("a", { href: `#/batch/${b.id}`, class: "mono" }, b.id), ` (${b.requests_in_flight} requests in flight)`)),
+        w.other_batches ? el("div", { class: "muted" }, `${w.other_batches} batch${w.other_batches === 1 ? "" : "es"} of other tenants`) : null,
+        !w.batches.length && !w.other_batches ? "idle" : null))))))
       : el("p", { class: "muted" }, "No workers."));
     refresh(() => load().catch(showError), 2000);
   }
