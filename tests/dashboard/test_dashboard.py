@@ -13,6 +13,16 @@ from tests.dashboard.conftest import shot
 from tests.service.conftest import chat_row, upload, wait_done, write_jsonl
 
 
+def drop_file(page, target: str, path) -> None:
+    """Drop `path` on `target` as a file dragged in from outside the browser would be."""
+    transfer = page.evaluate_handle(
+        """([name, text]) => { const dt = new DataTransfer();
+                               dt.items.add(new File([text], name, { type: "application/jsonl" })); return dt; }""",
+        [path.name, path.read_text()])
+    page.dispatch_event(target, "dragover", {"dataTransfer": transfer})
+    page.dispatch_event(target, "drop", {"dataTransfer": transfer})
+
+
 def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     rows = [chat_row(f"req-{i}", f"say something about the number {i}", max_tokens=48) for i in range(40)]
     path = write_jsonl(tmp_path / "questions.jsonl", rows)
@@ -20,7 +30,7 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
     page.get_by_role("link", name="New batch").first.click()
     expect(page.get_by_role("heading", name="New batch")).to_be_visible()
-    page.set_input_files("#file-input", str(path))
+    drop_file(page, "#drop", path)  # dragged from the desktop onto the drop zone
     expect(page.locator("#file-name")).to_contain_text("questions.jsonl")
     page.get_by_label("Completion window").fill("2h")
     page.get_by_label("Metadata key 1").fill("project")
@@ -53,6 +63,10 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     assert sorted(x["custom_id"] for x in lines) == sorted(r["custom_id"] for r in rows)
     assert client.batches.retrieve(batch_id).output_file_id
     assert client.files.content(client.batches.retrieve(batch_id).output_file_id).text == saved.read_text()
+    with urllib.request.urlopen(f"{root_url}/v1/dashboard/batches/{batch_id}/timeline", timeout=10) as res:
+        timeline = json.load(res)  # what the charts drew
+    assert all(sum(timeline["histograms"][k]["counts"]) == len(rows) for k in ("ttft_s", "tpot_s", "queue_wait_s"))
+    assert timeline["points"] and sum(p["steps"] for p in timeline["points"]) > 0
 
     page.get_by_role("link", name="Batches").first.click()
     row = page.locator(f"#batches tr[data-id='{batch_id}']")

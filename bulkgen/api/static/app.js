@@ -217,7 +217,11 @@ function figure(title, chart, note) {
 }
 
 // ---- views ----------------------------------------------------------------------------------------------
-function refresh(fn, ms) { clearTimeout(timer); timer = setTimeout(fn, ms); }
+function refresh(fn, ms) {  // a hidden tab stops asking: every look at a batch list reads storage
+  clearTimeout(timer);
+  const tick = () => { if (document.hidden) timer = setTimeout(tick, ms); else fn(); };
+  timer = setTimeout(tick, ms);
+}
 
 async function batchesView(params) {
   const token = viewToken;
@@ -232,10 +236,10 @@ async function batchesView(params) {
       el("a", { href: "#/new", class: "button" }, "New batch")), body);
 
   async function load() {
-    // Newest first, from GET /v1/batches; a status filter reads on until it has a page (at most 5 reads).
+    // Newest first, from GET /v1/batches; a status filter reads on until it has a page (at most 4 reads).
     let rows = [], cursor = after || null, more = true;
-    for (let reads = 0; rows.length < PAGE_SIZE && more && reads < 5; reads++) {
-      const q = new URLSearchParams({ limit: status ? "100" : String(PAGE_SIZE) });
+    for (let reads = 0; rows.length < PAGE_SIZE && more && reads < 4; reads++) {
+      const q = new URLSearchParams({ limit: status ? "50" : String(PAGE_SIZE) });
       if (cursor) q.set("after", cursor);
       const page = await api(`/v1/batches?${q}`);
       for (const b of page.data) {
@@ -251,7 +255,7 @@ async function batchesView(params) {
     el("div", { class: "pager" },
       after ? el("a", { class: "button", href: status ? `#/?status=${status}` : "#/" }, "Newest") : null,
       more ? el("a", { class: "button", href: `#/?${new URLSearchParams(Object.assign(status ? { status } : {}, { after: cursor }))}` }, "Older") : null));
-    refresh(() => load().catch(showError), rows.some((b) => ACTIVE.has(b.status)) ? 1500 : 10000);
+    refresh(() => load().catch(showError), rows.some((b) => ACTIVE.has(b.status)) ? 2000 : 15000);
   }
   await load();
 }
