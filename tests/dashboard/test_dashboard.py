@@ -83,7 +83,7 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
 
 
 def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path):
-    rows = [chat_row(f"long-{i}", f"a long answer {i}", max_tokens=400) for i in range(300)]
+    rows = [chat_row(f"long-{i}", f"a long answer {i}", max_tokens=600) for i in range(500)]
     batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "long.jsonl", rows)).id,
                                   endpoint="/v1/chat/completions", completion_window="24h",
                                   metadata={"kind": "long"})
@@ -176,7 +176,7 @@ def test_key_prompt(page, keyed_url, service, tmp_path):
 
 def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path):
     """The page uses only /v1/... with the key, so a key sees its own tenant's batches and nothing else."""
-    rows = [chat_row(f"t-{i}", f"tenant check {i}", max_tokens=200) for i in range(150)]
+    rows = [chat_row(f"t-{i}", f"tenant check {i}", max_tokens=400) for i in range(300)]
     own = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "own.jsonl", rows)).id,
                                 endpoint="/v1/chat/completions", completion_window="24h")
     page.goto(tenants_url + "/")
