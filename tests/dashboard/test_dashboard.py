@@ -54,6 +54,10 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     expect(page.get_by_text("Slot efficiency").first).to_be_visible()
     expect(page.locator("dl.facts")).to_contain_text(["Created", "Output tokens"])
     shot(page, "batch")
+    page.set_viewport_size({"width": 390, "height": 844})
+    expect(page.get_by_role("link", name="Download output")).to_be_visible()
+    shot(page, "batch-phone")
+    page.set_viewport_size({"width": 1280, "height": 900})
 
     with page.expect_download() as info:
         page.get_by_role("link", name="Download output").click()
@@ -124,6 +128,8 @@ def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path
 def test_broken_file_shows_errors_with_lines(page, root_url, tmp_path):
     path = write_jsonl(tmp_path / "broken.jsonl", [chat_row("ok-1", "fine"), "{not json",
                                                    {"method": "POST", "url": "/v1/chat/completions", "body": {}}])
+    chosen = []
+    page.on("filechooser", lambda chooser: chosen.append(chooser))  # intercept choosers from the start (enabling it later races)
     page.goto(root_url + "/#/new")
     page.get_by_role("button", name="Choose a file").focus()  # the keyboard alone: Enter opens the picker
     with page.expect_file_chooser() as chooser:

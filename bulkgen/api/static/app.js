@@ -150,7 +150,7 @@ function errorBox(message) { return el("div", { class: "error-box", role: "alert
 
 function errorsTable(errors) {
   const rows = (errors && errors.data) || [];
-  if (!rows.length) return el("p", { class: "muted" }, "No errors.");
+  if (!rows.length) return el("p", { class: "muted" }, "None.");
   return el("div", { class: "table-wrap" }, el("table", { class: "errors" },
     el("thead", {}, el("tr", {}, el("th", {}, "Line"), el("th", {}, "Code"), el("th", {}, "Field"), el("th", {}, "Message"))),
     el("tbody", {}, rows.map((e) => el("tr", {},
@@ -289,7 +289,7 @@ async function batchView(id) {
     try { await api(`/v1/batches/${id}/cancel`, { method: "POST" }); announce("Cancelling"); await load(); } catch (e) { showError(e); }
   } }, "Cancel batch");
   main().replaceChildren(el("p", {}, el("a", { href: "#/" }, "← Batches")), head, el("div", { class: "row" }, cancel), facts,
-    el("h2", {}, "Errors"), errs, el("h2", {}, "Metrics"), charts);
+    el("h2", {}, "Batch errors"), errs, el("h2", {}, "Metrics"), charts);
 
   async function load() {
     const [b, tl] = await Promise.all([api(`/v1/batches/${id}`), api(`/v1/dashboard/batches/${id}/timeline`)]);
