@@ -11,7 +11,7 @@ it keeps two small indexes in storage:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
@@ -24,11 +24,14 @@ INDEXED_MARK = "meta/active-indexed"
 
 
 class BatchService:
-    def __init__(self, settings: Settings, store: Store | None = None) -> None:
+    def __init__(self, settings: Settings, store: Store | None = None,
+                 on_batch_end: Callable[[dict], None] | None = None) -> None:
+        """`on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled),
+        with the final record, by whichever door ended it here: validation at create, the runner, finalize."""
         self.settings = settings
         self.store: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
         self.files = FileRepo(self.store)
-        self.batches = BatchRepo(self.store)
+        self.batches = BatchRepo(self.store, on_end=on_batch_end)
 
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
         """POST /v1/batches: check the input file, create the record, validate it at once."""

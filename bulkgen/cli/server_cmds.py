@@ -70,8 +70,14 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--api-key", envvar="BULKGEN_API_KEY", help="Require this bearer key (env BULKGEN_API_KEY).")
+@click.option("--webhook", envvar="BULKGEN_WEBHOOK_URL", metavar="URL",
+              help="POST a signed batch.completed/failed/expired/cancelled event here when a batch ends "
+                   "(env BULKGEN_WEBHOOK_URL); needs --webhook-secret.")
+@click.option("--webhook-secret", envvar="BULKGEN_WEBHOOK_SECRET", metavar="whsec_...",
+              help="Signing secret, whsec_<base64> as OpenAI's (env BULKGEN_WEBHOOK_SECRET).")
 @runtime_options
-def serve(settings: Settings, host: str, port: int, api_key: str | None):
+def serve(settings: Settings, host: str, port: int, api_key: str | None, webhook: str | None,
+          webhook_secret: str | None):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -79,12 +85,29 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None):
     from bulkgen.batch.service import BatchService
     from bulkgen.runtime.manager import BatchManager
 
+    notifier = _webhook_notifier(webhook, webhook_secret)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    svc = BatchService(settings)
+    svc = BatchService(settings, on_batch_end=notifier)
     manager = BatchManager(svc)
     manager.start()
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
     uvicorn.run(create_app(svc, manager, api_key), host=host, port=port, log_level="warning")
+
+
+def _webhook_notifier(url: str | None, secret: str | None):
+    """Events are always signed, as the hosted API's are: a URL without a secret is refused."""
+    if not url:
+        return None
+    if not secret:
+        raise click.UsageError("--webhook needs --webhook-secret (env BULKGEN_WEBHOOK_SECRET), a whsec_<base64> "
+                               "secret to sign events with; make one with: python -c \"import base64, os; "
+                               "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\"")
+    from bulkgen.notify.webhooks import WebhookNotifier
+
+    try:
+        return WebhookNotifier(url, secret)
+    except ValueError as exc:
+        raise click.UsageError(f"--webhook/--webhook-secret: {exc}") from None
 
 
 @click.command()
