@@ -186,34 +186,3 @@ def test_gpu_worker_group_asks_for_one_gpu_per_pod(manifests):
     (head,) = spec["headGroupSpec"]["template"]["spec"]["containers"]
     assert container["image"] == head["image"]  # workers import the same bulkgen code
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-
-
-def _dockerfile() -> dict[str, list[str]]:
-    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    instructions: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            word, _, rest = line.strip().partition(" ")
-            instructions.setdefault(word.upper(), []).append(rest.strip())
-    return instructions
-
-
-def test_dockerfile():
-    docker = _dockerfile()
-    assert docker["FROM"] == ["python:${PYTHON_VERSION}-slim"]
-    assert "PYTHON_VERSION=3.11" in docker["ARG"]
-    assert any(arg.startswith("TORCH_VERSION=") for arg in docker["ARG"])
-    assert any('"torch==${TORCH_VERSION}"' in run for run in docker["RUN"])  # never an unpinned torch
-    assert docker["USER"] == ["bulkgen"]
-    assert json.loads(docker["ENTRYPOINT"][0]) == ["bulkgen"]
-    assert json.loads(docker["CMD"][0]) == ["serve", "--host", "0.0.0.0", "--port", "8000"]
-    assert docker["EXPOSE"] == ["8000"]
-    assert "/health" in docker["HEALTHCHECK"][0]
-
-
-def test_dockerignore_sends_what_the_install_needs():
-    lines = (ROOT / ".dockerignore").read_text().splitlines()
-    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    assert patterns[0] == "*"  # an allowlist: nothing else reaches the build context
-    for needed in ("pyproject.toml", "bulkgen/", "samples/"):
-        assert f"!{needed}" in patterns
