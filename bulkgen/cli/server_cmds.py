@@ -85,8 +85,8 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, webhook
     from bulkgen.batch.service import BatchService
     from bulkgen.runtime.manager import BatchManager
 
-    notifier = _webhook_notifier(webhook, webhook_secret)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notifier = _webhook_notifier(settings, webhook, webhook_secret)
     svc = BatchService(settings, on_batch_end=notifier)
     manager = BatchManager(svc)
     manager.start()
@@ -94,8 +94,9 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, webhook
     uvicorn.run(create_app(svc, manager, api_key), host=host, port=port, log_level="warning")
 
 
-def _webhook_notifier(url: str | None, secret: str | None):
-    """Events are always signed, as the hosted API's are: a URL without a secret is refused."""
+def _webhook_notifier(settings: Settings, url: str | None, secret: str | None):
+    """Events are always signed, as the hosted API's are: a URL without a secret is refused. Undelivered
+    events are kept in the storage, so a restarted service sends them."""
     if not url:
         return None
     if not secret:
@@ -103,9 +104,10 @@ def _webhook_notifier(url: str | None, secret: str | None):
                                "secret to sign events with; make one with: python -c \"import base64, os; "
                                "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\"")
     from bulkgen.notify.webhooks import WebhookNotifier
+    from bulkgen.store import open_store
 
     try:
-        return WebhookNotifier(url, secret)
+        return WebhookNotifier(url, secret, store=open_store(settings.storage, endpoint_url=settings.endpoint_url))
     except ValueError as exc:
         raise click.UsageError(f"--webhook/--webhook-secret: {exc}") from None
 

@@ -11,8 +11,9 @@ Delivery is at least once. The event id (and webhook-id) is derived from the bat
 status, so a resent event carries the same id and receivers de-duplicate on it. One background thread
 sends from a bounded queue, so a slow or dead receiver never holds a batch up: network errors, 5xx and
 429 are retried with exponential backoff (tenacity); any other answer, or the last failed try, is logged
-in one line and the event is dropped. Events still queued when the process dies are lost (the batch
-record itself is durable; receivers can poll GET /v1/batches/{id}).
+in one line and the event is dropped. Given the service's store, each event is also kept under
+webhooks/pending/ until it is delivered or dropped, and a notifier that starts sends what an earlier
+process left there (one that died, was stopped mid-retry, or had a full queue).
 """
 
 from __future__ import annotations
@@ -33,15 +34,21 @@ from urllib.parse import urlsplit
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bulkgen import __version__
+from bulkgen.store import NotFound, Store
 
 log = logging.getLogger(__name__)
 
 EVENT_TYPES = {status: f"batch.{status}" for status in ("completed", "failed", "expired", "cancelled")}
 SECRET_PREFIX = "whsec_"
+PENDING_PREFIX = "webhooks/pending/"
 
 
 class Retryable(Exception):
     """A try that may succeed later: the receiver was unreachable, answered 5xx or 429."""
+
+
+class Closing(Exception):
+    """close() cut a retry wait short: the event stays pending for the next start."""
 
 
 def parse_secret(secret: str) -> bytes:
@@ -87,17 +94,25 @@ def signature(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 
 
 class WebhookNotifier:
-    """Call it with a batch's final record (it is BatchService's `on_batch_end` hook); it never blocks."""
+    """Call it with a batch's final record (it is BatchService's `on_batch_end` hook); it never blocks on
+    the receiver. With `store`, events survive the process (see the module docstring)."""
 
-    def __init__(self, url: str, secret: str, *, attempts: int = 8, first_wait_s: float = 1.0,
-                 max_wait_s: float = 60.0, timeout_s: float = 10.0, queue_size: int = 1000) -> None:
+    def __init__(self, url: str, secret: str, *, store: Store | None = None, attempts: int = 8,
+                 first_wait_s: float = 1.0, max_wait_s: float = 60.0, timeout_s: float = 10.0,
+                 queue_size: int = 1000) -> None:
         self.url = check_url(url)
         self._key = parse_secret(secret)
+        self.store = store
         self.attempts, self.first_wait_s, self.max_wait_s, self.timeout_s = attempts, first_wait_s, max_wait_s, timeout_s
         self._queue: queue.Queue[dict | None] = queue.Queue(maxsize=queue_size)
         self._closed = threading.Event()
         self.delivered = 0
         self.dropped = 0
+        if store is not None:
+            try:
+                self._resend_pending()
+            except Exception as exc:  # the storage is down now: what is pending waits for the next start
+                log.error("webhooks: events pending under %s not resent: %s", PENDING_PREFIX, exc)
         self._thread = threading.Thread(target=self._loop, name="bulkgen-webhooks", daemon=True)
         self._thread.start()
 
@@ -105,15 +120,16 @@ class WebhookNotifier:
         if record.get("status") not in EVENT_TYPES:
             return
         event = batch_event(record)
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            self.dropped += 1
-            log.error("webhook %s for %s not sent: %d events already queued", event["type"], record["id"],
-                      self._queue.maxsize)
+        if self.store is not None:
+            try:
+                self.store.write_bytes(_pending_key(event), json.dumps(event).encode())
+            except Exception as exc:  # storage down for a moment: the event is still sent from memory
+                log.error("webhook %s for %s not kept under %s: %s", event["type"], record["id"], PENDING_PREFIX, exc)
+        self._enqueue(event)
 
     def close(self, wait_s: float = 5.0) -> None:
-        """Send what is queued for up to `wait_s`, then stop (retry waits are cut short)."""
+        """Send what is queued for up to `wait_s`, then stop (retry waits are cut short; with a store,
+        what is left stays pending for the next start)."""
         try:
             self._queue.put(None, timeout=wait_s)
         except queue.Full:
@@ -122,14 +138,44 @@ class WebhookNotifier:
         self._closed.set()
         self._thread.join(1.0)
 
+    def _enqueue(self, event: dict) -> bool:
+        try:
+            self._queue.put_nowait(event)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            kept = " (kept pending)" if self.store is not None else ""
+            log.error("webhook %s for %s not queued: %d events already wait%s", event["type"], event["data"]["id"],
+                      self._queue.maxsize, kept)
+            return False
+
+    def _resend_pending(self) -> None:
+        for key in self.store.list(PENDING_PREFIX):
+            try:
+                event = json.loads(self.store.read_bytes(key))
+            except (NotFound, ValueError):  # delivered meanwhile by another replica, or not ours
+                continue
+            if not self._enqueue(event):
+                return
+
     def _loop(self) -> None:
-        while (event := self._queue.get()) is not None:
+        while (event := self._queue.get()) is not None and not self._closed.is_set():
             try:
                 self.deliver(event)
+            except Closing:
+                return
             except Exception as exc:  # the last retry failed, or an answer that retrying cannot change
                 self.dropped += 1
                 log.error("webhook %s %s for %s to %s not delivered: %s", event["type"], event["id"],
                           event["data"]["id"], self.url, exc)
+            self._forget(event)
+
+    def _forget(self, event: dict) -> None:
+        if self.store is not None:
+            try:
+                self.store.delete(_pending_key(event))
+            except Exception as exc:  # it will be sent once more at the next start: harmless
+                log.warning("webhook %s: pending copy not removed: %s", event["id"], exc)
 
     def deliver(self, event: dict) -> None:
         body = json.dumps(event, separators=(",", ":")).encode()
@@ -145,7 +191,7 @@ class WebhookNotifier:
 
     def _sleep(self, seconds: float) -> None:
         if self._closed.wait(seconds):
-            raise Retryable("shutting down")
+            raise Closing()
 
     def _post(self, msg_id: str, body: bytes) -> None:
         timestamp = int(time.time())  # signed afresh per try: a late retry stays inside the receiver's window
@@ -162,3 +208,7 @@ class WebhookNotifier:
             raise RuntimeError(f"HTTP {exc.code} (not retried)") from None
         except (urllib.error.URLError, OSError) as exc:  # refused, reset, timed out
             raise Retryable(f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
+
+
+def _pending_key(event: dict) -> str:
+    return f"{PENDING_PREFIX}{event['id']}.json"

@@ -150,3 +150,27 @@ def test_serve_refuses_a_webhook_without_a_secret(monkeypatch):
     result = CliRunner().invoke(cli, ["serve"], env={"BULKGEN_WEBHOOK_URL": "ftp://example/x",
                                                      "BULKGEN_WEBHOOK_SECRET": SECRET})
     assert result.exit_code == 2 and "http(s)://host" in result.output
+
+
+def test_undelivered_events_survive_the_process_and_are_sent_by_the_next(receiver, tmp_path):
+    """With the service's store, an event still being retried when its process stops is kept under
+    webhooks/pending/ and sent by the next notifier on that storage; delivered ones are forgotten."""
+    from bulkgen.store import open_store
+
+    store = open_store(str(tmp_path / "storage"))
+    silent = receiver(SilentReceiver)
+    first = WebhookNotifier(silent.url, SECRET, store=store, timeout_s=0.2, first_wait_s=30)
+    first(_record(batch_id="batch_one", status="completed"))
+    first(_record(batch_id="batch_two", status="cancelled"))
+    assert len(list(store.list("webhooks/pending/"))) == 2  # kept before the first try
+    time.sleep(0.5)  # the first try timed out; it now waits 30 s to retry
+    first.close(wait_s=0.2)  # stopped mid-wait, as a service that is shut down or dies
+    assert first.delivered == 0 and len(list(store.list("webhooks/pending/"))) == 2
+
+    r = receiver()
+    second = WebhookNotifier(r.url, SECRET, store=store)
+    events = r.wait_events(2)
+    second.close()
+    assert {(e.data.id, e.type) for e in events} == {("batch_one", "batch.completed"), ("batch_two", "batch.cancelled")}
+    assert {e.id for e in events} == {event_id("batch_one", "completed"), event_id("batch_two", "cancelled")}
+    assert list(store.list("webhooks/pending/")) == [] and second.delivered == 2
