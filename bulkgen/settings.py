@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.models.registry import parse_model_specs
+from bulkgen.tenants import DEFAULT_TENANT, check_tenant
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
@@ -38,8 +39,10 @@ class Settings:
     fair_share_after_s: float = 30.0        # a batch given no work for this long is served next (no starvation)
     lease_ttl_s: float = 30.0               # a runner's claim on a batch lapses this long after its last renewal
     workers: WorkerSettings = field(default_factory=WorkerSettings)
+    tenant: str = DEFAULT_TENANT            # whose batches `bulkgen run` / the watcher / a keyless service make
 
     def __post_init__(self) -> None:
+        check_tenant(self.tenant)
         for name in ("range_size", "max_requests_per_batch", "max_file_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")

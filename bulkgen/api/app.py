@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import secrets
-
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from bulkgen import __version__
-from bulkgen.api import batches, errors, files
+from bulkgen.api import auth, batches, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
+from bulkgen.tenants import KeyRing
 
 
-def create_app(svc, manager, api_key: str | None = None) -> FastAPI:
-    """`svc`: bulkgen.batch.service.BatchService; `manager`: runs batches (wake, queue_depth, workers)."""
+def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None = None) -> FastAPI:
+    """`svc`: bulkgen.batch.service.BatchService (its tenant answers keyless callers); `manager`: runs
+    batches. `keyring` (tenants and their key hashes) or `api_key` (one key, svc's tenant) require keys."""
     app = FastAPI(title="bulkgen", version=__version__, docs_url="/docs", redoc_url=None)
     app.state.svc, app.state.manager = svc, manager
     errors.install(app)
+    if keyring is None and api_key:
+        keyring = KeyRing.single(api_key, svc.tenant)
+    auth.install(app, keyring, svc.tenant)
     app.include_router(files.router)
     app.include_router(batches.router)
-
-    if api_key:
-        @app.middleware("http")
-        async def require_key(request: Request, call_next):
-            open_paths = ("/health", "/metrics")
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if request.url.path not in open_paths and not secrets.compare_digest(given, api_key):
-                body = errors.error_body("invalid API key", code="invalid_api_key", error_type="authentication_error")
-                return JSONResponse(body, status_code=401)
-            return await call_next(request)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from pydantic import BaseModel
 
+from bulkgen.api.auth import service_of
 from bulkgen.api.files import page
 from bulkgen.batch.schema import public_view
 
@@ -23,30 +24,29 @@ class CreateBatch(BaseModel):
 
 @router.post("")
 async def create_batch(request: Request, body: CreateBatch) -> dict:
-    return public_view(await run_in_threadpool(_create, request.app.state, body))
+    return public_view(await run_in_threadpool(_create, service_of(request), request.app.state.manager, body))
 
 
-def _create(state, body: CreateBatch) -> dict:
-    record = state.svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+def _create(svc, manager, body: CreateBatch) -> dict:
+    record = svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
     if record["status"] == "in_progress":
-        state.manager.wake()
+        manager.wake()
     return record
 
 
 @router.get("/{batch_id}")
 async def retrieve_batch(request: Request, batch_id: str) -> dict:
-    return public_view(await run_in_threadpool(request.app.state.svc.batches.get, batch_id))
+    return public_view(await run_in_threadpool(service_of(request).batches.get, batch_id))
 
 
 @router.get("")
 async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
-    items, has_more = await run_in_threadpool(request.app.state.svc.batches.list, after, limit)
+    items, has_more = await run_in_threadpool(service_of(request).batches.list, after, limit)
     return page([public_view(r) for r in items], has_more)
 
 
 @router.post("/{batch_id}/cancel")
 async def cancel_batch(request: Request, batch_id: str) -> dict:
-    state = request.app.state
-    record = await run_in_threadpool(state.svc.cancel, batch_id)
-    state.manager.wake(batch_id)
+    record = await run_in_threadpool(service_of(request).cancel, batch_id)
+    request.app.state.manager.wake(batch_id)
     return public_view(record)

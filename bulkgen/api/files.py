@@ -8,6 +8,7 @@ from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from bulkgen.api.auth import service_of
 from bulkgen.batch.schema import InvalidRequest
 
 router = APIRouter(prefix="/v1/files")
@@ -20,7 +21,7 @@ async def create_file(
     purpose: str = Form(...),
     expires_after_seconds: int | None = Form(None, alias="expires_after[seconds]"),
 ) -> dict:
-    svc = request.app.state.svc
+    svc = service_of(request)
     if purpose != "batch":
         raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
     limit = svc.settings.max_file_bytes
@@ -39,19 +40,19 @@ async def list_files(
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
 ) -> dict:
-    files = request.app.state.svc.files
+    files = service_of(request).files
     items, has_more = await run_in_threadpool(files.list, after, limit, order, purpose)
     return page(items, has_more)
 
 
 @router.get("/{file_id}")
 async def retrieve_file(request: Request, file_id: str) -> dict:
-    return await run_in_threadpool(request.app.state.svc.files.get, file_id)
+    return await run_in_threadpool(service_of(request).files.get, file_id)
 
 
 @router.get("/{file_id}/content")
 async def file_content(request: Request, file_id: str) -> StreamingResponse:
-    files = request.app.state.svc.files
+    files = service_of(request).files
     stream = await run_in_threadpool(files.open, file_id)
 
     def chunks():
@@ -64,7 +65,7 @@ async def file_content(request: Request, file_id: str) -> StreamingResponse:
 
 @router.delete("/{file_id}")
 async def delete_file(request: Request, file_id: str) -> dict:
-    await run_in_threadpool(request.app.state.svc.delete_file, file_id)
+    await run_in_threadpool(service_of(request).delete_file, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 
 

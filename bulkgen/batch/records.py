@@ -29,8 +29,12 @@ class RecordNotFound(LookupError):
 
 
 def _check_id(kind: str, object_id: str) -> str:
-    if not _ID.match(object_id or ""):
-        raise RecordNotFound(f"No such {kind}: {object_id!r}")
+    """Ids are checked against their pattern before they name a storage key; a bad one is just not found
+    (quoted at most 64 characters: an error never echoes a huge input)."""
+    if not isinstance(object_id, str) or not _ID.match(object_id):
+        shown = repr(object_id[:64]) + f"... ({len(object_id)} characters)" if len(str(object_id)) > 64 \
+            else repr(object_id)
+        raise RecordNotFound(f"No such {kind}: {shown}")
     return object_id
 
 

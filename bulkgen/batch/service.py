@@ -4,9 +4,14 @@ The API, `bulkgen run`, the watcher and the runtime all create, validate, cancel
 through this one object, so a batch behaves the same whichever door it came in by. Besides the records
 it keeps two small indexes in storage:
 
-  active/<batch_id>             one empty object per batch not yet ended: what runners scan for work
+  active/[<tenant>/]<batch_id>  one empty object per batch not yet ended, at the storage root for every
+                                tenant (the default tenant's without the folder): what runners scan
   files/refs/<file_id>/<batch>  a batch that reads this file: the file cannot be deleted while it runs
   meta/active-indexed           the active index was built from older records (done once per storage)
+
+Each service object works for one tenant (bulkgen.tenants): its records, files, parts and leases live in
+the tenant's folder, so another tenant's ids are simply not found there. `for_tenant` gives the service of
+another tenant on the same storage.
 """
 
 from __future__ import annotations
@@ -18,20 +23,35 @@ from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
 from bulkgen.batch.schema import ACTIVE_STATUSES, Conflict, InvalidRequest, new_batch_record, set_status
 from bulkgen.settings import Settings
 from bulkgen.store import Store, open_store
+from bulkgen.tenants import DEFAULT_TENANT, tenant_prefix
 
 ACTIVE_PREFIX = "active/"
 INDEXED_MARK = "meta/active-indexed"
 
 
 class BatchService:
-    def __init__(self, settings: Settings, store: Store | None = None,
-                 on_batch_end: Callable[[dict], None] | None = None) -> None:
-        """`on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled),
-        with the final record, by whichever door ended it here: validation at create, the runner, finalize."""
+    def __init__(self, settings: Settings, store: Store | None = None, tenant: str | None = None,
+                 on_batch_end: Callable[[dict], None] | None = None, _family: dict | None = None) -> None:
+        """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant.
+        `on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled), of any
+        tenant, with the final record, by whichever door ended it here: validation at create, the runner,
+        finalize."""
         self.settings = settings
-        self.store: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
+        self.root: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
+        self.tenant = tenant or settings.tenant
+        prefix = tenant_prefix(self.tenant)
+        self.store: Store = self.root.sub(prefix) if prefix else self.root
         self.files = FileRepo(self.store)
         self.batches = BatchRepo(self.store, on_end=on_batch_end)
+        self._on_batch_end = on_batch_end
+        self._family = _family if _family is not None else {}
+        self._family.setdefault(self.tenant, self)
+
+    def for_tenant(self, tenant: str) -> BatchService:
+        """The service of `tenant` on the same storage (one object per tenant, shared)."""
+        if tenant not in self._family:
+            BatchService(self.settings, self.root, tenant, on_batch_end=self._on_batch_end, _family=self._family)
+        return self._family[tenant]
 
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
         """POST /v1/batches: check the input file, create the record, validate it at once."""
@@ -45,7 +65,7 @@ class BatchService:
                                  param="input_file_id")
         record = new_batch_record(meta["id"], endpoint, window, metadata)
         self.store.write_bytes(_ref_key(meta["id"], record["id"]), b"")
-        self.store.write_bytes(ACTIVE_PREFIX + record["id"], b"")
+        self.root.write_bytes(self._active_key(record["id"]), b"")
         self.batches.create(record)
         return self.validate(record["id"])
 
@@ -54,32 +74,41 @@ class BatchService:
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
                                 s.max_file_bytes)
         if record["status"] == "failed":
-            self.store.delete(ACTIVE_PREFIX + batch_id)
+            self.mark_ended(batch_id)
         return record
 
     def cancel(self, batch_id: str) -> dict:
         """Mark the batch `cancelling`; its runner (whichever replica holds it) finishes it. Idempotent."""
         return self.batches.update(batch_id, _cancel)
 
-    def active_ids(self) -> Iterator[str]:
-        """Batches not yet ended, oldest first (the index holds only those, so this stays cheap)."""
-        ids = [key.removeprefix(ACTIVE_PREFIX) for key in self.store.list(ACTIVE_PREFIX)]
-        return reversed(ids)  # ids sort newest first
+    def active_batches(self) -> Iterator[tuple[str, str]]:
+        """(tenant, batch id) of every batch not yet ended, of all tenants, oldest first (the index
+        holds only those, so this stays cheap)."""
+        found = []
+        for key in self.root.list(ACTIVE_PREFIX):
+            tenant, _, batch_id = key.removeprefix(ACTIVE_PREFIX).rpartition("/")
+            found.append((tenant or DEFAULT_TENANT, batch_id))
+        return iter(sorted(found, key=lambda item: item[1], reverse=True))  # ids sort newest first
 
     def mark_ended(self, batch_id: str) -> None:
-        self.store.delete(ACTIVE_PREFIX + batch_id)
+        self.root.delete(self._active_key(batch_id))
+
+    def _active_key(self, batch_id: str) -> str:
+        folder = "" if self.tenant == DEFAULT_TENANT else f"{self.tenant}/"
+        return f"{ACTIVE_PREFIX}{folder}{BatchRepo.key(batch_id).removeprefix('batches/').removesuffix('.json')}"
 
     def reindex_active(self) -> int:
         """Build the active index from the records, once per storage (written by an older version that
         had none); -> batches found active."""
-        if self.store.exists(INDEXED_MARK):
+        if self.root.exists(INDEXED_MARK):
             return 0
         found = 0
-        for batch_id in self.batches.ids():
-            if self.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
-                self.store.write_bytes(ACTIVE_PREFIX + batch_id, b"")
+        default = self.for_tenant(DEFAULT_TENANT)  # tenants came after the index: theirs are all indexed
+        for batch_id in default.batches.ids():
+            if default.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
+                default.root.write_bytes(default._active_key(batch_id), b"")
                 found += 1
-        self.store.write_bytes(INDEXED_MARK, b"")
+        self.root.write_bytes(INDEXED_MARK, b"")
         return found
 
     def delete_file(self, file_id: str) -> None:

@@ -33,6 +33,8 @@ _RUNTIME_OPTIONS = [
                  help="Seconds a batch may get no work before it is served next (no batch starves)."),
     click.option("--lease-ttl", "lease_ttl_s", type=float, default=30.0, show_default=True,
                  help="Seconds after which another replica takes over a batch whose runner stopped renewing."),
+    click.option("--tenant", envvar="BULKGEN_TENANT", default="default", show_default=True,
+                 help="Whose files and batches these are (env BULKGEN_TENANT); with API keys, each key's tenant."),
 ]
 
 
@@ -44,7 +46,7 @@ def runtime_options(fn):
     def wrapper(**kwargs):
         keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
                 "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling",
-                "fair_share_after_s", "lease_ttl_s")
+                "fair_share_after_s", "lease_ttl_s", "tenant")
         runtime = {k: kwargs.pop(k) for k in keys}
         return fn(settings=_settings(**runtime), **kwargs)
 
@@ -53,7 +55,7 @@ def runtime_options(fn):
 
 def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
               max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
-              lease_ttl_s) -> Settings:
+              lease_ttl_s, tenant) -> Settings:
     try:
         engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
                   if v is not None}
@@ -61,7 +63,8 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
                               engine_kwargs=engine)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
                         range_size=range_size, max_requests_per_batch=max_requests_per_batch, scheduling=scheduling,
-                        fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool)
+                        fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool,
+                        tenant=tenant)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -69,29 +72,44 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--api-key", envvar="BULKGEN_API_KEY", help="Require this bearer key (env BULKGEN_API_KEY).")
+@click.option("--api-key", envvar="BULKGEN_API_KEY",
+              help="Require this one bearer key, for --tenant (env BULKGEN_API_KEY).")
+@click.option("--api-keys", "api_keys", envvar="BULKGEN_API_KEYS", type=click.Path(dir_okay=False, path_type=Path),
+              help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
+                   "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.")
 @click.option("--webhook", envvar="BULKGEN_WEBHOOK_URL", metavar="URL",
               help="POST a signed batch.completed/failed/expired/cancelled event here when a batch ends "
                    "(env BULKGEN_WEBHOOK_URL); needs --webhook-secret.")
 @click.option("--webhook-secret", envvar="BULKGEN_WEBHOOK_SECRET", metavar="whsec_...",
               help="Signing secret, whsec_<base64> as OpenAI's (env BULKGEN_WEBHOOK_SECRET).")
 @runtime_options
-def serve(settings: Settings, host: str, port: int, api_key: str | None, webhook: str | None,
-          webhook_secret: str | None):
+def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
+          webhook: str | None, webhook_secret: str | None):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
     from bulkgen.api import create_app
     from bulkgen.batch.service import BatchService
     from bulkgen.runtime.manager import BatchManager
+    from bulkgen.tenants import KeyRing, KeysFileError
 
+    if api_key and api_keys:
+        raise click.UsageError("pass --api-key or --api-keys, not both")
+    try:
+        keyring = KeyRing.from_file(api_keys) if api_keys else None
+    except KeysFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    if keyring is not None and not keyring.tenants():
+        raise click.ClickException(f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     notifier = _webhook_notifier(settings, webhook, webhook_secret)
     svc = BatchService(settings, on_batch_end=notifier)
     manager = BatchManager(svc)
     manager.start()
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
-    uvicorn.run(create_app(svc, manager, api_key), host=host, port=port, log_level="warning")
+    if keyring is not None:
+        click.echo(f"API keys from {api_keys}: tenants {', '.join(keyring.tenants())}")
+    uvicorn.run(create_app(svc, manager, api_key, keyring), host=host, port=port, log_level="warning")
 
 
 def _webhook_notifier(settings: Settings, url: str | None, secret: str | None):

@@ -76,7 +76,7 @@ class BatchManager:
         """Block until the batch has ended (for `bulkgen run` and stored jobs); `on_poll(record)` sees
         each look at it (a progress bar)."""
         while True:
-            record = self.svc.batches.get(batch_id)
+            record = self.svc.batches.get(batch_id)  # the caller's tenant: its own batch
             if on_poll is not None:
                 on_poll(record)
             if record["status"] in TERMINAL_STATUSES and self.runner_of(batch_id) is None:
@@ -97,13 +97,14 @@ class BatchManager:
             self._wake.clear()
 
     def _scan(self) -> None:
-        for batch_id in self.svc.active_ids():
+        for tenant, batch_id in self.svc.active_batches():
             if (self.only is not None and batch_id not in self.only) or self.runner_of(batch_id):
                 continue
-            lease = Lease(self.svc.store, batch_id, self.owner, self.svc.settings.lease_ttl_s)
+            svc = self.svc.for_tenant(tenant)
+            lease = Lease(svc.store, batch_id, self.owner, svc.settings.lease_ttl_s)
             if not lease.acquire():
                 continue
-            runner = BatchRunner(self.svc, self.queue, self.dispatcher, lease, batch_id)
+            runner = BatchRunner(svc, self.queue, self.dispatcher, lease, batch_id)
             with self._lock:
                 self.runners[batch_id] = runner
             threading.Thread(target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True).start()
@@ -118,7 +119,7 @@ class BatchManager:
             self.dispatcher.forget_batch(runner.batch_id)
             with self._lock:
                 self.runners.pop(runner.batch_id, None)
-            if self.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
+            if runner.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
                 runner.lease.release()
 
     def _renew(self) -> None:

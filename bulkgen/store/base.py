@@ -89,6 +89,14 @@ class Store(ABC):
     def spec(self) -> dict[str, Any]:
         """Arguments for `open_store(**spec)` that rebuild this store in another process."""
 
+    def sub(self, prefix: str) -> Store:
+        """The same storage, rooted at `prefix` under this one (a tenant's folder): keys of the result are
+        relative to it, so it can never name an object outside."""
+        from bulkgen.store import open_store
+
+        check_key(prefix)
+        return open_store(**{**self.spec(), "url": f"{self.url.rstrip('/')}/{prefix}"})
+
     @abstractmethod
     def read_bytes(self, key: str) -> bytes:
         """The whole object; NotFound if there is none."""

@@ -52,7 +52,7 @@ class LocalStore(Store):
 
     def _path(self, key: str) -> Path:
         check_key(key)
-        if key.split("/", 1)[0] == INTERNAL_DIR:
+        if INTERNAL_DIR in key.split("/"):  # a sub-store (a tenant's folder) keeps its own
             raise ValueError(f"storage key {key!r} is inside the reserved folder {INTERNAL_DIR!r}")
         return self.root.joinpath(*key.split("/"))
 
@@ -183,7 +183,7 @@ def _sorted_entries(folder: Path, folder_key: str) -> list[tuple[str, Path]]:
     entries = []
     for entry in scan:
         if entry.is_dir():
-            if not (folder_key == "" and entry.name == INTERNAL_DIR):
+            if entry.name != INTERNAL_DIR:
                 entries.append((f"{folder_key}{entry.name}/", Path(entry.path)))
         elif entry.is_file():
             entries.append((folder_key + entry.name, Path(entry.path)))

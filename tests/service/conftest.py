@@ -50,12 +50,12 @@ def free_port() -> int:
 class Service:
     """A running service: its base URL, its storage context, and a way to stop it."""
 
-    def __init__(self, settings: Settings, api_key: str | None = None, on_batch_end=None) -> None:
+    def __init__(self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None) -> None:
         self.svc = BatchService(settings, on_batch_end=on_batch_end)
         self.manager = BatchManager(self.svc)
         self.manager.start()
         port = free_port()
-        config = uvicorn.Config(create_app(self.svc, self.manager, api_key), host="127.0.0.1", port=port,
+        config = uvicorn.Config(create_app(self.svc, self.manager, api_key, keyring), host="127.0.0.1", port=port,
                                 log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -68,11 +68,14 @@ def test_cancel_command(service, tmp_path):
 
 def test_run_one_shot_in_process(tmp_path):
     """In-process `bulkgen run` with the trained default model, on the Ray workers this session's service
-    already runs with a random model under the same name: the worker keys models by name and path."""
+    already runs with a random model under the same name: the worker keys models by name and path.
+    As a tenant, its records and results are stored under that tenant's folder."""
     out = tmp_path / "res.jsonl"
     result = CliRunner().invoke(cli, ["run", str(SAMPLES / "completions.jsonl"), "--output", str(out),
-                                      "--storage", str(tmp_path / "store")])
+                                      "--storage", str(tmp_path / "store"), "--tenant", "team-x"])
     assert result.exit_code == 0, result.output
+    assert list((tmp_path / "store" / "tenants" / "team-x" / "batches").glob("batch_*.json"))
+    assert not (tmp_path / "store" / "batches").exists()
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 10
     assert sum(looks_like_english(x["response"]["body"]["choices"][0]["text"]) for x in lines) >= 7
