@@ -110,6 +110,8 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
     if keyring is not None:
         click.echo(f"API keys from {api_keys}: tenants {', '.join(keyring.tenants())}")
     uvicorn.run(create_app(svc, manager, api_key, keyring), host=host, port=port, log_level="warning")
+    if notifier is not None:
+        notifier.close()  # a few seconds to send what is queued; the rest stays pending in the storage
 
 
 def _webhook_notifier(settings: Settings, url: str | None, secret: str | None):
