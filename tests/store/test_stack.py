@@ -220,6 +220,17 @@ def test_compose_bucket_script_creates_the_bucket_once(compose, s3_server):
     assert names.count(bucket) == 1 and f"bucket {bucket} ready" in out.stdout
 
 
+def test_compose_s3_healthcheck_asks_what_moto_serves(compose, s3_server):
+    """The s3 service's healthcheck, pointed at this moto server instead of the container's own port."""
+    check = compose["services"]["s3"]["healthcheck"]["test"]
+    assert check[:3] == ["CMD", "python", "-c"] and "http://127.0.0.1:5000/" in check[3]
+    assert compose["services"]["s3"]["environment"]["MOTO_PORT"] == "5000"
+    script = check[3].replace("http://127.0.0.1:5000", s3_server)
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == 0
+    broken = script.replace("/moto-api/", "/no-such-page/")
+    assert subprocess.run([sys.executable, "-c", broken], capture_output=True, timeout=60).returncode != 0
+
+
 # ---- KubeRay -------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
