@@ -32,9 +32,9 @@ PLANNED_WATCH_OPTIONS = {"--input", "--output", "--interval", "--schedule", "--s
                          "--storage", "--endpoint-url", "--model"}
 
 
-def parse_cli(argv: list[str]) -> dict:
+def parse_cli(argv: list[str]) -> dict[str, object]:
     """Parse a `bulkgen ...` command line as the real CLI does (option names, values, types, choices)
-    without running it; -> the parsed parameters."""
+    without running it; -> each option's parsed value, keyed by the option as written ("--storage")."""
     assert argv[0] == "bulkgen", argv
     name, args = argv[1], argv[2:]
     command = cli.commands.get(name)
@@ -42,14 +42,14 @@ def parse_cli(argv: list[str]) -> dict:
         options = [a for a in args if a.startswith("--")]
         assert set(options) <= PLANNED_WATCH_OPTIONS, f"unknown watch options {set(options) - PLANNED_WATCH_OPTIONS}"
         assert len(args) % 2 == 0 and options == args[::2], f"every watch option takes one value: {args}"
-        values = dict(zip(args[::2], args[1::2], strict=True))
-        return {k.removeprefix("--").replace("-", "_"): v for k, v in values.items()}
+        return dict(zip(args[::2], args[1::2], strict=True))
     assert command is not None, f"bulkgen has no command {name!r}"
     try:
         with click.Context(cli, info_name="bulkgen") as parent:
-            return command.make_context(name, list(args), parent=parent).params
+            params = command.make_context(name, list(args), parent=parent).params
     except click.UsageError as exc:
         raise AssertionError(f"`{shlex.join(argv)}`: {exc.format_message()}") from None
+    return {opt: params[p.name] for p in command.params if isinstance(p, click.Option) for opt in p.opts}
 
 
 def shell_command(text: str) -> list[str]:
@@ -61,7 +61,7 @@ def shell_command(text: str) -> list[str]:
 
 
 def test_parse_cli_rejects_what_the_cli_rejects():
-    assert parse_cli(["bulkgen", "serve", "--port", "8000"])["port"] == 8000
+    assert parse_cli(["bulkgen", "serve", "--port", "8000"])["--port"] == 8000
     for bad in (["bulkgen", "serve", "--no-such-option"], ["bulkgen", "serve", "--port", "eighty"],
                 ["bulkgen", "serve", "--scheduling", "random"], ["bulkgen", "nope"],
                 ["bulkgen", "watch", "--input"]):
@@ -196,10 +196,10 @@ def test_compose_commands_are_valid_bulkgen_command_lines(compose):
     watch = parse_cli(["bulkgen", *services["watcher"]["command"]])
     bucket = services["create-bucket"]["environment"]["BULKGEN_BUCKET"]
     endpoint = services["bulkgen"]["environment"]["AWS_ENDPOINT_URL"]
-    assert (serve["host"], serve["port"]) == ("0.0.0.0", 8000)
-    assert serve["storage"] == watch["storage"] == f"s3://{bucket}/bulkgen"  # one storage: the API sees them
-    assert serve["endpoint_url"] == watch["endpoint_url"] == endpoint == "http://s3:5000"
-    assert watch["input"] == f"{watch['storage']}/inbox/" and watch["output"] == f"{watch['storage']}/outbox/"
+    assert (serve["--host"], serve["--port"]) == ("0.0.0.0", 8000)
+    assert serve["--storage"] == watch["--storage"] == f"s3://{bucket}/bulkgen"  # one storage: the API sees them
+    assert serve["--endpoint-url"] == watch["--endpoint-url"] == endpoint == "http://s3:5000"
+    assert watch["--input"] == f"{watch['--storage']}/inbox/" and watch["--output"] == f"{watch['--storage']}/outbox/"
     for name in ("bulkgen", "watcher", "create-bucket"):
         assert services[name]["environment"]["AWS_ENDPOINT_URL"] == endpoint
 
@@ -288,7 +288,7 @@ def test_kuberay_commands_are_valid_bulkgen_command_lines(kube):
     cluster = next(d for d in kube if d["kind"] == "RayCluster")
     (head,) = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
     serve = parse_cli(shell_command(head["args"][0]))
-    assert serve["ray_address"] == "auto" and serve["port"] == 8000
+    assert serve["--ray-address"] == "auto" and serve["--port"] == 8000
     env = {e["name"]: e for e in head["env"]}
     assert env["BULKGEN_WEBHOOK_SECRET"]["valueFrom"]["secretKeyRef"]["optional"] is True
     storage = env["BULKGEN_STORAGE"]["value"]
@@ -296,8 +296,8 @@ def test_kuberay_commands_are_valid_bulkgen_command_lines(kube):
     (deployment,) = [d for d in kube if d["kind"] == "Deployment"]
     (watcher,) = deployment["spec"]["template"]["spec"]["containers"]
     watch = parse_cli([*watcher["command"], *watcher["args"]])
-    assert watch["storage"] == storage  # the API shows the watcher's batches
-    assert watch["input"] == f"{storage}/inbox/" and watch["output"] == f"{storage}/outbox/"
-    assert watch["sqs_queue_url"].startswith("https://sqs.")
+    assert watch["--storage"] == storage  # the API shows the watcher's batches
+    assert watch["--input"] == f"{storage}/inbox/" and watch["--output"] == f"{storage}/outbox/"
+    assert watch["--sqs-queue-url"].startswith("https://sqs.")
     watcher_env = {e["name"]: e["value"] for e in watcher["env"]}
     assert watcher_env["RAY_ADDRESS"] == f"{cluster['metadata']['name']}-head-svc:6379"  # KubeRay's head service
