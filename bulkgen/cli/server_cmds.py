@@ -36,22 +36,31 @@ _RUNTIME_OPTIONS = [
 ]
 
 
-def runtime_options(fn):
+RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
+                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling", "fair_share_after_s",
+                "lease_ttl_s")
+
+
+def runtime_flags(fn):
+    """Only the options; the command builds Settings itself with `settings_from(**runtime)`."""
     for option in reversed(_RUNTIME_OPTIONS):
         fn = option(fn)
+    return fn
+
+
+def runtime_options(fn):
+    """The options, turned into one `settings` argument."""
+    fn = runtime_flags(fn)
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
-        keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
-                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling",
-                "fair_share_after_s", "lease_ttl_s")
-        runtime = {k: kwargs.pop(k) for k in keys}
-        return fn(settings=_settings(**runtime), **kwargs)
+        runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
+        return fn(settings=settings_from(**runtime), **kwargs)
 
     return wrapper
 
 
-def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
+def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
               max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
               lease_ttl_s) -> Settings:
     try:
