@@ -230,13 +230,31 @@ class Watcher:
         self.pending[claim.name] = claim
         if self.svc.batches.get(claim.batch_id)["status"] in TERMINAL_STATUSES:
             return  # refused by validation, or ended before a restart: no workers needed
-        if self.manager is None:
-            from bulkgen.runtime.manager import BatchManager
-
-            self.manager = BatchManager(self.svc, only=set())
-            self.manager.start()
+        self._ensure_manager()
         self.manager.only.add(claim.batch_id)
         self.manager.wake()
+
+    def _ensure_manager(self) -> None:
+        """Workers start with the first batch, in the background: claims are renewed meanwhile."""
+        if self.manager is not None:
+            return
+        from bulkgen.runtime.manager import BatchManager
+
+        manager = self.manager = BatchManager(self.svc, only={c.batch_id for c in self.pending.values()})
+
+        def start() -> None:
+            try:
+                manager.start()
+            except Exception as exc:
+                log.error("workers did not start (%s: %s); trying again", type(exc).__name__, _one_line(exc))
+                if self.manager is manager:
+                    self.manager = None
+                return
+            # a local Ray's processes are killed when the *thread* that started them ends (Linux
+            # PR_SET_PDEATHSIG), so this thread lives as long as the watcher
+            self._stopped.wait()
+
+        threading.Thread(target=start, name="bulkgen-watch-workers", daemon=True).start()
 
     def check_pending(self) -> None:
         """Write the results of batches that ended; renew the claims of those still running."""
@@ -247,7 +265,9 @@ class Watcher:
                 if record["status"] in TERMINAL_STATUSES and not running:
                     self._finish(claim, record)
                     del self.pending[name]
-                elif self.claims.renew_due(claim):
+                    continue
+                self._ensure_manager()  # (again, if the workers failed to start)
+                if self.claims.renew_due(claim):
                     self.claims.update(claim)
             except ClaimLost as exc:
                 log.info("%s", exc)
