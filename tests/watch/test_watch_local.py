@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.service.conftest import chat_row
-from tests.watch.conftest import rows_jsonl, wait_until
+from tests.watch.conftest import ROOT, rows_jsonl, wait_until
 
 
 def claims_of(store: Path, key: str) -> list[dict]:
@@ -34,8 +34,10 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     (inbox / "notes.txt").write_text("not a batch\n")
     (inbox / "broken.jsonl").write_text("oops, plain text\n")
     (inbox / "invalid.jsonl").write_bytes(rows_jsonl([chat_row("ok", "x"), chat_row("hot", "x", temperature=9)]))
-    args = ("--input", str(inbox), "--output", str(outbox), "--storage", str(store), "--interval", "1",
-            "--claim-ttl", "4", "--lease-ttl", "3")
+    (inbox / "summarize.jsonl").write_bytes((ROOT / "samples" / "watch" / "summarize.jsonl").read_bytes())
+    # the example job, pointed at this test's folders: its url, model and defaults fill what lines lack
+    args = ("--job", str(ROOT / "jobs" / "summarize-inbox.yaml"), "--input", str(inbox), "--output", str(outbox),
+            "--storage", str(store), "--interval", "1", "--claim-ttl", "4", "--lease-ttl", "3")
     first = watch_process(tmp_path / "first.log", *args)
 
     done = wait_until(lambda: summary(outbox, "a"), 180, "a.summary.json", first)
@@ -43,6 +45,11 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     assert done["source"]["key"] == "a.jsonl" and done["written"] == ["a.output.jsonl"]
     lines = [json.loads(line) for line in (outbox / "a.output.jsonl").read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == ["a-0", "a-1", "a-2", "a-3"]
+    summarized = wait_until(lambda: summary(outbox, "summarize"), 60, "summarize.summary.json", first)
+    used = [json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+            for line in (outbox / "summarize.output.jsonl").read_text().splitlines()]
+    assert len(used) == 3 and max(used) == 64 >= min(used)  # the job's max_tokens (this model rarely stops)
+    assert summarized["batch"]["model"] == "bulkgen-tiny" and summarized["batch"]["endpoint"] == "/v1/chat/completions"
     wait_until(lambda: (outbox / "invalid.summary.json").exists(), 30, "invalid.summary.json", first)
     errors = json.loads((outbox / "invalid.errors.json").read_text())["data"]
     assert [(e["line"], e["param"]) for e in errors] == [(2, "body.temperature")]
@@ -79,9 +86,9 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     assert [json.loads(line)["custom_id"] for line in (outbox / "a.output.jsonl").read_text().splitlines()] == \
         ["a2-0", "a2-1", "a2-2"]
     assert len(batches_of(store, "invalid.jsonl")) == 1
-    for finished in ("broken.jsonl", "notes.txt", "invalid.jsonl"):  # nothing done twice after the restart
+    for finished in ("broken.jsonl", "notes.txt", "invalid.jsonl", "summarize.jsonl"):  # nothing done twice after the restart
         assert finished not in second.text()
     claim_files = list((store / "watch" / "claims").glob("*.json"))
-    assert len(claim_files) == 6  # one per object version: a (twice), notes, broken, invalid, long
+    assert len(claim_files) == 7  # one per object version: a (twice), summarize, notes, broken, invalid, long
     wait_until(lambda: all(json.loads(p.read_text())["state"] == "done" for p in claim_files), 10, "claims done")
     assert second.alive() and "Traceback" not in first.text() + second.text()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -166,3 +169,45 @@ def test_parquet_rows_from_every_line_shape():
     assert refused["error_message"] == "too long for the context" and refused["text"] is None
     not_run = parquet_row(not_run_line("late", "batch_expired"))
     assert not_run["status"] == "failed" and not_run["error_code"] == "batch_expired"
+
+
+def test_on_batch_end_is_called_once_with_the_final_record(tmp_path):
+    """A file refused by validation ends at once, so this needs no workers."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "bad.jsonl").write_text(json.dumps({"custom_id": "a", "url": CHAT, "body": {"model": "m"}}) + "\n")
+    ended = []
+    svc = BatchService(Settings(storage=str(tmp_path / "store"), models={"m": "unused"}))
+    watcher = Watcher(svc, JobSpec(input=str(inbox), output=str(tmp_path / "outbox")), on_batch_end=ended.append)
+    assert watcher.scan() == 1
+    watcher.check_pending()
+    watcher.check_pending()
+    assert watcher.scan() == 0 and [r["status"] for r in ended] == ["failed"] and "x_bulkgen" not in ended[0]
+    assert ended[0]["errors"]["data"][0]["param"] == "body.messages"
+    assert svc.batches.get(ended[0]["id"])["metadata"]["watch_input"] == f"{inbox}/bad.jsonl"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sqs-queue-url", "http://127.0.0.1:1/q"], "needs an s3:// input"),
+    (["--output", "{inbox}/results"], "is inside the input"),
+    (["--schedule", "every day"], "must have 5 fields"),
+])
+def test_watch_refuses_bad_options_in_one_line(tmp_path, args, message):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    base = ["--input", str(inbox), "--output", str(tmp_path / "out"), "--storage", str(tmp_path / "store")]
+    run = subprocess.run([sys.executable, "-m", "bulkgen", "watch", *base, *[a.format(inbox=inbox) for a in args]],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_watch_once_reports_and_exits(tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "photo.png").write_bytes(b"\x89PNG")
+    run = subprocess.run([sys.executable, "-m", "bulkgen", "watch", "--once", "--input", str(inbox), "--output",
+                          str(tmp_path / "out"), "--storage", str(tmp_path / "store")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "photo.png: not run: not a .jsonl object" in run.stderr
+    assert json.loads((tmp_path / "out" / "photo.png.report.json").read_text())["status"] == "not_run"
