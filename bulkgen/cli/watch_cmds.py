@@ -38,6 +38,7 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
     from bulkgen.watch.watcher import Watcher
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("botocore").setLevel(logging.WARNING)  # not "Found credentials in environment variables"
     try:
         spec = JobSpec.load(job_path) if job_path else JobSpec()
         spec.override(input=input_url, output=output_url, interval=interval, schedule=schedule,
