@@ -91,6 +91,7 @@ class Watcher:
         self._stopped.set()
 
     def close(self) -> None:
+        self._stopped.set()
         if self.sqs:
             self.sqs.stop()
         if self.manager is not None:  # workers may be shared with a service on the same Ray: leave them

@@ -211,3 +211,23 @@ def test_watch_once_reports_and_exits(tmp_path):
     assert run.returncode == 0, run.stderr
     assert "photo.png: not run: not a .jsonl object" in run.stderr
     assert json.loads((tmp_path / "out" / "photo.png.report.json").read_text())["status"] == "not_run"
+
+
+def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_run_twice(tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "bad.jsonl").write_text(json.dumps({"custom_id": "a", "url": CHAT, "body": {"model": "m"}}) + "\n")
+    svc = BatchService(Settings(storage=str(tmp_path / "store"), models={"m": "unused"}))
+    spec = JobSpec(input=str(inbox), output=str(tmp_path / "outbox"), claim_ttl=1)
+    dead = Watcher(svc, spec, owner="dead")
+    claim = dead.claims.take(dead.inbox.stat("bad.jsonl"))
+    dead._upload(claim, CHAT)
+    record = svc.create_batch(claim.file_id, CHAT, "24h", None)  # ... and it died before writing the claim
+    assert dead.claims.take(dead.inbox.stat("bad.jsonl")) is not None  # its own claim, while it is alive
+    alive = Watcher(svc, spec, owner="alive")
+    assert alive.scan() == 1 and not alive.pending  # the dead watcher's claim has not lapsed yet
+    time.sleep(1.1)
+    assert alive.scan() == 1 and [c.batch_id for c in alive.pending.values()] == [record["id"]]
+    alive.check_pending()
+    assert list(svc.batches.ids()) == [record["id"]] and not alive.pending
+    assert json.loads((tmp_path / "outbox" / "bad.summary.json").read_text())["batch"]["id"] == record["id"]
