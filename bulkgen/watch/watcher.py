@@ -41,6 +41,9 @@ class NotABatchFile(Exception):
 
 
 class Watcher:
+    """`on_batch_end(record)` is called once per batch, with its final public record, after its results
+    are written (where a webhook notifier plugs in); an exception in it is logged, never fatal."""
+
     def __init__(self, svc: BatchService, spec: JobSpec, *, endpoint_url: str | None = None,
                  on_batch_end: Callable[[dict], None] | None = None, owner: str | None = None) -> None:
         self.svc, self.spec, self.on_batch_end = svc, spec.check(), on_batch_end
