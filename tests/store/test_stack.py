@@ -27,10 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 KUBERAY = ROOT / "infra" / "kuberay"
 PINNED = re.compile(r"^[\w./-]+:\d+\.\d+\.\d+(-[\w.]+)?$")  # registry/name:X.Y.Z[-flavor]
 
-# `bulkgen watch` is built on another branch; until it is merged its planned options stand in for it.
-PLANNED_WATCH_OPTIONS = {"--input", "--output", "--interval", "--schedule", "--sqs-queue-url", "--job",
-                         "--storage", "--endpoint-url", "--model"}
-
 
 def parse_cli(argv: list[str]) -> dict[str, object]:
     """Parse a `bulkgen ...` command line as the real CLI does (option names, values, types, choices)
@@ -38,11 +34,6 @@ def parse_cli(argv: list[str]) -> dict[str, object]:
     assert argv[0] == "bulkgen", argv
     name, args = argv[1], argv[2:]
     command = cli.commands.get(name)
-    if command is None and name == "watch":
-        options = [a for a in args if a.startswith("--")]
-        assert set(options) <= PLANNED_WATCH_OPTIONS, f"unknown watch options {set(options) - PLANNED_WATCH_OPTIONS}"
-        assert len(args) % 2 == 0 and options == args[::2], f"every watch option takes one value: {args}"
-        return dict(zip(args[::2], args[1::2], strict=True))
     assert command is not None, f"bulkgen has no command {name!r}"
     try:
         with click.Context(cli, info_name="bulkgen") as parent:
