@@ -9,14 +9,17 @@ Ids sort newest-first, so the default listing order is a plain key listing.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from bulkgen.batch.ids import new_id
+from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.store import NotFound, PreconditionFailed, Store
 
+log = logging.getLogger(__name__)
 _ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 FILE_PURPOSES = ("batch", "batch_output")
 
@@ -127,8 +130,11 @@ def _skip_through(keys, marker: str | None):
 
 
 class BatchRepo:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_end: Callable[[dict], None] | None = None) -> None:
+        """`on_end(record)` runs once per batch end, after the write that moved the record into a final
+        status (the conditional write makes that writer the only one)."""
         self.store = store
+        self.on_end = on_end
 
     @staticmethod
     def key(batch_id: str) -> str:
@@ -157,10 +163,19 @@ class BatchRepo:
                 return record
             try:
                 self.store.write_bytes(self.key(batch_id), json.dumps(new).encode(), if_match=version)
-                return new
             except PreconditionFailed:
                 time.sleep(0.01)
+                continue
+            if self.on_end and new["status"] in TERMINAL_STATUSES and record["status"] not in TERMINAL_STATUSES:
+                self._ended(new)
+            return new
         raise RuntimeError(f"batch {batch_id}: too many concurrent updates")
+
+    def _ended(self, record: dict) -> None:
+        try:
+            self.on_end(record)
+        except Exception:  # a hook never undoes or fails the batch's ending
+            log.exception("batch %s: on_end hook failed", record["id"])
 
     def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
         keys = _skip_through(self.store.list("batches/"), self.key(after) if after else None)

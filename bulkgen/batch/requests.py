@@ -161,3 +161,27 @@ def _logprobs(body: dict, endpoint: str) -> int | None:
     if top is not None:
         raise LineError("invalid_parameter", "body.top_logprobs needs logprobs: true", "body.top_logprobs")
     return None
+
+
+_ALIASES = {"max_tokens": ("max_tokens", "max_completion_tokens"),
+            "max_completion_tokens": ("max_tokens", "max_completion_tokens")}
+
+
+def fill_defaults(raw: bytes, body_defaults: dict[str, Any], url: str | None = None) -> bytes:
+    """The line with `body_defaults` set in its body where it sets none (max_tokens and
+    max_completion_tokens count as one), and `url` where it has none. A line that is not a JSON object
+    with an object body is returned as it is, so validation refuses it as written, on the same line."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw
+    if not isinstance(obj, dict):
+        return raw
+    if url is not None and "url" not in obj:
+        obj["url"] = url
+    body = obj.get("body")
+    if isinstance(body, dict):
+        for name, value in body_defaults.items():
+            if all(body.get(alias) is None for alias in _ALIASES.get(name, (name,))):
+                body[name] = value
+    return json.dumps(obj, ensure_ascii=False).encode()

@@ -16,7 +16,7 @@ another tenant on the same storage.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
@@ -31,22 +31,26 @@ INDEXED_MARK = "meta/active-indexed"
 
 class BatchService:
     def __init__(self, settings: Settings, store: Store | None = None, tenant: str | None = None,
-                 _family: dict | None = None) -> None:
-        """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant."""
+                 on_batch_end: Callable[[dict], None] | None = None, _family: dict | None = None) -> None:
+        """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant.
+        `on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled), of any
+        tenant, with the final record, by whichever door ended it here: validation at create, the runner,
+        finalize."""
         self.settings = settings
         self.root: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
         self.tenant = tenant or settings.tenant
         prefix = tenant_prefix(self.tenant)
         self.store: Store = self.root.sub(prefix) if prefix else self.root
         self.files = FileRepo(self.store)
-        self.batches = BatchRepo(self.store)
+        self.batches = BatchRepo(self.store, on_end=on_batch_end)
+        self._on_batch_end = on_batch_end
         self._family = _family if _family is not None else {}
         self._family.setdefault(self.tenant, self)
 
     def for_tenant(self, tenant: str) -> BatchService:
         """The service of `tenant` on the same storage (one object per tenant, shared)."""
         if tenant not in self._family:
-            BatchService(self.settings, self.root, tenant, self._family)
+            BatchService(self.settings, self.root, tenant, on_batch_end=self._on_batch_end, _family=self._family)
         return self._family[tenant]
 
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:

@@ -38,22 +38,31 @@ _RUNTIME_OPTIONS = [
 ]
 
 
-def runtime_options(fn):
+RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
+                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling", "fair_share_after_s",
+                "lease_ttl_s", "tenant")
+
+
+def runtime_flags(fn):
+    """Only the options; the command builds Settings itself with `settings_from(**runtime)`."""
     for option in reversed(_RUNTIME_OPTIONS):
         fn = option(fn)
+    return fn
+
+
+def runtime_options(fn):
+    """The options, turned into one `settings` argument."""
+    fn = runtime_flags(fn)
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
-        keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
-                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling",
-                "fair_share_after_s", "lease_ttl_s", "tenant")
-        runtime = {k: kwargs.pop(k) for k in keys}
-        return fn(settings=_settings(**runtime), **kwargs)
+        runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
+        return fn(settings=settings_from(**runtime), **kwargs)
 
     return wrapper
 
 
-def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
+def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
               max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
               lease_ttl_s, tenant) -> Settings:
     try:
@@ -69,6 +78,33 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
         raise click.UsageError(str(exc)) from None
 
 
+def webhook_options(fn):
+    """--webhook / --webhook-secret, for `serve` and `watch`."""
+    fn = click.option("--webhook-secret", envvar="BULKGEN_WEBHOOK_SECRET", metavar="whsec_...",
+                      help="Signing secret, whsec_<base64> as OpenAI's (env BULKGEN_WEBHOOK_SECRET).")(fn)
+    return click.option("--webhook", envvar="BULKGEN_WEBHOOK_URL", metavar="URL",
+                        help="POST a signed batch.completed/failed/expired/cancelled event here when a batch "
+                             "ends (env BULKGEN_WEBHOOK_URL); needs --webhook-secret.")(fn)
+
+
+def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
+    """Events are always signed, as the hosted API's are: a URL without a secret is refused. Undelivered
+    events are kept in the storage, so a restarted service sends them."""
+    if not url:
+        return None
+    if not secret:
+        raise click.UsageError("--webhook needs --webhook-secret (env BULKGEN_WEBHOOK_SECRET), a whsec_<base64> "
+                               "secret to sign events with; make one with: python -c \"import base64, os; "
+                               "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\"")
+    from bulkgen.notify.webhooks import WebhookNotifier
+    from bulkgen.store import open_store
+
+    try:
+        return WebhookNotifier(url, secret, store=open_store(settings.storage, endpoint_url=settings.endpoint_url))
+    except ValueError as exc:
+        raise click.UsageError(f"--webhook/--webhook-secret: {exc}") from None
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
@@ -77,8 +113,10 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
 @click.option("--api-keys", "api_keys", envvar="BULKGEN_API_KEYS", type=click.Path(dir_okay=False, path_type=Path),
               help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
                    "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.")
+@webhook_options
 @runtime_options
-def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None):
+def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
+          webhook: str | None, webhook_secret: str | None):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -96,13 +134,16 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
     if keyring is not None and not keyring.tenants():
         raise click.ClickException(f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    svc = BatchService(settings)
+    notifier = webhook_notifier(settings, webhook, webhook_secret)
+    svc = BatchService(settings, on_batch_end=notifier)
     manager = BatchManager(svc)
     manager.start()
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
     if keyring is not None:
         click.echo(f"API keys from {api_keys}: tenants {', '.join(keyring.tenants())}")
     uvicorn.run(create_app(svc, manager, api_key, keyring), host=host, port=port, log_level="warning")
+    if notifier is not None:
+        notifier.close()  # a few seconds to send what is queued; the rest stays pending in the storage
 
 
 @click.command()

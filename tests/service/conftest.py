@@ -50,8 +50,8 @@ def free_port() -> int:
 class Service:
     """A running service: its base URL, its storage context, and a way to stop it."""
 
-    def __init__(self, settings: Settings, api_key: str | None = None, keyring=None) -> None:
-        self.svc = BatchService(settings)
+    def __init__(self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None) -> None:
+        self.svc = BatchService(settings, on_batch_end=on_batch_end)
         self.manager = BatchManager(self.svc)
         self.manager.start()
         port = free_port()
