@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from bulkgen.batch.ids import new_id
+from bulkgen.batch.schema import quote
 from bulkgen.store import NotFound, PreconditionFailed, Store
 
 _ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
@@ -27,7 +28,7 @@ class RecordNotFound(LookupError):
 
 def _check_id(kind: str, object_id: str) -> str:
     if not _ID.match(object_id or ""):
-        raise RecordNotFound(f"No such {kind}: {object_id!r}")
+        raise RecordNotFound(f"No such {kind}: {quote(object_id)}")
     return object_id
 
 
@@ -60,10 +61,23 @@ class FileRepo:
         """Store the bytes first, then the record: a record never points at missing content."""
         return self.put(new_id("file-"), fileobj, filename, purpose, expires_after_s)
 
+    def upload_data(self, fileobj: BinaryIO) -> tuple[str, int]:
+        """Store the bytes of a new file (its record comes with write_meta) -> (file id, size)."""
+        file_id = new_id("file-")
+        return file_id, self.store.upload_fileobj(self.data_key(file_id), fileobj)
+
+    def discard_data(self, file_id: str) -> None:
+        self.store.delete(self.data_key(file_id))
+
     def put(self, file_id: str, fileobj: BinaryIO, filename: str, purpose: str,
             expires_after_s: int | None = None) -> dict:
         """Write (or rewrite, with the same id) a file: how a retried finalize leaves no orphans."""
         size = self.store.upload_fileobj(self.data_key(file_id), fileobj)
+        return self.write_meta(file_id, size, filename, purpose, expires_after_s)
+
+    def write_meta(self, file_id: str, size: int, filename: str, purpose: str,
+                   expires_after_s: int | None = None) -> dict:
+        """The file object of bytes already stored under data_key(file_id) (an upload streamed there)."""
         now = int(time.time())
         record = {
             "id": file_id,
