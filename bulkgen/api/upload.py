@@ -20,7 +20,7 @@ from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
-from bulkgen.batch.schema import InvalidRequest
+from bulkgen.batch.schema import InvalidRequest, quote
 
 FIELD_LIMIT = 64 * 1024     # a form field other than the file (purpose, expires_after[...])
 FORM_OVERHEAD = 64 * 1024   # multipart boundaries and headers allowed beyond the file itself
@@ -28,8 +28,10 @@ _EOF, _ABORT = object(), object()
 
 
 class TooLarge(InvalidRequest):
-    def __init__(self, what: str, size: str, limit: int, param: str, code: str) -> None:
-        super().__init__(f"{what} is {size} bytes; the limit is {limit} bytes", param=param, code=code)
+    def __init__(self, what: str, size: int | None, limit: int, param: str | None, code: str) -> None:
+        told = f"{what} is {size} bytes; the limit is {limit} bytes" if size is not None else (
+            f"{what} passed the limit of {limit} bytes while uploading; nothing was stored")
+        super().__init__(told, param=param, code=code)
 
 
 def declared_length(request: Request) -> int | None:
@@ -46,7 +48,7 @@ async def read_json_body(request: Request, limit: int) -> bytes:
         if size <= limit and (length is None or length <= limit):
             chunks.append(chunk)
     if size > limit or (length is not None and length > limit):
-        raise TooLarge("the request body", f"{max(size, length or 0)}", limit, None, "request_too_large")
+        raise TooLarge("the request body", max(size, length or 0), limit, None, "request_too_large")
     return b"".join(chunks)
 
 
@@ -130,7 +132,7 @@ async def receive_upload(request: Request, limit: int, store: Callable[[BinaryIO
     stream = request.stream()
     if length is not None and length > limit + FORM_OVERHEAD:
         await _drain(stream)
-        raise TooLarge("the upload", str(length), limit, "file", "file_too_large")
+        raise TooLarge("the upload", length, limit, "file", "file_too_large")
     form = _Form()
     parser = MultipartParser(options[b"boundary"], form.callbacks())
     upload = _Upload(store)
@@ -185,12 +187,13 @@ class _Upload:
             elif kind == "data" and self._in_file:
                 self.size += len(data)
                 if self.size > limit:
-                    raise TooLarge("the file", f"more than {limit}", limit, "file", "file_too_large")
+                    raise TooLarge("the file", None, limit, "file", "file_too_large")
                 await self.pipe.put(data)
             elif kind == "data":
                 self._value += data
                 if len(self._value) > FIELD_LIMIT:
-                    raise InvalidRequest(f"form field {self._name!r} is over {FIELD_LIMIT} bytes", param=self._name)
+                    raise InvalidRequest(f"form field {quote(self._name)} is over {FIELD_LIMIT} bytes",
+                                         param=(self._name or "")[:64])
             elif kind == "end" and self._in_file:
                 await self.pipe.put(_EOF)
                 self._in_file = False

@@ -95,16 +95,6 @@ class Validator:
         return ok
 
 
-def validate_lines(
-    lines: Iterable[bytes], endpoint: str, served_models: Iterable[str], max_requests: int
-) -> ValidationResult:
-    """Check every line; `served_models` are the names this deployment can run."""
-    validator = Validator(endpoint, served_models, max_requests)
-    for number, raw in enumerate(lines, start=1):
-        validator.feed(number, raw)
-    return validator.finish()
-
-
 def validate_stream(
     reader: BinaryIO, validator: Validator,
     on_request: Callable[[int, int, bytes, ParsedRequest], None] | None = None,

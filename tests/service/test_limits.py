@@ -65,7 +65,7 @@ def test_upload_over_the_limit_is_refused_while_streaming_and_nothing_is_stored(
     before = _stored(small_limit)
     status, body = _post(small_limit, "/files", _multipart(8 * LIMIT), "multipart/form-data; boundary=b0undary")
     assert status == 400 and body["error"]["code"] == "file_too_large" and body["error"]["param"] == "file"
-    assert f"limit is {LIMIT} bytes" in body["error"]["message"]
+    assert f"limit of {LIMIT} bytes" in body["error"]["message"]
     assert _stored(small_limit) == before   # no data object, no temp file left behind
     status, body = _post(small_limit, "/files", _multipart(LIMIT), "multipart/form-data; boundary=b0undary")
     assert status == 200 and body["bytes"] == LIMIT and body["purpose"] == "batch"   # exactly the limit: fine
