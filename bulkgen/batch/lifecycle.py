@@ -16,30 +16,37 @@ def validate_batch(
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
     The input streams through once in bounded memory; `on_request(line, offset, raw, request)` sees each
-    valid line in that same pass (the runner's line index). A batch cancelled meanwhile is left as it is."""
+    valid line in that same pass (the runner's line index). A batch cancelled before or while it was
+    validated is validated all the same but stays `cancelling`: its runner then writes every request as
+    `batch_cancelled`, as for any cancelled batch."""
     record = batches.get(batch_id)
-    if record["status"] != "validating":
+    if not needs_validation(record):
         return record
     meta = files.get(record["input_file_id"])
     if meta["bytes"] > max_bytes:
         errors = {"object": "list", "data": [{
             "code": "file_too_large", "line": None, "param": "input_file_id",
             "message": f"the input file has {meta['bytes']} bytes; the limit is {max_bytes}"}]}
-        return batches.update(batch_id, lambda r: _fail(r, errors) if r["status"] == "validating" else None)
+        return batches.update(batch_id, lambda r: _fail(r, errors) if needs_validation(r) else None)
     validator = Validator(record["endpoint"], served_models, max_requests)
     with files.open(record["input_file_id"]) as reader:
         result = validate_stream(reader, validator, on_request)
 
     def apply(r: dict) -> dict | None:
-        if r["status"] != "validating":  # cancelled meanwhile: leave it to the runner
+        if not needs_validation(r):
             return None
         if not result.ok:
             return _fail(r, result.error_list())
         r["model"] = result.model
         r["request_counts"]["total"] = result.total
-        return set_status(r, "in_progress")
+        return set_status(r, "in_progress") if r["status"] == "validating" else r
 
     return batches.update(batch_id, apply)
+
+
+def needs_validation(record: dict) -> bool:
+    """`validating`, or cancelled before validation ended (no model recorded yet)."""
+    return record["status"] == "validating" or (record["status"] == "cancelling" and record["model"] is None)
 
 
 def _fail(record: dict, errors: dict) -> dict:

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from bulkgen.batch.lifecycle import needs_validation
 from bulkgen.batch.records import FileRepo
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
@@ -71,8 +72,6 @@ class BatchRunner:
             return record
         self._log_start()
         stop = self.stop_reason(record)
-        if record["model"] is None:  # cancelled while validating: nothing was checked, nothing runs
-            return finalize(self.svc, self.batch_id, stop or "batch_cancelled", self.metrics)
         if record["status"] != "finalizing":
             self.index = index if index is not None else self._scan(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
@@ -116,14 +115,14 @@ class BatchRunner:
     def _validate(self) -> tuple[dict, LineIndex | None]:
         """A batch in `validating` is checked and indexed in one streamed pass; -> (record, index if built)."""
         record = self.svc.batches.get(self.batch_id)
-        if record["status"] != "validating":
+        if not needs_validation(record):
             return record, None
         builder = IndexBuilder()
         try:
             record = self.svc.validate(self.batch_id, on_request=builder.add)
         except (NotFound, LookupError):
             raise BatchFailed("the input file is gone; the batch cannot run") from None
-        return record, (builder.build() if record["status"] == "in_progress" else None)
+        return record, (builder.build() if record["model"] is not None else None)
 
     def _scan(self, record: dict) -> LineIndex:
         try:
