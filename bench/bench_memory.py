@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -108,6 +109,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.service.conftest import free_port
 
+    load = round(os.getloadavg()[0], 2)
     work = Path(tempfile.mkdtemp(prefix="bulkgen-bench-memory-"))
     path = workload(work / "big.jsonl", args.lines, int(args.mb * 1e6))
     port = free_port()
@@ -150,8 +152,9 @@ def main() -> None:
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
     peaks = {phase: round((kb - idle) / 1024, 1) for phase, kb in sampler.peaks.items()}
-    result = {"file_bytes": uploaded.bytes, "lines": args.lines, "idle_rss_mb": round(idle / 1024, 1),
+    result = {"load_avg_1m_at_start": load, "file_bytes": uploaded.bytes, "lines": args.lines, "idle_rss_mb": round(idle / 1024, 1),
               "peak_above_idle_mb": peaks, "vmhwm_above_idle_mb": round((hwm - idle) / 1024, 1),
               **{k: round(v, 2) for k, v in times.items()}, "status": batch.status,
               "ran_before_cancel": {"completed": ran.completed, "failed": ran.failed},
@@ -159,7 +162,8 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"file: {uploaded.bytes / 1e6:.1f} MB, {args.lines} lines; serve idle RSS {idle / 1024:.0f} MB")
+    print(f"file: {uploaded.bytes / 1e6:.1f} MB, {args.lines} lines; serve idle RSS {idle / 1024:.0f} MB "
+          f"(machine load {load} at start)")
     for phase, mb in peaks.items():
         print(f"  peak RSS above idle while {phase:16s} {mb:8.1f} MB")
     print(f"  VmHWM above idle: {result['vmhwm_above_idle_mb']} MB (goal < 500 MB)")
