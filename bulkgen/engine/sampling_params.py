@@ -46,7 +46,7 @@ def check_sampling(values: dict) -> None:
     """The engine's rules for the fields present in `values` (None means unset where a field may be unset).
 
     The one place these rules live: SamplingParams applies them, and the batch request parser calls this
-    at validation so a batch is refused at create with exactly the problems its run would hit."""
+    at validation, so validation lists exactly the problems the run would hit."""
     for name, minimum in (("max_tokens", 1), ("top_k", 0), ("n", 1)):
         if name in values:
             _check_int(name, values[name], minimum)

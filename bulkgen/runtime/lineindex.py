@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from bulkgen.batch.requests import ParsedRequest, parse_line
+from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
 from bulkgen.batch.validate import lines_with_offsets
 
 UNKNOWN_MAX_TOKENS = 512  # a request without max_tokens runs to the context end: guess it is long
@@ -63,7 +63,11 @@ def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
     builder = IndexBuilder()
     for number, start, raw in lines_with_offsets(reader):
         if raw.strip():
-            builder.add(number, start, raw, parse_line(raw, number, endpoint))
+            try:
+                request = parse_line(raw, number, endpoint)
+            except LineError:  # validated by an older version with looser rules: its worker refuses it alone
+                request = ParsedRequest("", number, "", endpoint, prompt=raw.decode("utf-8", "replace"))
+            builder.add(number, start, raw, request)
     return builder.build()
 
 

@@ -71,3 +71,25 @@ def test_create_refuses_unknown_fields_by_name(client, tmp_path):
     with pytest.raises(openai.BadRequestError, match="metadata"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={"k": "v" * 513})
+
+
+def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, client, tmp_path):
+    """A batch already `in_progress` from an older version (top_p 0 passed then): the line is refused alone,
+    with the field named, and the batch completes."""
+    from bulkgen.batch.schema import new_batch_record, set_status
+    from tests.service.conftest import wait_done
+
+    svc = service.svc
+    rows = [chat_row("a", "hi", max_tokens=2), chat_row("old", "hi", max_tokens=2, top_p=0),
+            chat_row("b", "hi", max_tokens=2)]
+    file_id = upload(client, write_jsonl(tmp_path / "old.jsonl", rows)).id
+    record = set_status(new_batch_record(file_id, "/v1/chat/completions", "24h", None), "in_progress")
+    record.update(model="bulkgen-tiny", request_counts={"total": 3, "completed": 0, "failed": 0})
+    svc.batches.create(record)
+    svc.store.write_bytes("active/" + record["id"], b"")
+    service.manager.wake()
+    batch = wait_done(client, record["id"])
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "old" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "body.top_p"
