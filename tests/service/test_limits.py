@@ -136,3 +136,23 @@ def test_a_batch_left_validating_is_validated_by_the_next_runtime(tmp_path):
         assert failed.status == "failed" and [(e.line, e.param) for e in failed.errors.data] == [(1, "body.top_p")]
     finally:
         service.stop()
+
+
+def test_uploads_stream_into_s3_and_a_refused_one_leaves_no_object(s3_bucket_url, s3_server):
+    """On S3 the file part goes up as a multipart upload while it arrives; past the limit it is aborted."""
+    import boto3
+
+    service = Service(settings_for(s3_bucket_url, endpoint_url=s3_server, max_file_bytes=20 * 2**20))
+    try:
+        status, body = _post(service, "/files", _multipart(12 * 2**20), "multipart/form-data; boundary=b0undary")
+        assert status == 200 and body["bytes"] == 12 * 2**20   # above the 8 MiB multipart threshold
+        assert service.client().files.content(body["id"]).content == b"x" * (12 * 2**20)
+        status, refused = _post(service, "/files", _multipart(30 * 2**20), "multipart/form-data; boundary=b0undary")
+        assert status == 400 and refused["error"]["code"] == "file_too_large"
+    finally:
+        service.stop()
+    bucket, prefix = s3_bucket_url.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    data = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/files/data/").get("Contents", [])]
+    assert data == [f"{prefix}/files/data/{body['id']}"]
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
