@@ -9,8 +9,10 @@ client is told the limit. Content-Length, when sent, is checked before a byte is
 
 from __future__ import annotations
 
+import asyncio
 import io
 import queue
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import BinaryIO
 
@@ -78,10 +80,12 @@ class _Pipe(io.RawIOBase):
         return n
 
     async def put(self, item) -> None:
-        try:
-            self.chunks.put_nowait(item)
-        except queue.Full:
-            await run_in_threadpool(self.chunks.put, item)
+        """Wait (without holding a thread: no pool can run dry) while the uploading thread catches up."""
+        while True:
+            try:
+                return self.chunks.put_nowait(item)
+            except queue.Full:
+                await asyncio.sleep(0.005)
 
     def abort(self) -> None:
         """Never blocks: a reader waiting on an empty queue gets _ABORT, one with items sees the flag."""
@@ -201,11 +205,25 @@ class _Upload:
                 self.fields[self._name] = self._value.decode("utf-8", "replace")
 
     def _start(self) -> None:
-        import asyncio
-
+        """The store reads the pipe in a thread of its own for the whole upload (not a pool's)."""
+        loop = asyncio.get_running_loop()
         self.pipe = _Pipe()
         reader = io.BufferedReader(self.pipe, buffer_size=1 << 20)
-        self.task = asyncio.ensure_future(run_in_threadpool(self.store, reader))
+        self.task = done = loop.create_future()
+
+        def settle(result=None, error: BaseException | None = None) -> None:
+            if not done.done():
+                done.set_exception(error) if error is not None else done.set_result(result)
+
+        def run() -> None:
+            try:
+                result = self.store(reader)
+            except BaseException as exc:  # handed to the request, which aborts and answers
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result)
+
+        threading.Thread(target=run, name="bulkgen-upload", daemon=True).start()
 
     async def abort(self, discard: Callable[[str], None]) -> None:
         """Stop the upload thread; what it stored already (a complete file part) is discarded."""

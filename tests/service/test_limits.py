@@ -156,3 +156,19 @@ def test_uploads_stream_into_s3_and_a_refused_one_leaves_no_object(s3_bucket_url
     data = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/files/data/").get("Contents", [])]
     assert data == [f"{prefix}/files/data/{body['id']}"]
     assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_many_concurrent_uploads_all_arrive(service):
+    """Each upload's store thread is its own, and waiting on a full pipe holds no thread: 48 uploads of 5 MB
+    at once (more than the server's thread pool, each more than its pipe holds) all finish."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> tuple[int, int]:
+        status, body = _post(service, "/files", _multipart(5 * LIMIT + i), "multipart/form-data; boundary=b0undary")
+        if status == 200:
+            service.svc.files.delete(body["id"])
+        return status, body.get("bytes", -1)
+
+    with ThreadPoolExecutor(48) as pool:
+        results = list(pool.map(one, range(48)))
+    assert results == [(200, 5 * LIMIT + i) for i in range(48)]
