@@ -1,19 +1,22 @@
 """The service's memory on a maximal batch, measured in one run (issue #11): a 200 MB, 50,000-line file.
 
 A `bulkgen serve` subprocess (local storage, one CPU worker, the bundled model) gets the file over real
-HTTP from the openai client, then the batch is created, validated by the runtime (one streamed pass that
-also builds the line index), run for --run-s seconds and cancelled, so the run's results and the 50,000
-cancelled lines are merged into the error file as a finished batch would be. A full run of 50,000
-requests does not fit a 2-core machine, hence the cancel. The prompts are ~4 KB of text each (that is
-how a file reaches 200 MB); the bundled model's 512-token context refuses them at run time, so the run
-phase exercises the worker → parts → driver path with `context_length_exceeded` lines, not generation.
+HTTP from the openai client, then the batch is created and validated by the runtime (one streamed pass
+that also builds the line index), and then either
+- (default) runs for --run-s seconds and is cancelled, so the 50,000 lines end in the error file as a
+  cancelled batch's do. The prompts are ~4 KB of text each (that is how a file reaches 200 MB); the
+  bundled model's 512-token context refuses them at run time, so the run writes
+  `context_length_exceeded` lines: the worker → parts → driver path without generation; or
+- (--prompt-chars 200 --full) runs to its end: 200-character prompts, max_tokens 4, the rest of each
+  ~4 KB line padding in the `user` field (accepted and ignored), so all 50,000 requests generate and
+  the output file gets 50,000 lines.
 
 Reported: the serve process's (the API + batch driver; not the Ray workers) resident memory when idle,
-and its peak above idle while uploading, validating, running/cancelling and finalizing (sampled from
-/proc every 20 ms; VmHWM, the kernel's own peak, as a check); upload, validation and finalize times.
-The goal: peak service RSS above idle < 500 MB.
+and its peak above idle while uploading, validating, running, finalizing and serving the result files
+(sampled from /proc every 20 ms; VmHWM, the kernel's own peak, as a check); upload, validation (create
+-> in_progress), run and finalize times. The goal: peak service RSS above idle < 500 MB.
 
-    python bench/bench_memory.py [--lines 50000] [--mb 200] [--run-s 20] [--json]
+    python bench/bench_memory.py [--lines 50000] [--mb 200] [--run-s 20 | --prompt-chars 200 --full] [--json]
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ WORDS = ("the data batch model token cache queue worker prompt result slot strea
          "engine offline bulk label summary review answer question detail").split()
 
 
-def workload(path: Path, lines: int, total_bytes: int) -> Path:
-    """`lines` chat requests of ~total_bytes / lines bytes each (ASCII words, so JSON length = text length)."""
+def workload(path: Path, lines: int, total_bytes: int, prompt_chars: int | None = None) -> Path:
+    """`lines` chat requests of ~total_bytes / lines bytes each (ASCII words, so JSON length = text length).
+    With `prompt_chars`, prompts are that long and the rest of each line is padding in the `user` field
+    (accepted and ignored), so the requests fit the bundled model's context and really generate."""
     rng = random.Random(0)
     per_line = total_bytes // lines
     pool = " ".join(rng.choice(WORDS) for _ in range(400_000))  # ~2.5 MB of text; lines are slices of it
@@ -46,10 +51,16 @@ def workload(path: Path, lines: int, total_bytes: int) -> Path:
             row = {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
                    "body": {"model": "bulkgen-tiny", "max_tokens": 4, "temperature": 0,
                             "messages": [{"role": "user", "content": ""}]}}
+            if prompt_chars is not None:
+                row["body"]["user"] = ""
             need = per_line - len(json.dumps(row)) - 1
             start = rng.randrange(len(pool) - need)
             text = pool[start:start + need]
-            row["body"]["messages"][0]["content"] = text
+            if prompt_chars is None:
+                row["body"]["messages"][0]["content"] = text
+            else:
+                row["body"]["messages"][0]["content"] = text[:prompt_chars]
+                row["body"]["user"] = "u" * (need - min(prompt_chars, need))
             f.write(json.dumps(row) + "\n")
     return path
 
@@ -102,6 +113,9 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=50_000)
     parser.add_argument("--mb", type=float, default=200, help="file size in MB (10**6 bytes)")
     parser.add_argument("--run-s", type=float, default=20.0, help="seconds to run before cancelling")
+    parser.add_argument("--full", action="store_true", help="run the batch to its end instead of cancelling")
+    parser.add_argument("--prompt-chars", type=int,
+                        help="short prompts of this many characters, the rest of each line padding in `user`")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from openai import OpenAI
@@ -111,7 +125,7 @@ def main() -> None:
 
     load = round(os.getloadavg()[0], 2)
     work = Path(tempfile.mkdtemp(prefix="bulkgen-bench-memory-"))
-    path = workload(work / "big.jsonl", args.lines, int(args.mb * 1e6))
+    path = workload(work / "big.jsonl", args.lines, int(args.mb * 1e6), args.prompt_chars)
     port = free_port()
     proc = start_serve(str(work / "storage"), port)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=600)
@@ -136,16 +150,23 @@ def main() -> None:
         times["validate_s"] = time.perf_counter() - t
         assert batch.status == "in_progress", batch.errors
         sampler.phase = "run"
-        time.sleep(args.run_s)
-        ran = client.batches.retrieve(batch.id).request_counts
-        sampler.phase = "cancel+finalize"
         t = time.perf_counter()
-        client.batches.cancel(batch.id)
+        while args.full and client.batches.retrieve(batch.id).status == "in_progress":
+            time.sleep(1)
+        time.sleep(0 if args.full else args.run_s)
+        ran = client.batches.retrieve(batch.id).request_counts
+        times["run_s"] = time.perf_counter() - t
+        sampler.phase = "finalize" if args.full else "cancel+finalize"
+        t = time.perf_counter()
+        if not args.full:
+            client.batches.cancel(batch.id)
         while (batch := client.batches.retrieve(batch.id)).status not in ("cancelled", "completed", "failed"):
             time.sleep(0.1)
-        times["cancel_finalize_s"] = time.perf_counter() - t
+        times["finalize_s"] = time.perf_counter() - t
         sampler.phase = "download"
         error_lines = len(client.files.content(batch.error_file_id).text.splitlines()) if batch.error_file_id else 0
+        output_lines = (len(client.files.content(batch.output_file_id).text.splitlines())
+                        if batch.output_file_id else 0)
         sampler.stop.set()
         sampler.join()
         hwm = rss_kb(proc.pid, "VmHWM")
@@ -158,7 +179,8 @@ def main() -> None:
               "peak_above_idle_mb": peaks, "vmhwm_above_idle_mb": round((hwm - idle) / 1024, 1),
               **{k: round(v, 2) for k, v in times.items()}, "status": batch.status,
               "ran_before_cancel": {"completed": ran.completed, "failed": ran.failed},
-              "request_counts": batch.request_counts.model_dump(), "error_file_lines": error_lines}
+              "request_counts": batch.request_counts.model_dump(), "error_file_lines": error_lines,
+              "output_file_lines": output_lines}
     if args.json:
         print(json.dumps(result))
         return
@@ -167,11 +189,11 @@ def main() -> None:
     for phase, mb in peaks.items():
         print(f"  peak RSS above idle while {phase:16s} {mb:8.1f} MB")
     print(f"  VmHWM above idle: {result['vmhwm_above_idle_mb']} MB (goal < 500 MB)")
-    print(f"upload {times['upload_s']:.1f} s, validation {times['validate_s']:.1f} s "
-          f"(create -> in_progress), cancel+finalize {times['cancel_finalize_s']:.1f} s")
-    print(f"ran {args.run_s:.0f} s before cancel: {ran.completed} completed, {ran.failed} failed; "
-          f"final {batch.status} {batch.request_counts.model_dump()}, error file {error_lines} lines")
-
+    print(f"upload {times['upload_s']:.1f} s, validation {times['validate_s']:.1f} s (create -> in_progress), "
+          f"run {times['run_s']:.1f} s, {'finalize' if args.full else 'cancel+finalize'} {times['finalize_s']:.1f} s")
+    print(f"counts when the run phase ended: {ran.completed} completed, {ran.failed} failed; "
+          f"final {batch.status} {batch.request_counts.model_dump()}, error file {error_lines} lines, "
+          f"output file {output_lines} lines")
 
 if __name__ == "__main__":
     main()
