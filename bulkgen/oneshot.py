@@ -28,9 +28,11 @@ class OneShotError(Exception):
 
 
 def accept(svc: BatchService, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> dict:
-    """Store the file and create + validate its batch, as `POST /v1/files` and `/v1/batches` do."""
+    """Store the file and create its batch, as `POST /v1/files` and `/v1/batches` do, then validate it here
+    with the runtime's own step (`svc.validate`), so bad input is told before any worker starts."""
     try:
         record = svc.create_batch(svc.files.create(fileobj, name, "batch")["id"], endpoint, window, None)
+        record = svc.validate(record["id"])
     except InvalidRequest as exc:
         raise OneShotError(str(exc)) from None
     if record["status"] == "failed":

@@ -4,32 +4,43 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from bulkgen.api.auth import service_of
-from bulkgen.batch.schema import InvalidRequest
+from bulkgen.api.upload import receive_upload
+from bulkgen.batch.schema import InvalidRequest, quote
 
 router = APIRouter(prefix="/v1/files")
 
 
 @router.post("")
-async def create_file(
-    request: Request,
-    file: UploadFile,
-    purpose: str = Form(...),
-    expires_after_seconds: int | None = Form(None, alias="expires_after[seconds]"),
-) -> dict:
+async def create_file(request: Request) -> dict:
+    """Multipart `file` + `purpose=batch` (+ `expires_after[anchor]`, `expires_after[seconds]`): the file
+    streams to storage as it arrives and is refused (400 file_too_large) once past the limit."""
     svc = service_of(request)
-    if purpose != "batch":
-        raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
-    limit = svc.settings.max_file_bytes
-    size = file.size if file.size is not None else 0
-    if size > limit:
-        raise InvalidRequest(f"file is {size} bytes; the limit is {limit}", param="file", code="file_too_large")
-    name = file.filename or "upload.jsonl"
-    return await run_in_threadpool(svc.files.create, file.file, name, purpose, expires_after_seconds)
+    files, limit = svc.files, svc.settings.max_file_bytes
+    fields, name, file_id, size = await receive_upload(request, limit, files.upload_data, files.discard_data)
+    try:
+        purpose = fields.get("purpose")
+        if purpose != "batch":
+            raise InvalidRequest(f"purpose must be 'batch'; got {quote(purpose)}", param="purpose")
+        expires = _expires_after(fields)
+        return await run_in_threadpool(files.write_meta, file_id, size, name, purpose, expires)
+    except BaseException:
+        await run_in_threadpool(files.discard_data, file_id)
+        raise
+
+
+def _expires_after(fields: dict[str, str]) -> int | None:
+    seconds = fields.get("expires_after[seconds]")
+    if seconds is None:
+        return None
+    if not seconds.strip().isdigit() or int(seconds) < 1:
+        raise InvalidRequest(f"expires_after[seconds] must be a positive whole number; got {quote(seconds)}",
+                             param="expires_after.seconds")
+    return int(seconds)
 
 
 @router.get("")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 from bulkgen.batch.ids import new_id
-from bulkgen.batch.schema import TERMINAL_STATUSES
+from bulkgen.batch.schema import TERMINAL_STATUSES, quote
 from bulkgen.store import NotFound, PreconditionFailed, Store
 
 log = logging.getLogger(__name__)
@@ -29,12 +29,9 @@ class RecordNotFound(LookupError):
 
 
 def _check_id(kind: str, object_id: str) -> str:
-    """Ids are checked against their pattern before they name a storage key; a bad one is just not found
-    (quoted at most 64 characters: an error never echoes a huge input)."""
+    """Ids are checked against their pattern before they name a storage key; a bad one is just not found."""
     if not isinstance(object_id, str) or not _ID.match(object_id):
-        shown = repr(object_id[:64]) + f"... ({len(object_id)} characters)" if len(str(object_id)) > 64 \
-            else repr(object_id)
-        raise RecordNotFound(f"No such {kind}: {shown}")
+        raise RecordNotFound(f"No such {kind}: {quote(object_id)}")
     return object_id
 
 
@@ -67,10 +64,23 @@ class FileRepo:
         """Store the bytes first, then the record: a record never points at missing content."""
         return self.put(new_id("file-"), fileobj, filename, purpose, expires_after_s)
 
+    def upload_data(self, fileobj: BinaryIO) -> tuple[str, int]:
+        """Store the bytes of a new file (its record comes with write_meta) -> (file id, size)."""
+        file_id = new_id("file-")
+        return file_id, self.store.upload_fileobj(self.data_key(file_id), fileobj)
+
+    def discard_data(self, file_id: str) -> None:
+        self.store.delete(self.data_key(file_id))
+
     def put(self, file_id: str, fileobj: BinaryIO, filename: str, purpose: str,
             expires_after_s: int | None = None) -> dict:
         """Write (or rewrite, with the same id) a file: how a retried finalize leaves no orphans."""
         size = self.store.upload_fileobj(self.data_key(file_id), fileobj)
+        return self.write_meta(file_id, size, filename, purpose, expires_after_s)
+
+    def write_meta(self, file_id: str, size: int, filename: str, purpose: str,
+                   expires_after_s: int | None = None) -> dict:
+        """The file object of bytes already stored under data_key(file_id) (an upload streamed there)."""
         now = int(time.time())
         record = {
             "id": file_id,

@@ -20,7 +20,14 @@ from collections.abc import Callable, Iterator
 
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
-from bulkgen.batch.schema import ACTIVE_STATUSES, Conflict, InvalidRequest, new_batch_record, set_status
+from bulkgen.batch.schema import (
+    ACTIVE_STATUSES,
+    Conflict,
+    InvalidRequest,
+    new_batch_record,
+    quote,
+    set_status,
+)
 from bulkgen.settings import Settings
 from bulkgen.store import Store, open_store
 from bulkgen.tenants import DEFAULT_TENANT, tenant_prefix
@@ -54,11 +61,12 @@ class BatchService:
         return self._family[tenant]
 
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None) -> dict:
-        """POST /v1/batches: check the input file, create the record, validate it at once."""
+        """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
+        the runtime validates it (`validate`), so validation survives a restart like any other work."""
         try:
             meta = self.files.get(input_file_id)
         except RecordNotFound:
-            raise InvalidRequest(f"input_file_id {input_file_id!r} does not exist", param="input_file_id",
+            raise InvalidRequest(f"input_file_id {quote(input_file_id)} does not exist", param="input_file_id",
                                  code="invalid_file") from None
         if meta["purpose"] != "batch":
             raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
@@ -66,13 +74,13 @@ class BatchService:
         record = new_batch_record(meta["id"], endpoint, window, metadata)
         self.store.write_bytes(_ref_key(meta["id"], record["id"]), b"")
         self.root.write_bytes(self._active_key(record["id"]), b"")
-        self.batches.create(record)
-        return self.validate(record["id"])
+        return self.batches.create(record)
 
-    def validate(self, batch_id: str) -> dict:
+    def validate(self, batch_id: str, on_request: Callable | None = None) -> dict:
+        """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
         s = self.settings
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
-                                s.max_file_bytes)
+                                s.max_file_bytes, on_request)
         if record["status"] == "failed":
             self.mark_ended(batch_id)
         return record

@@ -27,6 +27,8 @@ _RUNTIME_OPTIONS = [
     click.option("--range-size", type=int, default=32, show_default=True,
                  help="Requests per line range: the unit workers pull and results are checkpointed in."),
     click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True),
+    click.option("--max-file-mb", type=int, default=200, show_default=True,
+                 help="Largest input file accepted, in MiB (uploads are refused while they stream past it)."),
     click.option("--scheduling", type=click.Choice(SCHEDULING), default="fifo", show_default=True,
                  help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."),
     click.option("--fair-share-after", "fair_share_after_s", type=float, default=30.0, show_default=True,
@@ -63,15 +65,16 @@ def runtime_options(fn):
 
 
 def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
-              max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
-              lease_ttl_s, tenant) -> Settings:
+                  max_num_batched_tokens, range_size, max_requests_per_batch, max_file_mb, scheduling,
+                  fair_share_after_s, lease_ttl_s, tenant) -> Settings:
     try:
         engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
                   if v is not None}
         pool = WorkerSettings(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers,
                               engine_kwargs=engine)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
-                        range_size=range_size, max_requests_per_batch=max_requests_per_batch, scheduling=scheduling,
+                        range_size=range_size, max_requests_per_batch=max_requests_per_batch,
+                        max_file_bytes=max_file_mb * 1024 * 1024, scheduling=scheduling,
                         fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool,
                         tenant=tenant)
     except ValueError as exc:

@@ -112,6 +112,11 @@ def wait_for(client, batch_id: str, predicate, timeout: float = 120.0):
         time.sleep(0.2)
 
 
+def validated(client, batch_id: str, timeout: float = 60.0):
+    """A created batch answers `validating`; the runtime then moves it to in_progress or failed."""
+    return wait_for(client, batch_id, lambda b: b.status != "validating", timeout)
+
+
 def wait_done(client, batch_id: str, timeout: float = 120.0):
     terminal = {"completed", "failed", "expired", "cancelled"}
     return wait_for(client, batch_id, lambda b: b.status in terminal, timeout)
