@@ -1,20 +1,26 @@
-# bulkgen service image: the OpenAI-compatible Files + Batches API, with an embedded Ray runtime
-# (or joining a cluster via RAY_ADDRESS / --ray-address).
+# bulkgen image: the OpenAI-compatible Files + Batches API (`bulkgen serve`), the inbox watcher
+# (`bulkgen watch`) and Ray's own processes (KubeRay runs `ray start` in it), on Ray's official image.
 #
-# CPU (default):   docker build -t bulkgen:cpu .
-# NVIDIA GPUs:     docker build -t bulkgen:cuda \
-#                    --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
-#                  then run with the NVIDIA container toolkit: docker run --gpus all ...
-#                  (or base on nvidia/cuda:*-runtime with Python 3.11 if the wheel's bundled CUDA
-#                  libraries do not match the host driver).
-# Storage:         -e BULKGEN_STORAGE=s3://bucket/prefix [-e AWS_ENDPOINT_URL=http://minio:9000]
-#                  default is the /data volume.
+# NVIDIA GPUs (default):  docker build -t bulkgen:0.1.0-cu128 .
+#                         docker run --gpus all -p 127.0.0.1:8000:8000 --shm-size=4g bulkgen:0.1.0-cu128
+# CPU only:               docker build --build-arg FLAVOR=cpu -t bulkgen:0.1.0-cpu .
+# Storage:                -e BULKGEN_STORAGE=s3://bucket/prefix [-e AWS_ENDPOINT_URL=http://minio:9000];
+#                         default is the /data volume.
+#
+# Every base is a pinned tag (Ray version, Python 3.11, CUDA 12.8 or CPU), and torch is pinned and taken
+# from the wheel index that matches the base's CUDA, so a rebuild gets the same stack.
 
-ARG PYTHON_VERSION=3.11
-FROM python:${PYTHON_VERSION}-slim
+ARG RAY_VERSION=2.60.0
+ARG FLAVOR=gpu
 
+FROM rayproject/ray:${RAY_VERSION}-py311-cu128 AS gpu-base
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+
+FROM rayproject/ray:${RAY_VERSION}-py311-cpu AS cpu-base
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+FROM ${FLAVOR}-base AS image
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -23,20 +29,25 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     BULKGEN_STORAGE=/data \
     HF_HUB_OFFLINE=1
 
-RUN groupadd --gid 1000 bulkgen \
- && useradd --uid 1000 --gid bulkgen --create-home --shell /usr/sbin/nologin bulkgen \
- && mkdir -p /data /app \
- && chown bulkgen:bulkgen /data
+# Ray's images run as `ray` (uid 1000, gid 100) with their Python in ~/anaconda3: install there as that user.
+USER root
+RUN mkdir -p /data && chown 1000:100 /data
+USER ray
 
 # torch first and pinned: the biggest layer, cached across code changes, and never an unpinned CUDA pull.
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-WORKDIR /app
-COPY . /app
-# The bundled model (bulkgen/models/bundled) is package data, so a plain install finds it.
-RUN pip install . && bulkgen --version
+# A regular (non-editable) install: the package, with the bundled model as package data, is copied into
+# site-packages and the source is removed; the check proves the installed copy finds its model.
+COPY --chown=1000:100 pyproject.toml README.md /tmp/bulkgen-src/
+COPY --chown=1000:100 bulkgen /tmp/bulkgen-src/bulkgen
+RUN pip install /tmp/bulkgen-src \
+ && rm -rf /tmp/bulkgen-src \
+ && bulkgen --version \
+ && python -c "from bulkgen.models.registry import BUNDLED_MODEL as m; assert (m / 'model.safetensors').is_file(), m"
+COPY --chown=1000:100 samples /home/ray/samples
 
-USER bulkgen
+WORKDIR /home/ray
 VOLUME ["/data"]
 EXPOSE 8000
 

@@ -56,6 +56,13 @@ def wait(get_batch: Callable[[], object], on_update: Callable[[object], None], i
         time.sleep(interval)
 
 
+def validated(get_batch: Callable[[], object], interval: float = 0.5):
+    """Poll a just-created batch until validation has ended (it answers `validating` at once)."""
+    while (batch := get_batch()).status == "validating":
+        time.sleep(interval)
+    return batch
+
+
 def output_paths(output: Path) -> tuple[Path, Path]:
     """`results.jsonl` -> (results.jsonl, results.errors.jsonl)."""
     stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name

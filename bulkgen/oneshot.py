@@ -20,6 +20,7 @@ from bulkgen.metrics.table import describe_summary
 from bulkgen.runtime.manager import BatchManager
 from bulkgen.settings import Settings
 from bulkgen.store import NotFound
+from bulkgen.watch.outputs import stem_of, write_results
 
 
 class OneShotError(Exception):
@@ -27,9 +28,11 @@ class OneShotError(Exception):
 
 
 def accept(svc: BatchService, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> dict:
-    """Store the file and create + validate its batch, as `POST /v1/files` and `/v1/batches` do."""
+    """Store the file and create its batch, as `POST /v1/files` and `/v1/batches` do, then validate it here
+    with the runtime's own step (`svc.validate`), so bad input is told before any worker starts."""
     try:
         record = svc.create_batch(svc.files.create(fileobj, name, "batch")["id"], endpoint, window, None)
+        record = svc.validate(record["id"])
     except InvalidRequest as exc:
         raise OneShotError(str(exc)) from None
     if record["status"] == "failed":
@@ -68,7 +71,8 @@ def run_accepted(svc: BatchService, batch_id: str, on_poll: Callable[[dict], Non
 def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint: str | None = None,
                window: str = "24h", echo: Callable[[str], None] = print) -> dict:
     """A JSONL file already in storage (e.g. dropped under inbox/) run as a batch; results copied beside
-    it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.metrics.json."""
+    it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.summary.json (the
+    writer `bulkgen watch` uses too: bulkgen/watch/outputs.py)."""
     svc = BatchService(settings)
     try:
         endpoint = endpoint or endpoint_of(svc.store.iter_lines(input_key), input_key)
@@ -78,13 +82,8 @@ def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint:
         raise OneShotError(f"{input_key}: {exc}") from None
     echo(f"{record['id']}: {record['request_counts']['total']} requests from {input_key}")
     record = run_accepted(svc, record["id"])
-    stem = f"{output_prefix.rstrip('/')}/{input_key.rsplit('/', 1)[-1].removesuffix('.jsonl')}"
-    for file_id, suffix in ((record["output_file_id"], "output.jsonl"), (record["error_file_id"], "errors.jsonl")):
-        if file_id:
-            with svc.files.open(file_id) as src:
-                svc.store.upload_fileobj(f"{stem}.{suffix}", src)
-    if record.get("metrics"):
-        svc.store.write_bytes(f"{stem}.metrics.json", json.dumps(record["metrics"], indent=2).encode())
+    stem = f"{output_prefix.rstrip('/')}/{stem_of(input_key.rsplit('/', 1)[-1])}"
+    write_results(svc, record, svc.store, stem, source={"key": input_key})
     echo(f"{record['id']} {record['status']}: results under {stem}.*")
     return record
 

@@ -4,7 +4,7 @@
         python jobs/batch_job.py --storage s3://bucket/bulkgen --input inbox/2026-11-30/labels.jsonl
 
 Results land beside the service's own records, under --output-prefix (default `outbox/`), as
-<name>.output.jsonl, <name>.errors.jsonl and <name>.metrics.json. Schedulers (cron, Airflow, an
+<name>.output.jsonl, <name>.errors.jsonl and <name>.summary.json (status, counts, usage, metrics). Schedulers (cron, Airflow, an
 S3-notification consumer) call this once per file; the batch is visible through the API as usual.
 """
 

@@ -10,7 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from bulkgen import __version__
-from bulkgen.api import auth, batches, errors, files
+from bulkgen.api import auth, batches, dashboard, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
@@ -47,6 +47,7 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
     auth.install(app, keyring, svc.tenant)
     app.include_router(files.router)
     app.include_router(batches.router)
+    dashboard.install(app)  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
 
     @app.get("/v1/models")
     async def list_models() -> dict:

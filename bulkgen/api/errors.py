@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.schema import Conflict, InvalidRequest
+from bulkgen.batch.schema import Conflict, InvalidRequest, quote
 from bulkgen.store import StorageUnavailable
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,12 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def bad_shape(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        where = quote(".".join(str(p) for p in first.get("loc", ()) if p != "body"), 64).strip("'")
+        if first.get("type") == "extra_forbidden":
+            message = f"unknown field {where}: bulkgen refuses what it cannot honour; remove it"
+            return JSONResponse(error_body(message, where, "unknown_parameter"), status_code=400)
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body("the body is not valid JSON", None, "invalid_json"), status_code=400)
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
         return JSONResponse(error_body(message, where or None, "invalid_request"), status_code=400)
 

@@ -4,35 +4,35 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from bulkgen.api.auth import service_of
+from bulkgen.api.upload import receive_upload
 from bulkgen.batch.records import check_expires_after
-from bulkgen.batch.schema import InvalidRequest
+from bulkgen.batch.schema import InvalidRequest, quote
 
 router = APIRouter(prefix="/v1/files")
 
 
 @router.post("")
-async def create_file(
-    request: Request,
-    file: UploadFile,
-    purpose: str = Form(...),
-    expires_after_seconds: str | None = Form(None, alias="expires_after[seconds]"),
-    expires_after_anchor: str | None = Form(None, alias="expires_after[anchor]"),
-) -> dict:
+async def create_file(request: Request) -> dict:
+    """Multipart `file` + `purpose=batch` (+ `expires_after[anchor]`, `expires_after[seconds]`): the file
+    streams to storage as it arrives and is refused (400 file_too_large) once past the limit."""
     svc = service_of(request)
-    if purpose != "batch":
-        raise InvalidRequest(f"purpose must be 'batch'; got {purpose!r}", param="purpose")
-    expires_after_seconds = check_expires_after(expires_after_seconds, expires_after_anchor or "created_at")
-    limit = svc.settings.max_file_bytes
-    size = file.size if file.size is not None else 0
-    if size > limit:
-        raise InvalidRequest(f"file is {size} bytes; the limit is {limit}", param="file", code="file_too_large")
-    name = file.filename or "upload.jsonl"
-    return await run_in_threadpool(svc.files.create, file.file, name, purpose, expires_after_seconds)
+    files, limit = svc.files, svc.settings.max_file_bytes
+    fields, name, file_id, size = await receive_upload(request, limit, files.upload_data, files.discard_data)
+    try:
+        purpose = fields.get("purpose")
+        if purpose != "batch":
+            raise InvalidRequest(f"purpose must be 'batch'; got {quote(purpose)}", param="purpose")
+        expires = check_expires_after(fields.get("expires_after[seconds]"),
+                                      fields.get("expires_after[anchor]") or "created_at")
+        return await run_in_threadpool(files.write_meta, file_id, size, name, purpose, expires)
+    except BaseException:
+        await run_in_threadpool(files.discard_data, file_id)
+        raise
 
 
 @router.get("")

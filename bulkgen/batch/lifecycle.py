@@ -1,37 +1,52 @@
-"""Status changes shared by the API (which validates at once) and the runner (which resumes)."""
+"""Status changes of validation, run by whoever holds the batch (the runtime's runner, `bulkgen run`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from bulkgen.batch.records import BatchRepo, FileRepo
 from bulkgen.batch.schema import set_status
-from bulkgen.batch.validate import validate_lines
+from bulkgen.batch.validate import Validator, validate_stream
 
 
 def validate_batch(
-    files: FileRepo, batches: BatchRepo, batch_id: str, served_models, max_requests: int, max_bytes: int
+    files: FileRepo, batches: BatchRepo, batch_id: str, served_models, max_requests: int, max_bytes: int,
+    on_request: Callable | None = None,
 ) -> dict:
-    """validating -> in_progress, or -> failed with every error listed (code, line, param, message)."""
+    """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
+
+    The input streams through once in bounded memory; `on_request(line, offset, raw, request)` sees each
+    valid line in that same pass (the runner's line index). A batch cancelled before or while it was
+    validated is validated all the same but stays `cancelling`: its runner then writes every request as
+    `batch_cancelled`, as for any cancelled batch."""
     record = batches.get(batch_id)
-    if record["status"] != "validating":
+    if not needs_validation(record):
         return record
     meta = files.get(record["input_file_id"])
     if meta["bytes"] > max_bytes:
         errors = {"object": "list", "data": [{
             "code": "file_too_large", "line": None, "param": "input_file_id",
             "message": f"the input file has {meta['bytes']} bytes; the limit is {max_bytes}"}]}
-        return batches.update(batch_id, lambda r: _fail(r, errors))
-    result = validate_lines(files.iter_lines(record["input_file_id"]), record["endpoint"], served_models, max_requests)
+        return batches.update(batch_id, lambda r: _fail(r, errors) if needs_validation(r) else None)
+    validator = Validator(record["endpoint"], served_models, max_requests)
+    with files.open(record["input_file_id"]) as reader:
+        result = validate_stream(reader, validator, on_request)
 
     def apply(r: dict) -> dict | None:
-        if r["status"] != "validating":  # cancelled meanwhile: leave it to the runner
+        if not needs_validation(r):
             return None
         if not result.ok:
             return _fail(r, result.error_list())
         r["model"] = result.model
         r["request_counts"]["total"] = result.total
-        return set_status(r, "in_progress")
+        return set_status(r, "in_progress") if r["status"] == "validating" else r
 
     return batches.update(batch_id, apply)
+
+
+def needs_validation(record: dict) -> bool:
+    """`validating`, or cancelled before validation ended (no model recorded yet)."""
+    return record["status"] == "validating" or (record["status"] == "cancelling" and record["model"] is None)
 
 
 def _fail(record: dict, errors: dict) -> dict:

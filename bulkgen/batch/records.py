@@ -16,6 +16,7 @@ gc` removes its bytes later.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections import deque
@@ -23,9 +24,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 from bulkgen.batch.ids import new_id
-from bulkgen.batch.schema import InvalidRequest
+from bulkgen.batch.schema import TERMINAL_STATUSES, InvalidRequest, quote
 from bulkgen.store import NotFound, PreconditionFailed, Store
 
+log = logging.getLogger(__name__)
 _ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 FILE_PURPOSES = ("batch", "batch_output")
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # the hosted API's bounds for expires_after[seconds]
@@ -36,12 +38,9 @@ class RecordNotFound(LookupError):
 
 
 def _check_id(kind: str, object_id: str) -> str:
-    """Ids are checked against their pattern before they name a storage key; a bad one is just not found
-    (quoted at most 64 characters: an error never echoes a huge input)."""
+    """Ids are checked against their pattern before they name a storage key; a bad one is just not found."""
     if not isinstance(object_id, str) or not _ID.match(object_id):
-        shown = repr(object_id[:64]) + f"... ({len(object_id)} characters)" if len(str(object_id)) > 64 \
-            else repr(object_id)
-        raise RecordNotFound(f"No such {kind}: {shown}")
+        raise RecordNotFound(f"No such {kind}: {quote(object_id)}")
     return object_id
 
 
@@ -93,10 +92,23 @@ class FileRepo:
         """Store the bytes first, then the record: a record never points at missing content."""
         return self.put(new_id("file-"), fileobj, filename, purpose, expires_after_s)
 
+    def upload_data(self, fileobj: BinaryIO) -> tuple[str, int]:
+        """Store the bytes of a new file (its record comes with write_meta) -> (file id, size)."""
+        file_id = new_id("file-")
+        return file_id, self.store.upload_fileobj(self.data_key(file_id), fileobj)
+
+    def discard_data(self, file_id: str) -> None:
+        self.store.delete(self.data_key(file_id))
+
     def put(self, file_id: str, fileobj: BinaryIO, filename: str, purpose: str,
             expires_after_s: int | None = None) -> dict:
         """Write (or rewrite, with the same id) a file: how a retried finalize leaves no orphans."""
         size = self.store.upload_fileobj(self.data_key(file_id), fileobj)
+        return self.write_meta(file_id, size, filename, purpose, expires_after_s)
+
+    def write_meta(self, file_id: str, size: int, filename: str, purpose: str,
+                   expires_after_s: int | None = None) -> dict:
+        """The file object of bytes already stored under data_key(file_id) (an upload streamed there)."""
         now = int(time.time())
         record = {
             "id": file_id,
@@ -171,8 +183,11 @@ def _before(list_keys: Callable[[], Iterator[str]], marker: str | None, count: i
 
 
 class BatchRepo:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_end: Callable[[dict], None] | None = None) -> None:
+        """`on_end(record)` runs once per batch end, after the write that moved the record into a final
+        status (the conditional write makes that writer the only one)."""
         self.store = store
+        self.on_end = on_end
 
     @staticmethod
     def key(batch_id: str) -> str:
@@ -201,10 +216,19 @@ class BatchRepo:
                 return record
             try:
                 self.store.write_bytes(self.key(batch_id), json.dumps(new).encode(), if_match=version)
-                return new
             except PreconditionFailed:
                 time.sleep(0.01)
+                continue
+            if self.on_end and new["status"] in TERMINAL_STATUSES and record["status"] not in TERMINAL_STATUSES:
+                self._ended(new)
+            return new
         raise RuntimeError(f"batch {batch_id}: too many concurrent updates")
+
+    def _ended(self, record: dict) -> None:
+        try:
+            self.on_end(record)
+        except Exception:  # a hook never undoes or fails the batch's ending
+            log.exception("batch %s: on_end hook failed", record["id"])
 
     def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
         keys = self.store.list("batches/", start_after=self.key(after) if after else None)

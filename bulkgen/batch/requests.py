@@ -9,6 +9,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from bulkgen.batch.schema import quote
+from bulkgen.engine.sampling_params import SamplingError, check_sampling
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -17,6 +20,15 @@ _UNSUPPORTED = {
     "tools": None, "functions": None, "tool_choice": None, "logit_bias": {}, "presence_penalty": 0,
     "frequency_penalty": 0, "echo": False, "suffix": None, "best_of": 1, "audio": None, "prediction": None,
 }
+# Every field a line may carry; anything else is refused by name (README: what cannot be honoured is refused).
+_LINE_FIELDS = {"custom_id", "method", "url", "body"}
+_COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs", "stream",
+                  "user", *_UNSUPPORTED}
+_BODY_FIELDS = {
+    CHAT: _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format"},
+    COMPLETIONS: _COMMON_FIELDS | {"prompt"},
+}
+MAX_CUSTOM_ID = 64
 
 
 class LineError(ValueError):
@@ -48,18 +60,23 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
         raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
+    _refuse_unknown(obj, _LINE_FIELDS, "")
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id.strip():
         raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID:
+        raise LineError("invalid_custom_id", f"custom_id is {len(custom_id)} characters; at most {MAX_CUSTOM_ID} "
+                        f"are allowed ({quote(custom_id, 40)})", "custom_id")
     if obj.get("method", "POST") != "POST":
-        raise LineError("invalid_method", f"method must be POST, got {obj.get('method')!r}", "method")
+        raise LineError("invalid_method", f"method must be POST, got {quote(obj.get('method'))}", "method")
     if obj.get("url") != endpoint:
         raise LineError(
-            "url_mismatch", f"url {obj.get('url')!r} does not match the batch endpoint {endpoint!r}", "url"
+            "url_mismatch", f"url {quote(obj.get('url'))} does not match the batch endpoint {endpoint!r}", "url"
         )
     body = obj.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_body", "body must be a JSON object", "body")
+    _refuse_unknown(body, _BODY_FIELDS[endpoint], "body.")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise LineError("missing_model", "body.model must be a non-empty string", "body.model")
@@ -70,6 +87,15 @@ def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
         request.prompt = _prompt(body.get("prompt"))
     request.sampling = _sampling(body, endpoint)
     return request
+
+
+def _refuse_unknown(obj: dict, known: set[str], prefix: str) -> None:
+    unknown = [key for key in obj if key not in known]
+    if unknown:
+        names = ", ".join(prefix + quote(key, 40).strip("'\"") for key in unknown[:5])
+        more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        raise LineError("unknown_parameter", f"unknown field{'s' if len(unknown) > 1 else ''} {names}{more}: "
+                        "bulkgen refuses what it cannot honour; remove it", prefix + unknown[0][:64])
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -98,7 +124,7 @@ def _prompt(prompt: Any) -> str | list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
         return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(type(t) is int and t >= 0 for t in prompt):
         return prompt
     raise LineError(
         "invalid_prompt",
@@ -108,6 +134,7 @@ def _prompt(prompt: Any) -> str | list[int]:
 
 
 def _sampling(body: dict, endpoint: str) -> dict[str, Any]:
+    """The API's own limits here, then the engine's rules (`check_sampling`, the ones the run applies)."""
     if body.get("stream"):
         raise LineError("invalid_request", "streaming is not supported in batches", "body.stream")
     for name, neutral in _UNSUPPORTED.items():
@@ -117,16 +144,23 @@ def _sampling(body: dict, endpoint: str) -> dict[str, Any]:
     if fmt is not None and fmt != {"type": "text"}:
         raise LineError("unsupported_parameter", "only response_format type 'text' is supported",
                         "body.response_format")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    names = {"max_tokens": "max_completion_tokens" if body.get("max_completion_tokens") is not None
+             else "max_tokens", "logprobs": "top_logprobs" if endpoint == CHAT else "logprobs"}
     out = {
-        "max_tokens": _number(max_tokens, "max_tokens", int, 1, None),
+        "max_tokens": _number(body.get(names["max_tokens"]), names["max_tokens"], int, None, None),
         "temperature": _number(body.get("temperature", 1.0), "temperature", float, 0.0, 2.0),
-        "top_p": _number(body.get("top_p", 1.0), "top_p", float, 0.0, 1.0),
-        "n": _number(body.get("n", 1), "n", int, 1, 16),
+        "top_p": _number(body.get("top_p", 1.0), "top_p", float, None, None),
+        "n": _number(body.get("n", 1), "n", int, None, 16),
         "seed": _number(body.get("seed"), "seed", int, None, None),
         "stop": _stop(body.get("stop")),
     }
     out["logprobs"] = _logprobs(body, endpoint)
+    try:
+        check_sampling({k: v for k, v in out.items() if v is not None})
+    except SamplingError as err:
+        param = f"body.{names.get(err.field, err.field)}"
+        raise LineError("invalid_parameter", f"{param} {err.rule}; got {quote(body.get(param[5:]))}", param) from None
+    out["temperature"], out["top_p"] = float(out["temperature"]), float(out["top_p"])  # in range: checked
     return out
 
 
@@ -137,10 +171,11 @@ def _number(value: Any, name: str, kind: type, low: float | None, high: float | 
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok or (low is not None and value < low) or (high is not None and value > high):
-        bounds = f" between {low} and {high}" if high is not None else (f" >= {low}" if low is not None else "")
-        raise LineError("invalid_parameter", f"body.{name} must be {kind.__name__}{bounds}; got {value!r}",
+        bounds = f" between {low} and {high}" if low is not None and high is not None else (
+            f" >= {low}" if low is not None else (f" <= {high}" if high is not None else ""))
+        raise LineError("invalid_parameter", f"body.{name} must be {kind.__name__}{bounds}; got {quote(value)}",
                         f"body.{name}")
-    return kind(value)
+    return value
 
 
 def _stop(stop: Any) -> list[str] | None:
@@ -161,3 +196,27 @@ def _logprobs(body: dict, endpoint: str) -> int | None:
     if top is not None:
         raise LineError("invalid_parameter", "body.top_logprobs needs logprobs: true", "body.top_logprobs")
     return None
+
+
+_ALIASES = {"max_tokens": ("max_tokens", "max_completion_tokens"),
+            "max_completion_tokens": ("max_tokens", "max_completion_tokens")}
+
+
+def fill_defaults(raw: bytes, body_defaults: dict[str, Any], url: str | None = None) -> bytes:
+    """The line with `body_defaults` set in its body where it sets none (max_tokens and
+    max_completion_tokens count as one), and `url` where it has none. A line that is not a JSON object
+    with an object body is returned as it is, so validation refuses it as written, on the same line."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return raw
+    if not isinstance(obj, dict):
+        return raw
+    if url is not None and "url" not in obj:
+        obj["url"] = url
+    body = obj.get("body")
+    if isinstance(body, dict):
+        for name, value in body_defaults.items():
+            if all(body.get(alias) is None for alias in _ALIASES.get(name, (name,))):
+                body[name] = value
+    return json.dumps(obj, ensure_ascii=False).encode()

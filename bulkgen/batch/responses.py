@@ -101,5 +101,15 @@ def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
     }
 
 
-def dumps(line: dict) -> bytes:
-    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+_LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def json_line(obj: dict) -> bytes:
+    """THE writer of every JSONL line bulkgen stores (result parts, output, error files): UTF-8 kept as is,
+    except U+0085, U+2028 and U+2029, which str.splitlines() and JavaScript readers take for line breaks;
+    they are written escaped, so every reader splits the file into exactly its lines."""
+    text = json.dumps(obj, ensure_ascii=False)
+    if any(c in text for c in _LINE_BREAKS):
+        for raw, escaped in _LINE_BREAKS.items():
+            text = text.replace(raw, escaped)
+    return text.encode() + b"\n"

@@ -16,6 +16,15 @@ MAX_WINDOW_HOURS = 24 * 365
 INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
 
 
+def quote(value: Any, limit: int = 80) -> str:
+    """`value` as an error message shows it: its repr, cut to `limit` characters with its full length named,
+    so a 5 MB input never comes back in a 5 MB error (every message that quotes input goes through here)."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}… ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 class InvalidRequest(ValueError):
     """A client error: rendered as HTTP 400 with OpenAI's error shape."""
 
@@ -34,7 +43,8 @@ def parse_completion_window(window: str) -> int:
     hours = int(match.group(1)) if match else 0
     if not match or not 1 <= hours <= MAX_WINDOW_HOURS:
         raise InvalidRequest(
-            f"completion_window must be a whole number of hours such as '24h' (1h to {MAX_WINDOW_HOURS}h); got {window!r}",
+            f"completion_window must be a whole number of hours such as '24h' (1h to {MAX_WINDOW_HOURS}h); "
+            f"got {quote(window)}",
             param="completion_window",
         )
     return hours * 3600
@@ -50,11 +60,11 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
         raise InvalidRequest(f"metadata has {len(metadata)} pairs; at most 16 are allowed", param="metadata")
     for key, value in metadata.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise InvalidRequest(f"metadata[{key!r}] must be a string", param=f"metadata.{key}")
+            raise InvalidRequest(f"metadata[{quote(key)}] must be a string", param=f"metadata.{key[:64]}")
         if len(key) > 64 or len(value) > 512:
             raise InvalidRequest(
-                f"metadata key {key[:64]!r}: keys are limited to 64 and values to 512 characters",
-                param=f"metadata.{key}",
+                f"metadata[{quote(key)}]: keys are limited to 64 and values to 512 characters",
+                param=f"metadata.{key[:64]}",
             )
     return metadata
 
@@ -62,7 +72,7 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
 def check_endpoint(endpoint: Any) -> str:
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(
-            f"endpoint must be one of {', '.join(ENDPOINTS)}; got {endpoint!r}", param="endpoint"
+            f"endpoint must be one of {', '.join(ENDPOINTS)}; got {quote(endpoint)}", param="endpoint"
         )
     return endpoint
 

@@ -17,7 +17,7 @@ another tenant on the same storage.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from bulkgen.batch import totals
 from bulkgen.batch.lifecycle import validate_batch
@@ -29,6 +29,7 @@ from bulkgen.batch.schema import (
     Conflict,
     InvalidRequest,
     new_batch_record,
+    quote,
     set_status,
 )
 from bulkgen.settings import Settings
@@ -41,31 +42,36 @@ INDEXED_MARK = "meta/active-indexed"
 
 class BatchService:
     def __init__(self, settings: Settings, store: Store | None = None, tenant: str | None = None,
-                 _family: dict | None = None) -> None:
-        """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant."""
+                 on_batch_end: Callable[[dict], None] | None = None, _family: dict | None = None) -> None:
+        """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant.
+        `on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled), of any
+        tenant, with the final record, by whichever door ended it here: validation at create, the runner,
+        finalize."""
         self.settings = settings
         self.root: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
         self.tenant = tenant or settings.tenant
         prefix = tenant_prefix(self.tenant)
         self.store: Store = self.root.sub(prefix) if prefix else self.root
         self.files = FileRepo(self.store)
-        self.batches = BatchRepo(self.store)
+        self.batches = BatchRepo(self.store, on_end=on_batch_end)
+        self._on_batch_end = on_batch_end
         self._family = _family if _family is not None else {}
         self._family.setdefault(self.tenant, self)
 
     def for_tenant(self, tenant: str) -> BatchService:
         """The service of `tenant` on the same storage (one object per tenant, shared)."""
         if tenant not in self._family:
-            BatchService(self.settings, self.root, tenant, self._family)
+            BatchService(self.settings, self.root, tenant, on_batch_end=self._on_batch_end, _family=self._family)
         return self._family[tenant]
 
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
                      output_expires_after_s: int | None = None) -> dict:
-        """POST /v1/batches: check the input file, create the record, validate it at once."""
+        """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
+        the runtime validates it (`validate`), so validation survives a restart like any other work."""
         try:
             meta = self.files.get(input_file_id)
         except RecordNotFound:
-            raise InvalidRequest(f"input_file_id {input_file_id!r} does not exist", param="input_file_id",
+            raise InvalidRequest(f"input_file_id {quote(input_file_id)} does not exist", param="input_file_id",
                                  code="invalid_file") from None
         if meta["purpose"] != "batch":
             raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
@@ -75,13 +81,13 @@ class BatchService:
             record[INTERNAL]["output_expires_after_s"] = output_expires_after_s
         self.store.write_bytes(_ref_key(meta["id"], record["id"]), b"")
         self.root.write_bytes(self._active_key(record["id"]), b"")
-        self.batches.create(record)
-        return self.validate(record["id"])
+        return self.batches.create(record)
 
-    def validate(self, batch_id: str) -> dict:
+    def validate(self, batch_id: str, on_request: Callable | None = None) -> dict:
+        """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
         s = self.settings
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
-                                s.max_file_bytes)
+                                s.max_file_bytes, on_request)
         if record["status"] == "failed":
             self.mark_ended(batch_id, record)
         return record

@@ -1,13 +1,20 @@
-"""Validate a whole input file before any work starts, listing every problem with its line."""
+"""Validate a whole input file before any work starts, listing every problem with its line.
+
+The file is streamed once, line by line, in bounded memory (a read buffer, the custom_ids seen, at most
+MAX_LISTED_ERRORS errors); the runtime feeds the same pass into its line index (`lines_with_offsets`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
-from bulkgen.batch.requests import LineError, parse_line
+from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
+from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
+READ_CHUNK = 1 << 20
 
 
 @dataclass
@@ -36,50 +43,85 @@ class ValidationResult:
         return {"object": "list", "data": data}
 
 
-def validate_lines(
-    lines: Iterable[bytes], endpoint: str, served_models: Iterable[str], max_requests: int
-) -> ValidationResult:
-    """Check every line; `served_models` are the names this deployment can run."""
-    result = ValidationResult()
-    first_line: dict[str, int] = {}
-    served = set(served_models)
-    for number, raw in enumerate(lines, start=1):
+class Validator:
+    """Checks lines as they stream by: each line alone (the request parser), then across lines (one model,
+    unique custom_ids, the request limit)."""
+
+    def __init__(self, endpoint: str, served_models: Iterable[str], max_requests: int) -> None:
+        self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
+        self.result = ValidationResult()
+        self._first_line: dict[str, int] = {}
+
+    def feed(self, number: int, raw: bytes) -> ParsedRequest | None:
+        """-> the request when the line is valid so far; None for a blank or refused line."""
         if not raw.strip():
-            continue
-        result.total += 1
+            return None
+        self.result.total += 1
         try:
-            request = parse_line(raw, number, endpoint)
+            request = parse_line(raw, number, self.endpoint)
         except LineError as err:
-            result.add(err.code, err.message, number, err.param)
+            self.result.add(err.code, err.message, number, err.param)
+            return None
+        return request if self._check_identity(request, number) else None
+
+    def finish(self) -> ValidationResult:
+        result = self.result
+        if result.total == 0:
+            result.add("empty_file", "the input file has no requests")
+        elif result.total > self.max_requests:
+            result.add("too_many_tasks",
+                       f"the file has {result.total} requests; the limit per batch is {self.max_requests} "
+                       "(split the file, or raise --max-requests-per-batch)")
+        return result
+
+    def _check_identity(self, request: ParsedRequest, number: int) -> bool:
+        result, ok = self.result, True
+        if request.custom_id in self._first_line:
+            result.add("duplicate_custom_id", f"custom_id {quote(request.custom_id)} already used on line "
+                       f"{self._first_line[request.custom_id]}", number, "custom_id")
+            ok = False
+        else:
+            self._first_line[request.custom_id] = number
+        if result.model is None:
+            result.model = request.model
+            if request.model not in self.served:
+                result.add("model_not_found", f"model {quote(request.model)} is not served here; available: "
+                           f"{sorted(self.served)}", number, "body.model")
+                ok = False
+        elif request.model != result.model:
+            result.add("model_mismatch", f"model {quote(request.model)} differs from {quote(result.model)}; "
+                       "one model per file", number, "body.model")
+            ok = False
+        return ok
+
+
+def validate_stream(
+    reader: BinaryIO, validator: Validator,
+    on_request: Callable[[int, int, bytes, ParsedRequest], None] | None = None,
+) -> ValidationResult:
+    """Stream a file through `validator`; `on_request(line, byte offset, raw, request)` sees each valid line
+    (the runtime builds its line index from it in this same pass)."""
+    for number, start, raw in lines_with_offsets(reader):
+        request = validator.feed(number, raw)
+        if request is not None and on_request is not None:
+            on_request(number, start, raw, request)
+    return validator.finish()
+
+
+def lines_with_offsets(reader: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
+    """(line number, byte offset, line without '\\n' / '\\r\\n'), read in 1 MB chunks."""
+    offset, number, pending = 0, 0, []   # pending: chunks of the line not yet ended (one long line stays linear)
+    while chunk := reader.read(READ_CHUNK):
+        pieces = chunk.split(b"\n")
+        if len(pieces) == 1:
+            pending.append(chunk)
             continue
-        _check_identity(result, request, number, first_line, served)
-    _check_file(result, max_requests)
-    return result
-
-
-def _check_identity(result: ValidationResult, request, number: int, first_line: dict, served: set) -> None:
-    if request.custom_id in first_line:
-        result.add("duplicate_custom_id",
-                   f"custom_id {request.custom_id!r} already used on line {first_line[request.custom_id]}",
-                   number, "custom_id")
-    else:
-        first_line[request.custom_id] = number
-    if result.model is None:
-        result.model = request.model
-        if request.model not in served:
-            result.add("model_not_found",
-                       f"model {request.model!r} is not served here; available: {sorted(served)}",
-                       number, "body.model")
-    elif request.model != result.model:
-        result.add("model_mismatch",
-                   f"model {request.model!r} differs from {result.model!r}; one model per file",
-                   number, "body.model")
-
-
-def _check_file(result: ValidationResult, max_requests: int) -> None:
-    if result.total == 0:
-        result.add("empty_file", "the input file has no requests")
-    elif result.total > max_requests:
-        result.add("too_many_tasks",
-                   f"the file has {result.total} requests; the limit per batch is {max_requests} "
-                   "(split the file, or raise --max-requests-per-batch)")
+        pieces[0] = b"".join(pending) + pieces[0]
+        last = pieces.pop()
+        pending = [last] if last else []
+        for piece in pieces:
+            number += 1
+            yield number, offset, piece.removesuffix(b"\r")
+            offset += len(piece) + 1
+    if pending:
+        yield number + 1, offset, b"".join(pending).removesuffix(b"\r")

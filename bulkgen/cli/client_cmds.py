@@ -54,6 +54,7 @@ def submit(file, endpoint, completion_window, metadata, wait, output, base_url, 
         uploaded = _call(client.files.create, file=(file.name, f), purpose="batch")
     batch = _call(client.batches.create, input_file_id=uploaded.id, endpoint=endpoint,
                   completion_window=completion_window, metadata=pairs or None)
+    batch = c.validated(lambda: _call(client.batches.retrieve, batch.id))
     click.echo(f"{batch.id} {batch.status} ({batch.request_counts.total if batch.request_counts else 0} requests)")
     if batch.status == "failed":
         raise click.ClickException(f"batch failed validation:\n{c.format_errors(batch)}")

@@ -28,6 +28,8 @@ _RUNTIME_OPTIONS = [
     click.option("--range-size", type=int, default=32, show_default=True,
                  help="Requests per line range: the unit workers pull and results are checkpointed in."),
     click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True),
+    click.option("--max-file-mb", type=int, default=200, show_default=True,
+                 help="Largest input file accepted, in MiB (uploads are refused while they stream past it)."),
     click.option("--scheduling", type=click.Choice(SCHEDULING), default="fifo", show_default=True,
                  help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."),
     click.option("--fair-share-after", "fair_share_after_s", type=float, default=30.0, show_default=True,
@@ -42,17 +44,26 @@ _RUNTIME_OPTIONS = [
 ]
 
 
-def runtime_options(fn):
+RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
+                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "max_file_mb", "scheduling",
+                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s")
+
+
+def runtime_flags(fn):
+    """Only the options; the command builds Settings itself with `settings_from(**runtime)`."""
     for option in reversed(_RUNTIME_OPTIONS):
         fn = option(fn)
+    return fn
+
+
+def runtime_options(fn):
+    """The options, turned into one `settings` argument."""
+    fn = runtime_flags(fn)
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
-        keys = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
-                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling",
-                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s")
-        runtime = {k: kwargs.pop(k) for k in keys}
-        settings = _settings(**runtime)
+        runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
+        settings = settings_from(**runtime)
         with storage_errors():
             check_storage(settings.storage, settings.endpoint_url)
             return fn(settings=settings, **kwargs)
@@ -83,20 +94,48 @@ def check_storage(url: str, endpoint_url: str | None):
     return store
 
 
-def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
-              max_num_batched_tokens, range_size, max_requests_per_batch, scheduling, fair_share_after_s,
-              lease_ttl_s, tenant, storage_outage_timeout_s) -> Settings:
+def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
+                  max_num_batched_tokens, range_size, max_requests_per_batch, max_file_mb, scheduling,
+                  fair_share_after_s, lease_ttl_s, tenant, storage_outage_timeout_s) -> Settings:
     try:
         engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
                   if v is not None}
         pool = WorkerSettings(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers,
                               engine_kwargs=engine)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
-                        range_size=range_size, max_requests_per_batch=max_requests_per_batch, scheduling=scheduling,
+                        range_size=range_size, max_requests_per_batch=max_requests_per_batch,
+                        max_file_bytes=max_file_mb * 1024 * 1024, scheduling=scheduling,
                         fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool,
                         tenant=tenant, storage_outage_timeout_s=storage_outage_timeout_s)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def webhook_options(fn):
+    """--webhook / --webhook-secret, for `serve` and `watch`."""
+    fn = click.option("--webhook-secret", envvar="BULKGEN_WEBHOOK_SECRET", metavar="whsec_...",
+                      help="Signing secret, whsec_<base64> as OpenAI's (env BULKGEN_WEBHOOK_SECRET).")(fn)
+    return click.option("--webhook", envvar="BULKGEN_WEBHOOK_URL", metavar="URL",
+                        help="POST a signed batch.completed/failed/expired/cancelled event here when a batch "
+                             "ends (env BULKGEN_WEBHOOK_URL); needs --webhook-secret.")(fn)
+
+
+def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
+    """Events are always signed, as the hosted API's are: a URL without a secret is refused. Undelivered
+    events are kept in the storage, so a restarted service sends them."""
+    if not url:
+        return None
+    if not secret:
+        raise click.UsageError("--webhook needs --webhook-secret (env BULKGEN_WEBHOOK_SECRET), a whsec_<base64> "
+                               "secret to sign events with; make one with: python -c \"import base64, os; "
+                               "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\"")
+    from bulkgen.notify.webhooks import WebhookNotifier
+    from bulkgen.store import open_store
+
+    try:
+        return WebhookNotifier(url, secret, store=open_store(settings.storage, endpoint_url=settings.endpoint_url))
+    except ValueError as exc:
+        raise click.UsageError(f"--webhook/--webhook-secret: {exc}") from None
 
 
 @click.command()
@@ -107,8 +146,10 @@ def _settings(storage, endpoint_url, models, ray_address, workers, cpu_workers, 
 @click.option("--api-keys", "api_keys", envvar="BULKGEN_API_KEYS", type=click.Path(dir_okay=False, path_type=Path),
               help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
                    "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.")
+@webhook_options
 @runtime_options
-def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None):
+def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
+          webhook: str | None, webhook_secret: str | None):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -126,13 +167,16 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
     if keyring is not None and not keyring.tenants():
         raise click.ClickException(f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    svc = BatchService(settings)
+    notifier = webhook_notifier(settings, webhook, webhook_secret)
+    svc = BatchService(settings, on_batch_end=notifier)
     manager = BatchManager(svc)
     manager.start()
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
     if keyring is not None:
         click.echo(f"API keys from {api_keys}: tenants {', '.join(keyring.tenants())}")
     uvicorn.run(create_app(svc, manager, api_key, keyring), host=host, port=port, log_level="warning")
+    if notifier is not None:
+        notifier.close()  # a few seconds to send what is queued; the rest stays pending in the storage
 
 
 @click.command()

@@ -17,8 +17,19 @@ transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (Stable
 recurrent/conv models. Sliding-window models run with max_model_len clipped to the window.
 """
 
-from .engine import Engine
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling_params import SamplingParams
+
+_LAZY = {"Engine": ".engine", "CompletionOutput": ".outputs", "RequestMetrics": ".outputs",
+         "RequestOutput": ".outputs"}
+
+
+def __getattr__(name: str):
+    """Engine and its outputs import torch: loaded on first use, so the API process, which only checks
+    sampling values (`sampling_params.check_sampling`), never imports it."""
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams"]

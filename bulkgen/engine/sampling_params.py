@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
@@ -24,35 +25,62 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("top_k", self.top_k, minimum=0)
-        _check_int("n", self.n, minimum=1)
-        if self.seed is not None:
-            _check_int("seed", self.seed, minimum=0)
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool):
-            raise ValueError(f"SamplingParams.temperature must be a number, got {self.temperature!r}")
-        if self.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is not None:
-            if not all(isinstance(s, str) and s for s in self.stop):
-                raise ValueError(f"SamplingParams.stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-                raise ValueError(
-                    f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}"
-                )
+        check_sampling(self.__dict__)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"SamplingParams.{name} must be an int >= {minimum}, got {value!r}")
+class SamplingError(ValueError):
+    """A sampling value the engine cannot run; `field` names it (the request parser maps it to the body)."""
+
+    def __init__(self, field: str, rule: str, value: object) -> None:
+        super().__init__(f"SamplingParams.{field} {rule}, got {value!r}")
+        self.field, self.rule, self.value = field, rule, value
+
+
+def check_sampling(values: dict) -> None:
+    """The engine's rules for the fields present in `values` (None means unset where a field may be unset).
+
+    The one place these rules live: SamplingParams applies them, and the batch request parser calls this
+    at validation, so validation lists exactly the problems the run would hit."""
+    for name, minimum in (("max_tokens", 1), ("top_k", 0), ("n", 1)):
+        if name in values:
+            _check_int(name, values[name], minimum)
+    for name, minimum, maximum in (("seed", 0, MAX_SEED), ("logprobs", 0, None)):
+        if values.get(name) is not None:
+            _check_int(name, values[name], minimum, maximum)
+    if "temperature" in values:
+        t = values["temperature"]
+        if not _is_number(t) or not t >= 0:
+            raise SamplingError("temperature", "must be a number >= 0", t)
+    if "top_p" in values:
+        p = values["top_p"]
+        if not _is_number(p) or not 0 < p <= 1:
+            raise SamplingError("top_p", "must be a number in (0, 1]", p)
+    stop = values.get("stop")
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
+        raise SamplingError("stop", "must be a list of non-empty strings", stop)
+    ids = values.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
+        raise SamplingError("stop_token_ids", "must be non-negative ints", ids)
+
+
+MAX_SEED = 2**64 - 1  # seeds travel to the workers as unsigned 64-bit ints
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+        raise SamplingError(name, f"must be an int {bounds}", value)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from dataclasses import asdict
 
 import ray
@@ -20,6 +22,7 @@ from bulkgen.runtime.workqueue import MAX_ATTEMPTS, WorkQueue, WorkRange
 log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.5
+BUSY_WINDOW_S = 30.0     # a worker's busy share is measured over this recent window
 POLL_DEADLINE_S = 120.0   # a worker that does not answer a poll for this long is presumed dead
 LOAD_DEADLINE_S = 1800.0
 
@@ -34,11 +37,15 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
+        self._busy: list[deque] = []          # per worker: (arrival time, step seconds) of recent polls
+        self._started = time.monotonic()
 
     def start(self) -> None:
         self.inflight = [{} for _ in self.pool.workers]
         self.models_loaded = [None for _ in self.pool.workers]
         self._had_work = [True for _ in self.pool.workers]
+        self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
+        self._started = time.monotonic()
         for index in range(len(self.pool.workers)):
             threading.Thread(target=self._loop, args=(index,), name=f"bulkgen-dispatch-{index}", daemon=True).start()
 
@@ -123,12 +130,36 @@ class Dispatcher:
             runner = self.runner_of(report["batch_id"])
             if runner is not None:
                 runner.range_done(report, f"bulkgen-worker-{index}")
+        busy = sum(float(r.get("duration_s", 0.0)) for records in poll["steps"].values() for r in records)
+        if busy:
+            self._busy[index].append((time.monotonic(), busy))
         for batch_id, records in poll["steps"].items():
             runner = self.runner_of(batch_id)
             if runner is not None:
                 runner.add_steps(f"bulkgen-worker-{index}", records)
         for runner in holding.values():
             runner.live_progress(f"bulkgen-worker-{index}", poll["progress"].get(runner.batch_id))
+
+    def worker_states(self) -> list[dict]:
+        """What each worker does now, for the dashboard: cheap (no call to the workers)."""
+        now = time.monotonic()
+        window = max(1e-3, min(BUSY_WINDOW_S, now - self._started))
+        states = []
+        with self._lock:
+            for index, inflight in enumerate(self.inflight):
+                batches: dict[str, int] = {}
+                for (batch_id, lo, hi) in inflight:
+                    batches[batch_id] = batches.get(batch_id, 0) + hi - lo
+                busy = sum(d for t, d in list(self._busy[index]) if t >= now - window)
+                model = self.models_loaded[index] if index < len(self.models_loaded) else None
+                states.append({
+                    "id": f"bulkgen-worker-{index}", "index": index,
+                    "device": "gpu" if self.pool.use_gpu else "cpu",
+                    "model": model.split("@", 1)[0] if model else None,
+                    "busy_share": round(min(1.0, busy / window), 4),
+                    "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
+                })
+        return states
 
     def _runners_in_flight(self, index: int) -> list:
         with self._lock:

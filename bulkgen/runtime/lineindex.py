@@ -15,9 +15,9 @@ from typing import BinaryIO
 
 import numpy as np
 
-from bulkgen.batch.requests import parse_line
+from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
+from bulkgen.batch.validate import lines_with_offsets
 
-READ_CHUNK = 1 << 20
 UNKNOWN_MAX_TOKENS = 512  # a request without max_tokens runs to the context end: guess it is long
 PREFIX_CHARS = 256
 
@@ -40,33 +40,35 @@ class LineIndex:
         return lo, hi
 
 
-def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
-    """Index a validated input file in bounded memory (a read buffer plus the index itself)."""
-    cols: tuple[list[int], ...] = ([], [], [], [], [])
-    for number, start, raw in _lines_with_offsets(reader):
-        if not raw.strip():
-            continue
-        request = parse_line(raw, number, endpoint)
-        for col, value in zip(cols, (number, start, start + len(raw), _work(request), _prefix_key(request)),
-                              strict=True):
+class IndexBuilder:
+    """Collects the index one valid request at a time: `add` is validation's `on_request` callback, so a
+    batch in `validating` is checked and indexed in one streamed pass."""
+
+    def __init__(self) -> None:
+        self._cols: tuple[list[int], ...] = ([], [], [], [], [])
+
+    def add(self, number: int, start: int, raw: bytes, request: ParsedRequest) -> None:
+        values = (number, start, start + len(raw), _work(request), _prefix_key(request))
+        for col, value in zip(self._cols, values, strict=True):
             col.append(value)
-    lines, starts, ends, work, prefix = cols
-    return LineIndex(np.array(lines, np.int64), np.array(starts, np.int64), np.array(ends, np.int64),
-                     np.array(work, np.int64), np.array(prefix, np.uint64))
+
+    def build(self) -> LineIndex:
+        lines, starts, ends, work, prefix = self._cols
+        return LineIndex(np.array(lines, np.int64), np.array(starts, np.int64), np.array(ends, np.int64),
+                         np.array(work, np.int64), np.array(prefix, np.uint64))
 
 
-def _lines_with_offsets(reader: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
-    """(line number, byte offset, line without '\\n' / '\\r\\n')."""
-    offset, number, tail = 0, 0, b""
-    while chunk := reader.read(READ_CHUNK):
-        pieces = (tail + chunk).split(b"\n")
-        tail = pieces.pop()
-        for piece in pieces:
-            number += 1
-            yield number, offset, piece.removesuffix(b"\r")
-            offset += len(piece) + 1
-    if tail:
-        yield number + 1, offset, tail.removesuffix(b"\r")
+def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
+    """Index an already validated input file (a resumed batch) in bounded memory."""
+    builder = IndexBuilder()
+    for number, start, raw in lines_with_offsets(reader):
+        if raw.strip():
+            try:
+                request = parse_line(raw, number, endpoint)
+            except LineError:  # validated by an older version with looser rules: its worker refuses it alone
+                request = ParsedRequest("", number, "", endpoint, prompt=raw.decode("utf-8", "replace"))
+            builder.add(number, start, raw, request)
+    return builder.build()
 
 
 def _work(request) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bulkgen.batch.responses import json_line
 from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import Store
 
@@ -33,7 +34,7 @@ def entry(line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0,
 
 def write_part(store: Store, batch_id: str, first_line: int, last_line: int, entries: list[dict]) -> None:
     entries = sorted(entries, key=lambda e: e["line"])
-    data = "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries).encode()
+    data = b"".join(json_line(e) for e in entries)
     store.write_bytes(part_key(batch_id, first_line, last_line), data)
 
 
@@ -121,7 +122,7 @@ def merge_parts(store: Store, batch_id: str):
             if e["line"] <= last:
                 continue
             last = e["line"]
-            (outputs if e["ok"] else errors).write(json.dumps(e["envelope"], ensure_ascii=False).encode() + b"\n")
+            (outputs if e["ok"] else errors).write(json_line(e["envelope"]))
             tally.add(e)
     outputs.seek(0)
     errors.seek(0)

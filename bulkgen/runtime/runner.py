@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from bulkgen.batch.lifecycle import needs_validation
 from bulkgen.batch.records import FileRepo
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
@@ -29,7 +30,7 @@ from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
-from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
+from bulkgen.runtime.lineindex import IndexBuilder, LineIndex, read_lines, scan
 from bulkgen.runtime.workqueue import BatchJob, WorkRange, make_ranges, true_runs
 from bulkgen.store import NotFound, StorageUnavailable
 
@@ -83,14 +84,14 @@ class BatchRunner:
             return None
 
     def _run(self) -> dict:
-        record = self.svc.validate(self.batch_id)
+        record, index = self._validate()
         if record["status"] in TERMINAL_STATUSES:
             self.svc.mark_ended(self.batch_id, record)
             return record
         self._log_start()
         stop = self.stop_reason(record)
         if record["status"] != "finalizing":
-            self.index = self._scan(record)
+            self.index = index if index is not None else self._scan(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
             if not stop and not self.done.all():
                 stop = self._execute(record)
@@ -141,6 +142,18 @@ class BatchRunner:
             log.warning("batch %s: %s; waiting up to %.0f s for it", self.batch_id, exc, timeout)
         elif time.monotonic() - self._outage_since >= timeout:
             raise StorageOutage(f"{exc} (for {timeout:.0f} s)")
+
+    def _validate(self) -> tuple[dict, LineIndex | None]:
+        """A batch in `validating` is checked and indexed in one streamed pass; -> (record, index if built)."""
+        record = self.svc.batches.get(self.batch_id)
+        if not needs_validation(record):
+            return record, None
+        builder = IndexBuilder()
+        try:
+            record = self.svc.validate(self.batch_id, on_request=builder.add)
+        except (NotFound, LookupError):
+            raise BatchFailed("the input file is gone; the batch cannot run") from None
+        return record, (builder.build() if record["model"] is not None else None)
 
     def _scan(self, record: dict) -> LineIndex:
         try:

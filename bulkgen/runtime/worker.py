@@ -196,7 +196,14 @@ class EngineWorker:
                 self._cond.notify_all()
             return
         for line, raw in lines:
-            request = parse_line(raw, line, job["endpoint"])  # validated at create: a failure is a bug
+            try:
+                request = parse_line(raw, line, job["endpoint"])
+            except LineError as err:  # validated by an older version with looser rules: refuse the line alone
+                custom_id = json.loads(raw).get("custom_id", "")
+                work.remaining[line] = custom_id
+                self._settle(work, line, parts.entry(line, False, refused_line(custom_id, err.message, err.code,
+                                                                                err.param)))
+                continue
             work.remaining[line] = request.custom_id
             try:
                 ids = tokenize(request, self.engine.tokenizer)

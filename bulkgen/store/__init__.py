@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from bulkgen.store.base import NotFound, PreconditionFailed, StorageUnavailable, Store
+from bulkgen.store.base import NotFound, ObjectInfo, PreconditionFailed, StorageUnavailable, Store
 from bulkgen.store.local import LocalStore
 from bulkgen.store.s3 import S3Store
 
-__all__ = ["LocalStore", "NotFound", "PreconditionFailed", "S3Store", "StorageUnavailable", "Store", "open_store"]
+__all__ = ["LocalStore", "NotFound", "ObjectInfo", "PreconditionFailed", "S3Store", "StorageUnavailable", "Store",
+           "open_store"]
 
 
 def open_store(url: str, *, endpoint_url: str | None = None, **options: Any) -> Store:

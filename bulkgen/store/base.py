@@ -11,6 +11,7 @@ import os
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -44,6 +45,16 @@ class PreconditionFailed(Exception):
     def __init__(self, key: str, detail: str = "") -> None:
         super().__init__(f"precondition failed for key {key!r}" + (f": {detail}" if detail else ""))
         self.key = key
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its key (relative to the store), size, and a token that changes with its bytes
+    (the S3 ETag; a local file's mtime and size)."""
+
+    key: str
+    size: int
+    etag: str
 
 
 def check_key(key: str) -> str:
@@ -150,6 +161,10 @@ class Store(ABC):
         """Every key starting with `prefix` (a string prefix, as on S3), in lexicographic order, lazily."""
 
     @abstractmethod
+    def list_objects(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """As `list`, with each object's size and version token (one listing, no request per object)."""
+
+    @abstractmethod
     def _download_file(self, key: str, path: Path) -> None:
         """Copy one object to `path` (which the caller replaces atomically)."""
 
@@ -165,6 +180,15 @@ class Store(ABC):
         except NotFound:
             return False
         return True
+
+    def stat(self, key: str) -> ObjectInfo:
+        """The object's listing entry (the same token `list_objects` gives); NotFound if there is none."""
+        for info in self.list_objects(check_key(key)):
+            if info.key == key:
+                return info
+            if info.key > key:
+                break
+        raise NotFound(key)
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under `prefix`; returns how many were deleted."""

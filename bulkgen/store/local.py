@@ -22,6 +22,7 @@ from typing import Any, BinaryIO
 
 from bulkgen.store.base import (
     NotFound,
+    ObjectInfo,
     PreconditionFailed,
     StorageUnavailable,
     Store,
@@ -197,6 +198,15 @@ class LocalStore(Store):
         check_prefix(prefix)
         base = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
         return self._walk(self.root.joinpath(*base.split("/")), base, prefix, start_after)
+
+    def list_objects(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        """The version token is mtime_ns + size: cheap (no read), and it changes when a file is rewritten."""
+        for key in self.list(prefix, start_after=start_after):
+            try:
+                st = self._path(key).stat()
+            except (FileNotFoundError, NotADirectoryError):  # deleted since the listing
+                continue
+            yield ObjectInfo(key, st.st_size, f"{st.st_mtime_ns:x}-{st.st_size:x}")
 
     def _walk(self, folder: Path, folder_key: str, prefix: str, start_after: str | None) -> Iterator[str]:
         """Keys of one folder sorted once, then a bisect to the first that can follow `start_after`:

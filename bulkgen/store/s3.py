@@ -22,7 +22,15 @@ from boto3.s3.transfer import TransferConfig
 from boto3.session import Session
 from botocore.config import Config
 
-from bulkgen.store.base import NotFound, PreconditionFailed, Store, check_key, check_prefix, check_write
+from bulkgen.store.base import (
+    NotFound,
+    ObjectInfo,
+    PreconditionFailed,
+    Store,
+    check_key,
+    check_prefix,
+    check_write,
+)
 from bulkgen.store.retry import call_with_retries, store_errors
 
 T = TypeVar("T")
@@ -246,9 +254,13 @@ class S3Store(Store):
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[str]:
         check_prefix(prefix)
+        return (info.key for info in self._list_pages(prefix, start_after))
+
+    def list_objects(self, prefix: str, *, start_after: str | None = None) -> Iterator[ObjectInfo]:
+        check_prefix(prefix)
         return self._list_pages(prefix, start_after)
 
-    def _list_pages(self, prefix: str, start_after: str | None) -> Iterator[str]:
+    def _list_pages(self, prefix: str, start_after: str | None) -> Iterator[ObjectInfo]:
         """Follow continuation tokens until S3 says the listing is complete: never stop at page one."""
         base = f"{self.root}/" if self.root else ""
         request: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix, "MaxKeys": self.page_size}
@@ -258,7 +270,7 @@ class S3Store(Store):
             page = self._call(prefix, lambda r=dict(request): self._client().list_objects_v2(**r))
             for item in page.get("Contents", []):
                 if not item["Key"].endswith("/"):  # skip console-made "folder" markers
-                    yield item["Key"][len(base) :]
+                    yield ObjectInfo(item["Key"][len(base) :], item["Size"], item["ETag"])
             if not page.get("IsTruncated"):
                 return
             request["ContinuationToken"] = page["NextContinuationToken"]

@@ -50,8 +50,8 @@ def free_port() -> int:
 class Service:
     """A running service: its base URL, its storage context, and a way to stop it."""
 
-    def __init__(self, settings: Settings, api_key: str | None = None, keyring=None) -> None:
-        self.svc = BatchService(settings)
+    def __init__(self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None) -> None:
+        self.svc = BatchService(settings, on_batch_end=on_batch_end)
         self.manager = BatchManager(self.svc)
         self.manager.start()
         port = free_port()
@@ -110,6 +110,11 @@ def wait_for(client, batch_id: str, predicate, timeout: float = 120.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting on {batch_id}: {batch.status} {batch.request_counts}")
         time.sleep(0.2)
+
+
+def validated(client, batch_id: str, timeout: float = 60.0):
+    """A created batch answers `validating`; the runtime then moves it to in_progress or failed."""
+    return wait_for(client, batch_id, lambda b: b.status != "validating", timeout)
 
 
 def wait_done(client, batch_id: str, timeout: float = 120.0):

@@ -8,11 +8,14 @@ from urllib.request import Request, urlopen
 import openai
 import pytest
 
-from tests.service.conftest import SAMPLES, chat_row, upload, write_jsonl
+from tests.service.conftest import SAMPLES, chat_row, upload, validated, write_jsonl
 
 
 def _create(client, path, endpoint="/v1/chat/completions"):
-    return client.batches.create(input_file_id=upload(client, path).id, endpoint=endpoint, completion_window="24h")
+    """Create answers `validating` at once (as the hosted API does); the runtime then validates."""
+    batch = client.batches.create(input_file_id=upload(client, path).id, endpoint=endpoint, completion_window="24h")
+    assert batch.status == "validating"
+    return validated(client, batch.id)
 
 
 def test_invalid_sample_lists_every_error_with_its_line(client):

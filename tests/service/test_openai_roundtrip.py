@@ -15,6 +15,7 @@ from tests.service.conftest import (
     random_model,
     read_lines,
     upload,
+    validated,
     wait_done,
     write_jsonl,
 )
@@ -27,7 +28,9 @@ def test_sample_batch_completes_with_one_output_line_per_request(client, sample)
     uploaded = upload(client, path)
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=rows[0]["url"], completion_window="24h",
                                   metadata={"team": "evals"})
-    assert batch.status == "in_progress" and batch.request_counts.total == len(rows)
+    assert batch.status == "validating" and batch.in_progress_at is None
+    batch = validated(client, batch.id)
+    assert batch.status in ("in_progress", "finalizing", "completed") and batch.request_counts.total == len(rows)
     batch = wait_done(client, batch.id)
     assert batch.status == "completed", batch
     assert batch.request_counts.completed == len(rows) and batch.request_counts.failed == 0

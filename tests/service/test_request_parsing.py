@@ -83,3 +83,38 @@ def test_completion_logprobs_shape():
     assert body["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
                                               "top_logprobs": [{"a": -0.1}, {}], "text_offset": [0, 1]}
     assert body["usage"]["total_tokens"] == 4
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1 << 20])
+def test_streamed_lines_keep_numbers_and_offsets_across_chunk_edges(monkeypatch, chunk):
+    import io
+
+    from bulkgen.batch import validate
+
+    monkeypatch.setattr(validate, "READ_CHUNK", chunk)
+    data = b'{"a": 1}\r\n\n' + b"x" * 20 + b"\nlast"
+    got = list(validate.lines_with_offsets(io.BytesIO(data)))
+    assert got == [(1, 0, b'{"a": 1}'), (2, 10, b""), (3, 11, b"x" * 20), (4, 32, b"last")]
+    assert [data[start:start + len(raw)] for _, start, raw in got] == [raw for _, _, raw in got]
+
+
+@pytest.mark.parametrize(("field", "value"), [("top_p", 0), ("seed", -1), ("seed", 2**70), ("n", 0)])
+def test_the_parser_applies_the_engines_own_rule(field, value):
+    from bulkgen.engine.sampling_params import SamplingError, SamplingParams
+
+    with pytest.raises(SamplingError) as engine:
+        SamplingParams(**{field: value})
+    with pytest.raises(LineError) as parser:
+        parse_line(_line(chat_row("a", "hi", **{field: value})), 1, "/v1/chat/completions")
+    assert parser.value.param == f"body.{field}" and engine.value.rule in parser.value.message
+
+
+def test_custom_id_length_and_unknown_fields():
+    assert parse_line(_line(chat_row("x" * 64, "hi")), 1, "/v1/chat/completions").custom_id == "x" * 64
+    with pytest.raises(LineError) as info:
+        parse_line(_line(chat_row("x" * 65, "hi")), 1, "/v1/chat/completions")
+    assert (info.value.code, info.value.param) == ("invalid_custom_id", "custom_id")
+    with pytest.raises(LineError) as info:
+        parse_line(_line(chat_row("a", "hi", foo=1, bar=2)), 1, "/v1/chat/completions")
+    assert info.value.param == "body.foo" and "body.foo, body.bar" in info.value.message
+    assert parse_line(_line(chat_row("a", "hi", user="u")), 1, "/v1/chat/completions").custom_id == "a"

@@ -58,8 +58,8 @@ def test_bucket_is_versioned_private_and_notifies_the_inbox_queue(template):
     assert notification["Event"] == "s3:ObjectCreated:*"
     queue_name = notification["Queue"]["Fn::GetAtt"][0]
     assert template["Resources"][queue_name]["Type"] == "AWS::SQS::Queue"
-    (rule,) = notification["Filter"]["S3Key"]["Rules"]
-    assert rule["Name"] == "prefix" and rule["Value"]["Fn::Sub"].endswith("/inbox/")
+    rules = {rule["Name"]: rule["Value"] for rule in notification["Filter"]["S3Key"]["Rules"]}
+    assert rules["prefix"]["Fn::Sub"] == "${StoragePrefix}/inbox/" and rules["suffix"] == ".jsonl"
     assert bucket["DependsOn"] in _resources(template, "AWS::SQS::QueuePolicy")
 
 
@@ -69,29 +69,85 @@ def test_queue_accepts_messages_from_the_bucket_only(template):
     assert statement["Principal"] == {"Service": "s3.amazonaws.com"}
     assert statement["Action"] == "sqs:SendMessage"
     assert "aws:SourceArn" in statement["Condition"]["ArnLike"]
+    assert policy["Properties"]["Queues"] == [{"Ref": "InboxQueue"}]
+
+
+def test_inbox_queue_has_a_dead_letter_queue(template):
+    queue = template["Resources"]["InboxQueue"]["Properties"]
+    redrive = queue["RedrivePolicy"]
+    dlq = redrive["deadLetterTargetArn"]["Fn::GetAtt"]
+    assert dlq[1] == "Arn" and template["Resources"][dlq[0]]["Type"] == "AWS::SQS::Queue" and dlq[0] != "InboxQueue"
+    assert redrive["maxReceiveCount"] == {"Ref": "MaxReceiveCount"}
+    assert 1 <= template["Parameters"]["MaxReceiveCount"]["Default"] <= 10
+    # a failed event waits in the dead-letter queue longer than it could have waited in the inbox queue
+    dlq_retention = template["Resources"][dlq[0]]["Properties"]["MessageRetentionPeriod"]
+    assert dlq_retention > queue["MessageRetentionPeriod"]
+
+
+def test_visibility_timeout_is_longer_than_any_allowed_job(template):
+    """No arithmetic in CloudFormation: every allowed JobTimeoutMinutes maps to a longer visibility timeout."""
+    param = template["Parameters"]["JobTimeoutMinutes"]
+    mapping = template["Mappings"]["JobTimeouts"]
+    assert set(param["AllowedValues"]) == set(mapping) and param["Default"] in mapping
+    for minutes in param["AllowedValues"]:
+        visibility = mapping[minutes]["VisibilitySeconds"]
+        assert int(minutes) * 60 < visibility <= 43_200, minutes  # 12 h is SQS's maximum
+    timeout = template["Resources"]["InboxQueue"]["Properties"]["VisibilityTimeout"]
+    assert timeout == {"Fn::FindInMap": ["JobTimeouts", {"Ref": "JobTimeoutMinutes"}, "VisibilitySeconds"]}
+
+
+def _actions(policy: dict) -> dict[str, set[str]]:
+    """Resource (as YAML text) -> actions granted on it."""
+    granted: dict[str, set[str]] = {}
+    for st in policy["Properties"]["PolicyDocument"]["Statement"]:
+        assert st["Effect"] == "Allow"
+        actions = [st["Action"]] if isinstance(st["Action"], str) else st["Action"]
+        granted.setdefault(json.dumps(st["Resource"], sort_keys=True), set()).update(actions)
+    return granted
+
+
+def _all_actions(policy: dict) -> set[str]:
+    return set().union(*_actions(policy).values())
+
+
+# The IAM actions behind each boto3 call in bulkgen/store/s3.py (multipart uploads need PutObject).
+STORE_CALLS = {
+    "get_object": "s3:GetObject",
+    "head_object": "s3:GetObject",
+    "put_object": "s3:PutObject",
+    "upload_fileobj": "s3:PutObject",
+    "delete_object": "s3:DeleteObject",
+    "delete_objects": "s3:DeleteObject",
+    "list_objects_v2": "s3:ListBucket",
+    "download_file": "s3:GetObject",
+}
+QUEUE_CONSUMER = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility", "sqs:GetQueueAttributes"}
 
 
 def test_service_policy_covers_every_s3_call_the_store_makes(template):
-    """The IAM actions behind each boto3 call in bulkgen/store/s3.py (multipart uploads need PutObject)."""
-    needed = {
-        "get_object": "s3:GetObject",
-        "head_object": "s3:GetObject",
-        "put_object": "s3:PutObject",
-        "upload_fileobj": "s3:PutObject",
-        "delete_object": "s3:DeleteObject",
-        "delete_objects": "s3:DeleteObject",
-        "list_objects_v2": "s3:ListBucket",
-        "download_file": "s3:GetObject",
-    }
     source = (ROOT / "bulkgen" / "store" / "s3.py").read_text()
-    used = set(re.findall(r"\.(\w+)\(", source)) & set(needed)
-    assert used == set(needed), f"update this table: the store calls {sorted(used)}"
-    (policy,) = _resources(template, "AWS::IAM::ManagedPolicy").values()
-    granted = {
-        action for st in policy["Properties"]["PolicyDocument"]["Statement"] for action in st["Action"]
-    }
-    assert set(needed.values()) <= granted
-    assert {"sqs:ReceiveMessage", "sqs:DeleteMessage"} <= granted
+    used = set(re.findall(r"\.(\w+)\(", source)) & set(STORE_CALLS)
+    assert used == set(STORE_CALLS), f"update this table: the store calls {sorted(used)}"
+    policy = template["Resources"]["ServicePolicy"]
+    assert set(STORE_CALLS.values()) <= _all_actions(policy)
+    assert not any(a.startswith("sqs:") for a in _all_actions(policy))  # the service never reads the queue
+
+
+def test_watcher_policy_covers_the_store_under_the_prefix_and_the_queue(template):
+    policy = template["Resources"]["WatcherPolicy"]
+    granted = _actions(policy)
+    objects = granted[json.dumps({"Fn::Sub": "${DataBucket.Arn}/${StoragePrefix}/*"})]
+    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= objects
+    bucket = json.dumps({"Fn::GetAtt": ["DataBucket", "Arn"]})
+    assert "s3:ListBucket" in granted[bucket]
+    listing = next(st for st in policy["Properties"]["PolicyDocument"]["Statement"] if st["Action"] == "s3:ListBucket")
+    assert {"Fn::Sub": "${StoragePrefix}/*"} in listing["Condition"]["StringLike"]["s3:prefix"]
+    assert QUEUE_CONSUMER <= granted[json.dumps({"Fn::GetAtt": ["InboxQueue", "Arn"]})]
+    assert all(not a.endswith("*") for a in _all_actions(policy))  # no wildcard actions
+    outputs = template["Outputs"]
+    assert outputs["InboxUrl"]["Value"]["Fn::Sub"].endswith("/${StoragePrefix}/inbox/")
+    assert outputs["InboxQueueUrl"]["Value"] == {"Ref": "InboxQueue"}
+    assert outputs["WatcherPolicyArn"]["Value"] == {"Ref": "WatcherPolicy"}
 
 
 @pytest.fixture(scope="module")
@@ -130,34 +186,3 @@ def test_gpu_worker_group_asks_for_one_gpu_per_pod(manifests):
     (head,) = spec["headGroupSpec"]["template"]["spec"]["containers"]
     assert container["image"] == head["image"]  # workers import the same bulkgen code
     assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
-
-
-def _dockerfile() -> dict[str, list[str]]:
-    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    instructions: dict[str, list[str]] = {}
-    for line in text.splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            word, _, rest = line.strip().partition(" ")
-            instructions.setdefault(word.upper(), []).append(rest.strip())
-    return instructions
-
-
-def test_dockerfile():
-    docker = _dockerfile()
-    assert docker["FROM"] == ["python:${PYTHON_VERSION}-slim"]
-    assert "PYTHON_VERSION=3.11" in docker["ARG"]
-    assert any(arg.startswith("TORCH_VERSION=") for arg in docker["ARG"])
-    assert any('"torch==${TORCH_VERSION}"' in run for run in docker["RUN"])  # never an unpinned torch
-    assert docker["USER"] == ["bulkgen"]
-    assert json.loads(docker["ENTRYPOINT"][0]) == ["bulkgen"]
-    assert json.loads(docker["CMD"][0]) == ["serve", "--host", "0.0.0.0", "--port", "8000"]
-    assert docker["EXPOSE"] == ["8000"]
-    assert "/health" in docker["HEALTHCHECK"][0]
-
-
-def test_dockerignore_sends_what_the_install_needs():
-    lines = (ROOT / ".dockerignore").read_text().splitlines()
-    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    assert patterns[0] == "*"  # an allowlist: nothing else reaches the build context
-    for needed in ("pyproject.toml", "bulkgen/", "samples/"):
-        assert f"!{needed}" in patterns

@@ -182,3 +182,22 @@ def test_local_store_hides_its_internal_folder(tmp_path):
     assert list(store.list("")) == ["a"]
     with pytest.raises(ValueError, match="reserved"):
         store.write_bytes(".bulkgen-store/locks/00.lock", b"x")
+
+
+def test_list_objects_gives_sizes_and_a_version_that_changes_with_the_object(store):
+    import time
+
+    from bulkgen.store import NotFound
+
+    store.write_bytes("in/a.jsonl", b"12345")
+    store.write_bytes("in/b c+d.jsonl", b"xy")
+    store.write_bytes("other", b"z")
+    listed = list(store.list_objects("in/"))
+    assert [(i.key, i.size) for i in listed] == [("in/a.jsonl", 5), ("in/b c+d.jsonl", 2)]
+    assert [i.key for i in store.list_objects("in/", start_after="in/a.jsonl")] == ["in/b c+d.jsonl"]
+    assert store.stat("in/b c+d.jsonl") == listed[1]
+    time.sleep(0.01)
+    store.write_bytes("in/a.jsonl", b"54321")
+    assert store.stat("in/a.jsonl").etag != listed[0].etag
+    with pytest.raises(NotFound):
+        store.stat("in/a")

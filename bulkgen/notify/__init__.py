@@ -1,0 +1,1 @@
+"""Telling others that a batch has ended (completion webhooks)."""

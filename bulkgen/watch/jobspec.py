@@ -1,0 +1,145 @@
+"""Job definitions: what `bulkgen watch --job jobs/NAME.yaml` watches, and how it runs what it finds.
+
+    input: s3://bucket/inbox/summaries/      # or a local folder
+    output: s3://bucket/outbox/summaries/
+    model: bulkgen-tiny                      # body.model where a line has none
+    endpoint: /v1/chat/completions           # url where a line has none (default: the first line's url)
+    completion_window: 24h
+    interval: 30                             # seconds between polls, or:
+    schedule: "*/5 * * * *"                  # a 5-field cron expression (UTC)
+    sqs_queue_url: https://sqs...            # S3 event notifications (the prefix is still polled, slowly)
+    defaults: {temperature: 0.7, max_tokens: 64}   # set in each request body where the line sets none
+    output_format: parquet                   # or jsonl (default)
+    webhook: https://example.com/hooks       # signed batch.* events (secret: --webhook-secret / env only)
+    storage: ...                             # service storage and served models, as the CLI's
+    models: [NAME=PATH]                      #   --storage / --model (the command line wins)
+
+Everything is checked when the job loads, with errors that name the file and the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from bulkgen.batch.requests import CHAT, LineError, parse_line
+from bulkgen.batch.schema import ENDPOINTS, InvalidRequest, parse_completion_window
+from bulkgen.watch.cron import Cron, CronError
+from bulkgen.watch.outputs import FORMATS
+
+DEFAULT_INTERVAL_S = 10.0         # polling alone
+DEFAULT_BACKSTOP_S = 300.0        # the slow poll beside SQS events
+DEFAULT_CLAIM_TTL_S = 60.0
+
+
+class JobError(ValueError):
+    """A job definition (or option) that cannot run, in one line."""
+
+
+@dataclass
+class JobSpec:
+    input: str | None = None
+    output: str | None = None
+    name: str | None = None
+    model: str | None = None
+    endpoint: str | None = None
+    completion_window: str = "24h"
+    interval: float | None = None
+    schedule: str | None = None
+    sqs_queue_url: str | None = None
+    defaults: dict[str, Any] = field(default_factory=dict)
+    output_format: str = "jsonl"
+    claim_ttl: float = DEFAULT_CLAIM_TTL_S
+    storage: str | None = None
+    models: list[str] = field(default_factory=list)
+    webhook: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobSpec:
+        import yaml
+
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise JobError(f"{path}: cannot read the job: {exc}".replace("\n", " ")) from None
+        if not isinstance(data, dict):
+            raise JobError(f"{path}: a job is a YAML mapping of fields such as input, output, model")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise JobError(f"{path}: unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+        spec = cls(**{"name": Path(path).stem, **data})
+        spec.check(str(path))
+        return spec
+
+    def override(self, **values: Any) -> JobSpec:
+        """Command-line values (those given, not None) replace the job's."""
+        for name, value in values.items():
+            if value is not None:
+                setattr(self, name, value)
+        if values.get("schedule") is not None and values.get("interval") is None:
+            self.interval = None  # a schedule on the command line replaces the job's interval, and back
+        if values.get("interval") is not None and values.get("schedule") is None:
+            self.schedule = None
+        return self
+
+    def check(self, where: str = "job") -> JobSpec:
+        if not self.input or not isinstance(self.input, str):
+            raise JobError(f"{where}: input (a folder or s3://bucket/prefix/) is required")
+        if not self.output or not isinstance(self.output, str):
+            raise JobError(f"{where}: output (a folder or s3://bucket/prefix/) is required")
+        if self.output_format not in FORMATS:
+            raise JobError(f"{where}: output_format must be one of {', '.join(FORMATS)}; got {self.output_format!r}")
+        if self.endpoint is not None and self.endpoint not in ENDPOINTS:
+            raise JobError(f"{where}: endpoint must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}")
+        try:
+            parse_completion_window(self.completion_window)
+        except InvalidRequest as exc:
+            raise JobError(f"{where}: {exc}") from None
+        if self.interval is not None and self.schedule is not None:
+            raise JobError(f"{where}: give interval or schedule, not both")
+        if self.interval is not None and (not isinstance(self.interval, int | float) or self.interval <= 0):
+            raise JobError(f"{where}: interval must be a positive number of seconds; got {self.interval!r}")
+        if not isinstance(self.claim_ttl, int | float) or self.claim_ttl < 1:
+            raise JobError(f"{where}: claim_ttl must be at least 1 second; got {self.claim_ttl!r}")
+        if self.schedule is not None:
+            try:
+                Cron(self.schedule)
+            except CronError as exc:
+                raise JobError(f"{where}: {exc}") from None
+        if not isinstance(self.models, list) or not all(isinstance(m, str) for m in self.models):
+            raise JobError(f"{where}: models must be a list of NAME=PATH strings")
+        self._check_defaults(where)
+        return self
+
+    def _check_defaults(self, where: str) -> None:
+        """Defaults must be what a request body may hold: the request parser says so, naming the field."""
+        if not isinstance(self.defaults, dict):
+            raise JobError(f"{where}: defaults must be a mapping such as {{temperature: 0.7, max_tokens: 64}}")
+        for name in ("model", "messages", "prompt"):
+            if name in self.defaults:
+                raise JobError(f"{where}: defaults.{name} is not a sampling parameter" +
+                               ("; use the job's model field" if name == "model" else ""))
+        endpoint = self.endpoint or CHAT
+        body = {"model": self.model or "m", **self.defaults}
+        body.update({"messages": [{"role": "user", "content": "x"}]} if endpoint == CHAT else {"prompt": "x"})
+        try:
+            parse_line(_json({"custom_id": "defaults", "url": endpoint, "body": body}), 1, endpoint)
+        except LineError as exc:
+            raise JobError(f"{where}: defaults: {exc.message}") from None
+
+    def body_defaults(self) -> dict[str, Any]:
+        """What is set in each request body where the line has none (the model too)."""
+        return {**({"model": self.model} if self.model else {}), **self.defaults}
+
+    def poll_interval(self) -> float | None:
+        if self.schedule is not None:
+            return None
+        return self.interval or (DEFAULT_BACKSTOP_S if self.sqs_queue_url else DEFAULT_INTERVAL_S)
+
+
+def _json(obj: dict) -> bytes:
+    import json
+
+    return json.dumps(obj).encode()

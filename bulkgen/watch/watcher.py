@@ -1,0 +1,314 @@
+"""The watcher: every JSONL object under an input prefix becomes a batch; its results go to an output prefix.
+
+Each object version is claimed first (claims.py), so it is processed once across restarts and beside
+other watchers on the same service storage; the batch is created through BatchService, visible through
+the API like any other. Its runner is this process's BatchManager restricted to the watcher's own
+batches (`only=`): a watcher adds workers for what it finds and never takes on the API's batches, while
+a `bulkgen serve` on the same storage may run the watcher's batches as well (leases keep one runner per
+batch). The watcher itself waits on the batch *records*, so it writes the results whoever ran the batch.
+A failure with one object is logged in one line and the watcher goes on; the object is retried later.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import tempfile
+import threading
+from collections.abc import Callable
+
+from bulkgen.batch.records import RecordNotFound
+from bulkgen.batch.requests import fill_defaults
+from bulkgen.batch.schema import TERMINAL_STATUSES, InvalidRequest, public_view
+from bulkgen.batch.service import BatchService
+from bulkgen.store import NotFound, ObjectInfo, S3Store, open_store
+from bulkgen.watch.claims import Claim, ClaimLost, Claims
+from bulkgen.watch.cron import Cron
+from bulkgen.watch.jobspec import JobError, JobSpec
+from bulkgen.watch.outputs import stem_of, write_report, write_results
+from bulkgen.watch.sources import Message, PollTimer, SqsSource
+
+log = logging.getLogger("bulkgen.watch")
+
+TICK_S = 1.0
+
+
+class NotABatchFile(Exception):
+    """The object is no batch input (its name or its first line): reported, never run."""
+
+
+class Watcher:
+    """`on_batch_end(record)` is called once per batch, with its final public record, after its results
+    are written (where a webhook notifier plugs in); an exception in it is logged, never fatal."""
+
+    def __init__(self, svc: BatchService, spec: JobSpec, *, endpoint_url: str | None = None,
+                 on_batch_end: Callable[[dict], None] | None = None, owner: str | None = None) -> None:
+        self.svc, self.spec, self.on_batch_end = svc, spec.check(), on_batch_end
+        self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.inbox = open_store(spec.input, endpoint_url=endpoint_url)
+        self.outbox = open_store(spec.output, endpoint_url=endpoint_url)
+        for name, other in (("output", self.outbox), ("service storage", svc.store)):
+            if _inside(other.url, self.inbox.url):
+                raise JobError(f"the {name} {other.url} is inside the input {self.inbox.url}: "
+                               "the watcher would read what it writes")
+        self.claims = Claims(svc.store, self.inbox.url, self.owner, spec.claim_ttl)
+        self.timer = PollTimer(spec.poll_interval(), Cron(spec.schedule) if spec.schedule else None)
+        self.sqs = self._sqs(endpoint_url) if spec.sqs_queue_url else None
+        self.pending: dict[str, Claim] = {}      # claim name -> a claim whose batch has not ended
+        self.manager = None
+        self._stopped = threading.Event()
+        self._scans = 0
+
+    def _sqs(self, endpoint_url: str | None) -> SqsSource:
+        if not isinstance(self.inbox, S3Store):
+            raise JobError(f"--sqs-queue-url needs an s3:// input; {self.inbox.url} is a folder")
+        return SqsSource(self.spec.sqs_queue_url, self.inbox.bucket, self.inbox.root, endpoint_url)
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def run(self, once: bool = False) -> None:
+        """Watch until stop() (or, with `once`, until one poll's objects have all ended)."""
+        log.info("watching %s -> %s (%s%s; format %s; storage %s)", self.inbox.url, self.outbox.url,
+                 self.timer.describe(), f", sqs {self.spec.sqs_queue_url}" if self.sqs else "",
+                 self.spec.output_format, self.svc.store.url)
+        if self.sqs:
+            self.sqs.start()
+        try:
+            while not self._stopped.is_set():
+                if self.timer.due() or (once and not self._scans):
+                    self._guard("scan", self.scan)
+                if self.sqs:
+                    for message in self.sqs.messages(timeout=TICK_S):
+                        self._guard("sqs message", lambda m=message: self.on_message(m))
+                self._guard("pending batches", self.check_pending)
+                if once and self._scans and not self.pending:
+                    return
+                if not self.sqs:
+                    self._stopped.wait(TICK_S)
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def close(self) -> None:
+        self._stopped.set()
+        if self.sqs:
+            self.sqs.stop()
+        if self.manager is not None:  # workers may be shared with a service on the same Ray: leave them
+            self.manager.stop(kill_workers=False)
+            self.manager = None
+
+    def _guard(self, what: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as exc:  # storage or queue down for a moment: log one line, try again next tick
+            log.warning("%s failed: %s: %s", what, type(exc).__name__, _one_line(exc))
+
+    # -- finding objects --------------------------------------------------------------------------------
+    def scan(self) -> int:
+        """One poll of the input prefix; -> how many objects were not finished yet."""
+        done = self.claims.done_names()
+        seen = todo = 0
+        for info in self.inbox.list_objects(""):
+            seen += 1
+            name = self.claims.name(info)
+            if _hidden(info.key) or name in done or name in self.pending:
+                continue
+            todo += 1
+            self.handle(info)
+        self._scans += 1
+        if todo or self._scans == 1:
+            log.info("scan: %d objects under %s, %d not done before", seen, self.inbox.url, todo)
+        return todo
+
+    def on_message(self, message: Message) -> None:
+        """An SQS message: delete it once each object it names is durable (or finished, or gone)."""
+        if message.test:
+            log.info("sqs: s3:TestEvent received and ignored")
+        durable = [self.handle_key(key) for key in message.keys]
+        if all(durable):
+            self.sqs.delete(message)
+
+    def handle_key(self, key: str) -> bool:
+        if _hidden(key):
+            return True
+        try:
+            info = self.inbox.stat(key)
+        except NotFound:  # deleted since the event: nothing to do
+            return True
+        except Exception as exc:
+            log.warning("%s: %s: %s", key, type(exc).__name__, _one_line(exc))
+            return False
+        return self.handle(info)
+
+    def handle(self, info: ObjectInfo) -> bool:
+        """Claim the object version and carry it as far as it goes now; -> whether it is durable."""
+        if self.claims.name(info) in self.pending:
+            return True
+        try:
+            claim = self.claims.take(info)
+            if claim is not None:
+                self._advance(claim)
+            return True
+        except ClaimLost as exc:
+            log.info("%s", exc)
+            return True
+        except Exception as exc:
+            log.warning("%s: %s: %s (retried on a later poll)", info.key, type(exc).__name__, _one_line(exc))
+            return False
+
+    # -- an object's way ----------------------------------------------------------------------------------
+    def _advance(self, claim: Claim) -> None:
+        key = claim.info.key
+        batch_id = claim.batch_id or (self._batch_of_file(claim.file_id) if claim.retaken else None)
+        if batch_id:
+            if not claim.batch_id:
+                self.claims.update(claim, state="running", batch_id=batch_id)
+            log.info("%s: resuming batch %s", key, batch_id)
+            return self._track(claim)
+        try:
+            endpoint = self._check_object(claim.info)
+            self._upload(claim, endpoint)
+            self.claims.update(claim, state="uploaded")  # still ours? (else the new owner creates the batch)
+            record = self.svc.create_batch(claim.file_id, endpoint, self.spec.completion_window,
+                                           {"watch_input": f"{self.inbox.url}/{key}"[-512:]})
+        except (NotABatchFile, InvalidRequest) as exc:
+            written = write_report(self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc),
+                                   self._source(claim))
+            self.claims.finish(claim, outcome="not_run")
+            log.warning("%s: not run: %s (report: %s)", key, exc, written)
+            return
+        self.claims.update(claim, state="running", batch_id=record["id"])
+        log.info("%s: batch %s, %d requests, %s", key, record["id"], record["request_counts"]["total"],
+                 record["status"])
+        self._track(claim)
+
+    def _check_object(self, info: ObjectInfo) -> str:
+        """The batch endpoint, once the name and first line say this is a JSONL batch file."""
+        if not info.key.endswith(".jsonl"):
+            raise NotABatchFile("not a .jsonl object: only *.jsonl objects run as batches")
+        for number, raw in enumerate(self.inbox.iter_lines(info.key), start=1):
+            if not raw.strip():
+                continue
+            try:
+                first = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                first = None
+            if not isinstance(first, dict):
+                raise NotABatchFile(f"line {number} is not a JSON object: this is not a JSONL batch file")
+            endpoint = self.spec.endpoint or first.get("url")
+            if not isinstance(endpoint, str):
+                raise NotABatchFile(f"line {number} has no 'url' and the job sets no endpoint")
+            return endpoint
+        raise NotABatchFile("the object has no request lines")
+
+    def _upload(self, claim: Claim, endpoint: str) -> None:
+        """The input file the batch reads: the object as it is, or with the job's defaults filled in."""
+        defaults, url = self.spec.body_defaults(), self.spec.endpoint
+        name = claim.info.key.rsplit("/", 1)[-1]
+        if not defaults and not url:
+            with self.inbox.open_read(claim.info.key) as src:
+                self.svc.files.put(claim.file_id, src, name, "batch")
+            return
+        with tempfile.TemporaryFile() as tmp:
+            for raw in self.inbox.iter_lines(claim.info.key):
+                tmp.write((fill_defaults(raw, defaults, url) if raw.strip() else raw) + b"\n")
+            tmp.seek(0)
+            self.svc.files.put(claim.file_id, tmp, name, "batch")
+
+    def _batch_of_file(self, file_id: str) -> str | None:
+        """A batch an earlier owner created from this claim's file before it could record it."""
+        for key in self.svc.store.list(f"files/refs/{file_id}/"):
+            batch_id = key.rsplit("/", 1)[-1]
+            try:
+                self.svc.batches.get(batch_id)
+                return batch_id
+            except RecordNotFound:
+                continue
+        return None
+
+    def _track(self, claim: Claim) -> None:
+        self.pending[claim.name] = claim
+        if self.svc.batches.get(claim.batch_id)["status"] in TERMINAL_STATUSES:
+            return  # refused by validation, or ended before a restart: no workers needed
+        self._ensure_manager()
+        self.manager.only.add(claim.batch_id)
+        self.manager.wake()
+
+    def _ensure_manager(self) -> None:
+        """Workers start with the first batch, in the background: claims are renewed meanwhile."""
+        if self.manager is not None:
+            return
+        from bulkgen.runtime.manager import BatchManager
+
+        manager = self.manager = BatchManager(self.svc, only={c.batch_id for c in self.pending.values()})
+
+        def start() -> None:
+            try:
+                manager.start()
+            except Exception as exc:
+                log.error("workers did not start (%s: %s); trying again", type(exc).__name__, _one_line(exc))
+                if self.manager is manager:
+                    self.manager = None
+                return
+            # a local Ray's processes are killed when the *thread* that started them ends (Linux
+            # PR_SET_PDEATHSIG), so this thread lives as long as the watcher
+            self._stopped.wait()
+
+        threading.Thread(target=start, name="bulkgen-watch-workers", daemon=True).start()
+
+    def check_pending(self) -> None:
+        """Write the results of batches that ended; renew the claims of those still running."""
+        for name, claim in list(self.pending.items()):
+            try:
+                record = self.svc.batches.get(claim.batch_id)
+                running = self.manager is not None and self.manager.runner_of(claim.batch_id) is not None
+                if record["status"] in TERMINAL_STATUSES and not running:
+                    self._finish(claim, record)
+                    del self.pending[name]
+                    continue
+                self._ensure_manager()  # (again, if the workers failed to start)
+                if self.claims.renew_due(claim):
+                    self.claims.update(claim)
+            except ClaimLost as exc:
+                log.info("%s", exc)
+                del self.pending[name]
+            except Exception as exc:
+                log.warning("%s: batch %s: %s: %s", claim.info.key, claim.batch_id, type(exc).__name__,
+                            _one_line(exc))
+
+    def _finish(self, claim: Claim, record: dict) -> None:
+        stem = stem_of(claim.info.key)
+        written = write_results(self.svc, record, self.outbox, stem, self.spec.output_format, self._source(claim))
+        self.claims.finish(claim, outcome=record["status"])
+        if self.manager is not None:
+            self.manager.only.discard(record["id"])
+        counts = record["request_counts"]
+        log.info("%s: batch %s %s: %d completed, %d failed; wrote %s", claim.info.key, record["id"],
+                 record["status"], counts["completed"], counts["failed"], ", ".join(written))
+        if self.on_batch_end is not None:
+            try:
+                self.on_batch_end(public_view(record))
+            except Exception as exc:
+                log.warning("batch %s: on_batch_end failed: %s: %s", record["id"], type(exc).__name__,
+                            _one_line(exc))
+
+    def _source(self, claim: Claim) -> dict:
+        return {"input": self.inbox.url, "key": claim.info.key, "etag": claim.info.etag,
+                "size": claim.info.size, "claim": claim.name}
+
+
+def _hidden(key: str) -> bool:
+    """'.name' objects are skipped: uploads in progress (rsync, editors) and markers, not batch files."""
+    return key.rsplit("/", 1)[-1].startswith(".")
+
+
+def _inside(url: str, folder: str) -> bool:
+    return url == folder or url.startswith(folder.rstrip("/") + "/")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500]

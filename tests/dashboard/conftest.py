@@ -1,0 +1,119 @@
+"""A real Chromium (Debian's, driven by Playwright) against a real bulkgen service on 127.0.0.1.
+
+Every request the page makes is recorded; any that would leave 127.0.0.1 is refused and fails the test,
+so the dashboard is shown to work offline (no CDN, fonts or scripts from elsewhere). Screenshots of each
+page go to test-artifacts/dashboard/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import uvicorn
+
+CHROMIUM = os.environ.get("BULKGEN_CHROMIUM", "/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="session")
+def root_url(service) -> str:
+    return service.base_url.removesuffix("/v1")
+
+
+class Requests:
+    """Every URL the page asked for; anything not on 127.0.0.1 is aborted and remembered."""
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.outside: list[str] = []
+
+    def handle(self, route) -> None:
+        url = route.request.url
+        self.urls.append(url)
+        parts = urlsplit(url)
+        if parts.scheme in ("http", "https", "ws", "wss") and parts.hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            self.outside.append(url)
+            route.abort()
+
+
+@pytest.fixture
+def page(browser, request):
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    seen = Requests()
+    context.route("**/*", seen.handle)
+    page = context.new_page()
+    page.set_default_timeout(20_000)
+    page.on("dialog", lambda d: d.accept())  # the cancel button's confirm()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.requests = seen
+    yield page
+    context.close()
+    assert seen.urls, "the page made no request at all"
+    assert not seen.outside, f"requests left 127.0.0.1: {seen.outside}"
+    assert not errors, f"script errors on the page: {errors}"
+
+
+def shot(page, name: str) -> Path:
+    """Save a screenshot, once the page shows no leaked JavaScript value."""
+    text = page.locator("main").inner_text()
+    for word in ("null", "undefined", "NaN", "[object"):
+        assert word not in text, f"{name}: the page shows {word!r}:\n{text}"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def _serve(app):
+    """Run `app` on a free port of 127.0.0.1 in a thread; yields its root URL."""
+    from tests.service.conftest import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def keyed_url(service):
+    """A second app over the same service and manager with one API key (create_app's `api_key`)."""
+    from bulkgen.api import create_app
+
+    yield from _serve(create_app(service.svc, service.manager, "dash-key"))
+
+
+@pytest.fixture(scope="session")
+def tenants_url(service):
+    """An app with two tenants' keys: `own-key` (the session service's tenant) and `other-key` (team-z)."""
+    from bulkgen.api import create_app
+    from bulkgen.tenants import KeyRing, hash_key
+
+    ring = KeyRing({hash_key("own-key"): service.svc.tenant, hash_key("other-key"): "team-z"})
+    yield from _serve(create_app(service.svc, service.manager, keyring=ring))
