@@ -41,6 +41,14 @@ def _parts(store: LocalStore, batch_id: str) -> dict[str, bytes]:
     return {k: store.read_bytes(k) for k in store.list(f"parts/{batch_id}/lines-")}
 
 
+def _assert_kept(client, batch, before: dict[str, bytes]) -> None:
+    """Results stored before a fault are the ones in the final output (finished work kept, not redone)."""
+    final = {json.dumps(line, sort_keys=True) for line in read_lines(client, batch.output_file_id)
+             + read_lines(client, batch.error_file_id)}
+    kept = [json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()]
+    assert kept and all(json.dumps(e, sort_keys=True) in final for e in kept)
+
+
 def _some_parts(store, batch_id: str, timeout: float = 180) -> dict[str, bytes]:
     """Wait until some ranges are stored (counts move per request, parts per range)."""
     deadline = time.monotonic() + timeout
@@ -62,8 +70,8 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, cli
     assert batch.status == "completed"
     _assert_exactly_once(client, batch, rows)
     assert batch.request_counts.failed == 0
-    after = _parts(store, batch.id)
-    assert all(after[key] == data for key, data in before.items())  # finished work kept, not redone
+    _assert_kept(client, batch, before)
+    assert _parts(store, batch.id) == {}  # the output is final: its parts are deleted
 
 
 def test_two_batches_share_the_workers_and_a_small_one_is_not_starved(service, client, tmp_path):
@@ -129,10 +137,7 @@ def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_pa
     assert batch.status == "completed"
     _assert_exactly_once(second.client(), batch, rows)
     assert _parts(store, batch.id) == {}  # the output is final: its parts are deleted
-    final = {json.dumps(line, sort_keys=True) for line in read_lines(second.client(), batch.output_file_id)
-             + read_lines(second.client(), batch.error_file_id)}
-    kept = [json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()]
-    assert all(json.dumps(e, sort_keys=True) in final for e in kept)  # results written before were not redone
+    _assert_kept(second.client(), batch, before)
     owners = [json.loads(store.read_bytes(k))["owner"] for k in store.list(f"parts/{batch.id}/runner-")]
     assert len(set(owners)) == 2  # the dead service's runner, then the new one
 
