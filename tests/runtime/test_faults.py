@@ -42,7 +42,9 @@ def _parts(store: LocalStore, batch_id: str) -> dict[str, bytes]:
 
 
 def _assert_kept(client, batch, before: dict[str, bytes]) -> None:
-    """Results stored before a fault are the ones in the final output (finished work kept, not redone)."""
+    """Results stored before a fault are the ones in the final output (finished work kept, not redone).
+    Envelopes carry random ids, so this holds only where no range overlapping a stored part was redone:
+    after a restart (coverage queues only lines without a part), not after a worker died mid-write."""
     final = {json.dumps(line, sort_keys=True) for line in read_lines(client, batch.output_file_id)
              + read_lines(client, batch.error_file_id)}
     kept = [json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()]
@@ -70,8 +72,7 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, cli
     assert batch.status == "completed"
     _assert_exactly_once(client, batch, rows)
     assert batch.request_counts.failed == 0
-    _assert_kept(client, batch, before)
-    assert _parts(store, batch.id) == {}  # the output is final: its parts are deleted
+    assert before and _parts(store, batch.id) == {}  # the output is final: its parts are deleted
 
 
 def test_two_batches_share_the_workers_and_a_small_one_is_not_starved(service, client, tmp_path):
