@@ -41,7 +41,8 @@ _RUNTIME_OPTIONS = [
 
 
 RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
-                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "scheduling", "fair_share_after_s",
+                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "max_file_mb", "scheduling",
+                "fair_share_after_s",
                 "lease_ttl_s", "tenant")
 
 
