@@ -168,6 +168,7 @@ class Watcher:
             if not claim.batch_id:
                 self.claims.update(claim, state="running", batch_id=batch_id)
             log.info("%s: resuming batch %s", key, batch_id)
+            self.svc.validate(batch_id)  # left `validating` by a watcher that died: no-op otherwise
             return self._track(claim)
         try:
             endpoint = self._check_object(claim.info)
@@ -175,6 +176,9 @@ class Watcher:
             self.claims.update(claim, state="uploaded")  # still ours? (else the new owner creates the batch)
             record = self.svc.create_batch(claim.file_id, endpoint, self.spec.completion_window,
                                            {"watch_input": f"{self.inbox.url}/{key}"[-512:]})
+            # validated here, with the runtime's own step: a refused file gets its report without
+            # starting any worker (a crash before this leaves it `validating`, and the runtime validates it)
+            record = self.svc.validate(record["id"])
         except (NotABatchFile, InvalidRequest) as exc:
             written = write_report(self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc),
                                    self._source(claim))

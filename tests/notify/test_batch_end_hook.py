@@ -24,12 +24,13 @@ def _batch(svc: BatchService, model: str) -> dict:
     return svc.create_batch(file["id"], "/v1/completions", "24h", None)
 
 
-def test_a_batch_failed_at_create_ends_once_for_any_tenant(tmp_path):
+def test_a_batch_failed_at_validation_ends_once_for_any_tenant(tmp_path):
     ended: list[dict] = []
     svc = _service(tmp_path, ended)
-    failed = _batch(svc, "not-served")
-    other = _batch(svc.for_tenant("acme"), "not-served")
-    running = _batch(svc, "served")
+    made = [(svc, _batch(svc, "not-served")), (svc.for_tenant("acme"), _batch(svc.for_tenant("acme"), "not-served")),
+            (svc, _batch(svc, "served"))]
+    assert {b["status"] for _, b in made} == {"validating"} and ended == []
+    failed, other, running = (owner.validate(b["id"]) for owner, b in made)  # what a runner does first
     assert (failed["status"], other["status"], running["status"]) == ("failed", "failed", "in_progress")
     assert [r["id"] for r in ended] == [failed["id"], other["id"]]
     assert ended[0] == svc.batches.get(failed["id"])  # the final record, as stored
@@ -62,6 +63,6 @@ def test_a_failing_hook_does_not_undo_the_ending(tmp_path, caplog):
         raise RuntimeError("receiver queue exploded")
 
     svc = BatchService(Settings(storage=str(tmp_path / "s"), models={"served": "x"}), on_batch_end=broken)
-    failed = _batch(svc, "not-served")
+    failed = svc.validate(_batch(svc, "not-served")["id"])
     assert failed["status"] == "failed" and svc.batches.get(failed["id"])["status"] == "failed"
     assert "on_end hook failed" in caplog.text

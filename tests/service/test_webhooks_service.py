@@ -70,8 +70,8 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path):
     client = service.client()
 
     done = wait_done(client, _create(client, tmp_path, "ok", [chat_row("a", "hi", max_tokens=2)]).id)
-    failed = _create(client, tmp_path, "bad", [chat_row("a", "hi", model="no-such-model")])
-    assert failed.status == "failed"  # at create: it never runs
+    failed = wait_done(client, _create(client, tmp_path, "bad", [chat_row("a", "hi", model="no-such-model")]).id)
+    assert failed.status == "failed"  # at validation: it never runs
     cancelled = _create(client, tmp_path, "cancel", [chat_row("long", "story", max_tokens=LONG)])
     expired = _create(client, tmp_path, "expire", [chat_row("long", "story", max_tokens=LONG)])
     wait_for(client, cancelled.id, lambda b: b.status == "in_progress")
