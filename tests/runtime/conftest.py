@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tests.service.conftest import free_port
+from tests.service.conftest import free_port, kill_process_group
 
 
 class ServeProcess:
@@ -44,11 +42,7 @@ class ServeProcess:
 
     def kill(self) -> None:
         """SIGKILL: no shutdown handler runs, as when a node or pod dies."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
+        kill_process_group(self.proc)
         self.log.close()
 
 

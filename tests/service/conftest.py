@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -47,6 +49,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kill_process_group(proc) -> None:
+    """SIGKILL a process started with start_new_session=True and everything in its group (its local Ray),
+    as when a node or pod dies: no shutdown handler runs."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(30)
+
+
+def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
+    """Serve `app` on a free port of 127.0.0.1 in a thread; -> (server, thread, port) once it listens."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    return server, thread, port
+
+
 class Service:
     """A running service: its base URL, its storage context, and a way to stop it."""
 
@@ -54,17 +80,7 @@ class Service:
         self.svc = BatchService(settings, on_batch_end=on_batch_end)
         self.manager = BatchManager(self.svc)
         self.manager.start()
-        port = free_port()
-        config = uvicorn.Config(create_app(self.svc, self.manager, api_key, keyring), host="127.0.0.1", port=port,
-                                log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.05)
+        self.server, self.thread, port = start_uvicorn(create_app(self.svc, self.manager, api_key, keyring))
         self.base_url = f"http://127.0.0.1:{port}/v1"
 
     def client(self, api_key: str = "test-key"):

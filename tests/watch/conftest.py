@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.conftest import MODEL, random_model
+from tests.service.conftest import MODEL, kill_process_group, random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_ENGINE = ("--range-size", "16", "--max-num-seqs", "64", "--max-num-batched-tokens", "1024")
@@ -42,11 +41,7 @@ class WatchProcess:
 
     def kill(self) -> None:
         """SIGKILL, as when a node dies: no cleanup runs."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(30)
+        kill_process_group(self.proc)
         self.log.close()
 
 
