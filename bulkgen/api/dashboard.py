@@ -18,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from bulkgen.api.auth import service_of, tenant_of
 from bulkgen.metrics import BatchMetrics
 from bulkgen.metrics.batch import LATENCY_KEYS
+from bulkgen.runtime.parts import metrics_state_key
 from bulkgen.store import NotFound
 
 STATIC = Path(__file__).resolve().parent / "static"  # served openly: bulkgen.api.auth exempts / and /ui/
@@ -61,7 +62,7 @@ async def batch_timeline(request: Request, batch_id: str) -> dict:
 def _timeline(svc, batch_id: str) -> dict:
     svc.batches.get(batch_id)  # 404 for another tenant's batch, as everywhere in the API
     try:
-        metrics = BatchMetrics.from_state(json.loads(svc.store.read_bytes(f"parts/{batch_id}/metrics-state.json")))
+        metrics = BatchMetrics.from_state(json.loads(svc.store.read_bytes(metrics_state_key(batch_id))))
     except (NotFound, ValueError, KeyError):
         metrics = BatchMetrics()
     histograms = {}

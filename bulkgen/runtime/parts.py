@@ -38,12 +38,16 @@ def write_part(store: Store, batch_id: str, first_line: int, last_line: int, ent
     store.write_bytes(part_key(batch_id, first_line, last_line), data)
 
 
+def metrics_state_key(batch_id: str) -> str:
+    """The runner's metrics state (bounded sketches and a timeline, a few KB): kept after the batch ends,
+    beside its report, for the dashboard's charts."""
+    return f"reports/{batch_id}/metrics-state.json"
+
+
 def delete_parts(store: Store, batch_id: str) -> int:
-    """Drop the intermediate results of an ended batch (its output is final): the line parts and the
-    metrics state. The small runner-<owner>.json notes stay, as the record of who ran it."""
-    count = store.delete_prefix(f"parts/{batch_id}/lines-")
-    store.delete(f"parts/{batch_id}/metrics-state.json")
-    return count
+    """Drop the intermediate results of an ended batch (its output is final): the line parts. The small
+    runner-<owner>.json notes stay, as the record of who ran it; the metrics state lives in reports/."""
+    return store.delete_prefix(f"parts/{batch_id}/lines-")
 
 
 @dataclass

@@ -297,7 +297,7 @@ class BatchRunner:
 
     @property
     def _metrics_key(self) -> str:
-        return f"parts/{self.batch_id}/metrics-state.json"
+        return parts.metrics_state_key(self.batch_id)
 
     def _load_metrics(self) -> BatchMetrics:
         try:

@@ -140,7 +140,7 @@ def test_output_expiry_parts_deleted_and_gc(service, client, tmp_path):
     assert len(read_lines(client, batch.output_file_id)) == 20
     store = service.svc.store
     assert list(store.list(f"parts/{batch.id}/lines-")) == []  # final output: the parts are gone
-    assert not store.exists(f"parts/{batch.id}/metrics-state.json")
+    assert store.exists(f"reports/{batch.id}/metrics-state.json")  # the charts' data stays with the report
     assert len(list(store.list(f"parts/{batch.id}/runner-"))) == 1
 
     # what a finalize that died half way, or a runner that stopped, leaves behind
