@@ -61,7 +61,7 @@ def _some_parts(store, batch_id: str, timeout: float = 180) -> dict[str, bytes]:
 
 
 def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, client, tmp_path):
-    rows = _rows("k", 400, 48)
+    rows = _rows("k", 400, 200)  # long enough to be still running when the worker dies, on a quiet machine
     batch = _create(client, tmp_path / "kill.jsonl", rows)
     running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
     assert running.status == "in_progress" and running.model_extra["metrics"]["eta_s"] is not None
