@@ -8,13 +8,10 @@ page go to test-artifacts/dashboard/ (gitignored).
 from __future__ import annotations
 
 import os
-import threading
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-import uvicorn
 
 CHROMIUM = os.environ.get("BULKGEN_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
@@ -86,16 +83,9 @@ def shot(page, name: str) -> Path:
 
 def _serve(app):
     """Run `app` on a free port of 127.0.0.1 in a thread; yields its root URL."""
-    from tests.service.conftest import free_port
+    from tests.service.conftest import start_uvicorn
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
+    server, thread, port = start_uvicorn(app)
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(10)
