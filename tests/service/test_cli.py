@@ -115,7 +115,7 @@ def test_run_as_subprocess(tmp_path):
 
 
 def test_status_shows_time_left_while_running(service, tmp_path):
-    rows = [chat_row(f"eta-{i}", f"item {i}", max_tokens=64) for i in range(450)]
+    rows = [chat_row(f"eta-{i}", f"item {i}", max_tokens=256) for i in range(450)]  # still running when cancelled
     submitted = _invoke(service, "submit", str(write_jsonl(tmp_path / "eta.jsonl", rows)))
     batch_id = submitted.output.split()[0]
     client = service.client()
