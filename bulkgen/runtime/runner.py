@@ -8,8 +8,10 @@ Storage that stops answering: each store call retries for a few seconds itself; 
 cannot reach storage keeps trying for `storage_outage_timeout_s`, then stops (one error line in the log)
 and withdraws its work from the workers. It cannot record anything while storage is down, so the batch
 stays active with its parts and lease; once storage answers again the manager's next scan (in this
-process, or in a restarted service) starts a new runner that resumes from the stored parts. The runner never holds the file or the results: it holds
-the line index, a done-mask over it, the counts, and the batch's metrics (bounded sketches).
+process, or in a restarted service) starts a new runner that resumes from the stored parts.
+
+The runner never holds the file or the results: it holds the line index, a done-mask over it, the
+counts, and the batch's metrics (bounded sketches).
 """
 
 from __future__ import annotations
