@@ -54,6 +54,19 @@ def s3_bucket_url(s3_server, monkeypatch):
     return f"s3://{bucket}/prefix"
 
 
+@pytest.fixture
+def flaky_proxy(s3_server):
+    """A fault-injecting proxy in front of the S3 server (tests/store/conftest.py FlakyProxy): its `.url`
+    is the endpoint to use; set `.rate` or `.down` to inject faults."""
+    from tests.store.conftest import FlakyProxy
+
+    proxy = FlakyProxy(s3_server)
+    proxy.thread.start()
+    yield proxy
+    proxy.server.shutdown()
+    proxy.server.server_close()
+
+
 # ---- end of object storage fixtures ----------------------------------------------------------------
 
 

@@ -23,16 +23,7 @@ from tests.service.conftest import (
     wait_done,
     write_jsonl,
 )
-from tests.store.conftest import FAST_RETRY, FlakyProxy
-
-
-@pytest.fixture
-def proxy(s3_server):
-    p = FlakyProxy(s3_server)
-    p.thread.start()
-    yield p
-    p.server.shutdown()
-    p.server.server_close()
+from tests.store.conftest import FAST_RETRY
 
 
 def _health(root: str) -> dict:
@@ -41,14 +32,14 @@ def _health(root: str) -> dict:
         return json.loads(response.read())
 
 
-def test_api_answers_503_while_storage_is_down(s3_bucket_url, proxy):
-    api = ApiOnly(open_store(s3_bucket_url, endpoint_url=proxy.url, retry_attempts=2, **FAST_RETRY))
+def test_api_answers_503_while_storage_is_down(s3_bucket_url, flaky_proxy):
+    api = ApiOnly(open_store(s3_bucket_url, endpoint_url=flaky_proxy.url, retry_attempts=2, **FAST_RETRY))
     api.app.state.storage_probe.max_age_s = 0
     try:
         client = api.client()
         uploaded = client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
         assert _health(api.root)["storage"] == "ok"
-        proxy.down = "drop"
+        flaky_proxy.down = "drop"
         for call in (lambda: client.files.list(), lambda: client.files.retrieve(uploaded.id),
                      lambda: client.batches.list(), lambda: client.files.create(file=("b.jsonl", b"{}\n"),
                                                                                purpose="batch")):
@@ -59,7 +50,7 @@ def test_api_answers_503_while_storage_is_down(s3_bucket_url, proxy):
             assert err.value.body["message"].startswith(f"storage {s3_bucket_url} is unavailable: unreachable")
         health = _health(api.root)
         assert health["status"] == "degraded" and health["storage"].startswith("unavailable: unreachable")
-        proxy.down = None
+        flaky_proxy.down = None
         assert _health(api.root)["status"] == "ok"
         assert client.files.retrieve(uploaded.id).id == uploaded.id
     finally:
@@ -77,26 +68,26 @@ def _assert_exactly_once(client, batch, rows) -> None:
     assert batch.request_counts.completed == len(rows)
 
 
-def test_s3_faults_during_a_batch_lose_and_duplicate_nothing(s3_bucket_url, proxy, tmp_path):
-    service = Service(settings_for(s3_bucket_url, endpoint_url=proxy.url))
+def test_s3_faults_during_a_batch_lose_and_duplicate_nothing(s3_bucket_url, flaky_proxy, tmp_path):
+    service = Service(settings_for(s3_bucket_url, endpoint_url=flaky_proxy.url))
     try:
         client = service.client()
         rows = _rows(96, 8)
         file_id = upload(client, write_jsonl(tmp_path / "f.jsonl", rows)).id
-        proxy.rate = 0.15  # 5xx, SlowDown, dropped connections and lost answers, from here on
+        flaky_proxy.rate = 0.15  # 5xx, SlowDown, dropped connections and lost answers, from here on
         batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
         batch = wait_done(client, batch.id, timeout=300)
-        proxy.rate = 0
+        flaky_proxy.rate = 0
         assert batch.status == "completed", batch.errors
         _assert_exactly_once(client, batch, rows)
-        injected = [s for _, _, s in proxy.log if s in (0, 500, 503)]
+        injected = [s for _, _, s in flaky_proxy.log if s in (0, 500, 503)]
         assert len(injected) >= 10, len(injected)
     finally:
         service.stop()
 
 
-def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3_server, proxy, tmp_path):
-    service = Service(settings_for(s3_bucket_url, endpoint_url=proxy.url, storage_outage_timeout_s=3))
+def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3_server, flaky_proxy, tmp_path):
+    service = Service(settings_for(s3_bucket_url, endpoint_url=flaky_proxy.url, storage_outage_timeout_s=3))
     try:
         client = service.client()
         rows = _rows(320, 24)
@@ -106,7 +97,7 @@ def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3
         while client.batches.retrieve(batch.id).request_counts.completed == 0:
             assert time.monotonic() < deadline, "the batch never started"
             time.sleep(0.2)
-        proxy.down = "drop"
+        flaky_proxy.down = "drop"
         deadline = time.monotonic() + 120
         while service.manager.runner_of(batch.id) is not None:
             assert time.monotonic() < deadline, "the runner kept waiting past the outage timeout"
@@ -116,10 +107,10 @@ def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3
         stored = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/batches/{batch.id}.json")["Body"].read())
         assert stored["status"] in ("in_progress", "finalizing")  # left active: nothing written while down
         s3.head_object(Bucket=bucket, Key=f"{prefix}/active/{batch.id}")
-        proxy.down = None
+        flaky_proxy.down = None
         batch = wait_done(client, batch.id, timeout=300)
         assert batch.status == "completed", batch.errors
         _assert_exactly_once(client, batch, rows)
     finally:
-        proxy.down = None
+        flaky_proxy.down = None
         service.stop()

@@ -136,15 +136,6 @@ class FlakyProxy:
         return Handler
 
 
-@pytest.fixture
-def flaky_proxy(s3_server):
-    proxy = FlakyProxy(s3_server)
-    proxy.thread.start()
-    yield proxy
-    proxy.server.shutdown()
-    proxy.server.server_close()
-
-
 WEED_PORTS = (
     "s3.port", "master.port", "master.port.grpc", "filer.port", "filer.port.grpc", "volume.port",
     "volume.port.grpc", "admin.port", "admin.port.grpc", "webdav.port", "debug.port", "metricsPort",
