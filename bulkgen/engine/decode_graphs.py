@@ -8,10 +8,16 @@ write their K/V to a scratch slot past the last real block; their logits are dro
 integers are staged in a pinned host buffer and copied in one non-blocking copy. On CPU the same
 path runs eagerly (`EngineConfig.cuda_graphs=True`), so its padding is tested there. Decode
 attention inside graphs is the plain padded SDPA (static shapes, float32 score accumulation).
+
+Captures run under inference mode whoever calls them: with autograd on, every captured forward would
+keep its graph (and the gathered K/V it saved) alive, hundreds of GB at a 1B model's shapes. A capture
+that fails is contained: the original error is logged, that bucket and every later one run eagerly
+(a failed capture can leave the CUDA context unusable for further captures), and the step goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +26,7 @@ from .attention import StepContext, attention_scope
 from .attn_backends import DecodeMeta, PlainBackend
 from .step_plan import StepPlan
 
+log = logging.getLogger(__name__)
 MIN_WIDTH = 4
 
 
@@ -67,6 +74,7 @@ class DecodeGraphs:
         self.pool = None
         self.plain = PlainBackend()
 
+    @torch.inference_mode()
     def capture(self, max_context: int) -> int:
         """Build (and on CUDA capture) every bucket for contexts up to `max_context` tokens, so no
         capture happens mid-run (what vLLM does at startup); returns the number of buckets."""
@@ -117,7 +125,7 @@ class DecodeGraphs:
             slots.fill_(self.scratch_slot)  # an all-padding step: safe to run while capturing
             lengths.fill_(1)
             if self.use_graphs:
-                self._capture(b)
+                self._try_capture(b)
             self.buckets[key] = b
         return self.buckets[key]
 
@@ -130,7 +138,19 @@ class DecodeGraphs:
                              logits_to_keep=0)
         return out.logits[0]
 
-    def _capture(self, b: _Bucket) -> None:
+    def _try_capture(self, b: _Bucket) -> None:
+        """Capture `b`, or leave it eager (and stop capturing) with the root cause in the log."""
+        failure: list[BaseException] = []
+        try:
+            self._capture(b, failure)
+        except Exception as exc:  # noqa: BLE001 - any capture failure: this bucket runs eagerly
+            root = failure[0] if failure else exc
+            log.error("decode CUDA graph for batch %d, width %d failed to capture (%s: %s); decode steps run "
+                      "eagerly from now on", b.batch, b.width, type(root).__name__, root)
+            b.graph, b.out, self.use_graphs = None, None, False
+
+    @torch.inference_mode()
+    def _capture(self, b: _Bucket, failure: list[BaseException]) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -139,6 +159,10 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            b.out = self._forward(b)
+            try:
+                b.out = self._forward(b)
+            except BaseException as exc:  # graph.__exit__ raises its own error over this one: keep it
+                failure.append(exc)
+                raise
         self.pool = graph.pool()
         b.graph = graph
