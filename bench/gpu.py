@@ -13,7 +13,8 @@ Workload (fixed seed): a random-weight model of the Llama-3.2-1B shape (hidden 2
 
 Prints a table (wall s, output tok/s, slot efficiency, ratio to static, ratio to the compute floor)
 and writes JSON to --out DIR. The compute floor is the workload's matmul + attention FLOPs at the
-GPU's dense bf16 peak (--peak-tflops, 989 for an H200). Greedy bulkgen is compared token by token
+GPU's dense bf16 peak (--peak-tflops, 989 for an H200; the H200's measured 787 gives a 1.26x higher floor).
+The JSON is rewritten after every phase, so a crash late in the run keeps what was measured. Greedy bulkgen is compared token by token
 with hf_static (first-divergence statistics: bf16 on both sides, so late divergences are expected).
 Installs nothing; `--quick` runs a tiny fp32 model on CPU in seconds (a smoke test of the script).
 
@@ -33,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The GPU machine has the repo but no install of it: import bulkgen from this checkout.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_engine import _hf_static_groups, make_workload  # noqa: E402
 
 ANCHOR = {
@@ -124,6 +126,7 @@ def run_bulkgen(engine, work, sampled: bool, device: str) -> tuple[dict, list[li
             return SamplingParams(max_tokens=n, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
         return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
+    engine.reset()  # a cold prefix cache: a warm one would serve nearly every prompt token of a repeat run
     before = engine.stats()
     sync(device)
     started = time.perf_counter()
@@ -138,7 +141,8 @@ def run_bulkgen(engine, work, sampled: bool, device: str) -> tuple[dict, list[li
     active = after["active_slot_steps"] - before["active_slot_steps"]
     name = "bulkgen_sampled" if sampled else "bulkgen_greedy"
     return {"method": name, "wall_s": wall, "output_tokens": work.useful_tokens,
-            "slot_efficiency": active / slots if slots else None, "steps": after["steps"] - before["steps"]}, tokens
+            "slot_efficiency": active / slots if slots else None, "steps": after["steps"] - before["steps"],
+            "cached_prompt_tokens": after["cached_prompt_tokens"] - before["cached_prompt_tokens"]}, tokens
 
 
 def divergence(reference: list[list[int]], candidate: list[list[int]]) -> dict:
@@ -196,10 +200,13 @@ def main(argv: list[str] | None = None) -> dict:
                         "torch": torch.__version__, "quick": args.quick, "requests": len(work.prompts),
                         "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.useful_tokens,
                         "floor_s": round(floor_s, 4), "issue_reference": ISSUE_REFERENCE}
+    report["results"] = rows
+    save = _saver(Path(args.out), f"gpu-{report['date'][:10]}{'-quick' if args.quick else ''}.json", report, floor_s)
     static_tokens = None
     if not args.skip_static:
         row, static_tokens = run_hf_static(model, work, spec["static_batch"], tokenizer.pad_token_id, device)
         rows.append(row)
+        save()
     if device == "cuda":
         torch.cuda.empty_cache()
     started = time.perf_counter()
@@ -210,27 +217,42 @@ def main(argv: list[str] | None = None) -> dict:
     report["decode_buckets"] = graphs.capture(max_context) if graphs is not None else 0  # untimed, as at startup
     report["engine"] = {"setup_s": round(time.perf_counter() - started, 2), "attention": engine.runner.backend.name,
                         "max_num_seqs": engine.config.max_num_seqs, "kv_blocks": engine.runner.num_blocks,
-                        "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+                        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                        "attention_probe": getattr(engine.runner.backend, "probe_report", None)}
+    save()
     row, greedy_tokens = run_bulkgen(engine, work, sampled=False, device=device)
     rows.append(row)
     if static_tokens is not None:
         report["greedy_vs_hf_static"] = divergence(static_tokens, greedy_tokens)
+    save()
     rows.append(run_bulkgen(engine, work, sampled=True, device=device)[0])
+    save()
     if args.profile:
         report["profile"] = profile_steps(engine, work, Path(args.out), device)
-    finish_rows(rows, floor_s)
-    report["results"] = rows
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"gpu-{report['date'][:10]}{'-quick' if args.quick else ''}.json"
-    (out / name).write_text(json.dumps(report, indent=2) + "\n")
+    final = save()
+    path = final.pop("path")
     print(f"{report['device']}, torch {report['torch']}: {report['requests']} requests, {report['prompt_tokens']} "
           f"prompt / {report['output_tokens']} output tokens; floor {floor_s:.2f} s; engine {report['engine']}")
-    print(format_table(rows))
+    print(format_table(final["results"]))
     if "greedy_vs_hf_static" in report:
         print(f"greedy bulkgen vs hf_static: {report['greedy_vs_hf_static']}")
-    print(f"wrote {out / name}")
-    return report
+    print(f"wrote {path}")
+    return final
+
+
+def _saver(out: Path, name: str, report: dict, floor_s: float):
+    """-> save(): write the report as it stands (its rows finished on a copy, so timings stay raw)
+    and return that copy."""
+
+    def save() -> dict:
+        done = json.loads(json.dumps(report))
+        finish_rows(done["results"], floor_s)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(done, indent=2) + "\n")
+        done["path"] = str(out / name)
+        return done
+
+    return save
 
 
 def profile_steps(engine, work, out: Path, device: str) -> str:

@@ -1,8 +1,14 @@
 """Chooses the attention backend for a device by running each candidate on a small packed case.
 
 Kernels the development machine cannot run (no GPU there) must not be trusted blindly: a candidate
-is kept only if it matches the float32 `plain` backend on a step that mixes a fresh prompt, a
-continuation chunk and decodes over a paged cache, at the model's head counts and dtype.
+is kept only if it matches the float32 `plain` backend at the model's head counts and dtype on three
+probes over a paged cache: prefill only (a fresh prompt and a continuation chunk), decode only, and
+both mixed, so a rejection names the part that failed (the prefill kernel or the decode path).
+
+On CUDA in bf16/fp16 the `plain` path (a per-sequence SDPA loop) is many times slower than a fused
+kernel, so a GPU where no fused candidate passes is an error, not a warning, unless the user forces
+`BULKGEN_ATTENTION=plain`. The chosen backend carries `probe_report` (candidate -> "ok" or why it was
+rejected) for benchmarks and logs.
 """
 
 from __future__ import annotations
@@ -25,18 +31,29 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"BULKGEN_ATTENTION={forced!r}: choose one of {sorted(BACKENDS)}")
-        return BACKENDS[forced]()
+        return _with_report(BACKENDS[forced](), {forced: "forced by BULKGEN_ATTENTION"})
     if device.type != "cuda":
-        return PlainBackend()
+        return _with_report(PlainBackend(), {})
+    report: dict[str, str] = {}
     for name in cuda_candidates():
         backend = BACKENDS[name]()
         error = self_check(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+        report[name] = error or "ok"
         if error is None:
             log.info("attention backend: %s", name)
-            return backend
+            return _with_report(backend, report)
         log.warning("attention backend %s rejected: %s", name, error)
-    log.warning("attention backend: plain (no fused CUDA backend passed its check)")
-    return PlainBackend()
+    if dtype in (torch.float16, torch.bfloat16):
+        found = report or "this torch offers none"
+        raise RuntimeError(f"no fused CUDA attention backend passed its check in {dtype} ({found}); the plain "
+                           "fallback would be many times slower. Set BULKGEN_ATTENTION=plain to run it anyway")
+    log.warning("attention backend: plain (%s has no fused CUDA candidate that passed: %s)", dtype, report)
+    return _with_report(PlainBackend(), report)
+
+
+def _with_report(backend, report: dict[str, str]):
+    backend.probe_report = report
+    return backend
 
 
 def probe_plan(block_size: int, starts=None, counts=None, num_prefill: int = 2) -> StepPlan:
@@ -51,10 +68,14 @@ def probe_plan(block_size: int, starts=None, counts=None, num_prefill: int = 2) 
     return StepPlan(starts, counts, tables, num_prefill=num_prefill, block_size=bs)
 
 
-def probe_plans(block_size: int) -> list[StepPlan]:
-    """Mixed; fresh prompts with one decode; decodes only."""
+def probe_plans(block_size: int) -> dict[str, list[StepPlan]]:
+    """The probes by the part of a step they exercise: prefill only, decode only, and mixed steps."""
     bs = block_size
-    return [probe_plan(bs), probe_plan(bs, [0, 0, bs + 2], [6, 3, 1]), probe_plan(bs, [3, 2 * bs, bs - 1], [1, 1, 1], 0)]
+    return {
+        "prefill kernel": [probe_plan(bs, [0, bs + 3], [7, 5]), probe_plan(bs, [0, 0], [6, 3])],
+        "decode path": [probe_plan(bs, [3, 2 * bs, bs - 1], [1, 1, 1], 0)],
+        "mixed step": [probe_plan(bs), probe_plan(bs, [0, 0, bs + 2], [6, 3, 1])],
+    }
 
 
 def run_backend(backend, plan: StepPlan, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
@@ -71,11 +92,12 @@ def run_backend(backend, plan: StepPlan, q, k, v, k_cache, v_cache, scale: float
 
 
 def self_check(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size) -> str | None:
-    """None if `backend` matches `plain` in float32 on the probe steps, else why not."""
-    for plan in probe_plans(block_size):
-        error = _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
-        if error is not None:
-            return error
+    """None if `backend` matches `plain` in float32 on every probe step, else why not (naming the part)."""
+    for part, plans in probe_plans(block_size).items():
+        for plan in plans:
+            error = _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+            if error is not None:
+                return f"{part}: {error}"
     return None
 
 

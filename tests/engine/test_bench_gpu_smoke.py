@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -47,3 +48,39 @@ def test_anchor_workload_is_the_issue_s():
 def test_sampling_bench_quick_mode_reports_the_ratio():
     report = _load("bench_sampling").main(["--quick", "--json"])
     assert report["ratio"] > 0 and report["greedy_s"] > 0 and report["vocab_size"] == 32000
+
+
+def test_gpu_bench_runs_from_a_checkout_without_the_package_installed(tmp_path):
+    """The GPU machine has the repo but no install of bulkgen: `python bench/gpu.py` must import it from
+    the checkout. `-S` skips site-packages' .pth files (the editable install); PYTHONPATH gives torch."""
+    import site
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
+    check = subprocess.run([sys.executable, "-S", "-c", "import bulkgen"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert check.returncode != 0 and "No module named 'bulkgen'" in check.stderr  # really not installed
+    run = subprocess.run([sys.executable, "-S", str(BENCH / "gpu.py"), "--quick", "--skip-static", "--out",
+                          str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(next(tmp_path.glob("gpu-*-quick.json")).read_text())
+    rows = {r["method"]: r for r in report["results"]}
+    assert set(rows) == {"bulkgen_greedy", "bulkgen_sampled"}
+    # each timed run starts from a cold prefix cache: the warm-up's or the greedy run's prompts are not reused
+    assert rows["bulkgen_greedy"]["cached_prompt_tokens"] == rows["bulkgen_sampled"]["cached_prompt_tokens"] == 0
+
+
+def test_gpu_probe_records_what_it_found_on_a_machine_without_cuda(tmp_path):
+    report = _load("gpu_probe").main(["--out", str(tmp_path)])
+    written = json.loads((tmp_path / "gpu-probe.json").read_text())
+    assert written["cuda_available"] is False and report["cuda_available"] is False
+    assert set(written) == {"cuda_available", "cuda_available_s"}  # the GPU phases need CUDA; none ran
+
+
+def test_the_device_script_runs_the_probe_the_cuda_tests_and_the_bench():
+    script = (BENCH / "gpu_check.sh").read_text()
+    steps = [line.split()[2:4] for line in script.splitlines() if line.startswith("timeout ")]
+    assert steps == [["python", "bench/gpu_probe.py"], ["python", "-m"], ["python", "bench/gpu.py"]]
+    budget = sum(int(line.split()[1]) for line in script.splitlines() if line.startswith("timeout "))
+    assert budget <= 540  # 9 minutes of one 10-minute device call

@@ -17,6 +17,10 @@ from transformers import AutoModelForCausalLM
 from bulkgen.engine import Engine, SamplingParams, attn_select
 from bulkgen.engine.attn_backends import BACKENDS, cuda_candidates
 
+# Sized from free memory, a tiny model's cache would be ~30 M blocks (a Python object each: a minute of
+# CPU and ~10 GB per engine); only test_cuda_defaults_fill_the_gpu keeps the default sizing.
+NUM_KV_BLOCKS = 4096
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -24,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def test_cuda_fp32_greedy_matches_cpu_reference(arch, model_dirs, reference, mixed_prompts):
     prompts = mixed_prompts(seed=30, count=6, low=1, high=80)
     engine = Engine.from_pretrained(str(model_dirs[arch]), device="cuda", dtype=torch.float32,
-                                    max_num_batched_tokens=64, block_size=8)
+                                    max_num_batched_tokens=64, block_size=8, num_kv_blocks=NUM_KV_BLOCKS)
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == reference.greedy(arch, prompt, 8)
@@ -45,7 +49,7 @@ def test_every_fused_candidate_matches_plain_in_bf16():
 def test_cuda_bf16_greedy_follows_hf_generate(arch, model_dirs, mixed_prompts):
     prompts = mixed_prompts(seed=31, count=12, low=1, high=300)
     engine = Engine.from_pretrained(str(model_dirs[arch]), device="cuda", dtype=torch.bfloat16,
-                                    max_num_batched_tokens=256, block_size=16)
+                                    max_num_batched_tokens=256, block_size=16, num_kv_blocks=NUM_KV_BLOCKS)
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.bfloat16).cuda().eval()
     firsts = []
@@ -62,7 +66,8 @@ def test_cuda_bf16_greedy_follows_hf_generate(arch, model_dirs, mixed_prompts):
 
 def test_cuda_seeded_sampling_is_the_same_alone_and_in_a_crowd(model_dirs, mixed_prompts):
     prompts = mixed_prompts(seed=32, count=6, low=3, high=120)
-    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.float32)
+    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.float32,
+                                    num_kv_blocks=NUM_KV_BLOCKS)
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
     alone = engine.generate([prompts[0]], seeded)[0].token_ids
     others = [SamplingParams(max_tokens=n, temperature=1.0, top_k=5, ignore_eos=True) for n in (3, 20, 7, 15, 9)]
@@ -79,3 +84,54 @@ def test_cuda_defaults_fill_the_gpu(model_dirs):
     free = torch.cuda.mem_get_info()[0]
     assert engine.config.max_num_seqs >= 128 and engine.config.max_num_batched_tokens >= 4096
     assert engine.runner.num_blocks * engine.config.block_size > 10_000 or free < 8 << 30
+
+
+def test_cuda_graph_decode_gives_the_eager_tokens_in_fp32(model_dirs, mixed_prompts):
+    """More prompts than slots: the decode batch crosses graph buckets upwards (admissions) and
+    downwards (finishes), and each replay must read this step's metadata, not a stale one."""
+    prompts = mixed_prompts(seed=33, count=10, low=1, high=60)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in range(4, 24, 2)]
+    kw = dict(device="cuda", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS, block_size=16, max_num_seqs=8)
+    graphs = Engine.from_pretrained(str(model_dirs["llama"]), cuda_graphs=True, **kw)
+    eager = Engine.from_pretrained(str(model_dirs["llama"]), cuda_graphs=False, **kw)
+    got = [o.token_ids for o in graphs.generate(prompts, params)]
+    assert any(b.graph is not None for b in graphs.runner.graphs.buckets.values())
+    assert got == [o.token_ids for o in eager.generate(prompts, params)]
+
+
+def test_capture_called_as_the_bench_calls_it_records_no_autograd(model_dirs):
+    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.bfloat16,
+                                    num_kv_blocks=NUM_KV_BLOCKS)
+    for p in engine.model.parameters():
+        p.requires_grad_(True)  # as a freshly built model's (bench/gpu.py)
+    before = torch.cuda.memory_allocated()
+    assert engine.runner.graphs.capture(256) > 0  # no inference_mode around it, as in the bench
+    buckets = engine.runner.graphs.buckets.values()
+    assert all(b.graph is not None and not b.out.requires_grad for b in buckets)
+    assert not engine.runner.k_caches[0].requires_grad
+    grown = torch.cuda.memory_allocated() - before
+    print(f"{len(buckets)} buckets captured; allocated +{grown / 2**20:.0f} MiB")
+    assert grown < 2 << 30
+
+
+def test_a_greedy_decode_step_syncs_the_host_once(model_dirs, mixed_prompts):
+    import warnings
+
+    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.bfloat16,
+                                    num_kv_blocks=NUM_KV_BLOCKS)
+    for i, prompt in enumerate(mixed_prompts(seed=34, count=16, low=4, high=40)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    for _ in range(4):  # prefill, and the first decode buckets captured
+        engine.step()
+    counts = []
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        for _ in range(8):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+            counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    print(f"host syncs per greedy decode step: {counts}; backend {engine.runner.backend.name}")
+    assert max(counts) <= 1, counts

@@ -155,3 +155,46 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch):
     for backend in (attn_backends.FlashVarlenBackend(), attn_backends.VarlenPagedBackend()):
         for block_size in (4, 16):
             assert attn_select.self_check(backend, torch.device("cpu"), torch.float32, 8, 2, 16, block_size) is None
+
+
+class _BrokenDecode(PlainBackend):
+    name = "broken_decode"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = super().attend(q, k, v, k_cache, v_cache, meta, scale)
+        decode = meta[1]
+        if decode is not None:
+            out[decode.start : decode.end] *= 1.01
+        return out
+
+
+class _BrokenPrefill(PlainBackend):
+    name = "broken_prefill"
+
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = super().attend(q, k, v, k_cache, v_cache, meta, scale)
+        for seg in meta[0]:
+            out[seg.q_start : seg.q_end] *= 1.01
+        return out
+
+
+def test_a_rejected_backend_names_the_part_that_failed():
+    args = (torch.device("cpu"), torch.float32, 4, 2, 16, 8)
+    assert attn_select.self_check(_BrokenDecode(), *args).startswith("decode path: max abs error")
+    assert attn_select.self_check(_BrokenPrefill(), *args).startswith("prefill kernel: max abs error")
+
+
+def test_on_cuda_in_bf16_no_fused_backend_is_an_error_unless_plain_is_forced(monkeypatch):
+    """The plain fallback is a per-sequence loop: on a GPU in bf16 it must never be chosen silently."""
+    reasons = {"varlen_paged": "prefill kernel: RuntimeError: block size", "flash_varlen": "decode path: max abs error 0.5"}
+    monkeypatch.setattr(attn_select, "cuda_candidates", lambda: list(reasons))
+    monkeypatch.setattr(attn_select, "self_check", lambda backend, *a: reasons[backend.name])
+    cuda = torch.device("cuda")
+    with pytest.raises(RuntimeError, match="BULKGEN_ATTENTION=plain") as err:
+        attn_select.select_backend(cuda, torch.bfloat16, 8, 2, 64, 16)
+    assert all(reason in str(err.value) for reason in reasons.values())
+    fp32 = attn_select.select_backend(cuda, torch.float32, 8, 2, 64, 16)  # flash has no fp32: plain is expected
+    assert fp32.name == "plain" and fp32.probe_report == reasons
+    monkeypatch.setenv("BULKGEN_ATTENTION", "plain")
+    forced = attn_select.select_backend(cuda, torch.bfloat16, 8, 2, 64, 16)
+    assert forced.name == "plain" and "forced" in forced.probe_report["plain"]

@@ -1,0 +1,164 @@
+"""First-run probe of the engine's CUDA path: the facts a short GPU lease must bring back.
+
+Answers in about 2 minutes on an H200, writing `gpu-probe.json` under --out after every phase (a crash
+keeps what was measured): the torch/transformers/cuDNN versions; which SDPA backend the padded decode
+attention gets at the anchor's biggest decode bucket (B 512, 96 blocks of 16, 32 query / 8 KV heads,
+head dim 64) and its time per layer against aten's flash varlen kernel reading the same real KV once,
+called with 8 KV heads for 32 query heads (GQA without repeat_interleave); the attention backend the
+engine chooses and why; whether DecodeGraphs.capture() outside inference mode keeps autograd; host
+syncs per greedy and sampled decode step; and engine ms per decode step on a 2-layer model of the
+anchor's width at several batch sizes. On a machine without CUDA it records that and stops.
+
+    PYTHONPATH=. python bench/gpu_probe.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+
+class Report(dict):
+    """The probe's findings, rewritten to disk after every phase."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__()
+        self.path = out / "gpu-probe.json"
+        out.mkdir(parents=True, exist_ok=True)
+
+    def phase(self, name: str, fn) -> None:
+        started = time.perf_counter()
+        try:
+            self[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - one failed phase must not cost the others
+            self[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        self[name + "_s"] = round(time.perf_counter() - started, 2)
+        self.path.write_text(json.dumps(self, indent=1, default=str) + "\n")
+        print(f"{name}: {json.dumps(self[name], default=str)[:400]}", flush=True)
+
+
+def cuda_ms(fn, repeat: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / repeat, 4)
+
+
+def versions() -> dict:
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
+            "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled()}
+
+
+def decode_attention() -> dict:
+    from bulkgen.engine.attn_backends import DecodeMeta, paged_decode
+
+    b, w, bs, hkv, group, d = 512, 96, 16, 8, 4, 64
+    kc = torch.randn(b * w + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.arange(b * w, device="cuda").view(b, w)
+    lengths = torch.randint(64, w * bs, (b,), device="cuda")
+    q = torch.randn(b, hkv * group, d, device="cuda", dtype=torch.bfloat16)
+    k = kc[table].view(b, -1, hkv, d).transpose(1, 2)
+    mask = (torch.arange(w * bs, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    choice = torch._fused_sdp_choice(q.view(b, hkv, group, d), k, k, mask, scale=d**-0.5)
+    out = {"sdpa_choice": {int(x): x.name for x in torch.nn.attention.SDPBackend}.get(int(choice), int(choice)),
+           "padded_decode_ms_per_layer": cuda_ms(lambda: paged_decode(q, kc, vc, DecodeMeta(0, b, table, lengths),
+                                                                     d**-0.5))}
+    real = int(lengths.sum())
+    cu_k = torch.zeros(b + 1, dtype=torch.int32, device="cuda")
+    cu_k[1:] = lengths.cumsum(0)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    kv = torch.randn(real, hkv, d, device="cuda", dtype=torch.bfloat16)
+    out["flash_varlen_gqa_ms_per_layer"] = cuda_ms(lambda: torch.ops.aten._flash_attention_forward(
+        q, kv, kv, cu_q, cu_k, 1, w * bs, 0.0, False, False, scale=d**-0.5)[0])
+    out["real_kv_gb_per_layer"] = round(real * hkv * d * 2 * 2 / 1e9, 3)
+    return out
+
+
+def small_anchor_engine(**kwargs):
+    import gpu as bench
+
+    from bulkgen.engine import Engine
+
+    spec = dict(bench.ANCHOR, model=dict(bench.ANCHOR["model"], num_hidden_layers=2))
+    model, tokenizer = bench.build_model(spec, "cuda", 0)
+    return Engine(model, tokenizer, num_kv_blocks=16384, **kwargs)
+
+
+def capture_check() -> dict:
+    engine = small_anchor_engine(max_num_seqs=64)
+    for p in engine.model.parameters():
+        p.requires_grad_(True)
+    before = torch.cuda.memory_allocated()
+    started = time.perf_counter()
+    buckets = engine.runner.graphs.capture(512)
+    return {"buckets": buckets, "s": round(time.perf_counter() - started, 2),
+            "grew_gb": round((torch.cuda.memory_allocated() - before) / 1e9, 3),
+            "kv_cache_requires_grad": engine.runner.k_caches[0].requires_grad,
+            "attention_backend": engine.runner.backend.name,
+            "attention_probe": getattr(engine.runner.backend, "probe_report", None)}
+
+
+def syncs_and_step_times() -> dict:
+    from bulkgen.engine import SamplingParams
+
+    engine = small_anchor_engine(max_num_seqs=512)
+    kinds = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.95, seed=1)}
+    out = {}
+    for name, sampling in kinds.items():
+        for batch in (64, 256, 512):
+            engine.reset()
+            for i in range(batch):
+                engine.add_request(f"{name}{i}", [5 + i % 100] * (100 + i % 400),
+                                   SamplingParams(max_tokens=24, ignore_eos=True, **sampling))
+            while engine.scheduler.num_waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+                engine.step()  # through the prefill
+            engine.step()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(10):
+                engine.step()
+            torch.cuda.synchronize()
+            out[f"{name}_decode_ms_per_step_b{batch}"] = round((time.perf_counter() - started) * 100, 3)
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out[f"{name}_syncs_per_decode_step"] = sum("synchroniz" in str(w.message) for w in caught)
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    report = Report(Path(parser.parse_args(argv).out))
+    report.phase("cuda_available", torch.cuda.is_available)
+    if report["cuda_available"]:
+        for name, fn in (("versions", versions), ("decode_attention", decode_attention),
+                         ("capture", capture_check), ("decode_steps", syncs_and_step_times)):
+            report.phase(name, fn)
+            torch.cuda.empty_cache()
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
