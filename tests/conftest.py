@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
+import torch
+
+# Without a GPU, triton kernels (bulkgen/engine/triton_decode.py) run in triton's CPU interpreter. It is
+# chosen when triton.language is first imported, so it is set here, before any test imports bulkgen.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # ---- object storage: moto S3 server over real HTTP (owner: store) ------------------------------
 # `s3_server` (session): endpoint URL of a moto ThreadedMotoServer on 127.0.0.1 with fake credentials.

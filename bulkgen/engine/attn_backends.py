@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import triton_decode
 from .step_plan import HostPack, StepPlan
 
 
@@ -53,6 +54,11 @@ class DecodeMeta:
 class PlainBackend:
     name = "plain"
 
+    def __init__(self, decode_kernel: str | None = None) -> None:
+        """`decode_kernel`: "padded" or "triton" for the decode rows; None: the device's default
+        (triton on CUDA where it imports, see triton_decode.default_kernel)."""
+        self.decode_kernel = decode_kernel
+
     def prepare(self, plan: StepPlan, pack: HostPack) -> tuple[list[Segment], DecodeMeta | None]:
         segments, q_off = [], 0
         for i in range(plan.num_prefill):
@@ -81,7 +87,8 @@ class PlainBackend:
         for seg in segments:
             out[seg.q_start : seg.q_end] = _sdpa_segment(q, k, v, k_cache, v_cache, seg, scale)
         if decode is not None:
-            out[decode.start : decode.end] = paged_decode(q[decode.start : decode.end], k_cache, v_cache, decode, scale)
+            out[decode.start : decode.end] = paged_decode(q[decode.start : decode.end], k_cache, v_cache, decode,
+                                                          scale, self.decode_kernel)
         return out
 
 
@@ -115,12 +122,15 @@ def _sdpa_segment(q, k, v, k_cache, v_cache, seg: Segment, scale: float) -> torc
     return out[0].transpose(0, 1)
 
 
-def paged_decode(q: torch.Tensor, k_cache, v_cache, dec: DecodeMeta, scale: float) -> torch.Tensor:
-    """q [B, Hq, D] -> [B, Hq, D]: each sequence's blocks gathered into a padded [B, Hkv, L, D] and one
-    masked SDPA call. Scores stay float32 (bf16 scores before the softmax cost 5x the error): on CPU
-    by computing in float32, on CUDA inside the fused (memory-efficient) SDPA kernel, which
-    accumulates in float32. Copies the decode sequences' KV per layer: the CPU path, and on CUDA the
-    fallback where no paged kernel exists."""
+def paged_decode(q: torch.Tensor, k_cache, v_cache, dec: DecodeMeta, scale: float,
+                 kernel: str | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D]. With the triton kernel (CUDA's default) each sequence reads its own
+    blocks in place. The padded path gathers each sequence's blocks into a padded [B, Hkv, L, D] and
+    makes one masked SDPA call: it copies the decode sequences' KV per layer (the CPU path, the
+    reference every other kernel is checked against, and CUDA's fallback without triton). Scores stay
+    float32 either way (bf16 scores before the softmax cost 5x the error)."""
+    if (kernel or triton_decode.default_kernel(q.device)) == "triton":
+        return triton_decode.paged_decode(q, k_cache, v_cache, dec.table, dec.lengths, scale)
     num_seqs, hq, dim = q.shape
     hkv = k_cache.shape[2]
     compute = torch.float32 if q.device.type == "cpu" else q.dtype
@@ -178,7 +188,7 @@ class FlashVarlenBackend(PlainBackend):
         out = torch.empty_like(q)
         if varlen is not None:
             out[: decode.start] = self._prefill(q[: decode.start], k, v, k_cache, v_cache, varlen, scale)
-        out[decode.start :] = paged_decode(q[decode.start :], k_cache, v_cache, decode, scale)
+        out[decode.start :] = paged_decode(q[decode.start :], k_cache, v_cache, decode, scale, self.decode_kernel)
         return out
 
     @staticmethod

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from . import triton_decode
 from .attn_backends import BACKENDS, PlainBackend, cuda_candidates
 from .step_plan import HostPack, StepPlan
 
@@ -34,21 +35,37 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
         return _with_report(BACKENDS[forced](), {forced: "forced by BULKGEN_ATTENTION"})
     if device.type != "cuda":
         return _with_report(PlainBackend(), {})
+    half = dtype in (torch.float16, torch.bfloat16)
     report: dict[str, str] = {}
-    for name in cuda_candidates():
-        backend = BACKENDS[name]()
+    for backend in _cuda_variants(with_plain=not half):
         error = self_check(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
-        report[name] = error or "ok"
+        report[_label(backend)] = error or "ok"
         if error is None:
-            log.info("attention backend: %s", name)
+            log.info("attention backend: %s", _label(backend))
             return _with_report(backend, report)
-        log.warning("attention backend %s rejected: %s", name, error)
-    if dtype in (torch.float16, torch.bfloat16):
+        log.warning("attention backend %s rejected: %s", _label(backend), error)
+    if half:
         found = report or "this torch offers none"
         raise RuntimeError(f"no fused CUDA attention backend passed its check in {dtype} ({found}); the plain "
                            "fallback would be many times slower. Set BULKGEN_ATTENTION=plain to run it anyway")
-    log.warning("attention backend: plain (%s has no fused CUDA candidate that passed: %s)", dtype, report)
-    return _with_report(PlainBackend(), report)
+    raise RuntimeError(f"no attention backend passed its check on {device} in {dtype}: {report}")
+
+
+def _cuda_variants(with_plain: bool):
+    """Each CUDA candidate, fastest first; those whose decode rows go through `paged_decode` once with
+    the triton decode kernel (where it imports) and once with the padded one."""
+    kernels = ["triton", "padded"] if triton_decode.available() else ["padded"]
+    for name in [*cuda_candidates(), *(["plain"] if with_plain else [])]:
+        cls = BACKENDS[name]
+        if issubclass(cls, PlainBackend):
+            yield from (cls(decode_kernel=kernel) for kernel in kernels)
+        else:
+            yield cls()
+
+
+def _label(backend) -> str:
+    kernel = getattr(backend, "decode_kernel", None)
+    return f"{backend.name}+{kernel}_decode" if kernel else backend.name
 
 
 def _with_report(backend, report: dict[str, str]):
@@ -112,7 +129,7 @@ def _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim,
     k_cache, v_cache = rand(blocks, block_size, num_kv_heads, head_dim), rand(blocks, block_size, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
     try:
-        want = run_backend(PlainBackend(), plan, q, k, v, k_cache, v_cache, scale)
+        want = run_backend(PlainBackend(decode_kernel="padded"), plan, q, k, v, k_cache, v_cache, scale)
         got = run_backend(backend, plan, *(t.to(dtype) for t in (q, k, v, k_cache, v_cache)), scale)
         if device.type == "cuda":
             torch.cuda.synchronize(device)

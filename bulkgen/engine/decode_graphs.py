@@ -7,7 +7,9 @@ gets static device buffers and, on CUDA, one graph, captured on first use or ahe
 write their K/V to a scratch slot past the last real block; their logits are dropped. The step's
 integers are staged in a pinned host buffer and copied in one non-blocking copy. On CPU the same
 path runs eagerly (`EngineConfig.cuda_graphs=True`), so its padding is tested there. Decode
-attention inside graphs is the plain padded SDPA (static shapes, float32 score accumulation).
+attention inside graphs is the engine's probed decode kernel: the triton paged kernel on CUDA (it reads
+only each sequence's real blocks, so a wide bucket costs table entries, not attention work), else the
+padded SDPA (static shapes, float32 score accumulation).
 
 Captures run under inference mode whoever calls them: with autograd on, every captured forward would
 keep its graph (and the gathered K/V it saved) alive, hundreds of GB at a 1B model's shapes. A capture
@@ -64,7 +66,7 @@ class _Bucket:
 
 class DecodeGraphs:
     def __init__(self, model, k_caches, v_caches, block_size: int, scratch_slot: int, max_batch: int,
-                 max_width: int, capture: bool):
+                 max_width: int, capture: bool, decode_kernel: str | None = None):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.block_size, self.scratch_slot = block_size, scratch_slot
         self.max_batch, self.max_width = max_batch, max_width
@@ -72,7 +74,7 @@ class DecodeGraphs:
         self.use_graphs = capture
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = None
-        self.plain = PlainBackend()
+        self.plain = PlainBackend(decode_kernel)
 
     @torch.inference_mode()
     def capture(self, max_context: int) -> int:

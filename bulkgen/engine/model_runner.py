@@ -44,7 +44,8 @@ class ModelRunner:
             return None
         max_width = 1 << (-(-max_model_len // self.block_size) - 1).bit_length()
         return DecodeGraphs(self.model, self.k_caches, self.v_caches, self.block_size,
-                            self.num_blocks * self.block_size, self.config.max_num_seqs, max_width, capture=on_cuda)
+                            self.num_blocks * self.block_size, self.config.max_num_seqs, max_width, capture=on_cuda,
+                            decode_kernel=getattr(self.backend, "decode_kernel", None))
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.config

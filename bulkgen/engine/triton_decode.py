@@ -1,0 +1,142 @@
+"""Paged decode attention in Triton: each sequence's one query reads its K/V blocks in place.
+
+The padded path (`attn_backends.paged_decode`) gathers every decode sequence's blocks into a tensor
+padded to the widest table of the step and runs a masked SDPA over it: three passes over up to three
+times the real KV bytes. This kernel reads each real K/V row once, straight from the paged cache
+through the block table, and never touches padding: a program per (sequence, KV head, split) walks its
+share of the sequence's blocks with an online softmax for all the query heads that share that KV head
+(GQA without expanding K/V), and a short torch reduction merges the splits (flash-decoding). Splits
+give a small batch enough programs to fill the GPU; their number depends only on the shapes, so the
+launch is the same on every replay of a CUDA graph. Scores and the softmax run in float32.
+
+Used on CUDA when triton imports (the engine probes it against the padded path at startup like any
+attention kernel); `BULKGEN_DECODE_KERNEL=padded|triton` forces one. On CPU the tests run it under
+`TRITON_INTERPRET=1` against the padded reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU wheels have no triton: the padded path serves
+    triton = None
+
+KERNELS = ("padded", "triton")
+_TARGET_PROGRAMS = 264  # about two programs per SM of an H100/H200 (132 SMs)
+_MAX_SPLITS = 16
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def default_kernel(device: torch.device) -> str:
+    forced = os.environ.get("BULKGEN_DECODE_KERNEL")
+    if forced:
+        if forced not in KERNELS:
+            raise ValueError(f"BULKGEN_DECODE_KERNEL={forced!r}: choose one of {KERNELS}")
+        if forced == "triton" and not available():
+            raise ValueError("BULKGEN_DECODE_KERNEL=triton but triton is not installed")
+        return forced
+    return "triton" if device.type == "cuda" and available() else "padded"
+
+
+def num_splits(batch: int, kv_heads: int, width: int) -> int:
+    """Splits of each sequence's blocks: enough programs for the GPU, never more than blocks."""
+    return max(1, min(width, _MAX_SPLITS, -(-_TARGET_PROGRAMS // max(1, batch * kv_heads))))
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                 lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; table [B, W] block ids (padding unread);
+    lengths [B] context lengths including the new token -> [B, Hq, D] in q's dtype."""
+    batch, hq, dim = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group, width = hq // hkv, table.shape[1]
+    splits = num_splits(batch, hkv, width)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # PER_SPLIT is a constant there only
+    per_split = -(-width // splits)
+    acc = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(2, batch, hq, splits, dtype=torch.float32, device=q.device)  # running max, sum
+    _decode_split[(batch, hkv, splits)](
+        q, k_cache, v_cache, table, lengths, acc, stats,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(0), stats.stride(1),
+        stats.stride(2), scale, per_split,
+        GROUP=group, GROUP_P=triton.next_power_of_2(group), DIM=dim, DIM_P=triton.next_power_of_2(dim),
+        BLOCK_SIZE=block_size, PER_SPLIT=per_split if interpreted else 1, DYNAMIC_LOOP=not interpreted,
+    )
+    return _merge(acc, stats[0], stats[1]).to(q.dtype)
+
+
+def _merge(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """Combine the splits' partial softmaxes; a split with no block has max -inf and weight 0."""
+    top = maxes.amax(dim=-1, keepdim=True)  # finite: split 0 always holds the first block
+    weights = torch.exp(maxes - top)
+    total = (sums * weights).sum(dim=-1)
+    return (acc * weights[..., None]).sum(dim=-2) / total[..., None]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_block(q, running_max, running_sum, acc, k_ptr, v_ptr, table_ptr, seq, kv_head, block, length,
+                      sk_blk, sk_tok, sk_h, st_b, DIM: tl.constexpr, DIM_P: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr):
+        """One K/V block into the online softmax of the group's query heads. A block past the sequence
+        (the interpreter's fixed-count loop) loads nothing and leaves the state as it was."""
+        d, t = tl.arange(0, DIM_P), tl.arange(0, BLOCK_SIZE)
+        valid = block * BLOCK_SIZE + t < length
+        physical = tl.load(table_ptr + seq * st_b + block, mask=block * BLOCK_SIZE < length, other=0).to(tl.int64)
+        rows = physical * sk_blk + t[:, None] * sk_tok + kv_head * sk_h + d[None, :]
+        kv_mask = valid[:, None] & (d[None, :] < DIM)
+        k = tl.load(k_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # nothing seen yet: exp(-inf) = 0
+        p = tl.exp(scores - safe_max[:, None])
+        alpha = tl.exp(running_max - safe_max)
+        v = tl.load(v_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        return new_max, running_sum * alpha + tl.sum(p, axis=1), acc
+
+    @triton.jit
+    def _decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, acc_ptr, stats_ptr,
+                      sq_b, sq_h, sk_blk, sk_tok, sk_h, st_b, sa_b, sa_h, sa_s, ss_kind, ss_b, ss_h,
+                      scale, per_split,
+                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, PER_SPLIT: tl.constexpr, DYNAMIC_LOOP: tl.constexpr):
+        seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        length = tl.load(lengths_ptr + seq)
+        first = split * per_split
+        g, d = tl.arange(0, GROUP_P), tl.arange(0, DIM_P)
+        heads = kv_head * GROUP + g
+        q_mask = (g[:, None] < GROUP) & (d[None, :] < DIM)
+        q = tl.load(q_ptr + seq * sq_b + heads[:, None] * sq_h + d[None, :], mask=q_mask, other=0.0)
+        q = q.to(tl.float32) * scale
+        running_max = tl.full([GROUP_P], float("-inf"), tl.float32)
+        running_sum = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
+        if DYNAMIC_LOOP:  # compiled: only the sequence's own blocks
+            last = tl.minimum(first + per_split, tl.cdiv(length, BLOCK_SIZE))
+            for block in range(first, last):
+                running_max, running_sum, acc = _attend_block(
+                    q, running_max, running_sum, acc, k_ptr, v_ptr, table_ptr, seq, kv_head, block, length,
+                    sk_blk, sk_tok, sk_h, st_b, DIM, DIM_P, BLOCK_SIZE)
+        else:  # the CPU interpreter cannot loop to a tensor bound: a fixed count, blocks past the end masked
+            for i in range(PER_SPLIT):
+                running_max, running_sum, acc = _attend_block(
+                    q, running_max, running_sum, acc, k_ptr, v_ptr, table_ptr, seq, kv_head, first + i, length,
+                    sk_blk, sk_tok, sk_h, st_b, DIM, DIM_P, BLOCK_SIZE)
+        head_mask = g < GROUP
+        base = seq * sa_b + heads * sa_h + split * sa_s
+        tl.store(acc_ptr + base[:, None] + d[None, :], acc, mask=q_mask)
+        stat = seq * ss_b + heads * ss_h + split
+        tl.store(stats_ptr + stat, running_max, mask=head_mask)
+        tl.store(stats_ptr + ss_kind + stat, running_sum, mask=head_mask)
