@@ -12,6 +12,30 @@ from .sequence import Sequence
 from .step_plan import HostPack, StepPlan
 
 CPU_KV_CAP_BYTES = 2 << 30
+KV_HEADROOM = 1.25  # blocks beyond what max_num_seqs full contexts use: kept prefixes of finished requests
+
+
+def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
+    """Blocks of the paged KV cache: what `max_num_seqs` full-length sequences can ever use (plus
+    headroom for cached prefixes), within the budget. On CUDA the budget is a fraction of the memory
+    free to this process: the device's free memory plus what torch's allocator holds unused (an earlier
+    engine's freed cache stays reserved there). A tiny model on a big GPU gets the blocks it can use,
+    not millions it never touches."""
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    full = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # every slot at full context
+    if cfg.kv_cache_bytes is not None:  # the user's budget, as given
+        usable, budget = None, cfg.kv_cache_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        usable, budget = int(full * KV_HEADROOM), int((free + idle) * cfg.kv_cache_memory_fraction)
+    else:
+        usable, budget = full, CPU_KV_CAP_BYTES
+    num = budget // block_bytes if usable is None else min(usable, budget // block_bytes)
+    if num < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
+    return int(num)
 
 
 class ModelRunner:
@@ -48,23 +72,9 @@ class ModelRunner:
                             decode_kernel=getattr(self.backend, "decode_kernel", None))
 
     def _num_blocks(self, max_model_len: int) -> int:
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
         block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
         block_bytes *= torch.empty((), dtype=self.dtype).element_size()
-        if cfg.kv_cache_bytes is not None:
-            budget = cfg.kv_cache_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * cfg.kv_cache_memory_fraction)
-        else:
-            want = cfg.max_num_seqs * -(-max_model_len // self.block_size) * block_bytes
-            budget = min(want, CPU_KV_CAP_BYTES)
-        num = budget // block_bytes
-        if num < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
-        return int(num)
+        return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:

@@ -199,3 +199,28 @@ def test_on_cuda_in_bf16_no_fused_backend_is_an_error_unless_plain_is_forced(mon
     monkeypatch.setenv("BULKGEN_ATTENTION", "plain")
     forced = attn_select.select_backend(cuda, torch.bfloat16, 8, 2, 64, 16)
     assert forced.name == "plain" and "forced" in forced.probe_report["plain"]
+
+
+def test_kv_cache_on_a_big_gpu_is_capped_at_what_the_batch_can_use(monkeypatch):
+    """A tiny model on a 139 GiB GPU must not build ~30 M blocks (one Python object each); the budget
+    counts memory torch holds unused (an earlier engine's freed cache) as free."""
+    from bulkgen.engine.config import EngineConfig
+    from bulkgen.engine.model_runner import kv_cache_blocks
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (137 * gib, 139 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    cuda = torch.device("cuda")
+    cfg = EngineConfig(max_num_seqs=512, block_size=16)
+    tiny = kv_cache_blocks(cfg, cuda, block_bytes=2 * 2 * 16 * 2 * 16 * 4, max_model_len=2048)
+    assert tiny == 512 * 128 * 5 // 4  # every slot at full context, plus a quarter for cached prefixes
+    anchor_block = 2 * 16 * 16 * 8 * 64 * 2  # Llama-3.2-1B shape, bf16: 512 KiB a block
+    anchor = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, max_model_len=131072)
+    assert anchor == int(137 * gib * 0.85) // anchor_block  # memory-bound: ~239k blocks
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 139 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
+    reused = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, max_model_len=131072)
+    assert reused == int(30 * gib * 0.85) // anchor_block
+    assert kv_cache_blocks(EngineConfig(num_kv_blocks=77), cuda, anchor_block, 131072) == 77
