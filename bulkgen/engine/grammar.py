@@ -1,0 +1,118 @@
+"""Constrained decoding: a JSON schema (or plain JSON mode) as a mask over the next token.
+
+llguidance compiles a schema into a grammar once (cached by the schema's canonical text, never once per
+request) and gives each sequence a matcher: before a step samples, each constrained row's matcher fills
+one row of a packed bitmask (32 tokens per int32 word) with the tokens that keep the output a prefix of
+some valid document; the sampler sets every other logit to -inf on the logits' device; after sampling,
+the matcher consumes the chosen token. The end-of-sequence token is allowed exactly when the document
+is complete, so a request that finishes with `stop` holds valid JSON, and one cut by max_tokens ends
+with `length`, as the hosted API does.
+
+Why llguidance (bench/grammar_libs.py compares it with xgrammar on the bundled tokenizer): both compile
+every schema feature of the corpus ($defs/$ref recursion, anyOf, enum, const, pattern, min/maxItems,
+minimum/maximum, additionalProperties false, string formats), but xgrammar let raw control characters
+into JSON strings (2-3 of 10 random walks per string schema gave invalid JSON) where llguidance gave
+none; llguidance is one 3 MB wheel with no dependencies (xgrammar pulls triton, tvm-ffi and pydantic),
+reports unsupported schemas without a tokenizer (so the driver can refuse them at validation), and
+fills masks for a whole batch in parallel threads outside the GIL. Output JSON is compact (", " and ": "
+separators, no free whitespace), which keeps small models from wandering in whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+KINDS = ("json_schema", "json_object")
+
+
+class GrammarError(ValueError):
+    """A schema the grammar compiler cannot turn into a grammar (unsupported or unsatisfiable)."""
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What a request's output must be: `kind` "json_object" (any JSON object) or "json_schema"
+    (`schema`: the schema's canonical JSON text, so equal schemas share one compiled grammar)."""
+
+    kind: str
+    schema: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool) -> Guide:
+        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def json_object(cls) -> Guide:
+        return cls("json_object")
+
+
+def check(guide: Guide) -> None:
+    """Raise GrammarError (with the compiler's reason) if `guide` cannot be compiled; needs no model."""
+    grammar(guide)
+
+
+@lru_cache(maxsize=1024)
+def grammar(guide: Guide) -> str:
+    """The compiled grammar of `guide`, once per distinct schema per process."""
+    import llguidance
+
+    if guide.kind not in KINDS:
+        raise GrammarError(f"unknown constraint kind {guide.kind!r}; expected one of {KINDS}")
+    schema = guide.schema if guide.kind == "json_schema" else '{"type": "object"}'
+    compiler = llguidance.JsonCompiler(separators=(", ", ": "), whitespace_flexible=False)
+    try:
+        compiled = compiler.compile(schema)
+    except ValueError as exc:
+        raise GrammarError(" ".join(str(exc).split())) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
+    if is_error:
+        raise GrammarError("; ".join(" ".join(m.split()) for m in messages))
+    return compiled
+
+
+class GrammarRuntime:
+    """One engine's grammar machinery: its tokenizer as llguidance sees it, matchers, batched masks."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self._ll, self._llt = llguidance, llguidance.torch
+        self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: padded embeddings)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self.executor = llguidance.LLExecutor()
+
+    def matcher(self, guide: Guide):
+        """A fresh matcher at the start of the document; one per sequence (n > 1 gets one each)."""
+        matcher = self._ll.LLMatcher(self.tokenizer, grammar(guide))
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return matcher
+
+    def masks(self, matchers: list) -> torch.Tensor:
+        """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens, filled in
+        parallel threads (the GIL is released), on the host."""
+        bitmask = self._llt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        self._llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        return bitmask
+
+    @staticmethod
+    def consume(matcher, token: int) -> None:
+        """Advance past a sampled token; a token the mask forbade means a bug upstream: say which."""
+        if not matcher.consume_token(token):
+            raise RuntimeError(f"constrained decoding: token {token} was not allowed ({matcher.get_error()})")
+
+
+def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place and on the logits' device, every logit of `rows` that `bitmask` (one
+    packed row per index of `rows`, host or device) does not allow."""
+    vocab = logits.shape[1]
+    words = bitmask.to(logits.device, non_blocking=True)
+    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
