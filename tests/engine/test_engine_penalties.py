@@ -1,0 +1,134 @@
+"""Presence/frequency penalties and logit_bias, token for token against transformers' `generate`.
+
+The reference applies OpenAI's formula with a LogitsProcessor written here (counts over the generated
+tokens only) and logit_bias with transformers' own SequenceBiasLogitsProcessor (single-token sequences),
+greedy, fp32, one prompt at a time; the engine runs the same requests together in one batch, mixed with
+requests that use neither (which must still equal plain greedy).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, SequenceBiasLogitsProcessor
+
+from bulkgen.engine import SamplingParams
+
+ARCH = "llama"
+MAX_NEW = 12
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """logits[t] -= frequency * count[t] + presence * (count[t] > 0), counts over the generated tokens."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        out = input_ids[:, self.prompt_len :]
+        counts = torch.zeros_like(scores).scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def hf_greedy(reference, prompt: list[int], params: SamplingParams) -> list[int]:
+    """transformers' greedy generate with the request's penalties and logit_bias as logits processors."""
+    reference.greedy(ARCH, prompt[:1], 1)  # loads (and memoises) the reference model
+    processors = LogitsProcessorList()
+    if params.presence_penalty or params.frequency_penalty:
+        processors.append(OpenAIPenalties(len(prompt), params.presence_penalty, params.frequency_penalty))
+    if params.logit_bias:
+        processors.append(
+            SequenceBiasLogitsProcessor([[[t], float(b)] for t, b in params.logit_bias.items()])
+        )
+    with torch.no_grad():
+        out = reference.models[ARCH].generate(
+            torch.tensor([prompt]),
+            max_new_tokens=params.max_tokens,
+            do_sample=False,
+            logits_processor=processors,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _requests(prompts: list[list[int]], reference) -> list[SamplingParams]:
+    """Penalties go to the prompts whose plain greedy output repeats itself (2 and 3)."""
+    greedy_first = reference.greedy(ARCH, prompts[1], MAX_NEW)
+    return [
+        SamplingParams(max_tokens=MAX_NEW, temperature=0, logit_bias={97: 4.5, 101: 4.0, 32: -1.0}),
+        SamplingParams(
+            max_tokens=MAX_NEW,
+            temperature=0,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+            logit_bias={greedy_first[0]: -100, 65: 3.0},
+        ),
+        SamplingParams(max_tokens=MAX_NEW, temperature=0, frequency_penalty=2.0),
+        SamplingParams(
+            max_tokens=MAX_NEW, temperature=0, top_p=0.0, presence_penalty=1.0, frequency_penalty=-0.7
+        ),  # top_p 0 is greedy too
+        SamplingParams(max_tokens=MAX_NEW, temperature=0),  # plain greedy, batched with the others
+        SamplingParams(max_tokens=MAX_NEW, temperature=0, presence_penalty=-2.0),  # favours repeats
+        SamplingParams(max_tokens=MAX_NEW, temperature=0.7, top_p=0.0),  # greedy, no penalties
+    ]
+
+
+@pytest.mark.parametrize("batched_tokens", [None, 16])
+def test_penalties_and_logit_bias_match_transformers_generate(
+    make_engine, reference, mixed_prompts, batched_tokens
+):
+    """Seven prompts of 3-40 tokens in one engine batch (16: prefills chunked across steps)."""
+    prompts = mixed_prompts(seed=60, count=7, low=3, high=40)
+    params = _requests(prompts, reference)
+    engine = make_engine(ARCH, max_num_batched_tokens=batched_tokens)
+    outs = engine.generate(prompts, params)
+    changed = 0
+    for prompt, p, out in zip(prompts, params, outs, strict=True):
+        want = hf_greedy(reference, prompt, p)
+        assert out.token_ids == want, (p, out.token_ids, want)
+        plain = reference.greedy(ARCH, prompt, MAX_NEW)
+        if not p.adjusts_logits:
+            assert out.token_ids == plain
+        changed += out.token_ids != plain
+    assert changed >= 4  # the penalties and biases really changed what greedy picks
+
+
+def test_logprobs_report_the_processed_distribution(make_engine, reference, mixed_prompts):
+    prompt = mixed_prompts(seed=61, count=1, low=9, high=9)[0]
+    bias = {7: 50.0}
+    out = (
+        make_engine(ARCH)
+        .generate([prompt], SamplingParams(max_tokens=1, temperature=0, logprobs=1, logit_bias=bias))[0]
+        .outputs[0]
+    )
+    logits = reference.logits(ARCH, prompt)[-1].clone()
+    logits[7] += 50.0
+    logp = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids == [7]
+    assert out.logprobs[0]["logprob"] == pytest.approx(float(logp[7]), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(float(logp[7]), abs=1e-4)
+
+
+def test_seeded_sampling_with_penalties_is_the_same_alone_and_in_a_crowd(make_engine, mixed_prompts):
+    prompts = mixed_prompts(seed=62, count=6, low=3, high=30)
+    seeded = SamplingParams(
+        max_tokens=16,
+        temperature=1.0,
+        top_p=0.9,
+        seed=-7,
+        presence_penalty=1.2,
+        frequency_penalty=0.8,
+        logit_bias={10: 2.0, 20: -5.0},
+        ignore_eos=True,
+    )
+    alone = make_engine(ARCH).generate([prompts[0]], seeded)[0]
+    others = [
+        SamplingParams(max_tokens=9, temperature=0.8, frequency_penalty=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.5, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=1.3, logit_bias={3: 1.0}, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.9, top_k=5, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
+    ]
+    crowd = make_engine(ARCH, max_num_batched_tokens=24).generate(prompts, [seeded, *others])[0]
+    assert crowd.token_ids == alone.token_ids
+    unpenalised = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=-7, ignore_eos=True)
+    assert make_engine(ARCH).generate([prompts[0]], unpenalised)[0].token_ids != alone.token_ids
