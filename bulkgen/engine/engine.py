@@ -17,6 +17,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
+from .penalties import LogitAdjustments
 from .sampler import prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -54,6 +55,7 @@ class Engine:
         kept (stale contents are never read: a slot is written before it is attended to)."""
         self.requests: dict[str, Request] = {}
         self._instant: list[Request] = []  # max_tokens 0 without prompt logprobs: done at the next step
+        self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -161,7 +163,7 @@ class Engine:
         self._mark_scheduled(batch.items, start)
         step = self.runner.run(batch.items)
         sampling = step.sampling
-        tokens, logprobs = sample(step.logits[: len(sampling)], sampling) if sampling else ([], [])
+        tokens, logprobs = sample(step.logits[: len(sampling)], sampling, self.adjustments) if sampling else ([], [])
         scored = self._score_prompts(step)
         for seq, n in batch.items:
             seq.num_computed_tokens += n
@@ -218,7 +220,7 @@ class Engine:
         now = time.time()
         done: list[RequestOutput] = []
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            seq.append_token(token)
+            seq.token_ids.append(token)
             if lp is not None:
                 seq.cumulative_logprob += lp[0]
                 if seq.logprobs is not None:
@@ -239,6 +241,8 @@ class Engine:
 
     def _finish_request(self, request: Request, now: float) -> RequestOutput:
         del self.requests[request.request_id]
+        for seq in request.seqs:
+            self.adjustments.release(seq)
         metrics = request.metrics
         metrics.finished_time = now
         metrics.num_output_tokens = sum(s.num_output_tokens for s in request.seqs)
@@ -291,6 +295,8 @@ class Engine:
                 seqs.extend(request.seqs)
         if seqs:
             self.scheduler.abort(seqs)
+        for seq in seqs:
+            self.adjustments.release(seq)
 
     def free_capacity(self) -> dict:
         """Room for more work: a worker pulls new requests while free_slots > 0 and blocks remain."""

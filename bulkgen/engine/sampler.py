@@ -1,7 +1,7 @@
 """Turns last-token logits into next tokens on the logits' device, one tensor pass for the batch.
 
-Rows whose request asks for presence/frequency penalties or a logit_bias first get them added to their
-logits (one sparse scatter for the batch; other rows pay nothing), so greedy argmax, sampling and the
+Rows whose request asks for presence/frequency penalties or a logit_bias first get them applied to
+their logits (penalties.py; other rows pay a flag check), so greedy argmax, sampling and the
 reported logprobs all see the processed distribution (vLLM's "processed" logprobs, before temperature).
 Greedy rows take the argmax. Random rows sample by inverse CDF: one counter-based uniform per draw
 (see counter_rng) against the cumulative sum of exp(logits / T) in vocabulary order. top-k masks
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .counter_rng import MASK32, uniforms
+from .penalties import LogitAdjustments, adjust_logits
 from .sequence import Sequence
 
 DRAWS_PER_POSITION = 64  # counter = position * 64 + round
@@ -24,11 +25,13 @@ REJECTION_ROUNDS = 8
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[tuple | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           adjustments: LogitAdjustments | None = None) -> tuple[list[int], list[tuple | None]]:
     """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs).
 
-    Changes `logits` in place (penalties and biases). The sampled tokens cross to the host in one copy."""
-    adjust_logits(logits, seqs)
+    Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
+    penalties.py). The sampled tokens cross to the host in one copy."""
+    adjust_logits(logits, seqs, adjustments)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(rows) == len(seqs):
         tokens = sample_random(logits, seqs)
@@ -39,33 +42,6 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             tokens.index_copy_(0, index, sample_random(logits.index_select(0, index), [seqs[i] for i in rows]))
     logprobs = _logprobs(logits, seqs, tokens)
     return tokens.tolist(), logprobs
-
-
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Add each asking row's logit_bias and subtract its penalties, in place:
-    logits[t] += bias[t] - frequency_penalty * count[t] - presence_penalty * (count[t] > 0), where
-    count[t] counts t among the row's output tokens (kept incrementally per sequence). Only the touched
-    (row, token) pairs cross to the device, each once, so the sums are exact and order-free."""
-    rows, tokens, deltas = [], [], []
-    for i, seq in enumerate(seqs):
-        if seq.adjusts_logits:
-            delta = _deltas(seq)
-            rows.extend([i] * len(delta))
-            tokens.extend(delta)
-            deltas.extend(delta.values())
-    if not deltas:
-        return
-    index = torch.tensor([rows, tokens], dtype=torch.int64).to(logits.device, non_blocking=True)
-    values = torch.tensor(deltas, dtype=torch.float32).to(logits.device, non_blocking=True)
-    logits.index_put_((index[0], index[1]), values, accumulate=True)
-
-
-def _deltas(seq: Sequence) -> dict[int, float]:
-    params = seq.params
-    delta = dict(params.logit_bias) if params.logit_bias else {}
-    for token, count in (seq.output_counts or {}).items():
-        delta[token] = delta.get(token, 0.0) - params.frequency_penalty * count - params.presence_penalty
-    return delta
 
 
 def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

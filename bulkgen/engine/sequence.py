@@ -58,20 +58,13 @@ class Sequence:
         # the chosen tokens' summed logprob, tracked where logprobs or best_of ranking need it
         tracked = self.params.logprobs is not None or self.params.best_of is not None
         self.cumulative_logprob: float | None = 0.0 if tracked else None
-        # output token counts for presence/frequency penalties, kept only where they are asked for
-        self.output_counts: dict[int, int] | None = {} if self.params.penalized else None
-        self.adjusts_logits = self.params.adjusts_logits
+        self.adjusts_logits = self.params.adjusts_logits  # a plain attribute: the sampler checks it per row
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.rng_key = _rng_key(self.params, index)
 
     def __len__(self) -> int:
         return len(self.token_ids)
-
-    def append_token(self, token: int) -> None:
-        self.token_ids.append(token)
-        if self.output_counts is not None:
-            self.output_counts[token] = self.output_counts.get(token, 0) + 1
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -8,11 +8,14 @@ requests that use neither (which must still equal plain greedy).
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, SequenceBiasLogitsProcessor
 
 from bulkgen.engine import SamplingParams
+from bulkgen.engine.penalties import LogitAdjustments
 
 ARCH = "llama"
 MAX_NEW = 12
@@ -132,3 +135,62 @@ def test_seeded_sampling_with_penalties_is_the_same_alone_and_in_a_crowd(make_en
     assert crowd.token_ids == alone.token_ids
     unpenalised = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=-7, ignore_eos=True)
     assert make_engine(ARCH).generate([prompts[0]], unpenalised)[0].token_ids != alone.token_ids
+
+
+def _dense_adjustment(seq, vocab: int) -> torch.Tensor:
+    p = seq.params
+    out = torch.tensor(seq.token_ids[seq.num_prompt_tokens :])
+    counts = torch.bincount(out, minlength=vocab).float() if len(out) else torch.zeros(vocab)
+    delta = -p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    for token, bias in (p.logit_bias or {}).items():
+        delta[token] += bias
+    return delta
+
+
+def test_adjustment_rows_catch_up_with_the_tokens_and_are_reused():
+    """Rows are built once, then follow each sequence's new tokens; a released row is clean when reused."""
+    vocab, gen = 50, torch.Generator().manual_seed(3)
+
+    def seq(seq_id, params, prompt_len=4):
+        tokens = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        return SimpleNamespace(
+            seq_id=seq_id,
+            params=params,
+            token_ids=tokens,
+            num_prompt_tokens=prompt_len,
+            adjusts_logits=params.adjusts_logits,
+        )
+
+    seqs = [
+        seq(0, SamplingParams(frequency_penalty=0.7, presence_penalty=-0.3, logit_bias={2: 5.0, 9: -1.5})),
+        seq(1, SamplingParams()),
+        seq(2, SamplingParams(presence_penalty=1.1)),
+    ]
+    adjustments = LogitAdjustments()
+    for step in range(12):
+        logits = torch.randn(3, vocab, generator=gen)
+        got = logits.clone()
+        adjustments.apply(got, seqs)
+        for s, before, after in zip(seqs, logits, got, strict=True):
+            assert torch.allclose(after - before, _dense_adjustment(s, vocab), atol=1e-5), (step, s.seq_id)
+        for s in seqs:
+            s.token_ids += torch.randint(0, 8, (1 + step % 2,), generator=gen).tolist()  # repeats likely
+    assert set(adjustments.rows) == {0, 2}
+    adjustments.release(seqs[0])
+    seqs[0] = seq(3, SamplingParams(logit_bias={4: 2.0}))
+    logits = torch.zeros(3, vocab)
+    adjustments.apply(logits, seqs)
+    assert torch.equal(logits[0], _dense_adjustment(seqs[0], vocab)) and len(adjustments.rows) == 2
+    assert adjustments.pool.shape[0] == 8  # the released row was reused, the pool did not grow
+
+
+def test_the_engine_releases_adjustment_rows(make_engine, mixed_prompts):
+    prompts = mixed_prompts(seed=63, count=3, low=4, high=9)
+    engine = make_engine(ARCH)
+    params = SamplingParams(max_tokens=5, temperature=0, frequency_penalty=1.0, n=2)
+    engine.generate(prompts, params)
+    engine.add_request("dropped", prompts[0], params)
+    engine.step()
+    assert len(engine.adjustments.rows) == 2
+    engine.abort(["dropped"])
+    assert not engine.adjustments.rows and len(engine.adjustments.free) == engine.adjustments.pool.shape[0]
