@@ -59,6 +59,7 @@ class Sequence:
         tracked = self.params.logprobs is not None or self.params.best_of is not None
         self.cumulative_logprob: float | None = 0.0 if tracked else None
         self.adjusts_logits = self.params.adjusts_logits  # a plain attribute: the sampler checks it per row
+        self.scores_prompt = request.prompt_logprobs is not None and index == 0  # completion 0 scores it
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.rng_key = _rng_key(self.params, index)
@@ -70,8 +71,7 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Completion 0 of a prompt_logprobs request until every prompt position has its entry: its
         prefill must compute logits there, so it never takes cached prefix blocks meanwhile."""
-        wanted = self.request.prompt_logprobs
-        return wanted is not None and self.index == 0 and len(wanted) < self.num_prompt_tokens - 1
+        return self.scores_prompt and len(self.request.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

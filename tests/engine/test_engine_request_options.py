@@ -177,3 +177,20 @@ def test_a_one_token_prefill_chunk_beside_decodes_on_the_decode_graph_path(
     )
     assert outs[1].token_ids == reference.greedy(ARCH, prompt, 3)
     assert outs[0].token_ids == reference.greedy(ARCH, [5], 20)
+
+
+def test_prompt_logprobs_survive_preemption(make_engine, reference, tokenizer, mixed_prompts):
+    """Ten KV blocks for two sequences of nine: the scored prefill is preempted and recomputed, and its
+    entries continue where they stopped (none repeated, none missing)."""
+    prompt = mixed_prompts(seed=78, count=1, low=30, high=30)[0]
+    engine = make_engine(ARCH, max_num_batched_tokens=8, block_size=4, num_kv_blocks=10)
+    outs = engine.generate(
+        [[1, 2, 3], prompt],
+        [
+            SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1, ignore_eos=True),
+        ],
+    )
+    assert outs[1].metrics.num_preemptions > 0
+    _check_prompt_logprobs(reference, prompt, outs[1].prompt_logprobs, 1, tokenizer)
+    assert outs[1].token_ids == reference.greedy(ARCH, prompt, 3)
