@@ -75,14 +75,17 @@ def _requests(prompts: list[list[int]], reference) -> list[SamplingParams]:
     ]
 
 
-@pytest.mark.parametrize("batched_tokens", [None, 16])
+@pytest.mark.parametrize(
+    "engine_kwargs", [{}, {"max_num_batched_tokens": 16}, {"max_num_batched_tokens": 16, "cuda_graphs": True}]
+)
 def test_penalties_and_logit_bias_match_transformers_generate(
-    make_engine, reference, mixed_prompts, batched_tokens
+    make_engine, reference, mixed_prompts, engine_kwargs
 ):
-    """Seven prompts of 3-40 tokens in one engine batch (16: prefills chunked across steps)."""
+    """Seven prompts of 3-40 tokens in one engine batch; 16 tokens per step chunks the prefills, and
+    cuda_graphs runs the decode steps through the decode-graph path (eagerly, on CPU)."""
     prompts = mixed_prompts(seed=60, count=7, low=3, high=40)
     params = _requests(prompts, reference)
-    engine = make_engine(ARCH, max_num_batched_tokens=batched_tokens)
+    engine = make_engine(ARCH, **engine_kwargs)
     outs = engine.generate(prompts, params)
     changed = 0
     for prompt, p, out in zip(prompts, params, outs, strict=True):
