@@ -24,10 +24,14 @@ def splitmix64(x: int) -> int:
 
 
 def stream_key(seed: int, index: int) -> int:
-    """The 64-bit key of completion `index` of a request seeded `seed` (a non-negative int of any size).
+    """The 64-bit key of completion `index` of a request seeded `seed` (any int).
 
     (seed, index) pairs map to keys through two bijective mixes, so completion 1 of seed 5 and
-    completion 0 of seed 6 get unrelated streams (`seed + index` would make them equal)."""
+    completion 0 of seed 6 get unrelated streams (`seed + index` would make them equal). A negative
+    seed is taken as its two's complement (-1 and 2**64-1 share a stream), so int64 seeds work;
+    non-negative seeds wider than 64 bits are folded 64 bits at a time."""
+    if seed < 0:
+        seed &= MASK64  # shifting a negative int right never reaches 0
     folded = 0
     while True:
         folded = splitmix64(folded ^ (seed & MASK64))

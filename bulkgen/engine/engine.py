@@ -15,9 +15,10 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
-from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestOutput
-from .sampler import sample
+from .model_runner import ModelRunner, StepLogits
+from .outputs import CompletionOutput, RequestOutput, best_of
+from .penalties import LogitAdjustments
+from .sampler import prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -53,6 +54,8 @@ class Engine:
         A worker calls this after a failed step instead of reloading the model. The cache tensors are
         kept (stale contents are never read: a slot is written before it is attended to)."""
         self.requests: dict[str, Request] = {}
+        self._instant: list[Request] = []  # max_tokens 0 without prompt logprobs: done at the next step
+        self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -79,34 +82,51 @@ class Engine:
                     tag: str | None = None) -> None:
         """Queue a request; ValueError if the id is in use or the prompt or params do not fit this engine.
 
-        The whole request (all `n` sequences) is built and checked before any part is queued.
+        The whole request (all its sequences: best_of or n) is built and checked before any part is queued.
+        A max_tokens 0 request comes back from the next step() with empty completions, after a prefill
+        only if it asks for prompt_logprobs (computed once, by completion 0).
         `tag` is opaque (the runtime passes a batch id); step records count work per tag."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise ValueError(
-                f"request {request_id!r}: logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})"
-            )
+        self._check_vocab(request_id, params)
         ids = self._tokenize(request_id, prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the context length "
                 f"({self.max_model_len}); it must be shorter"
             )
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))
+        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # Python ints: no overflow
+        count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None)
         blocks = -(-(len(ids) + max_tokens) // self.config.block_size)
-        if blocks > self.runner.num_blocks:
+        if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
             raise ValueError(
-                f"request {request_id!r}: needs {blocks} KV blocks but the cache has {self.runner.num_blocks}"
+                f"request {request_id!r}: each of its {count} sequences needs {blocks} KV blocks but the cache "
+                f"has {self.runner.num_blocks}"
             )
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, ids, params, next(self._order), tag, stop_ids)
-        request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(params.n)]
+        request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
         for seq in request.seqs:
             self.scheduler.add(seq)
+        if not request.seqs:
+            self._instant.append(request)
         self.requests[request_id] = request
+
+    def _check_vocab(self, request_id: str, params: SamplingParams) -> None:
+        """The limits that need the model: top-k counts and token ids within the vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(
+                    f"request {request_id!r}: {name}={value} exceeds the vocabulary ({self.vocab_size})"
+                )
+        bad = [t for t in params.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: logit_bias token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
+            )
 
     def _tokenize(self, request_id: str, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -128,8 +148,11 @@ class Engine:
         The forward pass and sampling change no sequence: if either raises, every sequence still
         holds its blocks and counts, so the next step recomputes the same tokens (or the caller
         aborts a request, or calls reset())."""
+        done = self._finish_instant()
         batch = self.scheduler.schedule()
         if not batch.items:
+            if done:
+                return done
             if self.config.policy != "dynamic" and self.requests:
                 raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests unfinished")
             wait = self.scheduler.time_until_group()
@@ -138,14 +161,52 @@ class Engine:
             return []
         start = time.time()
         self._mark_scheduled(batch.items, start)
-        logits, sampling = self.runner.run(batch.items)
-        tokens, logprobs = sample(logits, sampling) if sampling else ([], [])
+        step = self.runner.run(batch.items)
+        sampling = step.sampling
+        tokens, logprobs = sample(step.logits[: len(sampling)], sampling, self.adjustments) if sampling else ([], [])
+        scored = self._score_prompts(step)
         for seq, n in batch.items:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
-        finished = self._append_tokens(sampling, tokens, logprobs)
+        for seq, entries in scored:
+            seq.request.prompt_logprobs.extend(entries)
+        done += self._append_tokens(sampling, tokens, logprobs)
+        done += self._finish_prefilled(step.prefilled)
         self.stats_.record_step(batch, time.time() - start, sampling)
-        return finished
+        return done
+
+    def _finish_instant(self) -> list[RequestOutput]:
+        """Requests with nothing to compute (max_tokens 0) that were not aborted since they were added."""
+        if not self._instant:
+            return []
+        now, instant, self._instant = time.time(), self._instant, []
+        return [self._finish_request(r, now) for r in instant if self.requests.get(r.request_id) is r]
+
+    def _score_prompts(self, step: StepLogits) -> list[tuple[Sequence, list[dict]]]:
+        """Prompt-logprob entries of this step's prompt rows (host lists; nothing is changed yet)."""
+        if not step.prompt_spans:
+            return []
+        targets, ks = [], []
+        for seq, first, count in step.prompt_spans:
+            targets += seq.token_ids[first + 1 : first + 1 + count]
+            ks += [seq.params.prompt_logprobs] * count
+        rows = prompt_logprobs(step.logits[len(step.sampling) :], targets, ks)
+        out, at = [], 0
+        for seq, _, count in step.prompt_spans:
+            out.append((seq, [self._logprob_entry(t, lp) for t, lp in zip(targets[at:at + count],
+                                                                       rows[at:at + count], strict=True)]))
+            at += count
+        return out
+
+    def _finish_prefilled(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """max_tokens 0 sequences whose prompt was just scored: finished without sampling."""
+        done = []
+        for seq in seqs:
+            seq.finish_reason = "length"
+            self.scheduler.finish(seq)
+            if seq.request.finished:
+                done.append(self._finish_request(seq.request, time.time()))
+        return done
 
     def _mark_scheduled(self, items: list[tuple[Sequence, int]], now: float) -> None:
         for seq, _ in items:
@@ -161,7 +222,9 @@ class Engine:
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             if lp is not None:
-                seq.logprobs.append(self._logprob_entry(token, lp))
+                seq.cumulative_logprob += lp[0]
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._logprob_entry(token, lp))
             metrics = seq.request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             if check_stop(seq, self.tokenizer):
@@ -178,16 +241,26 @@ class Engine:
 
     def _finish_request(self, request: Request, now: float) -> RequestOutput:
         del self.requests[request.request_id]
+        for seq in request.seqs:
+            self.adjustments.release(seq)
         metrics = request.metrics
         metrics.finished_time = now
         metrics.num_output_tokens = sum(s.num_output_tokens for s in request.seqs)
         metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
-        outputs = [
-            CompletionOutput(s.index, s.output_token_ids, completion_text(s, self.tokenizer), s.finish_reason,
-                             s.logprobs)
-            for s in request.seqs
-        ]
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, metrics)
+        params = request.params
+        if params.max_tokens == 0:
+            cumulative = 0.0 if params.logprobs is not None or params.best_of is not None else None
+            outputs = [CompletionOutput(i, [], "", "length", None if params.logprobs is None else [], cumulative)
+                       for i in range(params.n)]
+        else:
+            outputs = [
+                CompletionOutput(s.index, s.output_token_ids, completion_text(s, self.tokenizer), s.finish_reason,
+                                 s.logprobs, s.cumulative_logprob)
+                for s in request.seqs
+            ]
+            if params.best_of is not None:
+                outputs = best_of(outputs, params.n)
+        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, metrics, request.prompt_logprobs)
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -222,6 +295,8 @@ class Engine:
                 seqs.extend(request.seqs)
         if seqs:
             self.scheduler.abort(seqs)
+        for seq in seqs:
+            self.adjustments.release(seq)
 
     def free_capacity(self) -> dict:
         """Room for more work: a worker pulls new requests while free_slots > 0 and blocks remain."""

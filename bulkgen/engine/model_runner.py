@@ -1,6 +1,12 @@
-"""Runs one packed forward pass: flat tokens in, logits for each sequence's last scheduled token out."""
+"""Runs one packed forward pass: flat tokens in, logits for each sequence's last scheduled token out.
+
+Logits are computed only where they are used: the last token of each sequence that samples now, and,
+for a prompt_logprobs request, every prompt position of its prefill chunks (the request never takes
+cached prefix blocks until they are all scored, since a cached prefix is never computed)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +42,17 @@ def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, m
     if num < 1:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
     return int(num)
+
+
+@dataclass
+class StepLogits:
+    """One forward's logits and what each row is for."""
+
+    logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # float32 [rows, vocab]
+    sampling: list[Sequence] = field(default_factory=list)  # they sample now: the first len(sampling) rows
+    # (sequence, first position, count): the following rows, in order, are those positions' logits
+    prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    prefilled: list[Sequence] = field(default_factory=list)  # max_tokens 0: prompt done, nothing to sample
 
 
 class ModelRunner:
@@ -77,19 +94,19 @@ class ModelRunner:
         return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len)
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+    def run(self, batch: list[tuple[Sequence, int]]) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
-        whose scheduled tokens reach their end (they sample now), in that order. Changes no sequence."""
+        whose scheduled tokens reach their end (they sample now), then for the prompt positions of
+        prompt-logprob prefills (see StepLogits). Changes no sequence."""
         ordered, plan = self._plan(batch)
-        rows, sampling, q_off = [], [], 0
-        for seq, n in ordered:
-            q_off += n
-            if seq.num_computed_tokens + n == len(seq):
-                rows.append(q_off - 1)
-                sampling.append(seq)
+        step, rows = self._rows(ordered)
         tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens:][:n]]
         if self.graphs is not None and not plan.num_prefill:
-            return self.graphs.run(plan, tokens), sampling
+            logits = self.graphs.run(plan, tokens)  # one row per sequence: row index = query offset
+            if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
+                logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+            step.logits = logits
+            return step
         pack = self.pack
         ids = pack.add(tokens)
         positions, slots = pack.add(plan.positions()), pack.add(plan.slots())
@@ -101,9 +118,31 @@ class ModelRunner:
         with attention_scope(self.model):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
-                return torch.empty(0), []
-            out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the sampled rows only
-        return out.logits[0].float(), sampling
+                return step
+            out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
+        step.logits = out.logits[0].float()
+        return step
+
+    def _rows(self, ordered: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[int]]:
+        """Which query rows need logits: sampling rows first, then prompt-logprob rows."""
+        step, rows, prompt_rows, q_off = StepLogits(), [], [], 0
+        for seq, n in ordered:
+            start = seq.num_computed_tokens
+            if seq.needs_prompt_logprobs:
+                # position p's logits score prompt token p + 1; positions done before a preemption are skipped
+                lo = max(start, len(seq.request.prompt_logprobs))
+                hi = min(start + n, seq.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_rows.extend(range(q_off + lo - start, q_off + hi - start))
+                    step.prompt_spans.append((seq, lo, hi - lo))
+            q_off += n
+            if start + n == len(seq):
+                if seq.max_tokens:
+                    rows.append(q_off - 1)
+                    step.sampling.append(seq)
+                else:
+                    step.prefilled.append(seq)
+        return step, rows + prompt_rows
 
     def _plan(self, batch: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], StepPlan]:
         """Prefill chunks first, then decodes (one token after cached context)."""

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass
 class CompletionOutput:
-    """One of a request's `n` completions."""
+    """One of a request's `n` completions. `logprobs` entries are {"token", "logprob", "top_logprobs":
+    [{"token", "logprob"}]}, from the distribution after penalties and logit_bias (before temperature)."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str  # "stop" | "length"
     logprobs: list[dict] | None = None
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs (with logprobs or best_of)
 
 
 @dataclass
@@ -56,12 +58,16 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A finished request: its prompt ids, its completions in index order, and its metrics."""
+    """A finished request: its prompt ids, its completions in index order, and its metrics.
+
+    `prompt_logprobs` (when asked for): one entry per prompt token after the first, shaped like
+    CompletionOutput.logprobs entries, from the raw model distribution."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[dict] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -74,3 +80,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str:
         return self.outputs[0].finish_reason
+
+
+def best_of(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The `n` completions of highest mean token logprob (cumulative / length, as vLLM), re-indexed 0..n-1
+    in ranking order; ties keep generation order."""
+    ranked = sorted(outputs, key=lambda c: (-c.cumulative_logprob / max(len(c.token_ids), 1), c.index))
+    return [replace(c, index=i) for i, c in enumerate(ranked[:n])]

@@ -1,12 +1,15 @@
 """Turns last-token logits into next tokens on the logits' device, one tensor pass for the batch.
 
+Rows whose request asks for presence/frequency penalties or a logit_bias first get them applied to
+their logits (penalties.py; other rows pay a flag check), so greedy argmax, sampling and the
+reported logprobs all see the processed distribution (vLLM's "processed" logprobs, before temperature).
 Greedy rows take the argmax. Random rows sample by inverse CDF: one counter-based uniform per draw
 (see counter_rng) against the cumulative sum of exp(logits / T) in vocabulary order. top-k masks
 below the k-th weight (ties kept). top-p needs no sort: a drawn token is in the nucleus iff the
 mass of strictly heavier tokens is below top_p, so draws are tested and redrawn with the next
 counter (each round accepts with probability >= top_p); rows still unaccepted after a few rounds
-fall back to an exact sorted nucleus. Everything a row does depends only on its own logits, key and
-position, so a seeded request samples the same tokens whatever shares its batch.
+fall back to an exact sorted nucleus. Everything a row does depends only on its own logits, key,
+position and output tokens, so a seeded request samples the same tokens whatever shares its batch.
 """
 
 from __future__ import annotations
@@ -14,16 +17,21 @@ from __future__ import annotations
 import torch
 
 from .counter_rng import MASK32, uniforms
+from .penalties import LogitAdjustments, adjust_logits
 from .sequence import Sequence
 
 DRAWS_PER_POSITION = 64  # counter = position * 64 + round
 REJECTION_ROUNDS = 8
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[tuple | None]]:
-    """Return the next token of each row and, where asked, (chosen logprob, top-k ids, top-k logprobs).
+@torch.inference_mode()
+def sample(logits: torch.Tensor, seqs: list[Sequence],
+           adjustments: LogitAdjustments | None = None) -> tuple[list[int], list[tuple | None]]:
+    """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs).
 
-    The sampled tokens cross to the host in one copy."""
+    Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
+    penalties.py). The sampled tokens cross to the host in one copy."""
+    adjust_logits(logits, seqs, adjustments)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(rows) == len(seqs):
         tokens = sample_random(logits, seqs)
@@ -32,23 +40,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
         if rows:
             index = torch.tensor(rows, device=logits.device)
             tokens.index_copy_(0, index, sample_random(logits.index_select(0, index), [seqs[i] for i in rows]))
-    token_list = tokens.tolist()
-    return token_list, _logprobs(logits, seqs, token_list)
+    logprobs = _logprobs(logits, seqs, tokens)
+    return tokens.tolist(), logprobs
 
 
 def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """One token per row from softmax(logits / T) restricted to each row's top-k and top-p."""
-    device = logits.device
+    device, vocab = logits.device, logits.shape[1]
     floats = torch.tensor([[1.0 / s.params.temperature, s.params.top_p] for s in seqs], dtype=torch.float32)
     ints = torch.tensor(
-        [[s.rng_key & MASK32, s.rng_key >> 32, s.num_output_tokens * DRAWS_PER_POSITION, s.params.top_k]
+        [[s.rng_key & MASK32, s.rng_key >> 32, s.num_output_tokens * DRAWS_PER_POSITION,
+          min(s.params.top_k, vocab)]
          for s in seqs], dtype=torch.int64,
     )
     floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
     inv_temp, top_p = floats[:, 0:1], floats[:, 1:2]
     key_lo, key_hi, counter, top_k = (ints[:, i : i + 1] for i in range(4))
     weights = torch.softmax(logits * inv_temp, dim=-1)
-    vocab = weights.shape[1]
     max_k = max((s.params.top_k for s in seqs if s.params.top_k < vocab), default=0)
     if max_k > 0:
         weights = _mask_top_k(weights, torch.where(top_k < vocab, top_k, 0), max_k)
@@ -102,18 +110,38 @@ def _sorted_nucleus(weights: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor)
     return order.gather(1, pick).squeeze(1)
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[tuple | None]:
-    wanted = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> list[tuple | None]:
+    """For rows tracking logprobs (asked for, or best_of ranking): one log_softmax over those rows only,
+    a gather of the chosen tokens, and top-k where asked."""
+    wanted = [i for i, s in enumerate(seqs) if s.cumulative_logprob is not None]
     result: list[tuple | None] = [None] * len(seqs)
     if not wanted:
         return result
-    logp = torch.log_softmax(logits[wanted], dim=-1)
-    max_k = max(seqs[i].params.logprobs for i in wanted)
-    top_vals, top_ids = logp.topk(max_k, dim=-1) if max_k else (None, None)
-    chosen = logp.gather(1, torch.tensor([[tokens[i]] for i in wanted], device=logits.device)).squeeze(1).tolist()
+    index = torch.tensor(wanted, device=logits.device)
+    logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
+    chosen = logp.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1).tolist()
+    ks = [seqs[i].params.logprobs or 0 for i in wanted]
+    top_ids, top_vals = top_logprobs(logp, ks)
     for row, i in enumerate(wanted):
-        k = seqs[i].params.logprobs
-        ids = top_ids[row, :k].tolist() if k else []
-        vals = top_vals[row, :k].tolist() if k else []
-        result[i] = (chosen[row], ids, vals)
+        result[i] = (chosen[row], top_ids[row], top_vals[row])
     return result
+
+
+def top_logprobs(logp: torch.Tensor, ks: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+    """Row r's ks[r] most likely token ids and their logprobs (two host copies for all rows)."""
+    max_k = max(ks, default=0)
+    if not max_k:
+        return [[] for _ in ks], [[] for _ in ks]
+    vals, ids = logp.topk(max_k, dim=-1)
+    ids, vals = ids.tolist(), vals.tolist()
+    return [r[:k] for r, k in zip(ids, ks, strict=True)], [r[:k] for r, k in zip(vals, ks, strict=True)]
+
+
+@torch.inference_mode()
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[tuple]:
+    """(logprob of each row's target, top-k ids, top-k logprobs) from the raw model distribution:
+    prompt positions have no output tokens, and prompt logprobs describe the model, not the request."""
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(targets, device=logits.device)[:, None]).squeeze(1).tolist()
+    ids, vals = top_logprobs(logp, ks)
+    return list(zip(chosen, ids, vals, strict=True))

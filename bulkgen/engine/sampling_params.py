@@ -6,12 +6,20 @@ import math
 from dataclasses import dataclass
 
 GREEDY_TEMPERATURE = 1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # int64 seeds from the API and unsigned 64-bit ones both fit
+MAX_PENALTY, MAX_LOGIT_BIAS = 2.0, 100.0  # OpenAI's ranges
 
 
 @dataclass
 class SamplingParams:
-    """How one request is decoded. `temperature` below 1e-5 (0 included) means greedy; `n` completions share
-    the prompt; `seed` makes sampling reproducible (completion i draws from the stream of (seed, i))."""
+    """How one request is decoded.
+
+    `temperature` below 1e-5 (0 included) or `top_p` 0 means greedy. `n` completions share the prompt;
+    with `best_of`, best_of completions are generated and the n of highest mean token logprob returned.
+    `seed` makes sampling reproducible: completion i draws from the stream of (seed & (2**64-1), i), so a
+    negative int64 seed is its two's complement. `max_tokens` 0 generates nothing. Penalties count this
+    completion's output tokens only (OpenAI's definition); `logit_bias` maps token ids to additive biases.
+    `prompt_logprobs` asks for the logprob (and top-k) of every prompt token after the first."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -23,6 +31,11 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    best_of: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,7 +44,21 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must add penalties or biases to this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def num_sequences(self) -> int:
+        """Completions generated (best_of when set, else n)."""
+        return self.n if self.best_of is None else self.best_of
 
 
 class SamplingError(ValueError):
@@ -46,30 +73,28 @@ def check_sampling(values: dict) -> None:
     """The engine's rules for the fields present in `values` (None means unset where a field may be unset).
 
     The one place these rules live: SamplingParams applies them, and the batch request parser calls this
-    at validation, so validation lists exactly the problems the run would hit."""
-    for name, minimum in (("max_tokens", 1), ("top_k", 0), ("n", 1)):
+    at validation, so validation lists exactly the problems the run would hit. Limits that need the model
+    (token ids and top-k counts within the vocabulary) are checked by Engine.add_request."""
+    for name, minimum in (("max_tokens", 0), ("top_k", 0), ("n", 1)):
         if name in values:
             _check_int(name, values[name], minimum)
-    for name, minimum, maximum in (("seed", 0, MAX_SEED), ("logprobs", 0, None)):
+    for name, minimum, maximum in (("seed", MIN_SEED, MAX_SEED), ("logprobs", 0, None), ("best_of", 1, None),
+                                   ("prompt_logprobs", 0, None)):
         if values.get(name) is not None:
             _check_int(name, values[name], minimum, maximum)
-    if "temperature" in values:
-        t = values["temperature"]
-        if not _is_number(t) or not t >= 0:
-            raise SamplingError("temperature", "must be a number >= 0", t)
-    if "top_p" in values:
-        p = values["top_p"]
-        if not _is_number(p) or not 0 < p <= 1:
-            raise SamplingError("top_p", "must be a number in (0, 1]", p)
+    if values.get("best_of") is not None and values["best_of"] < values.get("n", 1):
+        raise SamplingError("best_of", f"must be >= n ({values.get('n', 1)})", values["best_of"])
+    _check_number(values, "temperature", 0.0, None)
+    _check_number(values, "top_p", 0.0, 1.0)
+    for name in ("presence_penalty", "frequency_penalty"):
+        _check_number(values, name, -MAX_PENALTY, MAX_PENALTY)
+    _check_logit_bias(values.get("logit_bias"))
     stop = values.get("stop")
     if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop)):
         raise SamplingError("stop", "must be a list of non-empty strings", stop)
     ids = values.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
         raise SamplingError("stop_token_ids", "must be non-negative ints", ids)
-
-
-MAX_SEED = 2**64 - 1  # seeds travel to the workers as unsigned 64-bit ints
 
 
 def _is_int(value: object) -> bool:
@@ -84,3 +109,24 @@ def _check_int(name: str, value: object, minimum: int, maximum: int | None = Non
     if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
         bounds = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
         raise SamplingError(name, f"must be an int {bounds}", value)
+
+
+def _check_number(values: dict, name: str, minimum: float, maximum: float | None) -> None:
+    if name not in values:
+        return
+    value = values[name]
+    if not _is_number(value) or value < minimum or (maximum is not None and value > maximum):
+        bounds = f"in [{minimum:g}, {maximum:g}]" if maximum is not None else f">= {minimum:g}"
+        raise SamplingError(name, f"must be a finite number {bounds}", value)
+
+
+def _check_logit_bias(bias: object) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise SamplingError("logit_bias", "must map token ids to numbers", bias)
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            raise SamplingError("logit_bias", "keys must be token ids (ints >= 0)", token)
+        if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise SamplingError("logit_bias", f"values must be numbers in [-100, 100] (token {token})", value)

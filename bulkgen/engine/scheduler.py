@@ -8,6 +8,10 @@ admitted sequence is preempted: its blocks are freed and it is recomputed later 
 Policies share this machinery. continuous: admit whenever there is room. static: admit a group only
 when nothing is running, and hold every member's slot until the slowest finishes. dynamic: like
 static, but a group starts only when max_num_seqs are waiting or the oldest waited max_queue_delay.
+
+A prompt_logprobs prefill needs logits at every prompt position: it takes no cached prefix blocks, and
+its chunks are capped at PROMPT_LOGIT_ROWS tokens per step (all such sequences together), so the
+[rows, vocab] logits of a long prompt never exhaust memory.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
+
+PROMPT_LOGIT_ROWS = 1024
 
 
 @dataclass
@@ -48,6 +54,7 @@ class Scheduler:
         self.group_pending: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.prefill_padding_tokens = 0
+        self._logit_rows = PROMPT_LOGIT_ROWS  # prompt-logprob rows left in the step being scheduled
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,6 +62,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._logit_rows = PROMPT_LOGIT_ROWS
         before = self.num_preemptions
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if self.num_preemptions == before:
@@ -81,13 +89,23 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = self._prompt_rows(seq, min(seq.num_uncomputed, budget))
+            if not n:
+                continue
             if not self._make_room(seq, seq.num_computed_tokens + n, scheduled):
                 continue
             batch.items.append((seq, n))
             scheduled.add(seq.seq_id)
             budget -= n
         return budget
+
+    def _prompt_rows(self, seq: Sequence, n: int) -> int:
+        """`n` capped by the step's prompt-logit rows left, for a sequence whose prompt is being scored."""
+        if not seq.needs_prompt_logprobs:
+            return n
+        n = min(n, self._logit_rows)
+        self._logit_rows -= n
+        return n
 
     def _make_room(self, seq: Sequence, num_tokens: int, scheduled: set[int]) -> bool:
         """Grow `seq` to `num_tokens`, preempting the newest unscheduled sequences; False if `seq` itself went."""
@@ -119,12 +137,13 @@ class Scheduler:
             seq = self._next_candidate()
             if seq is None:
                 return
-            cached = self.bm.match_prefix(seq)
+            scoring = seq.needs_prompt_logprobs  # computes its whole prompt: a cache hit would skip logits
+            cached = [] if scoring else self.bm.match_prefix(seq)
             first = None if cached else self.bm.first_block_hash(seq)
-            if first is not None and first in computing:
+            if first is not None and first in computing and not scoring:
                 return  # its prefix is being computed now: admit it next step, as a cache hit
-            n = min(len(seq) - len(cached) * self.bm.block_size, budget)
-            if not self.bm.admit(seq, cached, len(cached) * self.bm.block_size + n):
+            n = self._prompt_rows(seq, min(len(seq) - len(cached) * self.bm.block_size, budget))
+            if not n or not self.bm.admit(seq, cached, len(cached) * self.bm.block_size + n):
                 return
             self._pop_candidate(seq)
             if first is not None:

@@ -30,6 +30,8 @@ class Request:
         self.order = order
         self.metrics = RequestMetrics(arrival_time=time.time(), num_prompt_tokens=len(prompt_token_ids))
         self.seqs: list[Sequence] = []
+        # one entry per prompt token after the first, filled by completion 0's prefill when asked for
+        self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def finished(self) -> bool:
@@ -53,12 +55,23 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
         self.logprobs: list[dict] | None = [] if self.params.logprobs is not None else None
+        # the chosen tokens' summed logprob, tracked where logprobs or best_of ranking need it
+        tracked = self.params.logprobs is not None or self.params.best_of is not None
+        self.cumulative_logprob: float | None = 0.0 if tracked else None
+        self.adjusts_logits = self.params.adjusts_logits  # a plain attribute: the sampler checks it per row
+        self.scores_prompt = request.prompt_logprobs is not None and index == 0  # completion 0 scores it
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.rng_key = _rng_key(self.params, index)
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Completion 0 of a prompt_logprobs request until every prompt position has its entry: its
+        prefill must compute logits there, so it never takes cached prefix blocks meanwhile."""
+        return self.scores_prompt and len(self.request.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def num_output_tokens(self) -> int:

@@ -39,11 +39,11 @@ def test_1_a_failed_step_leaves_the_engine_consistent(make_engine, reference, mi
         engine.add_request(str(i), p, _greedy(6))
     real, calls = engine_module.sample, []
 
-    def flaky(logits, seqs):
+    def flaky(logits, seqs, *rest):
         calls.append(1)
         if len(calls) in (2, 5):
             raise RuntimeError("injected sampling failure")
-        return real(logits, seqs)
+        return real(logits, seqs, *rest)
 
     monkeypatch.setattr(engine_module, "sample", flaky)
     done, failures = {}, 0

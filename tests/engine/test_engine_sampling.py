@@ -108,9 +108,26 @@ def test_context_length_limits(make_engine, mixed_prompts):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("n", 0),
-    ("logprobs", -1), ("seed", "x"), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("max_tokens", -1), ("temperature", -1.0), ("temperature", None), ("top_p", -0.1), ("top_p", 1.5),
+    ("top_p", None), ("top_k", -2), ("n", 0), ("logprobs", -1), ("seed", "x"), ("seed", -(2**63) - 1),
+    ("seed", 2**64), ("stop", [""]), ("stop_token_ids", [-1]), ("presence_penalty", 2.5),
+    ("frequency_penalty", -2.01), ("frequency_penalty", float("nan")), ("presence_penalty", None),
+    ("logit_bias", {5: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [1]),
+    ("best_of", 0), ("prompt_logprobs", -1), ("max_tokens", 1.5),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as err:
         SamplingParams(**{field: value})
+    assert err.value.field == field
+
+
+def test_best_of_below_n_is_refused_and_the_spec_ranges_are_accepted():
+    with pytest.raises(ValueError, match="best_of") as err:
+        SamplingParams(n=3, best_of=2)
+    assert err.value.field == "best_of"
+    ok = [dict(max_tokens=0), dict(top_p=0.0), dict(seed=-(2**63)), dict(seed=2**64 - 1), dict(n=128),
+          dict(max_tokens=2**63), dict(presence_penalty=-2, frequency_penalty=2.0),
+          dict(logit_bias={0: -100, 7: 100.0}), dict(n=2, best_of=2), dict(prompt_logprobs=0)]
+    for values in ok:
+        SamplingParams(**values)
+    assert SamplingParams(top_p=0).greedy
