@@ -10,11 +10,13 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
+from .grammar import GrammarRuntime
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .penalties import LogitAdjustments
@@ -46,6 +48,8 @@ class Engine:
         self.stats_ = EngineStats(self.config.max_num_seqs)
         self._seq_ids = itertools.count()
         self._order = itertools.count()
+        self._grammars: GrammarRuntime | None = None  # built with the first constrained request
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="bulkgen-masks")
         self.reset()
 
     def reset(self) -> None:
@@ -108,6 +112,9 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         request = Request(request_id, ids, params, next(self._order), tag, stop_ids)
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
+        if params.guide is not None:
+            for seq in request.seqs:  # one matcher per completion
+                seq.matcher = self.grammars.matcher(params.guide)
         for seq in request.seqs:
             self.scheduler.add(seq)
         if not request.seqs:
@@ -161,9 +168,15 @@ class Engine:
             return []
         start = time.time()
         self._mark_scheduled(batch.items, start)
-        step = self.runner.run(batch.items)
+        pending = self._start_masks(batch.items)  # grammar masks fill on the host while the forward runs
+        try:
+            step = self.runner.run(batch.items)
+        finally:
+            bitmask = pending[1].result() if pending else None  # never leave a fill running on a matcher
+        masks = self._constrained_rows(step.sampling, pending[0], bitmask) if pending else None
         sampling = step.sampling
-        tokens, logprobs = sample(step.logits[: len(sampling)], sampling, self.adjustments) if sampling else ([], [])
+        tokens, logprobs = (sample(step.logits[: len(sampling)], sampling, self.adjustments, masks) if sampling
+                            else ([], []))
         scored = self._score_prompts(step)
         for seq, n in batch.items:
             seq.num_computed_tokens += n
@@ -174,6 +187,30 @@ class Engine:
         done += self._finish_prefilled(step.prefilled)
         self.stats_.record_step(batch, time.time() - start, sampling)
         return done
+
+    @property
+    def grammars(self) -> GrammarRuntime:
+        if self._grammars is None:
+            self._grammars = GrammarRuntime(self.tokenizer, self.vocab_size)
+        return self._grammars
+
+    def _start_masks(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], Future] | None:
+        """Constrained sequences that sample this step (their scheduled tokens reach their end): their
+        masks depend only on tokens already consumed, so they fill in a thread during the forward."""
+        guided = [s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)]
+        if not guided:
+            return None
+        return guided, self._mask_thread.submit(self.grammars.masks, [s.matcher for s in guided])
+
+    @staticmethod
+    def _constrained_rows(sampling: list[Sequence], guided: list[Sequence],
+                          bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows of `sampling` that are constrained, their packed masks) for the sampler."""
+        where = {s.seq_id: i for i, s in enumerate(guided)}
+        rows = [i for i, s in enumerate(sampling) if s.matcher is not None]
+        if not rows:
+            return None
+        return torch.tensor(rows), bitmask[[where[sampling[i].seq_id] for i in rows]]
 
     def _finish_instant(self) -> list[RequestOutput]:
         """Requests with nothing to compute (max_tokens 0) that were not aborted since they were added."""
@@ -227,11 +264,21 @@ class Engine:
                     seq.logprobs.append(self._logprob_entry(token, lp))
             metrics = seq.request.metrics
             metrics.first_token_time = metrics.first_token_time or now
-            if check_stop(seq, self.tokenizer):
+            if check_stop(seq, self.tokenizer) or self._grammar_done(seq, token):
                 self.scheduler.finish(seq)
                 if seq.request.finished:
                     done.append(self._finish_request(seq.request, now))
         return done
+
+    def _grammar_done(self, seq: Sequence, token: int) -> bool:
+        """Advance a constrained sequence's matcher; True once its document is complete (a stop)."""
+        if seq.matcher is None:
+            return False
+        self.grammars.consume(seq.matcher, token)
+        if not seq.matcher.is_stopped():
+            return False
+        seq.finish_reason = "stop"
+        return True
 
     def _logprob_entry(self, token: int, lp: tuple) -> dict:
         chosen, ids, vals = lp

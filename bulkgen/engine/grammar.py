@@ -36,14 +36,15 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class Guide:
     """What a request's output must be: `kind` "json_object" (any JSON object) or "json_schema"
-    (`schema`: the schema's canonical JSON text, so equal schemas share one compiled grammar)."""
+    (`schema`: the schema as compact JSON text, so equal schemas share one compiled grammar; keys keep
+    their order, which is the order properties are written in)."""
 
     kind: str
     schema: str = ""
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> Guide:
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> Guide:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .counter_rng import MASK32, uniforms
+from .grammar import apply_masks
 from .penalties import LogitAdjustments, adjust_logits
 from .sequence import Sequence
 
@@ -25,13 +26,16 @@ REJECTION_ROUNDS = 8
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence],
-           adjustments: LogitAdjustments | None = None) -> tuple[list[int], list[tuple | None]]:
+def sample(logits: torch.Tensor, seqs: list[Sequence], adjustments: LogitAdjustments | None = None,
+           masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], list[tuple | None]]:
     """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs).
 
     Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
-    penalties.py). The sampled tokens cross to the host in one copy."""
+    penalties.py; then the grammar `masks`: (rows, packed bitmask) of constrained rows, whose logprobs
+    are therefore those of the masked distribution). The sampled tokens cross to the host in one copy."""
     adjust_logits(logits, seqs, adjustments)
+    if masks is not None:
+        apply_masks(logits, *masks)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if len(rows) == len(seqs):
         tokens = sample_random(logits, seqs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .grammar import GrammarError, Guide, check
+
 GREEDY_TEMPERATURE = 1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # int64 seeds from the API and unsigned 64-bit ones both fit
 MAX_PENALTY, MAX_LOGIT_BIAS = 2.0, 100.0  # OpenAI's ranges
@@ -19,7 +21,8 @@ class SamplingParams:
     `seed` makes sampling reproducible: completion i draws from the stream of (seed & (2**64-1), i), so a
     negative int64 seed is its two's complement. `max_tokens` 0 generates nothing. Penalties count this
     completion's output tokens only (OpenAI's definition); `logit_bias` maps token ids to additive biases.
-    `prompt_logprobs` asks for the logprob (and top-k) of every prompt token after the first."""
+    `prompt_logprobs` asks for the logprob (and top-k) of every prompt token after the first. `guide`
+    constrains the output to JSON (any object, or a schema's documents; see grammar.py)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -36,6 +39,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = None
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +99,19 @@ def check_sampling(values: dict) -> None:
     ids = values.get("stop_token_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
         raise SamplingError("stop_token_ids", "must be non-negative ints", ids)
+    _check_guide(values.get("guide"))
+
+
+def _check_guide(guide: object) -> None:
+    """A constraint the grammar compiler accepts (compiled once per distinct schema, then cached)."""
+    if guide is None:
+        return
+    if not isinstance(guide, Guide):
+        raise SamplingError("guide", "must be a grammar.Guide", guide)
+    try:
+        check(guide)
+    except GrammarError as exc:
+        raise SamplingError("guide", f"cannot be compiled: {exc}", guide.kind) from None
 
 
 def _is_int(value: object) -> bool:

@@ -63,6 +63,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.rng_key = _rng_key(self.params, index)
+        self.matcher = None  # the grammar's state for a constrained request (grammar.GrammarRuntime)
 
     def __len__(self) -> int:
         return len(self.token_ids)
