@@ -21,6 +21,7 @@ separators, no free whitespace), which keeps small models from wandering in whit
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -86,7 +87,9 @@ class GrammarRuntime:
         self._ll, self._llt = llguidance, llguidance.torch
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: padded embeddings)
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
-        self.executor = llguidance.LLExecutor()
+        # A few threads fill a step's masks; llguidance's default (a thread per core) spends more time
+        # waking threads than filling on small batches, and competes with the forward's own threads.
+        self.executor = llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)))
 
     def matcher(self, guide: Guide):
         """A fresh matcher at the start of the document; one per sequence (n > 1 gets one each)."""
