@@ -28,11 +28,15 @@ class BodyRefused(InvalidRequest):
 class TooLarge(BodyRefused):
     status = 413
 
-    def __init__(self, what: str, size: int | None, limit: int, param: str | None, code: str) -> None:
+    def __init__(
+        self, what: str, size: int | None, limit: int, param: str | None, code: str, form: int = 0
+    ) -> None:
+        """`form`: bytes allowed beyond `limit` for an upload's fields and multipart framing."""
+        limit_text = f"{limit} bytes" + (f" (plus {form} bytes of form fields and framing)" if form else "")
         told = (
-            f"{what} is {size} bytes; the limit is {limit} bytes"
+            f"{what} is {size} bytes; the limit is {limit_text}"
             if size is not None
-            else (f"{what} passed the limit of {limit} bytes while uploading; nothing was stored")
+            else (f"{what} passed the limit of {limit_text} while uploading; nothing was stored")
         )
         super().__init__(told, param=param, code=code)
 
@@ -63,13 +67,15 @@ async def body_chunks(
     what: str = "the request body",
     param: str | None = None,
     code: str = "request_too_large",
+    form: int = 0,
 ) -> AsyncIterator[bytes]:
-    """The body's chunks; TooLarge once the declared length or the count passes `limit`, BodyTimeout once
-    no chunk came for the app's body timeout. While it runs, an error answer closes the connection."""
+    """The body's chunks; TooLarge once the declared length or the count passes `limit` + `form` bytes,
+    BodyTimeout once no chunk came for the app's body timeout. While it runs, an error answer closes the
+    connection."""
     length = declared_length(request)
-    if length is not None and length > limit:
+    if length is not None and length > limit + form:
         request.state.body_open = True
-        raise TooLarge(what, length, limit, param, code)
+        raise TooLarge(what, length, limit, param, code, form)
     timeout = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
     stream, size = request.stream(), 0
     request.state.body_open = True
@@ -82,8 +88,8 @@ async def body_chunks(
         except TimeoutError:
             raise BodyTimeout(timeout) from None
         size += len(chunk)
-        if size > limit:
-            raise TooLarge(what, None, limit, param, code)
+        if size > limit + form:
+            raise TooLarge(what, None, limit, param, code, form)
         yield chunk
 
 

@@ -114,7 +114,7 @@ async def receive_upload(request: Request, limit: int, store: Callable[[BinaryIO
     parser = MultipartParser(options[b"boundary"], form.callbacks())
     upload = _Upload(store)
     try:
-        async for chunk in body_chunks(request, limit + FORM_OVERHEAD, "the upload", "file", "file_too_large"):
+        async for chunk in body_chunks(request, limit, "the upload", "file", "file_too_large", FORM_OVERHEAD):
             parser.write(chunk)
             await upload.handle(form.events, limit)
             form.events.clear()
