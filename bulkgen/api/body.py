@@ -19,13 +19,7 @@ from bulkgen.batch.schema import InvalidRequest
 from bulkgen.settings import BODY_TIMEOUT_S
 
 
-class BodyRefused(InvalidRequest):
-    """A request answered before its body was read to the end: the answer closes the connection."""
-
-    status = 400
-
-
-class TooLarge(BodyRefused):
+class TooLarge(InvalidRequest):
     status = 413
 
     def __init__(
@@ -41,7 +35,7 @@ class TooLarge(BodyRefused):
         super().__init__(told, param=param, code=code)
 
 
-class BodyTimeout(BodyRefused):
+class BodyTimeout(InvalidRequest):
     status = 408
 
     def __init__(self, timeout_s: float) -> None:
@@ -70,20 +64,17 @@ async def body_chunks(
     form: int = 0,
 ) -> AsyncIterator[bytes]:
     """The body's chunks; TooLarge once the declared length or the count passes `limit` + `form` bytes,
-    BodyTimeout once no chunk came for the app's body timeout. While it runs, an error answer closes the
-    connection."""
+    BodyTimeout once no chunk came for the app's body timeout. (The answer to a refusal closes the
+    connection: bulkgen.api.guard.)"""
     length = declared_length(request)
     if length is not None and length > limit + form:
-        request.state.body_open = True
         raise TooLarge(what, length, limit, param, code, form)
     timeout = getattr(request.app.state, "body_timeout_s", BODY_TIMEOUT_S)
     stream, size = request.stream(), 0
-    request.state.body_open = True
     while True:
         try:
             chunk = await asyncio.wait_for(anext(stream), timeout)
         except StopAsyncIteration:
-            request.state.body_open = False
             return
         except TimeoutError:
             raise BodyTimeout(timeout) from None

@@ -24,12 +24,9 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequest)
-    async def invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
-        status = getattr(exc, "status", 409 if isinstance(exc, Conflict) else 400)
-        # A body not read to its end is not read further (the server would drain it): close instead.
-        close = getattr(request.state, "body_open", False)
-        return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=status,
-                            headers={"Connection": "close"} if close else None)
+    async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
+        status = getattr(exc, "status", 409 if isinstance(exc, Conflict) else 400)  # 408, 413, 415: bulkgen.api.body
+        return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=status)
 
     @app.exception_handler(ClientDisconnect)
     async def went_away(request: Request, _: ClientDisconnect) -> Response:

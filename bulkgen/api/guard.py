@@ -7,7 +7,8 @@ A keyless service (the default) trusts whoever can reach it, and a web page the 
 - A state-changing request (POST, PUT, PATCH, DELETE) that carries an `Origin` must come from this
   service's own origin: browsers send Origin on cross-site writes, and an HTML form needs no CORS check.
 Every response carries a Content-Security-Policy without inline script, refuses framing and MIME
-sniffing, and sends no Referer. (JSON routes also refuse a non-JSON Content-Type: bulkgen.api.body.)
+sniffing, and sends no Referer. A response sent before the request's body was read to its end (a refusal)
+closes the connection: otherwise the server would go on reading that body, to whatever end it claims. (JSON routes also refuse a non-JSON Content-Type: bulkgen.api.body.)
 """
 
 from __future__ import annotations
@@ -47,21 +48,29 @@ class Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        body_done = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+
+        async def receive_body() -> Message:
+            nonlocal body_done
+            message = await receive()
+            body_done = body_done or (message["type"] == "http.request" and not message.get("more_body"))
+            return message
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+                if not body_done:  # answered before the body's end (refused): the server would read it all
+                    message["headers"].append((b"connection", b"close"))
             await send(message)
 
-        refusal = self.refusal(scope, Headers(scope=scope))
+        refusal = self.refusal(scope, headers)
         if refusal is None:
-            return await self.app(scope, receive, send_with_headers)
+            return await self.app(scope, receive_body, send_with_headers)
         status, message, code = refusal
-        # the body is not read: closing the connection keeps the server from reading it to its end
-        response = JSONResponse(
-            error_body(message, code=code), status_code=status, headers={"Connection": "close"}
+        await JSONResponse(error_body(message, code=code), status_code=status)(
+            scope, receive_body, send_with_headers
         )
-        await response(scope, receive, send_with_headers)
 
     def refusal(self, scope: Scope, headers: Headers) -> tuple[int, str, str] | None:
         host = headers.get("host", "").strip().lower()

@@ -6,6 +6,7 @@ no upload thread, no temp file, no stored object, no traceback in the log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -218,3 +219,18 @@ def _status(port: int, host: str) -> int:
     sock.sendall(f"GET /v1/models HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
     with sock:
         return int(sock.recv(65536).split()[1])
+
+
+def test_any_answer_before_the_body_ends_closes_the_connection(tmp_path):
+    """A 401 to a 10 GB upload without a key is not followed by reading the 10 GB."""
+    keyed = ApiOnly(LocalStore(tmp_path / "storage", fsync=False), app_options={"api_key": "secret"})
+    try:
+        content_type = f"multipart/form-data; boundary={BOUNDARY}"
+        sock = _connect(keyed.port, _head(keyed.port, "/v1/files", content_type, 10 * 10**9))
+        sock.sendall(_file_part_start())
+        status, headers, body = _answer(sock)
+        assert status == 401 and headers["connection"] == "close"
+        with contextlib.suppress(ConnectionResetError):
+            assert sock.recv(1) == b""  # closed: the server reads no more of it
+    finally:
+        keyed.stop()
