@@ -117,7 +117,10 @@ def _split(host: str) -> tuple[str, str]:
 
 def _netloc(origin: str) -> str:
     """An Origin as a Host header would spell it (the scheme's default port left out); '' for 'null'."""
-    parts = urlsplit(origin.strip().lower())
+    try:
+        parts = urlsplit(origin.strip().lower())
+    except ValueError:  # e.g. 'http://[' (not an origin any browser sends): matches no Host
+        return ""
     netloc = parts.netloc
     default = _DEFAULT_PORTS.get(parts.scheme)
     if default and netloc.endswith(f":{default}"):

@@ -96,11 +96,13 @@ def _until(condition, timeout: float = 20.0) -> bool:
     return True
 
 
-def test_stalled_uploads_are_answered_408_and_leave_no_thread_or_temp_file(api):
+def test_stalled_bodies_are_answered_408_and_leave_no_thread_or_temp_file(api):
     content_type = f"multipart/form-data; boundary={BOUNDARY}"
     socks = [_connect(api.port, _head(api.port, "/v1/files", content_type, 1_000_000)) for _ in range(8)]
     for sock in socks:  # cut off inside the file part: the store's thread has started writing
         sock.sendall(_file_part_start() + b'{"a": 1}\n' * 20_000)
+    socks.append(_connect(api.port, _head(api.port, "/v1/batches", "application/json", 100)))
+    socks[-1].sendall(b'{"input_file_id": ')  # a JSON body stalls the same way
     for sock in socks:
         status, headers, body = _answer(sock)
         assert (
