@@ -74,6 +74,7 @@ def test_writes_from_another_origin_are_refused(api):
     for origin in (
         "http://evil.example",
         "null",
+        "http://[",
         f"http://localhost:{api.port}",
         f"https://127.0.0.1:{api.port}1",
     ):
