@@ -13,6 +13,8 @@ closes the connection: otherwise the server would go on reading that body, to wh
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from bulkgen.api.errors import error_body
 from bulkgen.batch.schema import quote
 
+log = logging.getLogger(__name__)
 LOCAL_NAMES = ("127.0.0.1", "localhost", "[::1]")
 WRITES = ("POST", "PUT", "PATCH", "DELETE")
 SECURITY_HEADERS = [
@@ -58,19 +61,28 @@ class Guard:
             return message
 
         async def send_with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
                 if not body_done:  # answered before the body's end (refused): the server would read it all
                     message["headers"].append((b"connection", b"close"))
             await send(message)
 
-        refusal = self.refusal(scope, headers)
-        if refusal is None:
-            return await self.app(scope, receive_body, send_with_headers)
-        status, message, code = refusal
-        await JSONResponse(error_body(message, code=code), status_code=status)(
-            scope, receive_body, send_with_headers
-        )
+        started, refusal = False, self.refusal(scope, headers)
+        if refusal is not None:
+            status, message, code = refusal
+            response = JSONResponse(error_body(message, code=code), status_code=status)
+            return await response(scope, receive_body, send_with_headers)
+        try:
+            await self.app(scope, receive_body, send_with_headers)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs once its shutdown grace period is over: one line, no traceback
+            log.warning("%s %s stopped: the service is shutting down", scope["method"], scope["path"])
+            if not started:
+                body = error_body("the service is shutting down; try again", code="shutting_down",
+                                  error_type="server_error")
+                await JSONResponse(body, status_code=503)(scope, receive_body, send_with_headers)
 
     def refusal(self, scope: Scope, headers: Headers) -> tuple[int, str, str] | None:
         host = headers.get("host", "").strip().lower()

@@ -211,9 +211,13 @@ def test_serve_stops_on_sigterm_while_an_upload_stalls(tmp_path):
         started = time.monotonic()
         serve.proc.wait(timeout=60)
         assert time.monotonic() - started < 30
+        status, _, body = _answer(sock)
+        assert status == 503 and body["error"]["code"] == "shutting_down"
         sock.close()
     finally:
         serve.kill()
+    log = Path(serve.log.name).read_text()
+    assert "stopped: the service is shutting down" in log and "Traceback" not in log, log[-3000:]
 
 
 def _status(port: int, host: str) -> int:
