@@ -3,7 +3,7 @@
 A keyless service (the default) trusts whoever can reach it, and a web page the user visits can reach
 127.0.0.1 too. So, before any route runs:
 - `Host` must name this service: the address it answers on (127.0.0.1, localhost, [::1] or the socket's
-  own address, with its port) or one of `allowed_hosts`. A DNS-rebinding page's Host is its own name.
+  own address, with its port) or one of `allowed_hosts` ('NAME', 'NAME:PORT', '.DOMAIN' or '*'). A DNS-rebinding page's Host is its own name.
 - A state-changing request (POST, PUT, PATCH, DELETE) that carries an `Origin` must come from this
   service's own origin: browsers send Origin on cross-site writes, and an HTML form needs no CORS check.
 Every response carries a Content-Security-Policy without inline script, refuses framing and MIME
@@ -111,8 +111,8 @@ class Guard:
         if "*" in self.allowed or host in self.allowed:
             return True
         name, port = _split(host)
-        if name in self.allowed:
-            return True
+        if name in self.allowed or any(e[0] == "." and f".{name}".endswith(e) for e in self.allowed):
+            return True  # 'NAME' on any port; '.DOMAIN': the domain and every name under it
         if server is None:  # not a socket (an in-process test client): nothing to compare with
             return True
         own = {*LOCAL_NAMES, f"[{server[0]}]" if ":" in server[0] else server[0]}

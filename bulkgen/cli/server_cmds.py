@@ -148,10 +148,10 @@ def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
 @click.option("--api-keys", "api_keys", envvar="BULKGEN_API_KEYS", type=click.Path(dir_okay=False, path_type=Path),
               help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
                    "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.")
-@click.option("--allowed-hosts", envvar="BULKGEN_ALLOWED_HOSTS", default="", metavar="NAME[:PORT],...",
-              help="Host names answered besides 127.0.0.1, localhost, [::1] and the bound address, comma-separated "
-                   "('*': any; for a proxy or DNS name in front); other Host headers are refused (env "
-                   "BULKGEN_ALLOWED_HOSTS).")
+@click.option("--allowed-hosts", envvar="BULKGEN_ALLOWED_HOSTS", default="", metavar="NAME[:PORT],.DOMAIN,...",
+              help="Host names answered besides 127.0.0.1, localhost, [::1] and the bound address, comma-separated: "
+                   "NAME (any port), NAME:PORT, .DOMAIN (it and its subdomains) or '*' (any); for a proxy or DNS "
+                   "name in front. Other Host headers are refused (env BULKGEN_ALLOWED_HOSTS).")
 @click.option("--body-timeout", "body_timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=BODY_TIMEOUT_S, show_default=True,
               help="Seconds a request body may stall (no bytes arriving) before it is refused with 408.")

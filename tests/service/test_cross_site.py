@@ -18,7 +18,7 @@ JSONL = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "b
 @pytest.fixture
 def api(tmp_path):
     server = ApiOnly(
-        LocalStore(tmp_path / "storage", fsync=False), app_options={"allowed_hosts": ["bulkgen.test"]}
+        LocalStore(tmp_path / "storage", fsync=False), app_options={"allowed_hosts": ["bulkgen.test", ".corp.example"]}
     )
     yield server
     server.stop()
@@ -105,6 +105,9 @@ def test_writes_from_another_origin_are_refused(api):
         ("127.0.0.1", 400),
         ("", 400),
         ("bulkgen.test.evil.example", 400),
+        ("api.corp.example", 200),
+        ("corp.example:8000", 200),
+        ("evilcorp.example", 400),
     ],
 )
 def test_the_host_header_must_name_this_service(api, host, status):
