@@ -14,6 +14,7 @@ from bulkgen.tenants import DEFAULT_TENANT, check_tenant
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
+BODY_TIMEOUT_S = 60.0  # seconds a request body may stall before the API refuses it (`serve --body-timeout`)
 
 
 @dataclass

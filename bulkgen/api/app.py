@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
@@ -11,7 +12,9 @@ from fastapi.responses import Response
 
 from bulkgen import __version__
 from bulkgen.api import auth, batches, dashboard, errors, files
+from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
+from bulkgen.settings import BODY_TIMEOUT_S
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
 
@@ -36,11 +39,15 @@ class StorageProbe:
             return self.last
 
 
-def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None = None) -> FastAPI:
+def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None = None, *,
+               allowed_hosts: Iterable[str] = (), body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """`svc`: bulkgen.batch.service.BatchService (its tenant answers keyless callers); `manager`: runs
-    batches. `keyring` (tenants and their key hashes) or `api_key` (one key, svc's tenant) require keys."""
-    app = FastAPI(title="bulkgen", version=__version__, docs_url="/docs", redoc_url=None)
-    app.state.svc, app.state.manager = svc, manager
+    batches. `keyring` (tenants and their key hashes) or `api_key` (one key, svc's tenant) require keys.
+    `allowed_hosts`: Host names answered besides the bound address ("*": any; bulkgen.api.guard);
+    `body_timeout_s`: how long a request body may stall before it is refused (bulkgen.api.body)."""
+    # No Swagger page: it loads its scripts from a CDN (offline it is blank); /openapi.json describes the API.
+    app = FastAPI(title="bulkgen", version=__version__, docs_url=None, redoc_url=None)
+    app.state.svc, app.state.manager, app.state.body_timeout_s = svc, manager, body_timeout_s
     errors.install(app)
     if keyring is None and api_key:
         keyring = KeyRing.single(api_key, svc.tenant)
@@ -48,6 +55,7 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
     app.include_router(files.router)
     app.include_router(batches.router)
     dashboard.install(app)  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
+    app.add_middleware(Guard, allowed_hosts=allowed_hosts)  # added last: outermost, before the key check
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse
 from bulkgen.api.errors import error_body
 from bulkgen.tenants import KeyRing
 
-# No data behind these: health for probes, the API docs, and the dashboard's page shell and assets.
-OPEN_PATHS = ("/health", "/", "/docs", "/openapi.json")
+# No data behind these: health for probes, the API's description, and the dashboard's page shell and assets.
+OPEN_PATHS = ("/health", "/", "/openapi.json")
 OPEN_PREFIXES = ("/ui/",)
 
 

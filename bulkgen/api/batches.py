@@ -10,8 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from bulkgen.api.auth import service_of
+from bulkgen.api.body import read_json_body
 from bulkgen.api.files import page
-from bulkgen.api.upload import read_json_body
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import public_view
 
@@ -19,6 +19,14 @@ router = APIRouter(prefix="/v1/batches")
 
 
 JSON_BODY_LIMIT = 1024 * 1024  # a create request is a few hundred bytes; metadata at most ~10 KB
+
+
+class ExpiresAfter(BaseModel):
+    """OpenAI's `output_expires_after`: both keys required, no other (a typo is refused, not ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Any
+    seconds: Any  # range and type are checked by check_expires_after, with the files API's own message
 
 
 class CreateBatch(BaseModel):
@@ -30,7 +38,7 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, Any] | None = None
-    output_expires_after: dict[str, Any] | None = None  # {anchor: "created_at", seconds} for the result files
+    output_expires_after: ExpiresAfter | None = None  # {anchor: "created_at", seconds} for the result files
 
 
 @router.post("")
@@ -44,8 +52,8 @@ async def create_batch(request: Request) -> dict:
 
 
 def _create(svc, manager, body: CreateBatch) -> dict:
-    expiry = body.output_expires_after or {}
-    seconds = check_expires_after(expiry.get("seconds"), expiry.get("anchor"), "output_expires_after")
+    expiry = body.output_expires_after
+    seconds = None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
     record = svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
                               output_expires_after_s=seconds)
     manager.wake()  # a runner validates it: validating -> in_progress or failed

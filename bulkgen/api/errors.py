@@ -6,8 +6,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import Conflict, InvalidRequest, quote
@@ -24,8 +25,13 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
 def install(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        status = 409 if isinstance(exc, Conflict) else 400
+        status = getattr(exc, "status", 409 if isinstance(exc, Conflict) else 400)  # 408, 413, 415: bulkgen.api.body
         return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=status)
+
+    @app.exception_handler(ClientDisconnect)
+    async def went_away(request: Request, _: ClientDisconnect) -> Response:
+        log.info("client went away during %s %s; nothing was stored", request.method, request.url.path)
+        return Response(status_code=499)  # nobody reads it
 
     @app.exception_handler(RecordNotFound)
     async def not_found(_: Request, exc: RecordNotFound) -> JSONResponse:

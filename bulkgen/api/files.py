@@ -19,7 +19,8 @@ router = APIRouter(prefix="/v1/files")
 @router.post("")
 async def create_file(request: Request) -> dict:
     """Multipart `file` + `purpose=batch` (+ `expires_after[anchor]`, `expires_after[seconds]`): the file
-    streams to storage as it arrives and is refused (400 file_too_large) once past the limit."""
+    streams to storage as it arrives and is refused (413 file_too_large) once past the limit; any other
+    field is refused by name."""
     svc = service_of(request)
     files, limit = svc.files, svc.settings.max_file_bytes
     fields, name, file_id, size = await receive_upload(request, limit, files.upload_data, files.discard_data)

@@ -1,10 +1,10 @@
-"""Request bodies read under a size limit, as they arrive: nothing large is held in memory or left behind.
+"""File uploads: a multipart stream parsed as it arrives, its file part streamed into storage.
 
-A JSON body is capped before parsing. A file upload's multipart stream is parsed here (python-multipart's
-streaming parser) and its file part flows straight into storage through a bounded pipe, so a 200 MB
-upload never sits whole in memory or on local disk. Past the limit the upload is aborted (the store
-publishes nothing partial), the rest of the body is read and dropped so the client gets its 400, and the
-client is told the limit. Content-Length, when sent, is checked before a byte is stored.
+The multipart stream is parsed here (python-multipart's streaming parser) and its file part flows straight
+into storage through a bounded pipe, so a 200 MB upload never sits whole in memory or on local disk. The
+body is read through bulkgen.api.body (every byte counted, stalls timed out); once it is refused, or the
+client goes away, the upload is aborted: the store publishes nothing partial and the thread ends.
+Form fields other than KNOWN_FIELDS are refused by name.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import io
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import BinaryIO
 
 from fastapi import Request
@@ -22,36 +22,13 @@ from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
+from bulkgen.api.body import TooLarge, body_chunks
 from bulkgen.batch.schema import InvalidRequest, quote
 
 FIELD_LIMIT = 64 * 1024     # a form field other than the file (purpose, expires_after[...])
-FORM_OVERHEAD = 64 * 1024   # multipart boundaries and headers allowed beyond the file itself
+FORM_OVERHEAD = 64 * 1024   # multipart boundaries, part headers and fields allowed beyond the file itself
+KNOWN_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 _EOF, _ABORT = object(), object()
-
-
-class TooLarge(InvalidRequest):
-    def __init__(self, what: str, size: int | None, limit: int, param: str | None, code: str) -> None:
-        told = f"{what} is {size} bytes; the limit is {limit} bytes" if size is not None else (
-            f"{what} passed the limit of {limit} bytes while uploading; nothing was stored")
-        super().__init__(told, param=param, code=code)
-
-
-def declared_length(request: Request) -> int | None:
-    value = request.headers.get("content-length", "")
-    return int(value) if value.isdigit() else None
-
-
-async def read_json_body(request: Request, limit: int) -> bytes:
-    """The body of a JSON request, refused (400 request_too_large) once it passes `limit` bytes."""
-    chunks, size = [], 0
-    length = declared_length(request)
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit and (length is None or length <= limit):
-            chunks.append(chunk)
-    if size > limit or (length is not None and length > limit):
-        raise TooLarge("the request body", max(size, length or 0), limit, None, "request_too_large")
-    return b"".join(chunks)
 
 
 class _Pipe(io.RawIOBase):
@@ -128,20 +105,16 @@ async def receive_upload(request: Request, limit: int, store: Callable[[BinaryIO
                          discard: Callable[[str], None]) -> tuple[dict[str, str], str, str, int]:
     """Parse a multipart upload; its `file` part streams into `store(reader) -> (file id, size)` (run in a
     thread), and `discard(file id)` removes it if the request fails after it was stored.
-    -> (other form fields, filename, file id, size). Refused past `limit` file bytes."""
+    -> (other form fields, filename, file id, size). Refused past `limit` file bytes, or past `limit` plus
+    FORM_OVERHEAD bytes of body in all, and once the body stalls (see bulkgen.api.body)."""
     content_type, options = parse_options_header(request.headers.get("content-type"))
     if content_type != b"multipart/form-data" or not options.get(b"boundary"):
         raise InvalidRequest("upload with Content-Type multipart/form-data (fields: file, purpose)")
-    length = declared_length(request)
-    stream = request.stream()
-    if length is not None and length > limit + FORM_OVERHEAD:
-        await _drain(stream)
-        raise TooLarge("the upload", length, limit, "file", "file_too_large")
     form = _Form()
     parser = MultipartParser(options[b"boundary"], form.callbacks())
     upload = _Upload(store)
     try:
-        async for chunk in stream:
+        async for chunk in body_chunks(request, limit, "the upload", "file", "file_too_large", FORM_OVERHEAD):
             parser.write(chunk)
             await upload.handle(form.events, limit)
             form.events.clear()
@@ -149,17 +122,24 @@ async def receive_upload(request: Request, limit: int, store: Callable[[BinaryIO
         await upload.handle(form.events, limit)
         if upload.task is None:
             raise InvalidRequest("the upload has no `file` part", param="file")
+        _refuse_unknown(upload.fields)
         file_id, size = await upload.task
-    except (FormParserError, InvalidRequest) as exc:
+    except FormParserError as exc:
         await upload.abort(discard)
-        await _drain(stream)
-        if isinstance(exc, InvalidRequest):
-            raise
         raise InvalidRequest(f"the multipart body is malformed: {exc}", param="file") from None
-    except BaseException:  # the client went away (or the store failed): publish nothing, leave no thread
+    except BaseException:  # refused, the client went away, or the store failed: publish nothing, leave no thread
         await upload.abort(discard)
         raise
     return upload.fields, upload.filename, file_id, size
+
+
+def _refuse_unknown(fields: dict[str, str]) -> None:
+    """A field bulkgen would not honour (e.g. `expires_after` as one JSON field) is refused by name."""
+    for name in fields:
+        if name not in KNOWN_FIELDS:
+            raise InvalidRequest(f"unknown form field {quote(name, 64)}: bulkgen refuses what it cannot honour; "
+                                 f"the fields are {', '.join(KNOWN_FIELDS)}", param=name[:64],
+                                 code="unknown_parameter")
 
 
 class _Upload:
@@ -235,9 +215,3 @@ class _Upload:
         except Exception:  # aborted (or the store failed on its own): the store published nothing
             return
         await run_in_threadpool(discard, file_id)
-
-
-async def _drain(stream: AsyncIterator[bytes]) -> None:
-    """Read and drop the rest of a refused body, so the client (still sending) reads our 400."""
-    async for _ in stream:
-        pass

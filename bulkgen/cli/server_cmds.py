@@ -10,7 +10,9 @@ from pathlib import Path
 import click
 
 from bulkgen.models.registry import parse_model_specs
-from bulkgen.settings import DEFAULT_STORAGE, SCHEDULING, Settings, WorkerSettings
+from bulkgen.settings import BODY_TIMEOUT_S, DEFAULT_STORAGE, SCHEDULING, Settings, WorkerSettings
+
+SHUTDOWN_GRACE_S = 10.0  # how long `serve` lets running requests finish once told to stop
 
 _RUNTIME_OPTIONS = [
     click.option("--storage", envvar="BULKGEN_STORAGE", default=DEFAULT_STORAGE, show_default=True,
@@ -146,10 +148,17 @@ def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
 @click.option("--api-keys", "api_keys", envvar="BULKGEN_API_KEYS", type=click.Path(dir_okay=False, path_type=Path),
               help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
                    "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.")
+@click.option("--allowed-hosts", envvar="BULKGEN_ALLOWED_HOSTS", default="", metavar="NAME[:PORT],.DOMAIN,...",
+              help="Host names answered besides 127.0.0.1, localhost, [::1] and the bound address, comma-separated: "
+                   "NAME (any port), NAME:PORT, .DOMAIN (it and its subdomains) or '*' (any); for a proxy or DNS "
+                   "name in front. Other Host headers are refused (env BULKGEN_ALLOWED_HOSTS).")
+@click.option("--body-timeout", "body_timeout_s", type=click.FloatRange(min=0, min_open=True),
+              default=BODY_TIMEOUT_S, show_default=True,
+              help="Seconds a request body may stall (no bytes arriving) before it is refused with 408.")
 @webhook_options
 @runtime_options
 def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
-          webhook: str | None, webhook_secret: str | None):
+          allowed_hosts: str, body_timeout_s: float, webhook: str | None, webhook_secret: str | None):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -174,7 +183,10 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
     if keyring is not None:
         click.echo(f"API keys from {api_keys}: tenants {', '.join(keyring.tenants())}")
-    uvicorn.run(create_app(svc, manager, api_key, keyring), host=host, port=port, log_level="warning")
+    app = create_app(svc, manager, api_key, keyring, allowed_hosts=allowed_hosts.split(","),
+                     body_timeout_s=body_timeout_s)
+    # On SIGTERM, requests still running after the grace period are cancelled: shutdown is bounded.
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     if notifier is not None:
         notifier.close()  # a few seconds to send what is queued; the rest stays pending in the storage
 

@@ -62,6 +62,8 @@ def page(browser, request):
     page.on("dialog", lambda d: d.accept())  # the cancel button's confirm()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # what the service's Content-Security-Policy blocked (an inline script or style the page relies on)
+    page.on("console", lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None)
     page.requests = seen
     yield page
     context.close()

@@ -10,12 +10,13 @@ from tests.service.conftest import start_uvicorn
 
 
 class ApiOnly:
-    def __init__(self, store, **settings) -> None:
+    def __init__(self, store, app_options: dict | None = None, **settings) -> None:
+        """`app_options`: create_app's keyword arguments (allowed_hosts, body_timeout_s)."""
         self.svc = BatchService(Settings(storage=store.url, **settings), store=store)
         manager = BatchManager(self.svc)  # never started: batches are not run here
-        self.app = create_app(self.svc, manager)
+        self.app = create_app(self.svc, manager, **(app_options or {}))
         self.server, self.thread, port = start_uvicorn(self.app)
-        self.root = f"http://127.0.0.1:{port}"
+        self.port, self.root = port, f"http://127.0.0.1:{port}"
 
     def client(self):
         from openai import OpenAI
