@@ -274,7 +274,8 @@ class EngineWorker:
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])
             code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
-            self._fail(p, str(exc), code)
+            field = getattr(exc, "field", None)  # SamplingError names the field
+            self._fail(p, str(exc), code, f"body.{field}" if isinstance(field, str) else None)
 
     def _step(self) -> None:
         finished = self.engine.step()
@@ -296,18 +297,20 @@ class EngineWorker:
         if work is None:
             return  # aborted meanwhile
         result = result_dict(out)
+        if p.request.echo:
+            result["echo"] = echo_of(p.request, p.prompt_ids, self.engine.tokenizer)
         usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
         work.metrics.append(result["metrics"])
         entry = parts.entry(p.request.line, True, None, usage)
         entry["result"] = (p.request, result)  # the writer thread builds the envelope, off the step loop
         self._settle(work, p.request.line, entry)
 
-    def _fail(self, p: Prepared, message: str, code: str) -> None:
+    def _fail(self, p: Prepared, message: str, code: str, param: str | None = None) -> None:
         with self._cond:
             self._live.pop(p.request_id, None)
             work = self._ranges.get(p.range_key)
             if work is not None:
-                envelope = refused_line(p.request.custom_id, message, code)
+                envelope = refused_line(p.request.custom_id, message, code, param)
                 self._settle(work, p.request.line, parts.entry(p.request.line, False, envelope))
 
     def _settle(self, work: RangeWork, line: int, entry: dict) -> None:
@@ -431,17 +434,27 @@ def split_step(record: dict) -> dict[str, dict]:
 
 
 def result_dict(output) -> dict[str, Any]:
-    """A finished RequestOutput as plain data (no tensors cross the actor boundary)."""
+    """A finished RequestOutput as plain data (no tensors cross the actor boundary). Usage counts every
+    generated token, those of best_of candidates that were not returned included (the engine's metrics)."""
     metrics = output.metrics
+    returned = sum(len(c.token_ids) for c in output.outputs)
     return {
         "request_id": output.request_id,
         "prompt_tokens": len(output.prompt_token_ids),
-        "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
+        "completion_tokens": max(returned, metrics.num_output_tokens),
         "cached_tokens": metrics.num_cached_tokens,
         "completions": [
             {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
             for c in output.outputs
         ],
+        "prompt_logprobs": getattr(output, "prompt_logprobs", None),
         "metrics": metrics.as_dict(),
         "finished_at": time.time(),
     }
+
+
+def echo_of(request: ParsedRequest, prompt_ids: list[int], tokenizer) -> dict[str, str]:
+    """What `echo` puts before a completion: the prompt as written (token prompts decoded) and its first
+    token, which the prompt logprobs do not cover."""
+    text = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt_ids)
+    return {"text": text, "first_token": tokenizer.decode(prompt_ids[:1])}
