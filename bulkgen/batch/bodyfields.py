@@ -68,8 +68,21 @@ def check_refused(body: dict, endpoint: str) -> None:
         raise unsupported("response_format", "supports only {'type': 'text'} (no structured outputs yet)")
     for name in ("tool_choice", "function_call"):
         choice = body.get(name)
-        if choice is not None and choice not in ("none", "auto"):
-            raise unsupported(name, "supports 'none' and 'auto' only: forcing a call needs constrained decoding")
+        if choice is not None and choice not in ("none", "auto") and allowed_tools(choice) is None:
+            raise unsupported(name, "supports 'none', 'auto' and allowed_tools in mode 'auto' only: forcing a "
+                              "call needs constrained decoding")
+
+
+def allowed_tools(choice) -> list[str] | None:
+    """The function names of a tool_choice {"type": "allowed_tools", "allowed_tools": {"mode": "auto", ...}}
+    (the model may call those, or none); None for any other choice."""
+    allowed = choice.get("allowed_tools") if isinstance(choice, dict) and choice.get("type") == "allowed_tools" \
+        else None
+    if not isinstance(allowed, dict) or allowed.get("mode") != "auto" or not isinstance(allowed.get("tools"), list):
+        return None
+    names = [t.get("function", {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict)
+             else None for t in allowed["tools"]]
+    return names if all(isinstance(n, str) for n in names) else None
 
 
 def check_ignored(body: dict) -> None:

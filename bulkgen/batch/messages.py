@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bulkgen.batch.bodyfields import LineError, invalid
+from bulkgen.batch.bodyfields import LineError, allowed_tools, invalid
 from bulkgen.batch.schema import quote
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
@@ -121,9 +121,13 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, bool]:
         function = tool.get("function") if kind == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise invalid(f"{name}[{i}]", "must be {'type': 'function', 'function': {'name': ...}}", tool)
-    if not tools or (body.get("tool_choice") or body.get("function_call")) == "none":
+    choice = body.get("tool_choice") or body.get("function_call")
+    if choice == "none":
         return None, legacy
-    return tools, legacy
+    names = allowed_tools(choice)
+    if names is not None:  # allowed_tools, mode auto: the model sees (so may call) only those
+        tools = [t for t in tools if t["function"]["name"] in names]
+    return tools or None, legacy
 
 
 def template_kwargs(body: dict) -> dict[str, Any]:

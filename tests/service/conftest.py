@@ -137,7 +137,7 @@ class Service:
 def settings_for(storage: str, **overrides) -> Settings:
     workers = WorkerSettings(cpu_workers=overrides.pop("cpu_workers", 1),
                              engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
-    models = overrides.pop("models", None) or {MODEL: str(random_model())}
+    models = overrides.pop("models", None) or {MODEL: str(random_model()), TOOLS_MODEL: str(tool_model())}
     return Settings(storage=storage, models=models, range_size=16, workers=workers, **overrides)
 
 

@@ -117,7 +117,7 @@ def test_api_key_is_enforced_when_configured(tmp_path):
     try:
         with pytest.raises(openai.AuthenticationError):
             service.client(api_key="wrong").models.list()
-        assert [m.id for m in service.client(api_key="s3cret").models.list()] == ["bulkgen-tiny"]
+        assert [m.id for m in service.client(api_key="s3cret").models.list()] == ["bulkgen-tiny", "bulkgen-tools"]
         assert json.loads(get(service.base_url.removesuffix("/v1") + "/health").read())["status"] == "ok"
     finally:
         service.stop()
