@@ -51,6 +51,7 @@ class ParsedRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. reasoning_effort, where the template takes it
     echo: bool = False                              # completions: the prompt leads the text (and its logprobs)
     tool_format: str | None = None                  # set by prepare.tokenize from the chat template: parse calls
+    limit_field: str = "max_tokens"                 # the body field max_tokens came from (errors name it)
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -104,6 +105,8 @@ def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
         request.prompt = prompt(body.get("prompt"))
         request.echo = body.get("echo") is True
     request.sampling = sampling(body, endpoint)
+    if body.get("max_completion_tokens") is not None:
+        request.limit_field = "max_completion_tokens"
     return request
 
 

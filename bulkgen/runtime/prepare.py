@@ -73,7 +73,7 @@ def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> 
     if budget < 1 or max_tokens > budget:
         where = "body.messages" if request.messages is not None else "body.prompt"
         if budget >= 1:  # the prompt fits; the completion asked for is what does not
-            where = "body.max_tokens"
+            where = f"body.{request.limit_field}"
         raise LineError(
             "context_length_exceeded",
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "

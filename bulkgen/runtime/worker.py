@@ -198,7 +198,8 @@ class EngineWorker:
         for line, raw in lines:
             try:
                 request = parse_line(raw, line, job["endpoint"])
-            except LineError as err:  # validated by an older version with looser rules: refuse the line alone
+            except LineError as err:  # a body error (validation counted the line and indexed it), or a line
+                # validated under looser rules: refuse the line alone
                 custom_id = json.loads(raw).get("custom_id", "")
                 work.remaining[line] = custom_id
                 self._settle(work, line, parts.entry(line, False, refused_line(custom_id, err.message, err.code,

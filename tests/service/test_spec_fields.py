@@ -110,6 +110,9 @@ def test_huge_max_tokens_never_overflow_validation_or_the_index():
             fit_context(request, prompt_len=10, max_model_len=4096)
         assert (info.value.code, info.value.param) == ("context_length_exceeded", "body.max_tokens")
     with pytest.raises(LineError) as info:
+        fit_context(_chat(max_tokens=None, max_completion_tokens=5000), prompt_len=10, max_model_len=4096)
+    assert info.value.param == "body.max_completion_tokens"
+    with pytest.raises(LineError) as info:
         fit_context(_chat(), prompt_len=4096, max_model_len=4096)
     assert info.value.param == "body.messages"
 
