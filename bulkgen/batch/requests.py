@@ -16,7 +16,7 @@ from typing import Any
 
 from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
-from bulkgen.batch.sampling import prompt, sampling
+from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
 
 __all__ = ["CHAT", "COMPLETIONS", "LineError", "LineIdentity", "ParsedRequest", "parse_body", "parse_identity",
@@ -44,7 +44,9 @@ class ParsedRequest:
     model: str
     endpoint: str
     messages: list[dict[str, Any]] | None = None   # as the chat template takes them (role, content, name, ...)
-    prompt: str | list[int] | None = None
+    prompt: str | list[int] | None = None           # the (first) prompt
+    prompts: list[str | list[int]] | None = None    # every prompt, when the line holds several: choices of
+                                                    # prompt i get the indices i*n .. i*n+n-1
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None = to context
     tools: list[dict] | None = None                 # function tools, rendered through the chat template
     legacy_functions: bool = False                  # `functions` (not `tools`): answer with message.function_call
@@ -102,7 +104,8 @@ def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
         request.tools, request.legacy_functions = chat_tools(body)
         request.template_kwargs = template_kwargs(body)
     else:
-        request.prompt = prompt(body.get("prompt"))
+        all_prompts = prompts(body.get("prompt"))
+        request.prompt, request.prompts = all_prompts[0], (all_prompts if len(all_prompts) > 1 else None)
         request.echo = body.get("echo") is True
     request.sampling = sampling(body, endpoint)
     if body.get("max_completion_tokens") is not None:

@@ -101,16 +101,26 @@ def _chat_logprob(token: dict) -> dict[str, Any]:
     }
 
 
+def merge_results(results: list[dict], n: int) -> dict[str, Any]:
+    """The results of a completions line's several prompts (one engine request each) as the line's one result:
+    prompt i's choices get the indices i*n .. i*n+n-1, as the API numbers them; usage is summed."""
+    merged = {**results[0], "completions": [], "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for i, result in enumerate(results):
+        for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+            merged[key] += result.get(key, 0)
+        merged["completions"] += [{**c, "index": i * n + c["index"]} for c in result["completions"]]
+    return merged
+
+
 def completion_body(result: dict, model: str) -> dict[str, Any]:
-    """`result["echo"]` (the request asked for `echo`): the prompt's text leads each choice's text, and its
-    tokens lead the logprobs (the first prompt token has none, as the API answers)."""
-    echo = result.get("echo")
+    """A completion's `echo` (the request asked for it): its prompt's text leads the choice's text, and the
+    prompt's tokens (`prompt_logprobs`) lead the logprobs (the first prompt token has none, as the API answers)."""
     choices = []
     for c in result["completions"]:
-        tokens = c.get("logprobs")
+        tokens, echo = c.get("logprobs"), c.get("echo")
         if echo is not None and tokens is not None:
             first = {"token": echo["first_token"], "logprob": None, "top_logprobs": None}
-            tokens = [first, *(result.get("prompt_logprobs") or []), *tokens]
+            tokens = [first, *(c.get("prompt_logprobs") or []), *tokens]
         choices.append({"text": (echo["text"] if echo else "") + c["text"], "index": c["index"],
                         "logprobs": _completion_logprobs(tokens), "finish_reason": c["finish_reason"]})
     return {"id": random_id("cmpl-"), "object": "text_completion", "created": int(time.time()),

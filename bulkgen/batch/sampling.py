@@ -47,21 +47,27 @@ def sampling(body: dict, endpoint: str) -> dict[str, Any]:
     return out
 
 
-def prompt(value: Any) -> str | list[int]:
-    """A string (empty: the start of a document, as the API's default), token ids, or a list of exactly one."""
-    if value is None:
-        return ""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and all(type(t) is int and t >= 0 for t in value):
-        return value
-    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, str | list) for p in value):
-        raise LineError("unsupported_parameter", f"body.prompt holds {len(value)} prompts; bulkgen runs one prompt "
-                        "per line (put each on its own line)", "body.prompt")
-    raise LineError("invalid_prompt", f"body.prompt must be a string or a non-empty list of token ids (ints >= 0); "
-                    f"got {quote(value)}", "body.prompt")
+MAX_PROMPTS = 128
+
+
+def prompts(value: Any) -> list[str | list[int]]:
+    """The spec's four prompt forms as a list of prompts: a string (empty or null: the start of a document, as
+    the API's default), token ids, a list of strings, a list of token-id lists."""
+    if value is None or isinstance(value, str):
+        return [value or ""]
+    if _token_ids(value):
+        return [value]
+    if not isinstance(value, list) or not value or not all(isinstance(p, str) or _token_ids(p) for p in value):
+        raise LineError("invalid_prompt", "body.prompt must be a string, a non-empty list of token ids (ints "
+                        f">= 0), or a list of either; got {quote(value)}", "body.prompt")
+    if len(value) > MAX_PROMPTS:
+        raise invalid("prompt", f"may hold at most {MAX_PROMPTS} prompts (put the rest on other lines)",
+                      f"{len(value)} prompts")
+    return value
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
 def _is_int(value: Any) -> bool:

@@ -9,10 +9,18 @@ that line's 400.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from bulkgen.batch.requests import LineError, ParsedRequest
 from bulkgen.batch.tools import tool_format
+
+
+def split_prompts(request: ParsedRequest) -> list[ParsedRequest]:
+    """A completions line with several prompts as one request per prompt (the worker merges their choices)."""
+    if not request.prompts:
+        return [request]
+    return [replace(request, prompt=prompt, prompts=None) for prompt in request.prompts]
 
 
 def tokenize(request: ParsedRequest, tokenizer) -> list[int]:

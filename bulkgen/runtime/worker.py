@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
-from bulkgen.batch.responses import not_run_line, refused_line, success_line
+from bulkgen.batch.responses import merge_results, not_run_line, refused_line, success_line
 from bulkgen.models.registry import resolve_model_path
 from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import read_lines
-from bulkgen.runtime.prepare import fit_context, tokenize
+from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 from bulkgen.runtime.workqueue import model_key
 from bulkgen.store import StorageUnavailable, open_store
 
@@ -45,6 +45,8 @@ class Prepared:
     request: ParsedRequest
     prompt_ids: list[int]
     params: dict[str, Any]
+    part: int = 0      # a completions line with several prompts runs one engine request per prompt:
+    parts: int = 1     # this is prompt `part` of `parts`
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RangeWork:
     remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
     entries: list[dict] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
+    partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
 
     @property
     def key(self) -> tuple:
@@ -206,14 +209,13 @@ class EngineWorker:
                                                                                 err.param)))
                 continue
             work.remaining[line] = request.custom_id
+            subs = split_prompts(request)
             try:
-                ids = tokenize(request, self.engine.tokenizer)
-                params = fit_context(request, len(ids), self.engine.max_model_len)
+                ready += [self._prepared(f"{job['batch_id']}|{line}", key, sub, k, len(subs))
+                          for k, sub in enumerate(subs)]
             except LineError as err:
                 self._settle(work, line, parts.entry(line, False, refused_line(request.custom_id, err.message,
                                                                                 err.code, err.param)))
-                continue
-            ready.append(Prepared(f"{job['batch_id']}|{line}", key, request, ids, params))
         with self._cond:
             self._preparing -= spec["hi"] - spec["lo"]
             if job["batch_id"] in self._stopped:
@@ -223,6 +225,11 @@ class EngineWorker:
             if not work.remaining:
                 self._complete(key)
             self._cond.notify_all()
+
+    def _prepared(self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int) -> Prepared:
+        ids = tokenize(request, self.engine.tokenizer)
+        params = fit_context(request, len(ids), self.engine.max_model_len)
+        return Prepared(request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count)
 
     # -- the engine thread ------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
@@ -299,9 +306,17 @@ class EngineWorker:
             return  # aborted meanwhile
         result = result_dict(out)
         if p.request.echo:
-            result["echo"] = echo_of(p.request, p.prompt_ids, self.engine.tokenizer)
-        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
+            echo = echo_of(p.request, p.prompt_ids, self.engine.tokenizer)
+            for c in result["completions"]:
+                c.update(echo=echo, prompt_logprobs=result["prompt_logprobs"])
         work.metrics.append(result["metrics"])
+        if p.parts > 1:  # one prompt of several: the line is done when every prompt is
+            done = work.partials.setdefault(p.request.line, {})
+            done[p.part] = result
+            if len(done) < p.parts:
+                return
+            result = merge_results([done.pop(k) for k in range(p.parts)], p.params.get("n", 1))
+        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
         entry = parts.entry(p.request.line, True, None, usage)
         entry["result"] = (p.request, result)  # the writer thread builds the envelope, off the step loop
         self._settle(work, p.request.line, entry)

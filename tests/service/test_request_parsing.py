@@ -64,7 +64,9 @@ def test_completion_prompt_forms():
     row["body"]["prompt"] = [1, 2, 3]
     assert parse_line(_line(row), 1, COMPLETIONS).prompt == [1, 2, 3]
     row["body"]["prompt"] = ["two", "prompts"]
-    with pytest.raises(LineError, match="one prompt per line"):
+    assert parse_line(_line(row), 1, COMPLETIONS).prompts == ["two", "prompts"]
+    row["body"]["prompt"] = [True]
+    with pytest.raises(LineError, match="body.prompt must be"):
         parse_line(_line(row), 1, COMPLETIONS)
 
 

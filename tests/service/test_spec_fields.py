@@ -9,10 +9,10 @@ import json
 import pytest
 
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
-from bulkgen.batch.responses import completion_body
+from bulkgen.batch.responses import completion_body, merge_results
 from bulkgen.batch.validate import Validator, validate_stream
 from bulkgen.runtime.lineindex import IndexBuilder
-from bulkgen.runtime.prepare import fit_context
+from bulkgen.runtime.prepare import fit_context, split_prompts
 from tests.service.conftest import MODEL, chat_row, completion_row
 
 IGNORED = {"store": False, "metadata": {"team": "a"}, "service_tier": "flex", "safety_identifier": "u-1",
@@ -80,7 +80,11 @@ def test_completion_refusals_and_prompt_forms():
     assert _refused(_completion, suffix="end")[1] == "body.suffix"
     assert _completion(suffix="").prompt == "hi"
     assert _refused(_completion, best_of=1, n=2) == ("invalid_parameter", "body.best_of")
-    assert _refused(_completion, prompt=["a", "b"]) == ("unsupported_parameter", "body.prompt")
+    several = _completion(prompt=["a", [5, 6], "c"])
+    assert (several.prompt, several.prompts) == ("a", ["a", [5, 6], "c"])
+    assert [r.prompt for r in split_prompts(several)] == ["a", [5, 6], "c"]
+    assert _refused(_completion, prompt=["x"] * 129) == ("invalid_parameter", "body.prompt")
+    assert _refused(_completion, prompt=["a", [-1]]) == ("invalid_prompt", "body.prompt")
     assert _completion(prompt="").prompt == "" and _completion(prompt=None).prompt == ""
     assert _completion(prompt=[[5, 6]]).prompt == [5, 6]
 
@@ -139,12 +143,22 @@ def test_a_file_error_fails_the_file_and_lists_the_body_errors_too():
 
 
 def test_echo_leads_text_and_logprobs_with_the_prompt():
-    result = {"prompt_tokens": 2, "completion_tokens": 1, "cached_tokens": 0,
-              "echo": {"text": "ab", "first_token": "a"},
-              "prompt_logprobs": [{"token": "b", "logprob": -1.0, "top_logprobs": [{"token": "b", "logprob": -1.0}]}],
-              "completions": [{"index": 0, "text": "c", "finish_reason": "length",
-                               "logprobs": [{"token": "c", "logprob": -0.5, "top_logprobs": []}]}]}
+    result = {"prompt_tokens": 2, "completion_tokens": 1, "cached_tokens": 0, "completions": [{
+        "index": 0, "text": "c", "finish_reason": "length", "echo": {"text": "ab", "first_token": "a"},
+        "prompt_logprobs": [{"token": "b", "logprob": -1.0, "top_logprobs": [{"token": "b", "logprob": -1.0}]}],
+        "logprobs": [{"token": "c", "logprob": -0.5, "top_logprobs": []}]}]}
     choice = completion_body(result, "m")["choices"][0]
     assert choice["text"] == "abc"
     assert choice["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -1.0, -0.5],
                                   "top_logprobs": [None, {"b": -1.0}, {}], "text_offset": [0, 1, 2]}
+
+
+def test_several_prompts_number_their_choices_across_prompts():
+    def result(tag: str, tokens: int) -> dict:
+        return {"prompt_tokens": tokens, "completion_tokens": 2, "cached_tokens": 1, "completions": [
+            {"index": i, "text": f"{tag}{i}", "finish_reason": "length", "logprobs": None} for i in range(2)]}
+
+    merged = merge_results([result("a", 3), result("b", 4), result("c", 5)], n=2)
+    assert [(c["index"], c["text"]) for c in merged["completions"]] == [
+        (0, "a0"), (1, "a1"), (2, "b0"), (3, "b1"), (4, "c0"), (5, "c1")]
+    assert (merged["prompt_tokens"], merged["completion_tokens"], merged["cached_tokens"]) == (12, 6, 3)

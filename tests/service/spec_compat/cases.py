@@ -1,8 +1,7 @@
 """The values the spec-compatibility corpus tries, per field: (field, label, body change, refused param or None).
 
 Values are the spec's limits, defaults, null and each enum member, plus the shapes a field takes. Refusals are
-exactly README's list: features a text-only self-hosted model cannot honour, and completions' several prompts
-per line (bulkgen runs one prompt per line).
+exactly README's list: features a text-only self-hosted model cannot honour, and a max_tokens beyond the context.
 """
 
 from __future__ import annotations
@@ -114,8 +113,9 @@ CASES: dict[str, list[tuple]] = {CHAT: [
     ("prompt", "string", {"prompt": "Once upon"}, None), ("prompt", "empty", {"prompt": ""}, None),
     ("prompt", "null", {"prompt": None}, None), ("prompt", "one-string", {"prompt": ["Once upon"]}, None),
     ("prompt", "tokens", {"prompt": [79, 110, 99, 101]}, None), ("prompt", "one-token-list", {"prompt": [[79, 110]]}, None),
-    ("prompt", "strings", {"prompt": ["Once", "upon"]}, "body.prompt"),
-    ("prompt", "token-lists", {"prompt": [[79], [110]]}, "body.prompt"),
+    ("prompt", "strings", {"prompt": ["Once", "upon"]}, None),
+    ("prompt", "token-lists", {"prompt": [[79], [110]]}, None),
+    ("prompt", "strings-n2-echo", {"prompt": ["Once", "upon", "zebra"], "n": 2, "echo": True}, None),
     *_values("max_tokens", 0, 16, None), *_values("best_of", 1, 2, 20, None),
     *_values("echo", True, False, None), ("echo", "logprobs", {"echo": True, "logprobs": 2}, None),
     *_values("logprobs", 0, 5, None),

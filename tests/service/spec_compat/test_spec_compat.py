@@ -23,7 +23,7 @@ DOCUMENTED_REFUSALS = {
         "body.response_format", "body.tool_choice", "body.function_call", "body.tools[0].type",
         "body.messages[0].content[1].type", "body.max_tokens",
     },
-    "/v1/completions": {"body.stream", "body.suffix", "body.prompt"},
+    "/v1/completions": {"body.stream", "body.suffix"},
 }
 
 
@@ -87,6 +87,10 @@ def test_honoured_values_shape_the_answers(finished):
     assert body["echo.logprobs"]["choices"][0]["logprobs"]["tokens"][0] == "O"  # the prompt's first token leads
     assert len(body["top_logprobs.20"]["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
     assert body["max_tokens.0"]["usage"]["completion_tokens"] == 0
+    several = sorted(body["prompt.strings-n2-echo"]["choices"], key=lambda c: c["index"])
+    assert [c["index"] for c in several] == list(range(6))  # prompt i's choices: i*n .. i*n+n-1
+    assert all(c["text"].startswith(p) for c, p in zip(several, ["Once", "Once", "upon", "upon", "zebra", "zebra"],
+                                                         strict=True))
 
 
 def test_tool_definitions_reach_the_model_through_its_template(finished):
