@@ -7,12 +7,11 @@ import time
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from bulkgen import __version__
 from bulkgen.api import auth, batches, dashboard, errors, files
 from bulkgen.api.prometheus import RecordCache, render_metrics
-from bulkgen.batch.schema import quote
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
 
@@ -37,11 +36,6 @@ class StorageProbe:
             return self.last
 
 
-def model_object(name: str) -> dict:
-    """A served model as the Models API shows it (bulkgen has no creation date for a model: 0)."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"}
-
-
 def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None = None) -> FastAPI:
     """`svc`: bulkgen.batch.service.BatchService (its tenant answers keyless callers); `manager`: runs
     batches. `keyring` (tenants and their key hashes) or `api_key` (one key, svc's tenant) require keys."""
@@ -57,14 +51,19 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_object(name) for name in svc.settings.models]}
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in svc.settings.models]
+        return {"object": "list", "data": data}
 
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> JSONResponse:
-        if model not in svc.settings.models:
-            body = errors.error_body(f"The model {quote(model, 64)} does not exist", "model", "model_not_found")
-            return JSONResponse(body, status_code=404)
-        return JSONResponse(model_object(model))
+    @app.get("/v1/models/{model:path}", response_model=None)
+    async def retrieve_model(model: str):
+        """One served model (the SDK's models.retrieve); an unknown one is a 404 in OpenAI's shape."""
+        from fastapi.responses import JSONResponse
+
+        found = [entry for entry in (await list_models())["data"] if entry["id"] == model]
+        if found:
+            return found[0]
+        body = errors.error_body(f"The model {model[:64]!r} does not exist", "model", "model_not_found")
+        return JSONResponse(body, status_code=404)
 
     probe = app.state.storage_probe = StorageProbe(svc.root)
 
