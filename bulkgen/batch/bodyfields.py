@@ -14,19 +14,61 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 # Honoured: these change what the model generates (bulkgen.batch.sampling, bulkgen.batch.messages).
-_HONOURED_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "seed", "stop", "logprobs",
-                    "frequency_penalty", "presence_penalty", "logit_bias", "stream"}
+_HONOURED_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "seed",
+    "stop",
+    "logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "stream",
+}
 # Accepted and ignored: a hint about the hosted service (billing, caching, retention, latency) that does not
 # change the result of a self-hosted run. Each is still type-checked, so a typo is told, not swallowed.
 IGNORED = {
-    "store": bool, "metadata": dict, "service_tier": str, "safety_identifier": str, "prompt_cache_key": str,
-    "prompt_cache_retention": str, "prompt_cache_options": dict, "user": str, "stream_options": dict,
-    "prediction": dict, "verbosity": str, "parallel_tool_calls": bool,
+    "store": bool,
+    "metadata": dict,
+    "service_tier": str,
+    "safety_identifier": str,
+    "prompt_cache_key": str,
+    "prompt_cache_retention": str,
+    "prompt_cache_options": dict,
+    "user": str,
+    "stream_options": dict,
+    "prediction": dict,
+    "verbosity": str,
+    "parallel_tool_calls": bool,
 }
-_CHAT_ONLY = {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
-              "functions", "function_call", "modalities", "reasoning_effort", "audio", "web_search_options",
-              "moderation", "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-              "prompt_cache_retention", "prompt_cache_options", "prediction", "verbosity", "parallel_tool_calls"}
+_CHAT_ONLY = {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "modalities",
+    "reasoning_effort",
+    "audio",
+    "web_search_options",
+    "moderation",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "prediction",
+    "verbosity",
+    "parallel_tool_calls",
+}
 BODY_FIELDS = {
     CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
     COMPLETIONS: _HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"},
@@ -69,24 +111,40 @@ def check_refused(body: dict, endpoint: str) -> None:
     for name in ("tool_choice", "function_call"):
         choice = body.get(name)
         if choice is not None and choice not in ("none", "auto") and allowed_tools(choice) is None:
-            raise unsupported(name, "supports 'none', 'auto' and allowed_tools in mode 'auto' only: forcing a "
-                              "call needs constrained decoding")
+            raise unsupported(
+                name,
+                "supports 'none', 'auto' and allowed_tools in mode 'auto' only: forcing a "
+                "call needs constrained decoding",
+            )
 
 
 def allowed_tools(choice) -> list[str] | None:
     """The function names of a tool_choice {"type": "allowed_tools", "allowed_tools": {"mode": "auto", ...}}
     (the model may call those, or none); None for any other choice."""
-    allowed = choice.get("allowed_tools") if isinstance(choice, dict) and choice.get("type") == "allowed_tools" \
+    allowed = (
+        choice.get("allowed_tools")
+        if isinstance(choice, dict) and choice.get("type") == "allowed_tools"
         else None
-    if not isinstance(allowed, dict) or allowed.get("mode") != "auto" or not isinstance(allowed.get("tools"), list):
+    )
+    if (
+        not isinstance(allowed, dict)
+        or allowed.get("mode") != "auto"
+        or not isinstance(allowed.get("tools"), list)
+    ):
         return None
-    names = [t.get("function", {}).get("name") if isinstance(t, dict) and isinstance(t.get("function"), dict)
-             else None for t in allowed["tools"]]
+    names = [
+        t.get("function", {}).get("name")
+        if isinstance(t, dict) and isinstance(t.get("function"), dict)
+        else None
+        for t in allowed["tools"]
+    ]
     return names if all(isinstance(n, str) for n in names) else None
 
 
 def check_ignored(body: dict) -> None:
     for name, kind in IGNORED.items():
         value = body.get(name)
-        if value is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+        if value is not None and (
+            not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))
+        ):
             raise invalid(name, f"must be {'an object' if kind is dict else kind.__name__} (or null)", value)

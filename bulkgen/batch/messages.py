@@ -14,8 +14,14 @@ from typing import Any
 from bulkgen.batch.bodyfields import LineError, allowed_tools, invalid
 from bulkgen.batch.schema import quote
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool",
-          "function": "function"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "function",
+}
 _MEDIA_PARTS = {"image_url", "input_audio", "file"}
 
 
@@ -38,7 +44,9 @@ def _message(message: Any, param: str) -> dict[str, Any]:
     elif role == "tool":
         out["tool_call_id"] = _string(message.get("tool_call_id"), f"{param}.tool_call_id")
     elif role == "function" and name is None:
-        raise LineError("invalid_messages", f"{param}.name is required for a function message", f"{param}.name")
+        raise LineError(
+            "invalid_messages", f"{param}.name is required for a function message", f"{param}.name"
+        )
     return out
 
 
@@ -60,15 +68,22 @@ def _assistant(message: dict, out: dict, param: str) -> None:
 def _tool_call(call: Any, param: str) -> dict[str, Any]:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise LineError("invalid_messages", f"{param} must be {{'type': 'function', 'function': {{'name', "
-                        "'arguments'}}}", param)
+        raise LineError(
+            "invalid_messages",
+            f"{param} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}}}",
+            param,
+        )
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:  # templates render arguments with `tojson`: hand them the object, not its JSON text
             arguments = json.loads(arguments)
         except ValueError:
             pass
-    return {"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
 
 
 def _content(content: Any, param: str, role: str) -> str | None:
@@ -77,18 +92,24 @@ def _content(content: Any, param: str, role: str) -> str | None:
     if content is None and role in ("assistant", "tool", "function"):
         return None
     if not isinstance(content, list):
-        raise LineError("invalid_messages", f"{param}.content must be a string or a list of content parts", param)
+        raise LineError(
+            "invalid_messages", f"{param}.content must be a string or a list of content parts", param
+        )
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"{param}.content[{j}]"
         if kind in _MEDIA_PARTS:
-            raise LineError("unsupported_parameter", f"{where} is a {kind} part; this model takes text only",
-                            f"{where}.type")
+            raise LineError(
+                "unsupported_parameter",
+                f"{where} is a {kind} part; this model takes text only",
+                f"{where}.type",
+            )
         text = part.get("text") if kind == "text" else part.get("refusal") if kind == "refusal" else None
         if not isinstance(text, str):
-            raise LineError("invalid_messages", f"{where} must be a text part ({{'type': 'text', 'text': ...}})",
-                            where)
+            raise LineError(
+                "invalid_messages", f"{where} must be a text part ({{'type': 'text', 'text': ...}})", where
+            )
         texts.append(text)
     return "".join(texts)
 
@@ -116,8 +137,12 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, bool]:
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "custom":
-            raise LineError("unsupported_parameter", f"body.{name}[{i}] is a custom tool (free-form input needs "
-                            "constrained decoding); use a function tool", f"body.{name}[{i}].type")
+            raise LineError(
+                "unsupported_parameter",
+                f"body.{name}[{i}] is a custom tool (free-form input needs "
+                "constrained decoding); use a function tool",
+                f"body.{name}[{i}].type",
+            )
         function = tool.get("function") if kind == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise invalid(f"{name}[{i}]", "must be {'type': 'function', 'function': {'name': ...}}", tool)

@@ -57,12 +57,23 @@ def prompts(value: Any) -> list[str | list[int]]:
         return [value or ""]
     if _token_ids(value):
         return [value]
-    if not isinstance(value, list) or not value or not all(isinstance(p, str) or _token_ids(p) for p in value):
-        raise LineError("invalid_prompt", "body.prompt must be a string, a non-empty list of token ids (ints "
-                        f">= 0), or a list of either; got {quote(value)}", "body.prompt")
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(p, str) or _token_ids(p) for p in value)
+    ):
+        raise LineError(
+            "invalid_prompt",
+            "body.prompt must be a string, a non-empty list of token ids (ints "
+            f">= 0), or a list of either; got {quote(value)}",
+            "body.prompt",
+        )
     if len(value) > MAX_PROMPTS:
-        raise invalid("prompt", f"may hold at most {MAX_PROMPTS} prompts (put the rest on other lines)",
-                      f"{len(value)} prompts")
+        raise invalid(
+            "prompt",
+            f"may hold at most {MAX_PROMPTS} prompts (put the rest on other lines)",
+            f"{len(value)} prompts",
+        )
     return value
 
 

@@ -71,4 +71,8 @@ def _call(raw: str | Any) -> dict[str, Any] | None:
     arguments = raw.get("arguments", raw.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": random_id("call_"), "type": "function", "function": {"name": raw["name"], "arguments": arguments}}
+    return {
+        "id": random_id("call_"),
+        "type": "function",
+        "function": {"name": raw["name"], "arguments": arguments},
+    }

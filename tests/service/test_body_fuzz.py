@@ -24,17 +24,59 @@ TOKENIZER = build_tokenizer()
 TOKENIZER.chat_template = HERMES_TEMPLATE
 MAX_MODEL_LEN = 4096
 
-_scalars = (st.none() | st.booleans() | st.integers() | st.integers(-2**70, 2**70)
-            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-            | st.sampled_from(["auto", "none", "text", "required", "function", "user", "0", "-1", "1e3"])
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["auto", "none", "text", "required", "function", "user", "0", "-1", "1e3"])
 )
 # The values where limits lie (drawn half the time, so every field meets them within a few hundred examples).
-EDGES = st.sampled_from([0, 1, -1, 0.5, 2, -2, 2.5, 5, 20, 21, 128, 129, 4096, 2**63 - 1, 2**63, -2**63, 2**64,
-                         None, True, "", {}, [], {"1": 5}, {"300": -100}, [[1, 2]], [1, 2]])
-JSON = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
-                    | st.dictionaries(st.sampled_from(["type", "name", "text", "role", "content", "function",
-                                                       "arguments", "0", "7"]) | st.text(max_size=6),
-                                      inner, max_size=4), max_leaves=12)
+EDGES = st.sampled_from(
+    [
+        0,
+        1,
+        -1,
+        0.5,
+        2,
+        -2,
+        2.5,
+        5,
+        20,
+        21,
+        128,
+        129,
+        4096,
+        2**63 - 1,
+        2**63,
+        -(2**63),
+        2**64,
+        None,
+        True,
+        "",
+        {},
+        [],
+        {"1": 5},
+        {"300": -100},
+        [[1, 2]],
+        [1, 2],
+    ]
+)
+JSON = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["type", "name", "text", "role", "content", "function", "arguments", "0", "7"])
+            | st.text(max_size=6),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=12,
+)
 
 
 def _line(endpoint: str, field: str, value) -> str:
@@ -49,16 +91,22 @@ def _run_like_a_worker(raw: str, endpoint: str, field: str) -> None:
         ids = tokenize(request, TOKENIZER)
         SamplingParams(**fit_context(request, len(ids), MAX_MODEL_LEN))
     except LineError as err:
-        assert err.param is not None and (err.param == f"body.{field}" or err.param.startswith(
-            (f"body.{field}[", f"body.{field}.")) or err.code == "context_length_exceeded"), (err.param, err.message)
+        assert err.param is not None and (
+            err.param == f"body.{field}"
+            or err.param.startswith((f"body.{field}[", f"body.{field}."))
+            or err.code == "context_length_exceeded"
+        ), (err.param, err.message)
         assert len(err.message) < 400
 
 
 def _validate_and_index(raw: str, endpoint: str) -> None:
     builder = IndexBuilder()
     result = validate_stream(io.BytesIO(raw.encode() + b"\n"), Validator(endpoint, [MODEL], 10), builder.add)
-    assert result.ok or [e["code"] for e in result.errors] == ["missing_model"] or \
-        [e["code"] for e in result.errors] == ["model_not_found"]
+    assert (
+        result.ok
+        or [e["code"] for e in result.errors] == ["missing_model"]
+        or [e["code"] for e in result.errors] == ["model_not_found"]
+    )
     builder.build()
 
 

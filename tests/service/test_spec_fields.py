@@ -15,11 +15,25 @@ from bulkgen.runtime.lineindex import IndexBuilder
 from bulkgen.runtime.prepare import fit_context, split_prompts
 from tests.service.conftest import MODEL, chat_row, completion_row
 
-IGNORED = {"store": False, "metadata": {"team": "a"}, "service_tier": "flex", "safety_identifier": "u-1",
-           "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "1h"},
-           "user": "u", "stream_options": {"include_usage": True}, "modalities": ["text"],
-           "prediction": {"type": "content", "content": "x"}, "verbosity": "low", "parallel_tool_calls": False,
-           "function_call": "auto", "tool_choice": "none", "stream": False, "response_format": {"type": "text"}}
+IGNORED = {
+    "store": False,
+    "metadata": {"team": "a"},
+    "service_tier": "flex",
+    "safety_identifier": "u-1",
+    "prompt_cache_key": "k",
+    "prompt_cache_retention": "24h",
+    "prompt_cache_options": {"ttl": "1h"},
+    "user": "u",
+    "stream_options": {"include_usage": True},
+    "modalities": ["text"],
+    "prediction": {"type": "content", "content": "x"},
+    "verbosity": "low",
+    "parallel_tool_calls": False,
+    "function_call": "auto",
+    "tool_choice": "none",
+    "stream": False,
+    "response_format": {"type": "text"},
+}
 
 
 def _chat(**body):
@@ -39,11 +53,39 @@ def _refused(parse, **body) -> tuple[str, str]:
 
 
 def test_null_means_default_for_every_nullable_field():
-    nulls = dict.fromkeys(["top_p", "n", "seed", "stop", "logprobs", "top_logprobs",
-                           "max_completion_tokens", "frequency_penalty", "presence_penalty", "logit_bias",
-                           *IGNORED, "tools", "functions", "audio", "web_search_options", "reasoning_effort"])
-    assert _chat(**nulls).sampling == _chat().sampling == {
-        "max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "n": 1, "seed": None, "stop": None, "logprobs": None}
+    nulls = dict.fromkeys(
+        [
+            "top_p",
+            "n",
+            "seed",
+            "stop",
+            "logprobs",
+            "top_logprobs",
+            "max_completion_tokens",
+            "frequency_penalty",
+            "presence_penalty",
+            "logit_bias",
+            *IGNORED,
+            "tools",
+            "functions",
+            "audio",
+            "web_search_options",
+            "reasoning_effort",
+        ]
+    )
+    assert (
+        _chat(**nulls).sampling
+        == _chat().sampling
+        == {
+            "max_tokens": 8,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "n": 1,
+            "seed": None,
+            "stop": None,
+            "logprobs": None,
+        }
+    )
     assert _chat(temperature=None).sampling["temperature"] == 1.0
     plain = _completion(**dict.fromkeys(["best_of", "echo", "suffix", "logprobs", "max_tokens"]))
     assert plain.sampling["max_tokens"] is None and plain.echo is False
@@ -53,27 +95,40 @@ def test_service_hints_are_accepted_and_ignored():
     assert _chat(**IGNORED).sampling == _chat().sampling
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"stream": True}, "body.stream"), ({"audio": {"voice": "alloy", "format": "mp3"}}, "body.audio"),
-    ({"web_search_options": {}}, "body.web_search_options"), ({"modalities": ["text", "audio"]}, "body.modalities"),
-    ({"response_format": {"type": "json_object"}}, "body.response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "body.response_format"),
-    ({"tool_choice": "required"}, "body.tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "body.tool_choice"),
-    ({"function_call": {"name": "f"}}, "body.function_call"), ({"moderation": {"model": "m"}}, "body.moderation"),
-    ({"store": "yes"}, "body.store"), ({"metadata": [1]}, "body.metadata"), ({"user": 5}, "body.user"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"stream": True}, "body.stream"),
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "body.audio"),
+        ({"web_search_options": {}}, "body.web_search_options"),
+        ({"modalities": ["text", "audio"]}, "body.modalities"),
+        ({"response_format": {"type": "json_object"}}, "body.response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "body.response_format"),
+        ({"tool_choice": "required"}, "body.tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "body.tool_choice"),
+        ({"function_call": {"name": "f"}}, "body.function_call"),
+        ({"moderation": {"model": "m"}}, "body.moderation"),
+        ({"store": "yes"}, "body.store"),
+        ({"metadata": [1]}, "body.metadata"),
+        ({"user": 5}, "body.user"),
+    ],
+)
 def test_what_cannot_be_honoured_is_refused_by_name(body, param):
     assert _refused(_chat, **body)[1] == param
 
 
 def test_media_parts_are_refused_naming_the_part():
     row = chat_row("a", "hi")
-    row["body"]["messages"][0]["content"] = [{"type": "text", "text": "look"},
-                                             {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]
+    row["body"]["messages"][0]["content"] = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+    ]
     with pytest.raises(LineError) as info:
         parse_line(json.dumps(row), 1, CHAT)
-    assert (info.value.code, info.value.param) == ("unsupported_parameter", "body.messages[0].content[1].type")
+    assert (info.value.code, info.value.param) == (
+        "unsupported_parameter",
+        "body.messages[0].content[1].type",
+    )
 
 
 def test_completion_refusals_and_prompt_forms():
@@ -126,12 +181,23 @@ def _file(rows: list) -> io.BytesIO:
 
 
 def test_a_body_error_refuses_its_line_and_keeps_it_in_the_index():
-    rows = [chat_row("a", "hi"), chat_row("b", "hi", temperature=7), chat_row("c", "hi", tool_choice="required")]
+    rows = [
+        chat_row("a", "hi"),
+        chat_row("b", "hi", temperature=7),
+        chat_row("c", "hi", tool_choice="required"),
+    ]
     builder = IndexBuilder()
     result = validate_stream(_file(rows), Validator(CHAT, [MODEL], 100), builder.add)
     assert result.ok and result.total == 3 and result.refused_count == 2
-    assert [(e["line"], e["param"]) for e in result.refused] == [(2, "body.temperature"), (3, "body.tool_choice")]
-    assert list(builder.build().lines) == [1, 2, 3]  # the runner cuts ranges over every line; workers refuse 2, 3
+    assert [(e["line"], e["param"]) for e in result.refused] == [
+        (2, "body.temperature"),
+        (3, "body.tool_choice"),
+    ]
+    assert list(builder.build().lines) == [
+        1,
+        2,
+        3,
+    ]  # the runner cuts ranges over every line; workers refuse 2, 3
 
 
 def test_a_file_error_fails_the_file_and_lists_the_body_errors_too():
@@ -143,22 +209,52 @@ def test_a_file_error_fails_the_file_and_lists_the_body_errors_too():
 
 
 def test_echo_leads_text_and_logprobs_with_the_prompt():
-    result = {"prompt_tokens": 2, "completion_tokens": 1, "cached_tokens": 0, "completions": [{
-        "index": 0, "text": "c", "finish_reason": "length", "echo": {"text": "ab", "first_token": "a"},
-        "prompt_logprobs": [{"token": "b", "logprob": -1.0, "top_logprobs": [{"token": "b", "logprob": -1.0}]}],
-        "logprobs": [{"token": "c", "logprob": -0.5, "top_logprobs": []}]}]}
+    result = {
+        "prompt_tokens": 2,
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+        "completions": [
+            {
+                "index": 0,
+                "text": "c",
+                "finish_reason": "length",
+                "echo": {"text": "ab", "first_token": "a"},
+                "prompt_logprobs": [
+                    {"token": "b", "logprob": -1.0, "top_logprobs": [{"token": "b", "logprob": -1.0}]}
+                ],
+                "logprobs": [{"token": "c", "logprob": -0.5, "top_logprobs": []}],
+            }
+        ],
+    }
     choice = completion_body(result, "m")["choices"][0]
     assert choice["text"] == "abc"
-    assert choice["logprobs"] == {"tokens": ["a", "b", "c"], "token_logprobs": [None, -1.0, -0.5],
-                                  "top_logprobs": [None, {"b": -1.0}, {}], "text_offset": [0, 1, 2]}
+    assert choice["logprobs"] == {
+        "tokens": ["a", "b", "c"],
+        "token_logprobs": [None, -1.0, -0.5],
+        "top_logprobs": [None, {"b": -1.0}, {}],
+        "text_offset": [0, 1, 2],
+    }
 
 
 def test_several_prompts_number_their_choices_across_prompts():
     def result(tag: str, tokens: int) -> dict:
-        return {"prompt_tokens": tokens, "completion_tokens": 2, "cached_tokens": 1, "completions": [
-            {"index": i, "text": f"{tag}{i}", "finish_reason": "length", "logprobs": None} for i in range(2)]}
+        return {
+            "prompt_tokens": tokens,
+            "completion_tokens": 2,
+            "cached_tokens": 1,
+            "completions": [
+                {"index": i, "text": f"{tag}{i}", "finish_reason": "length", "logprobs": None}
+                for i in range(2)
+            ],
+        }
 
     merged = merge_results([result("a", 3), result("b", 4), result("c", 5)], n=2)
     assert [(c["index"], c["text"]) for c in merged["completions"]] == [
-        (0, "a0"), (1, "a1"), (2, "b0"), (3, "b1"), (4, "c0"), (5, "c1")]
+        (0, "a0"),
+        (1, "a1"),
+        (2, "b0"),
+        (3, "b1"),
+        (4, "c0"),
+        (5, "c1"),
+    ]
     assert (merged["prompt_tokens"], merged["completion_tokens"], merged["cached_tokens"]) == (12, 6, 3)

@@ -29,14 +29,29 @@ def test_an_empty_file_page_has_string_ids(client):
 
 def test_bulkgen_run_refuses_body_errors_line_by_line(tmp_path, monkeypatch):
     monkeypatch.setenv("BULKGEN_DEFAULT_MODEL", str(random_model()))
-    rows = [chat_row("ok-1", "hi", max_tokens=2), chat_row("hot", "hi", temperature=9),
-            chat_row("null-t", "hi", max_tokens=2, temperature=None, top_p=None),
-            chat_row("json", "hi", response_format={"type": "json_object"}), chat_row("ok-2", "hi", max_tokens=2)]
-    result = CliRunner().invoke(cli, ["run", str(write_jsonl(tmp_path / "in.jsonl", rows)), "--output",
-                                      str(tmp_path / "o.jsonl"), "--storage", str(tmp_path / "store")])
+    rows = [
+        chat_row("ok-1", "hi", max_tokens=2),
+        chat_row("hot", "hi", temperature=9),
+        chat_row("null-t", "hi", max_tokens=2, temperature=None, top_p=None),
+        chat_row("json", "hi", response_format={"type": "json_object"}),
+        chat_row("ok-2", "hi", max_tokens=2),
+    ]
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(write_jsonl(tmp_path / "in.jsonl", rows)),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+    )
     assert "3 completed, 2 failed" in result.output, result.output
     done = [json.loads(line)["custom_id"] for line in (tmp_path / "o.jsonl").read_text().splitlines()]
-    errors = {e["custom_id"]: e["response"]["body"]["error"]["param"]
-              for e in map(json.loads, (tmp_path / "o.errors.jsonl").read_text().splitlines())}
+    errors = {
+        e["custom_id"]: e["response"]["body"]["error"]["param"]
+        for e in map(json.loads, (tmp_path / "o.errors.jsonl").read_text().splitlines())
+    }
     assert sorted(done) == ["null-t", "ok-1", "ok-2"]
     assert errors == {"hot": "body.temperature", "json": "body.response_format"}

@@ -22,10 +22,23 @@ from pathlib import Path
 from tests.service.spec_compat.cases import CASES, base_body
 
 HERE = Path(__file__).parent
-SCHEMAS = {"/v1/chat/completions": "CreateChatCompletionRequest", "/v1/completions": "CreateCompletionRequest"}
+SCHEMAS = {
+    "/v1/chat/completions": "CreateChatCompletionRequest",
+    "/v1/completions": "CreateCompletionRequest",
+}
 FILES = {"/v1/chat/completions": "chat.jsonl", "/v1/completions": "completions.jsonl"}
-_DROP = {"description", "example", "examples", "x-oaiMeta", "title", "x-oaiExpandable", "discriminator",
-         "x-oaiTypeLabel", "x-stainless-const", "deprecated"}
+_DROP = {
+    "description",
+    "example",
+    "examples",
+    "x-oaiMeta",
+    "title",
+    "x-oaiExpandable",
+    "discriminator",
+    "x-oaiTypeLabel",
+    "x-stainless-const",
+    "deprecated",
+}
 
 
 def json_schemas(spec: dict) -> dict:
@@ -85,7 +98,9 @@ def lines(endpoint: str, schemas: dict) -> tuple[list[dict], dict[str, str | Non
         body = {**base_body(endpoint), **change}
         errors = sorted(check.iter_errors(body), key=str)
         if errors:
-            raise SystemExit(f"{endpoint} {field}.{label} is not valid for the spec: {errors[0].message[:300]}")
+            raise SystemExit(
+                f"{endpoint} {field}.{label} is not valid for the spec: {errors[0].message[:300]}"
+            )
         custom_id = f"{field}.{label}"
         rows.append({"custom_id": custom_id, "method": "POST", "url": endpoint, "body": body})
         expected[custom_id] = refused
@@ -100,8 +115,10 @@ def main(spec_path: str) -> None:
         rows, expected[endpoint] = lines(endpoint, schemas)
         (HERE / filename).write_text("".join(json.dumps(r) + "\n" for r in rows))
     (HERE / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
-    counts = {e: (sum(v is None for v in x.values()), sum(v is not None for v in x.values()))
-              for e, x in expected.items()}
+    counts = {
+        e: (sum(v is None for v in x.values()), sum(v is not None for v in x.values()))
+        for e, x in expected.items()
+    }
     print(json.dumps(counts))
 
 
