@@ -62,6 +62,17 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in svc.settings.models]
         return {"object": "list", "data": data}
 
+    @app.get("/v1/models/{model:path}", response_model=None)
+    async def retrieve_model(model: str):
+        """One served model (the SDK's models.retrieve); an unknown one is a 404 in OpenAI's shape."""
+        from fastapi.responses import JSONResponse
+
+        found = [entry for entry in (await list_models())["data"] if entry["id"] == model]
+        if found:
+            return found[0]
+        body = errors.error_body(f"The model {model[:64]!r} does not exist", "model", "model_not_found")
+        return JSONResponse(body, status_code=404)
+
     probe = app.state.storage_probe = StorageProbe(svc.root)
 
     @app.get("/health")

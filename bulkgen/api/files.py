@@ -74,10 +74,11 @@ async def delete_file(request: Request, file_id: str) -> dict:
 
 
 def page(items: list[dict], has_more: bool) -> dict:
+    """The spec's ListFilesResponse: first_id and last_id are required strings, so an empty page has ""."""
     return {
         "object": "list",
         "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
+        "first_id": items[0]["id"] if items else "",
+        "last_id": items[-1]["id"] if items else "",
         "has_more": has_more,
     }

@@ -16,7 +16,8 @@ def validate_batch(
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
     The input streams through once in bounded memory; `on_request(line, offset, raw, request)` sees each
-    valid line in that same pass (the runner's line index). A batch cancelled before or while it was
+    line in that same pass (the runner's line index), a line refused for its body included: it runs as that
+    line's 400, and `request_counts.total` counts it. A batch cancelled before or while it was
     validated is validated all the same but stays `cancelling`: its runner then writes every request as
     `batch_cancelled`, as for any cancelled batch."""
     record = batches.get(batch_id)

@@ -8,6 +8,7 @@ from typing import Any
 
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.requests import CHAT
+from bulkgen.batch.tools import parse_tool_calls
 
 NOT_RUN_MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
@@ -21,7 +22,10 @@ def envelope(custom_id: str, response: dict | None, error: dict | None) -> dict[
 
 def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
     """`request`: ParsedRequest.to_dict(); `result`: the worker's finished-request dict."""
-    body = chat_body(result, model) if request["endpoint"] == CHAT else completion_body(result, model)
+    if request["endpoint"] == CHAT:
+        body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False))
+    else:
+        body = completion_body(result, model)
     return envelope(request["custom_id"], {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)
 
 
@@ -49,19 +53,40 @@ def usage(result: dict) -> dict[str, Any]:
     }
 
 
-def chat_body(result: dict, model: str) -> dict[str, Any]:
+def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: bool = False) -> dict[str, Any]:
+    """`tool_format`: read tool calls out of the text (the request rendered tools; see bulkgen.batch.tools);
+    `legacy`: they came as `functions`, so the (first) call is answered as message.function_call."""
     choices = [
         {
             "index": c["index"],
-            "message": {"role": "assistant", "content": c["text"], "refusal": None},
+            "message": _message(c, tool_format, legacy),
             "logprobs": {"content": [_chat_logprob(t) for t in c["logprobs"]], "refusal": None}
             if c.get("logprobs") is not None else None,
             "finish_reason": c["finish_reason"],
         }
         for c in result["completions"]
     ]
+    for choice in choices:
+        if choice["message"].get("tool_calls"):
+            choice["finish_reason"] = "tool_calls"
+        elif choice["message"].get("function_call"):
+            choice["finish_reason"] = "function_call"
     return {"id": random_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(result), "system_fingerprint": None}
+
+
+def _message(completion: dict, tool_format: str | None, legacy: bool) -> dict[str, Any]:
+    message = {"role": "assistant", "content": completion["text"], "refusal": None}
+    if tool_format is None:
+        return message
+    content, calls = parse_tool_calls(completion["text"], tool_format)
+    if calls:
+        message["content"] = content
+        if legacy:
+            message["function_call"] = calls[0]["function"]
+        else:
+            message["tool_calls"] = calls
+    return message
 
 
 def _chat_logprob(token: dict) -> dict[str, Any]:
@@ -76,12 +101,28 @@ def _chat_logprob(token: dict) -> dict[str, Any]:
     }
 
 
+def merge_results(results: list[dict], n: int) -> dict[str, Any]:
+    """The results of a completions line's several prompts (one engine request each) as the line's one result:
+    prompt i's choices get the indices i*n .. i*n+n-1, as the API numbers them; usage is summed."""
+    merged = {**results[0], "completions": [], "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+    for i, result in enumerate(results):
+        for key in ("prompt_tokens", "completion_tokens", "cached_tokens"):
+            merged[key] += result.get(key, 0)
+        merged["completions"] += [{**c, "index": i * n + c["index"]} for c in result["completions"]]
+    return merged
+
+
 def completion_body(result: dict, model: str) -> dict[str, Any]:
-    choices = [
-        {"text": c["text"], "index": c["index"], "logprobs": _completion_logprobs(c.get("logprobs")),
-         "finish_reason": c["finish_reason"]}
-        for c in result["completions"]
-    ]
+    """A completion's `echo` (the request asked for it): its prompt's text leads the choice's text, and the
+    prompt's tokens (`prompt_logprobs`) lead the logprobs (the first prompt token has none, as the API answers)."""
+    choices = []
+    for c in result["completions"]:
+        tokens, echo = c.get("logprobs"), c.get("echo")
+        if echo is not None and tokens is not None:
+            first = {"token": echo["first_token"], "logprob": None, "top_logprobs": None}
+            tokens = [first, *(c.get("prompt_logprobs") or []), *tokens]
+        choices.append({"text": (echo["text"] if echo else "") + c["text"], "index": c["index"],
+                        "logprobs": _completion_logprobs(tokens), "finish_reason": c["finish_reason"]})
     return {"id": random_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(result)}
 
@@ -96,7 +137,8 @@ def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
     return {
         "tokens": [t["token"] for t in tokens],
         "token_logprobs": [t["logprob"] for t in tokens],
-        "top_logprobs": [{a["token"]: a["logprob"] for a in t.get("top_logprobs", [])} for t in tokens],
+        "top_logprobs": [None if t.get("top_logprobs") is None else {a["token"]: a["logprob"]
+                                                                      for a in t["top_logprobs"]} for t in tokens],
         "text_offset": offsets,
     }
 

@@ -1,5 +1,10 @@
 """Validate a whole input file before any work starts, listing every problem with its line.
 
+What is wrong with the file (a line that is no JSON object, a custom_id missing or used twice, the wrong
+method or url, several models or an unknown one, too many lines, an empty file) fails the batch. What is
+wrong with one request's body refuses that line alone: it is counted (`refused`) and stays in the line
+index, and its worker writes its 400 to the error file; the rest of the batch runs.
+
 The file is streamed once, line by line, in bounded memory (a read buffer, the custom_ids seen, at most
 MAX_LISTED_ERRORS errors); the runtime feeds the same pass into its line index (`lines_with_offsets`).
 """
@@ -10,7 +15,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
+from bulkgen.batch.requests import (
+    LineError,
+    LineIdentity,
+    ParsedRequest,
+    parse_body,
+    parse_identity,
+    placeholder,
+)
 from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
@@ -23,6 +35,8 @@ class ValidationResult:
     model: str | None = None
     errors: list[dict] = field(default_factory=list)
     error_count: int = 0
+    refused: list[dict] = field(default_factory=list)   # body errors: each refuses its line alone
+    refused_count: int = 0
 
     @property
     def ok(self) -> bool:
@@ -33,11 +47,18 @@ class ValidationResult:
         if len(self.errors) < MAX_LISTED_ERRORS:
             self.errors.append({"code": code, "line": line, "message": message, "param": param})
 
+    def refuse(self, err: LineError, line: int) -> None:
+        self.refused_count += 1
+        if len(self.refused) < MAX_LISTED_ERRORS:
+            self.refused.append({"code": err.code, "line": line, "message": err.message, "param": err.param})
+
     def error_list(self) -> dict:
-        """The batch object's `errors` field."""
-        data = list(self.errors)
-        if self.error_count > len(self.errors):
-            more = self.error_count - len(self.errors)
+        """The `errors` field of a batch that failed: the file's problems and, so that one pass shows
+        everything, the lines its body errors would have refused."""
+        data = sorted(self.errors + self.refused[:MAX_LISTED_ERRORS - len(self.errors)],
+                      key=lambda e: e["line"] or 0)
+        if self.error_count + self.refused_count > len(data):
+            more = self.error_count + self.refused_count - len(data)
             data.append({"code": "too_many_errors", "line": None, "param": None,
                          "message": f"{more} more errors not listed; fix the ones above and validate again"})
         return {"object": "list", "data": data}
@@ -53,16 +74,23 @@ class Validator:
         self._first_line: dict[str, int] = {}
 
     def feed(self, number: int, raw: bytes) -> ParsedRequest | None:
-        """-> the request when the line is valid so far; None for a blank or refused line."""
+        """-> the request to index (a refused body's placeholder included); None for a blank line or a
+        file error."""
         if not raw.strip():
             return None
         self.result.total += 1
         try:
-            request = parse_line(raw, number, self.endpoint)
+            identity = parse_identity(raw, number, self.endpoint)
         except LineError as err:
             self.result.add(err.code, err.message, number, err.param)
             return None
-        return request if self._check_identity(request, number) else None
+        if not self._check_identity(identity, number):
+            return None
+        try:
+            return parse_body(identity, self.endpoint)
+        except LineError as err:
+            self.result.refuse(err, number)
+            return placeholder(identity, self.endpoint)
 
     def finish(self) -> ValidationResult:
         result = self.result
@@ -74,7 +102,7 @@ class Validator:
                        "(split the file, or raise --max-requests-per-batch)")
         return result
 
-    def _check_identity(self, request: ParsedRequest, number: int) -> bool:
+    def _check_identity(self, request: LineIdentity, number: int) -> bool:
         result, ok = self.result, True
         if request.custom_id in self._first_line:
             result.add("duplicate_custom_id", f"custom_id {quote(request.custom_id)} already used on line "
@@ -99,8 +127,8 @@ def validate_stream(
     reader: BinaryIO, validator: Validator,
     on_request: Callable[[int, int, bytes, ParsedRequest], None] | None = None,
 ) -> ValidationResult:
-    """Stream a file through `validator`; `on_request(line, byte offset, raw, request)` sees each valid line
-    (the runtime builds its line index from it in this same pass)."""
+    """Stream a file through `validator`; `on_request(line, byte offset, raw, request)` sees each line of a
+    valid file, refused ones included (the runtime builds its line index from it in this same pass)."""
     for number, start, raw in lines_with_offsets(reader):
         request = validator.feed(number, raw)
         if request is not None and on_request is not None:

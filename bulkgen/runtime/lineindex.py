@@ -20,6 +20,7 @@ from bulkgen.batch.validate import lines_with_offsets
 
 UNKNOWN_MAX_TOKENS = 512  # a request without max_tokens runs to the context end: guess it is long
 PREFIX_CHARS = 256
+MAX_WORK_TOKENS = 1 << 24  # more than any context: a longer max_tokens is refused by its worker anyway
 
 
 @dataclass
@@ -72,21 +73,25 @@ def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
 
 
 def _work(request) -> int:
+    """Clipped to the context a model could have (MAX_WORK_TOKENS), so a max_tokens of 2**63 still fits int64."""
     if request.messages is not None:
-        prompt_tokens = sum(len(m["content"]) for m in request.messages) // 4
+        prompt_tokens = sum(len(m["content"] or "") for m in request.messages) // 4
     elif isinstance(request.prompt, list):
         prompt_tokens = len(request.prompt)
     else:
         prompt_tokens = len(request.prompt) // 4
-    max_tokens = request.sampling.get("max_tokens") or UNKNOWN_MAX_TOKENS
-    return prompt_tokens + max_tokens * (request.sampling.get("n") or 1)
+    max_tokens = request.sampling.get("max_tokens")
+    max_tokens = UNKNOWN_MAX_TOKENS if max_tokens is None else min(max_tokens, MAX_WORK_TOKENS)
+    sequences = max(request.sampling.get("n") or 1, request.sampling.get("best_of") or 1)
+    return min(prompt_tokens + max_tokens * sequences, MAX_WORK_TOKENS * 256)
 
 
 def _prefix_key(request) -> int:
     """The system message (or a lone message's start; a text prompt's start): what a prefix cache shares."""
     if request.messages is not None:
         first = request.messages[0]
-        text = first["content"] if first["role"] == "system" else first["content"][:PREFIX_CHARS]
+        content = first["content"] or ""
+        text = content if first["role"] == "system" else content[:PREFIX_CHARS]
     else:
         text = request.prompt[:PREFIX_CHARS] if isinstance(request.prompt, str) else ""
     if not text:

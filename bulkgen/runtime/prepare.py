@@ -2,42 +2,92 @@
 
 Runs inside the worker actors, which hold the model's real tokenizer and the engine's real context
 limit (`Engine.max_model_len`, which already accounts for sliding windows): this is the one place
-that decides whether a request fits, and the driver never needs the model at all.
+that decides whether a request fits, and the driver never needs the model at all. What only the model
+can judge (does its template render tools? are logit_bias ids in its vocabulary?) is refused here, as
+that line's 400.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from bulkgen.batch.requests import LineError, ParsedRequest
+from bulkgen.batch.tools import tool_format
+
+
+def split_prompts(request: ParsedRequest) -> list[ParsedRequest]:
+    """A completions line with several prompts as one request per prompt (the worker merges their choices)."""
+    if not request.prompts:
+        return [request]
+    return [replace(request, prompt=prompt, prompts=None) for prompt in request.prompts]
 
 
 def tokenize(request: ParsedRequest, tokenizer) -> list[int]:
     if request.messages is not None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise LineError("model_not_chat", "this model has no chat template; use /v1/completions", "body.messages")
-        text = tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    if isinstance(request.prompt, list):
+        ids = tokenizer(render_chat(request, tokenizer), add_special_tokens=False)["input_ids"]
+    elif isinstance(request.prompt, list):
         if max(request.prompt) >= len(tokenizer):
             raise LineError("invalid_prompt", f"a token id in body.prompt is outside the vocabulary ({len(tokenizer)})",
                             "body.prompt")
-        return list(request.prompt)
-    return tokenizer(request.prompt)["input_ids"]
+        ids = list(request.prompt)
+    else:
+        ids = tokenizer(request.prompt)["input_ids"]
+    _check_vocabulary(request, len(tokenizer))
+    if not ids:  # prompt "": generate from the start of a document, as the API's default prompt does
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        ids = [start]
+    return ids
+
+
+def render_chat(request: ParsedRequest, tokenizer) -> str:
+    """The prompt text the model sees: messages, tools and template options through its own chat template.
+    Sets `request.tool_format` (how to read calls back) when tools are rendered."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise LineError("model_not_chat", "this model has no chat template; use /v1/completions", "body.messages")
+    if not isinstance(template, str):  # a dict of named templates: the default one renders chat
+        template = template.get("tool_use") if request.tools else template.get("default", "")
+    kwargs: dict[str, Any] = {k: v for k, v in request.template_kwargs.items() if k in template}
+    if request.tools:
+        request.tool_format = tool_format(template)
+        if request.tool_format is None:
+            name = "functions" if request.legacy_functions else "tools"
+            raise LineError("unsupported_parameter", f"this model's chat template does not render tools, so "
+                            f"body.{name} would be silently dropped", f"body.{name}")
+        kwargs["tools"] = request.tools
+    try:
+        return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False,
+                                             **kwargs)
+    except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
+        raise LineError("invalid_messages", f"the model's chat template refused body.messages: "
+                        f"{type(exc).__name__}: {str(exc)[:200]}", "body.messages") from None
+
+
+def _check_vocabulary(request: ParsedRequest, vocab: int) -> None:
+    bias = request.sampling.get("logit_bias") or {}
+    outside = [t for t in bias if t >= vocab]
+    if outside:
+        raise LineError("invalid_parameter", f"body.logit_bias names token {outside[0]}, outside the vocabulary "
+                        f"({vocab} tokens)", "body.logit_bias")
 
 
 def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> dict[str, Any]:
     """Resolve max_tokens (None: the rest of the context) and refuse what cannot fit, as the hosted API does."""
     params = {k: v for k, v in request.sampling.items() if v is not None}
     budget = max_model_len - prompt_len
-    max_tokens = params.get("max_tokens") or budget
+    max_tokens = params.get("max_tokens")
+    max_tokens = budget if max_tokens is None else max_tokens
     if budget < 1 or max_tokens > budget:
+        where = "body.messages" if request.messages is not None else "body.prompt"
+        if budget >= 1:  # the prompt fits; the completion asked for is what does not
+            where = f"body.{request.limit_field}"
         raise LineError(
             "context_length_exceeded",
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
             "Please reduce the length of the messages or completion.",
-            "messages" if request.messages is not None else "prompt",
+            where,
         )
     params["max_tokens"] = max_tokens
     return params

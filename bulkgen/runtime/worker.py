@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
-from bulkgen.batch.responses import not_run_line, refused_line, success_line
+from bulkgen.batch.responses import merge_results, not_run_line, refused_line, success_line
 from bulkgen.models.registry import resolve_model_path
 from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import read_lines
-from bulkgen.runtime.prepare import fit_context, tokenize
+from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 from bulkgen.runtime.workqueue import model_key
 from bulkgen.store import StorageUnavailable, open_store
 
@@ -45,6 +45,8 @@ class Prepared:
     request: ParsedRequest
     prompt_ids: list[int]
     params: dict[str, Any]
+    part: int = 0      # a completions line with several prompts runs one engine request per prompt:
+    parts: int = 1     # this is prompt `part` of `parts`
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RangeWork:
     remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
     entries: list[dict] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
+    partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
 
     @property
     def key(self) -> tuple:
@@ -198,21 +201,21 @@ class EngineWorker:
         for line, raw in lines:
             try:
                 request = parse_line(raw, line, job["endpoint"])
-            except LineError as err:  # validated by an older version with looser rules: refuse the line alone
+            except LineError as err:  # a body error (validation counted the line and indexed it), or a line
+                # validated under looser rules: refuse the line alone
                 custom_id = json.loads(raw).get("custom_id", "")
                 work.remaining[line] = custom_id
                 self._settle(work, line, parts.entry(line, False, refused_line(custom_id, err.message, err.code,
                                                                                 err.param)))
                 continue
             work.remaining[line] = request.custom_id
+            subs = split_prompts(request)
             try:
-                ids = tokenize(request, self.engine.tokenizer)
-                params = fit_context(request, len(ids), self.engine.max_model_len)
+                ready += [self._prepared(f"{job['batch_id']}|{line}", key, sub, k, len(subs))
+                          for k, sub in enumerate(subs)]
             except LineError as err:
                 self._settle(work, line, parts.entry(line, False, refused_line(request.custom_id, err.message,
                                                                                 err.code, err.param)))
-                continue
-            ready.append(Prepared(f"{job['batch_id']}|{line}", key, request, ids, params))
         with self._cond:
             self._preparing -= spec["hi"] - spec["lo"]
             if job["batch_id"] in self._stopped:
@@ -222,6 +225,11 @@ class EngineWorker:
             if not work.remaining:
                 self._complete(key)
             self._cond.notify_all()
+
+    def _prepared(self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int) -> Prepared:
+        ids = tokenize(request, self.engine.tokenizer)
+        params = fit_context(request, len(ids), self.engine.max_model_len)
+        return Prepared(request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count)
 
     # -- the engine thread ------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
@@ -274,7 +282,8 @@ class EngineWorker:
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])
             code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
-            self._fail(p, str(exc), code)
+            field = getattr(exc, "field", None)  # SamplingError names the field
+            self._fail(p, str(exc), code, f"body.{field}" if isinstance(field, str) else None)
 
     def _step(self) -> None:
         finished = self.engine.step()
@@ -296,18 +305,28 @@ class EngineWorker:
         if work is None:
             return  # aborted meanwhile
         result = result_dict(out)
-        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
+        if p.request.echo:
+            echo = echo_of(p.request, p.prompt_ids, self.engine.tokenizer)
+            for c in result["completions"]:
+                c.update(echo=echo, prompt_logprobs=result["prompt_logprobs"])
         work.metrics.append(result["metrics"])
+        if p.parts > 1:  # one prompt of several: the line is done when every prompt is
+            done = work.partials.setdefault(p.request.line, {})
+            done[p.part] = result
+            if len(done) < p.parts:
+                return
+            result = merge_results([done.pop(k) for k in range(p.parts)], p.params.get("n", 1))
+        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
         entry = parts.entry(p.request.line, True, None, usage)
         entry["result"] = (p.request, result)  # the writer thread builds the envelope, off the step loop
         self._settle(work, p.request.line, entry)
 
-    def _fail(self, p: Prepared, message: str, code: str) -> None:
+    def _fail(self, p: Prepared, message: str, code: str, param: str | None = None) -> None:
         with self._cond:
             self._live.pop(p.request_id, None)
             work = self._ranges.get(p.range_key)
             if work is not None:
-                envelope = refused_line(p.request.custom_id, message, code)
+                envelope = refused_line(p.request.custom_id, message, code, param)
                 self._settle(work, p.request.line, parts.entry(p.request.line, False, envelope))
 
     def _settle(self, work: RangeWork, line: int, entry: dict) -> None:
@@ -431,17 +450,27 @@ def split_step(record: dict) -> dict[str, dict]:
 
 
 def result_dict(output) -> dict[str, Any]:
-    """A finished RequestOutput as plain data (no tensors cross the actor boundary)."""
+    """A finished RequestOutput as plain data (no tensors cross the actor boundary). Usage counts every
+    generated token, those of best_of candidates that were not returned included (the engine's metrics)."""
     metrics = output.metrics
+    returned = sum(len(c.token_ids) for c in output.outputs)
     return {
         "request_id": output.request_id,
         "prompt_tokens": len(output.prompt_token_ids),
-        "completion_tokens": sum(len(c.token_ids) for c in output.outputs),
+        "completion_tokens": max(returned, metrics.num_output_tokens),
         "cached_tokens": metrics.num_cached_tokens,
         "completions": [
             {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
             for c in output.outputs
         ],
+        "prompt_logprobs": getattr(output, "prompt_logprobs", None),
         "metrics": metrics.as_dict(),
         "finished_at": time.time(),
     }
+
+
+def echo_of(request: ParsedRequest, prompt_ids: list[int], tokenizer) -> dict[str, str]:
+    """What `echo` puts before a completion: the prompt as written (token prompts decoded) and its first
+    token, which the prompt logprobs do not cover."""
+    text = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt_ids)
+    return {"text": text, "first_token": tokenizer.decode(prompt_ids[:1])}

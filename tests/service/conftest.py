@@ -43,6 +43,46 @@ def random_model() -> Path:
                             max_position_embeddings=4096)
 
 
+# A Hermes-style chat template (what Qwen and Hermes models ship): it renders tool definitions, assistant tool
+# calls as <tool_call> JSON and tool results, and takes a reasoning_effort option.
+HERMES_TEMPLATE = """{%- if tools %}<|system|>
+You may call these tools:
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Answer a call as <tool_call>{"name": ..., "arguments": ...}</tool_call><|end|>
+{% endif %}
+{%- if reasoning_effort %}<|system|>
+effort: {{ reasoning_effort }}<|end|>
+{% endif %}
+{%- for m in messages %}<|{{ m['role'] }}|>
+{%- if m.tool_calls is defined and m.tool_calls %}
+{%- for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>
+{%- endfor %}
+{%- else %}
+{{ m['content'] }}
+{%- endif %}<|end|>
+{% endfor %}{% if add_generation_prompt %}<|assistant|>
+{% endif %}"""
+TOOLS_MODEL = "bulkgen-tools"
+
+
+@lru_cache(maxsize=1)
+def tool_model() -> Path:
+    """The random model with HERMES_TEMPLATE as its chat template (a copy: the weights are the same)."""
+    from transformers import AutoTokenizer
+
+    root = Path(tempfile.mkdtemp(prefix="bulkgen-tool-model-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    path = Path(shutil.copytree(random_model(), root / "model"))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,8 +137,8 @@ class Service:
 def settings_for(storage: str, **overrides) -> Settings:
     workers = WorkerSettings(cpu_workers=overrides.pop("cpu_workers", 1),
                              engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
-    return Settings(storage=storage, models={MODEL: str(random_model())}, range_size=16, workers=workers,
-                    **overrides)
+    models = overrides.pop("models", None) or {MODEL: str(random_model()), TOOLS_MODEL: str(tool_model())}
+    return Settings(storage=storage, models=models, range_size=16, workers=workers, **overrides)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -53,16 +53,17 @@ def test_unknown_model_and_bad_fields_name_line_and_param(client, tmp_path):
         {**chat_row("b", "hi"), "method": "GET"},
         chat_row("c", "hi", stream=True),
         chat_row("d", "hi", temperature=9),
-        chat_row("e", "hi", max_tokens=0),
+        chat_row("e", "hi", n=0),
     ]
-    rows[0]["body"]["model"] = "no-such-model"
+    for row in rows:  # one model per file, not served: the first line names it; the body errors are listed too
+        row["body"]["model"] = "no-such-model"
     batch = _create(client, write_jsonl(tmp_path / "m.jsonl", rows))
     errors = {(e.line, e.code, e.param) for e in batch.errors.data}
     assert (1, "model_not_found", "body.model") in errors
     assert (2, "invalid_method", "method") in errors
     assert (3, "invalid_request", "body.stream") in errors
     assert (4, "invalid_parameter", "body.temperature") in errors
-    assert (5, "invalid_parameter", "body.max_tokens") in errors
+    assert (5, "invalid_parameter", "body.n") in errors   # body errors are listed too when the file fails
 
 
 def test_too_many_tasks(client, tmp_path):
@@ -116,7 +117,7 @@ def test_api_key_is_enforced_when_configured(tmp_path):
     try:
         with pytest.raises(openai.AuthenticationError):
             service.client(api_key="wrong").models.list()
-        assert [m.id for m in service.client(api_key="s3cret").models.list()] == ["bulkgen-tiny"]
+        assert [m.id for m in service.client(api_key="s3cret").models.list()] == ["bulkgen-tiny", "bulkgen-tools"]
         assert json.loads(get(service.base_url.removesuffix("/v1") + "/health").read())["status"] == "ok"
     finally:
         service.stop()

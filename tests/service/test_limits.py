@@ -138,7 +138,7 @@ def test_a_batch_left_validating_is_validated_by_the_next_runtime(tmp_path):
     settings = settings_for(str(tmp_path / "store"))
     accepted = BatchService(settings)
     good = write_jsonl(tmp_path / "g.jsonl", [chat_row(f"r{i}", "hi", max_tokens=2) for i in range(3)])
-    bad = write_jsonl(tmp_path / "b.jsonl", [chat_row("r", "hi", top_p=0)])
+    bad = write_jsonl(tmp_path / "b.jsonl", [{**chat_row("r", "hi"), "method": "GET"}])  # the file's error
     ids = []
     for path in (good, bad):
         with path.open("rb") as f:
@@ -150,7 +150,7 @@ def test_a_batch_left_validating_is_validated_by_the_next_runtime(tmp_path):
         client = service.client()
         done, failed = wait_done(client, ids[0]), validated(client, ids[1])
         assert done.status == "completed" and done.request_counts.completed == 3
-        assert failed.status == "failed" and [(e.line, e.param) for e in failed.errors.data] == [(1, "body.top_p")]
+        assert failed.status == "failed" and [(e.line, e.param) for e in failed.errors.data] == [(1, "method")]
     finally:
         service.stop()
 

@@ -11,6 +11,7 @@ import pytest
 from tests.service.conftest import (
     MODEL,
     SAMPLES,
+    TOOLS_MODEL,
     chat_row,
     random_model,
     read_lines,
@@ -129,7 +130,7 @@ def test_batches_list_pages_newest_first(client, tmp_path):
 
 
 def test_models_health_and_prometheus(service, client, tmp_path):
-    assert [m.id for m in client.models.list()] == [MODEL]
+    assert [m.id for m in client.models.list()] == [MODEL, TOOLS_MODEL]
     file_id = upload(client, write_jsonl(tmp_path / "p.jsonl", [chat_row("p", "hi", max_tokens=2)])).id
     wait_done(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                             completion_window="24h").id)

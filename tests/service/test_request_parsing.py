@@ -31,14 +31,17 @@ def test_chat_fields_map_to_sampling_params():
 @pytest.mark.parametrize(
     ("change", "code", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "unsupported_parameter", "body.tools"),
-        ({"presence_penalty": 0.5}, "unsupported_parameter", "body.presence_penalty"),
+        ({"tools": [{"type": "function"}]}, "invalid_parameter", "body.tools[0]"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "unsupported_parameter", "body.tools[0].type"),
+        ({"audio": {"voice": "alloy", "format": "wav"}}, "unsupported_parameter", "body.audio"),
+        ({"presence_penalty": 2.5}, "invalid_parameter", "body.presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "unsupported_parameter", "body.response_format"),
-        ({"n": 17}, "invalid_parameter", "body.n"),
+        ({"n": 129}, "invalid_parameter", "body.n"),
         ({"top_p": True}, "invalid_parameter", "body.top_p"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_parameter", "body.stop"),
         ({"top_logprobs": 2}, "invalid_parameter", "body.top_logprobs"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_messages", "body.messages[0]"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_messages", "body.messages[0].tool_call_id"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_messages", "body.messages[0]"),
     ],
 )
 def test_refused_fields_name_the_param(change, code, param):
@@ -61,7 +64,9 @@ def test_completion_prompt_forms():
     row["body"]["prompt"] = [1, 2, 3]
     assert parse_line(_line(row), 1, COMPLETIONS).prompt == [1, 2, 3]
     row["body"]["prompt"] = ["two", "prompts"]
-    with pytest.raises(LineError, match="one prompt per line"):
+    assert parse_line(_line(row), 1, COMPLETIONS).prompts == ["two", "prompts"]
+    row["body"]["prompt"] = [True]
+    with pytest.raises(LineError, match="body.prompt must be"):
         parse_line(_line(row), 1, COMPLETIONS)
 
 
@@ -98,15 +103,15 @@ def test_streamed_lines_keep_numbers_and_offsets_across_chunk_edges(monkeypatch,
     assert [data[start:start + len(raw)] for _, start, raw in got] == [raw for _, _, raw in got]
 
 
-@pytest.mark.parametrize(("field", "value"), [("top_p", 0), ("seed", -1), ("seed", 2**70), ("n", 0)])
-def test_the_parser_applies_the_engines_own_rule(field, value):
+@pytest.mark.parametrize(("field", "value"), [("top_p", -0.1), ("seed", 2**70), ("n", 0), ("temperature", -1)])
+def test_the_parser_refuses_what_the_engine_refuses(field, value):
     from bulkgen.engine.sampling_params import SamplingError, SamplingParams
 
-    with pytest.raises(SamplingError) as engine:
+    with pytest.raises(SamplingError):
         SamplingParams(**{field: value})
     with pytest.raises(LineError) as parser:
         parse_line(_line(chat_row("a", "hi", **{field: value})), 1, "/v1/chat/completions")
-    assert parser.value.param == f"body.{field}" and engine.value.rule in parser.value.message
+    assert parser.value.param == f"body.{field}" and repr(value) in parser.value.message
 
 
 def test_custom_id_length_and_unknown_fields():

@@ -1,0 +1,165 @@
+"""Chat messages, tool definitions and template options of a request body, in the shape transformers'
+`apply_chat_template` takes them, so a conversation with tool calls replays through the model's own template.
+
+Roles: system, developer (as system), user, assistant (with `refusal`, `tool_calls`, `function_call`), tool
+and function. Content is a string or text parts; image, audio and file parts are refused by name (the
+models bulkgen serves are text-only).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from bulkgen.batch.bodyfields import LineError, allowed_tools, invalid
+from bulkgen.batch.schema import quote
+
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "function",
+}
+_MEDIA_PARTS = {"image_url", "input_audio", "file"}
+
+
+def messages(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise LineError("invalid_messages", "body.messages must be a non-empty list", "body.messages")
+    return [_message(m, f"body.messages[{i}]") for i, m in enumerate(value)]
+
+
+def _message(message: Any, param: str) -> dict[str, Any]:
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in _ROLES:
+        raise LineError("invalid_messages", f"{param}.role must be one of {sorted(_ROLES)}", param)
+    out: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), param, role)}
+    name = message.get("name")
+    if name is not None:
+        out["name"] = _string(name, f"{param}.name")
+    if role == "assistant":
+        _assistant(message, out, param)
+    elif role == "tool":
+        out["tool_call_id"] = _string(message.get("tool_call_id"), f"{param}.tool_call_id")
+    elif role == "function" and name is None:
+        raise LineError(
+            "invalid_messages", f"{param}.name is required for a function message", f"{param}.name"
+        )
+    return out
+
+
+def _assistant(message: dict, out: dict, param: str) -> None:
+    """An assistant turn may carry tool calls instead of text, or a refusal (what it said, so kept as text)."""
+    refusal = message.get("refusal")
+    if refusal is not None:
+        refusal = _string(refusal, f"{param}.refusal")
+        out["content"] = out["content"] or refusal
+    calls = message.get("tool_calls")
+    if message.get("function_call") is not None:
+        calls = [{"id": "call_0", "type": "function", "function": message["function_call"]}]
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise LineError("invalid_messages", f"{param}.tool_calls must be a list", f"{param}.tool_calls")
+        out["tool_calls"] = [_tool_call(c, f"{param}.tool_calls[{i}]") for i, c in enumerate(calls)]
+
+
+def _tool_call(call: Any, param: str) -> dict[str, Any]:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise LineError(
+            "invalid_messages",
+            f"{param} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}}}",
+            param,
+        )
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:  # templates render arguments with `tojson`: hand them the object, not its JSON text
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": function["name"], "arguments": arguments},
+    }
+
+
+def _content(content: Any, param: str, role: str) -> str | None:
+    if isinstance(content, str):
+        return content
+    if content is None and role in ("assistant", "tool", "function"):
+        return None
+    if not isinstance(content, list):
+        raise LineError(
+            "invalid_messages", f"{param}.content must be a string or a list of content parts", param
+        )
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        where = f"{param}.content[{j}]"
+        if kind in _MEDIA_PARTS:
+            raise LineError(
+                "unsupported_parameter",
+                f"{where} is a {kind} part; this model takes text only",
+                f"{where}.type",
+            )
+        text = part.get("text") if kind == "text" else part.get("refusal") if kind == "refusal" else None
+        if not isinstance(text, str):
+            raise LineError(
+                "invalid_messages", f"{where} must be a text part ({{'type': 'text', 'text': ...}})", where
+            )
+        texts.append(text)
+    return "".join(texts)
+
+
+def _string(value: Any, param: str) -> str:
+    if not isinstance(value, str):
+        raise LineError("invalid_messages", f"{param} must be a string; got {quote(value)}", param)
+    return value
+
+
+def chat_tools(body: dict) -> tuple[list[dict] | None, bool]:
+    """-> (function tools for the template, whether they came as the legacy `functions`); none when the
+    request says the model may not call them (tool_choice / function_call "none")."""
+    tools, legacy = body.get("tools"), False
+    if tools is None and body.get("functions") is not None:
+        functions, legacy = body["functions"], True
+        if not isinstance(functions, list):
+            raise invalid("functions", "must be a list of function definitions", functions)
+        tools = [{"type": "function", "function": f} for f in functions]
+    if tools is None:
+        return None, False
+    name = "functions" if legacy else "tools"
+    if not isinstance(tools, list):
+        raise invalid(name, "must be a list of tools", tools)
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "custom":
+            raise LineError(
+                "unsupported_parameter",
+                f"body.{name}[{i}] is a custom tool (free-form input needs "
+                "constrained decoding); use a function tool",
+                f"body.{name}[{i}].type",
+            )
+        function = tool.get("function") if kind == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"{name}[{i}]", "must be {'type': 'function', 'function': {'name': ...}}", tool)
+    choice = body.get("tool_choice") or body.get("function_call")
+    if choice == "none":
+        return None, legacy
+    names = allowed_tools(choice)
+    if names is not None:  # allowed_tools, mode auto: the model sees (so may call) only those
+        tools = [t for t in tools if t["function"]["name"] in names]
+    return tools or None, legacy
+
+
+def template_kwargs(body: dict) -> dict[str, Any]:
+    """Options the chat template may take (prepare.tokenize passes those its source mentions)."""
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return {}
+    if not isinstance(effort, str):
+        raise invalid("reasoning_effort", "must be a string", effort)
+    return {"reasoning_effort": effort}

@@ -1,0 +1,161 @@
+"""A request body's sampling fields -> SamplingParams kwargs, with the API's limits, then the engine's rules.
+
+`null` is the default for every field. A field at its neutral value is left out of the kwargs (the engine's
+default is the same), so a request pays only for what it asks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bulkgen.batch.bodyfields import CHAT, COMPLETIONS, LineError, invalid
+from bulkgen.batch.schema import quote
+from bulkgen.engine.sampling_params import SamplingError, check_sampling
+
+INT64 = 2**63
+MAX_N = 128
+MAX_BEST_OF = 128
+MAX_LOGPROBS = 20
+
+
+def sampling(body: dict, endpoint: str) -> dict[str, Any]:
+    """The API's own limits here, then the engine's rules (`check_sampling`, the ones the run applies)."""
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    out: dict[str, Any] = {
+        "max_tokens": _int(body, limit, 0, None),
+        "temperature": float(_number(body, "temperature", 0, 2, 1.0)),
+        "top_p": float(_number(body, "top_p", 0, 1, 1.0)),
+        "n": _int(body, "n", 1, MAX_N) or 1,
+        "seed": _int(body, "seed", -INT64, INT64 - 1),
+        "stop": _stop(body.get("stop")),
+        "logprobs": _logprobs(body, endpoint),
+    }
+    for name in ("presence_penalty", "frequency_penalty"):
+        if value := _number(body, name, -2, 2, 0):
+            out[name] = float(value)
+    if bias := _logit_bias(body.get("logit_bias")):
+        out["logit_bias"] = bias
+    if endpoint == COMPLETIONS:
+        _best_of(body, out)
+    names = {"max_tokens": limit, "logprobs": "top_logprobs" if endpoint == CHAT else "logprobs"}
+    try:
+        check_sampling({k: v for k, v in out.items() if v is not None})
+    except SamplingError as err:
+        name = names.get(err.field, err.field)
+        raise invalid(name, err.rule, body.get(name)) from None
+    return out
+
+
+MAX_PROMPTS = 128
+
+
+def prompts(value: Any) -> list[str | list[int]]:
+    """The spec's four prompt forms as a list of prompts: a string (empty or null: the start of a document, as
+    the API's default), token ids, a list of strings, a list of token-id lists."""
+    if value is None or isinstance(value, str):
+        return [value or ""]
+    if _token_ids(value):
+        return [value]
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(p, str) or _token_ids(p) for p in value)
+    ):
+        raise LineError(
+            "invalid_prompt",
+            "body.prompt must be a string, a non-empty list of token ids (ints "
+            f">= 0), or a list of either; got {quote(value)}",
+            "body.prompt",
+        )
+    if len(value) > MAX_PROMPTS:
+        raise invalid(
+            "prompt",
+            f"may hold at most {MAX_PROMPTS} prompts (put the rest on other lines)",
+            f"{len(value)} prompts",
+        )
+    return value
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict, name: str, low: int, high: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise invalid(name, f"must be an integer {_bounds(low, high)}", value)
+    return value
+
+
+def _number(body: dict, name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    if not ok or not low <= value <= high:
+        raise invalid(name, f"must be a number {_bounds(low, high)}", value)
+    return value
+
+
+def _bounds(low: float, high: float | None) -> str:
+    return f"between {low} and {high}" if high is not None else f">= {low}"
+
+
+def _stop(stop: Any) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "must be a string or a list of up to 4 strings", stop)
+    return [s for s in stops if s] or None  # an empty stop string can never match: it is no stop
+
+
+def _logprobs(body: dict, endpoint: str) -> int | None:
+    if endpoint == COMPLETIONS:
+        return _int(body, "logprobs", 0, MAX_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    flag = body.get("logprobs")
+    if flag is not None and not isinstance(flag, bool):
+        raise invalid("logprobs", "must be a boolean", flag)
+    if flag:
+        return top or 0
+    if top is not None:
+        raise LineError("invalid_parameter", "body.top_logprobs needs logprobs: true", "body.top_logprobs")
+    return None
+
+
+def _logit_bias(bias: Any) -> dict[int, float] | None:
+    """{"token id": bias}: the keys are token ids written as strings (JSON keys), biases -100..100."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", "must be an object of token id -> bias", bias)
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 19):
+            raise invalid("logit_bias", "keys must be token ids (non-negative integers as strings)", key)
+        ok = (_is_int(value) or isinstance(value, float)) and math.isfinite(value) and -100 <= value <= 100
+        if not ok:
+            raise invalid("logit_bias", f"[{key}] must be a number between -100 and 100", value)
+        out[int(key)] = float(value)
+    return out or None
+
+
+def _best_of(body: dict, out: dict[str, Any]) -> None:
+    best_of = _int(body, "best_of", 0, MAX_BEST_OF)
+    if best_of is not None and best_of < out["n"]:
+        raise invalid("best_of", f"must be >= n ({out['n']})", best_of)
+    if best_of is not None and best_of > out["n"]:
+        out["best_of"] = best_of
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise invalid("echo", "must be a boolean", echo)
+    if echo and out["logprobs"] is not None:
+        out["prompt_logprobs"] = out["logprobs"]
