@@ -105,17 +105,14 @@ def check_refused(body: dict, endpoint: str) -> None:
     modalities = body.get("modalities")
     if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
         raise unsupported("modalities", f"may only be ['text'] (text output); got {quote(modalities)}")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise unsupported("response_format", "supports only {'type': 'text'} (no structured outputs yet)")
     for name in ("tool_choice", "function_call"):
         choice = body.get(name)
-        if choice is not None and choice not in ("none", "auto") and allowed_tools(choice) is None:
-            raise unsupported(
-                name,
-                "supports 'none', 'auto' and allowed_tools in mode 'auto' only: forcing a "
-                "call needs constrained decoding",
-            )
+        if choice is None or choice in ("none", "auto", "required") or allowed_tools(choice) is not None:
+            continue
+        if isinstance(choice, dict) and (choice.get("type") == "function" or name == "function_call"):
+            continue  # a named function: bulkgen.batch.structured forces it
+        raise unsupported(name, "supports 'none', 'auto', 'required', a named function and allowed_tools in "
+                          "mode 'auto'")
 
 
 def allowed_tools(choice) -> list[str] | None:

@@ -18,6 +18,7 @@ from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, 
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
+from bulkgen.batch.structured import forced_tool, response_guide
 
 __all__ = ["CHAT", "COMPLETIONS", "LineError", "LineIdentity", "ParsedRequest", "parse_body", "parse_identity",
            "parse_line", "fill_defaults"]
@@ -53,6 +54,8 @@ class ParsedRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. reasoning_effort, where the template takes it
     echo: bool = False                              # completions: the prompt leads the text (and its logprobs)
     tool_format: str | None = None                  # set by prepare.tokenize from the chat template: parse calls
+    forced_tool: str | None = None                  # a forced call: "*" (tool_choice required) or the function's
+                                                    # name; its grammar is sampling["guide"]
     limit_field: str = "max_tokens"                 # the body field max_tokens came from (errors name it)
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,15 +102,23 @@ def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
     check_refused(body, endpoint)
     check_ignored(body)
     request = ParsedRequest(identity.custom_id, identity.line, identity.model, endpoint)
+    guide = None
     if endpoint == CHAT:
         request.messages = messages(body.get("messages"))
         request.tools, request.legacy_functions = chat_tools(body)
         request.template_kwargs = template_kwargs(body)
+        request.forced_tool, guide = forced_tool(body, request.tools)
+        if guide is not None and response_guide(body) is not None:
+            raise LineError("invalid_request", "body.response_format cannot constrain a forced tool call's "
+                            "output; drop one of them", "body.response_format")
+        guide = guide or response_guide(body)
     else:
         all_prompts = prompts(body.get("prompt"))
         request.prompt, request.prompts = all_prompts[0], (all_prompts if len(all_prompts) > 1 else None)
         request.echo = body.get("echo") is True
     request.sampling = sampling(body, endpoint)
+    if guide is not None:
+        request.sampling["guide"] = guide
     if body.get("max_completion_tokens") is not None:
         request.limit_field = "max_completion_tokens"
     return request

@@ -8,6 +8,7 @@ from typing import Any
 
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.requests import CHAT
+from bulkgen.batch.structured import REQUIRED, forced_calls
 from bulkgen.batch.tools import parse_tool_calls
 
 NOT_RUN_MESSAGES = {
@@ -23,7 +24,8 @@ def envelope(custom_id: str, response: dict | None, error: dict | None) -> dict[
 def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
     """`request`: ParsedRequest.to_dict(); `result`: the worker's finished-request dict."""
     if request["endpoint"] == CHAT:
-        body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False))
+        body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False),
+                         request.get("forced_tool"))
     else:
         body = completion_body(result, model)
     return envelope(request["custom_id"], {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)
@@ -53,13 +55,17 @@ def usage(result: dict) -> dict[str, Any]:
     }
 
 
-def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: bool = False) -> dict[str, Any]:
+def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: bool = False,
+              forced: str | None = None) -> dict[str, Any]:
     """`tool_format`: read tool calls out of the text (the request rendered tools; see bulkgen.batch.tools);
-    `legacy`: they came as `functions`, so the (first) call is answered as message.function_call."""
+    `legacy`: they came as `functions`, so the (first) call is answered as message.function_call;
+    `forced`: the output is a forced call (bulkgen.batch.structured), a document of JSON, not free text.
+    A call forced by name finishes with `stop`, as the hosted API answers; any other call with
+    `tool_calls` (`function_call` for the legacy form)."""
     choices = [
         {
             "index": c["index"],
-            "message": _message(c, tool_format, legacy),
+            "message": _forced_message(c, forced, legacy) if forced else _message(c, tool_format, legacy),
             "logprobs": {"content": [_chat_logprob(t) for t in c["logprobs"]], "refusal": None}
             if c.get("logprobs") is not None else None,
             "finish_reason": c["finish_reason"],
@@ -67,12 +73,27 @@ def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: 
         for c in result["completions"]
     ]
     for choice in choices:
+        if forced not in (None, REQUIRED) and choice["finish_reason"] == "stop":
+            continue
         if choice["message"].get("tool_calls"):
             choice["finish_reason"] = "tool_calls"
         elif choice["message"].get("function_call"):
             choice["finish_reason"] = "function_call"
     return {"id": random_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(result), "system_fingerprint": None}
+
+
+def _forced_message(completion: dict, forced: str, legacy: bool) -> dict[str, Any]:
+    """A forced call's answer; cut by max_tokens (not a whole document), the text stays the content."""
+    message = {"role": "assistant", "content": completion["text"], "refusal": None}
+    calls = forced_calls(completion["text"], forced)
+    if calls:
+        message["content"] = None
+        if legacy:
+            message["function_call"] = calls[0]["function"]
+        else:
+            message["tool_calls"] = calls
+    return message
 
 
 def _message(completion: dict, tool_format: str | None, legacy: bool) -> dict[str, Any]:
