@@ -169,6 +169,7 @@ class Watcher:
                 self.claims.update(claim, state="running", batch_id=batch_id)
             log.info("%s: resuming batch %s", key, batch_id)
             self.svc.validate(batch_id)  # left `validating` by a watcher that died: no-op otherwise
+            self.svc.ensure_indexed(batch_id)  # it may have died between the record and its index entry
             return self._track(claim)
         try:
             endpoint = self._check_object(claim.info)
