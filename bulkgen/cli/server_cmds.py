@@ -65,7 +65,7 @@ def runtime_options(fn):
         runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
         settings = settings_from(**runtime)
         with storage_errors():
-            check_storage(settings.storage, settings.endpoint_url)
+            check_storage(settings.storage, settings.endpoint_url, create=True)
             return fn(settings=settings, **kwargs)
 
     return wrapper
@@ -82,14 +82,17 @@ def storage_errors():
         raise click.ClickException(str(exc)) from None
 
 
-def check_storage(url: str, endpoint_url: str | None):
-    """Open the storage and look at it once, before anything starts; -> the store."""
+def check_storage(url: str, endpoint_url: str | None, create: bool = False):
+    """Open the storage and look at it once, before anything starts; -> the store. `create`: make a local
+    storage folder that does not exist yet (serve, run and watch at start; never later)."""
     from bulkgen.store import open_store
 
     try:
         store = open_store(url, endpoint_url=endpoint_url)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if create:
+        store.create()
     store.check(attempts=3)
     return store
 

@@ -11,8 +11,10 @@ from click.core import ParameterSource
 
 from bulkgen.cli.server_cmds import (
     RUNTIME_KEYS,
+    check_storage,
     runtime_flags,
     settings_from,
+    storage_errors,
     webhook_notifier,
     webhook_options,
 )
@@ -58,6 +60,8 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             runtime[key] = value
     settings = settings_from(**{k: runtime[k] for k in RUNTIME_KEYS})
+    with storage_errors():
+        check_storage(settings.storage, settings.endpoint_url, create=True)
     # signed events once each batch's results are written under the output prefix
     notifier = webhook_notifier(settings, spec.webhook, webhook_secret)
     try:

@@ -50,6 +50,7 @@ class Watcher:
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.inbox = open_store(spec.input, endpoint_url=endpoint_url)
         self.outbox = open_store(spec.output, endpoint_url=endpoint_url)
+        self.outbox.create()  # a local output folder is made here, at start (stores never make their root later)
         for name, other in (("output", self.outbox), ("service storage", svc.store)):
             if _inside(other.url, self.inbox.url):
                 raise JobError(f"the {name} {other.url} is inside the input {self.inbox.url}: "
