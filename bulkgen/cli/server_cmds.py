@@ -18,7 +18,9 @@ _RUNTIME_OPTIONS = [
     click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."),
     click.option("--model", "models", multiple=True, metavar="NAME=PATH",
                  help="Served model (local folder or s3://…), repeatable; default: the bundled sample model."),
-    click.option("--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster instead of starting one."),
+    click.option("--ray-address", envvar="RAY_ADDRESS",
+                 help="Join this Ray cluster (host:port, ray://…, or 'auto': this machine's `ray start` cluster; "
+                      "env RAY_ADDRESS); default: a private local Ray, whatever else runs here."),
     click.option("--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."),
     click.option("--cpu-workers", type=int, default=1, show_default=True, help="CPU workers when there is no GPU."),
     click.option("--max-num-seqs", type=int,
@@ -64,7 +66,7 @@ def runtime_options(fn):
     def wrapper(**kwargs):
         runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
         settings = settings_from(**runtime)
-        with storage_errors():
+        with storage_errors(), ray_errors():
             check_storage(settings.storage, settings.endpoint_url, create=True)
             return fn(settings=settings, **kwargs)
 
@@ -79,6 +81,17 @@ def storage_errors():
     try:
         yield
     except StorageUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@contextlib.contextmanager
+def ray_errors():
+    """Ray that cannot start, or a cluster that does not answer: one line, exit status 1."""
+    from bulkgen.runtime import RayUnavailable
+
+    try:
+        yield
+    except RayUnavailable as exc:
         raise click.ClickException(str(exc)) from None
 
 

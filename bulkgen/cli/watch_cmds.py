@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from bulkgen.cli.server_cmds import (
     RUNTIME_KEYS,
     check_storage,
+    ray_errors,
     runtime_flags,
     settings_from,
     storage_errors,
@@ -70,7 +71,8 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
         raise click.UsageError(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
     try:
-        watcher.run(once=once)
+        with ray_errors():
+            watcher.run(once=once)
     except KeyboardInterrupt:
         watcher.close()
     finally:
