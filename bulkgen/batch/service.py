@@ -53,7 +53,10 @@ class BatchService:
         tenant, with the final record, by whichever door ended it here: validation at create, the runner,
         finalize."""
         self.settings = settings
-        self.root: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
+        if store is None:  # opened here, at the start of a process: a local folder is made now, never later
+            store = open_store(settings.storage, endpoint_url=settings.endpoint_url)
+            store.create()
+        self.root: Store = store
         self.tenant = tenant or settings.tenant
         prefix = tenant_prefix(self.tenant)
         self.store: Store = self.root.sub(prefix) if prefix else self.root

@@ -78,7 +78,6 @@ class Service:
 
     def __init__(self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None) -> None:
         self.svc = BatchService(settings, on_batch_end=on_batch_end)
-        self.svc.root.create()  # as `bulkgen serve` does at start, and only then
         self.manager = BatchManager(self.svc)
         self.manager.start()
         self.server, self.thread, port = start_uvicorn(create_app(self.svc, self.manager, api_key, keyring))

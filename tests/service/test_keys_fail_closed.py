@@ -27,7 +27,6 @@ def keyed(tmp_path):
     keys = tmp_path / "keys"
     key_a, key_b = add_key(keys, "team-a"), add_key(keys, "team-b")
     svc = BatchService(Settings(storage=str(tmp_path / "store"), models={MODEL: "unused"}))
-    svc.root.create()
     app = create_app(svc, BatchManager(svc), None, KeyRing.from_file(keys))  # the manager never starts
     server, thread, port = start_uvicorn(app)
 

@@ -19,9 +19,7 @@ from tests.service.api_only import ApiOnly
 
 @pytest.fixture
 def api(tmp_path):
-    store = LocalStore(tmp_path / "store", fsync=False)
-    store.create()  # as `bulkgen serve` does at start
-    service = ApiOnly(store)
+    service = ApiOnly(LocalStore(tmp_path / "store", fsync=False))  # made at its start, as by `bulkgen serve`
     service.app.state.storage_probe.max_age_s = 0
     yield service, tmp_path / "store", tmp_path / "aside"
     service.stop()
