@@ -66,7 +66,7 @@ def runtime_options(fn):
     def wrapper(**kwargs):
         runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
         settings = settings_from(**runtime)
-        with storage_errors(), ray_errors():
+        with runtime_errors():
             check_storage(settings.storage, settings.endpoint_url, create=True)
             return fn(settings=settings, **kwargs)
 
@@ -74,24 +74,15 @@ def runtime_options(fn):
 
 
 @contextlib.contextmanager
-def storage_errors():
-    """Storage that cannot be used, at startup or later: one line naming it and why, exit status 1."""
+def runtime_errors():
+    """Storage that cannot be used (at startup or later), or Ray that cannot start or be joined: one line
+    naming it and why, exit status 1."""
+    from bulkgen.runtime import RayUnavailable
     from bulkgen.store import StorageUnavailable
 
     try:
         yield
-    except StorageUnavailable as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-@contextlib.contextmanager
-def ray_errors():
-    """Ray that cannot start, or a cluster that does not answer: one line, exit status 1."""
-    from bulkgen.runtime import RayUnavailable
-
-    try:
-        yield
-    except RayUnavailable as exc:
+    except (StorageUnavailable, RayUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
 
 

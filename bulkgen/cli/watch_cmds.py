@@ -12,10 +12,9 @@ from click.core import ParameterSource
 from bulkgen.cli.server_cmds import (
     RUNTIME_KEYS,
     check_storage,
-    ray_errors,
+    runtime_errors,
     runtime_flags,
     settings_from,
-    storage_errors,
     webhook_notifier,
     webhook_options,
 )
@@ -61,7 +60,7 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             runtime[key] = value
     settings = settings_from(**{k: runtime[k] for k in RUNTIME_KEYS})
-    with storage_errors():
+    with runtime_errors():
         check_storage(settings.storage, settings.endpoint_url, create=True)
     # signed events once each batch's results are written under the output prefix
     notifier = webhook_notifier(settings, spec.webhook, webhook_secret)
@@ -71,7 +70,7 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
         raise click.UsageError(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
     try:
-        with ray_errors():
+        with runtime_errors():
             watcher.run(once=once)
     except KeyboardInterrupt:
         watcher.close()
