@@ -2,8 +2,8 @@
 
 A keys file holds one `TENANT KEY_SHA256` line per key (comments with #), so no plain key sits on disk;
 `bulkgen keys add TENANT` appends a new one and prints the key once. A tenant may have several keys
-(rotation: add the new one, then delete the old line). The file is re-read when it changes, so a key
-added or removed takes effect without a restart.
+(rotation: add the new one, then `bulkgen keys revoke sha256:PREFIX` the old one). A running service
+sees a change of the file at its next request, without a restart, and fails closed (KeyRing).
 
 Storage: the `default` tenant owns the storage root (the layout a single-tenant service always had);
 every other tenant owns `tenants/<name>/` under it, with the same layout inside. Results, parts, leases
@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,8 @@ TENANT_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"
 _TENANT = re.compile(rf"^{TENANT_PATTERN}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 KEY_PREFIX = "bg-"
+HASH_LABEL = "sha256:"   # how `bulkgen keys list` shows a key, and `bulkgen keys revoke` takes one
+log = logging.getLogger(__name__)
 
 
 class KeysFileError(ValueError):
@@ -54,12 +58,17 @@ class Caller:
 
 
 class KeyRing:
-    """Bearer key -> tenant. Built from a keys file, or from one plain key (`--api-key`: one tenant)."""
+    """Bearer key -> tenant. Built from a keys file, or from one plain key (`--api-key`: one tenant).
 
-    def __init__(self, hashes: dict[str, str], path: Path | None = None) -> None:
+    A keys file is read again on every request (it is small: one read and a hash), and parsed anew when
+    its bytes changed, so an edit that keeps the size and the modification time is seen too. It fails
+    closed: a file that cannot be read or has a bad line means no key is valid until it is fixed, with
+    one ERROR line naming the file and line per change, not per request."""
+
+    def __init__(self, hashes: dict[str, str], path: Path | None = None, digest: str | None = None) -> None:
         self._hashes = hashes                 # sha256 hex -> tenant
         self.path = path
-        self._stamp = _stamp(path) if path else None
+        self._digest = digest                 # of the bytes `_hashes` came from
         self._lock = threading.Lock()
 
     @classmethod
@@ -68,8 +77,10 @@ class KeyRing:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> KeyRing:
+        """The keys of `path`; KeysFileError if it cannot be used (a service refuses to start on it)."""
         path = Path(path)
-        return cls(read_keys_file(path), path)
+        data = _read(path)
+        return cls(parse_keys(path, data), path, _digest(data))
 
     def tenants(self) -> list[str]:
         self._reload()
@@ -89,30 +100,47 @@ class KeyRing:
     def _reload(self) -> None:
         if self.path is None:
             return
-        stamp = _stamp(self.path)
-        if stamp == self._stamp:
-            return
         with self._lock:
             try:
-                self._hashes = read_keys_file(self.path)
-            except KeysFileError:
-                return  # a half-written edit: keep the keys we had until the file is whole again
-            self._stamp = stamp
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_mtime_ns, st.st_size
+                data = _read(self.path)
+                digest = _digest(data)
+            except KeysFileError as exc:
+                data, digest, problem = None, f"unreadable: {exc}", exc
+            if digest == self._digest:
+                return
+            self._digest = digest
+            try:
+                if data is None:
+                    raise problem
+                self._hashes = parse_keys(self.path, data)
+                log.info("API keys file %s reloaded: %d key(s)", self.path, len(self._hashes))
+            except KeysFileError as exc:
+                self._hashes = {}
+                log.error("%s; no API key is accepted until the file is fixed", exc)
 
 
 def read_keys_file(path: Path) -> dict[str, str]:
+    """sha256 hex -> tenant, from the keys file; KeysFileError names the file (and line) of a problem."""
+    return parse_keys(path, _read(path))
+
+
+def _read(path: Path) -> bytes:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_bytes()
     except OSError as exc:
         raise KeysFileError(f"cannot read API keys file {path}: {exc.strerror or exc}") from None
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def parse_keys(path: Path, data: bytes) -> dict[str, str]:
+    """The keys of a keys file's bytes (`path` only names it in errors)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KeysFileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     hashes: dict[str, str] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
@@ -141,3 +169,54 @@ def add_key(path: str | os.PathLike[str], tenant: str) -> str:
     with os.fdopen(fd, "a", encoding="utf-8") as f:
         f.write(f"{tenant} {hash_key(key)}\n")
     return key
+
+
+def key_label(key_hash: str) -> str:
+    """How a key is named to operators (`keys list`, `keys revoke`): its hash's first 16 hex digits."""
+    return f"{HASH_LABEL}{key_hash[:16]}"
+
+
+def revoke_keys(path: str | os.PathLike[str], which: str) -> list[tuple[str, str]]:
+    """Remove from the keys file every key of tenant `which`, or the one key `which` names: `sha256:PREFIX`
+    (at least 8 hex digits of its hash, as `keys list` shows it) or the plain key itself. Other lines and
+    comments stay; the file is replaced atomically. -> the (tenant, hash) pairs removed."""
+    path = Path(path)
+    data = _read(path)
+    hashes = parse_keys(path, data)   # refuse to rewrite a file we could not read back
+    chosen = _chosen(hashes, which)
+    gone = {key_hash for _, key_hash in chosen}
+    kept = [line for line in data.decode("utf-8").splitlines(keepends=True) if _line_hash(line) not in gone]
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return chosen
+
+
+def _line_hash(line: str) -> str | None:
+    fields = line.split("#", 1)[0].split()
+    return fields[1] if len(fields) == 2 else None
+
+
+def _chosen(hashes: dict[str, str], which: str) -> list[tuple[str, str]]:
+    if which.startswith(HASH_LABEL):
+        prefix = which.removeprefix(HASH_LABEL).lower()
+        if not re.fullmatch(r"[0-9a-f]{8,64}", prefix):
+            raise ValueError(f"{which!r}: give at least 8 hex digits of the key's hash, as `bulkgen keys list` "
+                             "shows it (sha256:0123abcd...)")
+        found = [(t, h) for h, t in hashes.items() if h.startswith(prefix)]
+        if len(found) > 1:
+            raise ValueError(f"{which!r} matches {len(found)} keys; give more digits")
+    elif which.startswith(KEY_PREFIX):
+        found = [(t, h) for h, t in hashes.items() if h == hash_key(which)]
+    else:
+        found = [(t, h) for h, t in hashes.items() if t == which]
+    if not found:
+        raise ValueError(f"no key matches {which[:80]!r}: give a tenant, sha256:PREFIX (see `bulkgen keys list`) "
+                         "or the key itself")
+    return found

@@ -154,9 +154,10 @@ class FileRepo:
         return self.store.iter_lines(self.data_key(file_id))
 
     def delete(self, file_id: str) -> None:
+        """The record first, then the bytes: a listed file never points at missing content."""
         self.get(file_id)
-        self.store.delete(self.data_key(file_id))
         self.store.delete(self.meta_key(file_id))
+        self.store.delete(self.data_key(file_id))
 
 
 def _load_json(store: Store, key: str) -> dict | None:

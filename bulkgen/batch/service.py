@@ -7,19 +7,24 @@ it keeps two small indexes in storage:
   active/[<tenant>/]<batch_id>  one empty object per batch not yet ended, at the storage root for every
                                 tenant (the default tenant's without the folder): what runners scan
   files/refs/<file_id>/<batch>  a batch that reads this file: the file cannot be deleted while it runs
+                                (with files/use/<file_id>.json, bulkgen.batch.fileuse: create vs delete)
   meta/active-indexed           the active index was built from older records (done once per storage)
   meta/totals.json              running totals of every ended batch, all tenants (bulkgen.batch.totals)
 
 Each service object works for one tenant (bulkgen.tenants): its records, files, parts and leases live in
 the tenant's folder, so another tenant's ids are simply not found there. `for_tenant` gives the service of
 another tenant on the same storage.
+
+Every write that publishes something comes after what it points to: a batch's ref and record before its
+active entry, so a runner that finds an entry finds its record (see BatchManager for an entry that still
+has none: a creator that died between the writes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from bulkgen.batch import totals
+from bulkgen.batch import fileuse, totals
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
 from bulkgen.batch.schema import (
@@ -48,7 +53,10 @@ class BatchService:
         tenant, with the final record, by whichever door ended it here: validation at create, the runner,
         finalize."""
         self.settings = settings
-        self.root: Store = store or open_store(settings.storage, endpoint_url=settings.endpoint_url)
+        if store is None:  # opened here, at the start of a process: a local folder is made now, never later
+            store = open_store(settings.storage, endpoint_url=settings.endpoint_url)
+            store.create()
+        self.root: Store = store
         self.tenant = tenant or settings.tenant
         prefix = tenant_prefix(self.tenant)
         self.store: Store = self.root.sub(prefix) if prefix else self.root
@@ -67,21 +75,35 @@ class BatchService:
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
                      output_expires_after_s: int | None = None) -> dict:
         """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
-        the runtime validates it (`validate`), so validation survives a restart like any other work."""
-        try:
-            meta = self.files.get(input_file_id)
-        except RecordNotFound:
-            raise InvalidRequest(f"input_file_id {quote(input_file_id)} does not exist", param="input_file_id",
-                                 code="invalid_file") from None
-        if meta["purpose"] != "batch":
-            raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
-                                 param="input_file_id")
+        the runtime validates it (`validate`), so validation survives a restart like any other work.
+        Writes in order: the file's ref (fileuse.pin: a delete of the file either wins before it, and this
+        refuses, or answers 409), the record, then the active entry that makes runners look for it."""
+        meta = self._input_file(input_file_id)
         record = new_batch_record(meta["id"], endpoint, window, metadata)
         if output_expires_after_s:
             record[INTERNAL]["output_expires_after_s"] = output_expires_after_s
-        self.store.write_bytes(_ref_key(meta["id"], record["id"]), b"")
+        try:
+            fileuse.pin(self.store, meta["id"], record["id"])
+        except fileuse.FileDeleting:
+            raise _file_gone(input_file_id, "is being deleted") from None
+        try:
+            self._input_file(input_file_id)  # deleted before our pin (its use object already gone)
+            self.batches.create(record)
+        except BaseException:
+            fileuse.unpin(self.store, meta["id"], record["id"])
+            raise
         self.root.write_bytes(self._active_key(record["id"]), b"")
-        return self.batches.create(record)
+        return record
+
+    def _input_file(self, file_id: str) -> dict:
+        try:
+            meta = self.files.get(file_id)
+        except RecordNotFound:
+            raise _file_gone(file_id, "does not exist") from None
+        if meta["purpose"] != "batch":
+            raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
+                                 param="input_file_id")
+        return meta
 
     def validate(self, batch_id: str, on_request: Callable | None = None) -> dict:
         """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
@@ -111,6 +133,15 @@ class BatchService:
         if record["status"] in TERMINAL_STATUSES:
             totals.add_ended(self.root, record)
         self.root.delete(self._active_key(batch_id))
+
+    def drop_from_index(self, batch_id: str) -> None:
+        """An active entry whose record never came (its creator died between the two writes)."""
+        self.root.delete(self._active_key(batch_id))
+
+    def ensure_indexed(self, batch_id: str) -> None:
+        """Put a batch still active back in the index (its creator may have died after the record)."""
+        if self.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
+            self.root.write_bytes(self._active_key(batch_id), b"")
 
     def build_totals(self) -> bool:
         """Running totals for storage written before they existed (once per storage; the default
@@ -144,24 +175,29 @@ class BatchService:
         return found
 
     def delete_file(self, file_id: str) -> None:
-        """Refuse (409) while a batch that reads the file has not ended: it would fail half way."""
+        """Refuse (409) while a batch that reads the file has not ended (it would fail half way), or is
+        being created on it; otherwise mark the file deleting (fileuse: the conditional write that a
+        concurrent create_batch loses), then remove it."""
         self.files.get(file_id)
-        for key in self.store.list(f"files/refs/{file_id}/"):
+        fileuse.begin_delete(self.store, file_id, lambda: self._check_unused(file_id))
+        self.files.delete(file_id)
+        fileuse.end_delete(self.store, file_id)
+
+    def _check_unused(self, file_id: str) -> None:
+        for key in self.store.list(fileuse.ref_prefix(file_id)):
             batch_id = key.rsplit("/", 1)[-1]
             try:
                 status = self.batches.get(batch_id)["status"]
-            except RecordNotFound:
-                status = "deleted"
-            if status in ACTIVE_STATUSES:
+            except RecordNotFound:  # its creator is between writes, or died (then the ref is old)
+                status = "being created" if fileuse.ref_age(self.store, key) < fileuse.REF_GRACE_S else "deleted"
+            if status in ACTIVE_STATUSES or status == "being created":
                 raise Conflict(f"file {file_id} is the input of batch {batch_id}, which is {status}; delete the "
                                "file once the batch has ended (or cancel the batch first)",
                                param="file_id", code="file_in_use")
-        self.files.delete(file_id)
-        self.store.delete_prefix(f"files/refs/{file_id}/")
 
 
-def _ref_key(file_id: str, batch_id: str) -> str:
-    return f"files/refs/{FileRepo.data_key(file_id).rsplit('/', 1)[-1]}/{batch_id}"
+def _file_gone(file_id: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"input_file_id {quote(file_id)} {why}", param="input_file_id", code="invalid_file")
 
 
 def _cancel(record: dict) -> dict | None:

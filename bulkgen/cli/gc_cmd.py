@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from bulkgen.cli.server_cmds import check_storage, storage_errors
+from bulkgen.cli.server_cmds import check_storage, runtime_errors
 from bulkgen.settings import DEFAULT_STORAGE
 
 
@@ -21,7 +21,7 @@ def gc(storage: str, endpoint_url: str | None, dry_run: bool) -> None:
     from bulkgen.runtime.gc import collect
     from bulkgen.settings import Settings
 
-    with storage_errors():
+    with runtime_errors():
         store = check_storage(storage, endpoint_url)
         svc = BatchService(Settings(storage=storage, endpoint_url=endpoint_url), store=store)
         for line in collect(svc, dry_run=dry_run).lines(dry_run):

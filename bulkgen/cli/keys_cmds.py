@@ -35,16 +35,29 @@ def add(tenant: str, path: Path) -> None:
 
 @keys.command("list")
 @_file_option
-def list_tenants(path: Path) -> None:
-    """The tenants in the keys file, with how many keys each has."""
-    from bulkgen.tenants import KeysFileError, read_keys_file
+def list_keys(path: Path) -> None:
+    """Every key in the keys file: its tenant and its label (sha256:PREFIX), what `keys revoke` takes."""
+    from bulkgen.tenants import KeysFileError, key_label, read_keys_file
 
     try:
         hashes = read_keys_file(path)
     except KeysFileError as exc:
         raise click.ClickException(str(exc)) from None
-    counts: dict[str, int] = {}
-    for tenant in hashes.values():
-        counts[tenant] = counts.get(tenant, 0) + 1
-    for tenant, count in sorted(counts.items()):
-        click.echo(f"{tenant}\t{count} key{'s' if count > 1 else ''}")
+    for key_hash, tenant in sorted(hashes.items(), key=lambda item: (item[1], item[0])):
+        click.echo(f"{tenant}\t{key_label(key_hash)}")
+
+
+@keys.command("revoke")
+@click.argument("which", metavar="TENANT|sha256:PREFIX|KEY")
+@_file_option
+def revoke(which: str, path: Path) -> None:
+    """Remove every key of TENANT, or the one key named by sha256:PREFIX (as `keys list` shows it) or by
+    the plain key. A running service refuses the removed keys from its next request on."""
+    from bulkgen.tenants import KeysFileError, key_label, revoke_keys
+
+    try:
+        removed = revoke_keys(path, which)
+    except (ValueError, KeysFileError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for tenant, key_hash in removed:
+        click.echo(f"revoked {tenant}\t{key_label(key_hash)}")

@@ -20,7 +20,9 @@ _RUNTIME_OPTIONS = [
     click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."),
     click.option("--model", "models", multiple=True, metavar="NAME=PATH",
                  help="Served model (local folder or s3://…), repeatable; default: the bundled sample model."),
-    click.option("--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster instead of starting one."),
+    click.option("--ray-address", envvar="RAY_ADDRESS",
+                 help="Join this Ray cluster (host:port, ray://…, or 'auto': this machine's `ray start` cluster; "
+                      "env RAY_ADDRESS); default: a private local Ray, whatever else runs here."),
     click.option("--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."),
     click.option("--cpu-workers", type=int, default=1, show_default=True, help="CPU workers when there is no GPU."),
     click.option("--max-num-seqs", type=int,
@@ -66,32 +68,37 @@ def runtime_options(fn):
     def wrapper(**kwargs):
         runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
         settings = settings_from(**runtime)
-        with storage_errors():
-            check_storage(settings.storage, settings.endpoint_url)
+        with runtime_errors():
+            check_storage(settings.storage, settings.endpoint_url, create=True)
             return fn(settings=settings, **kwargs)
 
     return wrapper
 
 
 @contextlib.contextmanager
-def storage_errors():
-    """Storage that cannot be used, at startup or later: one line naming it and why, exit status 1."""
+def runtime_errors():
+    """Storage that cannot be used (at startup or later), or Ray that cannot start or be joined: one line
+    naming it and why, exit status 1."""
+    from bulkgen.runtime import RayUnavailable
     from bulkgen.store import StorageUnavailable
 
     try:
         yield
-    except StorageUnavailable as exc:
+    except (StorageUnavailable, RayUnavailable) as exc:
         raise click.ClickException(str(exc)) from None
 
 
-def check_storage(url: str, endpoint_url: str | None):
-    """Open the storage and look at it once, before anything starts; -> the store."""
+def check_storage(url: str, endpoint_url: str | None, create: bool = False):
+    """Open the storage and look at it once, before anything starts; -> the store. `create`: make a local
+    storage folder that does not exist yet (serve, run and watch at start; never later)."""
     from bulkgen.store import open_store
 
     try:
         store = open_store(url, endpoint_url=endpoint_url)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if create:
+        store.create()
     store.check(attempts=3)
     return store
 

@@ -11,6 +11,8 @@ from click.core import ParameterSource
 
 from bulkgen.cli.server_cmds import (
     RUNTIME_KEYS,
+    check_storage,
+    runtime_errors,
     runtime_flags,
     settings_from,
     webhook_notifier,
@@ -58,6 +60,8 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             runtime[key] = value
     settings = settings_from(**{k: runtime[k] for k in RUNTIME_KEYS})
+    with runtime_errors():
+        check_storage(settings.storage, settings.endpoint_url, create=True)
     # signed events once each batch's results are written under the output prefix
     notifier = webhook_notifier(settings, spec.webhook, webhook_secret)
     try:
@@ -66,7 +70,8 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
         raise click.UsageError(str(exc)) from None
     signal.signal(signal.SIGTERM, lambda *_: watcher.stop())
     try:
-        watcher.run(once=once)
+        with runtime_errors():
+            watcher.run(once=once)
     except KeyboardInterrupt:
         watcher.close()
     finally:

@@ -5,6 +5,11 @@ index of active batches and takes the lease of any that no live runner holds: ba
 this replica, left behind by a replica that died, or by a previous run of this one. Each claimed batch
 gets a runner thread; all runners share one work queue and the worker pool, so several batches run at
 once. Leases are renewed here; a runner whose lease was taken stops without writing anything.
+
+An index entry whose record is not stored is a batch still being created (the record is written first,
+but a replica of an older version, or a slow write, may show the entry alone): its runner gives it up and
+a later scan tries again. After ORPHAN_AFTER_S the entry is a leftover of a creator that died between its
+writes, and is dropped.
 """
 
 from __future__ import annotations
@@ -16,18 +21,21 @@ import socket
 import threading
 import time
 
+from bulkgen.batch.ids import id_time
+from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.dispatch import Dispatcher
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.pool import WorkerPool
-from bulkgen.runtime.runner import BatchRunner
+from bulkgen.runtime.runner import BatchRunner, NotCreatedYet
 from bulkgen.runtime.workqueue import WorkQueue
 from bulkgen.store import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
 SCAN_EVERY_S = 2.0
+ORPHAN_AFTER_S = 600.0
 
 
 class BatchManager:
@@ -125,6 +133,8 @@ class BatchManager:
     def _run(self, runner: BatchRunner) -> None:
         try:
             runner.run()
+        except NotCreatedYet:
+            self._not_created_yet(runner)
         except Exception as exc:
             log.exception("batch %s: runner failed", runner.batch_id)
             runner.fail(f"internal error while running the batch: {type(exc).__name__}: {exc}")
@@ -135,8 +145,18 @@ class BatchManager:
             try:
                 if runner.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
                     runner.lease.release()
-            except StorageUnavailable:  # the lease lapses by itself
+            except (StorageUnavailable, RecordNotFound):  # the lease lapses by itself, or is already released
                 pass
+
+    def _not_created_yet(self, runner: BatchRunner) -> None:
+        runner.lease.release()
+        made = id_time(runner.batch_id)
+        if made is None or time.time() - made >= ORPHAN_AFTER_S:
+            log.warning("batch %s: in the active index for %.0f s without a record (its creator stopped between "
+                        "writes); dropped from the index", runner.batch_id, time.time() - (made or 0))
+            runner.svc.drop_from_index(runner.batch_id)
+        else:
+            log.debug("batch %s: no record yet; looking again on the next scan", runner.batch_id)
 
     def _renew(self) -> None:
         self._renewed = time.monotonic()

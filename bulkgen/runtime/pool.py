@@ -9,38 +9,62 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 
 import ray
 
+from bulkgen.runtime import RayUnavailable
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.settings import WorkerSettings
 
 NAMESPACE = "bulkgen"
+JOIN_TIMEOUT_S = 5.0
 log = logging.getLogger(__name__)
 
 
 def init_ray(address: str | None = None) -> None:
-    """Join `address`, or start a small local Ray on 127.0.0.1 that leaves memory to the engine."""
+    """Join `address` ("auto": this machine's cluster), or, without one, start a private local Ray on
+    127.0.0.1 that leaves memory to the engine. Never a cluster nobody named: a `ray start` head on the
+    same machine is not joined uninvited (Ray's own default would, then refuse our num_cpus).
+    RayUnavailable (one line) if Ray cannot start or the cluster does not answer."""
     if ray.is_initialized():
         return
-    if address:
-        _use_token_auth_if_available()
-        # Ray rewrites a loopback address to this host's IP unless told the driver's node is loopback too
-        loopback = address.split("://")[-1].startswith(("127.", "localhost"))
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-                 **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
+    try:
+        if address:
+            _join(address)
+        else:
+            ray.init(address="local", namespace=NAMESPACE, num_cpus=max(2, os.cpu_count() or 1),
+                     include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False,
+                     configure_logging=False, _node_ip_address="127.0.0.1")
+    except RayUnavailable:
+        raise
+    except Exception as exc:
+        what = f"cannot join the Ray cluster at {address}" if address else "cannot start a local Ray"
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise RayUnavailable(f"{what}: {reason}") from None
+
+
+def _join(address: str) -> None:
+    _check_answers(address)
+    _use_token_auth_if_available()
+    # Ray rewrites a loopback address to this host's IP unless told the driver's node is loopback too
+    loopback = address.split("://")[-1].startswith(("127.", "localhost"))
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
+             **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
+
+
+def _check_answers(address: str) -> None:
+    """Ray waits for a head that is not there for minutes, a warning every few seconds: look first."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not port.isdigit():  # "auto": Ray finds the machine's cluster itself, or says there is none
         return
-    ray.init(
-        namespace=NAMESPACE,
-        num_cpus=max(2, os.cpu_count() or 1),
-        include_dashboard=False,
-        object_store_memory=256 * 1024 * 1024,
-        log_to_driver=False,
-        configure_logging=False,
-        _node_ip_address="127.0.0.1",
-    )
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=JOIN_TIMEOUT_S).close()
+    except OSError as exc:
+        raise RayUnavailable(f"cannot join the Ray cluster at {address}: nothing answers there "
+                             f"({exc.strerror or exc})") from None
 
 
 def _use_token_auth_if_available() -> None:

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from bulkgen.batch.lifecycle import needs_validation
-from bulkgen.batch.records import FileRepo
+from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
 from bulkgen.batch.service import BatchService
@@ -44,6 +44,11 @@ PUBLISH_EVERY_S = 2.0
 
 class StorageOutage(Exception):
     """Storage stayed unavailable past the outage timeout: the runner stops and the batch stays active."""
+
+
+class NotCreatedYet(Exception):
+    """The active index names a batch with no record (yet): its creator is between writes, or died. Not a
+    failure: the runner gives the batch up, and a later scan looks again (BatchManager)."""
 
 
 class BatchFailed(Exception):
@@ -147,7 +152,10 @@ class BatchRunner:
 
     def _validate(self) -> tuple[dict, LineIndex | None]:
         """A batch in `validating` is checked and indexed in one streamed pass; -> (record, index if built)."""
-        record = self.svc.batches.get(self.batch_id)
+        try:
+            record = self.svc.batches.get(self.batch_id)
+        except RecordNotFound:
+            raise NotCreatedYet(self.batch_id) from None
         if not needs_validation(record):
             return record, None
         builder = IndexBuilder()

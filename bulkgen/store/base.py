@@ -168,6 +168,11 @@ class Store(ABC):
     def _download_file(self, key: str, path: Path) -> None:
         """Copy one object to `path` (which the caller replaces atomically)."""
 
+    def create(self) -> None:
+        """Make the storage where that is this program's job (a local folder), at startup only: a running
+        service never re-creates storage that disappeared. A bucket is the operator's to make: nothing here."""
+        return None
+
     def check(self, *, attempts: int | None = None) -> None:
         """A cheap look at the storage (one small listing); StorageUnavailable says why it cannot be used.
         `attempts` bounds the retries (the health check uses 1; startup keeps the store's own)."""

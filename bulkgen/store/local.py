@@ -4,6 +4,12 @@ Writes go to a temp file and `os.replace` it into place, so readers see the old 
 object, never half of one. A conditional write's check and replace run under an `fcntl` lock
 (striped by key hash, so the lock files stay few) which makes them atomic across processes on
 the same machine — the same guarantee S3 gives with If-Match / If-None-Match.
+
+The storage folder itself (the `anchor`: the root, or for a sub-store such as a tenant's folder, the root
+it lies under) is made only by `create()`, which `bulkgen serve` / `run` / `watch` call at start. Every
+read, list and write tells "the folder is gone or is not a folder" (StorageUnavailable: a 503, /health
+degraded) from "no such key" (NotFound), so storage removed under a running service never comes back
+silently empty. Folders inside the anchor are made as needed, one level at a time, never the anchor.
 """
 
 from __future__ import annotations
@@ -57,18 +63,30 @@ def content_version(data: bytes) -> str:
 class LocalStore(Store):
     """Objects are plain files under `root`; keys map to relative paths."""
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True,
+                 anchor: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root).expanduser().absolute()
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"local store root {str(self.root)!r} exists and is not a folder")
+        self.anchor = Path(anchor).expanduser().absolute() if anchor is not None else self.root
+        if self.anchor != self.root and self.anchor not in self.root.parents:
+            raise ValueError(f"local store root {str(self.root)!r} is not inside {str(self.anchor)!r}")
         self.url = str(self.root)
         self.fsync = fsync
 
     def spec(self) -> dict[str, Any]:
-        return {"url": self.url, "fsync": self.fsync}
+        return {"url": self.url, "fsync": self.fsync, "anchor": str(self.anchor)}
+
+    def create(self) -> None:
+        """Make the storage folder if it does not exist (at startup only; never on the fly)."""
+        try:
+            self.anchor.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageUnavailable(self.url, f"cannot create the folder ({exc.strerror or exc})") from None
 
     def check(self, *, attempts: int | None = None) -> None:
-        """The folder exists (or can be made) and this process may write in it."""
+        """The folder exists and this process may write in it."""
+        self._anchored()
         try:
             self._internal("tmp")
             fd, tmp = tempfile.mkstemp(dir=self.root / INTERNAL_DIR / "tmp", suffix=".check")
@@ -76,6 +94,37 @@ class LocalStore(Store):
             os.unlink(tmp)
         except OSError as exc:
             raise StorageUnavailable(self.url, f"cannot write in the folder ({exc.strerror or exc})") from None
+
+    def _anchored(self) -> None:
+        """StorageUnavailable unless the storage folder is there: a key that is missing because the
+        folder is must never read as merely missing."""
+        try:
+            if stat.S_ISDIR(self.anchor.stat().st_mode):
+                return
+            reason = "it is not a folder"
+        except FileNotFoundError:
+            reason = "the folder does not exist (it is made only when the service starts)"
+        except OSError as exc:
+            reason = f"cannot look at the folder ({exc.strerror or exc})"
+        raise StorageUnavailable(str(self.anchor), reason)
+
+    def _missing(self, key: str) -> NotFound:
+        """The NotFound of a key that is not there, once the folder is known to be."""
+        self._anchored()
+        return NotFound(key)
+
+    def _make_dirs(self, folder: Path) -> None:
+        """Make `folder` inside the anchor level by level: if the anchor is gone this fails, never makes it."""
+        if folder.is_dir():
+            return
+        self._anchored()
+        current = self.anchor
+        for part in folder.relative_to(self.anchor).parts:
+            current = current / part
+            try:
+                os.mkdir(current)
+            except FileExistsError:
+                pass
 
     def _path(self, key: str) -> Path:
         check_key(key)
@@ -85,7 +134,7 @@ class LocalStore(Store):
 
     def _internal(self, name: str) -> Path:
         path = self.root / INTERNAL_DIR / name
-        path.mkdir(parents=True, exist_ok=True)
+        self._make_dirs(path)
         return path
 
     @contextmanager
@@ -112,7 +161,7 @@ class LocalStore(Store):
         fh.flush()
         if self.fsync:
             os.fsync(fh.fileno())
-        path.parent.mkdir(parents=True, exist_ok=True)
+        self._make_dirs(path.parent)
         os.replace(tmp, path)
 
     @_os_errors
@@ -162,7 +211,7 @@ class LocalStore(Store):
         try:
             return open(self._path(key), "rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise NotFound(key) from None
+            raise self._missing(key) from None
 
     @_os_errors
     def read_range(self, key: str, start: int, end: int) -> bytes:
@@ -179,9 +228,9 @@ class LocalStore(Store):
         try:
             st = self._path(key).stat()
         except (FileNotFoundError, NotADirectoryError):
-            raise NotFound(key) from None
+            raise self._missing(key) from None
         if not stat.S_ISREG(st.st_mode):
-            raise NotFound(key)
+            raise self._missing(key)
         return st.st_size
 
     @_os_errors
@@ -191,11 +240,12 @@ class LocalStore(Store):
             try:
                 path.unlink()
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                pass
+                self._anchored()
 
     def list(self, prefix: str, *, start_after: str | None = None) -> Iterator[str]:
         """Walk only the folders that can hold matching keys, in S3's lexicographic key order."""
         check_prefix(prefix)
+        self._anchored()
         base = prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else ""
         return self._walk(self.root.joinpath(*base.split("/")), base, prefix, start_after)
 

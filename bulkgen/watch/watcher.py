@@ -50,6 +50,7 @@ class Watcher:
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.inbox = open_store(spec.input, endpoint_url=endpoint_url)
         self.outbox = open_store(spec.output, endpoint_url=endpoint_url)
+        self.outbox.create()  # a local output folder is made here, at start (stores never make their root later)
         for name, other in (("output", self.outbox), ("service storage", svc.store)):
             if _inside(other.url, self.inbox.url):
                 raise JobError(f"the {name} {other.url} is inside the input {self.inbox.url}: "
@@ -169,6 +170,7 @@ class Watcher:
                 self.claims.update(claim, state="running", batch_id=batch_id)
             log.info("%s: resuming batch %s", key, batch_id)
             self.svc.validate(batch_id)  # left `validating` by a watcher that died: no-op otherwise
+            self.svc.ensure_indexed(batch_id)  # it may have died between the record and its index entry
             return self._track(claim)
         try:
             endpoint = self._check_object(claim.info)

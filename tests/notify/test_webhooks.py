@@ -158,6 +158,7 @@ def test_undelivered_events_survive_the_process_and_are_sent_by_the_next(receive
     from bulkgen.store import open_store
 
     store = open_store(str(tmp_path / "storage"))
+    store.create()
     silent = receiver(SilentReceiver)
     first = WebhookNotifier(silent.url, SECRET, store=store, timeout_s=0.2, first_wait_s=30)
     first(_record(batch_id="batch_one", status="completed"))

@@ -12,6 +12,7 @@ from tests.service.conftest import start_uvicorn
 class ApiOnly:
     def __init__(self, store, app_options: dict | None = None, **settings) -> None:
         """`app_options`: create_app's keyword arguments (allowed_hosts, body_timeout_s)."""
+        store.create()  # as `bulkgen serve` does at start, and only then
         self.svc = BatchService(Settings(storage=store.url, **settings), store=store)
         manager = BatchManager(self.svc)  # never started: batches are not run here
         self.app = create_app(self.svc, manager, **(app_options or {}))

@@ -182,6 +182,7 @@ def test_gc_covers_every_tenant(tmp_path):
     from bulkgen.settings import Settings
 
     root = LocalStore(tmp_path / "storage", fsync=False)
+    root.create()
     svc = BatchService(Settings(storage=root.url), store=root)
     ids = {}
     for tenant in ("default", "acme"):

@@ -35,7 +35,7 @@ def test_keys_file_holds_hashes_and_rejects_bad_lines(tmp_path):
     path.write_text(path.read_text() + "team-c not-a-hash\n")
     with pytest.raises(KeysFileError, match=r"keys:3: expected 'TENANT KEY_SHA256'"):
         read_keys_file(path)
-    assert ring.resolve(key).tenant == "team-a"  # a broken edit keeps the keys already loaded
+    assert ring.resolve(key) is None  # a broken edit fails closed (tests/service/test_keys_fail_closed.py)
     (tmp_path / "upper").write_text(f"Team {hash_key('k')}\n")
     with pytest.raises(KeysFileError, match="upper:1: tenant name 'Team' is not valid"):
         read_keys_file(tmp_path / "upper")
@@ -48,7 +48,7 @@ def test_keys_cli_prints_the_key_once_and_stores_its_hash(tmp_path):
     key = result.stdout.strip()
     assert key.startswith("bg-") and read_keys_file(path) == {hash_key(key): "analytics"}
     listed = CliRunner().invoke(cli, ["keys", "list", "--file", str(path)])
-    assert listed.stdout == "analytics\t1 key\n"
+    assert listed.stdout == f"analytics\tsha256:{hash_key(key)[:16]}\n"
     bad = CliRunner().invoke(cli, ["keys", "add", "../evil", "--file", str(path)])
     assert bad.exit_code == 1 and "tenant name '../evil' is not valid" in bad.output
 

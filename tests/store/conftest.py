@@ -33,7 +33,9 @@ def store_url(request, tmp_path) -> str:
 
 @pytest.fixture
 def store(store_url) -> Store:
-    return open_store(store_url, **(FAST_RETRY if store_url.startswith("s3://") else {}))
+    store = open_store(store_url, **(FAST_RETRY if store_url.startswith("s3://") else {}))
+    store.create()  # as a service does at start (a local folder; nothing for a bucket)
+    return store
 
 
 SLOW_DOWN = (

@@ -66,7 +66,9 @@ def test_lasting_5xx_is_unavailable_after_the_retries(s3_bucket_url, flaky_proxy
 def test_local_folder_that_cannot_be_made(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     store = open_store(str(tmp_path / "file" / "storage"))
-    with pytest.raises(StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot write in the folder"):
+    with pytest.raises(StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot create the folder"):
+        store.create()
+    with pytest.raises(StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot look at the folder"):
         store.check()
 
 
@@ -95,10 +97,13 @@ def test_local_folder_that_goes_away_while_in_use(tmp_path):
     import shutil
 
     store = open_store(str(tmp_path / "storage"))
+    store.create()
     store.write_bytes("batches/a.json", b"{}")
     shutil.rmtree(tmp_path / "storage")
     (tmp_path / "storage").write_text("a file where the folder was")
-    with pytest.raises(StorageUnavailable, match=r"storage .*/storage is unavailable: Not a directory"):
+    with pytest.raises(StorageUnavailable, match=r"storage .*/storage is unavailable: it is not a folder"):
         store.write_bytes("batches/b.json", b"{}")
-    with pytest.raises(StorageUnavailable, match="cannot write in the folder"):
+    with pytest.raises(StorageUnavailable, match="it is not a folder"):
         store.check()
+    with pytest.raises(StorageUnavailable, match="it is not a folder"):
+        store.read_bytes("batches/a.json")  # never a plain "no such key"

@@ -1,0 +1,118 @@
+"""Who reads a file, and the one conditional write that orders "create a batch on it" against "delete it".
+
+In the tenant's storage, beside the file's record:
+
+  files/refs/<file_id>/<batch_id>  {"created_at": ...}: this batch reads the file (written before its record)
+  files/use/<file_id>.json         {"pins": n, "deleting": bool}: bumped by every batch created on the file,
+                                   set to deleting by the delete that wins
+
+A creator writes its ref, then bumps the use object with a replace-if-unchanged; a deleter checks the
+refs, then sets `deleting` with a replace-if-unchanged of the version it read before that check. Whichever
+write lands first wins: a creator that lands first has its ref stored before the deleter looks (the
+deleter's write then fails, it looks again and answers 409); a deleter that lands first makes the creator's
+write fail, and the creator finds `deleting` and refuses. Timing never decides, and never both.
+
+A ref without a batch record is a creation under way (its creator is between writes): it keeps the file
+in use for REF_GRACE_S, after which it is a leftover of a creator that died, and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from bulkgen.batch.records import FileRepo
+from bulkgen.store import NotFound, PreconditionFailed, Store
+
+REF_GRACE_S = 600.0
+_ATTEMPTS = 50
+
+
+class FileDeleting(Exception):
+    """The file is being deleted: no batch may start reading it."""
+
+
+def ref_prefix(file_id: str) -> str:
+    return f"files/refs/{_plain(file_id)}/"
+
+
+def ref_key(file_id: str, batch_id: str) -> str:
+    return ref_prefix(file_id) + batch_id
+
+
+def ref_age(store: Store, key: str, now: float | None = None) -> float:
+    """Seconds since the ref was written (refs of older versions hold no time: they count as old)."""
+    try:
+        written = float(json.loads(store.read_bytes(key))["created_at"])
+    except (NotFound, ValueError, KeyError, TypeError):
+        return float("inf")
+    return (time.time() if now is None else now) - written
+
+
+def pin(store: Store, file_id: str, batch_id: str) -> None:
+    """Record that `batch_id` reads the file: the ref, then the bump that orders it before any delete.
+    FileDeleting (and no ref left behind) if a delete won."""
+    store.write_bytes(ref_key(file_id, batch_id), json.dumps({"created_at": time.time()}).encode())
+    try:
+        _change(store, file_id, _bump)
+    except FileDeleting:
+        store.delete(ref_key(file_id, batch_id))
+        raise
+
+
+def unpin(store: Store, file_id: str, batch_id: str) -> None:
+    """A batch whose creation failed after `pin` no longer reads the file."""
+    store.delete(ref_key(file_id, batch_id))
+
+
+def begin_delete(store: Store, file_id: str, check_refs: Callable[[], None]) -> None:
+    """Mark the file `deleting`; `check_refs()` raises (Conflict) while a batch still reads it. It runs
+    again whenever a creator's bump landed in between, so it always sees every ref of a winning creator."""
+
+    def mark(state: dict) -> dict:
+        check_refs()
+        return {**state, "deleting": True}
+
+    _change(store, file_id, mark, refuse_deleting=False)
+
+
+def end_delete(store: Store, file_id: str) -> None:
+    """The file and its refs are gone: drop its use object last (a creator that reads none re-checks
+    that the file still exists after its bump)."""
+    store.delete_prefix(ref_prefix(file_id))
+    store.delete(_use_key(file_id))
+
+
+def _bump(state: dict) -> dict:
+    return {**state, "pins": state.get("pins", 0) + 1}
+
+
+def _change(store: Store, file_id: str, change: Callable[[dict], dict], refuse_deleting: bool = True) -> None:
+    key = _use_key(file_id)
+    for _ in range(_ATTEMPTS):
+        try:
+            data, version = store.read_versioned(key)
+            state = json.loads(data)
+        except NotFound:
+            state, version = {"pins": 0, "deleting": False}, None
+        if refuse_deleting and state.get("deleting"):
+            raise FileDeleting(file_id)
+        body = json.dumps(change(state)).encode()
+        try:
+            if version is None:
+                store.write_bytes(key, body, if_none_match=True)
+            else:
+                store.write_bytes(key, body, if_match=version)
+            return
+        except PreconditionFailed:  # another creator or a deleter wrote first: look again
+            time.sleep(0.005)
+    raise RuntimeError(f"file {file_id}: too many concurrent batch creations and deletes")
+
+
+def _use_key(file_id: str) -> str:
+    return f"files/use/{_plain(file_id)}.json"
+
+
+def _plain(file_id: str) -> str:
+    return FileRepo.data_key(file_id).rsplit("/", 1)[-1]  # the id, checked against the id pattern
