@@ -65,7 +65,7 @@ def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: 
     choices = [
         {
             "index": c["index"],
-            "message": _forced_message(c, forced, legacy) if forced else _message(c, tool_format, legacy),
+            "message": _message(c, tool_format, legacy, forced),
             "logprobs": {"content": [_chat_logprob(t) for t in c["logprobs"]], "refusal": None}
             if c.get("logprobs") is not None else None,
             "finish_reason": c["finish_reason"],
@@ -83,24 +83,17 @@ def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: 
             "model": model, "choices": choices, "usage": usage(result), "system_fingerprint": None}
 
 
-def _forced_message(completion: dict, forced: str, legacy: bool) -> dict[str, Any]:
-    """A forced call's answer; cut by max_tokens (not a whole document), the text stays the content."""
-    message = {"role": "assistant", "content": completion["text"], "refusal": None}
-    calls = forced_calls(completion["text"], forced)
-    if calls:
-        message["content"] = None
-        if legacy:
-            message["function_call"] = calls[0]["function"]
-        else:
-            message["tool_calls"] = calls
-    return message
-
-
-def _message(completion: dict, tool_format: str | None, legacy: bool) -> dict[str, Any]:
-    message = {"role": "assistant", "content": completion["text"], "refusal": None}
-    if tool_format is None:
+def _message(completion: dict, tool_format: str | None, legacy: bool, forced: str | None = None) -> dict[str, Any]:
+    """The assistant message: its text, or the tool calls read from it. A forced call's output is a JSON
+    document (bulkgen.batch.structured); cut by max_tokens it is no whole document, and stays the content."""
+    text = completion["text"]
+    message = {"role": "assistant", "content": text, "refusal": None}
+    if forced is not None:
+        content, calls = None, forced_calls(text, forced) or []
+    elif tool_format is not None:
+        content, calls = parse_tool_calls(text, tool_format)
+    else:
         return message
-    content, calls = parse_tool_calls(completion["text"], tool_format)
     if calls:
         message["content"] = content
         if legacy:

@@ -136,3 +136,14 @@ def test_logprobs_come_from_the_masked_distribution(model_dirs):
 def test_a_schema_that_cannot_compile_is_refused_when_the_request_is_built():
     with pytest.raises(SamplingError, match="guide cannot be compiled: .*does not exist"):
         SamplingParams(guide=Guide.json_schema({"$ref": "#/$defs/missing"}))
+
+
+def test_a_seeded_constrained_request_samples_the_same_alone_and_in_a_crowd(model_dirs, mixed_prompts):
+    """The mask changes which tokens can be drawn, not the counter-based draws: batch-independent."""
+    engine = Engine.from_pretrained(str(model_dirs["llama"]))
+    prompts = mixed_prompts(seed=83, count=5, low=3, high=30)
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=9, guide=Guide.json_schema(PERSON))
+    alone = engine.generate([prompts[0]], seeded)[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=0.8, guide=g) for n, g in
+              ((12, None), (30, Guide.json_schema(LABEL)), (7, None), (25, Guide.json_object()))]
+    assert engine.generate(prompts, [seeded, *others])[0].token_ids == alone

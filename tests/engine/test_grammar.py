@@ -116,3 +116,34 @@ def test_apply_masks_touches_only_the_constrained_rows():
     apply_masks(logits, torch.tensor([1]), bitmask)
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 31, 34]
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+
+
+def _sentencepiece_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2 / Mistral): '▁' for spaces, byte-fallback tokens
+    <0x00>..<0xFF> for what its pieces miss, a few multi-character pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += sorted(set('▁{}[]":,abcdefghijklmnopqrstuvwxyz0123456789-')) + ['▁"', '":', "▁{", "▁}", "ab", "abc"]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = [("a", "b"), ("ab", "c"), ("▁", '"'), ('"', ":"), ("▁", "{"), ("▁", "}")]
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                      decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_sentencepiece_style_tokenizer_gives_valid_json_too():
+    tokenizer = _sentencepiece_tokenizer()
+    assert tokenizer.convert_ids_to_tokens(tokenizer("é").input_ids)[-2:] == ["<0xC3>", "<0xA9>"]  # byte fallback
+    runtime = (tokenizer, GrammarRuntime(tokenizer, len(tokenizer)))
+    schema = SCHEMAS[0]
+    finished = 0
+    for seed in range(12):
+        tokens, done = _sample(runtime, Guide.json_schema(schema), seed)
+        if done:
+            finished += 1
+            jsonschema.validate(json.loads(tokenizer.decode(tokens)), schema)
+    assert finished >= 6
