@@ -81,6 +81,7 @@ def test_a_deleted_cursor_is_still_a_position(store, order):
 @pytest.mark.parametrize("order", ["desc", "asc"])
 def test_a_page_reads_only_its_records(tmp_path, order):
     store = CountingStore(tmp_path / "s")
+    store.create()  # a local storage folder is made only on purpose (as `bulkgen serve` does at start)
     repo = FileRepo(store)
     ids = sorted(_files(repo, 200))
     cursor = ids[100]
