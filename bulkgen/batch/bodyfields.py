@@ -69,9 +69,19 @@ _CHAT_ONLY = {
     "verbosity",
     "parallel_tool_calls",
 }
+RESPONSES = "/v1/responses"
+# CreateResponse's fields; bulkgen.batch.resp_api says which it honours, ignores and refuses.
+_RESPONSES_FIELDS = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "reasoning",
+    "store", "user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "stream", "stream_options", "truncation", "parallel_tool_calls", "tools", "tool_choice",
+    "max_tool_calls", "include", "top_logprobs", "background", "background_options", "conversation",
+    "previous_response_id", "prompt", "context_management", "moderation", "image", "access_programs",
+}
 BODY_FIELDS = {
     CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
     COMPLETIONS: _HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"},
+    RESPONSES: _RESPONSES_FIELDS,
 }
 
 

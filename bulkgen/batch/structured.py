@@ -40,16 +40,21 @@ def response_guide(body: dict) -> Guide | None:
     if kind != "json_schema" or set(fmt) != {"type", "json_schema"}:
         raise invalid("response_format", "must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
                       "'json_schema', 'json_schema': {...}}", fmt)
-    spec = fmt["json_schema"]
+    return json_schema_guide(fmt["json_schema"], "response_format.json_schema", "response_format")
+
+
+def json_schema_guide(spec: Any, param: str, compiled_as: str) -> Guide:
+    """A json_schema format's `{"name", "schema", "strict", "description"}` (chat's
+    `response_format.json_schema`, the Responses API's `text.format`) -> its checked grammar. `param` names
+    the spec in errors; a schema the compiler cannot take is refused naming `body.<compiled_as>`."""
     if not isinstance(spec, dict) or not set(spec) <= _JSON_SCHEMA_KEYS:
-        raise invalid("response_format.json_schema", f"must be an object with keys from {sorted(_JSON_SCHEMA_KEYS)}",
-                      spec)
+        raise invalid(param, f"must be an object with keys from {sorted(_JSON_SCHEMA_KEYS)}", spec)
     if not isinstance(spec.get("name"), str) or not _NAME.match(spec["name"]):
-        raise invalid("response_format.json_schema.name", "must be 1-64 letters, digits, '_' or '-'", spec.get("name"))
+        raise invalid(f"{param}.name", "must be 1-64 letters, digits, '_' or '-'", spec.get("name"))
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
-        raise invalid("response_format.json_schema.schema", "must be a JSON schema object", schema)
-    return _compiled(Guide.json_schema(schema), "response_format")
+        raise invalid(f"{param}.schema", "must be a JSON schema object", schema)
+    return _compiled(Guide.json_schema(schema), compiled_as)
 
 
 def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide | None]:
