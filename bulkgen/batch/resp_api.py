@@ -256,3 +256,9 @@ def _usage(result: dict) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
     }
+
+
+def output_text(body: dict[str, Any]) -> str:
+    """A Response's text, as the openai package's `Response.output_text` joins it."""
+    return "".join(part["text"] for item in body["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
