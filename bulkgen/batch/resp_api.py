@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _ITEM_KEYS = {"type", "role", "content", "id", "status", "phase"}
+_ITEM_HINTS = {"id": (), "status": ("in_progress", "completed", "incomplete"), "phase": ("commentary", "final_answer")}
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 _PARTS = {"input_text": "text"}  # part type -> its text key
 _ASSISTANT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -117,6 +118,10 @@ def _item(item: Any, param: str) -> dict[str, Any]:
     if unknown:
         raise LineError("invalid_input", f"{param}.{quote(unknown[0], 40)} is not a field of a message item",
                         f"{param}.{unknown[0][:64]}")
+    for key, allowed in _ITEM_HINTS.items():  # a replayed output item's own fields: checked, not used
+        if item.get(key) is not None and not (isinstance(item[key], str) and (not allowed or item[key] in allowed)):
+            rule = " or ".join(map(repr, allowed)) or "a string"
+            raise LineError("invalid_input", f"{param}.{key} must be {rule}; got {quote(item[key])}", f"{param}.{key}")
     role = item.get("role")
     if role not in _ROLES:
         raise LineError("invalid_input", f"{param}.role must be one of {sorted(_ROLES)}; got {quote(role)}",

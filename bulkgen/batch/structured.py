@@ -54,6 +54,9 @@ def json_schema_guide(spec: Any, param: str, compiled_as: str) -> Guide:
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
         raise invalid(f"{param}.schema", "must be a JSON schema object", schema)
+    for key, kind in (("strict", bool), ("description", str)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise invalid(f"{param}.{key}", f"must be a {kind.__name__} (or null)", spec[key])
     return _compiled(Guide.json_schema(schema), compiled_as)
 
 

@@ -8,6 +8,8 @@ import json
 import typing
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai.types.responses import Response
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
@@ -15,7 +17,10 @@ from bulkgen.batch.bodyfields import BODY_FIELDS
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
 from bulkgen.batch.responses import success_line
 from bulkgen.engine.grammar import Guide
+from bulkgen.watch.outputs import parquet_row
 from tests.service.conftest import MODEL, chat_row
+from tests.service.test_body_fuzz import EDGES, JSON
+from tests.service.test_body_fuzz import _run_like_a_worker as run_like_a_worker
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
 
@@ -127,6 +132,19 @@ def test_hints_are_accepted_and_change_nothing(name):
      "body.input[0].content[0]"),
     ({"input": [{"role": "tool", "content": "x"}]}, "invalid_input", "body.input[0].role"),
     ({"input": [{"role": "user", "content": "x", "name": "n"}]}, "invalid_input", "body.input[0].name"),
+    ({"input": [{"role": "user", "content": "x", "phase": 5}]}, "invalid_input", "body.input[0].phase"),
+    ({"input": [{"role": "user", "content": "x", "status": "done"}]}, "invalid_input", "body.input[0].status"),
+    ({"input": [{"role": "user", "content": "x", "id": 3}]}, "invalid_input", "body.input[0].id"),
+    ({"input": [{"role": "user", "content": 5}]}, "invalid_input", "body.input[0].content"),
+    ({"text": {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA, "strict": "yes"}}},
+     "invalid_parameter", "body.text.format.strict"),
+    ({"text": {"format": {"type": "json_schema", "name": "s", "schema": SCHEMA, "description": 5}}},
+     "invalid_parameter", "body.text.format.description"),
+    ({"text": {"format": {"type": "json_schema", "name": "s", "schema": "{}"}}}, "invalid_parameter",
+     "body.text.format.schema"),
+    ({"text": {"format": {"type": "json_object", "name": "s"}}}, "invalid_parameter", "body.text.format"),
+    ({"reasoning": {"context": "everything"}}, "invalid_parameter", "body.reasoning.context"),
+    ({"reasoning": {"budget": 5}}, "invalid_parameter", "body.reasoning"),
     ({"input": []}, "invalid_input", "body.input"),
     ({"input": None}, "invalid_input", "body.input"),
     ({"input": ["hi"]}, "invalid_input", "body.input[0]"),
@@ -175,3 +193,41 @@ def test_the_output_body_is_an_sdk_response(finish, status, details):
     usage = response.usage
     assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (5, 3, 8)
     assert (usage.input_tokens_details.cached_tokens, usage.output_tokens_details.reasoning_tokens) == (2, 0)
+
+
+# JSON shaped like this API's values: their keys and the words they take.
+_WORDS = ["type", "format", "json_schema", "json_object", "text", "name", "schema", "strict", "description",
+          "effort", "summary", "mode", "role", "content", "input_text", "output_text", "user", "assistant",
+          "message", "verbosity", "low", "phase", "status", "id"]
+RESPONSE_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.sampled_from(_WORDS),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(_WORDS), inner, max_size=4),
+    max_leaves=10,
+)
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_json_value_in_any_field(finish, data):
+    """The worker's path takes the line or refuses it naming the field; what it takes answers with a Response
+    the openai package parses (every echoed field included)."""
+    field = data.draw(st.sampled_from(sorted(BODY_FIELDS[RESPONSES] - {"model"})), label="field")
+    value = data.draw(EDGES | JSON | RESPONSE_JSON, label="value")
+    row = _row(max_output_tokens=8)
+    row["body"][field] = value
+    raw = json.dumps(row)
+    run_like_a_worker(raw, RESPONSES, field)
+    try:
+        request = parse_line(raw, 1, RESPONSES)
+    except LineError:
+        return
+    line = success_line(request.to_dict(), _result("x", finish), MODEL)
+    assert Response.model_validate(line["response"]["body"]).output_text == "x"
+
+
+def test_a_response_line_is_a_parquet_row():
+    line = success_line(_parse(max_output_tokens=3).to_dict(), _result("Hello", "length"), MODEL)
+    row = parquet_row(line)
+    assert (row["status"], row["text"], row["finish_reason"], row["prompt_tokens"], row["completion_tokens"]) == (
+        "completed", "Hello", "length", 5, 3)
