@@ -17,6 +17,8 @@ from bulkgen.batch.bodyfields import BODY_FIELDS
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
 from bulkgen.batch.responses import success_line
 from bulkgen.engine.grammar import Guide
+from bulkgen.runtime.prepare import fit_context
+from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import parquet_row
 from tests.service.conftest import MODEL, chat_row
 from tests.service.test_body_fuzz import EDGES, JSON
@@ -231,3 +233,22 @@ def test_a_response_line_is_a_parquet_row():
     row = parquet_row(line)
     assert (row["status"], row["text"], row["finish_reason"], row["prompt_tokens"], row["completion_tokens"]) == (
         "completed", "Hello", "length", 5, 3)
+
+
+def test_a_watch_job_checks_responses_defaults(tmp_path):
+    """A job for /v1/responses takes the Responses API's own fields as defaults and refuses chat's by name."""
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text("input: a\noutput: b\nendpoint: /v1/responses\ndefaults: {max_output_tokens: 16, temperature: 0}\n")
+    bad.write_text("input: a\noutput: b\nendpoint: /v1/responses\ndefaults: {max_tokens: 16}\n")
+    assert JobSpec.load(good).body_defaults() == {"max_output_tokens": 16, "temperature": 0}
+    with pytest.raises(JobError, match="body.max_tokens"):
+        JobSpec.load(bad)
+
+
+@pytest.mark.parametrize(("body", "param"), [({"input": "word " * 40}, "body.input"),
+                                             ({"max_output_tokens": 60}, "body.max_output_tokens")])
+def test_what_does_not_fit_the_context_names_the_responses_field(body, param):
+    request = _parse(**body)
+    with pytest.raises(LineError) as info:
+        fit_context(request, 80 if param == "body.input" else 10, 64)
+    assert (info.value.code, info.value.param) == ("context_length_exceeded", param)
