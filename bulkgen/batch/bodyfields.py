@@ -1,5 +1,6 @@
 """The request bodies' fields: every field of OpenAI's CreateChatCompletionRequest and CreateCompletionRequest,
-and what bulkgen does with each one that it does not run (accepted and ignored, or refused with a 400).
+and what bulkgen does with each one that it does not run (accepted and ignored, or refused with a 400);
+CreateResponse's fields, whose handling lives in bulkgen.batch.resp_api.
 
 `null` means "the default" for every field. The README's "Supported request fields" table mirrors these sets.
 """
