@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _ITEM_KEYS = {"type", "role", "content", "id", "status", "phase"}
-_ITEM_HINTS = {"id": (), "status": ("in_progress", "completed", "incomplete"), "phase": ("commentary", "final_answer")}
+_ITEM_HINTS = {
+    "id": (),
+    "status": ("in_progress", "completed", "incomplete"),
+    "phase": ("commentary", "final_answer"),
+}
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
 _PARTS = {"input_text": "text"}  # part type -> its text key
 _ASSISTANT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -43,8 +47,14 @@ HISTORY = "send the whole conversation in body.input"
 _REFUSED: dict[str, tuple[tuple, str]] = {
     "tools": (([],), "is not supported on /v1/responses (use /v1/chat/completions for function calling)"),
     "tool_choice": (("none", "auto"), "may only be 'none' or 'auto': the request has no tools"),
-    "include": (([],), "asks for output data (logprobs, tool sources, encrypted reasoning) bulkgen does not return"),
-    "top_logprobs": ((0,), "needs logprobs, which /v1/responses does not return here (use /v1/chat/completions)"),
+    "include": (
+        ([],),
+        "asks for output data (logprobs, tool sources, encrypted reasoning) bulkgen does not return",
+    ),
+    "top_logprobs": (
+        (0,),
+        "needs logprobs, which /v1/responses does not return here (use /v1/chat/completions)",
+    ),
     "background": ((False,), "is for the hosted API: a batch line already runs in the background"),
     "background_options": ((), "is for the hosted API's background mode"),
     "conversation": ((), f"needs a stored conversation, which a batch does not have; {HISTORY}"),
@@ -82,7 +92,11 @@ def _check_refused(body: dict) -> None:
 
 def _check_ignored_here(body: dict) -> None:
     """The Responses API's own hints (bodyfields.IGNORED checks those it shares with chat)."""
-    truncation, calls, programs = body.get("truncation"), body.get("max_tool_calls"), body.get("access_programs")
+    truncation, calls, programs = (
+        body.get("truncation"),
+        body.get("max_tool_calls"),
+        body.get("access_programs"),
+    )
     if truncation is not None and truncation not in ("auto", "disabled"):
         raise invalid("truncation", "must be 'auto' or 'disabled'", truncation)
     if calls is not None and (type(calls) is not int or calls < 0):
@@ -101,31 +115,51 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [*out, {"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise LineError("invalid_input", "body.input must be a string or a non-empty list of message items; got "
-                        f"{quote(value)}", "body.input")
+        raise LineError(
+            "invalid_input",
+            f"body.input must be a string or a non-empty list of message items; got {quote(value)}",
+            "body.input",
+        )
     return out + [_item(item, f"body.input[{i}]") for i, item in enumerate(value)]
 
 
 def _item(item: Any, param: str) -> dict[str, Any]:
     if not isinstance(item, dict):
-        raise LineError("invalid_input", f"{param} must be a message item ({{'role': ..., 'content': ...}}); got "
-                        f"{quote(item)}", param)
+        raise LineError(
+            "invalid_input",
+            f"{param} must be a message item ({{'role': ..., 'content': ...}}); got {quote(item)}",
+            param,
+        )
     kind = item.get("type", "message")
     if kind != "message":
-        raise LineError("unsupported_parameter", f"{param} is a {quote(kind)} item; /v1/responses takes message "
-                        "items only here (tool calls and stored items need tools or stored state)", f"{param}.type")
+        raise LineError(
+            "unsupported_parameter",
+            f"{param} is a {quote(kind)} item; /v1/responses takes message "
+            "items only here (tool calls and stored items need tools or stored state)",
+            f"{param}.type",
+        )
     unknown = sorted(set(item) - _ITEM_KEYS)
     if unknown:
-        raise LineError("invalid_input", f"{param}.{quote(unknown[0], 40)} is not a field of a message item",
-                        f"{param}.{unknown[0][:64]}")
+        raise LineError(
+            "invalid_input",
+            f"{param}.{quote(unknown[0], 40)} is not a field of a message item",
+            f"{param}.{unknown[0][:64]}",
+        )
     for key, allowed in _ITEM_HINTS.items():  # a replayed output item's own fields: checked, not used
-        if item.get(key) is not None and not (isinstance(item[key], str) and (not allowed or item[key] in allowed)):
+        if item.get(key) is not None and not (
+            isinstance(item[key], str) and (not allowed or item[key] in allowed)
+        ):
             rule = " or ".join(map(repr, allowed)) or "a string"
-            raise LineError("invalid_input", f"{param}.{key} must be {rule}; got {quote(item[key])}", f"{param}.{key}")
+            raise LineError(
+                "invalid_input", f"{param}.{key} must be {rule}; got {quote(item[key])}", f"{param}.{key}"
+            )
     role = item.get("role")
     if role not in _ROLES:
-        raise LineError("invalid_input", f"{param}.role must be one of {sorted(_ROLES)}; got {quote(role)}",
-                        f"{param}.role")
+        raise LineError(
+            "invalid_input",
+            f"{param}.role must be one of {sorted(_ROLES)}; got {quote(role)}",
+            f"{param}.role",
+        )
     return {"role": _ROLES[role], "content": _content(item.get("content"), param, role)}
 
 
@@ -134,20 +168,29 @@ def _content(content: Any, param: str, role: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise LineError("invalid_input", f"{param}.content must be a string or a list of content parts",
-                        f"{param}.content")
+        raise LineError(
+            "invalid_input",
+            f"{param}.content must be a string or a list of content parts",
+            f"{param}.content",
+        )
     parts = _ASSISTANT_PARTS if role == "assistant" else _PARTS
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"{param}.content[{j}]"
         if kind in _MEDIA_PARTS:
-            raise LineError("unsupported_parameter", f"{where} is an {kind} part; this model takes text only",
-                            f"{where}.type")
+            raise LineError(
+                "unsupported_parameter",
+                f"{where} is an {kind} part; this model takes text only",
+                f"{where}.type",
+            )
         text = part.get(parts[kind]) if kind in parts else None
         if not isinstance(text, str):
-            raise LineError("invalid_input", f"{where} must be a text part, one of {sorted(parts)} with its text; "
-                            f"got {quote(part)}", where)
+            raise LineError(
+                "invalid_input",
+                f"{where} must be a text part, one of {sorted(parts)} with its text; got {quote(part)}",
+                where,
+            )
         texts.append(text)
     return "".join(texts)
 
@@ -157,16 +200,25 @@ def _effort(reasoning: Any) -> str | None:
     reasoning item is ever returned."""
     if reasoning is None:
         return None
-    if not isinstance(reasoning, dict) or not set(reasoning) <= {"effort", "summary", "generate_summary",
-                                                                 "context", "mode"}:
+    if not isinstance(reasoning, dict) or not set(reasoning) <= {
+        "effort",
+        "summary",
+        "generate_summary",
+        "context",
+        "mode",
+    }:
         raise invalid("reasoning", "must be an object of effort, summary, context and mode", reasoning)
     for name in ("summary", "generate_summary"):
         if reasoning.get(name) is not None:
-            raise unsupported(f"reasoning.{name}", "asks for a reasoning summary, which bulkgen does not return")
+            raise unsupported(
+                f"reasoning.{name}", "asks for a reasoning summary, which bulkgen does not return"
+            )
     if reasoning.get("mode") not in (None, "standard"):
         raise unsupported("reasoning.mode", f"may only be 'standard'; got {quote(reasoning['mode'])}")
     if reasoning.get("context") not in (None, "auto", "current_turn", "all_turns"):
-        raise invalid("reasoning.context", "must be 'auto', 'current_turn' or 'all_turns'", reasoning["context"])
+        raise invalid(
+            "reasoning.context", "must be 'auto', 'current_turn' or 'all_turns'", reasoning["context"]
+        )
     effort = reasoning.get("effort")
     if effort is not None and effort not in _EFFORTS:
         raise invalid("reasoning.effort", f"must be one of {sorted(_EFFORTS)}", effort)
@@ -188,8 +240,12 @@ def _text_format(text: Any) -> tuple[dict, Guide | None]:
     if kind == "json_object" and set(fmt) == {"type"}:
         return fmt, Guide.json_object()
     if kind != "json_schema":
-        raise invalid("text.format", "must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
-                      "'json_schema', 'name': ..., 'schema': {...}}", fmt)
+        raise invalid(
+            "text.format",
+            "must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+            "'json_schema', 'name': ..., 'schema': {...}}",
+            fmt,
+        )
     spec = {k: v for k, v in fmt.items() if k != "type"}
     return fmt, json_schema_guide(spec, "text.format", "text.format")
 
@@ -242,8 +298,15 @@ def response_body(result: dict, model: str, fields: dict[str, Any]) -> dict[str,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "model": model,
-        "output": [{"type": "message", "id": random_id("msg_"), "status": status, "role": "assistant",
-                    "content": [part]}],
+        "output": [
+            {
+                "type": "message",
+                "id": random_id("msg_"),
+                "status": status,
+                "role": "assistant",
+                "content": [part],
+            }
+        ],
         "usage": _usage(result),
         "tools": [],
         "previous_response_id": None,
@@ -265,5 +328,10 @@ def _usage(result: dict) -> dict[str, Any]:
 
 def output_text(body: dict[str, Any]) -> str:
     """A Response's text, as the openai package's `Response.output_text` joins it."""
-    return "".join(part["text"] for item in body["output"] if item["type"] == "message"
-                   for part in item["content"] if part["type"] == "output_text")
+    return "".join(
+        part["text"]
+        for item in body["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+        if part["type"] == "output_text"
+    )

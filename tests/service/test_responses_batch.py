@@ -16,32 +16,65 @@ from openai.types.responses import Response
 
 from tests.service.conftest import MODEL, read_lines, upload, wait_done, write_jsonl
 
-LABEL = {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
-         "required": ["label"], "additionalProperties": False}
+LABEL = {
+    "type": "object",
+    "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+    "required": ["label"],
+    "additionalProperties": False,
+}
 
 
 def _row(custom_id: str, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
-            "body": {"model": MODEL, "temperature": 0, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/responses",
+        "body": {"model": MODEL, "temperature": 0, **body},
+    }
 
 
 ROWS = [
     _row("string", input="Say hi", max_output_tokens=6),
-    _row("messages", max_output_tokens=6, input=[
-        {"role": "developer", "content": "Answer briefly."},
-        {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Red."}]},
-        {"role": "user", "content": "Another."}]),
-    _row("instructions", instructions="You label reviews.", input="The soup was cold.", max_output_tokens=6,
-         metadata={"team": "support", "run": "7"}),
+    _row(
+        "messages",
+        max_output_tokens=6,
+        input=[
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Red."}]},
+            {"role": "user", "content": "Another."},
+        ],
+    ),
+    _row(
+        "instructions",
+        instructions="You label reviews.",
+        input="The soup was cold.",
+        max_output_tokens=6,
+        metadata={"team": "support", "run": "7"},
+    ),
     _row("cut", input="Tell me a long story.", max_output_tokens=3),
-    _row("schema", input="Label: the soup was cold.", max_output_tokens=100, temperature=1.0, top_p=0.9,
-         text={"format": {"type": "json_schema", "name": "label", "schema": LABEL, "strict": True}}),
+    _row(
+        "schema",
+        input="Label: the soup was cold.",
+        max_output_tokens=100,
+        temperature=1.0,
+        top_p=0.9,
+        text={"format": {"type": "json_schema", "name": "label", "schema": LABEL, "strict": True}},
+    ),
     _row("object", input="Anything.", max_output_tokens=40, text={"format": {"type": "json_object"}}),
     _row("tools", input="Weather?", tools=[{"type": "function", "name": "get_weather", "parameters": {}}]),
     _row("previous", input="And then?", previous_response_id="resp_123"),
-    _row("bad-schema", input="x", text={"format": {"type": "json_schema", "name": "bad",
-                                                   "schema": {"type": "string", "pattern": "(?<=a)b"}}}),
+    _row(
+        "bad-schema",
+        input="x",
+        text={
+            "format": {
+                "type": "json_schema",
+                "name": "bad",
+                "schema": {"type": "string", "pattern": "(?<=a)b"},
+            }
+        },
+    ),
 ]
 
 
@@ -53,19 +86,27 @@ def client(service):
 @pytest.fixture(scope="module")
 def results(client, tmp_path_factory):
     path = write_jsonl(tmp_path_factory.mktemp("responses") / "in.jsonl", ROWS)
-    batch = client.batches.create(input_file_id=upload(client, path).id, endpoint="/v1/responses",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, path).id, endpoint="/v1/responses", completion_window="24h"
+    )
     batch = wait_done(client, batch.id, timeout=300)
     lines = read_lines(client, batch.output_file_id)
     output = {line["custom_id"]: Response.model_validate(line["response"]["body"]) for line in lines}
-    errors = {line["custom_id"]: line["response"]["body"]["error"] for line in read_lines(client, batch.error_file_id)}
+    errors = {
+        line["custom_id"]: line["response"]["body"]["error"]
+        for line in read_lines(client, batch.error_file_id)
+    }
     return batch, output, errors
 
 
 def test_the_batch_completes_with_a_line_per_request(results):
     batch, output, errors = results
     assert batch.status == "completed" and batch.endpoint == "/v1/responses"
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (9, 6, 3)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        9,
+        6,
+        3,
+    )
     assert set(output) | set(errors) == {row["custom_id"] for row in ROWS}
 
 
