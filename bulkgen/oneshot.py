@@ -13,6 +13,7 @@ from typing import BinaryIO
 
 import click
 
+from bulkgen.batch.resp_api import output_text
 from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
@@ -130,7 +131,11 @@ def _preview(path: Path, count: int = 3) -> str:
     with path.open() as f:
         for raw, _ in zip(f, range(count), strict=False):
             entry = json.loads(raw)
-            choice = entry["response"]["body"]["choices"][0]
-            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            body = entry["response"]["body"]
+            if body.get("object") == "response":
+                text = output_text(body)
+            else:
+                choice = body["choices"][0]
+                text = choice["message"]["content"] if "message" in choice else choice["text"]
             lines.append(f"  {entry['custom_id']}: {text[:70]!r}")
     return "first results:\n" + "\n".join(lines)

@@ -1,5 +1,6 @@
 """The request bodies' fields: every field of OpenAI's CreateChatCompletionRequest and CreateCompletionRequest,
-and what bulkgen does with each one that it does not run (accepted and ignored, or refused with a 400).
+and what bulkgen does with each one that it does not run (accepted and ignored, or refused with a 400);
+CreateResponse's fields, whose handling lives in bulkgen.batch.resp_api.
 
 `null` means "the default" for every field. The README's "Supported request fields" table mirrors these sets.
 """
@@ -69,9 +70,19 @@ _CHAT_ONLY = {
     "verbosity",
     "parallel_tool_calls",
 }
+RESPONSES = "/v1/responses"
+# CreateResponse's fields; bulkgen.batch.resp_api says which it honours, ignores and refuses.
+_RESPONSES_FIELDS = {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "reasoning",
+    "store", "user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options", "stream", "stream_options", "truncation", "parallel_tool_calls", "tools", "tool_choice",
+    "max_tool_calls", "include", "top_logprobs", "background", "background_options", "conversation",
+    "previous_response_id", "prompt", "context_management", "moderation", "image", "access_programs",
+}
 BODY_FIELDS = {
     CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
     COMPLETIONS: _HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"},
+    RESPONSES: _RESPONSES_FIELDS,
 }
 
 

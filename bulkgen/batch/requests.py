@@ -16,12 +16,13 @@ from typing import Any
 
 from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
+from bulkgen.batch.resp_api import RESPONSES, responses_request
 from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
 from bulkgen.batch.structured import forced_tool, response_guide
 
 __all__ = ["CHAT", "COMPLETIONS", "LineError", "LineIdentity", "ParsedRequest", "parse_body", "parse_identity",
-           "parse_line", "fill_defaults"]
+           "parse_line", "fill_defaults", "RESPONSES"]
 
 # Every field a line may carry; anything else makes the line (so the file) invalid.
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -57,6 +58,7 @@ class ParsedRequest:
     forced_tool: str | None = None                  # a forced call: "*" (tool_choice required) or the function's
                                                     # name; its grammar is sampling["guide"]
     limit_field: str = "max_tokens"                 # the body field max_tokens came from (errors name it)
+    response_fields: dict[str, Any] | None = None   # /v1/responses: the request fields its Response repeats
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -99,9 +101,11 @@ def parse_identity(raw: bytes | str, line: int, endpoint: str) -> LineIdentity:
 def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
     body = identity.body
     _refuse_unknown(body, BODY_FIELDS[endpoint], "body.")
+    request = ParsedRequest(identity.custom_id, identity.line, identity.model, endpoint)
+    if endpoint == RESPONSES:  # another front door to the chat request (its own refusals first)
+        return responses_request(body, request)
     check_refused(body, endpoint)
     check_ignored(body)
-    request = ParsedRequest(identity.custom_id, identity.line, identity.model, endpoint)
     guide = None
     if endpoint == CHAT:
         request.messages = messages(body.get("messages"))

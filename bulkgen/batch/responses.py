@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from bulkgen.batch.ids import random_id
-from bulkgen.batch.requests import CHAT
+from bulkgen.batch.requests import CHAT, RESPONSES
+from bulkgen.batch.resp_api import response_body
 from bulkgen.batch.structured import REQUIRED, forced_calls
 from bulkgen.batch.tools import parse_tool_calls
 
@@ -26,6 +27,8 @@ def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
     if request["endpoint"] == CHAT:
         body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False),
                          request.get("forced_tool"))
+    elif request["endpoint"] == RESPONSES:
+        body = response_body(result, model, request["response_fields"])
     else:
         body = completion_body(result, model)
     return envelope(request["custom_id"], {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)

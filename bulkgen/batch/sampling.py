@@ -17,11 +17,12 @@ INT64 = 2**63
 MAX_N = 128
 MAX_BEST_OF = 128
 MAX_LOGPROBS = 20
+LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens")  # max_tokens by another name (chat, responses)
 
 
 def sampling(body: dict, endpoint: str) -> dict[str, Any]:
     """The API's own limits here, then the engine's rules (`check_sampling`, the ones the run applies)."""
-    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    limit = next((n for n in LIMIT_FIELDS if body.get(n) is not None), "max_tokens")
     out: dict[str, Any] = {
         "max_tokens": _int(body, limit, 0, None),
         "temperature": float(_number(body, "temperature", 0, 2, 1.0)),

@@ -3,7 +3,8 @@
 - `response_format: {"type": "json_object"}`: any JSON object. `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}`: a document of that schema (strict or not: the engine
   always enforces the schema). A schema the grammar compiler cannot take is this line's 400 naming
-  `body.response_format`, found at validation (compiled once per distinct schema, then cached).
+  `body.response_format`, found at validation (compiled once per distinct schema, then cached). The
+  Responses API's `text.format` takes the same spec, flat (`json_schema_guide`, from bulkgen.batch.resp_api).
 - `tool_choice: "required"`: the output is one call of one of the request's tools, `{"name": ...,
   "arguments": {...}}` with the arguments valid for that function's `parameters`; a named function
   (`tool_choice: {"type": "function", "function": {"name"}}`, or the legacy `function_call: {"name"}`):
@@ -40,16 +41,24 @@ def response_guide(body: dict) -> Guide | None:
     if kind != "json_schema" or set(fmt) != {"type", "json_schema"}:
         raise invalid("response_format", "must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
                       "'json_schema', 'json_schema': {...}}", fmt)
-    spec = fmt["json_schema"]
+    return json_schema_guide(fmt["json_schema"], "response_format.json_schema", "response_format")
+
+
+def json_schema_guide(spec: Any, param: str, compiled_as: str) -> Guide:
+    """A json_schema format's `{"name", "schema", "strict", "description"}` (chat's
+    `response_format.json_schema`, the Responses API's `text.format`) -> its checked grammar. `param` names
+    the spec in errors; a schema the compiler cannot take is refused naming `body.<compiled_as>`."""
     if not isinstance(spec, dict) or not set(spec) <= _JSON_SCHEMA_KEYS:
-        raise invalid("response_format.json_schema", f"must be an object with keys from {sorted(_JSON_SCHEMA_KEYS)}",
-                      spec)
+        raise invalid(param, f"must be an object with keys from {sorted(_JSON_SCHEMA_KEYS)}", spec)
     if not isinstance(spec.get("name"), str) or not _NAME.match(spec["name"]):
-        raise invalid("response_format.json_schema.name", "must be 1-64 letters, digits, '_' or '-'", spec.get("name"))
+        raise invalid(f"{param}.name", "must be 1-64 letters, digits, '_' or '-'", spec.get("name"))
     schema = spec.get("schema", {})
     if not isinstance(schema, dict):
-        raise invalid("response_format.json_schema.schema", "must be a JSON schema object", schema)
-    return _compiled(Guide.json_schema(schema), "response_format")
+        raise invalid(f"{param}.schema", "must be a JSON schema object", schema)
+    for key, kind in (("strict", bool), ("description", str)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise invalid(f"{param}.{key}", f"must be a {kind.__name__} (or null)", spec[key])
+    return _compiled(Guide.json_schema(schema), compiled_as)
 
 
 def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide | None]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from bulkgen.batch.schema import ENDPOINTS
 from bulkgen.cli.server_cmds import (
     RUNTIME_KEYS,
     check_storage,
@@ -28,7 +29,7 @@ from bulkgen.cli.server_cmds import (
 @click.option("--interval", type=float, help="Seconds between polls (default 10; 300 beside --sqs-queue-url).")
 @click.option("--schedule", help="Poll at these times instead: a 5-field cron expression (UTC), e.g. '*/5 * * * *'.")
 @click.option("--sqs-queue-url", help="Also react to S3 event notifications delivered to this SQS queue.")
-@click.option("--endpoint", type=click.Choice(["/v1/chat/completions", "/v1/completions"]),
+@click.option("--endpoint", type=click.Choice(ENDPOINTS),
               help="Batch endpoint; default: the url of each file's first line.")
 @click.option("--completion-window", help="Completion window of the batches (default 24h).")
 @click.option("--output-format", type=click.Choice(["jsonl", "parquet"]), help="Result format (default jsonl).")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from bulkgen.batch.requests import LineError, ParsedRequest
+from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
 from bulkgen.batch.tools import tool_format
 
 
@@ -45,7 +45,7 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
     Sets `request.tool_format` (how to read calls back) when tools are rendered."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise LineError("model_not_chat", "this model has no chat template; use /v1/completions", "body.messages")
+        raise LineError("model_not_chat", "this model has no chat template; use /v1/completions", _input(request))
     if not isinstance(template, str):  # a dict of named templates: the default one renders chat
         template = template.get("tool_use") if request.tools else template.get("default", "")
     kwargs: dict[str, Any] = {k: v for k, v in request.template_kwargs.items() if k in template}
@@ -60,8 +60,15 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
         return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False,
                                              **kwargs)
     except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
-        raise LineError("invalid_messages", f"the model's chat template refused body.messages: "
-                        f"{type(exc).__name__}: {str(exc)[:200]}", "body.messages") from None
+        raise LineError("invalid_messages", f"the model's chat template refused {_input(request)}: "
+                        f"{type(exc).__name__}: {str(exc)[:200]}", _input(request)) from None
+
+
+def _input(request: ParsedRequest) -> str:
+    """The body field the prompt came from, as errors name it."""
+    if request.endpoint == RESPONSES:
+        return "body.input"
+    return "body.messages" if request.messages is not None else "body.prompt"
 
 
 def _check_vocabulary(request: ParsedRequest, vocab: int) -> None:
@@ -79,7 +86,7 @@ def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> 
     max_tokens = params.get("max_tokens")
     max_tokens = budget if max_tokens is None else max_tokens
     if budget < 1 or max_tokens > budget:
-        where = "body.messages" if request.messages is not None else "body.prompt"
+        where = _input(request)
         if budget >= 1:  # the prompt fits; the completion asked for is what does not
             where = f"body.{request.limit_field}"
         raise LineError(

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bulkgen.batch.requests import CHAT, LineError, parse_line
+from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
 from bulkgen.batch.schema import ENDPOINTS, InvalidRequest, parse_completion_window
 from bulkgen.watch.cron import Cron, CronError
 from bulkgen.watch.outputs import FORMATS
@@ -117,13 +117,14 @@ class JobSpec:
         """Defaults must be what a request body may hold: the request parser says so, naming the field."""
         if not isinstance(self.defaults, dict):
             raise JobError(f"{where}: defaults must be a mapping such as {{temperature: 0.7, max_tokens: 64}}")
-        for name in ("model", "messages", "prompt"):
+        for name in ("model", "messages", "prompt", "input"):
             if name in self.defaults:
                 raise JobError(f"{where}: defaults.{name} is not a sampling parameter" +
                                ("; use the job's model field" if name == "model" else ""))
         endpoint = self.endpoint or CHAT
         body = {"model": self.model or "m", **self.defaults}
-        body.update({"messages": [{"role": "user", "content": "x"}]} if endpoint == CHAT else {"prompt": "x"})
+        body.update({CHAT: {"messages": [{"role": "user", "content": "x"}]}, COMPLETIONS: {"prompt": "x"}}.get(
+            endpoint, {"input": "x"}))
         try:
             parse_line(_json({"custom_id": "defaults", "url": endpoint, "body": body}), 1, endpoint)
         except LineError as exc:

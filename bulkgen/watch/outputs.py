@@ -15,6 +15,7 @@ import json
 import tempfile
 from collections.abc import Iterator
 
+from bulkgen.batch.resp_api import output_text
 from bulkgen.batch.schema import public_view
 from bulkgen.batch.service import BatchService
 from bulkgen.store import Store
@@ -113,7 +114,11 @@ def parquet_row(line: dict) -> dict:
            "prompt_tokens": None, "completion_tokens": None, "error_code": None, "error_message": None}
     response, error = line.get("response"), line.get("error")
     body = response["body"] if response else {}
-    if response and response.get("status_code") == 200:
+    if response and response.get("status_code") == 200 and body.get("object") == "response":  # /v1/responses
+        cut = body["status"] == "incomplete"
+        row.update(status="completed", text=output_text(body), finish_reason="length" if cut else "stop",
+                   prompt_tokens=body["usage"]["input_tokens"], completion_tokens=body["usage"]["output_tokens"])
+    elif response and response.get("status_code") == 200:
         choice = body["choices"][0]
         row["status"] = "completed"
         row["text"] = choice["message"]["content"] if "message" in choice else choice["text"]
