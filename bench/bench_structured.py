@@ -37,10 +37,10 @@ class TimedRuntime:
         self._masks = runtime.masks
         runtime.masks = self.masks
 
-    def masks(self, matchers):
+    def masks(self, matchers, *args):
         started = time.perf_counter()
         try:
-            return self._masks(matchers)
+            return self._masks(matchers, *args)
         finally:
             self.fill_s.append(time.perf_counter() - started)
 

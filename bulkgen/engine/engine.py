@@ -200,7 +200,8 @@ class Engine:
         guided = [s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)]
         if not guided:
             return None
-        return guided, self._mask_thread.submit(self.grammars.masks, [s.matcher for s in guided])
+        unpacked = self.device.type == "cpu"  # a GPU unpacks on the device; a CPU does it in this thread
+        return guided, self._mask_thread.submit(self.grammars.masks, [s.matcher for s in guided], unpacked)
 
     @staticmethod
     def _constrained_rows(sampling: list[Sequence], guided: list[Sequence],

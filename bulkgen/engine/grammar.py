@@ -98,12 +98,13 @@ class GrammarRuntime:
             raise GrammarError(matcher.get_error())
         return matcher
 
-    def masks(self, matchers: list) -> torch.Tensor:
+    def masks(self, matchers: list, unpacked: bool = False) -> torch.Tensor:
         """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens, filled in
-        parallel threads (the GIL is released), on the host."""
+        parallel threads (the GIL is released), on the host; `unpacked`: as [len, vocab] bool instead
+        (for a CPU engine, whose mask thread then does the unpacking too)."""
         bitmask = self._llt.allocate_token_bitmask(len(matchers), self.vocab_size)
         self._llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
-        return bitmask
+        return unpack(bitmask, self.vocab_size) if unpacked else bitmask
 
     @staticmethod
     def consume(matcher, token: int) -> None:
@@ -112,11 +113,25 @@ class GrammarRuntime:
             raise RuntimeError(f"constrained decoding: token {token} was not allowed ({matcher.get_error()})")
 
 
-def apply_masks(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place and on the logits' device, every logit of `rows` that `bitmask` (one
-    packed row per index of `rows`, host or device) does not allow."""
-    vocab = logits.shape[1]
-    words = bitmask.to(logits.device, non_blocking=True)
-    bits = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((words[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+_POW2: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, words] packed int32 -> [n, vocab] bool (token t allowed: bit t % 32 of word t // 32)."""
+    device = bitmask.device
+    if device not in _POW2:
+        _POW2[device] = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(device)
+    return (bitmask[:, :, None] & _POW2[device]).ne(0).flatten(1)[:, :vocab]
+
+
+def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+    """Set to -inf, in place on the logits' device, every logit of `rows` that `masks` does not allow:
+    one row of masks per index of `rows`, packed int32 bitmask (copied, then unpacked on the device) or
+    already unpacked bool (what the mask thread makes for a CPU engine, off the step's critical path)."""
+    if masks.dtype != torch.bool:
+        masks = unpack(masks.to(logits.device, non_blocking=True), logits.shape[1])
+    forbidden = masks.logical_not()
+    if rows.numel() == logits.shape[0]:  # every row constrained, in order: no gather and scatter
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))

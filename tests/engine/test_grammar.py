@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bulkgen.engine.grammar import GrammarError, GrammarRuntime, Guide, apply_masks, check, grammar
+from bulkgen.engine.grammar import GrammarError, GrammarRuntime, Guide, apply_masks, check, grammar, unpack
 from bulkgen.models.registry import BUNDLED_MODEL
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -116,6 +116,9 @@ def test_apply_masks_touches_only_the_constrained_rows():
     apply_masks(logits, torch.tensor([1]), bitmask)
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 31, 34]
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+    every = torch.zeros(3, 40)  # every row constrained (in place), the masks already unpacked
+    apply_masks(every, torch.arange(3), unpack(bitmask.repeat(3, 1), 40))
+    assert [torch.isfinite(r).nonzero().flatten().tolist() for r in every] == [[3, 31, 34]] * 3
 
 
 def _sentencepiece_tokenizer():
