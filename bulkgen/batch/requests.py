@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
+from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
@@ -57,6 +58,7 @@ class ParsedRequest:
     forced_tool: str | None = None                  # a forced call: "*" (tool_choice required) or the function's
                                                     # name; its grammar is sampling["guide"]
     limit_field: str = "max_tokens"                 # the body field max_tokens came from (errors name it)
+    embedding: dict[str, Any] | None = None         # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -102,6 +104,8 @@ def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
     check_refused(body, endpoint)
     check_ignored(body)
     request = ParsedRequest(identity.custom_id, identity.line, identity.model, endpoint)
+    if endpoint == EMBEDDINGS:
+        return parse_embedding(body, request)
     guide = None
     if endpoint == CHAT:
         request.messages = messages(body.get("messages"))

@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from bulkgen.batch.embeddings import EMBEDDINGS, embedding_body
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.requests import CHAT
 from bulkgen.batch.structured import REQUIRED, forced_calls
@@ -23,7 +24,9 @@ def envelope(custom_id: str, response: dict | None, error: dict | None) -> dict[
 
 def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
     """`request`: ParsedRequest.to_dict(); `result`: the worker's finished-request dict."""
-    if request["endpoint"] == CHAT:
+    if request["endpoint"] == EMBEDDINGS:
+        body = embedding_body(request, result, model)
+    elif request["endpoint"] == CHAT:
         body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False),
                          request.get("forced_tool"))
     else:
