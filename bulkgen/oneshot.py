@@ -130,7 +130,12 @@ def _preview(path: Path, count: int = 3) -> str:
     with path.open() as f:
         for raw, _ in zip(f, range(count), strict=False):
             entry = json.loads(raw)
-            choice = entry["response"]["body"]["choices"][0]
+            body = entry["response"]["body"]
+            if "data" in body:  # embeddings
+                lines.append(f"  {entry['custom_id']}: {len(body['data'])} vector(s) of "
+                             f"{len(body['data'][0]['embedding'])} values")
+                continue
+            choice = body["choices"][0]
             text = choice["message"]["content"] if "message" in choice else choice["text"]
             lines.append(f"  {entry['custom_id']}: {text[:70]!r}")
     return "first results:\n" + "\n".join(lines)

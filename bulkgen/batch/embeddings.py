@@ -43,7 +43,11 @@ def parse_inputs(value: Any) -> list[str | list[int]]:
     """The inputs of `body.input`, each a non-empty string or a non-empty list of token ids."""
     if isinstance(value, str) or _is_tokens(value):
         inputs = [value]
-    elif isinstance(value, list) and value and all(isinstance(v, str) or _is_tokens(v) for v in value):
+    elif (
+        isinstance(value, list)
+        and value
+        and (all(isinstance(v, str) for v in value) or all(isinstance(v, list) for v in value))
+    ):
         inputs = value
     else:
         raise invalid(
@@ -58,6 +62,8 @@ def parse_inputs(value: Any) -> list[str | list[int]]:
             "body.input",
         )
     for i, item in enumerate(inputs):
+        if isinstance(item, list) and item and not _is_tokens(item):
+            raise invalid(f"input[{i}]", "must be a list of token ids", item)
         if not item:
             raise LineError(
                 "invalid_parameter",

@@ -113,7 +113,9 @@ def parquet_row(line: dict) -> dict:
            "prompt_tokens": None, "completion_tokens": None, "error_code": None, "error_message": None}
     response, error = line.get("response"), line.get("error")
     body = response["body"] if response else {}
-    if response and response.get("status_code") == 200:
+    if response and response.get("status_code") == 200 and "data" in body:  # embeddings: vectors, no text
+        row.update(status="completed", prompt_tokens=body["usage"]["prompt_tokens"], completion_tokens=0)
+    elif response and response.get("status_code") == 200:
         choice = body["choices"][0]
         row["status"] = "completed"
         row["text"] = choice["message"]["content"] if "message" in choice else choice["text"]

@@ -160,3 +160,88 @@ def test_dimensions_is_refused_by_a_model_not_trained_for_it(client, tmp_path):
 def test_models_list_their_endpoints(client):
     models = {m.id: m for m in client.models.list()}
     assert "/v1/embeddings" in models[ST_MODEL].model_extra["endpoints"]
+
+
+def test_the_body_fields_are_the_sdks():
+    from openai.types import EmbeddingCreateParams
+
+    from bulkgen.batch.bodyfields import BODY_FIELDS
+
+    assert BODY_FIELDS["/v1/embeddings"] == set(EmbeddingCreateParams.__annotations__)
+
+
+@pytest.mark.parametrize(
+    ("value", "inputs"),
+    [("text", ["text"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
+def test_input_forms(value, inputs):
+    from bulkgen.batch.requests import parse_line
+
+    request = parse_line(_line(input=value), 1, "/v1/embeddings")
+    assert (request.prompts or [request.prompt]) == inputs
+    assert request.embedding == {"encoding_format": "float", "dimensions": None}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ""}, "body.input"),
+        ({"input": []}, "body.input"),
+        ({"input": [[]]}, "body.input"),
+        ({"input": [True]}, "body.input"),
+        ({"input": [[1], "a"]}, "body.input"),
+        ({"input": [-1]}, "body.input"),
+        ({"input": "x", "dimensions": 0}, "body.dimensions"),
+        ({"input": "x", "dimensions": True}, "body.dimensions"),
+        ({"input": "x", "user": 3}, "body.user"),
+        ({"input": "x", "n": 2}, "body.n"),
+    ],
+)
+def test_bad_bodies_name_their_field(body, param):
+    from bulkgen.batch.requests import LineError, parse_line
+
+    with pytest.raises(LineError) as err:
+        parse_line(_line(**body), 1, "/v1/embeddings")
+    assert err.value.param == param
+
+
+def _line(**body) -> str:
+    import json
+
+    return json.dumps(row("c", **body))
+
+
+def test_bulkgen_run_embeds_a_file_on_the_defaults(tmp_path):
+    """`bulkgen run samples/embeddings.jsonl`: the bundled model (no sentence-transformers folder: last token,
+    normalised), through the Ray workers this session already runs."""
+    from click.testing import CliRunner
+
+    from bulkgen.cli import cli
+    from bulkgen.watch.outputs import parquet_row
+    from tests.service.conftest import SAMPLES
+
+    out = tmp_path / "emb.jsonl"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(SAMPLES / "embeddings.jsonl"),
+            "--output",
+            str(out),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "10 completed, 0 failed" in result.output and "doc-0: 1 vector(s) of 256 values" in result.output
+    import json
+
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    bodies = {line["custom_id"]: sdk_parse(line["response"]["body"]) for line in lines}
+    assert len(bodies["several"].data) == 2 and bodies["tokens"].usage.prompt_tokens == 5
+    assert np.allclose(np.linalg.norm(vectors(bodies["doc-0"]), axis=1), 1, atol=1e-5)
+    metrics = json.loads((tmp_path / "emb.metrics.json").read_text())
+    assert metrics["requests"] == 11  # engine requests: one per input, so the two-input line counts twice
+    assert metrics["output_tokens"] == 0 and metrics["input_tokens_per_s"] > 0 and metrics["tpot_s"]["p50"] is None
+    row = parquet_row(lines[0])  # `bulkgen watch`'s export reads an embeddings line too
+    assert row["status"] == "completed" and row["prompt_tokens"] > 0 and row["text"] is None
