@@ -47,6 +47,8 @@ def main() -> int:
     parser.add_argument("--texts", type=int, help="number of texts (overrides --quick)")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs of each, alternated; the best counts")
     parser.add_argument("--st-batch", type=int, default=32, help="sentence-transformers' batch size (its default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="bulkgen's step budget (default: the device's)")
+    parser.add_argument("--max-num-seqs", type=int, help="bulkgen's sequences per step (default: the device's)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from sentence_transformers import SentenceTransformer
@@ -58,7 +60,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = add_sentence_transformers_config(build_tiny_model(Path(tmp) / "m", seed=0, **MODEL), "lasttoken")
         st = SentenceTransformer(str(path), device="cpu")
-        engine = Engine.from_pretrained(str(path), enable_prefix_caching=False)  # repeats must not hit a cache
+        engine = Engine.from_pretrained(str(path), enable_prefix_caching=False,  # repeats must not hit a cache
+                                        max_num_batched_tokens=args.max_num_batched_tokens,
+                                        max_num_seqs=args.max_num_seqs)
         st.encode(texts[:8], batch_size=args.st_batch)
         engine.embed(texts[:8])
         st_times, bg_times = [], []
@@ -72,6 +76,7 @@ def main() -> int:
     cosine = torch.nn.functional.cosine_similarity(torch.tensor(bg_vecs), torch.tensor(st_vecs)).min().item()
     result = {
         "texts": len(texts), "input_tokens": tokens, "threads": torch.get_num_threads(),
+        "bulkgen_step": [engine.config.max_num_seqs, engine.config.max_num_batched_tokens],
         "sentence_transformers_s": round(st_s, 3), "bulkgen_s": round(bg_s, 3),
         "sentence_transformers_tokens_per_s": round(tokens / st_s), "bulkgen_tokens_per_s": round(tokens / bg_s),
         "ratio": round(st_s / bg_s, 2), "goal": GOAL, "min_cosine": round(cosine, 6),

@@ -151,3 +151,14 @@ def test_legacy_pooling_flags(tmp_path):
     assert load_pooling(path) == PoolingConfig("last", True)
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": False}))
     assert load_pooling(path).method == "mean"  # no flag set: sentence-transformers' default
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean"])
+def test_a_last_chunk_of_one_token(st_folder, pooling):
+    """33 tokens at a 32-token budget: the last chunk is one token after cached context, which the runner
+    plans like a decode; it is still pooled."""
+    path = str(st_folder(pooling, True))
+    ids = list(range(40, 73))
+    whole = torch.tensor(Engine.from_pretrained(path).embed([ids]))
+    chunked = torch.tensor(Engine.from_pretrained(path, max_num_batched_tokens=32).embed([ids]))
+    assert torch.nn.functional.cosine_similarity(whole, chunked).item() >= 0.99999
