@@ -49,6 +49,7 @@ def main() -> int:
     parser.add_argument("--st-batch", type=int, default=32, help="sentence-transformers' batch size (its default)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="bulkgen's step budget (default: the device's)")
     parser.add_argument("--max-num-seqs", type=int, help="bulkgen's sequences per step (default: the device's)")
+    parser.add_argument("--threads", type=int, help="torch threads for both (1: immune to a busy machine)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from sentence_transformers import SentenceTransformer
@@ -56,6 +57,8 @@ def main() -> int:
     from bulkgen.engine import Engine
     from bulkgen.models.tiny import add_sentence_transformers_config, build_tiny_model
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     texts = texts_of(args.texts or (256 if args.quick else 1024), (8, 512))
     with tempfile.TemporaryDirectory() as tmp:
         path = add_sentence_transformers_config(build_tiny_model(Path(tmp) / "m", seed=0, **MODEL), "lasttoken")
