@@ -20,7 +20,7 @@ from .grammar import GrammarRuntime
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .penalties import LogitAdjustments
-from .pooling import EmbedParams, PoolingConfig, add_chunks, check_dimensions, finish, load_pooling
+from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
 from .sampler import prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -48,7 +48,7 @@ class Engine:
         self.runner = ModelRunner(model, self.config, self.max_model_len)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.pooling = pooling or load_pooling(getattr(model, "name_or_path", None))
+        self.pooling = pooling or model_pooling(getattr(model, "name_or_path", None))
         self.stats_ = EngineStats(self.config.max_num_seqs)
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -101,7 +101,7 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         embed = params if isinstance(params, EmbedParams) else None
         if embed is not None:
-            check_dimensions(self.pooling, embed, self.model.config.hidden_size)
+            check_embed(self.pooling, embed, self.model.config.hidden_size)
             params = SamplingParams(max_tokens=0)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")

@@ -51,6 +51,7 @@ class PoolingConfig:
     normalize: bool = True
     truncate_dim: int | None = None
     matryoshka: bool = False
+    refusal: str = ""  # why this model cannot embed (its folder names a pooling bulkgen does not compute)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -67,6 +68,15 @@ class EmbedParams:
         d = self.dimensions
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise EmbedError(f"dimensions must be a positive integer, got {d!r}", "dimensions")
+
+
+def model_pooling(path: str | Path | None) -> PoolingConfig:
+    """The engine's rule for the model at `path`: a folder whose pooling bulkgen cannot compute still serves
+    generation, and refuses embedding requests with the reason."""
+    try:
+        return load_pooling(path)
+    except (ValueError, OSError) as exc:
+        return PoolingConfig(refusal=str(exc))
 
 
 def load_pooling(path: str | Path | None) -> PoolingConfig:
@@ -114,8 +124,10 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def check_dimensions(config: PoolingConfig, params: EmbedParams, hidden_size: int) -> None:
-    """`dimensions` is honoured only by a matryoshka model, and at most its vector's size."""
+def check_embed(config: PoolingConfig, params: EmbedParams, hidden_size: int) -> None:
+    """Can this model embed, and with these `dimensions` (a matryoshka model only, at most its vector's size)?"""
+    if config.refusal:
+        raise EmbedError(f"this model cannot embed: {config.refusal}", "model")
     if params.dimensions is None:
         return
     if not config.matryoshka:

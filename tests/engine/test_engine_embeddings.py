@@ -141,6 +141,11 @@ def test_unsupported_pooling_is_refused_at_load(tmp_path, config):
     (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pooling .* is not supported"):
         load_pooling(path)
+    engine = Engine.from_pretrained(str(path))  # the model still generates; only embedding is refused
+    assert len(engine.generate(["hi"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3
+    with pytest.raises(EmbedError, match="this model cannot embed") as err:
+        engine.add_request("r", "hi", EmbedParams())
+    assert err.value.field == "model" and engine.requests == {}
 
 
 def test_legacy_pooling_flags(tmp_path):
