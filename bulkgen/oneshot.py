@@ -13,7 +13,7 @@ from typing import BinaryIO
 
 import click
 
-from bulkgen.batch.resp_api import output_text
+from bulkgen.batch.responses import answer_summary
 from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
@@ -132,10 +132,10 @@ def _preview(path: Path, count: int = 3) -> str:
         for raw, _ in zip(f, range(count), strict=False):
             entry = json.loads(raw)
             body = entry["response"]["body"]
-            if body.get("object") == "response":
-                text = output_text(body)
-            else:
-                choice = body["choices"][0]
-                text = choice["message"]["content"] if "message" in choice else choice["text"]
+            summary = answer_summary(body)
+            if summary["text"] is None:
+                lines.append(f"  {entry['custom_id']}: {summary['vectors']} vector(s) of {summary['dimensions']} values")
+                continue
+            text = summary["text"]
             lines.append(f"  {entry['custom_id']}: {text[:70]!r}")
     return "first results:\n" + "\n".join(lines)

@@ -14,6 +14,7 @@ from bulkgen import __version__
 from bulkgen.api import auth, batches, dashboard, errors, files
 from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
+from bulkgen.batch.schema import ENDPOINTS
 from bulkgen.settings import BODY_TIMEOUT_S
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
@@ -59,7 +60,9 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen"} for name in svc.settings.models]
+        # every served model answers every endpoint: embeddings pool its final hidden states (bulkgen.engine.pooling)
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
+                for name in svc.settings.models]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model:path}", response_model=None)

@@ -13,6 +13,7 @@ from bulkgen.batch.schema import quote
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
 
 # Honoured: these change what the model generates (bulkgen.batch.sampling, bulkgen.batch.messages).
 _HONOURED_COMMON = {
@@ -83,6 +84,7 @@ BODY_FIELDS = {
     CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
     COMPLETIONS: _HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"},
     RESPONSES: _RESPONSES_FIELDS,
+    EMBEDDINGS: {"input", "model", "encoding_format", "dimensions", "user"},  # bulkgen.batch.embeddings
 }
 
 

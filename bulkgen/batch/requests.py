@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
+from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.resp_api import RESPONSES, responses_request
 from bulkgen.batch.sampling import prompts, sampling
@@ -59,6 +60,7 @@ class ParsedRequest:
                                                     # name; its grammar is sampling["guide"]
     limit_field: str = "max_tokens"                 # the body field max_tokens came from (errors name it)
     response_fields: dict[str, Any] | None = None   # /v1/responses: the request fields its Response repeats
+    embedding: dict[str, Any] | None = None         # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
 
     def to_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -106,6 +108,8 @@ def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
         return responses_request(body, request)
     check_refused(body, endpoint)
     check_ignored(body)
+    if endpoint == EMBEDDINGS:
+        return parse_embedding(body, request)
     guide = None
     if endpoint == CHAT:
         request.messages = messages(body.get("messages"))

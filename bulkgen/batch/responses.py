@@ -6,9 +6,10 @@ import json
 import time
 from typing import Any
 
+from bulkgen.batch.embeddings import EMBEDDINGS, embedding_body
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.requests import CHAT, RESPONSES
-from bulkgen.batch.resp_api import response_body
+from bulkgen.batch.resp_api import output_text, response_body
 from bulkgen.batch.structured import REQUIRED, forced_calls
 from bulkgen.batch.tools import parse_tool_calls
 
@@ -24,7 +25,9 @@ def envelope(custom_id: str, response: dict | None, error: dict | None) -> dict[
 
 def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
     """`request`: ParsedRequest.to_dict(); `result`: the worker's finished-request dict."""
-    if request["endpoint"] == CHAT:
+    if request["endpoint"] == EMBEDDINGS:
+        body = embedding_body(request, result, model)
+    elif request["endpoint"] == CHAT:
         body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False),
                          request.get("forced_tool"))
     elif request["endpoint"] == RESPONSES:
@@ -158,6 +161,23 @@ def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
                                                                       for a in t["top_logprobs"]} for t in tokens],
         "text_offset": offsets,
     }
+
+
+def answer_summary(body: dict) -> dict[str, Any]:
+    """The text (None for embeddings), finish reason and token counts of any 200 answer body bulkgen
+    writes (chat, completion, Response, embeddings): what previews and Parquet rows show."""
+    if body.get("object") == "response":
+        return {"text": output_text(body), "finish_reason": "length" if body["status"] == "incomplete" else "stop",
+                "prompt_tokens": body["usage"]["input_tokens"], "completion_tokens": body["usage"]["output_tokens"]}
+    if "data" in body:  # embeddings
+        vectors = body["data"]
+        return {"text": None, "finish_reason": None, "prompt_tokens": body["usage"]["prompt_tokens"],
+                "completion_tokens": 0, "vectors": len(vectors),
+                "dimensions": len(vectors[0]["embedding"]) if vectors else 0}
+    choice = body["choices"][0]
+    return {"text": choice["message"]["content"] if "message" in choice else choice["text"],
+            "finish_reason": choice["finish_reason"], "prompt_tokens": body["usage"]["prompt_tokens"],
+            "completion_tokens": body["usage"]["completion_tokens"]}
 
 
 _LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}

@@ -8,7 +8,7 @@ from typing import Any
 
 from bulkgen.batch.ids import new_id
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 ACTIVE_STATUSES = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
 TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 _WINDOW = re.compile(r"^\s*(\d+)\s*h\s*$")

@@ -2,6 +2,7 @@
 
     engine = Engine.from_pretrained(path)  # step limits sized for the device (64 / 2,048 on CPU)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
+    vectors = engine.embed(texts)  # pooled final hidden states (bulkgen.engine.pooling), same packed steps
 
 Sampling runs on the logits' device with counter-based random numbers keyed by (seed, completion,
 position). On CUDA, attention uses the fastest fused varlen kernel this torch offers that passes a
@@ -20,7 +21,7 @@ recurrent/conv models. Sliding-window models run with max_model_len clipped to t
 from .sampling_params import SamplingParams
 
 _LAZY = {"Engine": ".engine", "CompletionOutput": ".outputs", "RequestMetrics": ".outputs",
-         "RequestOutput": ".outputs"}
+         "RequestOutput": ".outputs", "EmbedParams": ".pooling", "PoolingConfig": ".pooling"}
 
 
 def __getattr__(name: str):
@@ -32,4 +33,5 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-__all__ = ["CompletionOutput", "Engine", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["CompletionOutput", "EmbedParams", "Engine", "PoolingConfig", "RequestMetrics", "RequestOutput",
+           "SamplingParams"]

@@ -20,6 +20,7 @@ from .grammar import GrammarRuntime
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .penalties import LogitAdjustments
+from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
 from .sampler import prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -36,7 +37,9 @@ class Engine:
     The model's attention is switched to bulkgen's paged implementation only inside the engine's
     own forward calls, so the caller can still use the model (e.g. `model.generate()`) between steps."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, **engine_kwargs) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer, pooling: PoolingConfig | None = None,
+                 **engine_kwargs) -> None:
+        """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -45,6 +48,7 @@ class Engine:
         self.runner = ModelRunner(model, self.config, self.max_model_len)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.pooling = pooling or model_pooling(getattr(model, "name_or_path", None))
         self.stats_ = EngineStats(self.config.max_num_seqs)
         self._seq_ids = itertools.count()
         self._order = itertools.count()
@@ -82,27 +86,34 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | EmbedParams,
                     tag: str | None = None) -> None:
         """Queue a request; ValueError if the id is in use or the prompt or params do not fit this engine.
 
         The whole request (all its sequences: best_of or n) is built and checked before any part is queued.
         A max_tokens 0 request comes back from the next step() with empty completions, after a prefill
         only if it asks for prompt_logprobs (computed once, by completion 0).
-        `tag` is opaque (the runtime passes a batch id); step records count work per tag."""
+        `tag` is opaque (the runtime passes a batch id); step records count work per tag.
+        EmbedParams make an embedding request: a prefill-only sequence in the same packed steps, whose KV
+        blocks are allocated like any prompt's (later chunks attend to earlier ones) and freed as soon as
+        its last chunk is computed; it finishes with `RequestOutput.embedding`."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        embed = params if isinstance(params, EmbedParams) else None
+        if embed is not None:
+            check_embed(self.pooling, embed, self.model.config.hidden_size)
+            params = SamplingParams(max_tokens=0)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
         self._check_vocab(request_id, params)
         ids = self._tokenize(request_id, prompt)
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= self.max_model_len + (embed is not None):  # a prompt to embed may fill the context
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the context length "
                 f"({self.max_model_len}); it must be shorter"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # Python ints: no overflow
-        count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None)
+        count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None or embed is not None)
         blocks = -(-(len(ids) + max_tokens) // self.config.block_size)
         if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
             raise ValueError(
@@ -110,8 +121,10 @@ class Engine:
                 f"has {self.runner.num_blocks}"
             )
         stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
-        request = Request(request_id, ids, params, next(self._order), tag, stop_ids)
+        request = Request(request_id, ids, params, next(self._order), tag, stop_ids, embed)
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
+        for seq in request.seqs:
+            seq.pools_every_position = seq.pools and self.pooling.method != "last"
         if params.guide is not None:
             for seq in request.seqs:  # one matcher per completion
                 seq.matcher = self.grammars.matcher(params.guide)
@@ -178,6 +191,8 @@ class Engine:
         tokens, logprobs = (sample(step.logits[: len(sampling)], sampling, self.adjustments, masks) if sampling
                             else ([], []))
         scored = self._score_prompts(step)
+        if step.pooled:
+            add_chunks(step.pooled, step.hidden, step.pool_spans, self.pooling.method)
         for seq, n in batch.items:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
@@ -296,6 +311,9 @@ class Engine:
         metrics.num_output_tokens = sum(s.num_output_tokens for s in request.seqs)
         metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
         params = request.params
+        if request.embed is not None:
+            vector = finish(request.seqs[0].pool_state, len(request.prompt_token_ids), self.pooling, request.embed)
+            return RequestOutput(request.request_id, request.prompt_token_ids, [], metrics, embedding=vector)
         if params.max_tokens == 0:
             cumulative = 0.0 if params.logprobs is not None or params.best_of is not None else None
             outputs = [CompletionOutput(i, [], "", "length", None if params.logprobs is None else [], cumulative)
@@ -311,7 +329,7 @@ class Engine:
         return RequestOutput(request.request_id, request.prompt_token_ids, outputs, metrics, request.prompt_logprobs)
 
     def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+                 params: SamplingParams | list[SamplingParams | EmbedParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order (request ids are str(index))."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
@@ -327,6 +345,10 @@ class Engine:
             for out in self.step():
                 results[out.request_id] = out
         return [results[i] for i in ids]
+
+    def embed(self, prompts: list[str] | list[list[int]], params: EmbedParams | None = None) -> list[list[float]]:
+        """Embed every prompt (packed, sorted, chunked like any prefill); vectors in input order."""
+        return [out.embedding for out in self.generate(prompts, [params or EmbedParams()] * len(prompts))]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

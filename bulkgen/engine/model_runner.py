@@ -6,6 +6,7 @@ cached prefix blocks until they are all scored, since a cached prefix is never c
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,10 @@ class StepLogits:
     # (sequence, first position, count): the following rows, in order, are those positions' logits
     prompt_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
     prefilled: list[Sequence] = field(default_factory=list)  # max_tokens 0: prompt done, nothing to sample
+    pooled: list[Sequence] = field(default_factory=list)  # embedding sequences computed in this step
+    # (query offset, tokens, start position, reaches the end) of each pooled chunk, as pooling.chunk_pools takes
+    pool_spans: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # final hidden states [tokens, hidden] when anything is pooled
 
 
 class ModelRunner:
@@ -101,7 +106,7 @@ class ModelRunner:
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens:][:n]]
-        if self.graphs is not None and not plan.num_prefill:
+        if self.graphs is not None and not plan.num_prefill and not step.pooled:
             logits = self.graphs.run(plan, tokens)  # one row per sequence: row index = query offset
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
@@ -115,7 +120,7 @@ class ModelRunner:
         flat = pack.upload()
         ctx = StepContext(flat[slots], self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat))
         kwargs = dict(input_ids=flat[ids][None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx)
-        with attention_scope(self.model):
+        with attention_scope(self.model), _capture_hidden(self.model, step):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
                 return step
@@ -135,6 +140,9 @@ class ModelRunner:
                 if hi > lo:
                     prompt_rows.extend(range(q_off + lo - start, q_off + hi - start))
                     step.prompt_spans.append((seq, lo, hi - lo))
+            if seq.pools:
+                step.pooled.append(seq)
+                step.pool_spans.append((q_off, n, start, start + n == len(seq)))
             q_off += n
             if start + n == len(seq):
                 if seq.max_tokens:
@@ -154,6 +162,25 @@ class ModelRunner:
             [s.block_table for s, _ in ordered], len(prefill), self.block_size,
         )
         return ordered, plan
+
+
+@contextmanager
+def _capture_hidden(model: torch.nn.Module, step: StepLogits):
+    """Keep the decoder's final hidden states (after its last norm, before lm_head) in `step.hidden`
+    when the step pools anything: the same forward serves generation and embeddings, still packed."""
+    if not step.pooled:
+        yield
+        return
+
+    def keep(_module, _args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        step.hidden = hidden[0]
+
+    handle = model.get_decoder().register_forward_hook(keep)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def check_attention_routing(model: torch.nn.Module) -> None:

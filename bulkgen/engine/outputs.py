@@ -61,13 +61,15 @@ class RequestOutput:
     """A finished request: its prompt ids, its completions in index order, and its metrics.
 
     `prompt_logprobs` (when asked for): one entry per prompt token after the first, shaped like
-    CompletionOutput.logprobs entries, from the raw model distribution."""
+    CompletionOutput.logprobs entries, from the raw model distribution. An embedding request
+    (pooling.EmbedParams) has no completions and its `embedding`."""
 
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict] | None = None
+    embedding: list[float] | None = None  # an embedding request's vector (no completions)
 
     @property
     def token_ids(self) -> list[int]:

@@ -137,7 +137,7 @@ class Scheduler:
             seq = self._next_candidate()
             if seq is None:
                 return
-            scoring = seq.needs_prompt_logprobs  # computes its whole prompt: a cache hit would skip logits
+            scoring = seq.computes_whole_prompt  # a cache hit would skip prompt logits or pooled rows
             cached = [] if scoring else self.bm.match_prefix(seq)
             first = None if cached else self.bm.first_block_hash(seq)
             if first is not None and first in computing and not scoring:

@@ -21,8 +21,9 @@ class Request:
     """The unit the caller sees: a prompt, its sampling params, and `n` sequences."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, order: int,
-                 tag: str | None = None, stop_ids: frozenset[int] = frozenset()):
+                 tag: str | None = None, stop_ids: frozenset[int] = frozenset(), embed=None):
         self.request_id = request_id
+        self.embed = embed  # pooling.EmbedParams: a prefill-only request answered with its pooled vector
         self.tag = tag or ""
         self.stop_ids = stop_ids  # EOS (unless ignored) plus stop_token_ids: one set lookup per token
         self.prompt_token_ids = prompt_token_ids
@@ -64,6 +65,9 @@ class Sequence:
         self.num_preemptions = 0
         self.rng_key = _rng_key(self.params, index)
         self.matcher = None  # the grammar's state for a constrained request (grammar.GrammarRuntime)
+        self.pools = request.embed is not None
+        self.pool_state = None  # the partial pool of the chunks computed so far (pooling.accumulate)
+        self.pools_every_position = False  # mean/CLS pooling: every prompt position must be computed
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -73,6 +77,11 @@ class Sequence:
         """Completion 0 of a prompt_logprobs request until every prompt position has its entry: its
         prefill must compute logits there, so it never takes cached prefix blocks meanwhile."""
         return self.scores_prompt and len(self.request.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """It needs outputs at prompt positions a cached prefix would skip: it takes no cached blocks."""
+        return self.needs_prompt_logprobs or self.pools_every_position
 
     @property
     def num_output_tokens(self) -> int:

@@ -98,6 +98,8 @@ class BatchMetrics:
             "output_tokens": output_tokens,
             "output_tokens_per_s": round(output_tokens / wall_time_s, 3) if wall_time_s > 0 else None,
             "input_tokens": self.totals["num_prompt_tokens"],
+            # an embeddings batch's throughput (it outputs no tokens)
+            "input_tokens_per_s": round(self.totals["num_prompt_tokens"] / wall_time_s, 3) if wall_time_s > 0 else None,
             "cached_prompt_tokens": self.totals["num_cached_tokens"],
             "slot_efficiency": slot_efficiency(engine),
             "decode_padding_pct": _pct(engine["padding_slot_steps"], engine["slot_steps"]),

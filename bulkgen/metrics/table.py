@@ -29,6 +29,7 @@ def describe_summary(summary: dict) -> str:
         ["wall time (s)", num(summary.get("wall_time_s"), "{:.2f}")],
         ["output tokens", num(summary.get("output_tokens"), "{}")],
         ["output tokens/s", num(summary.get("output_tokens_per_s"), "{:.1f}")],
+        ["input tokens/s", num(summary.get("input_tokens_per_s"), "{:.1f}")],
         ["cached prompt tokens", num(summary.get("cached_prompt_tokens"), "{}")],
         ["slot efficiency", num(summary.get("slot_efficiency"))],
         ["decode padding %", num(summary.get("decode_padding_pct"), "{:.1f}")],

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
 from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
 from bulkgen.batch.tools import tool_format
 
@@ -28,8 +29,9 @@ def tokenize(request: ParsedRequest, tokenizer) -> list[int]:
         ids = tokenizer(render_chat(request, tokenizer), add_special_tokens=False)["input_ids"]
     elif isinstance(request.prompt, list):
         if max(request.prompt) >= len(tokenizer):
-            raise LineError("invalid_prompt", f"a token id in body.prompt is outside the vocabulary ({len(tokenizer)})",
-                            "body.prompt")
+            where = "body.input" if request.endpoint == EMBEDDINGS else "body.prompt"
+            raise LineError("invalid_prompt", f"a token id in {where} is outside the vocabulary ({len(tokenizer)})",
+                            where)
         ids = list(request.prompt)
     else:
         ids = tokenizer(request.prompt)["input_ids"]
@@ -81,6 +83,9 @@ def _check_vocabulary(request: ParsedRequest, vocab: int) -> None:
 
 def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> dict[str, Any]:
     """Resolve max_tokens (None: the rest of the context) and refuse what cannot fit, as the hosted API does."""
+    if request.endpoint == EMBEDDINGS:  # prefill only: the engine's EmbedParams
+        fit_input(prompt_len, max_model_len)
+        return {"dimensions": request.embedding["dimensions"]}
     params = {k: v for k, v in request.sampling.items() if v is not None}
     budget = max_model_len - prompt_len
     max_tokens = params.get("max_tokens")

@@ -275,10 +275,11 @@ class EngineWorker:
             self._add(p)
 
     def _add(self, p: Prepared) -> None:
-        from bulkgen.engine import SamplingParams
+        from bulkgen.engine import EmbedParams, SamplingParams
 
         try:
-            self.engine.add_request(p.request_id, p.prompt_ids, SamplingParams(**p.params), tag=p.range_key[0])
+            params = EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
+            self.engine.add_request(p.request_id, p.prompt_ids, params, tag=p.range_key[0])
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])
             code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
@@ -462,7 +463,7 @@ def result_dict(output) -> dict[str, Any]:
         "completions": [
             {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
             for c in output.outputs
-        ],
+        ] if output.embedding is None else [{"index": 0, "embedding": output.embedding}],
         "prompt_logprobs": getattr(output, "prompt_logprobs", None),
         "metrics": metrics.as_dict(),
         "finished_at": time.time(),

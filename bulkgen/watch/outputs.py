@@ -15,7 +15,7 @@ import json
 import tempfile
 from collections.abc import Iterator
 
-from bulkgen.batch.resp_api import output_text
+from bulkgen.batch.responses import answer_summary
 from bulkgen.batch.schema import public_view
 from bulkgen.batch.service import BatchService
 from bulkgen.store import Store
@@ -114,17 +114,10 @@ def parquet_row(line: dict) -> dict:
            "prompt_tokens": None, "completion_tokens": None, "error_code": None, "error_message": None}
     response, error = line.get("response"), line.get("error")
     body = response["body"] if response else {}
-    if response and response.get("status_code") == 200 and body.get("object") == "response":  # /v1/responses
-        cut = body["status"] == "incomplete"
-        row.update(status="completed", text=output_text(body), finish_reason="length" if cut else "stop",
-                   prompt_tokens=body["usage"]["input_tokens"], completion_tokens=body["usage"]["output_tokens"])
-    elif response and response.get("status_code") == 200:
-        choice = body["choices"][0]
-        row["status"] = "completed"
-        row["text"] = choice["message"]["content"] if "message" in choice else choice["text"]
-        row["finish_reason"] = choice["finish_reason"]
-        row["prompt_tokens"] = body["usage"]["prompt_tokens"]
-        row["completion_tokens"] = body["usage"]["completion_tokens"]
+    if response and response.get("status_code") == 200:
+        summary = answer_summary(body)
+        row.update(status="completed", text=summary["text"], finish_reason=summary["finish_reason"],
+                   prompt_tokens=summary["prompt_tokens"], completion_tokens=summary["completion_tokens"])
     else:
         error = error or body.get("error") or {}
         row["error_code"], row["error_message"] = error.get("code"), error.get("message")
