@@ -79,7 +79,7 @@ def test_api_errors_are_4xx_with_openai_shape(service, client, tmp_path):
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="2d")
     with pytest.raises(openai.BadRequestError, match="endpoint"):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h")
+        client.batches.create(input_file_id=file_id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="metadata"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
                               metadata={f"k{i}": "v" for i in range(17)})
