@@ -86,30 +86,34 @@ def _tool_call(call: Any, param: str) -> dict[str, Any]:
     }
 
 
+_CHAT_PARTS = {"text": "text", "refusal": "refusal"}  # part type -> its text key
+
+
 def _content(content: Any, param: str, role: str) -> str | None:
-    if isinstance(content, str):
-        return content
     if content is None and role in ("assistant", "tool", "function"):
         return None
+    return text_parts(content, param, _CHAT_PARTS, _MEDIA_PARTS, "invalid_messages")
+
+
+def text_parts(content: Any, param: str, parts: dict[str, str], media: set[str], code: str) -> str:
+    """A message's content as one string: a string, or a list of text parts (`parts`: part type -> the key
+    holding its text) joined. A media part (`media`) is refused by name (the served models are text-only);
+    anything else is `code`, naming where. Shared by the chat and Responses front doors."""
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
-        raise LineError(
-            "invalid_messages", f"{param}.content must be a string or a list of content parts", param
-        )
+        raise LineError(code, f"{param}.content must be a string or a list of content parts", f"{param}.content")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"{param}.content[{j}]"
-        if kind in _MEDIA_PARTS:
-            raise LineError(
-                "unsupported_parameter",
-                f"{where} is a {kind} part; this model takes text only",
-                f"{where}.type",
-            )
-        text = part.get("text") if kind == "text" else part.get("refusal") if kind == "refusal" else None
+        if kind in media:
+            raise LineError("unsupported_parameter", f"{where} is a {kind} part; this model takes text only",
+                            f"{where}.type")
+        text = part.get(parts[kind]) if kind in parts else None
         if not isinstance(text, str):
-            raise LineError(
-                "invalid_messages", f"{where} must be a text part ({{'type': 'text', 'text': ...}})", where
-            )
+            raise LineError(code, f"{where} must be a text part, one of {sorted(parts)} with its text; got "
+                            f"{quote(part)}", where)
         texts.append(text)
     return "".join(texts)
 

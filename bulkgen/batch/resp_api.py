@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import RESPONSES, LineError, check_ignored, check_refused, invalid, unsupported
 from bulkgen.batch.ids import random_id
-from bulkgen.batch.messages import template_kwargs
+from bulkgen.batch.messages import template_kwargs, text_parts
 from bulkgen.batch.sampling import sampling
 from bulkgen.batch.schema import InvalidRequest, check_metadata, quote
 from bulkgen.batch.structured import json_schema_guide
@@ -165,34 +165,8 @@ def _item(item: Any, param: str) -> dict[str, Any]:
 
 def _content(content: Any, param: str, role: str) -> str:
     """A string, or text parts joined: input_text (any role); output_text and refusal (assistant history)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise LineError(
-            "invalid_input",
-            f"{param}.content must be a string or a list of content parts",
-            f"{param}.content",
-        )
     parts = _ASSISTANT_PARTS if role == "assistant" else _PARTS
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        where = f"{param}.content[{j}]"
-        if kind in _MEDIA_PARTS:
-            raise LineError(
-                "unsupported_parameter",
-                f"{where} is an {kind} part; this model takes text only",
-                f"{where}.type",
-            )
-        text = part.get(parts[kind]) if kind in parts else None
-        if not isinstance(text, str):
-            raise LineError(
-                "invalid_input",
-                f"{where} must be a text part, one of {sorted(parts)} with its text; got {quote(part)}",
-                where,
-            )
-        texts.append(text)
-    return "".join(texts)
+    return text_parts(content, param, parts, _MEDIA_PARTS, "invalid_input")
 
 
 def _effort(reasoning: Any) -> str | None:
