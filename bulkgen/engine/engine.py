@@ -62,6 +62,7 @@ class Engine:
         A worker calls this after a failed step instead of reloading the model. The cache tensors are
         kept (stale contents are never read: a slot is written before it is attended to)."""
         self.requests: dict[str, Request] = {}
+        self._guided: set[str] = set()  # requests under a grammar: steps without any skip the mask work
         self._instant: list[Request] = []  # max_tokens 0 without prompt logprobs: done at the next step
         self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
         self.block_manager = BlockManager(
@@ -128,6 +129,7 @@ class Engine:
         if params.guide is not None:
             for seq in request.seqs:  # one matcher per completion
                 seq.matcher = self.grammars.matcher(params.guide)
+            self._guided.add(request_id)
         for seq in request.seqs:
             self.scheduler.add(seq)
         if not request.seqs:
@@ -212,6 +214,8 @@ class Engine:
     def _start_masks(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], Future] | None:
         """Constrained sequences that sample this step (their scheduled tokens reach their end): their
         masks depend only on tokens already consumed, so they fill in a thread during the forward."""
+        if not self._guided:
+            return None
         guided = [s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)]
         if not guided:
             return None
@@ -304,6 +308,7 @@ class Engine:
 
     def _finish_request(self, request: Request, now: float) -> RequestOutput:
         del self.requests[request.request_id]
+        self._guided.discard(request.request_id)
         for seq in request.seqs:
             self.adjustments.release(seq)
         metrics = request.metrics
@@ -361,6 +366,7 @@ class Engine:
         seqs = []
         for rid in request_ids:
             request = self.requests.pop(rid, None)
+            self._guided.discard(rid)
             if request is not None:
                 seqs.extend(request.seqs)
         if seqs:
