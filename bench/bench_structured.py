@@ -37,10 +37,10 @@ class TimedRuntime:
         self._masks = runtime.masks
         runtime.masks = self.masks
 
-    def masks(self, matchers, *args):
+    def masks(self, matchers, *args, **kwargs):
         started = time.perf_counter()
         try:
-            return self._masks(matchers, *args)
+            return self._masks(matchers, *args, **kwargs)
         finally:
             self.fill_s.append(time.perf_counter() - started)
 

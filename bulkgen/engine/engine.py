@@ -213,14 +213,19 @@ class Engine:
 
     def _start_masks(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], Future] | None:
         """Constrained sequences that sample this step (their scheduled tokens reach their end): their
-        masks depend only on tokens already consumed, so they fill in a thread during the forward."""
+        masks depend only on tokens already consumed, so on a GPU they fill in a thread while the forward
+        runs; on a CPU the forward already uses every core, and a thread beside it only slows it down."""
         if not self._guided:
             return None
         guided = [s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)]
         if not guided:
             return None
-        unpacked = self.device.type == "cpu"  # a GPU unpacks on the device; a CPU does it in this thread
-        return guided, self._mask_thread.submit(self.grammars.masks, [s.matcher for s in guided], unpacked)
+        matchers = [s.matcher for s in guided]
+        if self.device.type == "cpu":  # the forward uses every core: a thread beside it only slows it down
+            done: Future = Future()
+            done.set_result(self.grammars.masks(matchers, unpacked=True))
+            return guided, done
+        return guided, self._mask_thread.submit(self.grammars.masks, matchers)
 
     @staticmethod
     def _constrained_rows(sampling: list[Sequence], guided: list[Sequence],

@@ -3,7 +3,7 @@
 llguidance compiles a schema into a grammar once (cached by the schema's canonical text, never once per
 request) and gives each sequence a matcher: before a step samples, each constrained row's matcher fills
 one row of a packed bitmask (32 tokens per int32 word) with the tokens that keep the output a prefix of
-some valid document; the sampler sets every other logit to -inf on the logits' device; after sampling,
+some valid document (on a GPU while the forward runs, see Engine._start_masks); the sampler sets every other logit to -inf on the logits' device; after sampling,
 the matcher consumes the chosen token. The end-of-sequence token is allowed exactly when the document
 is complete, so a request that finishes with `stop` holds valid JSON, and one cut by max_tokens ends
 with `length`, as the hosted API does.
@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 KINDS = ("json_schema", "json_object")
@@ -87,16 +88,23 @@ class GrammarRuntime:
         self._ll, self._llt = llguidance, llguidance.torch
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: padded embeddings)
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self._pristine: dict[Guide, object] = {}  # a never-advanced matcher per guide, to copy from
         # A few threads fill a step's masks; llguidance's default (a thread per core) spends more time
         # waking threads than filling on small batches, and competes with the forward's own threads.
         self.executor = llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)))
 
     def matcher(self, guide: Guide):
-        """A fresh matcher at the start of the document; one per sequence (n > 1 gets one each)."""
-        matcher = self._ll.LLMatcher(self.tokenizer, grammar(guide))
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        return matcher
+        """A fresh matcher at the start of the document; one per sequence (n > 1 gets one each): a copy
+        of the guide's pristine matcher (100x cheaper than parsing the grammar again)."""
+        pristine = self._pristine.get(guide)
+        if pristine is None:
+            pristine = self._ll.LLMatcher(self.tokenizer, grammar(guide))
+            if pristine.is_error():
+                raise GrammarError(pristine.get_error())
+            if len(self._pristine) >= 1024:
+                self._pristine.clear()
+            self._pristine[guide] = pristine
+        return pristine.deep_copy()
 
     def masks(self, matchers: list, unpacked: bool = False) -> torch.Tensor:
         """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens, filled in
@@ -119,6 +127,9 @@ _POW2: dict[torch.device, torch.Tensor] = {}
 def unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     """[n, words] packed int32 -> [n, vocab] bool (token t allowed: bit t % 32 of word t // 32)."""
     device = bitmask.device
+    if device.type == "cpu":  # numpy's unpackbits: ~15x torch's shifts on the host
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        return torch.from_numpy(bits.view(np.bool_))
     if device not in _POW2:
         _POW2[device] = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32).to(device)
     return (bitmask[:, :, None] & _POW2[device]).ne(0).flatten(1)[:, :vocab]
