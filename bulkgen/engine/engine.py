@@ -183,7 +183,7 @@ class Engine:
             return []
         start = time.time()
         self._mark_scheduled(batch.items, start)
-        pending = self._start_masks(batch.items)  # grammar masks fill on the host while the forward runs
+        pending = self._start_masks(batch.items)  # grammar masks (on a GPU: filled while the forward runs)
         try:
             step = self.runner.run(batch.items)
         finally:
@@ -221,7 +221,7 @@ class Engine:
         if not guided:
             return None
         matchers = [s.matcher for s in guided]
-        if self.device.type == "cpu":  # the forward uses every core: a thread beside it only slows it down
+        if self.device.type == "cpu":
             done: Future = Future()
             done.set_result(self.grammars.masks(matchers, unpacked=True))
             return guided, done
