@@ -7,7 +7,10 @@ page go to test-artifacts/dashboard/ (gitignored).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -17,16 +20,37 @@ CHROMIUM = os.environ.get("BULKGEN_CHROMIUM", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser():
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium (apt-get install -y chromium)")
-    with sync_playwright() as p:
+    manager = sync_playwright()
+    p = manager.__enter__()
+    try:
         browser = p.chromium.launch(executable_path=CHROMIUM)
         yield browser
         browser.close()
+    finally:
+        _stop_playwright(manager)
+
+
+def _stop_playwright(manager) -> None:
+    """Stop Playwright's driver, killing it if it has not exited within 20 s: on a loaded CI machine
+    the driver once outlived its closed pipe and the session's teardown waited until pytest-timeout."""
+    proc = getattr(getattr(getattr(manager, "_client", None), "_transport", None), "_proc", None)
+    watchdog = threading.Timer(20, lambda: proc and proc.returncode is None and _kill(proc.pid))
+    watchdog.start()
+    try:
+        manager.__exit__(None, None, None)
+    finally:
+        watchdog.cancel()
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="session")
