@@ -65,15 +65,19 @@ def test_an_expired_batch_is_retried_and_merged_with_its_retry(service, client, 
     assert first.status == "expired" and first.output_file_id is None
     assert {e["error"]["code"] for e in read_lines(client, first.error_file_id)} == {"batch_expired"}
 
-    second = _retry(client, first.id)
-    assert second.id != first.id and second.status == "validating"
+    made = _invoke(service, "retry", first.id, "--wait", "--output", str(tmp_path / "retry.jsonl"))
+    assert made.exit_code == 0, made.output
+    second = client.batches.retrieve(made.output.split()[0])
+    assert (
+        f"(5 requests, retrying {first.id})" in made.output
+        and "completed: 4 completed, 1 failed" in made.output
+    )
+    assert len(_jsonl(tmp_path / "retry.jsonl")) == 4 and len(_jsonl(tmp_path / "retry.errors.jsonl")) == 1
     assert second.metadata == {"job": "nightly", "bulkgen_retry_of": first.id}
     assert client.batches.retrieve(first.id).metadata == {"job": "nightly", "bulkgen_retried_by": second.id}
     assert (second.endpoint, second.completion_window) == (first.endpoint, first.completion_window)
     retried = client.files.content(second.input_file_id).text.splitlines()
     assert [json.loads(line) for line in retried] == rows  # never run, so every line, the 400-to-be too
-
-    second = wait_done(client, second.id)
     assert second.status == "completed" and second.model == first.model
     assert (second.request_counts.completed, second.request_counts.failed) == (4, 1)
     with pytest.raises(
@@ -111,16 +115,13 @@ def test_a_cancelled_batch_retries_only_what_did_not_run(service, client, tmp_pa
     first = wait_done(client, first.id)
     assert first.status == "cancelled"
 
-    made = _invoke(service, "retry", first.id)
-    assert made.exit_code == 0, made.output
-    second_id = made.output.split()[0]
-    assert f"(2 requests, retrying {first.id})" in made.output
-    second = client.batches.retrieve(second_id)
+    second = _retry(client, first.id)
+    second_id = second.id
+    assert second.status == "validating" and second.metadata == {"bulkgen_retry_of": first.id}
     retried = [
         json.loads(line)["custom_id"] for line in client.files.content(second.input_file_id).text.splitlines()
     ]
     assert retried == ["slow-0", "slow-1"]  # not the successes, not the 400
-    assert second.metadata == {"bulkgen_retry_of": first.id}
     assert client.batches.retrieve(first.id).metadata == {"bulkgen_retried_by": second_id}
 
     with pytest.raises(
@@ -145,7 +146,9 @@ def keyed(tmp_path_factory):
     key_a, key_b = add_key(root / "keys", "team-a"), add_key(root / "keys", "team-b")
     service = Service(settings_for(str(root / "store")), keyring=KeyRing.from_file(root / "keys"))
     yield service.client(key_a), service.client(key_b)
-    service.stop()
+    service.server.should_exit = True
+    service.manager.stop(kill_workers=False)  # the workers are the session's: the next tests keep them loaded
+    service.thread.join(10)
 
 
 def test_another_tenant_cannot_retry_and_a_failed_validation_is_not_retried(keyed, tmp_path):
