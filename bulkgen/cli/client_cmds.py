@@ -151,8 +151,8 @@ def results(batch_id, output, merged, base_url, api_key):
     client = _client(base_url, api_key)
     if merged:
         try:
-            written = c.download_merged(client, c.retry_chain(lambda b: _call(client.batches.retrieve, b), batch_id),
-                                        merged)
+            chain = c.retry_chain(lambda b: _call(client.batches.retrieve, b), batch_id)
+            written = _call(c.download_merged, client, chain, merged)  # a result file gone: one line, no traceback
         except c.ClientError as exc:
             raise click.ClickException(str(exc)) from None
         for line in written:

@@ -128,6 +128,8 @@ def test_a_cancelled_batch_retries_only_what_did_not_run(service, client, tmp_pa
         openai.ConflictError, match=f"batch {second_id} is (validating|in_progress); retry it once"
     ):
         _retry(client, second_id)
+    early = _invoke(service, "results", first.id, "--merged", str(tmp_path / "early.jsonl"))
+    assert early.exit_code == 1 and f"batch {second_id} of the retry chain is still running" in early.output
     client.batches.cancel(second_id)
     second = wait_done(client, second_id)
 
