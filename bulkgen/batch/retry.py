@@ -16,7 +16,8 @@ Output and error files list their lines in input order, and a custom_id is uniqu
 streamed pass over the input beside both files (bulkgen.batch.merged.ResultCursor) finds the lines to
 retry in bounded memory.
 
-Links: the new batch's metadata gets `bulkgen_retry_of: <original>` (the original's other pairs are
+The new batch keeps the original's endpoint, completion window and output_expires_after. Links: the new
+batch's metadata gets `bulkgen_retry_of: <original>` (the original's other pairs are
 copied, so a priority or a job name carries over) and the original gains `bulkgen_retried_by: <new>`
 through the conditional record update. A batch is retried at most once; its retry is retried in turn, so
 the retries of one input form a chain (`bulkgen results --merged` follows it).
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from bulkgen.batch.merged import ResultCursor, check_all_taken, requests
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.schema import ACTIVE_STATUSES, Conflict, InvalidRequest
+from bulkgen.batch.schema import ACTIVE_STATUSES, INTERNAL, Conflict, InvalidRequest
 
 if TYPE_CHECKING:
     from bulkgen.batch.service import BatchService
@@ -102,6 +103,9 @@ def retry_batch(svc: BatchService, batch_id: str) -> dict:
         record["endpoint"],
         record["completion_window"],
         metadata or None,
+        output_expires_after_s=(record.get(INTERNAL) or {}).get(
+            "output_expires_after_s"
+        ),  # as the original's
         links={RETRY_OF: batch_id},
     )
     try:

@@ -19,7 +19,7 @@ from openai.types import Batch
 from bulkgen.batch.merged import merge_chain
 from bulkgen.batch.responses import envelope, not_run_line, refused_line
 from bulkgen.batch.retry import retryable
-from bulkgen.batch.schema import new_batch_record
+from bulkgen.batch.schema import INTERNAL, new_batch_record
 from bulkgen.cli import cli
 from bulkgen.tenants import KeyRing, add_key
 from tests.service.conftest import (
@@ -52,6 +52,7 @@ def _expired_before_it_ran(service, client, tmp_path, rows: list[dict]) -> Batch
     file_id = upload(client, write_jsonl(tmp_path / "expired.jsonl", rows)).id
     record = new_batch_record(file_id, "/v1/chat/completions", "24h", {"job": "nightly"})
     record["expires_at"] = record["created_at"] - 1
+    record[INTERNAL]["output_expires_after_s"] = 7200  # what output_expires_after={seconds: 7200} stores
     service.svc.batches.create(record)
     service.svc.ensure_indexed(record["id"])
     service.manager.wake()
@@ -79,6 +80,10 @@ def test_an_expired_batch_is_retried_and_merged_with_its_retry(service, client, 
     retried = client.files.content(second.input_file_id).text.splitlines()
     assert [json.loads(line) for line in retried] == rows  # never run, so every line, the 400-to-be too
     assert second.status == "completed" and second.model == first.model
+    output = client.files.retrieve(second.output_file_id)
+    assert (
+        output.expires_at is not None and output.expires_at - output.created_at == 7200
+    )  # kept from the first
     assert (second.request_counts.completed, second.request_counts.failed) == (4, 1)
     with pytest.raises(
         openai.BadRequestError,
