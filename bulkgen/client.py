@@ -80,3 +80,50 @@ def download(client, batch, output: Path) -> list[str]:
             lines = sum(1 for _ in path.open("rb"))
             written.append(f"{path} ({lines} lines)")
     return written
+
+
+def retry_chain(get_batch: Callable[[str], object], batch_id: str) -> list:
+    """The batches of `batch_id`'s retry chain (bulkgen.batch.retry's metadata links), the original first."""
+    batch, seen = get_batch(batch_id), {batch_id}
+    while (parent := (batch.metadata or {}).get("bulkgen_retry_of")) and parent not in seen:
+        seen.add(parent)
+        batch = get_batch(parent)
+    chain = [batch]
+    while (child := (batch.metadata or {}).get("bulkgen_retried_by")) and child not in {b.id for b in chain}:
+        batch = get_batch(child)
+        chain.append(batch)
+    return chain
+
+
+def download_merged(client, chain: list, output: Path) -> list[str]:
+    """Write one output and one error file across the chain (bulkgen.batch.merged); files are streamed to a
+    temporary folder first, so memory stays bounded whatever their size."""
+    import contextlib
+    import tempfile
+
+    from bulkgen.batch.merged import merge_chain
+
+    running = [b.id for b in chain if b.status not in TERMINAL_STATUSES]
+    if running:
+        raise ClientError(f"batch {running[0]} of the retry chain is still running; merge once it has ended")
+    out_path, err_path = output_paths(output)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bulkgen-merge-") as tmp, contextlib.ExitStack() as files:
+        def fetch(file_id: str | None):
+            path = Path(tmp) / (file_id or "none")
+            with path.open("wb") as f:
+                if file_id:
+                    with client.files.with_streaming_response.content(file_id) as response:
+                        for chunk in response.iter_bytes():
+                            f.write(chunk)
+            return files.enter_context(path.open("rb"))
+
+        source = fetch(chain[0].input_file_id)
+        results = [(fetch(b.output_file_id), fetch(b.error_file_id)) for b in chain]
+        with out_path.open("wb") as out, err_path.open("wb") as err:
+            try:
+                counts = merge_chain(source, results, out, err)
+            except ValueError as exc:
+                raise ClientError(str(exc)) from None
+    ids = " -> ".join(b.id for b in chain)
+    return [f"{out_path} ({counts.succeeded} lines)", f"{err_path} ({counts.failed} lines)", f"across {ids}"]

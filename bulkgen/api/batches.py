@@ -1,4 +1,5 @@
-"""Batches API: create (answers `validating` at once; the runtime validates), retrieve, list, cancel."""
+"""Batches API: create (answers `validating` at once; the runtime validates), retrieve, list, cancel, and
+bulkgen's retry of an ended batch's failed lines (bulkgen.batch.retry)."""
 
 from __future__ import annotations
 
@@ -75,4 +76,12 @@ async def list_batches(request: Request, after: str | None = None, limit: int = 
 async def cancel_batch(request: Request, batch_id: str) -> dict:
     record = await run_in_threadpool(service_of(request).cancel, batch_id)
     request.app.state.manager.wake(batch_id)
+    return public_view(record)
+
+
+@router.post("/{batch_id}/retry")
+async def retry_batch(request: Request, batch_id: str) -> dict:
+    """An extension: a new batch of the lines of `batch_id` that did not succeed and are worth retrying."""
+    record = await run_in_threadpool(service_of(request).retry, batch_id)
+    request.app.state.manager.wake()
     return public_view(record)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from bulkgen.batch import fileuse, totals
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
+from bulkgen.batch.retry import retry_batch
 from bulkgen.batch.schema import (
     ACTIVE_STATUSES,
     INTERNAL,
@@ -73,13 +74,16 @@ class BatchService:
         return self._family[tenant]
 
     def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
-                     output_expires_after_s: int | None = None) -> dict:
+                     output_expires_after_s: int | None = None, links: dict[str, str] | None = None) -> dict:
         """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
         the runtime validates it (`validate`), so validation survives a restart like any other work.
         Writes in order: the file's ref (fileuse.pin: a delete of the file either wins before it, and this
-        refuses, or answers 409), the record, then the active entry that makes runners look for it."""
+        refuses, or answers 409), the record, then the active entry that makes runners look for it.
+        `links`: metadata pairs the service sets itself (bulkgen.batch.retry), beyond the client's 16."""
         meta = self._input_file(input_file_id)
         record = new_batch_record(meta["id"], endpoint, window, metadata)
+        if links:
+            record["metadata"] = {**(record["metadata"] or {}), **links}
         if output_expires_after_s:
             record[INTERNAL]["output_expires_after_s"] = output_expires_after_s
         try:
@@ -113,6 +117,10 @@ class BatchService:
         if record["status"] == "failed":
             self.mark_ended(batch_id, record)
         return record
+
+    def retry(self, batch_id: str) -> dict:
+        """A new batch of the ended batch's lines worth running again, linked both ways (bulkgen.batch.retry)."""
+        return retry_batch(self, batch_id)
 
     def cancel(self, batch_id: str) -> dict:
         """Mark the batch `cancelling`; its runner (whichever replica holds it) finishes it. Idempotent."""

@@ -18,7 +18,7 @@ def _register() -> None:
 
     commands = (server_cmds.serve, server_cmds.run, client_cmds.submit, client_cmds.status, client_cmds.list_batches,
                 client_cmds.cancel, client_cmds.results, watch_cmds.watch, analysis.simulate, analysis.latency,
-                analysis.bench, keys_cmds.keys, gc_cmd.gc)
+                analysis.bench, keys_cmds.keys, gc_cmd.gc, client_cmds.retry)
     for command in commands:
         cli.add_command(command)
 

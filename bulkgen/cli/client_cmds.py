@@ -141,13 +141,46 @@ def cancel(batch_id, base_url, api_key):
 @click.argument("batch_id")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
               help="Output path (errors beside it); default BATCH_output.jsonl.")
+@click.option("--merged", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write one file across the batch and its retries instead (errors beside it): each custom_id "
+                   "once, in input order, its newest success or else its last error.")
 @base_url_option
 @api_key_option
-def results(batch_id, output, base_url, api_key):
+def results(batch_id, output, merged, base_url, api_key):
     """Download a batch's output and error files."""
     client = _client(base_url, api_key)
+    if merged:
+        try:
+            chain = c.retry_chain(lambda b: _call(client.batches.retrieve, b), batch_id)
+            written = _call(c.download_merged, client, chain, merged)  # a result file gone: one line, no traceback
+        except c.ClientError as exc:
+            raise click.ClickException(str(exc)) from None
+        for line in written:
+            click.echo(f"wrote {line}" if not line.startswith("across") else line)
+        return
     batch = _call(client.batches.retrieve, batch_id)
     if not (batch.output_file_id or batch.error_file_id):
         raise click.ClickException(f"{batch_id} is {batch.status} and has no result files yet")
     for line in c.download(client, batch, output or Path(f"{batch_id}_output.jsonl")):
         click.echo(f"wrote {line}")
+
+
+@click.command()
+@click.argument("batch_id")
+@click.option("--wait/--no-wait", default=False, help="Wait with a progress bar, then download the results.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where --wait writes the retry's results (errors beside it as NAME.errors.jsonl).")
+@base_url_option
+@api_key_option
+def retry(batch_id, wait, output, base_url, api_key):
+    """Create a batch of the requests of an ended BATCH_ID that did not succeed and may succeed now
+    (engine errors, expired, cancelled, never run; not 400s). `results --merged` joins them."""
+    from openai.types import Batch
+
+    client = _client(base_url, api_key)
+    batch = _call(client.post, f"/batches/{batch_id}/retry", cast_to=Batch)
+    batch = c.validated(lambda: _call(client.batches.retrieve, batch.id))
+    total = batch.request_counts.total if batch.request_counts else 0
+    click.echo(f"{batch.id} {batch.status} ({total} requests, retrying {batch_id})")
+    if wait:
+        _wait_and_download(client, batch, output or Path(f"{batch.id}_output.jsonl"))
