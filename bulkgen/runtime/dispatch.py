@@ -1,10 +1,10 @@
 """The dispatcher: one driver thread per worker actor, feeding it from the work queue as it has room.
 
 Each thread long-polls its worker; the answer says how many requests the engine wants (and how many
-more it would take of a batch new to it: `take_for`), which ranges
-finished (parts already stored) and the worker's steps per batch, which go to the batch runners. A
-worker that dies (killed, out of memory, node lost) shows up as a failed poll: its ranges in flight go
-back to the queue and a new actor takes its place under the same name.
+more of a batch new to it: `take_for`), which ranges finished (parts already stored) and the worker's
+steps per batch, which go to the batch runners. A worker that dies (killed, out of memory, node lost)
+shows up as a failed poll: its ranges in flight go back to the queue and a new actor takes its place
+under the same name.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ class FairShare:
         self._weights: dict[str, float] = {}
         self._read_at = float("-inf")
         self.vtime: dict[str, float] = {}
-        self.served: dict[str, int] = {}      # tokens of work charged per tenant, for operators
-        self._turn: dict[str, int] = {}       # when each tenant was last served: ties go to the longest waiting
+        self.served: dict[str, int] = {}  # tokens of work charged per tenant, for operators
+        self._turn: dict[str, int] = {}  # when each tenant was last served: ties go to the longest waiting
         self._clock = 0
 
     def weight(self, tenant: str) -> float:
@@ -56,5 +56,7 @@ class FairShare:
     def shares(self) -> dict[str, dict]:
         """Per tenant: its weight and its share of the work charged so far (what an operator sees)."""
         total = sum(max(0, v) for v in self.served.values()) or 1
-        return {t: {"weight": self.weight(t), "share": round(max(0, v) / total, 4)}
-                for t, v in sorted(self.served.items())}
+        return {
+            t: {"weight": self.weight(t), "share": round(max(0, v) / total, 4)}
+            for t, v in sorted(self.served.items())
+        }

@@ -2,11 +2,13 @@
 
 Workers pull; nothing is pushed in fixed chunks. `take(worker, want)` answers with ranges totalling
 about `want` requests, chosen so that:
-- tenants share the workers by weight: the tenant whose work so far, over its weight, is least goes
-  next (weighted fair queueing over tokens of work: fairshare.py);
+- a batch that got no work for `fair_share_after_s` is served next, whatever the rules below say, so
+  no batch ever starves;
+- otherwise the worker's loaded model is kept where there is a choice, and tenants share the workers
+  by weight: the tenant whose work so far, over its weight, is least goes next (weighted fair queueing
+  over tokens of work: fairshare.py);
 - within a tenant, batches go by priority (`metadata.bulkgen_priority`: high, normal, low), then in
-  order (FIFO by creation, or earliest deadline first), but a batch that got no work for
-  `fair_share_after_s` is served next, so a small batch behind a huge one is never starved;
+  order (FIFO by creation, or earliest deadline first);
 - within a batch, the longest work goes first, so long requests start early instead of straggling;
 - ranges whose requests share a leading prompt go to the worker that already served that prefix,
   where its KV prefix cache still holds it;

@@ -28,7 +28,7 @@ def test_a_short_request_of_another_tag_goes_before_a_queue_of_long_ones(make_en
     prompts = mixed_prompts(seed=40, count=12, low=20, high=30)
     for i, prompt in enumerate(prompts[:10]):
         engine.add_request(f"big-{i}", prompt, _params(4), tag="big")
-    for _ in range(2):   # the big batch is running, eight of its requests waiting
+    for _ in range(2):  # the big batch is running, eight of its requests waiting
         engine.step()
     engine.add_request("small-0", prompts[10][:3], _params(2), tag="small")
     engine.add_request("small-1", prompts[11][:3], _params(2), tag="small")

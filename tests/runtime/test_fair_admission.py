@@ -22,8 +22,8 @@ from bulkgen.store import LocalStore
 from tests.service.conftest import MODEL, completion_row, random_model
 
 BIG = 100_000
-BIG_MAX_TOKENS = [2, 3, 4, 5]   # so an engine slot frees within 5 steps
-FEW_STEPS = 6                   # one step to reach the engine, then the first slot that frees
+BIG_MAX_TOKENS = [2, 3, 4, 5]  # so an engine slot frees within 5 steps
+FEW_STEPS = 6  # one step to reach the engine, then the first slot that frees
 
 
 class StepGate:
@@ -33,7 +33,7 @@ class StepGate:
         self.engine, self.real = engine, engine.step
         self.reached, self.allowed = threading.Semaphore(0), threading.Semaphore(0)
         self.steps = 0
-        self.first_token: dict[str, int] = {}   # request id -> the step that gave it its first token
+        self.first_token: dict[str, int] = {}  # request id -> the step that gave it its first token
         engine.step = self._step
 
     def _step(self):
@@ -42,7 +42,9 @@ class StepGate:
         finished = self.real()
         self.steps += 1
         started = [out.request_id for out in finished]
-        started += [rid for rid, r in self.engine.requests.items() if any(s.num_output_tokens for s in r.seqs)]
+        started += [
+            rid for rid, r in self.engine.requests.items() if any(s.num_output_tokens for s in r.seqs)
+        ]
         for rid in started:
             self.first_token.setdefault(rid, self.steps)
         return finished
@@ -64,16 +66,25 @@ class StepGate:
 def _uniform_batch(store, batch_id: str, tenant: str, count: int, prompt: str, max_tokens: list[int]):
     """`count` requests in lines of equal length (max_tokens of one digit, in turn from `max_tokens`),
     indexed without scanning them all."""
-    lines = [json.dumps(completion_row(f"{batch_id}-{i:06d}", prompt, max_tokens[i % len(max_tokens)])).encode()
-             for i in range(count)]
+    lines = [
+        json.dumps(completion_row(f"{batch_id}-{i:06d}", prompt, max_tokens[i % len(max_tokens)])).encode()
+        for i in range(count)
+    ]
     assert len({len(line) for line in lines}) == 1
     key = f"files/data/{batch_id}"
     store.write_bytes(key, b"\n".join(lines) + b"\n")
     one = scan(io.BytesIO(lines[0] + b"\n"), "/v1/completions")
     step = len(lines[0]) + 1
-    index = LineIndex(np.arange(1, count + 1), np.arange(count) * step, np.arange(count) * step + len(lines[0]),
-                      np.full(count, one.work[0]), np.full(count, one.prefix[0], dtype=np.uint64))
-    job = BatchJob(batch_id, key, "/v1/completions", MODEL, str(random_model()), 0.0, store.spec(), tenant=tenant)
+    index = LineIndex(
+        np.arange(1, count + 1),
+        np.arange(count) * step,
+        np.arange(count) * step + len(lines[0]),
+        np.full(count, one.work[0]),
+        np.full(count, one.prefix[0], dtype=np.uint64),
+    )
+    job = BatchJob(
+        batch_id, key, "/v1/completions", MODEL, str(random_model()), 0.0, store.spec(), tenant=tenant
+    )
     return job, index
 
 
@@ -106,12 +117,13 @@ def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):
     feeder = Feeder(queue, worker)
     feeder.feed()
     gate.wait_at_gate()
-    for _ in range(12):   # the big batch runs: every slot busy, a full engine load waiting
+    for _ in range(12):  # the big batch runs: every slot busy, a full engine load waiting
         gate.advance()
         feeder.feed()
     assert worker.engine.scheduler.num_waiting >= 8 and gate.first_of("batch_big") is not None
 
-    small, small_index = _uniform_batch(store, "batch_small", "beta", 20, "hi", [2])   # shorter than any big one
+    # another tenant's 20 requests, each shorter than any of the big batch (longest first puts them last)
+    small, small_index = _uniform_batch(store, "batch_small", "beta", 20, "hi", [2])
     queue.add_batch(small, small_index, make_ranges(small, small_index, np.ones(20, bool), 16))
     arrived = gate.steps
     while gate.first_of("batch_small") is None and gate.steps < arrived + 40:
@@ -124,4 +136,4 @@ def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):
     # started ahead of it
     big_since = gate.first_of("batch_big", after=arrived + 1)
     assert big_since is None or first <= big_since
-    assert queue.pending_requests() > BIG - 200       # the big batch is still far from done
+    assert queue.pending_requests() > BIG - 200  # the big batch is still far from done

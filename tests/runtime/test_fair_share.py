@@ -20,15 +20,36 @@ MAX_TOKENS = 32
 
 
 def _index(n: int, rng: random.Random) -> LineIndex:
-    work = [rng.randint(4, 24) + MAX_TOKENS for _ in range(n)]   # prompt estimate + max_tokens
-    return LineIndex(np.arange(1, n + 1), np.arange(n) * 10, np.arange(n) * 10 + 9, np.array(work),
-                     np.zeros(n, dtype=np.uint64))
+    work = [rng.randint(4, 24) + MAX_TOKENS for _ in range(n)]  # prompt estimate + max_tokens
+    return LineIndex(
+        np.arange(1, n + 1),
+        np.arange(n) * 10,
+        np.arange(n) * 10 + 9,
+        np.array(work),
+        np.zeros(n, dtype=np.uint64),
+    )
 
 
-def _add(q: WorkQueue, batch_id: str, tenant: str, n: int, rng: random.Random, priority: int = 1,
-         order: float = 0.0) -> None:
-    job = BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", "m", "p", order, {"url": "unused"},
-                   tenant=tenant, priority=priority)
+def _add(
+    q: WorkQueue,
+    batch_id: str,
+    tenant: str,
+    n: int,
+    rng: random.Random,
+    priority: int = 1,
+    order: float = 0.0,
+) -> None:
+    job = BatchJob(
+        batch_id,
+        f"files/data/{batch_id}",
+        "/v1/completions",
+        "m",
+        "p",
+        order,
+        {"url": "unused"},
+        tenant=tenant,
+        priority=priority,
+    )
     index = _index(n, rng)
     q.add_batch(job, index, make_ranges(job, index, np.ones(n, bool), 16))
 
@@ -38,9 +59,9 @@ class Sim:
 
     def __init__(self, q: WorkQueue, workers: int, seed: int) -> None:
         self.q, self.rng = q, random.Random(seed)
-        self.held = [deque() for _ in range(workers)]      # per worker: [tenant, tokens left, range state]
-        self.tokens: dict[str, int] = {}                   # generated tokens per tenant (after warm-up)
-        self.first_taken: dict[str, int] = {}              # batch id -> the pull that first took its work
+        self.held = [deque() for _ in range(workers)]  # per worker: [tenant, tokens left, range state]
+        self.tokens: dict[str, int] = {}  # generated tokens per tenant (after warm-up)
+        self.first_taken: dict[str, int] = {}  # batch id -> the pull that first took its work
         self.pulls = 0
         self.step = 0
 
@@ -59,7 +80,7 @@ class Sim:
         for r in self.q.take(worker, room, "m@p", idle=False):
             state = {"range": r, "left": r.size, "used": 0}
             self.first_taken.setdefault(r.job.batch_id, self.pulls)
-            for _ in range(r.size):   # each request stops somewhere up to max_tokens
+            for _ in range(r.size):  # each request stops somewhere up to max_tokens
                 held.append([r.job.tenant, self.rng.randint(1, MAX_TOKENS), state])
 
     def _decode(self, held: deque, counting: bool) -> None:
@@ -85,7 +106,7 @@ def _two_tenants(weights: dict[str, float]) -> Sim:
     rng = random.Random(7)
     q = WorkQueue(lambda: 3, weights=lambda: weights)
     _add(q, "batch_a", "alpha", 20_000, rng)
-    _add(q, "batch_b", "beta", 20_000, rng, order=-1.0)   # older: plain FIFO would give it everything
+    _add(q, "batch_b", "beta", 20_000, rng, order=-1.0)  # older: plain FIFO would give it everything
     sim = Sim(q, workers=3, seed=11)
     sim.run(1500, warmup=100)
     return sim
@@ -106,13 +127,13 @@ def test_a_tenant_arriving_late_gets_its_share_at_once_and_no_credit_for_its_abs
     q = WorkQueue(lambda: 2)
     _add(q, "batch_big", "alpha", 50_000, rng)
     sim = Sim(q, workers=2, seed=5)
-    sim.run(1000)                      # alpha alone for a long time
+    sim.run(1000)  # alpha alone for a long time
     arrival = sim.pulls
     _add(q, "batch_small", "beta", 20_000, rng)
     sim.tokens = {}
     sim.run(600)
-    assert sim.first_taken["batch_small"] == arrival + 1   # its first range at the next pull
-    assert abs(sim.share("beta") - 0.5) <= 0.05, sim.tokens   # no burst beyond its share either
+    assert sim.first_taken["batch_small"] == arrival + 1  # its first range at the next pull
+    assert abs(sim.share("beta") - 0.5) <= 0.05, sim.tokens  # no burst beyond its share either
 
 
 def test_priorities_order_a_tenants_batches_and_other_tenants_keep_their_share():
@@ -126,4 +147,4 @@ def test_priorities_order_a_tenants_batches_and_other_tenants_keep_their_share()
     sim.run(3000)
     first = sim.first_taken
     assert first["batch_high"] < first["batch_normal"] < first["batch_low"]
-    assert first["batch_other"] <= 2   # the other tenant is served next to alpha from the start
+    assert first["batch_other"] <= 2  # the other tenant is served next to alpha from the start
