@@ -10,11 +10,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.models.registry import parse_model_specs
-from bulkgen.tenants import DEFAULT_TENANT, check_tenant
+from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
 BODY_TIMEOUT_S = 60.0  # seconds a request body may stall before the API refuses it (`serve --body-timeout`)
+
+
+def parse_tenant_weights(specs: tuple[str, ...] | list[str]) -> dict[str, float]:
+    """`TENANT=W` flags (`--tenant-weight`) to tenant -> weight; ValueError naming the bad one."""
+    weights = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep:
+            raise ValueError(f"--tenant-weight {spec[:80]!r}: expected TENANT=W, e.g. analytics=3")
+        weights[check_tenant(name.strip())] = check_weight(value.strip(), f"tenant {name.strip()!r}")
+    return weights
 
 
 @dataclass
@@ -42,9 +53,13 @@ class Settings:
     storage_outage_timeout_s: float = 300.0  # a runner whose storage stays down this long stops (batch stays active)
     workers: WorkerSettings = field(default_factory=WorkerSettings)
     tenant: str = DEFAULT_TENANT            # whose batches `bulkgen run` / the watcher / a keyless service make
+    tenant_weights: dict[str, float] = field(default_factory=dict)  # share of the workers; others weigh 1
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
+        for name, weight in self.tenant_weights.items():
+            check_tenant(name)
+            check_weight(str(weight), f"tenant {name!r}")
         for name in ("range_size", "max_requests_per_batch", "max_file_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")

@@ -1,7 +1,9 @@
 """Tenants and their API keys: who a bearer key is, and where that tenant's objects live.
 
 A keys file holds one `TENANT KEY_SHA256` line per key (comments with #), so no plain key sits on disk;
-`bulkgen keys add TENANT` appends a new one and prints the key once. A tenant may have several keys
+`bulkgen keys add TENANT` appends a new one and prints the key once. An optional `TENANT weight=W` line
+gives a tenant W times the default share of the workers when several tenants have work queued
+(bulkgen.runtime.fairshare; default 1, also settable with `serve --tenant-weight TENANT=W`). A tenant may have several keys
 (rotation: add the new one, then `bulkgen keys revoke sha256:PREFIX` the old one). A running service
 sees a change of the file at its next request, without a restart, and fails closed (KeyRing).
 
@@ -29,6 +31,8 @@ _TENANT = re.compile(rf"^{TENANT_PATTERN}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 KEY_PREFIX = "bg-"
 HASH_LABEL = "sha256:"   # how `bulkgen keys list` shows a key, and `bulkgen keys revoke` takes one
+WEIGHT_PREFIX = "weight="  # `TENANT weight=W`: the tenant's share weight
+MAX_WEIGHT = 1e6
 log = logging.getLogger(__name__)
 
 
@@ -65,8 +69,10 @@ class KeyRing:
     closed: a file that cannot be read or has a bad line means no key is valid until it is fixed, with
     one ERROR line naming the file and line per change, not per request."""
 
-    def __init__(self, hashes: dict[str, str], path: Path | None = None, digest: str | None = None) -> None:
+    def __init__(self, hashes: dict[str, str], path: Path | None = None, digest: str | None = None,
+                 weights: dict[str, float] | None = None) -> None:
         self._hashes = hashes                 # sha256 hex -> tenant
+        self._weights = weights or {}         # tenant -> share weight, where the file gives one
         self.path = path
         self._digest = digest                 # of the bytes `_hashes` came from
         self._lock = threading.Lock()
@@ -80,11 +86,16 @@ class KeyRing:
         """The keys of `path`; KeysFileError if it cannot be used (a service refuses to start on it)."""
         path = Path(path)
         data = _read(path)
-        return cls(parse_keys(path, data), path, _digest(data))
+        return cls(parse_keys(path, data), path, _digest(data), parse_weights(path, data))
 
     def tenants(self) -> list[str]:
         self._reload()
         return sorted(set(self._hashes.values()))
+
+    def weights(self) -> dict[str, float]:
+        """The tenants' share weights the file gives (others weigh 1); none while the file is broken."""
+        self._reload()
+        return dict(self._weights)
 
     def resolve(self, key: str | None) -> Caller | None:
         """The tenant of this key, or None (no key, or not one of ours)."""
@@ -113,9 +124,10 @@ class KeyRing:
                 if data is None:
                     raise problem
                 self._hashes = parse_keys(self.path, data)
+                self._weights = parse_weights(self.path, data)
                 log.info("API keys file %s reloaded: %d key(s)", self.path, len(self._hashes))
             except KeysFileError as exc:
-                self._hashes = {}
+                self._hashes, self._weights = {}, {}
                 log.error("%s; no API key is accepted until the file is fixed", exc)
 
 
@@ -137,24 +149,59 @@ def _digest(data: bytes) -> str:
 
 def parse_keys(path: Path, data: bytes) -> dict[str, str]:
     """The keys of a keys file's bytes (`path` only names it in errors)."""
+    return _parse(path, data, weights=False)
+
+
+def parse_weights(path: Path, data: bytes) -> dict[str, float]:
+    """The `TENANT weight=W` lines of a keys file's bytes: tenant -> weight."""
+    return _parse(path, data, weights=True)
+
+
+def _parse(path: Path, data: bytes, weights: bool) -> dict:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise KeysFileError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     hashes: dict[str, str] = {}
+    shares: dict[str, float] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         fields = line.split()
+        if len(fields) == 2 and fields[1].startswith(WEIGHT_PREFIX):
+            tenant, weight = _weight_line(path, number, fields)
+            if shares.get(tenant, weight) != weight:
+                raise KeysFileError(f"{path}:{number}: a second, different weight for tenant {tenant!r}")
+            shares[tenant] = weight
+            continue
         if len(fields) != 2 or not _SHA256.match(fields[1]):
-            raise KeysFileError(f"{path}:{number}: expected 'TENANT KEY_SHA256' (64 lowercase hex digits); "
-                                "create entries with `bulkgen keys add TENANT`")
+            raise KeysFileError(f"{path}:{number}: expected 'TENANT KEY_SHA256' (64 lowercase hex digits) or "
+                                "'TENANT weight=W'; create key entries with `bulkgen keys add TENANT`")
         try:
             hashes[fields[1]] = check_tenant(fields[0])
         except ValueError as exc:
             raise KeysFileError(f"{path}:{number}: {exc}") from None
-    return hashes
+    return shares if weights else hashes
+
+
+def _weight_line(path: Path, number: int, fields: list[str]) -> tuple[str, float]:
+    try:
+        tenant = check_tenant(fields[0])
+        return tenant, check_weight(fields[1].removeprefix(WEIGHT_PREFIX), f"tenant {tenant!r}")
+    except ValueError as exc:
+        raise KeysFileError(f"{path}:{number}: {exc}") from None
+
+
+def check_weight(text: str, what: str) -> float:
+    """A share weight: a number > 0 and at most MAX_WEIGHT (ValueError naming `what` otherwise)."""
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = float("nan")
+    if not 0 < weight <= MAX_WEIGHT:
+        raise ValueError(f"the weight of {what} must be a number > 0 and at most {MAX_WEIGHT:g}, got {text[:40]!r}")
+    return weight
 
 
 def add_key(path: str | os.PathLike[str], tenant: str) -> str:

@@ -36,7 +36,8 @@ async def shell() -> FileResponse:
 @router.get("/v1/dashboard/workers")
 async def workers(request: Request) -> dict:
     """Each worker actor: device, loaded model, busy share over the last 30 s, and the caller's batches it
-    serves (other tenants' batches are only counted, never named)."""
+    serves (other tenants' batches are only counted, never named); and the caller's tenant's weight and
+    share of the work handed to the workers so far (`fair_share`; other tenants are never named)."""
     manager = request.app.state.manager
     dispatcher = getattr(manager, "dispatcher", None)
     data = dispatcher.worker_states() if dispatcher is not None else []
@@ -45,7 +46,10 @@ async def workers(request: Request) -> dict:
         mine = [b for b in worker["batches"] if _tenant_of_batch(manager, b["id"]) == tenant]
         worker["other_batches"] = len(worker["batches"]) - len(mine)
         worker["batches"] = mine
-    return {"object": "list", "data": data}
+    queue = getattr(manager, "queue", None)
+    shares = queue.shares() if queue is not None else {}
+    fair = shares.get(tenant, {"weight": queue.fair.weight(tenant) if queue is not None else 1.0, "share": 0.0})
+    return {"object": "list", "data": data, "fair_share": {"tenant": tenant, **fair}}
 
 
 def _tenant_of_batch(manager, batch_id: str) -> str | None:

@@ -14,6 +14,8 @@ TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 _WINDOW = re.compile(r"^\s*(\d+)\s*h\s*$")
 MAX_WINDOW_HOURS = 24 * 365
 INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
+PRIORITY_KEY = "bulkgen_priority"  # metadata extension: the batch's turn among its tenant's batches
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}  # lower goes first
 
 
 def quote(value: Any, limit: int = 80) -> str:
@@ -69,6 +71,24 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     return metadata
 
 
+def batch_priority(metadata: dict | None) -> int:
+    """The batch's priority among its tenant's batches (0 high, 1 normal, 2 low) from
+    `metadata.bulkgen_priority`; normal when absent."""
+    value = (metadata or {}).get(PRIORITY_KEY, "normal")
+    if value not in PRIORITIES:
+        raise InvalidRequest(f"metadata.{PRIORITY_KEY} must be one of {', '.join(PRIORITIES)}; got {quote(value)}",
+                             param=f"metadata.{PRIORITY_KEY}")
+    return PRIORITIES[value]
+
+
+def stored_priority(record: dict) -> int:
+    """A stored batch's priority; normal for one created before the value was checked."""
+    try:
+        return batch_priority(record.get("metadata"))
+    except InvalidRequest:
+        return PRIORITIES["normal"]
+
+
 def check_endpoint(endpoint: Any) -> str:
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(
@@ -82,6 +102,8 @@ def new_batch_record(
 ) -> dict[str, Any]:
     """A fresh batch in `validating`, with every field the hosted API returns."""
     window_s = parse_completion_window(completion_window)
+    metadata = check_metadata(metadata)
+    batch_priority(metadata)
     now = int(time.time())
     return {
         "id": new_id("batch_"),
@@ -103,7 +125,7 @@ def new_batch_record(
         "cancelling_at": None,
         "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": check_metadata(metadata),
+        "metadata": metadata,
         "usage": empty_usage(),
         "model": None,
         "metrics": None,

@@ -10,7 +10,14 @@ from pathlib import Path
 import click
 
 from bulkgen.models.registry import parse_model_specs
-from bulkgen.settings import BODY_TIMEOUT_S, DEFAULT_STORAGE, SCHEDULING, Settings, WorkerSettings
+from bulkgen.settings import (
+    BODY_TIMEOUT_S,
+    DEFAULT_STORAGE,
+    SCHEDULING,
+    Settings,
+    WorkerSettings,
+    parse_tenant_weights,
+)
 
 SHUTDOWN_GRACE_S = 10.0  # how long `serve` lets running requests finish once told to stop
 
@@ -38,6 +45,9 @@ _RUNTIME_OPTIONS = [
                  help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."),
     click.option("--fair-share-after", "fair_share_after_s", type=float, default=30.0, show_default=True,
                  help="Seconds a batch may get no work before it is served next (no batch starves)."),
+    click.option("--tenant-weight", "tenant_weights", multiple=True, metavar="TENANT=W",
+                 help="Give TENANT W times the default share of the workers while tenants compete (repeatable; "
+                      "default 1 each); a keys file's `TENANT weight=W` line wins over it."),
     click.option("--lease-ttl", "lease_ttl_s", type=float, default=30.0, show_default=True,
                  help="Seconds after which another replica takes over a batch whose runner stopped renewing."),
     click.option("--tenant", envvar="BULKGEN_TENANT", default="default", show_default=True,
@@ -50,7 +60,7 @@ _RUNTIME_OPTIONS = [
 
 RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
                 "max_num_batched_tokens", "range_size", "max_requests_per_batch", "max_file_mb", "scheduling",
-                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s")
+                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s", "tenant_weights")
 
 
 def runtime_flags(fn):
@@ -105,7 +115,8 @@ def check_storage(url: str, endpoint_url: str | None, create: bool = False):
 
 def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
                   max_num_batched_tokens, range_size, max_requests_per_batch, max_file_mb, scheduling,
-                  fair_share_after_s, lease_ttl_s, tenant, storage_outage_timeout_s) -> Settings:
+                  fair_share_after_s, lease_ttl_s, tenant, storage_outage_timeout_s,
+                  tenant_weights: tuple[str, ...] = ()) -> Settings:
     try:
         engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
                   if v is not None}
@@ -115,7 +126,8 @@ def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_worke
                         range_size=range_size, max_requests_per_batch=max_requests_per_batch,
                         max_file_bytes=max_file_mb * 1024 * 1024, scheduling=scheduling,
                         fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool,
-                        tenant=tenant, storage_outage_timeout_s=storage_outage_timeout_s)
+                        tenant=tenant, storage_outage_timeout_s=storage_outage_timeout_s,
+                        tenant_weights=parse_tenant_weights(tenant_weights))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -185,7 +197,7 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     notifier = webhook_notifier(settings, webhook, webhook_secret)
     svc = BatchService(settings, on_batch_end=notifier)
-    manager = BatchManager(svc)
+    manager = BatchManager(svc, weights=keyring.weights if keyring is not None else None)
     manager.start()
     click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
     if keyring is not None:

@@ -2,7 +2,8 @@
 
 Running sequences go first (decodes before unfinished prefills, so a long prompt never stalls
 decodes), each bounded by the per-step token budget; then waiting sequences are admitted while slots,
-budget and KV blocks allow. When a running sequence needs a block and none is free, the most recently
+budget and KV blocks allow, in the order of the waiting queue (waiting.py: fair between tags, so
+between batches, then longest first). When a running sequence needs a block and none is free, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later (nothing is lost).
 
 Policies share this machinery. continuous: admit whenever there is room. static: admit a group only
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .sequence import Sequence, SequenceStatus
+from .waiting import WaitingQueue
 
 PROMPT_LOGIT_ROWS = 1024
 
@@ -46,8 +48,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
-        self.waiting: list[Sequence] = []  # sorted so the next to admit is last
-        self._dirty = False
+        self.waiting = WaitingQueue(config.admission)  # fair between tags, then the admission order
         self.preempted: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.group: list[Sequence] = []  # static/dynamic: members hold their slot until all finish
@@ -57,8 +58,7 @@ class Scheduler:
         self._logit_rows = PROMPT_LOGIT_ROWS  # prompt-logprob rows left in the step being scheduled
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-        self._dirty = True
+        self.waiting.add(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -160,8 +160,7 @@ class Scheduler:
             return self.preempted[0]
         if self.config.policy != "continuous":
             return self.group_pending[0] if self.group_pending else None
-        self._sort_waiting()
-        return self.waiting[-1] if self.waiting else None
+        return self.waiting.peek()
 
     def _pop_candidate(self, seq: Sequence) -> None:
         if self.preempted and self.preempted[0] is seq:
@@ -169,7 +168,7 @@ class Scheduler:
         elif self.group_pending and self.group_pending[0] is seq:
             self.group_pending.popleft()
         else:
-            self.waiting.pop()
+            self.waiting.pop(seq)
 
     def _start_group(self) -> None:
         """static/dynamic: take the next group of up to max_num_seqs waiting sequences."""
@@ -179,9 +178,10 @@ class Scheduler:
             oldest = min(s.request.metrics.arrival_time for s in self.waiting)
             if time.time() - oldest < self.config.max_queue_delay:
                 return
-        self._sort_waiting()
-        size = min(self.config.max_num_seqs, len(self.waiting))
-        members = [self.waiting.pop() for _ in range(size)]
+        members = []
+        while len(members) < self.config.max_num_seqs and (seq := self.waiting.peek()) is not None:
+            self.waiting.pop(seq)
+            members.append(seq)
         self.group = list(members)
         self.group_pending = deque(members)
         longest = max(s.num_prompt_tokens for s in members)
@@ -193,18 +193,6 @@ class Scheduler:
             return 0.0
         oldest = min(s.request.metrics.arrival_time for s in self.waiting)
         return max(0.0, self.config.max_queue_delay - (time.time() - oldest))
-
-    def _sort_waiting(self) -> None:
-        if not self._dirty:
-            return
-        adm = self.config.admission
-        if adm == "longest_first":
-            self.waiting.sort(key=lambda s: (s.total_work, -s.request.order, -s.index))
-        elif adm == "shortest_first":
-            self.waiting.sort(key=lambda s: (-s.total_work, -s.request.order, -s.index))
-        else:
-            self.waiting.sort(key=lambda s: (-s.request.order, -s.index))
-        self._dirty = False
 
     @property
     def num_waiting(self) -> int:
@@ -222,7 +210,7 @@ class Scheduler:
             if seq.block_table:
                 self.bm.release(seq)
             seq.status = SequenceStatus.FINISHED
-        self.waiting = [s for s in self.waiting if s.seq_id not in doomed]
+        self.waiting.remove(doomed)
         self.preempted = deque(s for s in self.preempted if s.seq_id not in doomed)
         self.running = [s for s in self.running if s.seq_id not in doomed]
         self.group_pending = deque(s for s in self.group_pending if s.seq_id not in doomed)

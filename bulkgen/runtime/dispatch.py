@@ -1,9 +1,10 @@
 """The dispatcher: one driver thread per worker actor, feeding it from the work queue as it has room.
 
-Each thread long-polls its worker; the answer says how many requests the engine wants, which ranges
-finished (parts already stored) and the worker's steps per batch, which go to the batch runners. A
-worker that dies (killed, out of memory, node lost) shows up as a failed poll: its ranges in flight go
-back to the queue and a new actor takes its place under the same name.
+Each thread long-polls its worker; the answer says how many requests the engine wants (and how many
+more of a batch new to it: `take_for`), which ranges finished (parts already stored) and the worker's
+steps per batch, which go to the batch runners. A worker that dies (killed, out of memory, node lost)
+shows up as a failed poll: its ranges in flight go back to the queue and a new actor takes its place
+under the same name.
 """
 
 from __future__ import annotations
@@ -25,6 +26,17 @@ POLL_WAIT_S = 0.5
 BUSY_WINDOW_S = 30.0     # a worker's busy share is measured over this recent window
 POLL_DEADLINE_S = 120.0   # a worker that does not answer a poll for this long is presumed dead
 LOAD_DEADLINE_S = 1800.0
+
+
+def take_for(queue: WorkQueue, index: int, poll: dict, holding: set[str]) -> list[WorkRange]:
+    """What worker `index` gets after `poll`: what it wants, or, when full, work of a batch it holds none
+    of (`holding`: the batches of its ranges in flight) up to its spare room, so a newcomer starts at once."""
+    idle = not holding and poll["held"] == 0
+    if poll["want"] >= 1:
+        return queue.take(index, poll["want"], poll["model"], idle)
+    if poll.get("spare", 0) >= 1:
+        return queue.take(index, poll["spare"], poll["model"], idle, exclude=holding)
+    return []
 
 
 class Dispatcher:
@@ -85,12 +97,11 @@ class Dispatcher:
         poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index]), timeout=POLL_DEADLINE_S)
         self.models_loaded[index] = poll["model"]
         self._route(index, poll)
-        if poll["want"] < 1:
-            return
         with self._lock:
-            idle = not self.inflight[index] and poll["held"] == 0
-        ranges = self.queue.take(index, poll["want"], poll["model"], idle)
-        self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
+            holding = {key[0] for key in self.inflight[index]}
+        ranges = take_for(self.queue, index, poll, holding)
+        if poll["want"] >= 1:
+            self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
         if not ranges:
             return
         job = ranges[0].job
@@ -127,6 +138,8 @@ class Dispatcher:
                 elif r is not None:
                     self._give_up(self.queue.put_back([r]), report["error"])
                 continue
+            if r is not None:  # its tenant's share counts the tokens the range really used
+                self.queue.settle(r, report["tally"]["input_tokens"] + report["tally"]["output_tokens"])
             runner = self.runner_of(report["batch_id"])
             if runner is not None:
                 runner.range_done(report, f"bulkgen-worker-{index}")

@@ -20,6 +20,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from bulkgen.batch.ids import id_time
 from bulkgen.batch.records import RecordNotFound
@@ -39,13 +40,16 @@ ORPHAN_AFTER_S = 600.0
 
 
 class BatchManager:
-    def __init__(self, svc: BatchService, only: set[str] | None = None) -> None:
+    def __init__(self, svc: BatchService, only: set[str] | None = None,
+                 weights: Callable[[], dict[str, float]] | None = None) -> None:
+        """`weights`: tenants' share weights read live (a keys file's); they win over settings.tenant_weights."""
         s = svc.settings
         self.svc = svc
         self.only = only                      # run just these batches (`bulkgen run`, a stored job)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.pool = WorkerPool(s.workers)
-        self.queue = WorkQueue(lambda: len(self.pool.workers), s.fair_share_after_s)
+        self.queue = WorkQueue(lambda: len(self.pool.workers), s.fair_share_after_s,
+                               lambda: {**s.tenant_weights, **(weights() if weights else {})})
         self.dispatcher = Dispatcher(self.pool, self.queue, s.endpoint_url, self.runner_of, self.owner)
         self.runners: dict[str, BatchRunner] = {}
         self._lock = threading.Lock()

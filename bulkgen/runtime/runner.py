@@ -26,7 +26,7 @@ import numpy as np
 from bulkgen.batch.lifecycle import needs_validation
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.responses import not_run_line, refused_line
-from bulkgen.batch.schema import TERMINAL_STATUSES, set_status
+from bulkgen.batch.schema import TERMINAL_STATUSES, set_status, stored_priority
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
@@ -111,7 +111,7 @@ class BatchRunner:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
         job = BatchJob(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
                        record["model"], self.svc.settings.models[record["model"]], float(order),
-                       self.svc.store.spec())
+                       self.svc.store.spec(), self.svc.tenant, stored_priority(record))
         self.queue.add_batch(job, self.index, make_ranges(job, self.index, ~self.done, self.svc.settings.range_size))
         next_control = next_publish = 0.0
         while True:

@@ -151,7 +151,8 @@ class EngineWorker:
             steps = self._steps.pop(owner, {})
             return {"worker": self.index, "model": self.model_key, "done": done, "steps": steps,
                     "progress": self._progress(owner),
-                    "want": self._want(), "held": len(self._live) + len(self._inbox) + self._preparing}
+                    "want": self._want(), "spare": self._spare(),
+                    "held": len(self._live) + len(self._inbox) + self._preparing}
 
     def abort_batch(self, batch_id: str, code: str | None) -> int:
         """Stop the batch's work here. With `code` (batch_cancelled / batch_expired) each of its ranges
@@ -430,6 +431,15 @@ class EngineWorker:
             return 0
         room = 2 * slots - len(self._live) - len(self._inbox) - self._preparing
         return room if room >= max(1, slots // 2) else 0
+
+    def _spare(self) -> int:
+        """Requests of a batch new to this worker that it takes even when `want` is 0, up to half an engine
+        load beyond its usual hold: the engine admits fairly between batches, so they start within a few
+        steps instead of after the worker-load of another batch held ahead of them."""
+        if self.engine is None or self._group is not None or self._quarantine:
+            return 0
+        slots = self.engine.config.max_num_seqs
+        return max(0, slots * 5 // 2 - len(self._live) - len(self._inbox) - self._preparing)
 
 
 def split_step(record: dict) -> dict[str, dict]:

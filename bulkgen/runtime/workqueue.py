@@ -2,8 +2,13 @@
 
 Workers pull; nothing is pushed in fixed chunks. `take(worker, want)` answers with ranges totalling
 about `want` requests, chosen so that:
-- batches go in order (FIFO by creation, or earliest deadline first), but a batch that got no work
-  for `fair_share_after_s` is served next, so a small batch behind a huge one is never starved;
+- a batch that got no work for `fair_share_after_s` is served next, whatever the rules below say, so
+  no batch ever starves;
+- otherwise the worker's loaded model is kept where there is a choice, and tenants share the workers
+  by weight: the tenant whose work so far, over its weight, is least goes next (weighted fair queueing
+  over tokens of work: fairshare.py);
+- within a tenant, batches go by priority (`metadata.bulkgen_priority`: high, normal, low), then in
+  order (FIFO by creation, or earliest deadline first);
 - within a batch, the longest work goes first, so long requests start early instead of straggling;
 - ranges whose requests share a leading prompt go to the worker that already served that prefix,
   where its KV prefix cache still holds it;
@@ -18,10 +23,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from bulkgen.runtime.fairshare import FairShare
 from bulkgen.runtime.lineindex import LineIndex
 
 MAX_ATTEMPTS = 3
@@ -39,7 +46,8 @@ class BatchJob:
     model_path: str           # where it is: two drivers may serve one name from different places
     order_key: float          # created_at (fifo) or expires_at (deadline): lower goes first
     store: dict               # the batch's storage (`Store.spec()`): workers may serve several services
-
+    tenant: str = "default"   # whose share of the workers the batch's work counts against
+    priority: int = 1         # among the tenant's batches, lower goes first (0 high, 1 normal, 2 low)
 
     @property
     def model_key(self) -> str:
@@ -111,15 +119,18 @@ class _Pending:
 
 
 class WorkQueue:
-    def __init__(self, num_workers, fair_share_after_s: float = 30.0) -> None:
+    def __init__(self, num_workers, fair_share_after_s: float = 30.0,
+                 weights: Callable[[], dict[str, float]] | None = None) -> None:
         self._num_workers = num_workers          # a callable: the pool's current size
         self.fair_share_after_s = fair_share_after_s
+        self.fair = FairShare(weights)           # tenant -> weight; missing tenants weigh 1
         self._batches: dict[str, _Pending] = {}
         self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
         self._lock = threading.Lock()
 
     def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[WorkRange]) -> None:
         with self._lock:
+            self._join(job.tenant)
             pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
             pending.ranges.extend(ranges)
             pending.sort()
@@ -137,13 +148,14 @@ class WorkQueue:
         with self._lock:
             return sum(1 for p in self._batches.values() if p.ranges)
 
-    def take(self, worker: int, want: int, model: str | None, idle: bool) -> list[WorkRange]:
+    def take(self, worker: int, want: int, model: str | None, idle: bool,
+             exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkRange]:
         """Ranges for `worker`, about `want` requests, of `model` (a `model_key`; any model when the
-        worker is idle)."""
+        worker is idle), of none of the batches in `exclude`."""
         if want < 1:
             return []
         with self._lock:
-            pending = self._next_batch(model, idle)
+            pending = self._next_batch(model, idle, exclude)
             if pending is None:
                 return []
             pending.last_served = time.monotonic()
@@ -155,7 +167,18 @@ class WorkQueue:
             while pending.ranges and count < want:
                 taken.append(self._pop(pending, worker, want - count if tail else None))
                 count += taken[-1].size
+            self.fair.charge(pending.job.tenant, sum(r.work for r in taken))
             return taken
+
+    def settle(self, r: WorkRange, tokens: int) -> None:
+        """`r` finished having used `tokens` (prompt plus output): its tenant's charge becomes that."""
+        with self._lock:
+            self.fair.charge(r.job.tenant, tokens - r.work)
+
+    def shares(self) -> dict[str, dict]:
+        """Per tenant: weight and share of the work handed out so far (for the dashboard)."""
+        with self._lock:
+            return self.fair.shares()
 
     def put_back(self, ranges: list[WorkRange], count: bool = True) -> list[WorkRange]:
         """Ranges lost with a dead worker go back, one attempt older; returns those given up on.
@@ -163,9 +186,11 @@ class WorkQueue:
         given_up = []
         with self._lock:
             for r in ranges:
+                self.fair.charge(r.job.tenant, -r.work)  # not done: refunded, charged again when retaken
                 pending = self._batches.get(r.job.batch_id)
                 if pending is None:
                     continue  # the batch stopped meanwhile
+                self._join(r.job.tenant)
                 attempts = r.attempts + int(count)
                 if attempts >= MAX_ATTEMPTS and r.size == 1:
                     given_up.append(r)
@@ -179,16 +204,26 @@ class WorkQueue:
         return given_up
 
     # -- choices ---------------------------------------------------------------------------------
-    def _next_batch(self, model: str | None, idle: bool) -> _Pending | None:
-        candidates = [p for p in self._batches.values() if p.ranges and (idle or p.job.model_key == model)]
+    def _next_batch(self, model: str | None, idle: bool, exclude: set[str] | frozenset[str]) -> _Pending | None:
+        candidates = [p for p in self._batches.values()
+                      if p.ranges and (idle or p.job.model_key == model) and p.job.batch_id not in exclude]
         if not candidates:
             return None
         now = time.monotonic()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
-        if starving:  # the one that waited longest, whatever the order says
+        if starving:  # the one that waited longest, whatever its share, priority and order say
             return min(starving, key=lambda p: p.last_served)
         same_model = [p for p in candidates if p.job.model_key == model]  # no reload when there is a choice
-        return min(same_model or candidates, key=lambda p: (p.job.order_key, p.job.batch_id))
+        candidates = same_model or candidates
+        tenant = self.fair.pick({p.job.tenant for p in candidates})
+        mine = [p for p in candidates if p.job.tenant == tenant]
+        return min(mine, key=lambda p: (p.job.priority, p.job.order_key, p.job.batch_id))
+
+    def _join(self, tenant: str) -> None:
+        """Before `tenant`'s work is queued: if it had none queued, it joins the fair share anew."""
+        backlogged = {p.job.tenant for p in self._batches.values() if p.ranges}
+        if tenant not in backlogged:
+            self.fair.join(tenant, backlogged)
 
     def _tail_share(self) -> int:
         """Requests one worker should take now: all it wants, except at the tail, where work is split."""

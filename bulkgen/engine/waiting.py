@@ -1,0 +1,92 @@
+"""The engine's waiting queue: which sequence not yet admitted goes next.
+
+Sequences are grouped by their request's tag (the runtime tags every request with its batch id).
+Between tags the choice is fair: the tag admitted the fewest tokens of work (prompt plus output
+budget) so far goes next. A tag that arrives, or comes back after its waiting list emptied, starts at
+the least count of the tags already waiting, so time spent away earns it no credit. A small batch that
+joins behind thousands of waiting requests of another therefore starts at the next free slot instead
+of after all of them. Within a tag the engine's admission order applies (longest first by default, so
+long requests start early instead of straggling). With a single tag (`Engine.generate`, one batch)
+this is exactly the admission order.
+
+Bounded: only tags with waiting sequences are remembered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .sequence import Sequence
+
+
+class WaitingQueue:
+    def __init__(self, admission: str) -> None:
+        self.admission = admission
+        self._tags: dict[str, list[Sequence]] = {}  # per tag, sorted so its next to admit is last
+        self._unsorted: set[str] = set()
+        self._served: dict[str, float] = {}  # tokens of work admitted per tag (relative: see _join)
+        self._turn: dict[str, int] = {}  # when each tag was last admitted: ties go to the longest waiting
+        self._clock = 0
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for queue in self._tags.values():
+            yield from queue
+
+    def add(self, seq: Sequence) -> None:
+        tag = seq.request.tag
+        if tag not in self._tags:
+            self._join(tag)
+        self._tags[tag].append(seq)
+        self._unsorted.add(tag)
+        self._count += 1
+
+    def peek(self) -> Sequence | None:
+        """The next sequence to admit: of the tag with the least work admitted, its first in admission order."""
+        if not self._tags:
+            return None
+        tag = min(self._tags, key=lambda t: (self._served[t], self._turn.get(t, -1)))
+        if tag in self._unsorted:
+            self._tags[tag].sort(key=self._order_key)
+            self._unsorted.discard(tag)
+        return self._tags[tag][-1]
+
+    def pop(self, seq: Sequence) -> None:
+        """Admit `seq`, the sequence `peek` returned: its tag is charged its work."""
+        tag = seq.request.tag
+        queue = self._tags[tag]
+        queue.pop()
+        self._count -= 1
+        self._served[tag] += seq.total_work
+        self._turn[tag] = self._clock
+        self._clock += 1
+        if not queue:
+            self._leave(tag)
+
+    def remove(self, seq_ids: set[int]) -> None:
+        for tag in list(self._tags):
+            kept = [s for s in self._tags[tag] if s.seq_id not in seq_ids]
+            self._count -= len(self._tags[tag]) - len(kept)
+            self._tags[tag] = kept
+            if not kept:
+                self._leave(tag)
+
+    def _join(self, tag: str) -> None:
+        self._served[tag] = min(self._served.values(), default=0.0)
+        self._tags[tag] = []
+
+    def _leave(self, tag: str) -> None:
+        # a tag leaves at most one request's work ahead of the others (it went only when it was least)
+        del self._tags[tag], self._served[tag]
+        self._turn.pop(tag, None)
+        self._unsorted.discard(tag)
+
+    def _order_key(self, s: Sequence) -> tuple:
+        if self.admission == "longest_first":
+            return s.total_work, -s.request.order, -s.index
+        if self.admission == "shortest_first":
+            return -s.total_work, -s.request.order, -s.index
+        return -s.request.order, -s.index
