@@ -36,6 +36,8 @@ class WorkerSettings:
     num_workers: int | None = None       # None: one per GPU in the cluster, else `cpu_workers`
     cpu_workers: int = 1
     cpu_threads: int | None = None       # torch threads per CPU worker (Ray sets 1 otherwise)
+    poll_deadline_s: float = 30.0        # a worker that leaves a poll (answered within 0.5 s) unanswered this
+                                         # long is presumed lost (node dead or cut off): its ranges go elsewhere
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

@@ -52,6 +52,10 @@ _RUNTIME_OPTIONS = [
                  help="Seconds after which another replica takes over a batch whose runner stopped renewing."),
     click.option("--tenant", envvar="BULKGEN_TENANT", default="default", show_default=True,
                  help="Whose files and batches these are (env BULKGEN_TENANT); with API keys, each key's tenant."),
+    click.option("--worker-poll-deadline", "poll_deadline_s", type=float, default=30.0, show_default=True,
+                 help="Seconds a worker may leave a poll (answered within 0.5 s when healthy) unanswered before it "
+                 "counts as lost and its work goes elsewhere; Ray's own RAY_health_check_* settings decide when "
+                 "Ray marks its node dead."),
     click.option("--storage-outage-timeout", "storage_outage_timeout_s", type=float, default=300.0,
                  show_default=True, help="Seconds a running batch waits for storage that stopped answering; "
                  "then its runner stops, the batch stays active and resumes once storage answers."),
@@ -60,7 +64,8 @@ _RUNTIME_OPTIONS = [
 
 RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
                 "max_num_batched_tokens", "range_size", "max_requests_per_batch", "max_file_mb", "scheduling",
-                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s", "tenant_weights")
+                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s", "tenant_weights",
+                "poll_deadline_s")
 
 
 def runtime_flags(fn):
@@ -116,12 +121,14 @@ def check_storage(url: str, endpoint_url: str | None, create: bool = False):
 def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
                   max_num_batched_tokens, range_size, max_requests_per_batch, max_file_mb, scheduling,
                   fair_share_after_s, lease_ttl_s, tenant, storage_outage_timeout_s,
-                  tenant_weights: tuple[str, ...] = ()) -> Settings:
+                  tenant_weights: tuple[str, ...] = (), poll_deadline_s: float = 30.0) -> Settings:
     try:
         engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
                   if v is not None}
+        if poll_deadline_s <= 0.5:
+            raise ValueError(f"--worker-poll-deadline {poll_deadline_s:g}: must be over 0.5 s (a healthy poll's wait)")
         pool = WorkerSettings(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers,
-                              engine_kwargs=engine)
+                              engine_kwargs=engine, poll_deadline_s=poll_deadline_s)
         return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
                         range_size=range_size, max_requests_per_batch=max_requests_per_batch,
                         max_file_bytes=max_file_mb * 1024 * 1024, scheduling=scheduling,

@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.5
 BUSY_WINDOW_S = 30.0     # a worker's busy share is measured over this recent window
-POLL_DEADLINE_S = 120.0   # a worker that does not answer a poll for this long is presumed dead
+POLL_DEADLINE_S = 120.0   # calls other than polls (abort) may take this long before the worker counts as lost
+REPLACE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between attempts to replace a lost worker
 LOAD_DEADLINE_S = 1800.0
 
 
@@ -46,6 +47,8 @@ class Dispatcher:
         self.runner_of = runner_of            # batch id -> its BatchRunner here, or None
         self.inflight: list[dict[tuple, WorkRange]] = []
         self.models_loaded: list[str | None] = []
+        self._model_of: list[tuple[str, str] | None] = []
+        self.nodes: list[str | None] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
@@ -55,6 +58,8 @@ class Dispatcher:
     def start(self) -> None:
         self.inflight = [{} for _ in self.pool.workers]
         self.models_loaded = [None for _ in self.pool.workers]
+        self._model_of = [None for _ in self.pool.workers]   # (name, path) each worker was told to load
+        self.nodes = [None for _ in self.pool.workers]        # each worker's node IP, from its polls
         self._had_work = [True for _ in self.pool.workers]
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
         self._started = time.monotonic()
@@ -94,8 +99,10 @@ class Dispatcher:
 
     def _serve(self, index: int) -> None:
         handle = self.pool.workers[index]
-        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index]), timeout=POLL_DEADLINE_S)
+        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index]),
+                       timeout=self.pool.settings.poll_deadline_s)
         self.models_loaded[index] = poll["model"]
+        self.nodes[index] = poll.get("node_ip")
         self._route(index, poll)
         with self._lock:
             holding = {key[0] for key in self.inflight[index]}
@@ -105,13 +112,13 @@ class Dispatcher:
         if not ranges:
             return
         job = ranges[0].job
-        if poll["model"] != job.model_key and not self._load(handle, ranges):
+        if poll["model"] != job.model_key and not self._load(index, handle, ranges):
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)
         handle.assign.remote(asdict(job), [r.spec() for r in ranges], self.owner)
 
-    def _load(self, handle, ranges: list[WorkRange]) -> bool:
+    def _load(self, index: int, handle, ranges: list[WorkRange]) -> bool:
         job = ranges[0].job
         model = job.model
         try:
@@ -167,7 +174,7 @@ class Dispatcher:
                 model = self.models_loaded[index] if index < len(self.models_loaded) else None
                 states.append({
                     "id": f"bulkgen-worker-{index}", "index": index,
-                    "device": "gpu" if self.pool.use_gpu else "cpu",
+                    "device": "gpu" if self.pool.use_gpu else "cpu", "node_ip": self.nodes[index],
                     "model": model.split("@", 1)[0] if model else None,
                     "busy_share": round(min(1.0, busy / window), 4),
                     "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
@@ -180,13 +187,35 @@ class Dispatcher:
         return [r for r in map(self.runner_of, batches) if r is not None]
 
     def _lost(self, index: int, exc: Exception) -> None:
-        log.warning("worker %d lost (%s); its ranges go back to the queue", index, type(exc).__name__)
+        log.warning("worker %d on %s lost (%s); its ranges go back to the queue", index,
+                    self.nodes[index] or "an unknown node", type(exc).__name__)
+        holding = self._runners_in_flight(index)
         with self._lock:
             lost, self.inflight[index] = list(self.inflight[index].values()), {}
+        for runner in holding:  # its unwritten results are redone elsewhere: never count them twice
+            runner.live_progress(f"bulkgen-worker-{index}", None)
         self.models_loaded[index] = None
         self._give_up(self.queue.put_back(lost), f"the worker running this request died {MAX_ATTEMPTS} times")
-        if not self._stopped.is_set():
-            self.pool.replace(index)
+        self._replace(index)
+
+    def _replace(self, index: int) -> None:
+        """A new actor in the lost one's place, however long that takes (no GPU may free for hours):
+        retried with backoff while the dispatcher runs; then it loads the lost worker's model at once."""
+        delay, longest = REPLACE_BACKOFF_S
+        while not self._stopped.is_set():
+            try:
+                handle = self.pool.replace(index)
+                break
+            except Exception as exc:
+                log.warning("worker %d not replaced yet (%s); trying again in %.0f s", index, exc, delay)
+                self._stopped.wait(delay)
+                delay = min(delay * 2, longest)
+        else:
+            return
+        self.nodes[index] = None
+        if self._model_of[index] is not None:
+            name, path = self._model_of[index]
+            handle.load.remote(name, path, self.endpoint_url)  # the worker serializes loads: no double load
 
     def _give_up(self, ranges: list[WorkRange], reason: str) -> None:
         for r in ranges:

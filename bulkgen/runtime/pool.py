@@ -123,9 +123,9 @@ class WorkerPool:
         for _ in range(attempts):
             try:
                 handle = self._create(index)
-                ray.get(handle.poll.remote("", 0.0), timeout=120)
+                node = ray.get(handle.poll.remote("", 0.0), timeout=120).get("node_ip")
                 self.workers[index] = handle
-                log.warning("worker %d replaced", index)
+                log.warning("worker %d replaced, on %s", index, node)
                 return handle
             except Exception as exc:  # the name is still taken by the dead actor, or no resources yet
                 log.info("worker %d not replaceable yet: %s", index, exc)

@@ -96,6 +96,8 @@ class EngineWorker:
         self._quarantine: deque[list[Prepared]] = deque()
         self._group: list[Prepared] | None = None      # the suspects in the engine while isolating a failure
         self._writes: queue.Queue = queue.Queue()
+        self._load_lock = threading.Lock()             # a load the dispatcher asks for waits for one under way
+        self.node_ip = _node_ip()
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
@@ -105,18 +107,18 @@ class EngineWorker:
 
         An `s3://` model is copied to this node's cache by the worker itself, so workers on other
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
-        if self.model_key != model_key(model_name, model_path) or self.engine is None:
+        with self._load_lock:
+            if self.model_key != model_key(model_name, model_path) or self.engine is None:
+                from bulkgen.engine import Engine
 
-            from bulkgen.engine import Engine
-
-            with self._cond:
-                self.engine, self.model_name, self.model_key = None, None, None
-            engine = Engine.from_pretrained(resolve_model_path(model_path, endpoint_url=endpoint_url),
-                                            **self.engine_kwargs)
-            with self._cond:
-                self.engine, self.model_name = engine, model_name
-                self.model_key = model_key(model_name, model_path)
-                self._cond.notify_all()
+                with self._cond:
+                    self.engine, self.model_name, self.model_key = None, None, None
+                engine = Engine.from_pretrained(resolve_model_path(model_path, endpoint_url=endpoint_url),
+                                                **self.engine_kwargs)
+                with self._cond:
+                    self.engine, self.model_name = engine, model_name
+                    self.model_key = model_key(model_name, model_path)
+                    self._cond.notify_all()
         return self.info()
 
     def info(self) -> dict[str, Any]:
@@ -124,7 +126,8 @@ class EngineWorker:
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         device = str(next(self.engine.model.parameters()).device) if self.engine is not None else "unloaded"
-        return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node}
+        return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node,
+                "node_ip": self.node_ip}
 
     def assign(self, job: dict, specs: list[dict], owner: str = "") -> None:
         """Read, prepare and queue ranges of one batch (`job`: BatchJob fields). `owner` names the
@@ -149,7 +152,7 @@ class EngineWorker:
                 self._cond.wait(timeout)
             done = self._done.pop(owner, [])
             steps = self._steps.pop(owner, {})
-            return {"worker": self.index, "model": self.model_key, "done": done, "steps": steps,
+            return {"worker": self.index, "node_ip": self.node_ip, "model": self.model_key, "done": done, "steps": steps,
                     "progress": self._progress(owner),
                     "want": self._want(), "spare": self._spare(),
                     "held": len(self._live) + len(self._inbox) + self._preparing}
@@ -234,6 +237,7 @@ class EngineWorker:
 
     # -- the engine thread ------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
+        os_thread_name(f"bg-engine-{self.index}")
         if self.cpu_threads:  # OpenMP's thread count is per calling thread: set it where forward runs
             import torch
 
@@ -365,6 +369,7 @@ class EngineWorker:
 
     # -- the writer thread ----------------------------------------------------------------------------
     def _write_loop(self) -> None:
+        os_thread_name(f"bg-writer-{self.index}")
         while True:
             work = self._writes.get()
             try:
@@ -440,6 +445,27 @@ class EngineWorker:
             return 0
         slots = self.engine.config.max_num_seqs
         return max(0, slots * 5 // 2 - len(self._live) - len(self._inbox) - self._preparing)
+
+
+def _node_ip() -> str | None:
+    """This worker's node address, for operators (dashboard, log lines); None outside Ray."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
+def os_thread_name(name: str) -> None:
+    """Name the calling thread for the OS (Linux, 15 bytes), so top, py-spy and /proc tell the engine
+    thread from OpenMP's and Ray's; Python 3.11 names its threads only for itself."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def split_step(record: dict) -> dict[str, dict]:
