@@ -35,9 +35,10 @@ async def shell() -> FileResponse:
 
 @router.get("/v1/dashboard/workers")
 async def workers(request: Request) -> dict:
-    """Each worker actor: device, loaded model, busy share over the last 30 s, and the caller's batches it
-    serves (other tenants' batches are only counted, never named); and the caller's tenant's weight and
-    share of the work handed to the workers so far (`fair_share`; other tenants are never named)."""
+    """Each worker actor: device, node IP, torch threads, loaded model, busy share over the last 30 s,
+    and the caller's batches it serves (other tenants' batches are only counted, never named); and the
+    caller's tenant's weight and share of the work handed to the workers so far (`fair_share`; other
+    tenants are never named)."""
     manager = request.app.state.manager
     dispatcher = getattr(manager, "dispatcher", None)
     data = dispatcher.worker_states() if dispatcher is not None else []

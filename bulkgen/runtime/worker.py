@@ -98,6 +98,7 @@ class EngineWorker:
         self._writes: queue.Queue = queue.Queue()
         self._load_lock = threading.Lock()             # a load the dispatcher asks for waits for one under way
         self.node_ip = _node_ip()
+        self.torch_threads: int | None = None          # set by the engine thread
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
@@ -152,7 +153,8 @@ class EngineWorker:
                 self._cond.wait(timeout)
             done = self._done.pop(owner, [])
             steps = self._steps.pop(owner, {})
-            return {"worker": self.index, "node_ip": self.node_ip, "model": self.model_key, "done": done, "steps": steps,
+            return {"worker": self.index, "node_ip": self.node_ip, "threads": self.torch_threads,
+                    "model": self.model_key, "done": done, "steps": steps,
                     "progress": self._progress(owner),
                     "want": self._want(), "spare": self._spare(),
                     "held": len(self._live) + len(self._inbox) + self._preparing}
@@ -238,10 +240,11 @@ class EngineWorker:
     # -- the engine thread ------------------------------------------------------------------------------
     def _engine_loop(self) -> None:
         os_thread_name(f"bg-engine-{self.index}")
-        if self.cpu_threads:  # OpenMP's thread count is per calling thread: set it where forward runs
-            import torch
+        import torch
 
+        if self.cpu_threads:  # OpenMP's thread count is per calling thread: set it where forward runs
             torch.set_num_threads(self.cpu_threads)
+        self.torch_threads = torch.get_num_threads()  # what the forward really uses, shown to operators
         while True:
             with self._cond:
                 while not (self._aborts or self._has_work()):
@@ -452,7 +455,10 @@ def _node_ip() -> str | None:
     try:
         import ray
 
-        return ray.util.get_node_ip_address() if ray.is_initialized() else None
+        if not ray.is_initialized():
+            return None
+        # the address the node registered with (what `ray status` shows), not this host's default route's
+        return getattr(ray._private.worker.global_worker, "node_ip_address", None) or ray.util.get_node_ip_address()
     except Exception:
         return None
 
