@@ -7,6 +7,7 @@ works here works behind the API.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -22,6 +23,8 @@ from bulkgen.runtime.manager import BatchManager
 from bulkgen.settings import Settings
 from bulkgen.store import NotFound
 from bulkgen.watch.outputs import stem_of, write_results
+
+HEAD_START_S = 0.5  # validation's head start: a small broken file is reported before Ray starts
 
 
 class OneShotError(Exception):
@@ -51,21 +54,56 @@ def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None,
         endpoint = endpoint or detect_endpoint(file)
     except ClientError as exc:
         raise OneShotError(str(exc)) from None
-    with file.open("rb") as f:
-        record = accept(svc, f, str(file), endpoint, window)
-    echo(f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})")
-    record = _run_with_progress(svc, record)
+    progress = _Progress()
+
+    def announce(record: dict) -> None:
+        echo(f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})")
+        progress.open(record["request_counts"]["total"])
+
+    try:
+        with file.open("rb") as f:
+            record = run_batch(svc, f, str(file), endpoint, window, announce=announce, on_poll=progress.show)
+    finally:
+        progress.close()
     _write_results(svc, record, output, echo)
     return record
 
 
-def run_accepted(svc: BatchService, batch_id: str, on_poll: Callable[[dict], None] | None = None) -> dict:
-    """Run one accepted batch in this process to its end (Ray starts here, in the calling thread)."""
-    manager = BatchManager(svc, only={batch_id})
-    manager.start()
+def run_batch(svc: BatchService, fileobj: BinaryIO, name: str, endpoint: str, window: str,
+              announce: Callable[[dict], None] | None = None,
+              on_poll: Callable[[dict], None] | None = None) -> dict:
+    """Store, validate and run one batch in this process, to its end. Ray, the workers and the served
+    model (when one is served) start while the file is stored and validated: most of a run's fixed
+    cost is theirs. A file whose validation fails within HEAD_START_S is reported before Ray starts."""
+    accepted: dict = {}
+
+    def validate() -> None:
+        try:
+            accepted["record"] = accept(svc, fileobj, name, endpoint, window)
+        except BaseException as exc:  # raised in the caller's thread below
+            accepted["error"] = exc
+
+    thread = threading.Thread(target=validate, name="bulkgen-validate", daemon=True)
+    thread.start()
+    thread.join(HEAD_START_S)
+    if "error" in accepted:
+        raise accepted["error"]
+    manager = BatchManager(svc, only=set())  # Ray starts in the calling thread (its signal handlers need it)
     try:
-        return manager.wait(batch_id, on_poll=on_poll)
+        manager.start()
+        if len(svc.settings.models) == 1:
+            manager.dispatcher.preload(*next(iter(svc.settings.models.items())))
+        thread.join()
+        if "error" in accepted:
+            raise accepted["error"]
+        record = accepted["record"]
+        if announce is not None:
+            announce(record)
+        manager.only.add(record["id"])
+        manager.wake()
+        return manager.wait(record["id"], on_poll=on_poll)
     finally:  # the workers may be shared with a service on the same Ray: leave them running
+        thread.join()
         manager.stop(kill_workers=False)
 
 
@@ -75,31 +113,42 @@ def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint:
     it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.summary.json (the
     writer `bulkgen watch` uses too: bulkgen/watch/outputs.py)."""
     svc = BatchService(settings)
+
+    def announce(record: dict) -> None:
+        echo(f"{record['id']}: {record['request_counts']['total']} requests from {input_key}")
+
     try:
         endpoint = endpoint or endpoint_of(svc.store.iter_lines(input_key), input_key)
         with svc.store.open_read(input_key) as f:
-            record = accept(svc, f, input_key, endpoint, window)
+            record = run_batch(svc, f, input_key, endpoint, window, announce=announce)
     except (ClientError, NotFound) as exc:
         raise OneShotError(f"{input_key}: {exc}") from None
-    echo(f"{record['id']}: {record['request_counts']['total']} requests from {input_key}")
-    record = run_accepted(svc, record["id"])
     stem = f"{output_prefix.rstrip('/')}/{stem_of(input_key.rsplit('/', 1)[-1])}"
     write_results(svc, record, svc.store, stem, source={"key": input_key})
     echo(f"{record['id']} {record['status']}: results under {stem}.*")
     return record
 
 
-def _run_with_progress(svc: BatchService, record: dict) -> dict:
-    total = record["request_counts"]["total"]
-    with click.progressbar(length=total, label="requests", show_pos=True, show_eta=False) as bar:
-        seen = {"done": 0}
+class _Progress:
+    """`bulkgen run`'s progress bar over settled requests; opened once the batch's size is known."""
 
-        def show(current: dict) -> None:
-            counts = current["request_counts"]
-            bar.update(counts["completed"] + counts["failed"] - seen["done"])
-            seen["done"] = counts["completed"] + counts["failed"]
+    def __init__(self) -> None:
+        self.bar = None
+        self.done = 0
 
-        return run_accepted(svc, record["id"], on_poll=show)
+    def open(self, total: int) -> None:
+        self.bar = click.progressbar(length=total, label="requests", show_pos=True, show_eta=False)
+        self.bar.__enter__()
+
+    def show(self, record: dict) -> None:
+        counts = record["request_counts"]
+        if self.bar is not None:
+            self.bar.update(counts["completed"] + counts["failed"] - self.done)
+            self.done = counts["completed"] + counts["failed"]
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
 
 
 def _write_results(svc: BatchService, record: dict, output: Path, echo: Callable[[str], None]) -> None:

@@ -71,6 +71,13 @@ class Dispatcher:
     def stop(self) -> None:
         self._stopped.set()
 
+    def preload(self, model: str, path: str) -> None:
+        """Have every worker load `model` now, before any range of it is handed out (`bulkgen run` starts
+        the workers while its file is validated). A later `_load` of the same model waits for this one."""
+        for index, handle in enumerate(self.pool.workers):
+            self._model_of[index] = (model, path)
+            handle.load.remote(model, path, self.endpoint_url)
+
     def abort_batch(self, batch_id: str, code: str | None) -> None:
         """Stop the batch on every worker; with `code`, each writes the parts of its ranges first."""
         calls = [w.abort_batch.remote(batch_id, code) for w in self.pool.workers]
