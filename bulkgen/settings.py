@@ -42,6 +42,7 @@ class Settings:
     storage_outage_timeout_s: float = 300.0  # a runner whose storage stays down this long stops (batch stays active)
     workers: WorkerSettings = field(default_factory=WorkerSettings)
     tenant: str = DEFAULT_TENANT            # whose batches `bulkgen run` / the watcher / a keyless service make
+    refuse_infeasible: bool = False         # create answers 400 for a batch its window cannot hold (bulkgen.plan)
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)
