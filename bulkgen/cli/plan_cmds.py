@@ -80,21 +80,18 @@ def plan(file: Path, storage: str, endpoint_url: str | None, model_spec: str | N
     from bulkgen.cli.server_cmds import check_storage
     from bulkgen.client import ClientError, detect_endpoint
     from bulkgen.plan import lengths, planner
-    from bulkgen.plan import profile as profiles
 
     store = check_storage(storage, endpoint_url, create=True)
     name, path = _model(model_spec)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     try:
-        endpoint = detect_endpoint(file)
-        found, measured_now = planner.find_profile(store, name, path, device)
+        result = planner.plan_file(file, detect_endpoint(file), name, path, tokenizer,
+                                   lengths.from_history(BatchRepo(store), name), workers, max_requests_per_batch,
+                                   device, store)
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    length_model = lengths.from_history(BatchRepo(store), name)
-    result = planner.plan_file(file, endpoint, name, path, tokenizer, found, length_model, workers,
-                               max_requests_per_batch)
-    result["profile"] = {"stored_at": f"{storage.rstrip('/')}/{profiles.profile_key(name, found.device)}",
-                         "measured_now": measured_now}
+    if result["valid"]:
+        result["profile"]["stored_at"] = f"{storage.rstrip('/')}/{result['profile']['stored_at']}"
     if as_json:
         click.echo(json.dumps(result))
     else:

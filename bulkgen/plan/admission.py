@@ -27,7 +27,7 @@ import numpy as np
 from bulkgen.batch.requests import ParsedRequest
 from bulkgen.batch.schema import INTERNAL, InvalidRequest, set_status
 from bulkgen.plan import profile as profiles
-from bulkgen.plan.lengths import MAX_OUTPUT_KEY, from_history
+from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
 from bulkgen.plan.planner import estimate
 from bulkgen.runtime.lineindex import output_budget, prompt_estimate
 
@@ -59,7 +59,8 @@ def plan_record(record: dict, tally: WorkTally, store, batches, workers: int, qu
     """The record with its estimate (and, if infeasible alone, a warning in `errors`); unchanged without a
     profile. `store`: the storage root (profiles); `batches`: the tenant's BatchRepo (length history)."""
     max_tokens = np.array(tally.max_tokens, np.int64)
-    record.setdefault(INTERNAL, {})[MAX_OUTPUT_KEY] = int(max_tokens.sum())
+    internal = record.setdefault(INTERNAL, {})
+    internal[MAX_OUTPUT_KEY], internal[HISTOGRAM_KEY] = int(max_tokens.sum()), histogram(max_tokens)
     profile = newest_profile(store, record["model"]) if len(max_tokens) else None
     if profile is None:
         return record
@@ -101,7 +102,8 @@ def add_estimate(svc, batch_id: str, tally: WorkTally, queued_requests: int) -> 
         if r["status"] != "in_progress" or r.get("metrics"):
             return None  # ended or cancelled meanwhile, or a resumed runner's record that has it already
         r.update(keep)
-        r.setdefault(INTERNAL, {})[MAX_OUTPUT_KEY] = planned[INTERNAL][MAX_OUTPUT_KEY]
+        for key in (MAX_OUTPUT_KEY, HISTOGRAM_KEY):
+            r.setdefault(INTERNAL, {})[key] = planned[INTERNAL][key]
         return r
 
     return svc.batches.update(batch_id, apply)

@@ -13,6 +13,7 @@ start-up on top (Ray, workers, model load): `startup_seconds` gives the part mea
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ def estimate(uncached: np.ndarray, max_tokens: np.ndarray, lengths: LengthModel,
         return batch_seconds(uncached.tolist(), outputs.tolist(), profile.step_seconds, limits, workers, range_size)
 
     expected = seconds(lengths.expected(max_tokens))
-    upper = expected if lengths.share >= 1.0 else seconds(max_tokens)
+    upper = expected if math.isinf(lengths.cap) else seconds(max_tokens)
     return {"estimated_seconds": {"low": round(expected * (1 - profile.spread), 2), "expected": round(expected, 2),
                                   "high": round(expected * (1 + profile.spread), 2)},
             "upper_bound_seconds": round(upper * (1 + profile.spread), 2)}
@@ -63,13 +64,25 @@ def find_profile(store, model: str, path: str, device: str | None) -> tuple[prof
     return profile, True
 
 
-def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer, profile: profiles.Profile,
-              lengths: LengthModel, workers: int, max_requests: int) -> dict[str, Any]:
-    work = scan_file(path, endpoint, model, tokenizer, profile.max_model_len, max_requests, profile.block_size)
-    result = work.validation
-    if not result.ok:
-        return {"file": str(path), "valid": False, "errors": result.error_list()["data"]}
-    return {"file": str(path), "valid": True, **summarize(work, lengths, profile, workers)}
+def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer, lengths: LengthModel,
+              workers: int, max_requests: int, device: str | None = None, store=None,
+              profile: profiles.Profile | None = None) -> dict[str, Any]:
+    """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
+    `profile`, or the one `find_profile` gives for `device` on `store`."""
+    from transformers import AutoConfig
+
+    from bulkgen.engine.engine import _max_model_len  # the engine's own context rule
+
+    max_model_len = _max_model_len(AutoConfig.from_pretrained(model_path, local_files_only=True), None)
+    work = scan_file(path, endpoint, model, tokenizer, max_model_len, max_requests)
+    if not work.validation.ok:
+        return {"file": str(path), "valid": False, "errors": work.validation.error_list()["data"]}
+    measured_now = False
+    if profile is None:
+        profile, measured_now = find_profile(store, model, model_path, device)
+    result = {"file": str(path), "valid": True, **summarize(work, lengths, profile, workers)}
+    result["profile"] = {"stored_at": profiles.profile_key(model, profile.device), "measured_now": measured_now}
+    return result
 
 
 def summarize(work: FileWork, lengths: LengthModel, profile: profiles.Profile, workers: int) -> dict[str, Any]:

@@ -15,7 +15,9 @@ create) and every replica on the same storage read the same figures.
 from __future__ import annotations
 
 import json
+import os
 import platform
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -96,26 +98,43 @@ def stored_devices(store: Store, model: str) -> list[str]:
     return sorted(k.rsplit("/", 1)[-1].removesuffix(".json") for k in store.list(f"profiles/{model}/"))
 
 
-def measure(model: str, path: str, engine_kwargs: dict | None = None) -> Profile:
-    """Load the model, run the grid, fit the step cost. About 10-20 s on CPU with the bundled model."""
+def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: int | None = None) -> Profile:
+    """Load the model, run the grid, fit the step cost. About 5-15 s on CPU with the bundled model.
+
+    The grid runs as a worker runs its engine: in a thread of its own with `threads` torch threads (a CPU
+    worker's share of the cores; default all of them, one worker). Measured from the main thread instead,
+    steps on a busy 2-core machine came out 15x slower than the same steps in a worker."""
     from bulkgen.engine import Engine
 
     started = time.perf_counter()
     engine = Engine.from_pretrained(path, **(engine_kwargs or {}))
     load_s = time.perf_counter() - started
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(_measure_grid(engine, threads or os.cpu_count() or 1)),
+                              name="bulkgen-profile")
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("profiling failed; see the error above")
+    cells = result[0]
     cfg = engine.config
-    _run_cell(engine, 4, 16, 4)  # warm-up: the first forward passes are slower than the rest
-    engine.pop_step_records()
-    cells = [(batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
-             for context in CONTEXTS if context + DECODE_STEPS < engine.max_model_len
-             for batch in BATCH_SIZES if batch <= cfg.max_num_seqs]
     base, per_seq, per_context = _fit_decode(cells)
     per_prefill = _fit_prefill(cells, base, per_seq)
-    points = [{"batch": b, "context": c, "decode_step_s": round(_median_decode(rows)[1], 6),
+    points = [{"batch": b, "context": c, "decode_step_s": round(_mean_decode(rows)[1], 6),
                "prefill_tokens_per_s": round(_prefill_rate(rows), 1)} for b, c, rows in cells]
     return Profile(model, device_name(str(engine.device.type)), base, per_seq, per_prefill, per_context,
                    cfg.max_num_seqs, cfg.max_num_batched_tokens, engine.max_model_len, cfg.block_size,
                    round(load_s, 3), _spread(cells), points=points)
+
+
+def _measure_grid(engine, threads: int) -> list:
+    import torch
+
+    torch.set_num_threads(threads)  # per thread, as the worker's engine loop sets it
+    _run_cell(engine, 4, 16, 4)  # warm-up: the first forward passes are slower than the rest
+    return [(batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
+            for context in CONTEXTS if context + DECODE_STEPS < engine.max_model_len
+            for batch in BATCH_SIZES if batch <= engine.config.max_num_seqs]
 
 
 def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple[int, int, int, float]]:
@@ -145,7 +164,7 @@ def _prefill_rate(rows: list[tuple[int, int, int, float]]) -> float:
     return tokens / seconds if seconds else 0.0
 
 
-def _median_decode(rows: list[tuple[int, int, int, float]]) -> tuple[float, float]:
+def _mean_decode(rows: list[tuple[int, int, int, float]]) -> tuple[float, float]:
     """(mean context tokens, mean seconds) of a cell's pure decode steps. The mean, not the median: a
     batch's wall time is a sum of steps, the slow ones (another process took the cores) included."""
     decode = [r for r in rows if r[1] == 0 and r[0]]
@@ -165,7 +184,7 @@ def _fit_decode(cells) -> tuple[float, float, float]:
     """base + per_seq × batch + per_context × context tokens, on one median per cell, each kept >= 0."""
     x, y = [], []
     for batch, _, rows in cells:
-        context, seconds = _median_decode(rows)
+        context, seconds = _mean_decode(rows)
         x.append([1.0, batch, context])
         y.append(seconds)
     return tuple(_nonnegative_lstsq(np.array(x), np.array(y)))

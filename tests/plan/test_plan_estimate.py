@@ -37,20 +37,19 @@ def synthetic(path: Path, count: int = 5000) -> Path:
     return path
 
 
-def run_batch(path: Path, storage: Path) -> float:
+def run_batch(path: Path, storage: Path) -> dict:
     out = storage / "out.jsonl"
     result = CliRunner().invoke(cli, ["run", str(path), "--output", str(out), "--storage", str(storage)])
     assert result.exit_code == 0, result.output
-    return json.loads((storage / "out.metrics.json").read_text())["wall_time_s"]
+    return json.loads((storage / "out.metrics.json").read_text())
 
 
-def expected_seconds(path: Path, storage: Path, profile: profiles.Profile, tokenizer) -> float:
+def plan(path: Path, storage: Path, profile: profiles.Profile, tokenizer) -> dict:
     from bulkgen.client import detect_endpoint
 
     history = lengths.from_history(BatchRepo(open_store(str(storage))), DEFAULT_MODEL_NAME)
-    plan = planner.plan_file(path, detect_endpoint(path), DEFAULT_MODEL_NAME, default_model_path(), tokenizer,
-                             profile, history, 1, 50_000)
-    return plan["estimated_seconds"]["expected"]
+    return planner.plan_file(path, detect_endpoint(path), DEFAULT_MODEL_NAME, default_model_path(), tokenizer,
+                             history, 1, 50_000, profile=profile)
 
 
 def test_estimate_lands_within_25_percent_of_the_run(tmp_path):
@@ -63,8 +62,11 @@ def test_estimate_lands_within_25_percent_of_the_run(tmp_path):
     after = profiles.measure(DEFAULT_MODEL_NAME, default_model_path())
     report = {}
     for f in files:
-        low, high = sorted(expected_seconds(f, tmp_path / f.stem, p, tokenizer) for p in (before, after))
-        report[f.name] = (actual[f.name], low, high)
+        plans = [plan(f, tmp_path / f.stem, p, tokenizer) for p in (before, after)]
+        low, high = sorted(p["estimated_seconds"]["expected"] for p in plans)
+        report[f.name] = (actual[f.name]["wall_time_s"], low, high)
+        assert plans[0]["prompt_tokens"] == actual[f.name]["input_tokens"]  # exact, as the workers counted
+        assert abs(plans[0]["expected_output_tokens"] - actual[f.name]["output_tokens"]) <= plans[0]["requests"]
     print(json.dumps(report))
     for name, (real, low, high) in report.items():
         assert low * (1 - TOLERANCE) <= real <= high * (1 + TOLERANCE), (name, real, low, high, report)
