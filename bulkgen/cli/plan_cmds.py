@@ -84,10 +84,11 @@ def plan(file: Path, storage: str, endpoint_url: str | None, model_spec: str | N
     store = check_storage(storage, endpoint_url, create=True)
     name, path = _model(model_spec)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    batches = BatchRepo(store)
     try:
         result = planner.plan_file(file, detect_endpoint(file), name, path, tokenizer,
-                                   lengths.from_history(BatchRepo(store), name), workers, max_requests_per_batch,
-                                   device, store)
+                                   lengths.from_history(batches, name), workers, max_requests_per_batch,
+                                   device, store, batches=batches)
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None
     if result["valid"]:

@@ -27,6 +27,7 @@ import numpy as np
 from bulkgen.batch.requests import ParsedRequest
 from bulkgen.batch.schema import INTERNAL, InvalidRequest, set_status
 from bulkgen.plan import profile as profiles
+from bulkgen.plan.calibrate import runtime_factor
 from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
 from bulkgen.plan.planner import estimate
 from bulkgen.runtime.lineindex import output_budget, prompt_estimate
@@ -66,7 +67,8 @@ def plan_record(record: dict, tally: WorkTally, store, batches, workers: int, qu
         return record
     now = time.time() if now is None else now
     lengths = from_history(batches, record["model"])
-    plan = estimate(np.array(tally.prompts, np.int64), max_tokens, lengths, profile, workers)
+    runtime = runtime_factor(batches, record["model"], profile)
+    plan = estimate(np.array(tally.prompts, np.int64), max_tokens, lengths, profile, workers, runtime=runtime)
     seconds = plan["estimated_seconds"]
     queue_s = queued_requests * seconds["expected"] / len(max_tokens)
     record["metrics"] = {**(record.get("metrics") or {}), "estimated_seconds": seconds,

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from bulkgen.plan import profile as profiles
+from bulkgen.plan.calibrate import Runtime, runtime_factor
 from bulkgen.plan.lengths import LengthModel
 from bulkgen.plan.scan import FileWork, scan_file
 from bulkgen.sim.timed import EngineLimits, batch_seconds
@@ -30,13 +31,15 @@ class NoProfile(Exception):
 
 
 def estimate(uncached: np.ndarray, max_tokens: np.ndarray, lengths: LengthModel, profile: profiles.Profile,
-             workers: int, range_size: int = 32) -> dict[str, Any]:
+             workers: int, range_size: int = 32, runtime: Runtime | None = None) -> dict[str, Any]:
     """Seconds as {low, expected, high} (the profile's step-time spread around the expected lengths) and
-    the upper bound (every sequence runs to max_tokens)."""
+    the upper bound (every sequence runs to max_tokens). `runtime`: the service's measured runtime factor."""
+    runtime = runtime or Runtime()
     limits = EngineLimits(profile.max_num_seqs, profile.max_num_batched_tokens)
 
     def seconds(outputs: np.ndarray) -> float:
-        return batch_seconds(uncached.tolist(), outputs.tolist(), profile.step_seconds, limits, workers, range_size)
+        return runtime.seconds(batch_seconds(uncached.tolist(), outputs.tolist(), profile.step_seconds, limits,
+                                             workers, range_size))
 
     expected = seconds(lengths.expected(max_tokens))
     upper = expected if math.isinf(lengths.cap) else seconds(max_tokens)
@@ -66,7 +69,7 @@ def find_profile(store, model: str, path: str, device: str | None) -> tuple[prof
 
 def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer, lengths: LengthModel,
               workers: int, max_requests: int, device: str | None = None, store=None,
-              profile: profiles.Profile | None = None) -> dict[str, Any]:
+              profile: profiles.Profile | None = None, batches=None) -> dict[str, Any]:
     """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
     `profile`, or the one `find_profile` gives for `device` on `store`."""
     from transformers import AutoConfig
@@ -80,12 +83,15 @@ def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer,
     measured_now = False
     if profile is None:
         profile, measured_now = find_profile(store, model, model_path, device)
-    result = {"file": str(path), "valid": True, **summarize(work, lengths, profile, workers)}
+    runtime = Runtime() if batches is None else runtime_factor(batches, model, profile)
+    result = {"file": str(path), "valid": True, **summarize(work, lengths, profile, workers, runtime),
+              "runtime_factor": runtime.source}
     result["profile"] = {"stored_at": profiles.profile_key(model, profile.device), "measured_now": measured_now}
     return result
 
 
-def summarize(work: FileWork, lengths: LengthModel, profile: profiles.Profile, workers: int) -> dict[str, Any]:
+def summarize(work: FileWork, lengths: LengthModel, profile: profiles.Profile, workers: int,
+              runtime: Runtime | None = None) -> dict[str, Any]:
     prompts, uncached, max_tokens = work.arrays()
     expected = lengths.expected(max_tokens)
     prompt_total = int(prompts.sum())
@@ -97,7 +103,7 @@ def summarize(work: FileWork, lengths: LengthModel, profile: profiles.Profile, w
         "max_output_tokens": int(max_tokens.sum()),
         "expected_output_tokens": int(expected.sum()),
         "length_model": lengths.source,
-        **estimate(uncached, max_tokens, lengths, profile, workers),
+        **estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime),
         "startup_seconds": profile.model_load_s,
     }
 
@@ -123,6 +129,7 @@ def describe(result: dict[str, Any]) -> str:
          f"at most {_duration(result['upper_bound_seconds'])} if every request runs to max_tokens)"),
         ("start-up", f"+{_duration(result['startup_seconds'])} model load for a fresh worker (bulkgen run)"),
         ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
+        ("runtime factor", result["runtime_factor"]),
     ]
     return "\n".join(f"{label:<20} {value}" for label, value in rows)
 
