@@ -55,7 +55,8 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
         return
     click.echo(f"{name} on {measured.device}: step = {measured.base_s * 1000:.2f} ms + {measured.per_seq_s * 1000:.3f} "
                f"ms/sequence + {measured.per_prefill_token_s * 1e6:.1f} us/prefill token + "
-               f"{measured.per_context_token_s * 1e9:.1f} ns/context token (spread ±{measured.spread:.0%}); "
+               f"{measured.per_context_token_s * 1e9:.1f} ns/context token + {measured.per_new_seq_s * 1000:.3f} "
+               f"ms/admitted sequence (spread ±{measured.spread:.0%}); "
                f"model load {measured.model_load_s:.1f} s")
     for p in measured.points:
         click.echo(f"  batch {p['batch']:>3}, context {p['context']:>4}: decode step {p['decode_step_s'] * 1000:7.2f} ms, "

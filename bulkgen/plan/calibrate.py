@@ -22,6 +22,7 @@ from bulkgen.batch.records import BatchRepo
 from bulkgen.plan.lengths import RECENT_BATCHES
 from bulkgen.plan.profile import Profile
 
+MIN_BUSY_S = 5.0     # shorter batches measure the noise of their start more than the steps: not used
 LIMITS = (0.5, 4.0)  # a factor outside these says the profile is for other hardware: clipped, not trusted
 
 
@@ -49,7 +50,7 @@ def runtime_factor(batches: BatchRepo, model: str, profile: Profile) -> Runtime:
             continue
         predicted = _predicted_busy(metrics, profile)
         busy = sum(w["busy_time_s"] for w in metrics["per_worker"].values())
-        if predicted > 0 and busy > 0:
+        if predicted > 0 and busy >= MIN_BUSY_S:
             points.append((predicted, busy))
     if not points:
         return Runtime()
@@ -71,4 +72,4 @@ def _predicted_busy(metrics: dict, profile: Profile) -> float:
     prefill = inputs - (metrics.get("cached_prompt_tokens") or 0)
     context = outputs * (inputs / requests + outputs / requests / 2)
     return (steps * profile.base_s + profile.per_seq_s * (outputs + requests) + profile.per_prefill_token_s * prefill
-            + profile.per_context_token_s * context)
+            + profile.per_context_token_s * context + profile.per_new_seq_s * requests)

@@ -25,10 +25,11 @@ import numpy as np
 
 from bulkgen.store import NotFound, Store
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 BATCH_SIZES = (1, 16, 64)
 CONTEXTS = (32, 256)
 DECODE_STEPS = 8
+CHURN_ROUNDS = 3
 
 
 @dataclass
@@ -46,15 +47,16 @@ class Profile:
     max_model_len: int
     block_size: int
     model_load_s: float
+    per_new_seq_s: float = 0.0  # admitting a sequence (and, later, finishing it): per request, not per token
     spread: float = 0.15  # relative spread of step times (half the interquartile range / median): the ± of plans
     measured_at: float = field(default_factory=time.time)
     host: str = field(default_factory=platform.node)
     points: list[dict] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
-    def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int) -> float:
+    def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int, new_seqs: int = 0) -> float:
         return (self.base_s + self.per_seq_s * seqs + self.per_prefill_token_s * prefill_tokens
-                + self.per_context_token_s * context_tokens)
+                + self.per_context_token_s * context_tokens + self.per_new_seq_s * new_seqs)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
@@ -116,15 +118,16 @@ def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: i
     worker.join()
     if not result:
         raise RuntimeError("profiling failed; see the error above")
-    cells = result[0]
+    cells, churn = result[0]
     cfg = engine.config
     base, per_seq, per_context = _fit_decode(cells)
     per_prefill = _fit_prefill(cells, base, per_seq)
+    per_new_seq = _fit_churn(churn, (base, per_seq, per_prefill, per_context))
     points = [{"batch": b, "context": c, "decode_step_s": round(_mean_decode(rows)[1], 6),
                "prefill_tokens_per_s": round(_prefill_rate(rows), 1)} for b, c, rows in cells]
     return Profile(model, device_name(str(engine.device.type)), base, per_seq, per_prefill, per_context,
                    cfg.max_num_seqs, cfg.max_num_batched_tokens, engine.max_model_len, cfg.block_size,
-                   round(load_s, 3), _spread(cells), points=points)
+                   round(load_s, 3), per_new_seq, _spread(cells), points=points)
 
 
 def _measure_grid(engine, threads: int) -> list:
@@ -132,13 +135,15 @@ def _measure_grid(engine, threads: int) -> list:
 
     torch.set_num_threads(threads)  # per thread, as the worker's engine loop sets it
     _run_cell(engine, 4, 16, 4)  # warm-up: the first forward passes are slower than the rest
-    return [(batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
-            for context in CONTEXTS if context + DECODE_STEPS < engine.max_model_len
-            for batch in BATCH_SIZES if batch <= engine.config.max_num_seqs]
+    cells = [(batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
+             for context in CONTEXTS if context + DECODE_STEPS < engine.max_model_len
+             for batch in BATCH_SIZES if batch <= engine.config.max_num_seqs]
+    churn = [r for _ in range(CHURN_ROUNDS) for r in _run_cell(engine, engine.config.max_num_seqs, 4, 2)]
+    return cells, churn
 
 
-def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple[int, int, int, float]]:
-    """(sequences, prefill tokens, context tokens, seconds) of every step of one grid cell."""
+def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple]:
+    """(sequences, prefill tokens, context tokens, seconds, sequences prefilling) of every step of a cell."""
     from bulkgen.engine import SamplingParams
 
     params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
@@ -153,7 +158,8 @@ def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple[int, i
         decoding = record["decode_tokens"]
         decoded += bool(decoding)
         context_tokens = decoding * (context + decoded)
-        rows.append((record["active_seqs"], record["prefill_tokens"], context_tokens, record["duration_s"]))
+        rows.append((record["active_seqs"], record["prefill_tokens"], context_tokens, record["duration_s"],
+                     record["active_seqs"] - decoding))
     engine.reset()
     return rows
 
@@ -194,6 +200,15 @@ def _fit_prefill(cells, base: float, per_seq: float) -> float:
     """Seconds per prefill token: what a prefill step costs beyond a decode step of as many sequences."""
     per_token = [(r[3] - base - per_seq * r[0]) / r[1] for _, _, rows in cells for r in rows if r[1] >= 64]
     return max(float(np.mean(per_token)), 0.0) if per_token else 0.0
+
+
+def _fit_churn(rows: list[tuple], coef: tuple[float, float, float, float]) -> float:
+    """Seconds per request admitted (and finished) beyond its tokens: from full batches of 4-token prompts
+    that generate 2 tokens, where requests come and go every step (a file of short requests is that)."""
+    base, per_seq, per_prefill, per_context = coef
+    admitted = sum(r[4] for r in rows if r[1])
+    predicted = sum(base + per_seq * r[0] + per_prefill * r[1] + per_context * r[2] for r in rows)
+    return max(0.0, (sum(r[3] for r in rows) - predicted) / admitted) if admitted else 0.0
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-StepCost = Callable[[int, int, int], float]  # (sequences in the step, prefill tokens, context tokens) -> s
+# (sequences in the step, prefill tokens, context tokens, sequences admitted in it) -> seconds
+StepCost = Callable[[int, int, int, int], float]
 
 
 @dataclass
@@ -75,8 +76,8 @@ def _decode_run(running: list[_Seq], cost: StepCost) -> float:
     """Steps until the first running sequence ends, all pure decode: summed in closed form (linear cost)."""
     k, n = min(s.decode_left for s in running), len(running)
     context = sum(s.context for s in running)
-    first = cost(n, 0, context)
-    per_step_growth = cost(n, 0, context + n) - first  # the context grows by n tokens a step
+    first = cost(n, 0, context, 0)
+    per_step_growth = cost(n, 0, context + n, 0) - first  # the context grows by n tokens a step
     for s in running:
         s.decode_left -= k
         s.context += k
@@ -84,7 +85,7 @@ def _decode_run(running: list[_Seq], cost: StepCost) -> float:
 
 
 def _mixed_step(running: list[_Seq], waiting: list[tuple[int, int]], cost: StepCost, limits: EngineLimits) -> float:
-    budget, prefill, context, active = limits.max_num_batched_tokens, 0, 0, 0
+    budget, prefill, context, active, admitted = limits.max_num_batched_tokens, 0, 0, 0, 0
     for s in sorted(running, key=lambda s: bool(s.prefill_left)):  # decodes first
         if budget == 0:
             break
@@ -104,5 +105,5 @@ def _mixed_step(running: list[_Seq], waiting: list[tuple[int, int]], cost: StepC
         if not seq.prefill_left and output:
             seq.decode_left -= 1
         running.append(seq)
-        active, budget, prefill = active + 1, budget - n, prefill + n
-    return cost(active, prefill, context)
+        active, budget, prefill, admitted = active + 1, budget - n, prefill + n, admitted + 1
+    return cost(active, prefill, context, admitted)

@@ -17,7 +17,7 @@ from tests.service.conftest import MODEL, chat_row, upload, validated, wait_done
 @pytest.fixture
 def slow_profile(service):
     store = service.svc.root
-    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 2.0, 0.0, 0.0, 0.0, 64, 1024, 4096, 16, 1.0, 0.05))
+    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 2.0, 0.0, 0.0, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
     yield
     store.delete(key)
     service.svc.settings.refuse_infeasible = False
