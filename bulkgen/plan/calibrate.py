@@ -32,7 +32,7 @@ class Runtime:
 
     factor: float = 1.0
     overhead_s: float = 0.0
-    source: str = "none (no earlier batch of this model measured here)"
+    source: str = "none (no earlier batch of this model here kept an engine busy 5 s or more)"
 
     def seconds(self, engine_seconds: float) -> float:
         return self.overhead_s + self.factor * engine_seconds

@@ -135,6 +135,8 @@ def describe(result: dict[str, Any]) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.2f} s"
     if seconds < 60:
         return f"{seconds:.1f} s"
     if seconds < 3600:
