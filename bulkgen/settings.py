@@ -56,6 +56,7 @@ class Settings:
     workers: WorkerSettings = field(default_factory=WorkerSettings)
     tenant: str = DEFAULT_TENANT            # whose batches `bulkgen run` / the watcher / a keyless service make
     tenant_weights: dict[str, float] = field(default_factory=dict)  # share of the workers; others weigh 1
+    refuse_infeasible: bool = False         # create answers 400 for a batch its window cannot hold (bulkgen.plan)
 
     def __post_init__(self) -> None:
         check_tenant(self.tenant)

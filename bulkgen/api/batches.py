@@ -15,6 +15,7 @@ from bulkgen.api.body import read_json_body
 from bulkgen.api.files import page
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import public_view
+from bulkgen.plan.admission import validate_now
 
 router = APIRouter(prefix="/v1/batches")
 
@@ -57,6 +58,8 @@ def _create(svc, manager, body: CreateBatch) -> dict:
     seconds = None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
     record = svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
                               output_expires_after_s=seconds)
+    if svc.settings.refuse_infeasible:  # validated and estimated now, so an infeasible batch is a 400
+        record = validate_now(svc, record["id"], manager.queue.pending_requests())
     manager.wake()  # a runner validates it: validating -> in_progress or failed
     return record
 

@@ -181,10 +181,15 @@ def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
 @click.option("--body-timeout", "body_timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=BODY_TIMEOUT_S, show_default=True,
               help="Seconds a request body may stall (no bytes arriving) before it is refused with 408.")
+@click.option("--refuse-infeasible", is_flag=True,
+              help="Validate at create and answer 400 for a batch whose estimated time, alone on the workers, "
+                   "exceeds its completion window (needs a stored `bulkgen profile`); default: accept and warn "
+                   "in the batch's errors.")
 @webhook_options
 @runtime_options
 def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
-          allowed_hosts: str, body_timeout_s: float, webhook: str | None, webhook_secret: str | None):
+          allowed_hosts: str, body_timeout_s: float, webhook: str | None, webhook_secret: str | None,
+          refuse_infeasible: bool):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -201,6 +206,7 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
         raise click.ClickException(str(exc)) from None
     if keyring is not None and not keyring.tenants():
         raise click.ClickException(f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`")
+    settings.refuse_infeasible = refuse_infeasible
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     notifier = webhook_notifier(settings, webhook, webhook_secret)
     svc = BatchService(settings, on_batch_end=notifier)

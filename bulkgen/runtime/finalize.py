@@ -44,7 +44,7 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
         r["output_file_id"] = output_id if tally.completed else None
         r["error_file_id"] = error_id if tally.failed else None
         if report:
-            r["metrics"] = {**report["summary"], "report_files": report["files"]}
+            r["metrics"] = {**(r.get("metrics") or {}), **report["summary"], "report_files": report["files"]}
         if stop == "batch_cancelled" and r["cancelling_at"] is None:
             set_status(r, "cancelling")
         return set_status(r, _FINAL_STATUS[stop])

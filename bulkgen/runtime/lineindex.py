@@ -74,16 +74,24 @@ def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
 
 def _work(request) -> int:
     """Clipped to the context a model could have (MAX_WORK_TOKENS), so a max_tokens of 2**63 still fits int64."""
+    max_tokens, sequences = output_budget(request)
+    return min(prompt_estimate(request) + max_tokens * sequences, MAX_WORK_TOKENS * 256)
+
+
+def prompt_estimate(request) -> int:
+    """Prompt tokens without the tokenizer (the driver has none): about 4 characters a token."""
     if request.messages is not None:
-        prompt_tokens = sum(len(m["content"] or "") for m in request.messages) // 4
-    elif isinstance(request.prompt, list):
-        prompt_tokens = len(request.prompt)
-    else:
-        prompt_tokens = len(request.prompt) // 4
+        return sum(len(m["content"] or "") for m in request.messages) // 4
+    if isinstance(request.prompt, list):
+        return len(request.prompt)
+    return len(request.prompt or "") // 4
+
+
+def output_budget(request) -> tuple[int, int]:
+    """(max_tokens, sequences): max_tokens clipped to MAX_WORK_TOKENS, UNKNOWN_MAX_TOKENS when not given."""
     max_tokens = request.sampling.get("max_tokens")
     max_tokens = UNKNOWN_MAX_TOKENS if max_tokens is None else min(max_tokens, MAX_WORK_TOKENS)
-    sequences = max(request.sampling.get("n") or 1, request.sampling.get("best_of") or 1)
-    return min(prompt_tokens + max_tokens * sequences, MAX_WORK_TOKENS * 256)
+    return max_tokens, max(request.sampling.get("n") or 1, request.sampling.get("best_of") or 1)
 
 
 def _prefix_key(request) -> int:

@@ -29,6 +29,7 @@ from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, set_status, stored_priority
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
+from bulkgen.plan.admission import WorkTally, add_estimate
 from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
@@ -158,11 +159,18 @@ class BatchRunner:
             raise NotCreatedYet(self.batch_id) from None
         if not needs_validation(record):
             return record, None
-        builder = IndexBuilder()
+        builder, tally = IndexBuilder(), WorkTally()
+
+        def index_and_tally(*line) -> None:  # one streamed pass: the line index and the estimate's work
+            builder.add(*line)
+            tally.add(*line)
+
         try:
-            record = self.svc.validate(self.batch_id, on_request=builder.add)
+            record = self.svc.validate(self.batch_id, on_request=index_and_tally)
         except (NotFound, LookupError):
             raise BatchFailed("the input file is gone; the batch cannot run") from None
+        if record["status"] == "in_progress":
+            record = add_estimate(self.svc, self.batch_id, tally, self.queue.pending_requests())
         return record, (builder.build() if record["model"] is not None else None)
 
     def _scan(self, record: dict) -> LineIndex:
@@ -243,11 +251,14 @@ class BatchRunner:
             remaining = int((~self.done).sum()) if self.done is not None else None
         self.svc.store.write_bytes(self._metrics_key, state)  # a resumed runner reports the whole batch
         if summary is not None:
-            summary.update(self._eta(remaining))
+            eta = self._eta(remaining)
+            if eta["estimated_completion_at"] is None:  # nothing measured yet: keep the plan's estimate
+                del eta["estimated_completion_at"]
+            summary.update(eta)
 
         def apply(r: dict) -> dict:
             tally.apply(r)
-            r["metrics"] = summary or r.get("metrics")
+            r["metrics"] = {**(r.get("metrics") or {}), **summary} if summary else r.get("metrics")
             return r
 
         return self.svc.batches.update(self.batch_id, apply)

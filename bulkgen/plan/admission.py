@@ -1,0 +1,134 @@
+"""The estimate a batch carries from validation on: `metrics.estimated_completion_at`, and the window check.
+
+Validation streams the input once (bulkgen.batch.lifecycle); `WorkTally.add` rides on that same pass as
+one more `on_request` callback, so the estimate costs no second read. The driver has no tokenizer, so
+prompt tokens are the line index's estimate (bulkgen.runtime.lineindex.prompt_estimate) and a missing
+max_tokens counts as UNKNOWN_MAX_TOKENS; `bulkgen plan` gives the exact figures.
+
+The service uses the newest profile stored for the batch's model (`bulkgen profile` on its storage), the
+length model of bulkgen.plan.lengths, and its configured worker count. The queue ahead is counted cheaply:
+the requests already pending in the runtime's work queue, at this batch's own seconds per request.
+
+A batch whose low estimate, alone on the workers, is longer than its completion window:
+  - by default it is accepted, and its `errors` carries one `completion_window_infeasible_warning` entry
+    (the batch runs; what is not done at the window's end expires as usual, keeping finished work);
+  - with `--refuse-infeasible` it is failed at once with `completion_window_infeasible` and the create call
+    answers 400, before any worker time is spent.
+Without a stored profile there is no estimate and nothing is refused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bulkgen.batch.requests import ParsedRequest
+from bulkgen.batch.schema import INTERNAL, InvalidRequest, set_status
+from bulkgen.plan import profile as profiles
+from bulkgen.plan.calibrate import runtime_factor
+from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
+from bulkgen.plan.planner import estimate
+from bulkgen.runtime.lineindex import output_budget, prompt_estimate
+
+INFEASIBLE = "completion_window_infeasible"
+
+
+@dataclass
+class WorkTally:
+    """Per sequence: estimated prompt tokens and max_tokens, collected as validation streams by."""
+
+    prompts: list[int] = field(default_factory=list)
+    max_tokens: list[int] = field(default_factory=list)
+
+    def add(self, number: int, start: int, raw: bytes, request: ParsedRequest) -> None:
+        max_tokens, sequences = output_budget(request)
+        prompt = prompt_estimate(request)
+        for k in range(sequences):
+            self.prompts.append(max(1, prompt) if k == 0 else 0)
+            self.max_tokens.append(max_tokens)
+
+
+def newest_profile(store, model: str) -> profiles.Profile | None:
+    found = [p for d in profiles.stored_devices(store, model) if (p := profiles.load(store, model, d))]
+    return max(found, key=lambda p: p.measured_at, default=None)
+
+
+def plan_record(record: dict, tally: WorkTally, store, batches, workers: int, queued_requests: int,
+                now: float | None = None) -> dict:
+    """The record with its estimate (and, if infeasible alone, a warning in `errors`); unchanged without a
+    profile. `store`: the storage root (profiles); `batches`: the tenant's BatchRepo (length history)."""
+    max_tokens = np.array(tally.max_tokens, np.int64)
+    internal = record.setdefault(INTERNAL, {})
+    internal[MAX_OUTPUT_KEY], internal[HISTOGRAM_KEY] = int(max_tokens.sum()), histogram(max_tokens)
+    profile = newest_profile(store, record["model"]) if len(max_tokens) else None
+    if profile is None:
+        return record
+    now = time.time() if now is None else now
+    lengths = from_history(batches, record["model"])
+    runtime = runtime_factor(batches, record["model"], profile)
+    plan = estimate(np.array(tally.prompts, np.int64), max_tokens, lengths, profile, workers, runtime=runtime)
+    seconds = plan["estimated_seconds"]
+    queue_s = queued_requests * seconds["expected"] / len(max_tokens)
+    record["metrics"] = {**(record.get("metrics") or {}), "estimated_seconds": seconds,
+                         "queued_requests_ahead": queued_requests,
+                         "estimated_completion_at": int(now + queue_s + seconds["expected"]),
+                         "estimate_basis": f"profile {profile.device}, {lengths.source}"}
+    window = record["expires_at"] - now
+    if seconds["low"] > window:
+        entry = {"code": INFEASIBLE + "_warning", "line": None, "param": "completion_window",
+                 "message": infeasible_message(seconds["low"], record["completion_window"], workers)}
+        errors = record.get("errors") or {"object": "list", "data": []}
+        record["errors"] = {**errors, "data": [*errors["data"], entry]}
+    return record
+
+
+def infeasible_message(low_s: float, window: str, workers: int) -> str:
+    return (f"this batch needs at least {low_s:,.0f} s on {workers} worker(s) even alone (estimate from the stored "
+            f"throughput profile), longer than its completion window of {window}; use a longer window, split the "
+            "file, or add workers")
+
+
+def is_infeasible(record: dict) -> bool:
+    return any(e["code"] == INFEASIBLE + "_warning" for e in (record.get("errors") or {}).get("data", []))
+
+
+def add_estimate(svc, batch_id: str, tally: WorkTally, queued_requests: int) -> dict:
+    """Write the estimate into a validated batch's record (the runner, right after validation)."""
+    workers = svc.settings.workers.num_workers or svc.settings.workers.cpu_workers
+    planned = plan_record(svc.batches.get(batch_id), tally, svc.root, svc.batches, workers, queued_requests)
+    keep = {k: planned.get(k) for k in ("metrics", "errors")}
+
+    def apply(r: dict) -> dict | None:
+        if r["status"] != "in_progress" or r.get("metrics"):
+            return None  # ended or cancelled meanwhile, or a resumed runner's record that has it already
+        r.update(keep)
+        for key in (MAX_OUTPUT_KEY, HISTOGRAM_KEY):
+            r.setdefault(INTERNAL, {})[key] = planned[INTERNAL][key]
+        return r
+
+    return svc.batches.update(batch_id, apply)
+
+
+def validate_now(svc, batch_id: str, queued_requests: int) -> dict:
+    """`--refuse-infeasible`: validate and estimate at create; a batch its window cannot hold even alone is
+    failed (code completion_window_infeasible) and refused with a 400 naming why. The runner then finds the
+    batch validated and indexes it with one more read, as it does for a resumed batch."""
+    tally = WorkTally()
+    record = svc.validate(batch_id, on_request=tally.add)
+    if record["status"] != "in_progress":
+        return record
+    record = add_estimate(svc, batch_id, tally, queued_requests)
+    if not is_infeasible(record):
+        return record
+    warning = next(e for e in record["errors"]["data"] if e["code"] == INFEASIBLE + "_warning")
+
+    def fail(r: dict) -> dict | None:
+        if r["status"] != "in_progress":
+            return None
+        r["errors"] = {"object": "list", "data": [{**warning, "code": INFEASIBLE}]}
+        return set_status(r, "failed")
+
+    svc.mark_ended(batch_id, svc.batches.update(batch_id, fail))
+    raise InvalidRequest(warning["message"], param="completion_window", code=INFEASIBLE)

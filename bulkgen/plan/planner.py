@@ -1,0 +1,144 @@
+"""`bulkgen plan`: a batch file -> requests, tokens and an estimated wall time, before any worker starts.
+
+The file is scanned once (bulkgen.plan.scan: the batch validator, the model's template and tokenizer),
+expected lengths come from the length model (bulkgen.plan.lengths), and the simulator
+(bulkgen.sim.timed) turns the work into seconds with the stored throughput profile of this model and
+device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand.
+
+What the estimate covers: `estimated_seconds` is the batch's generation wall time on N warm workers,
+from its first request entering an engine to its last finishing: what `metrics.wall_time_s` of the
+finished batch measures, and what a user of a running service waits for. A fresh `bulkgen run` pays the
+start-up on top (Ray, workers, model load): `startup_seconds` gives the part measured here (model load).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bulkgen.plan import profile as profiles
+from bulkgen.plan.calibrate import Runtime, runtime_factor
+from bulkgen.plan.lengths import LengthModel
+from bulkgen.plan.scan import FileWork, scan_file
+from bulkgen.sim.timed import EngineLimits, batch_seconds
+
+
+class NoProfile(Exception):
+    """No stored profile for the device asked about, and it is not the device at hand to measure."""
+
+
+def estimate(uncached: np.ndarray, max_tokens: np.ndarray, lengths: LengthModel, profile: profiles.Profile,
+             workers: int, range_size: int = 32, runtime: Runtime | None = None) -> dict[str, Any]:
+    """Seconds as {low, expected, high} (the profile's step-time spread around the expected lengths) and
+    the upper bound (every sequence runs to max_tokens). `runtime`: the service's measured runtime factor."""
+    runtime = runtime or Runtime()
+    limits = EngineLimits(profile.max_num_seqs, profile.max_num_batched_tokens)
+
+    def seconds(outputs: np.ndarray) -> float:
+        return runtime.seconds(batch_seconds(uncached.tolist(), outputs.tolist(), profile.step_seconds, limits,
+                                             workers, range_size))
+
+    expected = seconds(lengths.expected(max_tokens))
+    upper = expected if math.isinf(lengths.cap) else seconds(max_tokens)
+    return {"estimated_seconds": {"low": round(expected * (1 - profile.spread), 2), "expected": round(expected, 2),
+                                  "high": round(expected * (1 + profile.spread), 2)},
+            "upper_bound_seconds": round(upper * (1 + profile.spread), 2)}
+
+
+def find_profile(store, model: str, path: str, device: str | None) -> tuple[profiles.Profile, bool]:
+    """(profile, measured now?). `device`: None for this machine's, else a name as `profile` stores it or
+    its tail ('h200' finds 'nvidia-h200'). Another device without a stored profile: NoProfile."""
+    here = profiles.device_name()
+    stored = profiles.stored_devices(store, model)
+    wanted = here if device in (None, "", "auto") else device.lower()
+    match = [d for d in stored if d == wanted or d.endswith("-" + wanted)]
+    if match:
+        found = profiles.load(store, model, match[0])
+        if found is not None:
+            return found, False
+    if not (wanted == here or here.endswith("-" + wanted)):
+        raise NoProfile(f"no profile of {model} exists for device {wanted!r} (stored: {', '.join(stored) or 'none'}); "
+                        f"run `bulkgen profile` for this model on a machine with that device, on this storage")
+    profile = profiles.measure(model, path)
+    profiles.save(store, profile)
+    return profile, True
+
+
+def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer, lengths: LengthModel,
+              workers: int, max_requests: int, device: str | None = None, store=None,
+              profile: profiles.Profile | None = None, batches=None) -> dict[str, Any]:
+    """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
+    `profile`, or the one `find_profile` gives for `device` on `store`."""
+    from transformers import AutoConfig
+
+    from bulkgen.engine.engine import _max_model_len  # the engine's own context rule
+
+    max_model_len = _max_model_len(AutoConfig.from_pretrained(model_path, local_files_only=True), None)
+    work = scan_file(path, endpoint, model, tokenizer, max_model_len, max_requests)
+    if not work.validation.ok:
+        return {"file": str(path), "valid": False, "errors": work.validation.error_list()["data"]}
+    measured_now = False
+    if profile is None:
+        profile, measured_now = find_profile(store, model, model_path, device)
+    runtime = Runtime() if batches is None else runtime_factor(batches, model, profile)
+    result = {"file": str(path), "valid": True, **summarize(work, lengths, profile, workers, runtime),
+              "runtime_factor": runtime.source}
+    result["profile"] = {"stored_at": profiles.profile_key(model, profile.device), "measured_now": measured_now}
+    return result
+
+
+def summarize(work: FileWork, lengths: LengthModel, profile: profiles.Profile, workers: int,
+              runtime: Runtime | None = None) -> dict[str, Any]:
+    prompts, uncached, max_tokens = work.arrays()
+    expected = lengths.expected(max_tokens)
+    prompt_total = int(prompts.sum())
+    return {
+        "model": profile.model, "device": profile.device, "workers": workers,
+        "requests": work.validation.total, "refused_lines": work.refused,
+        "prompt_tokens": prompt_total,
+        "prefix_cache_share": round(1 - int(uncached.sum()) / prompt_total, 4) if prompt_total else 0.0,
+        "max_output_tokens": int(max_tokens.sum()),
+        "expected_output_tokens": int(expected.sum()),
+        "length_model": lengths.source,
+        **estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime),
+        "startup_seconds": profile.model_load_s,
+    }
+
+
+def describe(result: dict[str, Any]) -> str:
+    """The plan as a user reads it in a terminal."""
+    if not result["valid"]:
+        lines = [f"{result['file']}: a batch of it would fail validation:"]
+        lines += [f"  line {e['line']}: [{e['code']}] {e['message']}" if e["line"] else f"  [{e['code']}] {e['message']}"
+                  for e in result["errors"]]
+        return "\n".join(lines)
+    s, prof = result["estimated_seconds"], result["profile"]
+    where = "measured just now" if prof["measured_now"] else "stored"
+    rows = [
+        ("requests", f"{result['requests']:,}" + (f" ({result['refused_lines']} refused by their worker)"
+                                                  if result["refused_lines"] else "")),
+        ("prompt tokens", f"{result['prompt_tokens']:,} (exact, {result['model']}'s chat template and tokenizer)"),
+        ("prefix cache", f"{result['prefix_cache_share']:.0%} of prompt tokens shared with an earlier prompt"),
+        ("max output tokens", f"{result['max_output_tokens']:,}"),
+        ("expected output", f"{result['expected_output_tokens']:,} tokens, from {result['length_model']}"),
+        (f"time on {result['workers']} worker" + ("s" if result["workers"] > 1 else ""),
+         f"{_duration(s['low'])} - {_duration(s['high'])} (expected {_duration(s['expected'])}; "
+         f"at most {_duration(result['upper_bound_seconds'])} if every request runs to max_tokens)"),
+        ("start-up", f"+{_duration(result['startup_seconds'])} model load for a fresh worker (bulkgen run)"),
+        ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
+        ("runtime factor", result["runtime_factor"]),
+    ]
+    return "\n".join(f"{label:<20} {value}" for label, value in rows)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 10:
+        return f"{seconds:.2f} s"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -1,0 +1,222 @@
+"""The throughput profile of one model on one device: what `bulkgen plan` turns a file into time with.
+
+`measure` runs the real engine over a small grid (batch sizes × context lengths, synthetic token prompts,
+`ignore_eos` so every sequence runs its full length) and fits one step-cost model to the engine's own
+step records:
+
+    step seconds = base + per_seq × sequences in the step + per_prefill_token × prefill tokens
+                   + per_context_token × context tokens the decoding sequences attend to
+
+It also times the model load (the fixed cost a fresh worker pays). The profile is stored as JSON under
+the storage root, `profiles/<model>/<device>.json`, so `bulkgen plan`, `bulkgen serve` (the estimate at
+create) and every replica on the same storage read the same figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from bulkgen.store import NotFound, Store
+
+PROFILE_VERSION = 2
+BATCH_SIZES = (1, 16, 64)
+CONTEXTS = (32, 256)
+DECODE_STEPS = 8
+CHURN_ROUNDS = 3
+
+
+@dataclass
+class Profile:
+    """Fitted step costs (seconds) and the engine limits they were measured under."""
+
+    model: str
+    device: str
+    base_s: float
+    per_seq_s: float
+    per_prefill_token_s: float
+    per_context_token_s: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    model_load_s: float
+    per_new_seq_s: float = 0.0  # admitting a sequence (and, later, finishing it): per request, not per token
+    spread: float = 0.15  # relative spread of step times (half the interquartile range / median): the ± of plans
+    measured_at: float = field(default_factory=time.time)
+    host: str = field(default_factory=platform.node)
+    points: list[dict] = field(default_factory=list)
+    version: int = PROFILE_VERSION
+
+    def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int, new_seqs: int = 0) -> float:
+        return (self.base_s + self.per_seq_s * seqs + self.per_prefill_token_s * prefill_tokens
+                + self.per_context_token_s * context_tokens + self.per_new_seq_s * new_seqs)
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), indent=1).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Profile:
+        fields = json.loads(data)
+        if fields.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {fields.get('version')} is not {PROFILE_VERSION}; measure it again")
+        return cls(**fields)
+
+
+def device_name(device: str | None = None) -> str:
+    """'cpu', or the GPU's name in lower case without spaces ('nvidia-h200'): what profiles are keyed by."""
+    import torch
+
+    if (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu":
+        return "cpu"
+    return torch.cuda.get_device_name(0).lower().replace(" ", "-")
+
+
+def profile_key(model: str, device: str) -> str:
+    return f"profiles/{model}/{device}.json"
+
+
+def load(store: Store, model: str, device: str) -> Profile | None:
+    """The stored profile, or None when this model was never profiled on this device."""
+    try:
+        return Profile.from_json(store.read_bytes(profile_key(model, device)))
+    except (NotFound, ValueError, TypeError):
+        return None
+
+
+def save(store: Store, profile: Profile) -> str:
+    key = profile_key(profile.model, profile.device)
+    store.write_bytes(key, profile.to_json())
+    return key
+
+
+def stored_devices(store: Store, model: str) -> list[str]:
+    return sorted(k.rsplit("/", 1)[-1].removesuffix(".json") for k in store.list(f"profiles/{model}/"))
+
+
+def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: int | None = None) -> Profile:
+    """Load the model, run the grid, fit the step cost. About 5-15 s on CPU with the bundled model.
+
+    The grid runs as a worker runs its engine: in a thread of its own with `threads` torch threads (a CPU
+    worker's share of the cores; default all of them, one worker). Measured from the main thread instead,
+    steps on a busy 2-core machine came out 15x slower than the same steps in a worker."""
+    from bulkgen.engine import Engine
+
+    started = time.perf_counter()
+    engine = Engine.from_pretrained(path, **(engine_kwargs or {}))
+    load_s = time.perf_counter() - started
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(_measure_grid(engine, threads or os.cpu_count() or 1)),
+                              name="bulkgen-profile")
+    worker.start()
+    worker.join()
+    if not result:
+        raise RuntimeError("profiling failed; see the error above")
+    cells, churn = result[0]
+    cfg = engine.config
+    base, per_seq, per_context = _fit_decode(cells)
+    per_prefill = _fit_prefill(cells, base, per_seq)
+    per_new_seq = _fit_churn(churn, (base, per_seq, per_prefill, per_context))
+    points = [{"batch": b, "context": c, "decode_step_s": round(_mean_decode(rows)[1], 6),
+               "prefill_tokens_per_s": round(_prefill_rate(rows), 1)} for b, c, rows in cells]
+    return Profile(model, device_name(str(engine.device.type)), base, per_seq, per_prefill, per_context,
+                   cfg.max_num_seqs, cfg.max_num_batched_tokens, engine.max_model_len, cfg.block_size,
+                   round(load_s, 3), per_new_seq, _spread(cells), points=points)
+
+
+def _measure_grid(engine, threads: int) -> list:
+    import torch
+
+    torch.set_num_threads(threads)  # per thread, as the worker's engine loop sets it
+    _run_cell(engine, 4, 16, 4)  # warm-up: the first forward passes are slower than the rest
+    cells = [(batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
+             for context in CONTEXTS if context + DECODE_STEPS < engine.max_model_len
+             for batch in BATCH_SIZES if batch <= engine.config.max_num_seqs]
+    churn = [r for _ in range(CHURN_ROUNDS) for r in _run_cell(engine, engine.config.max_num_seqs, 4, 2)]
+    return cells, churn
+
+
+def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple]:
+    """(sequences, prefill tokens, context tokens, seconds, sequences prefilling) of every step of a cell."""
+    from bulkgen.engine import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    vocab = min(engine.vocab_size, len(engine.tokenizer))
+    rng = np.random.default_rng(batch * 7919 + context)
+    for i in range(batch):  # random ids: no shared prefix, so the cache cannot shorten the prefill
+        engine.add_request(f"p{batch}-{context}-{i}", rng.integers(3, vocab, context).tolist(), params)
+    while engine.has_unfinished():
+        engine.step()
+    rows, decoded = [], 0
+    for record in engine.pop_step_records():
+        decoding = record["decode_tokens"]
+        decoded += bool(decoding)
+        context_tokens = decoding * (context + decoded)
+        rows.append((record["active_seqs"], record["prefill_tokens"], context_tokens, record["duration_s"],
+                     record["active_seqs"] - decoding))
+    engine.reset()
+    return rows
+
+
+def _prefill_rate(rows: list[tuple[int, int, int, float]]) -> float:
+    tokens = sum(r[1] for r in rows if r[1])
+    seconds = sum(r[3] for r in rows if r[1])
+    return tokens / seconds if seconds else 0.0
+
+
+def _mean_decode(rows: list[tuple[int, int, int, float]]) -> tuple[float, float]:
+    """(mean context tokens, mean seconds) of a cell's pure decode steps. The mean, not the median: a
+    batch's wall time is a sum of steps, the slow ones (another process took the cores) included."""
+    decode = [r for r in rows if r[1] == 0 and r[0]]
+    return float(np.mean([r[2] for r in decode])), float(np.mean([r[3] for r in decode]))
+
+
+def _spread(cells) -> float:
+    spreads = []
+    for _, _, rows in cells:
+        times = [r[3] for r in rows if r[1] == 0 and r[0]]
+        q1, median, q3 = np.percentile(times, [25, 50, 75])
+        spreads.append((q3 - q1) / (2 * median))
+    return round(float(np.clip(np.median(spreads), 0.05, 0.4)), 3)
+
+
+def _fit_decode(cells) -> tuple[float, float, float]:
+    """base + per_seq × batch + per_context × context tokens, on one median per cell, each kept >= 0."""
+    x, y = [], []
+    for batch, _, rows in cells:
+        context, seconds = _mean_decode(rows)
+        x.append([1.0, batch, context])
+        y.append(seconds)
+    return tuple(_nonnegative_lstsq(np.array(x), np.array(y)))
+
+
+def _fit_prefill(cells, base: float, per_seq: float) -> float:
+    """Seconds per prefill token: what a prefill step costs beyond a decode step of as many sequences."""
+    per_token = [(r[3] - base - per_seq * r[0]) / r[1] for _, _, rows in cells for r in rows if r[1] >= 64]
+    return max(float(np.mean(per_token)), 0.0) if per_token else 0.0
+
+
+def _fit_churn(rows: list[tuple], coef: tuple[float, float, float, float]) -> float:
+    """Seconds per request admitted (and finished) beyond its tokens: from full batches of 4-token prompts
+    that generate 2 tokens, where requests come and go every step (a file of short requests is that)."""
+    base, per_seq, per_prefill, per_context = coef
+    admitted = sum(r[4] for r in rows if r[1])
+    predicted = sum(base + per_seq * r[0] + per_prefill * r[1] + per_context * r[2] for r in rows)
+    return max(0.0, (sum(r[3] for r in rows) - predicted) / admitted) if admitted else 0.0
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares, dropping a coefficient that comes out negative (a negative cost is noise)."""
+    keep = np.ones(x.shape[1], bool)
+    while True:
+        coef = np.zeros(x.shape[1])
+        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return [float(c) for c in coef]
+        keep &= coef > 0

@@ -1,0 +1,94 @@
+"""A batch file as work: validated as a batch is, tokenized as its workers tokenize it, in one streamed pass.
+
+Every line goes through the batch validator (bulkgen.batch.validate: the same errors, with their lines)
+and, for each request it accepts, through the worker's own preparation (bulkgen.runtime.prepare: the
+model's chat template and tokenizer, `fit_context` resolving max_tokens as the runtime does). What a
+worker would refuse (a prompt longer than the context, say) is counted as refused here too.
+
+Memory: a read buffer, the validator's custom_ids, three small ints per request (the simulator needs
+every request's lengths), and the hashes of prompt blocks seen (for the prefix-cache share; at most
+MAX_BLOCK_HASHES, after which new blocks are assumed uncached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bulkgen.batch.requests import LineError, ParsedRequest
+from bulkgen.batch.validate import ValidationResult, Validator, validate_stream
+from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
+
+MAX_BLOCK_HASHES = 4_000_000
+
+
+@dataclass
+class FileWork:
+    """What a file asks of the engine, one entry per sequence the engine will run."""
+
+    validation: ValidationResult
+    prompt_tokens: list[int] = field(default_factory=list)    # the whole prompt (usage.input_tokens)
+    uncached_tokens: list[int] = field(default_factory=list)  # what prefill computes (prefix-cache hits removed)
+    max_tokens: list[int] = field(default_factory=list)       # as fit_context resolves it (0: embeddings)
+    refused: int = 0                                          # lines their worker would answer with a 400
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (np.array(self.prompt_tokens, np.int64), np.array(self.uncached_tokens, np.int64),
+                np.array(self.max_tokens, np.int64))
+
+
+class _PrefixCache:
+    """The engine's prefix cache in miniature: full blocks keyed by their chained hash (block_manager)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size, self.seen = block_size, set()
+
+    def cached(self, ids: list[int]) -> int:
+        """Leading tokens of `ids` an earlier prompt already computed (never the last token: it must run)."""
+        bs, parent, hits = self.block_size, 0, 0
+        for start in range(0, (len(ids) - 1) // bs * bs, bs):
+            parent = hash((parent, tuple(ids[start:start + bs])))
+            if parent in self.seen:
+                hits += bs
+                continue
+            if len(self.seen) < MAX_BLOCK_HASHES:
+                self.seen.add(parent)
+        return hits
+
+
+def scan_file(path: Path, endpoint: str, served_model: str, tokenizer, max_model_len: int, max_requests: int,
+              block_size: int = 16) -> FileWork:
+    """Validate and tokenize `path`; the validation result says whether a batch of it would be accepted."""
+    validator = Validator(endpoint, [served_model], max_requests)
+    cache = _PrefixCache(block_size)
+    work = FileWork(validator.result)
+    refused_before = [0]
+
+    def on_request(line: int, offset: int, raw: bytes, request: ParsedRequest) -> None:
+        if validator.result.refused_count != refused_before[0]:  # a body error: its worker answers 400
+            refused_before[0] = validator.result.refused_count
+            work.refused += 1
+            return
+        try:
+            for sub in split_prompts(request):
+                _add(work, cache, sub, tokenizer, max_model_len)
+        except LineError:
+            work.refused += 1
+
+    with path.open("rb") as reader:
+        validate_stream(reader, validator, on_request)
+    return work
+
+
+def _add(work: FileWork, cache: _PrefixCache, request: ParsedRequest, tokenizer, max_model_len: int) -> None:
+    ids = tokenize(request, tokenizer)
+    params = fit_context(request, len(ids), max_model_len)
+    max_tokens = int(params.get("max_tokens") or 0)
+    sequences = max(params.get("n") or 1, params.get("best_of") or 1)
+    uncached = len(ids) - cache.cached(ids)
+    for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
+        work.prompt_tokens.append(len(ids) if k == 0 else 0)
+        work.uncached_tokens.append(uncached if k == 0 else 0)
+        work.max_tokens.append(max_tokens)

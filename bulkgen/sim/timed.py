@@ -1,0 +1,109 @@
+"""The engine's continuous batching replayed on paper, with a measured cost per step: a file -> seconds.
+
+Follows the engine's scheduler (bulkgen/engine/scheduler.py) closely enough to time it: every step first
+decodes one token for each running sequence whose prompt is done, then continues unfinished prompts, then
+admits waiting requests (longest first, as the workers pull ranges and the engine admits them) while
+slots and the step's token budget allow; a prompt longer than the budget is prefilled in chunks. A
+sequence whose prompt completes samples its first token in that step. KV-cache pressure (preemption) is
+not modelled: on CPU the cache holds every slot at full length, on a GPU it is sized for the step limits.
+
+Step cost is linear (see bulkgen/plan/profile.py), so runs of pure decode steps, where nothing can be
+admitted, are jumped over in one go: the simulation costs a few operations per request, not per token.
+Several workers: ranges of `range_size` requests are dealt longest first to the least loaded worker (as
+idle workers pull the longest range left); the batch ends when the last worker does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# (sequences in the step, prefill tokens, context tokens, sequences admitted in it) -> seconds
+StepCost = Callable[[int, int, int, int], float]
+
+
+@dataclass
+class _Seq:
+    prefill_left: int
+    decode_left: int
+    context: int
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+def batch_seconds(prompts: Sequence[int], outputs: Sequence[int], cost: StepCost, limits: EngineLimits,
+                  workers: int = 1, range_size: int = 32) -> float:
+    """Wall seconds from the first request entering an engine to the last one finishing.
+    `prompts`: prompt tokens each request must compute (cached prefix excluded); `outputs`: tokens each
+    generates (>= 1; 0 for a prefill-only request such as an embedding)."""
+    loads = _deal(list(zip(prompts, outputs, strict=True)), max(1, workers), range_size)
+    return max((engine_seconds(load, cost, limits) for load in loads if load), default=0.0)
+
+
+def _deal(requests: list[tuple[int, int]], workers: int, range_size: int) -> list[list[tuple[int, int]]]:
+    ranges = [requests[i:i + range_size] for i in range(0, len(requests), range_size)]
+    ranges.sort(key=lambda r: -sum(p + o for p, o in r) / len(r))
+    loads: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
+    work = [0] * workers
+    for r in ranges:
+        w = work.index(min(work))
+        loads[w] += r
+        work[w] += sum(p + o for p, o in r)
+    return loads
+
+
+def engine_seconds(requests: list[tuple[int, int]], cost: StepCost, limits: EngineLimits) -> float:
+    """One engine's time for `requests` (prompt tokens, output tokens), admitted longest first."""
+    waiting = sorted(requests, key=lambda r: r[0] + r[1])  # the next to admit is last
+    running: list[_Seq] = []
+    seconds = 0.0
+    while waiting or running:
+        decoding = [s for s in running if not s.prefill_left]
+        if not waiting and all(not s.prefill_left for s in running) or (
+                len(running) >= limits.max_num_seqs and decoding == running):
+            seconds += _decode_run(running, cost)
+        else:
+            seconds += _mixed_step(running, waiting, cost, limits)
+        running = [s for s in running if s.prefill_left or s.decode_left]
+    return seconds
+
+
+def _decode_run(running: list[_Seq], cost: StepCost) -> float:
+    """Steps until the first running sequence ends, all pure decode: summed in closed form (linear cost)."""
+    k, n = min(s.decode_left for s in running), len(running)
+    context = sum(s.context for s in running)
+    first = cost(n, 0, context, 0)
+    per_step_growth = cost(n, 0, context + n, 0) - first  # the context grows by n tokens a step
+    for s in running:
+        s.decode_left -= k
+        s.context += k
+    return k * first + per_step_growth * k * (k - 1) / 2
+
+
+def _mixed_step(running: list[_Seq], waiting: list[tuple[int, int]], cost: StepCost, limits: EngineLimits) -> float:
+    budget, prefill, context, active, admitted = limits.max_num_batched_tokens, 0, 0, 0, 0
+    for s in sorted(running, key=lambda s: bool(s.prefill_left)):  # decodes first
+        if budget == 0:
+            break
+        active += 1
+        if not s.prefill_left:
+            context += s.context
+            s.decode_left, s.context, budget = s.decode_left - 1, s.context + 1, budget - 1
+            continue
+        n = min(s.prefill_left, budget)
+        s.prefill_left, s.context, budget, prefill = s.prefill_left - n, s.context + n, budget - n, prefill + n
+        if not s.prefill_left:
+            s.decode_left = max(0, s.decode_left - 1)  # the step that ends a prompt samples its first token
+    while waiting and budget > 0 and len(running) < limits.max_num_seqs:
+        prompt, output = waiting.pop()
+        n = min(max(prompt, 1), budget)
+        seq = _Seq(max(prompt, 1) - n, output, n)
+        if not seq.prefill_left and output:
+            seq.decode_left -= 1
+        running.append(seq)
+        active, budget, prefill, admitted = active + 1, budget - n, prefill + n, admitted + 1
+    return cost(active, prefill, context, admitted)

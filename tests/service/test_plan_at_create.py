@@ -1,0 +1,54 @@
+"""The estimate a batch carries from create on, and `--refuse-infeasible`, on the session's real service.
+
+The profile here is test input: step costs written as a `bulkgen profile` would store them, slow enough
+(2 s a step) that 4,000 tokens cannot fit a 1h window; it is removed afterwards so the other tests'
+batches carry no estimate.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from bulkgen.plan import profile as profiles
+from tests.service.conftest import MODEL, chat_row, upload, validated, wait_done, write_jsonl
+
+
+@pytest.fixture
+def slow_profile(service):
+    store = service.svc.root
+    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 2.0, 0.0, 0.0, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
+    yield
+    store.delete(key)
+    service.svc.settings.refuse_infeasible = False
+
+
+def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, tmp_path):
+    client = service.client()
+    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", "x", max_tokens=4000)]))
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
+    batch = validated(client, batch.id)
+    client.batches.cancel(batch.id)
+    assert batch.status == "in_progress"
+    metrics = batch.model_extra["metrics"]
+    assert metrics["estimated_seconds"]["expected"] == pytest.approx(2.0 * 4000, rel=0.01)
+    assert metrics["estimated_completion_at"] >= batch.created_at + 7900
+    (warning,) = batch.errors.data
+    assert warning.code == "completion_window_infeasible_warning" and warning.param == "completion_window"
+    assert "longer than its completion window of 1h" in warning.message
+    assert wait_done(client, batch.id).status == "cancelled"
+
+
+def test_refuse_infeasible_answers_400_at_create(service, slow_profile, tmp_path):
+    service.svc.settings.refuse_infeasible = True
+    client = service.client()
+    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", "x", max_tokens=4000)]))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
+    error = caught.value.body
+    assert error["code"] == "completion_window_infeasible" and error["param"] == "completion_window"
+    assert "even alone" in error["message"]
+    fits = upload(client, write_jsonl(tmp_path / "short.jsonl", [chat_row("short-0", "x", max_tokens=4)]))
+    batch = client.batches.create(input_file_id=fits.id, endpoint="/v1/chat/completions", completion_window="1h")
+    assert batch.status == "in_progress" and batch.errors is None  # validated at create
+    assert wait_done(client, batch.id).status == "completed"
