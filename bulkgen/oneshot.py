@@ -19,7 +19,7 @@ from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
 from bulkgen.metrics.table import describe_summary
-from bulkgen.plan.admission import WorkTally, add_estimate
+from bulkgen.plan.admission import WorkTally, estimate_into
 from bulkgen.runtime.manager import BatchManager
 from bulkgen.settings import Settings
 from bulkgen.store import NotFound
@@ -38,9 +38,7 @@ def accept(svc: BatchService, fileobj: BinaryIO, name: str, endpoint: str, windo
     try:
         record = svc.create_batch(svc.files.create(fileobj, name, "batch")["id"], endpoint, window, None)
         tally = WorkTally()
-        record = svc.validate(record["id"], on_request=tally.add)
-        if record["status"] == "in_progress":
-            record = add_estimate(svc, record["id"], tally, queued_requests=0)
+        record = svc.validate(record["id"], on_request=tally.add, amend=estimate_into(svc, tally, queued_requests=0))
     except InvalidRequest as exc:
         raise OneShotError(str(exc)) from None
     if record["status"] == "failed":

@@ -11,7 +11,7 @@ from bulkgen.batch.validate import Validator, validate_stream
 
 def validate_batch(
     files: FileRepo, batches: BatchRepo, batch_id: str, served_models, max_requests: int, max_bytes: int,
-    on_request: Callable | None = None,
+    on_request: Callable | None = None, amend: Callable[[dict], dict] | None = None,
 ) -> dict:
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
@@ -19,7 +19,8 @@ def validate_batch(
     line in that same pass (the runner's line index), a line refused for its body included: it runs as that
     line's 400, and `request_counts.total` counts it. A batch cancelled before or while it was
     validated is validated all the same but stays `cancelling`: its runner then writes every request as
-    `batch_cancelled`, as for any cancelled batch."""
+    `batch_cancelled`, as for any cancelled batch. `amend(record)` adds to a batch that passed, in the same
+    conditional write that makes it `in_progress` (the plan's estimate), so no reader sees it without."""
     record = batches.get(batch_id)
     if not needs_validation(record):
         return record
@@ -40,7 +41,10 @@ def validate_batch(
             return _fail(r, result.error_list())
         r["model"] = result.model
         r["request_counts"]["total"] = result.total
-        return set_status(r, "in_progress") if r["status"] == "validating" else r
+        if r["status"] != "validating":
+            return r
+        r = set_status(r, "in_progress")
+        return amend(r) if amend is not None else r
 
     return batches.update(batch_id, apply)
 

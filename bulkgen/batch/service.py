@@ -109,11 +109,12 @@ class BatchService:
                                  param="input_file_id")
         return meta
 
-    def validate(self, batch_id: str, on_request: Callable | None = None) -> dict:
+    def validate(self, batch_id: str, on_request: Callable | None = None,
+                 amend: Callable[[dict], dict] | None = None) -> dict:
         """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
         s = self.settings
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
-                                s.max_file_bytes, on_request)
+                                s.max_file_bytes, on_request, amend)
         if record["status"] == "failed":
             self.mark_ended(batch_id, record)
         return record

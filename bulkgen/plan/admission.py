@@ -20,6 +20,7 @@ Without a stored profile there is no estimate and nothing is refused.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,41 +95,30 @@ def is_infeasible(record: dict) -> bool:
     return any(e["code"] == INFEASIBLE + "_warning" for e in (record.get("errors") or {}).get("data", []))
 
 
-def add_estimate(svc, batch_id: str, tally: WorkTally, queued_requests: int) -> dict:
-    """Write the estimate into a validated batch's record (the runner, right after validation)."""
+def estimate_into(svc, tally: WorkTally, queued_requests: int, refuse: bool = False) -> Callable[[dict], dict]:
+    """The validation's `amend`: writes the estimate (and a window warning) into the record in the write that
+    makes it `in_progress`. `refuse` (`--refuse-infeasible`): a batch its window cannot hold even alone is
+    `failed` in that same write (code completion_window_infeasible), so no runner ever starts it."""
     workers = svc.settings.workers.num_workers or svc.settings.workers.cpu_workers
-    planned = plan_record(svc.batches.get(batch_id), tally, svc.root, svc.batches, workers, queued_requests)
-    keep = {k: planned.get(k) for k in ("metrics", "errors")}
 
-    def apply(r: dict) -> dict | None:
-        if r["status"] != "in_progress" or r.get("metrics"):
-            return None  # ended or cancelled meanwhile, or a resumed runner's record that has it already
-        r.update(keep)
-        for key in (MAX_OUTPUT_KEY, HISTOGRAM_KEY):
-            r.setdefault(INTERNAL, {})[key] = planned[INTERNAL][key]
-        return r
+    def amend(record: dict) -> dict:
+        record = plan_record(record, tally, svc.root, svc.batches, workers, queued_requests)
+        if not (refuse and is_infeasible(record)):
+            return record
+        warning = next(e for e in record["errors"]["data"] if e["code"] == INFEASIBLE + "_warning")
+        record["errors"] = {"object": "list", "data": [{**warning, "code": INFEASIBLE}]}
+        return set_status(record, "failed")
 
-    return svc.batches.update(batch_id, apply)
+    return amend
 
 
 def validate_now(svc, batch_id: str, queued_requests: int) -> dict:
     """`--refuse-infeasible`: validate and estimate at create; a batch its window cannot hold even alone is
-    failed (code completion_window_infeasible) and refused with a 400 naming why. The runner then finds the
-    batch validated and indexes it with one more read, as it does for a resumed batch."""
+    failed and refused with a 400 naming why. The runner then finds the batch validated and indexes it with
+    one more read, as it does for a resumed batch."""
     tally = WorkTally()
-    record = svc.validate(batch_id, on_request=tally.add)
-    if record["status"] != "in_progress":
-        return record
-    record = add_estimate(svc, batch_id, tally, queued_requests)
-    if not is_infeasible(record):
-        return record
-    warning = next(e for e in record["errors"]["data"] if e["code"] == INFEASIBLE + "_warning")
-
-    def fail(r: dict) -> dict | None:
-        if r["status"] != "in_progress":
-            return None
-        r["errors"] = {"object": "list", "data": [{**warning, "code": INFEASIBLE}]}
-        return set_status(r, "failed")
-
-    svc.mark_ended(batch_id, svc.batches.update(batch_id, fail))
-    raise InvalidRequest(warning["message"], param="completion_window", code=INFEASIBLE)
+    record = svc.validate(batch_id, on_request=tally.add, amend=estimate_into(svc, tally, queued_requests, True))
+    refused = [e for e in (record.get("errors") or {}).get("data", []) if e["code"] == INFEASIBLE]
+    if record["status"] == "failed" and refused:
+        raise InvalidRequest(refused[0]["message"], param="completion_window", code=INFEASIBLE)
+    return record

@@ -29,7 +29,7 @@ from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, set_status, stored_priority
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
-from bulkgen.plan.admission import WorkTally, add_estimate
+from bulkgen.plan.admission import WorkTally, estimate_into
 from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
@@ -166,11 +166,11 @@ class BatchRunner:
             tally.add(*line)
 
         try:
-            record = self.svc.validate(self.batch_id, on_request=index_and_tally)
+            record = self.svc.validate(self.batch_id, on_request=index_and_tally,
+                                       amend=estimate_into(self.svc, tally, self.queue.pending_requests(),
+                                                           refuse=self.svc.settings.refuse_infeasible))
         except (NotFound, LookupError):
             raise BatchFailed("the input file is gone; the batch cannot run") from None
-        if record["status"] == "in_progress":
-            record = add_estimate(self.svc, self.batch_id, tally, self.queue.pending_requests())
         return record, (builder.build() if record["model"] is not None else None)
 
     def _scan(self, record: dict) -> LineIndex:
