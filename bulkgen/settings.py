@@ -244,19 +244,25 @@ def from_flags(values: Mapping[str, Any]) -> Settings:
         raw = values.get(name)
         if raw is None:
             continue
-        value = item.flag.parse(raw) if item.flag.parse else raw * item.flag.scale if item.flag.scale != 1 else raw
         node = tree
         for step in item.path[:-1]:
             node = node.setdefault(step, {})
-        node[item.param] = value
+        node[item.param] = _in_field_terms(item.flag, raw)
     try:
         return _build(Settings, tree)
     except SettingError as exc:
         if exc.field not in known:
             raise
         flag, raw = known[exc.field].flag, values.get(exc.field)
-        shown = "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"
+        shown = "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"  # as typed: 0.3, 5
         raise ValueError(f"{flag.name}{shown}: {exc.message}") from None
+
+
+def _in_field_terms(flag: Flag, raw: Any) -> Any:
+    """A flag's value as its field holds it: a repeatable flag's values parsed, a unit scaled (MiB -> bytes)."""
+    if flag.parse:
+        return flag.parse(raw)
+    return raw * flag.scale if flag.scale != 1 else raw
 
 
 def _build(cls: type, tree: dict[str, Any]) -> Any:
