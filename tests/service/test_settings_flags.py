@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from bulkgen.cli.server_cmds import run
+from bulkgen.cli.server_cmds import run, serve
 from bulkgen.settings import ENGINE_FLAGS, MIB, Settings, WorkerSettings, flag_fields, from_flags
 
 # The flags users have today: none may disappear or be renamed without this list changing with it.
@@ -149,3 +149,8 @@ def test_settings_built_in_code_name_the_field():
         WorkerSettings(poll_deadline_s=0.2)
     with pytest.raises(ValueError, match=r"^max_num_seqs 0: must be a positive int$"):
         WorkerSettings(engine_kwargs={"max_num_seqs": 0})
+
+
+def test_serve_alone_takes_refuse_infeasible_into_its_settings():
+    assert from_flags(serve.make_context("serve", ["--refuse-infeasible"]).params).refuse_infeasible is True
+    assert from_flags(serve.make_context("serve", []).params).refuse_infeasible is False
