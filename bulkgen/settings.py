@@ -1,12 +1,17 @@
 """Service settings: plain data, validated once, read by every floor (batch, runtime, api, cli).
 
-Nothing here does work; the batch service (`bulkgen.batch.service`) and the runtime take these values.
+Each setting is stated once, as a field: its default, its check, and the command-line flag a user sets it
+with (`Flag` in the field's metadata: name, help, env var, unit). `bulkgen.cli.settings_options` makes the
+click options from those fields and `from_flags` turns what the user typed back into Settings, so a new
+setting is one new field. Nothing here does work; the batch service (`bulkgen.batch.service`) and the
+runtime take these values.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from bulkgen.models.registry import parse_model_specs
@@ -15,64 +20,252 @@ from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
 BODY_TIMEOUT_S = 60.0  # seconds a request body may stall before the API refuses it (`serve --body-timeout`)
+MIB = 1024 * 1024
+
+
+class SettingError(ValueError):
+    """A field's value fails its check; `field` names it, so the command line can name its flag instead."""
+
+    def __init__(self, field: str, value: Any, message: str) -> None:
+        super().__init__(f"{field} {value!r}: {message}")
+        self.field, self.value, self.message = field, value, message
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a user sets one field from the command line."""
+
+    name: str                                # the option, e.g. "--max-file-mb"
+    help: str | None = None
+    envvar: str | None = None
+    metavar: str | None = None
+    type: type | None = None                 # None: the type of the field's default
+    choices: tuple[str, ...] | None = None
+    scale: int = 1                           # field = flag value * scale (--max-file-mb MiB -> max_file_bytes)
+    parse: Callable[[tuple[str, ...]], Any] | None = None  # a repeatable flag: its values -> the field's value
+    shared: bool = True                      # False: only the command that uses it declares it (serve)
+
+
+def setting(default: Any = MISSING, *, factory: Any = MISSING, flag: Flag | None = None,
+            check: Callable[[Any], None] | None = None, keys: Mapping[str, Flag] | None = None) -> Any:
+    """A settings field. `flag=None` says on purpose that users do not set it from the command line;
+    `check` raises ValueError (what is wrong, without the value); `keys`: flags of a dict field's keys."""
+    return field(default=default, default_factory=factory, metadata={"flag": flag, "check": check, "keys": keys})
+
+
+def _positive_int(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("must be a positive int")
+
+
+def _optional(check: Callable[[Any], None]) -> Callable[[Any], None]:
+    return lambda value: None if value is None else check(value)
+
+
+def _at_least(low: float, what: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if not value >= low:
+            raise ValueError(f"must be at least {what}")
+    return check
+
+
+def _over(low: float, what: str) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if not value > low:
+            raise ValueError(f"must be over {what}")
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], None]:
+    def check(value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+    return check
+
+
+def _some_model(models: dict[str, str]) -> None:
+    if not models:
+        raise ValueError("at least one model must be served")
+
+
+def _check_weights(weights: dict[str, float]) -> None:
+    for name, weight in weights.items():
+        check_weight(str(weight), f"tenant {check_tenant(name)!r}")
 
 
 def parse_tenant_weights(specs: tuple[str, ...] | list[str]) -> dict[str, float]:
-    """`TENANT=W` flags (`--tenant-weight`) to tenant -> weight; ValueError naming the bad one."""
+    """`TENANT=W` flags (`--tenant-weight`) to tenant -> weight; ValueError naming the flag and the bad one."""
     weights = {}
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if not sep:
-            raise ValueError(f"--tenant-weight {spec[:80]!r}: expected TENANT=W, e.g. analytics=3")
-        weights[check_tenant(name.strip())] = check_weight(value.strip(), f"tenant {name.strip()!r}")
+        try:
+            if not sep:
+                raise ValueError("expected TENANT=W, e.g. analytics=3")
+            weights[check_tenant(name.strip())] = check_weight(value.strip(), f"tenant {name.strip()!r}")
+        except ValueError as exc:
+            raise ValueError(f"--tenant-weight {spec[:80]!r}: {exc}") from None
     return weights
+
+
+# EngineConfig fields the command line sets through WorkerSettings.engine_kwargs; absent: sized for the device.
+ENGINE_FLAGS = {
+    "max_num_seqs": Flag("--max-num-seqs", type=int, help="Sequences per engine step; default sized for the "
+                         "device (CPU 64, GPU 128-512 by free memory)."),
+    "max_num_batched_tokens": Flag("--max-num-batched-tokens", type=int, help="Token budget per engine step "
+                                   "(chunked prefill above it); default by device (CPU 2048, GPU 4k-16k)."),
+}
+
+
+def _check_engine(engine_kwargs: dict[str, Any]) -> None:
+    for key in ENGINE_FLAGS.keys() & engine_kwargs.keys():
+        try:
+            _positive_int(engine_kwargs[key])
+        except ValueError as exc:
+            raise SettingError(key, engine_kwargs[key], str(exc)) from None
+
+
+def _check_fields(settings: Any) -> None:
+    for item in fields(settings):
+        check, value = item.metadata.get("check"), getattr(settings, item.name)
+        try:
+            if check is not None:
+                check(value)
+        except SettingError:
+            raise
+        except ValueError as exc:
+            raise SettingError(item.name, value, str(exc)) from None
 
 
 @dataclass
 class WorkerSettings:
     """The engine worker actors: where Ray is, how many actors, and the engine's own settings."""
 
-    ray_address: str | None = None       # None: start a local Ray; "auto", host:port or ray://…: join a cluster
-    num_workers: int | None = None       # None: one per GPU in the cluster, else `cpu_workers`
-    cpu_workers: int = 1
-    cpu_threads: int | None = None       # torch threads per CPU worker (Ray sets 1 otherwise)
-    poll_deadline_s: float = 30.0        # a worker that leaves a poll (answered within 0.5 s) unanswered this
-                                         # long is presumed lost (node dead or cut off): its ranges go elsewhere
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    ray_address: str | None = setting(None, flag=Flag(
+        "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster (host:port, ray://…, or 'auto': this "
+        "machine's `ray start` cluster; env RAY_ADDRESS); default: a private local Ray, whatever else runs here."))
+    num_workers: int | None = setting(None, check=_optional(_positive_int), flag=Flag(
+        "--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."))
+    cpu_workers: int = setting(1, check=_positive_int, flag=Flag(
+        "--cpu-workers", help="CPU workers when there is no GPU."))
+    # torch threads per CPU worker (Ray sets 1 otherwise); sized by whoever builds a pool, not by users
+    cpu_threads: int | None = setting(None, check=_optional(_positive_int))
+    engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
+    # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
+    # cut off): its ranges go elsewhere
+    poll_deadline_s: float = setting(30.0, check=_over(0.5, "0.5 s (a healthy poll's wait)"), flag=Flag(
+        "--worker-poll-deadline", help="Seconds a worker may leave a poll (answered within 0.5 s when healthy) "
+        "unanswered before it counts as lost and its work goes elsewhere; Ray's own RAY_health_check_* settings "
+        "decide when Ray marks its node dead."))
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
 
 
 @dataclass
 class Settings:
-    storage: str = DEFAULT_STORAGE          # a local folder, file:///…, or s3://bucket/prefix
-    endpoint_url: str | None = None         # S3-compatible endpoint (else AWS_ENDPOINT_URL)
-    models: dict[str, str] = field(default_factory=lambda: parse_model_specs([]))
-    max_requests_per_batch: int = 50_000
-    max_file_bytes: int = 200 * 1024 * 1024
-    range_size: int = 32                    # requests per line range: the unit workers pull and parts hold
-    scheduling: str = "fifo"                # order of batches: "fifo" (created_at) or "deadline" (expires_at)
-    fair_share_after_s: float = 30.0        # a batch given no work for this long is served next (no starvation)
-    lease_ttl_s: float = 30.0               # a runner's claim on a batch lapses this long after its last renewal
-    storage_outage_timeout_s: float = 300.0  # a runner whose storage stays down this long stops (batch stays active)
-    workers: WorkerSettings = field(default_factory=WorkerSettings)
-    tenant: str = DEFAULT_TENANT            # whose batches `bulkgen run` / the watcher / a keyless service make
-    tenant_weights: dict[str, float] = field(default_factory=dict)  # share of the workers; others weigh 1
-    refuse_infeasible: bool = False         # create answers 400 for a batch its window cannot hold (bulkgen.plan)
+    """What `serve`, `run`, `watch` and the Ray job run with; fields in the order `--help` lists their flags."""
+
+    storage: str = setting(DEFAULT_STORAGE, flag=Flag(
+        "--storage", envvar="BULKGEN_STORAGE",
+        help="Where everything lives: a folder, file:///…, or s3://bucket/prefix (env BULKGEN_STORAGE)."))
+    endpoint_url: str | None = setting(None, flag=Flag(  # else AWS_ENDPOINT_URL, read by the S3 store
+        "--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."))
+    models: dict[str, str] = setting(factory=lambda: parse_model_specs([]), check=_some_model, flag=Flag(
+        "--model", metavar="NAME=PATH", parse=parse_model_specs,
+        help="Served model (local folder or s3://…), repeatable; default: the bundled sample model."))
+    workers: WorkerSettings = setting(factory=WorkerSettings)
+    range_size: int = setting(32, check=_positive_int, flag=Flag(  # the unit workers pull and parts hold
+        "--range-size", help="Requests per line range: the unit workers pull and results are checkpointed in."))
+    max_requests_per_batch: int = setting(50_000, check=_positive_int, flag=Flag("--max-requests-per-batch"))
+    max_file_bytes: int = setting(200 * MIB, check=_positive_int, flag=Flag(
+        "--max-file-mb", scale=MIB,
+        help="Largest input file accepted, in MiB (uploads are refused while they stream past it)."))
+    scheduling: str = setting("fifo", check=_one_of(SCHEDULING), flag=Flag(  # fifo: by created_at
+        "--scheduling", choices=SCHEDULING,
+        help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."))
+    fair_share_after_s: float = setting(30.0, check=_at_least(0, "0"), flag=Flag(
+        "--fair-share-after", help="Seconds a batch may get no work before it is served next (no batch starves)."))
+    tenant_weights: dict[str, float] = setting(factory=dict, check=_check_weights, flag=Flag(  # others weigh 1
+        "--tenant-weight", metavar="TENANT=W", parse=parse_tenant_weights,
+        help="Give TENANT W times the default share of the workers while tenants compete (repeatable; default 1 "
+        "each); a keys file's `TENANT weight=W` line wins over it."))
+    lease_ttl_s: float = setting(30.0, check=_at_least(1, "1 second"), flag=Flag(  # since the last renewal
+        "--lease-ttl", help="Seconds after which another replica takes over a batch whose runner stopped renewing."))
+    tenant: str = setting(DEFAULT_TENANT, check=check_tenant, flag=Flag(  # also the tenant of a keyless service
+        "--tenant", envvar="BULKGEN_TENANT",
+        help="Whose files and batches these are (env BULKGEN_TENANT); with API keys, each key's tenant."))
+    storage_outage_timeout_s: float = setting(300.0, check=_over(0, "0 seconds"), flag=Flag(
+        "--storage-outage-timeout", help="Seconds a running batch waits for storage that stopped answering; then "
+        "its runner stops, the batch stays active and resumes once storage answers."))
+    # create answers 400 for a batch its window cannot hold (bulkgen.plan); only `serve` creates from a client
+    refuse_infeasible: bool = setting(False, flag=Flag(
+        "--refuse-infeasible", shared=False,
+        help="Validate at create and answer 400 for a batch whose estimated time, alone on the workers, exceeds "
+        "its completion window (needs a stored `bulkgen profile`); default: accept and warn in the batch's errors."))
 
     def __post_init__(self) -> None:
-        check_tenant(self.tenant)
-        for name, weight in self.tenant_weights.items():
-            check_tenant(name)
-            check_weight(str(weight), f"tenant {name!r}")
-        for name in ("range_size", "max_requests_per_batch", "max_file_bytes"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if self.scheduling not in SCHEDULING:
-            raise ValueError(f"scheduling must be one of {SCHEDULING}, got {self.scheduling!r}")
-        if self.lease_ttl_s < 1:
-            raise ValueError(f"lease_ttl_s must be at least 1 second, got {self.lease_ttl_s!r}")
-        if not self.storage_outage_timeout_s > 0:
-            raise ValueError(f"storage_outage_timeout_s must be > 0, got {self.storage_outage_timeout_s!r}")
-        if self.fair_share_after_s < 0:
-            raise ValueError(f"fair_share_after_s must be >= 0, got {self.fair_share_after_s!r}")
-        if not self.models:
-            raise ValueError("at least one model must be served")
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class FlagField:
+    """One flag and where its value goes: `path` from Settings, e.g. ("workers", "engine_kwargs", "max_num_seqs")."""
+
+    path: tuple[str, ...]
+    flag: Flag
+    default: Any  # in the flag's unit; None for a repeatable flag (its parser makes the field's default)
+
+    @property
+    def param(self) -> str:
+        """The command's parameter name: the field's (or dict key's) own name, unique across the settings."""
+        return self.path[-1]
+
+
+def flag_fields(cls: type = Settings, path: tuple[str, ...] = ()) -> Iterator[FlagField]:
+    """Every flag of the settings, in field order (nested settings where their field stands)."""
+    for item in fields(cls):
+        where, meta = (*path, item.name), item.metadata
+        if is_dataclass(item.default_factory):
+            yield from flag_fields(item.default_factory, where)
+        for key, flag in (meta.get("keys") or {}).items():
+            yield FlagField((*where, key), flag, None)
+        if meta.get("flag") is not None:
+            flag = meta["flag"]
+            default = None if flag.parse or item.default is MISSING else item.default
+            yield FlagField(where, flag, default // flag.scale if flag.scale != 1 else default)
+
+
+def from_flags(values: Mapping[str, Any]) -> Settings:
+    """Settings from command-line values keyed by `FlagField.param` (None or absent: the field's default);
+    ValueError naming the flag and the value the user gave."""
+    tree: dict[str, Any] = {}
+    known = {item.param: item for item in flag_fields()}
+    for name, item in known.items():
+        raw = values.get(name)
+        if raw is None:
+            continue
+        node = tree
+        for step in item.path[:-1]:
+            node = node.setdefault(step, {})
+        node[item.param] = _in_field_terms(item.flag, raw)
+    try:
+        return _build(Settings, tree)
+    except SettingError as exc:
+        if exc.field not in known:
+            raise
+        flag, raw = known[exc.field].flag, values.get(exc.field)
+        shown = "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"  # as typed: 0.3, 5
+        raise ValueError(f"{flag.name}{shown}: {exc.message}") from None
+
+
+def _in_field_terms(flag: Flag, raw: Any) -> Any:
+    """A flag's value as its field holds it: a repeatable flag's values parsed, a unit scaled (MiB -> bytes)."""
+    if flag.parse:
+        return flag.parse(raw)
+    return raw * flag.scale if flag.scale != 1 else raw
+
+
+def _build(cls: type, tree: dict[str, Any]) -> Any:
+    kinds = {item.name: item.default_factory for item in fields(cls)}
+    return cls(**{name: _build(kinds[name], value) if is_dataclass(kinds[name]) else value
+                  for name, value in tree.items()})

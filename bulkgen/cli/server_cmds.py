@@ -9,80 +9,19 @@ from pathlib import Path
 
 import click
 
-from bulkgen.models.registry import parse_model_specs
-from bulkgen.settings import (
-    BODY_TIMEOUT_S,
-    DEFAULT_STORAGE,
-    SCHEDULING,
-    Settings,
-    WorkerSettings,
-    parse_tenant_weights,
-)
+from bulkgen.cli.settings_options import pop_settings, setting_option, settings_flags, settings_from
+from bulkgen.settings import BODY_TIMEOUT_S, Settings
 
 SHUTDOWN_GRACE_S = 10.0  # how long `serve` lets running requests finish once told to stop
 
-_RUNTIME_OPTIONS = [
-    click.option("--storage", envvar="BULKGEN_STORAGE", default=DEFAULT_STORAGE, show_default=True,
-                 help="Where everything lives: a folder, file:///…, or s3://bucket/prefix (env BULKGEN_STORAGE)."),
-    click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."),
-    click.option("--model", "models", multiple=True, metavar="NAME=PATH",
-                 help="Served model (local folder or s3://…), repeatable; default: the bundled sample model."),
-    click.option("--ray-address", envvar="RAY_ADDRESS",
-                 help="Join this Ray cluster (host:port, ray://…, or 'auto': this machine's `ray start` cluster; "
-                      "env RAY_ADDRESS); default: a private local Ray, whatever else runs here."),
-    click.option("--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."),
-    click.option("--cpu-workers", type=int, default=1, show_default=True, help="CPU workers when there is no GPU."),
-    click.option("--max-num-seqs", type=int,
-                 help="Sequences per engine step; default sized for the device (CPU 64, GPU 128-512 by free memory)."),
-    click.option("--max-num-batched-tokens", type=int,
-                 help="Token budget per engine step (chunked prefill above it); default by device (CPU 2048, GPU 4k-16k)."),
-    click.option("--range-size", type=int, default=32, show_default=True,
-                 help="Requests per line range: the unit workers pull and results are checkpointed in."),
-    click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True),
-    click.option("--max-file-mb", type=int, default=200, show_default=True,
-                 help="Largest input file accepted, in MiB (uploads are refused while they stream past it)."),
-    click.option("--scheduling", type=click.Choice(SCHEDULING), default="fifo", show_default=True,
-                 help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."),
-    click.option("--fair-share-after", "fair_share_after_s", type=float, default=30.0, show_default=True,
-                 help="Seconds a batch may get no work before it is served next (no batch starves)."),
-    click.option("--tenant-weight", "tenant_weights", multiple=True, metavar="TENANT=W",
-                 help="Give TENANT W times the default share of the workers while tenants compete (repeatable; "
-                      "default 1 each); a keys file's `TENANT weight=W` line wins over it."),
-    click.option("--lease-ttl", "lease_ttl_s", type=float, default=30.0, show_default=True,
-                 help="Seconds after which another replica takes over a batch whose runner stopped renewing."),
-    click.option("--tenant", envvar="BULKGEN_TENANT", default="default", show_default=True,
-                 help="Whose files and batches these are (env BULKGEN_TENANT); with API keys, each key's tenant."),
-    click.option("--worker-poll-deadline", "poll_deadline_s", type=float, default=30.0, show_default=True,
-                 help="Seconds a worker may leave a poll (answered within 0.5 s when healthy) unanswered before it "
-                 "counts as lost and its work goes elsewhere; Ray's own RAY_health_check_* settings decide when "
-                 "Ray marks its node dead."),
-    click.option("--storage-outage-timeout", "storage_outage_timeout_s", type=float, default=300.0,
-                 show_default=True, help="Seconds a running batch waits for storage that stopped answering; "
-                 "then its runner stops, the batch stays active and resumes once storage answers."),
-]
-
-
-RUNTIME_KEYS = ("storage", "endpoint_url", "models", "ray_address", "workers", "cpu_workers", "max_num_seqs",
-                "max_num_batched_tokens", "range_size", "max_requests_per_batch", "max_file_mb", "scheduling",
-                "fair_share_after_s", "lease_ttl_s", "tenant", "storage_outage_timeout_s", "tenant_weights",
-                "poll_deadline_s")
-
-
-def runtime_flags(fn):
-    """Only the options; the command builds Settings itself with `settings_from(**runtime)`."""
-    for option in reversed(_RUNTIME_OPTIONS):
-        fn = option(fn)
-    return fn
-
 
 def runtime_options(fn):
-    """The options, turned into one `settings` argument."""
-    fn = runtime_flags(fn)
+    """The settings flags, turned into one `settings` argument (storage checked, and created if a folder)."""
+    fn = settings_flags(fn)
 
     @functools.wraps(fn)
     def wrapper(**kwargs):
-        runtime = {k: kwargs.pop(k) for k in RUNTIME_KEYS}
-        settings = settings_from(**runtime)
+        settings = settings_from(pop_settings(kwargs))
         with runtime_errors():
             check_storage(settings.storage, settings.endpoint_url, create=True)
             return fn(settings=settings, **kwargs)
@@ -116,27 +55,6 @@ def check_storage(url: str, endpoint_url: str | None, create: bool = False):
         store.create()
     store.check(attempts=3)
     return store
-
-
-def settings_from(storage, endpoint_url, models, ray_address, workers, cpu_workers, max_num_seqs,
-                  max_num_batched_tokens, range_size, max_requests_per_batch, max_file_mb, scheduling,
-                  fair_share_after_s, lease_ttl_s, tenant, storage_outage_timeout_s,
-                  tenant_weights: tuple[str, ...] = (), poll_deadline_s: float = 30.0) -> Settings:
-    try:
-        engine = {k: v for k, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens))
-                  if v is not None}
-        if poll_deadline_s <= 0.5:
-            raise ValueError(f"--worker-poll-deadline {poll_deadline_s:g}: must be over 0.5 s (a healthy poll's wait)")
-        pool = WorkerSettings(ray_address=ray_address, num_workers=workers, cpu_workers=cpu_workers,
-                              engine_kwargs=engine, poll_deadline_s=poll_deadline_s)
-        return Settings(storage=storage, endpoint_url=endpoint_url, models=parse_model_specs(models),
-                        range_size=range_size, max_requests_per_batch=max_requests_per_batch,
-                        max_file_bytes=max_file_mb * 1024 * 1024, scheduling=scheduling,
-                        fair_share_after_s=fair_share_after_s, lease_ttl_s=lease_ttl_s, workers=pool,
-                        tenant=tenant, storage_outage_timeout_s=storage_outage_timeout_s,
-                        tenant_weights=parse_tenant_weights(tenant_weights))
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
 
 
 def webhook_options(fn):
@@ -181,15 +99,11 @@ def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
 @click.option("--body-timeout", "body_timeout_s", type=click.FloatRange(min=0, min_open=True),
               default=BODY_TIMEOUT_S, show_default=True,
               help="Seconds a request body may stall (no bytes arriving) before it is refused with 408.")
-@click.option("--refuse-infeasible", is_flag=True,
-              help="Validate at create and answer 400 for a batch whose estimated time, alone on the workers, "
-                   "exceeds its completion window (needs a stored `bulkgen profile`); default: accept and warn "
-                   "in the batch's errors.")
+@setting_option("refuse_infeasible")
 @webhook_options
 @runtime_options
 def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
-          allowed_hosts: str, body_timeout_s: float, webhook: str | None, webhook_secret: str | None,
-          refuse_infeasible: bool):
+          allowed_hosts: str, body_timeout_s: float, webhook: str | None, webhook_secret: str | None):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -206,7 +120,6 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
         raise click.ClickException(str(exc)) from None
     if keyring is not None and not keyring.tenants():
         raise click.ClickException(f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`")
-    settings.refuse_infeasible = refuse_infeasible
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     notifier = webhook_notifier(settings, webhook, webhook_secret)
     svc = BatchService(settings, on_batch_end=notifier)

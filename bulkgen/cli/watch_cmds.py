@@ -10,15 +10,8 @@ import click
 from click.core import ParameterSource
 
 from bulkgen.batch.schema import ENDPOINTS
-from bulkgen.cli.server_cmds import (
-    RUNTIME_KEYS,
-    check_storage,
-    runtime_errors,
-    runtime_flags,
-    settings_from,
-    webhook_notifier,
-    webhook_options,
-)
+from bulkgen.cli.server_cmds import check_storage, runtime_errors, webhook_notifier, webhook_options
+from bulkgen.cli.settings_options import settings_flags, settings_from
 
 
 @click.command()
@@ -37,7 +30,7 @@ from bulkgen.cli.server_cmds import (
               help="Seconds before another watcher takes over an object whose watcher stopped (default 60).")
 @click.option("--once", is_flag=True, help="Poll once, run what was found to its end, and exit.")
 @webhook_options
-@runtime_flags
+@settings_flags
 @click.pass_context
 def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, interval, schedule, sqs_queue_url,
           endpoint, completion_window, output_format, claim_ttl, once: bool, webhook, webhook_secret, **runtime):
@@ -60,7 +53,7 @@ def watch(ctx: click.Context, job_path: Path | None, input_url, output_url, inte
     for key, value in (("storage", spec.storage), ("models", tuple(spec.models))):  # the job's, unless given
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             runtime[key] = value
-    settings = settings_from(**{k: runtime[k] for k in RUNTIME_KEYS})
+    settings = settings_from(runtime)
     with runtime_errors():
         check_storage(settings.storage, settings.endpoint_url, create=True)
     # signed events once each batch's results are written under the output prefix
