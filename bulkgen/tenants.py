@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from bulkgen.store import layout
+
 DEFAULT_TENANT = "default"
 TENANT_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"
 _TENANT = re.compile(rf"^{TENANT_PATTERN}$")
@@ -49,7 +51,7 @@ def check_tenant(name: str) -> str:
 
 def tenant_prefix(name: str) -> str:
     """The folder of a tenant's objects under the storage root ('' for the default tenant)."""
-    return "" if check_tenant(name) == DEFAULT_TENANT else f"tenants/{name}"
+    return "" if check_tenant(name) == DEFAULT_TENANT else layout.tenant_root(name)
 
 
 def hash_key(key: str) -> str:

@@ -34,13 +34,13 @@ from urllib.parse import urlsplit
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bulkgen import __version__
-from bulkgen.store import NotFound, Store
+from bulkgen.store import NotFound, Store, layout
 
 log = logging.getLogger(__name__)
 
 EVENT_TYPES = {status: f"batch.{status}" for status in ("completed", "failed", "expired", "cancelled")}
 SECRET_PREFIX = "whsec_"
-PENDING_PREFIX = "webhooks/pending/"
+PENDING_PREFIX = layout.WEBHOOKS_PENDING
 
 
 class Retryable(Exception):
@@ -211,4 +211,4 @@ class WebhookNotifier:
 
 
 def _pending_key(event: dict) -> str:
-    return f"{PENDING_PREFIX}{event['id']}.json"
+    return layout.webhook_pending(event["id"])
