@@ -97,5 +97,6 @@ def _change(store: Store, file_id: str, change: Callable[[dict], dict], refuse_d
             raise FileDeleting(file_id)
         return change(state)
 
-    update_json(store, layout.file_use(FileRepo.check(file_id)), checked, missing={"pins": 0, "deleting": False},
-                attempts=_ATTEMPTS, conflict=f"file {file_id}: too many concurrent batch creations and deletes")
+    key = layout.file_use(FileRepo.check(file_id))
+    update_json(store, key, checked, missing={"pins": 0, "deleting": False}, attempts=_ATTEMPTS,
+                conflict=f"file {file_id}: too many concurrent batch creations and deletes")

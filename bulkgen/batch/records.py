@@ -1,11 +1,11 @@
 """File and batch records in object storage: the only state the service has.
 
-Their keys are named in bulkgen.store.layout (file object and bytes, batch object; batch objects take
-conditional writes: two writers never overwrite each other). Ids sort newest-first, so the default listing order is a plain key listing, and a page is a listing
-that starts after the cursor's key: O(page) whatever is stored, and right even when the cursor's own
-object was deleted meanwhile (a cursor is a position, not an object). Files listed oldest first (order=asc)
-read the keys up to the cursor (keys only, no records; 1,000 per S3 request) and keep the last page of
-them: O(page) records and memory, O(position) key listing.
+Their keys are named in bulkgen.store.layout: a file's object and bytes, a batch's object (conditional
+writes: two writers never overwrite each other). Ids sort newest-first, so the default listing order is a
+plain key listing, and a page is a listing that starts after the cursor's key: O(page) whatever is stored,
+and right even when the cursor's own object was deleted meanwhile (a cursor is a position, not an object).
+Files listed oldest first (order=asc) read the keys up to the cursor (keys only, no records; 1,000 per S3
+request) and keep the last page of them: O(page) records and memory, O(position) key listing.
 
 A file whose `expires_at` has passed is gone for every reader at once (404, left out of lists); `bulkgen
 gc` removes its bytes later.
@@ -225,8 +225,8 @@ class BatchRepo:
             return None if new == record else new
 
         try:
-            record, new = update_json(self.store, self.key(batch_id), changed, attempts=attempts, pause_s=0.01,
-                                      conflict=f"batch {batch_id}: too many concurrent updates")
+            record, new = update_json(self.store, self.key(batch_id), changed, attempts=attempts,
+                                      pause_s=0.01, conflict=f"batch {batch_id}: too many concurrent updates")
         except NotFound:
             raise RecordNotFound(f"No such batch: {batch_id!r}") from None
         if new is None:

@@ -161,7 +161,8 @@ def metrics_state(batch_id: str) -> str:
 
 # -- the active index (storage root) ------------------------------------------------------------------
 def active(batch_id: str, tenant: str = "") -> str:
-    """The batch's entry in the active index; `tenant` '' for the default tenant (its entries have no folder)."""
+    """The batch's entry in the active index; `tenant` '' for the default tenant (whose entries have no
+    folder)."""
     return f"{ACTIVE}{tenant}/{batch_id}" if tenant else f"{ACTIVE}{batch_id}"
 
 

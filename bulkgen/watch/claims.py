@@ -5,11 +5,12 @@ In the service storage, beside the batches the claims lead to (keys: bulkgen.sto
   a claim       {owner, expires_at, state, batch_id, file_id, input, key, etag}
   a done mark   empty: the object version is finished (results or a report written)
 
-A claim is a TTL lease (bulkgen.store.conditional). Taking it is a create-if-absent; a claim whose owner stopped renewing it (its process died) is
-retaken with a replace-if-unchanged once `expires_at` has passed, and the new owner carries on from what
-the claim records: the batch it started (resumed, never created twice) or the input file it uploaded.
-Finished object versions are found with one listing of the done marks, so a poll costs a few listings and
-no request per old object. A changed object has a new ETag, hence a new claim: it is processed again.
+A claim is a TTL lease (bulkgen.store.conditional). Taking it is a create-if-absent; a claim whose owner
+stopped renewing it (its process died) is retaken with a replace-if-unchanged once `expires_at` has
+passed, and the new owner carries on from what the claim records: the batch it started (resumed, never
+created twice) or the input file it uploaded. Finished object versions are found with one listing of the
+done marks, so a poll costs a few listings and no request per old object. A changed object has a new ETag,
+hence a new claim: it is processed again.
 """
 
 from __future__ import annotations
