@@ -7,9 +7,10 @@ gives a tenant W times the default share of the workers when several tenants hav
 (rotation: add the new one, then `bulkgen keys revoke sha256:PREFIX` the old one). A running service
 sees a change of the file at its next request, without a restart, and fails closed (KeyRing).
 
-Storage: the `default` tenant owns the storage root (the layout a single-tenant service always had);
-every other tenant owns `tenants/<name>/` under it, with the same layout inside. Results, parts, leases
-and reports of a batch are written under its tenant, so one tenant can never name another's objects.
+Storage: the `default` tenant owns the storage root (the layout a single-tenant service always had); every
+other tenant owns a folder under it (`layout.tenant_root`), with the same layout inside. Results, parts,
+leases and reports of a batch are written under its tenant, so one tenant can never name another's
+objects.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ v1,<base64 HMAC-SHA256 of "{webhook-id}.{timestamp}.{body}">`, keyed by the base
 
 Delivery is at least once. The event id (and webhook-id) is derived from the batch id and its final
 status, so a resent event carries the same id and receivers de-duplicate on it. One background thread
-sends from a bounded queue, so a slow or dead receiver never holds a batch up: network errors, 5xx and
-429 are retried with exponential backoff (tenacity); any other answer, or the last failed try, is logged
-in one line and the event is dropped. Given the service's store, each event is also kept under
-webhooks/pending/ until it is delivered or dropped, and a notifier that starts sends what an earlier
-process left there (one that died, was stopped mid-retry, or had a full queue).
+sends from a bounded queue, so a slow or dead receiver never holds a batch up: network errors, 5xx and 429
+are retried with exponential backoff (tenacity); any other answer, or the last failed try, is logged in
+one line and the event is dropped. Given the service's store, each event is also kept in it
+(`layout.webhook_pending`) until it is delivered or dropped, and a notifier that starts sends what an
+earlier process left there (one that died, was stopped mid-retry, or had a full queue).
 """
 
 from __future__ import annotations

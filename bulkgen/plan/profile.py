@@ -7,9 +7,9 @@ step records:
     step seconds = base + per_seq × sequences in the step + per_prefill_token × prefill tokens
                    + per_context_token × context tokens the decoding sequences attend to
 
-It also times the model load (the fixed cost a fresh worker pays). The profile is stored as JSON under
-the storage root, `profiles/<model>/<device>.json`, so `bulkgen plan`, `bulkgen serve` (the estimate at
-create) and every replica on the same storage read the same figures.
+It also times the model load (the fixed cost a fresh worker pays). The profile is stored as JSON under the
+storage root, one object per model and device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the
+estimate at create) and every replica on the same storage read the same figures.
 """
 
 from __future__ import annotations
