@@ -19,7 +19,11 @@ def _bump(state: dict) -> dict:
 def test_concurrent_updates_lose_nothing(tmp_path):
     store = LocalStore(tmp_path, fsync=False)
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda _: update_json(store, "meta/n.json", _bump, missing={"n": 0}, attempts=500), range(80)))
+        list(
+            pool.map(
+                lambda _: update_json(store, "meta/n.json", _bump, missing={"n": 0}, attempts=500), range(80)
+            )
+        )
     assert json.loads(store.read_bytes("meta/n.json")) == {"n": 80}
 
 
@@ -52,4 +56,6 @@ def test_a_lease_excludes_others_while_live_and_carries_its_body_to_the_next_own
 def test_unless_refuses_a_stored_body(tmp_path):
     store = LocalStore(tmp_path, fsync=False)
     assert TtlLease(store, "watch/claims/h.json", "one", ttl_s=0).take({"state": "done"})
-    assert not TtlLease(store, "watch/claims/h.json", "two", ttl_s=60).take(unless=lambda b: b["state"] == "done")
+    assert not TtlLease(store, "watch/claims/h.json", "two", ttl_s=60).take(
+        unless=lambda b: b["state"] == "done"
+    )
