@@ -73,8 +73,8 @@ def run_engine(path: Path, engine_kwargs: dict) -> dict:
 def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
     from bulkgen.batch.service import BatchService
     from bulkgen.oneshot import run_batch
-    from bulkgen.runtime.parts import metrics_state_key
     from bulkgen.settings import Settings, WorkerSettings
+    from bulkgen.store import layout
 
     with tempfile.TemporaryDirectory() as storage:
         settings = Settings(storage=storage, workers=WorkerSettings(cpu_workers=workers, engine_kwargs=engine_kwargs))
@@ -83,7 +83,7 @@ def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
         with path.open("rb") as f:
             record = run_batch(svc, f, path.name, "/v1/completions", "24h")
         total = time.perf_counter() - start
-        state = json.loads(svc.store.read_bytes(metrics_state_key(record["id"])))
+        state = json.loads(svc.store.read_bytes(layout.metrics_state(record["id"])))
     metrics = record["metrics"]
     per_worker = metrics["per_worker"].values()
     steps = sum(w["steps"] for w in per_worker)

@@ -7,9 +7,10 @@ gives a tenant W times the default share of the workers when several tenants hav
 (rotation: add the new one, then `bulkgen keys revoke sha256:PREFIX` the old one). A running service
 sees a change of the file at its next request, without a restart, and fails closed (KeyRing).
 
-Storage: the `default` tenant owns the storage root (the layout a single-tenant service always had);
-every other tenant owns `tenants/<name>/` under it, with the same layout inside. Results, parts, leases
-and reports of a batch are written under its tenant, so one tenant can never name another's objects.
+Storage: the `default` tenant owns the storage root (the layout a single-tenant service always had); every
+other tenant owns a folder under it (`layout.tenant_root`), with the same layout inside. Results, parts,
+leases and reports of a batch are written under its tenant, so one tenant can never name another's
+objects.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+
+from bulkgen.store import layout
 
 DEFAULT_TENANT = "default"
 TENANT_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"
@@ -49,7 +52,7 @@ def check_tenant(name: str) -> str:
 
 def tenant_prefix(name: str) -> str:
     """The folder of a tenant's objects under the storage root ('' for the default tenant)."""
-    return "" if check_tenant(name) == DEFAULT_TENANT else f"tenants/{name}"
+    return "" if check_tenant(name) == DEFAULT_TENANT else layout.tenant_root(name)
 
 
 def hash_key(key: str) -> str:

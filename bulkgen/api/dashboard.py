@@ -18,8 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from bulkgen.api.auth import service_of, tenant_of
 from bulkgen.metrics import BatchMetrics
 from bulkgen.metrics.batch import LATENCY_KEYS
-from bulkgen.runtime.parts import metrics_state_key
-from bulkgen.store import NotFound
+from bulkgen.store import NotFound, layout
 
 STATIC = Path(__file__).resolve().parent / "static"  # served openly: bulkgen.api.auth exempts / and /ui/
 MAX_POINTS = 240          # timeline points sent to the page (neighbouring buckets merged beyond that)
@@ -67,7 +66,7 @@ async def batch_timeline(request: Request, batch_id: str) -> dict:
 def _timeline(svc, batch_id: str) -> dict:
     svc.batches.get(batch_id)  # 404 for another tenant's batch, as everywhere in the API
     try:
-        metrics = BatchMetrics.from_state(json.loads(svc.store.read_bytes(metrics_state_key(batch_id))))
+        metrics = BatchMetrics.from_state(json.loads(svc.store.read_bytes(layout.metrics_state(batch_id))))
     except (NotFound, ValueError, KeyError):
         metrics = BatchMetrics()
     histograms = {}

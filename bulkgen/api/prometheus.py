@@ -1,8 +1,8 @@
 """Prometheus metrics for the service: the running totals of ended batches plus the live ones.
 
-A scrape reads `meta/totals.json` (one object, updated when a batch ends) and the records of the
-batches in the active index, so it costs the same with 10 or 10,000 stored batches. Both cover every
-tenant: /metrics shows service-wide totals only.
+A scrape reads the running totals (bulkgen.batch.totals: one object, updated when a batch ends) and the
+records of the batches in the active index, so it costs the same with 10 or 10,000 stored batches. Both
+cover every tenant: /metrics shows service-wide totals only.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Who reads a file, and the one conditional write that orders "create a batch on it" against "delete it".
 
-In the tenant's storage, beside the file's record:
+In the tenant's storage, beside the file's record (keys: bulkgen.store.layout):
 
-  files/refs/<file_id>/<batch_id>  {"created_at": ...}: this batch reads the file (written before its record)
-  files/use/<file_id>.json         {"pins": n, "deleting": bool}: bumped by every batch created on the file,
-                                   set to deleting by the delete that wins
+  a ref per batch           {"created_at": ...}: this batch reads the file (written before its record)
+  the file's use object     {"pins": n, "deleting": bool}: bumped by every batch created on the file,
+                            set to deleting by the delete that wins
 
 A creator writes its ref, then bumps the use object with a replace-if-unchanged; a deleter checks the
 refs, then sets `deleting` with a replace-if-unchanged of the version it read before that check. Whichever
@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 
 from bulkgen.batch.records import FileRepo
-from bulkgen.store import NotFound, PreconditionFailed, Store
+from bulkgen.store import NotFound, Store, layout
+from bulkgen.store.conditional import update_json
 
 REF_GRACE_S = 600.0
 _ATTEMPTS = 50
@@ -34,11 +35,11 @@ class FileDeleting(Exception):
 
 
 def ref_prefix(file_id: str) -> str:
-    return f"files/refs/{_plain(file_id)}/"
+    return layout.file_refs(FileRepo.check(file_id))
 
 
 def ref_key(file_id: str, batch_id: str) -> str:
-    return ref_prefix(file_id) + batch_id
+    return layout.file_ref(FileRepo.check(file_id), batch_id)
 
 
 def ref_age(store: Store, key: str, now: float | None = None) -> float:
@@ -81,7 +82,7 @@ def end_delete(store: Store, file_id: str) -> None:
     """The file and its refs are gone: drop its use object last (a creator that reads none re-checks
     that the file still exists after its bump)."""
     store.delete_prefix(ref_prefix(file_id))
-    store.delete(_use_key(file_id))
+    store.delete(layout.file_use(FileRepo.check(file_id)))
 
 
 def _bump(state: dict) -> dict:
@@ -89,30 +90,13 @@ def _bump(state: dict) -> dict:
 
 
 def _change(store: Store, file_id: str, change: Callable[[dict], dict], refuse_deleting: bool = True) -> None:
-    key = _use_key(file_id)
-    for _ in range(_ATTEMPTS):
-        try:
-            data, version = store.read_versioned(key)
-            state = json.loads(data)
-        except NotFound:
-            state, version = {"pins": 0, "deleting": False}, None
+    """A write lost to another creator or a deleter looks again (update_json)."""
+
+    def checked(state: dict) -> dict:
         if refuse_deleting and state.get("deleting"):
             raise FileDeleting(file_id)
-        body = json.dumps(change(state)).encode()
-        try:
-            if version is None:
-                store.write_bytes(key, body, if_none_match=True)
-            else:
-                store.write_bytes(key, body, if_match=version)
-            return
-        except PreconditionFailed:  # another creator or a deleter wrote first: look again
-            time.sleep(0.005)
-    raise RuntimeError(f"file {file_id}: too many concurrent batch creations and deletes")
+        return change(state)
 
-
-def _use_key(file_id: str) -> str:
-    return f"files/use/{_plain(file_id)}.json"
-
-
-def _plain(file_id: str) -> str:
-    return FileRepo.data_key(file_id).rsplit("/", 1)[-1]  # the id, checked against the id pattern
+    key = layout.file_use(FileRepo.check(file_id))
+    update_json(store, key, checked, missing={"pins": 0, "deleting": False}, attempts=_ATTEMPTS,
+                conflict=f"file {file_id}: too many concurrent batch creations and deletes")

@@ -1,13 +1,11 @@
 """File and batch records in object storage: the only state the service has.
 
-Layout under the storage URL:
-  files/meta/<file_id>.json   file object        files/data/<file_id>   its bytes
-  batches/<batch_id>.json     batch object (conditional writes: two writers never overwrite each other)
-Ids sort newest-first, so the default listing order is a plain key listing, and a page is a listing
-that starts after the cursor's key: O(page) whatever is stored, and right even when the cursor's own
-object was deleted meanwhile (a cursor is a position, not an object). Files listed oldest first (order=asc)
-read the keys up to the cursor (keys only, no records; 1,000 per S3 request) and keep the last page of
-them: O(page) records and memory, O(position) key listing.
+Their keys are named in bulkgen.store.layout: a file's object and bytes, a batch's object (conditional
+writes: two writers never overwrite each other). Ids sort newest-first, so the default listing order is a
+plain key listing, and a page is a listing that starts after the cursor's key: O(page) whatever is stored,
+and right even when the cursor's own object was deleted meanwhile (a cursor is a position, not an object).
+Files listed oldest first (order=asc) read the keys up to the cursor (keys only, no records; 1,000 per S3
+request) and keep the last page of them: O(page) records and memory, O(position) key listing.
 
 A file whose `expires_at` has passed is gone for every reader at once (404, left out of lists); `bulkgen
 gc` removes its bytes later.
@@ -25,7 +23,8 @@ from typing import Any, BinaryIO
 
 from bulkgen.batch.ids import new_id
 from bulkgen.batch.schema import TERMINAL_STATUSES, InvalidRequest, quote
-from bulkgen.store import NotFound, PreconditionFailed, Store
+from bulkgen.store import NotFound, Store, layout
+from bulkgen.store.conditional import update_json
 
 log = logging.getLogger(__name__)
 _ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
@@ -81,12 +80,17 @@ class FileRepo:
         self.store = store
 
     @staticmethod
+    def check(file_id: str) -> str:
+        """The id, if it may name a key (RecordNotFound if not)."""
+        return _check_id("file", file_id)
+
+    @staticmethod
     def meta_key(file_id: str) -> str:
-        return f"files/meta/{_check_id('file', file_id)}.json"
+        return layout.file_meta(_check_id("file", file_id))
 
     @staticmethod
     def data_key(file_id: str) -> str:
-        return f"files/data/{_check_id('file', file_id)}"
+        return layout.file_data(_check_id("file", file_id))
 
     def create(self, fileobj: BinaryIO, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
         """Store the bytes first, then the record: a record never points at missing content."""
@@ -136,9 +140,9 @@ class FileRepo:
     def list(self, after: str | None, limit: int, order: str = "desc", purpose: str | None = None):
         marker = self.meta_key(after) if after else None
         if order == "asc":
-            keys = _before(lambda: self.store.list("files/meta/"), marker, limit + 1)
+            keys = _before(lambda: self.store.list(layout.FILES_META), marker, limit + 1)
         else:
-            keys = self.store.list("files/meta/", start_after=marker)
+            keys = self.store.list(layout.FILES_META, start_after=marker)
         now = time.time()
 
         def keep(r: dict) -> bool:
@@ -191,8 +195,13 @@ class BatchRepo:
         self.on_end = on_end
 
     @staticmethod
+    def check(batch_id: str) -> str:
+        """The id, if it may name a key (RecordNotFound if not)."""
+        return _check_id("batch", batch_id)
+
+    @staticmethod
     def key(batch_id: str) -> str:
-        return f"batches/{_check_id('batch', batch_id)}.json"
+        return layout.batch(_check_id("batch", batch_id))
 
     def create(self, record: dict) -> dict:
         self.store.write_bytes(self.key(record["id"]), json.dumps(record).encode(), if_none_match=True)
@@ -210,20 +219,21 @@ class BatchRepo:
 
     def update(self, batch_id: str, change: Callable[[dict], dict | None], attempts: int = 20) -> dict:
         """Read-modify-write with a conditional put; `change` may return None to leave the record as is."""
-        for _ in range(attempts):
-            record, version = self._get_versioned(batch_id)
+
+        def changed(record: dict) -> dict | None:
             new = change(json.loads(json.dumps(record)))
-            if new is None or new == record:
-                return record
-            try:
-                self.store.write_bytes(self.key(batch_id), json.dumps(new).encode(), if_match=version)
-            except PreconditionFailed:
-                time.sleep(0.01)
-                continue
-            if self.on_end and new["status"] in TERMINAL_STATUSES and record["status"] not in TERMINAL_STATUSES:
-                self._ended(new)
-            return new
-        raise RuntimeError(f"batch {batch_id}: too many concurrent updates")
+            return None if new == record else new
+
+        try:
+            record, new = update_json(self.store, self.key(batch_id), changed, attempts=attempts,
+                                      pause_s=0.01, conflict=f"batch {batch_id}: too many concurrent updates")
+        except NotFound:
+            raise RecordNotFound(f"No such batch: {batch_id!r}") from None
+        if new is None:
+            return record
+        if self.on_end and new["status"] in TERMINAL_STATUSES and record["status"] not in TERMINAL_STATUSES:
+            self._ended(new)
+        return new
 
     def _ended(self, record: dict) -> None:
         try:
@@ -232,9 +242,9 @@ class BatchRepo:
             log.exception("batch %s: on_end hook failed", record["id"])
 
     def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        keys = self.store.list("batches/", start_after=self.key(after) if after else None)
+        keys = self.store.list(layout.BATCHES, start_after=self.key(after) if after else None)
         return _page(keys, limit, lambda r: True, lambda key: _load_json(self.store, key))
 
     def ids(self) -> Iterator[str]:
-        for key in self.store.list("batches/"):
-            yield key.removeprefix("batches/").removesuffix(".json")
+        for key in self.store.list(layout.BATCHES):
+            yield layout.batch_id_of(key)

@@ -2,14 +2,13 @@
 
 The API, `bulkgen run`, the watcher and the runtime all create, validate, cancel and close batches
 through this one object, so a batch behaves the same whichever door it came in by. Besides the records
-it keeps two small indexes in storage:
+it keeps small indexes in storage (their keys: bulkgen.store.layout):
 
-  active/[<tenant>/]<batch_id>  one empty object per batch not yet ended, at the storage root for every
-                                tenant (the default tenant's without the folder): what runners scan
-  files/refs/<file_id>/<batch>  a batch that reads this file: the file cannot be deleted while it runs
-                                (with files/use/<file_id>.json, bulkgen.batch.fileuse: create vs delete)
-  meta/active-indexed           the active index was built from older records (done once per storage)
-  meta/totals.json              running totals of every ended batch, all tenants (bulkgen.batch.totals)
+  the active index    one empty object per batch not yet ended, at the storage root for every tenant:
+                      what runners scan
+  file refs           a batch that reads a file: the file cannot be deleted while it runs (with the file's
+                      use object, bulkgen.batch.fileuse: create vs delete)
+  the totals          running totals of every ended batch, all tenants (bulkgen.batch.totals)
 
 Each service object works for one tenant (bulkgen.tenants): its records, files, parts and leases live in
 the tenant's folder, so another tenant's ids are simply not found there. `for_tenant` gives the service of
@@ -39,11 +38,8 @@ from bulkgen.batch.schema import (
     set_status,
 )
 from bulkgen.settings import Settings
-from bulkgen.store import Store, open_store
+from bulkgen.store import Store, layout, open_store
 from bulkgen.tenants import DEFAULT_TENANT, tenant_prefix
-
-ACTIVE_PREFIX = "active/"
-INDEXED_MARK = "meta/active-indexed"
 
 
 class BatchService:
@@ -131,8 +127,8 @@ class BatchService:
         """(tenant, batch id) of every batch not yet ended, of all tenants, oldest first (the index
         holds only those, so this stays cheap)."""
         found = []
-        for key in self.root.list(ACTIVE_PREFIX):
-            tenant, _, batch_id = key.removeprefix(ACTIVE_PREFIX).rpartition("/")
+        for key in self.root.list(layout.ACTIVE):
+            tenant, batch_id = layout.active_entry(key)
             found.append((tenant or DEFAULT_TENANT, batch_id))
         return iter(sorted(found, key=lambda item: item[1], reverse=True))  # ids sort newest first
 
@@ -166,13 +162,12 @@ class BatchService:
                 continue
 
     def _active_key(self, batch_id: str) -> str:
-        folder = "" if self.tenant == DEFAULT_TENANT else f"{self.tenant}/"
-        return f"{ACTIVE_PREFIX}{folder}{BatchRepo.key(batch_id).removeprefix('batches/').removesuffix('.json')}"
+        return layout.active(BatchRepo.check(batch_id), "" if self.tenant == DEFAULT_TENANT else self.tenant)
 
     def reindex_active(self) -> int:
         """Build the active index from the records, once per storage (written by an older version that
         had none); -> batches found active."""
-        if self.root.exists(INDEXED_MARK):
+        if self.root.exists(layout.ACTIVE_INDEXED):
             return 0
         found = 0
         default = self.for_tenant(DEFAULT_TENANT)  # tenants came after the index: theirs are all indexed
@@ -180,7 +175,7 @@ class BatchService:
             if default.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
                 default.root.write_bytes(default._active_key(batch_id), b"")
                 found += 1
-        self.root.write_bytes(INDEXED_MARK, b"")
+        self.root.write_bytes(layout.ACTIVE_INDEXED, b"")
         return found
 
     def delete_file(self, file_id: str) -> None:
@@ -194,7 +189,7 @@ class BatchService:
 
     def _check_unused(self, file_id: str) -> None:
         for key in self.store.list(fileuse.ref_prefix(file_id)):
-            batch_id = key.rsplit("/", 1)[-1]
+            batch_id = layout.ref_batch(key)
             try:
                 status = self.batches.get(batch_id)["status"]
             except RecordNotFound:  # its creator is between writes, or died (then the ref is old)

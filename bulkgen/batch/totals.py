@@ -1,6 +1,6 @@
 """Running totals of ended batches, so /metrics costs the same with 10 or 10,000 stored batches.
 
-`meta/totals.json` holds the sums over every ended batch: batches by final status, request counts,
+`layout.TOTALS` holds the sums over every ended batch: batches by final status, request counts,
 tokens and worker busy time. A batch is added once, when it ends (`BatchService.mark_ended`), by a
 conditional read-modify-write; the last ids added are kept in it, so an ending that is retried (its
 runner died after adding, before clearing the active index) is not added twice. Live batches are
@@ -10,12 +10,12 @@ read from the active index instead, so they are never in the totals.
 from __future__ import annotations
 
 import json
-import time
 
 from bulkgen.batch.schema import TERMINAL_STATUSES
-from bulkgen.store import NotFound, PreconditionFailed, Store
+from bulkgen.store import NotFound, PreconditionFailed, Store, layout
+from bulkgen.store.conditional import update_json
 
-TOTALS_KEY = "meta/totals.json"
+TOTALS_KEY = layout.TOTALS
 RECENT_IDS = 1000
 
 
@@ -49,23 +49,15 @@ def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:
     """Add an ended batch once; False if it was already in."""
     if record["status"] not in TERMINAL_STATUSES:
         raise ValueError(f"batch {record['id']} is {record['status']}, not ended")
-    for _ in range(attempts):
-        try:
-            data, version = store.read_versioned(TOTALS_KEY)
-            totals = json.loads(data)
-        except NotFound:
-            totals, version = empty(), None
+
+    def added(totals: dict) -> dict | None:
         if record["id"] in totals["recent"]:
-            return False
+            return None
         add(totals, record)
         totals["recent"] = (totals["recent"] + [record["id"]])[-RECENT_IDS:]
-        try:
-            store.write_bytes(TOTALS_KEY, json.dumps(totals).encode(), if_match=version,
-                              if_none_match=version is None)
-            return True
-        except PreconditionFailed:
-            time.sleep(0.005)
-    raise RuntimeError(f"{TOTALS_KEY}: too many concurrent updates")
+        return totals
+
+    return update_json(store, TOTALS_KEY, added, missing=empty(), attempts=attempts)[1] is not None
 
 
 def build_once(store: Store, records) -> bool:

@@ -9,11 +9,11 @@ v1,<base64 HMAC-SHA256 of "{webhook-id}.{timestamp}.{body}">`, keyed by the base
 
 Delivery is at least once. The event id (and webhook-id) is derived from the batch id and its final
 status, so a resent event carries the same id and receivers de-duplicate on it. One background thread
-sends from a bounded queue, so a slow or dead receiver never holds a batch up: network errors, 5xx and
-429 are retried with exponential backoff (tenacity); any other answer, or the last failed try, is logged
-in one line and the event is dropped. Given the service's store, each event is also kept under
-webhooks/pending/ until it is delivered or dropped, and a notifier that starts sends what an earlier
-process left there (one that died, was stopped mid-retry, or had a full queue).
+sends from a bounded queue, so a slow or dead receiver never holds a batch up: network errors, 5xx and 429
+are retried with exponential backoff (tenacity); any other answer, or the last failed try, is logged in
+one line and the event is dropped. Given the service's store, each event is also kept in it
+(`layout.webhook_pending`) until it is delivered or dropped, and a notifier that starts sends what an
+earlier process left there (one that died, was stopped mid-retry, or had a full queue).
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from urllib.parse import urlsplit
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bulkgen import __version__
-from bulkgen.store import NotFound, Store
+from bulkgen.store import NotFound, Store, layout
 
 log = logging.getLogger(__name__)
 
 EVENT_TYPES = {status: f"batch.{status}" for status in ("completed", "failed", "expired", "cancelled")}
 SECRET_PREFIX = "whsec_"
-PENDING_PREFIX = "webhooks/pending/"
+PENDING_PREFIX = layout.WEBHOOKS_PENDING
 
 
 class Retryable(Exception):
@@ -211,4 +211,4 @@ class WebhookNotifier:
 
 
 def _pending_key(event: dict) -> str:
-    return f"{PENDING_PREFIX}{event['id']}.json"
+    return layout.webhook_pending(event["id"])

@@ -7,9 +7,9 @@ step records:
     step seconds = base + per_seq × sequences in the step + per_prefill_token × prefill tokens
                    + per_context_token × context tokens the decoding sequences attend to
 
-It also times the model load (the fixed cost a fresh worker pays). The profile is stored as JSON under
-the storage root, `profiles/<model>/<device>.json`, so `bulkgen plan`, `bulkgen serve` (the estimate at
-create) and every replica on the same storage read the same figures.
+It also times the model load (the fixed cost a fresh worker pays). The profile is stored as JSON under the
+storage root, one object per model and device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the
+estimate at create) and every replica on the same storage read the same figures.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from bulkgen.store import NotFound, Store
+from bulkgen.store import NotFound, Store, layout
 
 PROFILE_VERSION = 2
 BATCH_SIZES = (1, 16, 64)
@@ -79,7 +79,7 @@ def device_name(device: str | None = None) -> str:
 
 
 def profile_key(model: str, device: str) -> str:
-    return f"profiles/{model}/{device}.json"
+    return layout.profile(model, device)
 
 
 def load(store: Store, model: str, device: str) -> Profile | None:
@@ -97,7 +97,7 @@ def save(store: Store, profile: Profile) -> str:
 
 
 def stored_devices(store: Store, model: str) -> list[str]:
-    return sorted(k.rsplit("/", 1)[-1].removesuffix(".json") for k in store.list(f"profiles/{model}/"))
+    return sorted(layout.profile_device(k) for k in store.list(layout.model_profiles(model)))
 
 
 def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: int | None = None) -> Profile:

@@ -12,6 +12,7 @@ from bulkgen.batch.schema import INTERNAL, TERMINAL_STATUSES, set_status
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
+from bulkgen.store import layout
 
 _FINAL_STATUS = {None: "completed", "batch_cancelled": "cancelled", "batch_expired": "expired"}
 
@@ -32,9 +33,9 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
     output_id, error_id = result_file_ids(batch_id)
     with outputs, errors:
         if tally.completed:
-            svc.files.put(output_id, outputs, f"{batch_id}_output.jsonl", "batch_output", expiry)
+            svc.files.put(output_id, outputs, layout.output_filename(batch_id), "batch_output", expiry)
         if tally.failed:
-            svc.files.put(error_id, errors, f"{batch_id}_error.jsonl", "batch_output", expiry)
+            svc.files.put(error_id, errors, layout.error_filename(batch_id), "batch_output", expiry)
     report = _store_report(svc, batch_id, metrics)
 
     def close(r: dict) -> dict | None:
@@ -57,11 +58,11 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
 
 
 def _store_report(svc: BatchService, batch_id: str, metrics: BatchMetrics | None) -> dict | None:
-    """report.json and report.png beside the output, under reports/<batch>/."""
+    """report.json and report.png, kept with the batch's reports (layout.report)."""
     if metrics is None or not metrics.totals["requests"]:
         return None
     keys = {}
     for name, data in report_files(metrics).items():
-        keys[name] = f"reports/{batch_id}/{name}"
+        keys[name] = layout.report(batch_id, name)
         svc.store.write_bytes(keys[name], data)
     return {"summary": metrics.summary(), "files": keys}

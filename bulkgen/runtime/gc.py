@@ -1,10 +1,10 @@
 """`bulkgen gc`: remove what storage no longer needs, without touching anything a live batch reads.
 
-  expired files     files/meta + files/data + files/refs of files past `expires_at` (already 404 to
-                    readers); a file that is still the input of an active batch is kept until it ends
+  expired files     record, bytes and refs of files past `expires_at` (already 404 to readers); a
+                    file that is still the input of an active batch is kept until it ends
   orphaned parts    parts of ended batches (a finalize that died before deleting them), and every part
                     of a batch whose record is gone
-  stale leases      leases/<batch>.json of batches that ended or are gone
+  stale leases      leases of batches that ended or are gone
 
 Leases of active batches are never touched (a runner renews its own), whether lapsed or not.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from bulkgen.batch.records import FileRepo, RecordNotFound, expired
 from bulkgen.batch.schema import ACTIVE_STATUSES
 from bulkgen.batch.service import BatchService
-from bulkgen.store import NotFound
+from bulkgen.store import NotFound, layout
 from bulkgen.tenants import DEFAULT_TENANT
 
 
@@ -49,7 +49,7 @@ def _ids(ids: list[str], show: int = 5) -> str:
 
 def collect(svc: BatchService, dry_run: bool = False, now: float | None = None) -> Collected:
     """Every tenant's objects on the storage (the default tenant's at its root, the others' under
-    tenants/<name>/)."""
+    their own root, layout.tenant_root)."""
     now = time.time() if now is None else now
     found = Collected()
     for tenant in tenants(svc):
@@ -62,7 +62,7 @@ def collect(svc: BatchService, dry_run: bool = False, now: float | None = None) 
 
 
 def tenants(svc: BatchService) -> list[str]:
-    names = {key.split("/")[1] for key in svc.root.list("tenants/") if key.count("/") >= 2}
+    names = layout.tenant_names(svc.root.list(layout.TENANTS))
     return [DEFAULT_TENANT, *sorted(names)]
 
 
@@ -82,7 +82,7 @@ class _StatusCache:
 
 def _expired_files(svc: BatchService, found: Collected, status_of, now: float, dry_run: bool) -> None:
     store = svc.store
-    for key in list(store.list("files/meta/")):
+    for key in list(store.list(layout.FILES_META)):
         try:
             record = json.loads(store.read_bytes(key))
         except NotFound:
@@ -90,8 +90,8 @@ def _expired_files(svc: BatchService, found: Collected, status_of, now: float, d
         if not expired(record, now):
             continue
         file_id = record["id"]
-        refs = list(store.list(f"files/refs/{file_id}/"))
-        if any(status_of(ref.rsplit("/", 1)[-1]) in ACTIVE_STATUSES for ref in refs):
+        refs = list(store.list(layout.file_refs(file_id)))
+        if any(status_of(layout.ref_batch(ref)) in ACTIVE_STATUSES for ref in refs):
             found.kept_in_use.append(file_id)
             continue
         found.expired_files.append(file_id)
@@ -103,12 +103,12 @@ def _expired_files(svc: BatchService, found: Collected, status_of, now: float, d
 
 
 def _orphaned_parts(svc: BatchService, found: Collected, status_of, dry_run: bool) -> None:
-    for key in list(svc.store.list("parts/")):
-        batch_id, name = key.split("/")[1], key.rsplit("/", 1)[-1]
+    for key in list(svc.store.list(layout.PARTS)):
+        batch_id = layout.parts_batch(key)
         status = status_of(batch_id)
         if status in ACTIVE_STATUSES:
             continue
-        if status is not None and name.startswith("runner-"):  # an ended batch keeps who ran it
+        if status is not None and layout.is_runner_note(key):  # an ended batch keeps who ran it
             continue
         found.part_keys.append(key)
         found.part_batches.add(batch_id)
@@ -117,8 +117,8 @@ def _orphaned_parts(svc: BatchService, found: Collected, status_of, dry_run: boo
 
 
 def _stale_leases(svc: BatchService, found: Collected, status_of, dry_run: bool) -> None:
-    for key in list(svc.store.list("leases/")):
-        batch_id = key.removeprefix("leases/").removesuffix(".json")
+    for key in list(svc.store.list(layout.LEASES)):
+        batch_id = layout.lease_batch(key)
         if status_of(batch_id) in ACTIVE_STATUSES:
             continue
         found.leases.append(batch_id)

@@ -1,6 +1,6 @@
 """Result parts: the checkpoints of a batch, and their merge into the output and error files.
 
-`parts/<batch>/lines-<first>-<last>.jsonl` holds one entry per request on input lines first..last.
+A part (`layout.part`: the batch's lines first..last) holds one entry per request on input lines first..last.
 Whoever finishes a range writes its part (a retried range rewrites the same key), and everything
 downstream de-duplicates by line: coverage for a resumed runner, counts, and the final merge, which
 streams the parts in input order. At-least-once execution thus yields exactly one line per custom_id.
@@ -9,7 +9,6 @@ streams the parts in input order. At-least-once execution thus yields exactly on
 from __future__ import annotations
 
 import json
-import re
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,14 +17,9 @@ import numpy as np
 
 from bulkgen.batch.responses import json_line
 from bulkgen.runtime.lineindex import LineIndex
-from bulkgen.store import Store
+from bulkgen.store import Store, layout
 
-_PART = re.compile(r"/lines-(\d{9})-(\d{9})\.jsonl$")
 SPOOL_BYTES = 64 * 1024 * 1024
-
-
-def part_key(batch_id: str, first_line: int, last_line: int) -> str:
-    return f"parts/{batch_id}/lines-{first_line:09d}-{last_line:09d}.jsonl"
 
 
 def entry(line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0, 0, 0)) -> dict:
@@ -35,19 +29,13 @@ def entry(line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0,
 def write_part(store: Store, batch_id: str, first_line: int, last_line: int, entries: list[dict]) -> None:
     entries = sorted(entries, key=lambda e: e["line"])
     data = b"".join(json_line(e) for e in entries)
-    store.write_bytes(part_key(batch_id, first_line, last_line), data)
-
-
-def metrics_state_key(batch_id: str) -> str:
-    """The runner's metrics state (bounded sketches and a timeline, a few KB): kept after the batch ends,
-    beside its report, for the dashboard's charts."""
-    return f"reports/{batch_id}/metrics-state.json"
+    store.write_bytes(layout.part(batch_id, first_line, last_line), data)
 
 
 def delete_parts(store: Store, batch_id: str) -> int:
     """Drop the intermediate results of an ended batch (its output is final): the line parts. The small
-    runner-<owner>.json notes stay, as the record of who ran it; the metrics state lives in reports/."""
-    return store.delete_prefix(f"parts/{batch_id}/lines-")
+    runner notes stay, as the record of who ran it; the metrics state lives with the reports."""
+    return store.delete_prefix(layout.part_lines(batch_id))
 
 
 @dataclass
@@ -86,10 +74,10 @@ class Tally:
 def iter_parts(store: Store, batch_id: str) -> list[tuple[str, int, int]]:
     """(key, first line, last line), in input order (a wider part first where two start together)."""
     found = []
-    for key in store.list(f"parts/{batch_id}/lines-"):
-        match = _PART.search(key)
-        if match:
-            found.append((key, int(match.group(1)), int(match.group(2))))
+    for key in store.list(layout.part_lines(batch_id)):
+        lines = layout.part_range(key)
+        if lines:
+            found.append((key, *lines))
     return sorted(found, key=lambda p: (p[1], -p[2]))
 
 

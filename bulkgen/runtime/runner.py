@@ -35,7 +35,7 @@ from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import IndexBuilder, LineIndex, read_lines, scan
 from bulkgen.runtime.workqueue import BatchJob, WorkRange, make_ranges, true_runs
-from bulkgen.store import NotFound, StorageUnavailable
+from bulkgen.store import NotFound, StorageUnavailable, layout
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +181,8 @@ class BatchRunner:
             raise BatchFailed(f"the input file {record['input_file_id']} is gone; the batch cannot run") from None
 
     def _log_start(self) -> None:
-        """parts/<batch>/runner-<owner>.json: who ran the batch and when (a replica's takeover shows here)."""
-        key = f"parts/{self.batch_id}/runner-{self.lease.owner}.json"
+        """The runner note beside the parts: who ran the batch and when (a replica's takeover shows here)."""
+        key = layout.runner_note(self.batch_id, self.lease.owner)
         self.svc.store.write_bytes(key, json.dumps({"owner": self.lease.owner, "started_at": time.time()}).encode())
 
     # -- calls from the dispatcher's threads ------------------------------------------------------------
@@ -296,7 +296,7 @@ class BatchRunner:
         """A range overlapping results already counted: count only its new lines, from its stored part."""
         lines = set(int(x) for x, d in zip(self.index.lines[lo:hi], self.done[lo:hi], strict=True) if not d)
         first, last = int(self.index.lines[lo]), int(self.index.lines[hi - 1])
-        for raw in self.svc.store.iter_lines(parts.part_key(self.batch_id, first, last)):
+        for raw in self.svc.store.iter_lines(layout.part(self.batch_id, first, last)):
             e = json.loads(raw) if raw.strip() else None
             if e and e["line"] in lines:
                 self.tally.add(e)
@@ -318,7 +318,7 @@ class BatchRunner:
 
     @property
     def _metrics_key(self) -> str:
-        return parts.metrics_state_key(self.batch_id)
+        return layout.metrics_state(self.batch_id)
 
     def _load_metrics(self) -> BatchMetrics:
         try:

@@ -5,6 +5,7 @@
     clone = open_store(**store.spec())                # the same store in another process
 
 `endpoint_url` (or the AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 variables) only applies to s3:// URLs.
+Which key holds what: bulkgen.store.layout; changing a shared object safely: bulkgen.store.conditional.
 """
 
 from __future__ import annotations

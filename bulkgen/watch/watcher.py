@@ -24,7 +24,7 @@ from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.requests import fill_defaults
 from bulkgen.batch.schema import TERMINAL_STATUSES, InvalidRequest, public_view
 from bulkgen.batch.service import BatchService
-from bulkgen.store import NotFound, ObjectInfo, S3Store, open_store
+from bulkgen.store import NotFound, ObjectInfo, S3Store, layout, open_store
 from bulkgen.watch.claims import Claim, ClaimLost, Claims
 from bulkgen.watch.cron import Cron
 from bulkgen.watch.jobspec import JobError, JobSpec
@@ -227,8 +227,8 @@ class Watcher:
 
     def _batch_of_file(self, file_id: str) -> str | None:
         """A batch an earlier owner created from this claim's file before it could record it."""
-        for key in self.svc.store.list(f"files/refs/{file_id}/"):
-            batch_id = key.rsplit("/", 1)[-1]
+        for key in self.svc.store.list(layout.file_refs(file_id)):
+            batch_id = layout.ref_batch(key)
             try:
                 self.svc.batches.get(batch_id)
                 return batch_id

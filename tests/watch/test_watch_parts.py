@@ -17,8 +17,7 @@ from bulkgen.batch.requests import CHAT, fill_defaults, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line, success_line
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
-from bulkgen.store import LocalStore, open_store
-from bulkgen.watch.claims import DONE
+from bulkgen.store import LocalStore, layout, open_store
 from bulkgen.watch.cron import Cron, CronError
 from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import parquet_row
@@ -116,7 +115,8 @@ def test_scan_pages_past_1000_objects_and_skips_finished_ones(s3_bucket_url, s3_
     spec = JobSpec(input=f"s3://{bucket}/inbox/", output=f"s3://{bucket}/outbox/", interval=60)
     watcher = Watcher(svc, spec, endpoint_url=s3_server)
     with ThreadPoolExecutor(8) as pool:  # as if an earlier watcher had finished all of them
-        list(pool.map(lambda info: svc.store.write_bytes(DONE + watcher.claims.name(info), b""), listed))
+        done = [layout.watch_done(watcher.claims.name(info)) for info in listed]
+        list(pool.map(lambda key: svc.store.write_bytes(key, b""), done))
     s3.put_object(Bucket=bucket, Key="inbox/zz-new.txt", Body=b"late")
     s3.put_object(Bucket=bucket, Key="inbox/n0001.txt", Body=b"changed")  # a new ETag: processed again
     s3.put_object(Bucket=bucket, Key="inbox/.upload-in-progress.jsonl", Body=b"{")

@@ -298,7 +298,7 @@ async function batchView(id) {
     head.replaceChildren(el("h1", {}, "Batch ", el("span", { class: "mono" }, b.id)),
       el("div", { class: "row" }, statusBadge(b.status), progress(b.request_counts),
         b.output_file_id ? downloadLink(b.output_file_id, `${b.id}_output.jsonl`, "Download output") : null,
-        b.error_file_id ? downloadLink(b.error_file_id, `${b.id}_errors.jsonl`, "Download errors") : null));
+        b.error_file_id ? downloadLink(b.error_file_id, `${b.id}_error.jsonl`, "Download errors") : null));
     cancel.hidden = !ACTIVE.has(b.status) || b.status === "cancelling";
     cancel.disabled = false;
     const u = b.usage || {}, m = b.metrics || {};
