@@ -8,7 +8,6 @@ it keeps two small indexes in storage:
                                 tenant (the default tenant's without the folder): what runners scan
   files/refs/<file_id>/<batch>  a batch that reads this file: the file cannot be deleted while it runs
                                 (with files/use/<file_id>.json, bulkgen.batch.fileuse: create vs delete)
-  meta/active-indexed           the active index was built from older records (done once per storage)
   meta/totals.json              running totals of every ended batch, all tenants (bulkgen.batch.totals)
 
 Each service object works for one tenant (bulkgen.tenants): its records, files, parts and leases live in
@@ -43,7 +42,6 @@ from bulkgen.store import Store, open_store
 from bulkgen.tenants import DEFAULT_TENANT, tenant_prefix
 
 ACTIVE_PREFIX = "active/"
-INDEXED_MARK = "meta/active-indexed"
 
 
 class BatchService:
@@ -151,36 +149,9 @@ class BatchService:
         if self.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
             self.root.write_bytes(self._active_key(batch_id), b"")
 
-    def build_totals(self) -> bool:
-        """Running totals for storage written before they existed (once per storage; the default
-        tenant's batches, as tenants came later)."""
-        default = self.for_tenant(DEFAULT_TENANT)
-        return totals.build_once(self.root, default._all_records())
-
-    def _all_records(self) -> Iterator[dict]:
-        for batch_id in self.batches.ids():
-            try:
-                yield self.batches.get(batch_id)
-            except RecordNotFound:
-                continue
-
     def _active_key(self, batch_id: str) -> str:
         folder = "" if self.tenant == DEFAULT_TENANT else f"{self.tenant}/"
         return f"{ACTIVE_PREFIX}{folder}{BatchRepo.key(batch_id).removeprefix('batches/').removesuffix('.json')}"
-
-    def reindex_active(self) -> int:
-        """Build the active index from the records, once per storage (written by an older version that
-        had none); -> batches found active."""
-        if self.root.exists(INDEXED_MARK):
-            return 0
-        found = 0
-        default = self.for_tenant(DEFAULT_TENANT)  # tenants came after the index: theirs are all indexed
-        for batch_id in default.batches.ids():
-            if default.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
-                default.root.write_bytes(default._active_key(batch_id), b"")
-                found += 1
-        self.root.write_bytes(INDEXED_MARK, b"")
-        return found
 
     def delete_file(self, file_id: str) -> None:
         """Refuse (409) while a batch that reads the file has not ended (it would fail half way), or is

@@ -67,17 +67,3 @@ def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:
             time.sleep(0.005)
     raise RuntimeError(f"{TOTALS_KEY}: too many concurrent updates")
 
-
-def build_once(store: Store, records) -> bool:
-    """Storage written before the totals existed: sum its ended batches once (-> True if built now)."""
-    if store.exists(TOTALS_KEY):
-        return False
-    totals = empty()
-    for record in records:
-        if record["status"] in TERMINAL_STATUSES:
-            add(totals, record)
-    try:
-        store.write_bytes(TOTALS_KEY, json.dumps(totals).encode(), if_none_match=True)
-    except PreconditionFailed:  # another replica built it (or a batch ended) first
-        return False
-    return True
