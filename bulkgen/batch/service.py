@@ -31,6 +31,7 @@ from bulkgen.batch.schema import (
     ACTIVE_STATUSES,
     INTERNAL,
     TERMINAL_STATUSES,
+    BatchStatus,
     Conflict,
     InvalidRequest,
     new_batch_record,
@@ -112,7 +113,7 @@ class BatchService:
         s = self.settings
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
                                 s.max_file_bytes, on_request)
-        if record["status"] == "failed":
+        if record["status"] == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)
         return record
 
@@ -180,9 +181,9 @@ def _file_gone(file_id: str, why: str) -> InvalidRequest:
 
 
 def _cancel(record: dict) -> dict | None:
-    if record["status"] in ("cancelling", "cancelled"):
+    if record["status"] in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return None
-    if record["status"] not in ("validating", "in_progress"):
+    if record["status"] not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
         raise Conflict(f"batch {record['id']} is {record['status']} and can no longer be cancelled",
                        code="batch_not_cancellable")
-    return set_status(record, "cancelling")
+    return set_status(record, BatchStatus.CANCELLING)

@@ -20,7 +20,7 @@ RECENT_IDS = 1000
 
 
 def empty() -> dict:
-    return {"batches": {s: 0 for s in sorted(TERMINAL_STATUSES)}, "requests": {"completed": 0, "failed": 0},
+    return {"batches": {s.value: 0 for s in sorted(TERMINAL_STATUSES)}, "requests": {"completed": 0, "failed": 0},
             "tokens": {"input": 0, "output": 0, "cached": 0}, "worker_busy_s": {}, "recent": []}
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bulkgen.batch.requests import ParsedRequest
-from bulkgen.batch.schema import INTERNAL, InvalidRequest, set_status
+from bulkgen.batch.schema import INTERNAL, BatchStatus, InvalidRequest, set_status
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import runtime_factor
 from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
@@ -101,7 +101,7 @@ def add_estimate(svc, batch_id: str, tally: WorkTally, queued_requests: int) -> 
     keep = {k: planned.get(k) for k in ("metrics", "errors")}
 
     def apply(r: dict) -> dict | None:
-        if r["status"] != "in_progress" or r.get("metrics"):
+        if r["status"] != BatchStatus.IN_PROGRESS or r.get("metrics"):
             return None  # ended or cancelled meanwhile, or a resumed runner's record that has it already
         r.update(keep)
         for key in (MAX_OUTPUT_KEY, HISTOGRAM_KEY):
@@ -117,7 +117,7 @@ def validate_now(svc, batch_id: str, queued_requests: int) -> dict:
     batch validated and indexes it with one more read, as it does for a resumed batch."""
     tally = WorkTally()
     record = svc.validate(batch_id, on_request=tally.add)
-    if record["status"] != "in_progress":
+    if record["status"] != BatchStatus.IN_PROGRESS:
         return record
     record = add_estimate(svc, batch_id, tally, queued_requests)
     if not is_infeasible(record):
@@ -125,10 +125,10 @@ def validate_now(svc, batch_id: str, queued_requests: int) -> dict:
     warning = next(e for e in record["errors"]["data"] if e["code"] == INFEASIBLE + "_warning")
 
     def fail(r: dict) -> dict | None:
-        if r["status"] != "in_progress":
+        if r["status"] != BatchStatus.IN_PROGRESS:
             return None
         r["errors"] = {"object": "list", "data": [{**warning, "code": INFEASIBLE}]}
-        return set_status(r, "failed")
+        return set_status(r, BatchStatus.FAILED)
 
     svc.mark_ended(batch_id, svc.batches.update(batch_id, fail))
     raise InvalidRequest(warning["message"], param="completion_window", code=INFEASIBLE)
