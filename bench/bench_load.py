@@ -67,7 +67,7 @@ def fake_batches(storage: str, count: int, start: int = 0) -> list[str]:
 
 
 def metrics_cost(sizes: list[int], repeats: int = 20) -> list[dict]:
-    """Milliseconds per uncached scrape (p50 of `repeats`), and the old way (read every record)."""
+    """Milliseconds per uncached scrape (p50 of `repeats`), and reading every record instead."""
     from bulkgen.api.prometheus import RecordCache, render_metrics
     from bulkgen.batch.service import BatchService
     from bulkgen.runtime.manager import BatchManager
