@@ -1,4 +1,4 @@
-"""Embedding throughput: bulkgen's packed prefill against sentence-transformers' own `encode`, same run (issue 18).
+"""Embedding throughput: bulkgen's packed prefill against sentence-transformers' own `encode`, same run.
 
 Workload: texts of mixed lengths (uniform 8-512 byte tokens of the tiny byte-level tokenizer), embedded by a
 random-weight Llama built from a config with a fixed seed and saved as a sentence-transformers folder
@@ -7,7 +7,7 @@ random-weight Llama built from a config with a fixed seed and saved as a sentenc
 padding. Both run fp32 on CPU with the same thread count; each is warmed up once (not timed). The vectors are
 checked to agree (cosine); the two are timed alternately `--repeat` times and the best of each counts.
 
-Goal (issue 18): bulkgen >= 2x sentence-transformers' input tokens/s on CPU.
+Goal: bulkgen >= 2x sentence-transformers' input tokens/s on CPU.
 
     python bench/bench_embed.py [--quick] [--json]
 """

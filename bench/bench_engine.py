@@ -1,4 +1,4 @@
-"""Engine throughput against transformers' own batching, measured in the same run (issue #3).
+"""Engine throughput against transformers' own batching, measured in the same run.
 
 Workload: 64 requests, prompts of uniform 8-256 random token ids, outputs of uniform 4-64 tokens with
 EOS ignored (so every method generates exactly the same tokens), on a random-weight Llama of about
@@ -14,7 +14,7 @@ vocab 8192, intermediate 1536). Greedy decoding everywhere.
   and not timed, as model loading is not timed for the others.
 - bulkgen: ``Engine.generate`` with ``ignore_eos=True`` and per-request ``max_tokens``.
 
-Goal (issue #3): bulkgen >= 1.5x HF static and >= 2.5x HF generate_batch output tokens/s.
+Goal: bulkgen >= 1.5x HF static and >= 2.5x HF generate_batch output tokens/s.
 
     python bench/bench_engine.py [--quick] [--json]
 """

@@ -1,4 +1,4 @@
-"""The service's memory on a maximal batch, measured in one run (issue #11): a 200 MB, 50,000-line file.
+"""The service's memory on a maximal batch, measured in one run: a 200 MB, 50,000-line file.
 
 A `bulkgen serve` subprocess (local storage, one CPU worker, the bundled model) gets the file over real
 HTTP from the openai client, then the batch is created and validated by the runtime (one streamed pass

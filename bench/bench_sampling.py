@@ -1,4 +1,4 @@
-"""Cost of sampling against greedy decoding on CPU, measured in the same run (issue 8: goal <= 1.3x).
+"""Cost of sampling against greedy decoding on CPU, measured in the same run (goal <= 1.3x).
 
 Workload: a random-weight Llama (hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 1536) with a
 32,000-token vocabulary, 48 requests with prompts of 8-64 random tokens and 32 output tokens each, EOS

@@ -1,4 +1,4 @@
-"""The issue-8 anchor workload on one GPU: transformers' static batches against bulkgen, greedy and sampled.
+"""The reference workload on one GPU: transformers' static batches against bulkgen, greedy and sampled.
 
 Workload (fixed seed): a random-weight model of the Llama-3.2-1B shape (hidden 2048, intermediate
 8192, 16 layers, 32 heads, 8 KV heads, vocab 128256, tied embeddings, rope_theta 500000) in bf16;

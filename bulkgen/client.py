@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from bulkgen.batch.schema import TERMINAL_STATUSES
+from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus
 
 
 class ClientError(Exception):
@@ -58,7 +58,7 @@ def wait(get_batch: Callable[[], object], on_update: Callable[[object], None], i
 
 def validated(get_batch: Callable[[], object], interval: float = 0.5):
     """Poll a just-created batch until validation has ended (it answers `validating` at once)."""
-    while (batch := get_batch()).status == "validating":
+    while (batch := get_batch()).status == BatchStatus.VALIDATING:
         time.sleep(interval)
     return batch
 

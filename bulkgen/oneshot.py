@@ -15,7 +15,7 @@ from typing import BinaryIO
 import click
 
 from bulkgen.batch.responses import answer_summary
-from bulkgen.batch.schema import InvalidRequest
+from bulkgen.batch.schema import BatchStatus, InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.client import ClientError, detect_endpoint, endpoint_of, output_paths
 from bulkgen.metrics.table import describe_summary
@@ -41,7 +41,7 @@ def accept(svc: BatchService, fileobj: BinaryIO, name: str, endpoint: str, windo
         record = svc.validate(record["id"], on_request=tally.add, amend=estimate_into(svc, tally, queued_requests=0))
     except InvalidRequest as exc:
         raise OneShotError(str(exc)) from None
-    if record["status"] == "failed":
+    if record["status"] == BatchStatus.FAILED:
         lines = "\n".join(f"  {name}:{e['line']}: [{e['code']}] {e['message']}" if e["line"] else
                            f"  {name}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
         raise OneShotError(f"{name} failed validation:\n{lines}")

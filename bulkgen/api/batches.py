@@ -32,8 +32,7 @@ class ExpiresAfter(BaseModel):
 
 
 class CreateBatch(BaseModel):
-    """The fields BATCH_API.md lists, and the SDK's output_expires_after; any other is refused by name
-    (unknown_parameter)."""
+    """The fields of the openai SDK's `BatchCreateParams`; any other is refused by name (unknown_parameter)."""
 
     model_config = ConfigDict(extra="forbid")
     input_file_id: str

@@ -15,9 +15,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bulkgen.batch import totals as running_totals
-from bulkgen.batch.schema import ACTIVE_STATUSES
-
-STATUSES = ("validating", "in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")
+from bulkgen.batch.schema import ACTIVE_STATUSES, BatchStatus
 
 
 class RecordCache:
@@ -62,8 +60,8 @@ def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
         running_totals.add(total, record)
         counts = record["request_counts"]
         waiting += max(0, counts["total"] - counts["completed"] - counts["failed"])
-    for status in STATUSES:
-        batches.labels(status).set(total["batches"].get(status, 0))
+    for status in BatchStatus:
+        batches.labels(status.value).set(total["batches"].get(status, 0))
     for outcome, value in total["requests"].items():
         requests.labels(outcome).set(value)
     for kind, value in total["tokens"].items():

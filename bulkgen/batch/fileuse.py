@@ -43,7 +43,7 @@ def ref_key(file_id: str, batch_id: str) -> str:
 
 
 def ref_age(store: Store, key: str, now: float | None = None) -> float:
-    """Seconds since the ref was written (refs of older versions hold no time: they count as old)."""
+    """Seconds since the ref was written (a ref gone or without a time counts as old)."""
     try:
         written = float(json.loads(store.read_bytes(key))["created_at"])
     except (NotFound, ValueError, KeyError, TypeError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bulkgen.batch.records import BatchRepo, FileRepo
-from bulkgen.batch.schema import set_status
+from bulkgen.batch.schema import BatchStatus, set_status
 from bulkgen.batch.validate import Validator, validate_stream
 
 
@@ -41,9 +41,9 @@ def validate_batch(
             return _fail(r, result.error_list())
         r["model"] = result.model
         r["request_counts"]["total"] = result.total
-        if r["status"] != "validating":
+        if r["status"] != BatchStatus.VALIDATING:
             return r
-        r = set_status(r, "in_progress")
+        r = set_status(r, BatchStatus.IN_PROGRESS)
         return amend(r) if amend is not None else r
 
     return batches.update(batch_id, apply)
@@ -51,9 +51,10 @@ def validate_batch(
 
 def needs_validation(record: dict) -> bool:
     """`validating`, or cancelled before validation ended (no model recorded yet)."""
-    return record["status"] == "validating" or (record["status"] == "cancelling" and record["model"] is None)
+    status = record["status"]
+    return status == BatchStatus.VALIDATING or (status == BatchStatus.CANCELLING and record["model"] is None)
 
 
 def _fail(record: dict, errors: dict) -> dict:
     record["errors"] = errors
-    return set_status(record, "failed")
+    return set_status(record, BatchStatus.FAILED)

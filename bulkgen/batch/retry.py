@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from bulkgen.batch.merged import ResultCursor, check_all_taken, requests
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.schema import ACTIVE_STATUSES, INTERNAL, Conflict, InvalidRequest
+from bulkgen.batch.schema import ACTIVE_STATUSES, INTERNAL, BatchStatus, Conflict, InvalidRequest
 
 if TYPE_CHECKING:
     from bulkgen.batch.service import BatchService
@@ -125,7 +125,7 @@ def _check_can_retry(record: dict) -> None:
             code="batch_not_ended",
         )
     _check_not_retried(record)
-    if status == "failed" and record["model"] is None:
+    if status == BatchStatus.FAILED and record["model"] is None:
         raise InvalidRequest(
             f"batch {batch_id} failed validation, so none of its requests ran and a retry "
             "would fail the same way; fix the input file (the batch's errors name each line) "

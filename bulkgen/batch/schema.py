@@ -4,13 +4,39 @@ from __future__ import annotations
 
 import re
 import time
+from enum import Enum
 from typing import Any
 
 from bulkgen.batch.ids import new_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
-ACTIVE_STATUSES = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
-TERMINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
+
+
+class BatchStatus(str, Enum):
+    """A batch's `status` (in the order /metrics lists them). A str, so a member equals, hashes, formats and
+    serializes (json, pydantic, FastAPI) as its value: a record read back from storage compares with the
+    members as it is ("failed" == BatchStatus.FAILED), as 3.11's StrEnum would, on 3.10 too."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+    def __str__(self) -> str:  # Enum's would be "BatchStatus.FAILED" (in f-strings too, from 3.11)
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+ACTIVE_STATUSES = frozenset({BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
+                             BatchStatus.CANCELLING})
+TERMINAL_STATUSES = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED,
+                               BatchStatus.CANCELLED})
 _WINDOW = re.compile(r"^\s*(\d+)\s*h\s*$")
 MAX_WINDOW_HOURS = 24 * 365
 INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
@@ -81,14 +107,6 @@ def batch_priority(metadata: dict | None) -> int:
     return PRIORITIES[value]
 
 
-def stored_priority(record: dict) -> int:
-    """A stored batch's priority; normal for one created before the value was checked."""
-    try:
-        return batch_priority(record.get("metadata"))
-    except InvalidRequest:
-        return PRIORITIES["normal"]
-
-
 def check_endpoint(endpoint: Any) -> str:
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(
@@ -112,7 +130,7 @@ def new_batch_record(
         "errors": None,
         "input_file_id": input_file_id,
         "completion_window": completion_window,
-        "status": "validating",
+        "status": BatchStatus.VALIDATING.value,
         "output_file_id": None,
         "error_file_id": None,
         "created_at": now,
@@ -148,10 +166,11 @@ def public_view(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k != INTERNAL}
 
 
-def set_status(record: dict[str, Any], status: str, now: int | None = None) -> dict[str, Any]:
-    """Move to `status` and stamp its `<status>_at` field once."""
-    record["status"] = status
-    stamp = f"{status}_at"
+def set_status(record: dict[str, Any], status: BatchStatus, now: int | None = None) -> dict[str, Any]:
+    """Move to `status` and stamp its `<status>_at` field once. The record keeps the plain string, as
+    storage gives it back."""
+    record["status"] = BatchStatus(status).value
+    stamp = f"{record['status']}_at"
     if stamp in record and record[stamp] is None:
         record[stamp] = int(now if now is not None else time.time())
     return record

@@ -31,6 +31,7 @@ from bulkgen.batch.schema import (
     ACTIVE_STATUSES,
     INTERNAL,
     TERMINAL_STATUSES,
+    BatchStatus,
     Conflict,
     InvalidRequest,
     new_batch_record,
@@ -111,7 +112,7 @@ class BatchService:
         s = self.settings
         record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
                                 s.max_file_bytes, on_request, amend)
-        if record["status"] == "failed":
+        if record["status"] == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)
         return record
 
@@ -148,35 +149,8 @@ class BatchService:
         if self.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
             self.root.write_bytes(self._active_key(batch_id), b"")
 
-    def build_totals(self) -> bool:
-        """Running totals for storage written before they existed (once per storage; the default
-        tenant's batches, as tenants came later)."""
-        default = self.for_tenant(DEFAULT_TENANT)
-        return totals.build_once(self.root, default._all_records())
-
-    def _all_records(self) -> Iterator[dict]:
-        for batch_id in self.batches.ids():
-            try:
-                yield self.batches.get(batch_id)
-            except RecordNotFound:
-                continue
-
     def _active_key(self, batch_id: str) -> str:
         return layout.active(BatchRepo.check(batch_id), "" if self.tenant == DEFAULT_TENANT else self.tenant)
-
-    def reindex_active(self) -> int:
-        """Build the active index from the records, once per storage (written by an older version that
-        had none); -> batches found active."""
-        if self.root.exists(layout.ACTIVE_INDEXED):
-            return 0
-        found = 0
-        default = self.for_tenant(DEFAULT_TENANT)  # tenants came after the index: theirs are all indexed
-        for batch_id in default.batches.ids():
-            if default.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
-                default.root.write_bytes(default._active_key(batch_id), b"")
-                found += 1
-        self.root.write_bytes(layout.ACTIVE_INDEXED, b"")
-        return found
 
     def delete_file(self, file_id: str) -> None:
         """Refuse (409) while a batch that reads the file has not ended (it would fail half way), or is
@@ -205,9 +179,9 @@ def _file_gone(file_id: str, why: str) -> InvalidRequest:
 
 
 def _cancel(record: dict) -> dict | None:
-    if record["status"] in ("cancelling", "cancelled"):
+    if record["status"] in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return None
-    if record["status"] not in ("validating", "in_progress"):
+    if record["status"] not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
         raise Conflict(f"batch {record['id']} is {record['status']} and can no longer be cancelled",
                        code="batch_not_cancellable")
-    return set_status(record, "cancelling")
+    return set_status(record, BatchStatus.CANCELLING)

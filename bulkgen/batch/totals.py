@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from bulkgen.batch.schema import TERMINAL_STATUSES
-from bulkgen.store import NotFound, PreconditionFailed, Store, layout
+from bulkgen.store import NotFound, Store, layout
 from bulkgen.store.conditional import update_json
 
 TOTALS_KEY = layout.TOTALS
@@ -20,7 +20,7 @@ RECENT_IDS = 1000
 
 
 def empty() -> dict:
-    return {"batches": {s: 0 for s in sorted(TERMINAL_STATUSES)}, "requests": {"completed": 0, "failed": 0},
+    return {"batches": {s.value: 0 for s in sorted(TERMINAL_STATUSES)}, "requests": {"completed": 0, "failed": 0},
             "tokens": {"input": 0, "output": 0, "cached": 0}, "worker_busy_s": {}, "recent": []}
 
 
@@ -59,17 +59,3 @@ def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:
 
     return update_json(store, TOTALS_KEY, added, missing=empty(), attempts=attempts)[1] is not None
 
-
-def build_once(store: Store, records) -> bool:
-    """Storage written before the totals existed: sum its ended batches once (-> True if built now)."""
-    if store.exists(TOTALS_KEY):
-        return False
-    totals = empty()
-    for record in records:
-        if record["status"] in TERMINAL_STATUSES:
-            add(totals, record)
-    try:
-        store.write_bytes(TOTALS_KEY, json.dumps(totals).encode(), if_none_match=True)
-    except PreconditionFailed:  # another replica built it (or a batch ended) first
-        return False
-    return True

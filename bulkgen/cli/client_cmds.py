@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from bulkgen import client as c
+from bulkgen.batch.schema import BatchStatus
 
 base_url_option = click.option("--base-url", envvar="OPENAI_BASE_URL", default="http://127.0.0.1:8000/v1",
                                show_default=True, help="API base URL (env OPENAI_BASE_URL).")
@@ -56,7 +57,7 @@ def submit(file, endpoint, completion_window, metadata, wait, output, base_url, 
                   completion_window=completion_window, metadata=pairs or None)
     batch = c.validated(lambda: _call(client.batches.retrieve, batch.id))
     click.echo(f"{batch.id} {batch.status} ({batch.request_counts.total if batch.request_counts else 0} requests)")
-    if batch.status == "failed":
+    if batch.status == BatchStatus.FAILED:
         raise click.ClickException(f"batch failed validation:\n{c.format_errors(batch)}")
     if wait:
         _wait_and_download(client, batch, output or Path(f"{batch.id}_output.jsonl"))
@@ -78,7 +79,7 @@ def _wait_and_download(client, batch, output: Path) -> None:
     click.echo(f"{batch.id} {batch.status}: {counts.completed} completed, {counts.failed} failed")
     for line in c.download(client, batch, output):
         click.echo(f"wrote {line}")
-    if batch.status != "completed":
+    if batch.status != BatchStatus.COMPLETED:
         raise click.ClickException(f"batch ended {batch.status}")
 
 
@@ -96,7 +97,7 @@ def status(batch_id, metrics, as_json, base_url, api_key):
         return
     counts = batch.request_counts
     eta = ((batch.model_extra or {}).get("metrics") or {}).get("eta_s")
-    left = f", about {_duration(eta)} left" if batch.status == "in_progress" and eta else ""
+    left = f", about {_duration(eta)} left" if batch.status == BatchStatus.IN_PROGRESS and eta else ""
     click.echo(f"{batch.id}  {batch.status}  {counts.completed}/{counts.total} completed, {counts.failed} failed{left}")
     if batch.errors and batch.errors.data:
         click.echo(c.format_errors(batch))

@@ -145,13 +145,14 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
 @runtime_options
 def run(settings: Settings, file: Path, output: Path, endpoint: str | None, completion_window: str):
     """Run FILE as one batch in this process (local Ray, no server) and write the results."""
+    from bulkgen.batch.schema import BatchStatus
     from bulkgen.oneshot import OneShotError, run_file
 
     try:
         summary = run_file(settings, file, output, endpoint, completion_window, echo=click.echo)
     except OneShotError as exc:
         raise click.ClickException(str(exc)) from None
-    if summary["status"] != "completed":
+    if summary["status"] != BatchStatus.COMPLETED:
         raise click.ClickException(f"batch ended {summary['status']}")
     counts = summary["request_counts"]
     if counts["total"] and not counts["completed"]:

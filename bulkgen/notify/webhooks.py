@@ -34,11 +34,12 @@ from urllib.parse import urlsplit
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bulkgen import __version__
+from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.store import NotFound, Store, layout
 
 log = logging.getLogger(__name__)
 
-EVENT_TYPES = {status: f"batch.{status}" for status in ("completed", "failed", "expired", "cancelled")}
+EVENT_TYPES = {status: f"batch.{status.value}" for status in TERMINAL_STATUSES}
 SECRET_PREFIX = "whsec_"
 PENDING_PREFIX = layout.WEBHOOKS_PENDING
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bulkgen.batch.requests import ParsedRequest
-from bulkgen.batch.schema import INTERNAL, InvalidRequest, set_status
+from bulkgen.batch.schema import INTERNAL, BatchStatus, InvalidRequest, set_status
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import runtime_factor
 from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
@@ -107,7 +107,7 @@ def estimate_into(svc, tally: WorkTally, queued_requests: int, refuse: bool = Fa
             return record
         warning = next(e for e in record["errors"]["data"] if e["code"] == INFEASIBLE + "_warning")
         record["errors"] = {"object": "list", "data": [{**warning, "code": INFEASIBLE}]}
-        return set_status(record, "failed")
+        return set_status(record, BatchStatus.FAILED)
 
     return amend
 
@@ -119,6 +119,6 @@ def validate_now(svc, batch_id: str, queued_requests: int) -> dict:
     tally = WorkTally()
     record = svc.validate(batch_id, on_request=tally.add, amend=estimate_into(svc, tally, queued_requests, True))
     refused = [e for e in (record.get("errors") or {}).get("data", []) if e["code"] == INFEASIBLE]
-    if record["status"] == "failed" and refused:
+    if record["status"] == BatchStatus.FAILED and refused:
         raise InvalidRequest(refused[0]["message"], param="completion_window", code=INFEASIBLE)
     return record

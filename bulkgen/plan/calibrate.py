@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bulkgen.batch.records import BatchRepo
+from bulkgen.batch.schema import BatchStatus
 from bulkgen.plan.lengths import RECENT_BATCHES
 from bulkgen.plan.profile import Profile
 
@@ -46,7 +47,8 @@ def runtime_factor(batches: BatchRepo, model: str, profile: Profile) -> Runtime:
     records, _ = batches.list(None, RECENT_BATCHES)
     for record in records:
         metrics = record.get("metrics") or {}
-        if record.get("model") != model or record.get("status") != "completed" or not metrics.get("per_worker"):
+        done = record.get("status") == BatchStatus.COMPLETED and metrics.get("per_worker")
+        if record.get("model") != model or not done:
             continue
         predicted = _predicted_busy(metrics, profile)
         busy = sum(w["busy_time_s"] for w in metrics["per_worker"].values())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bulkgen.batch.records import BatchRepo
-from bulkgen.batch.schema import INTERNAL
+from bulkgen.batch.schema import INTERNAL, BatchStatus
 
 RECENT_BATCHES = 100
 MAX_OUTPUT_KEY = "max_output_tokens"      # record[INTERNAL][...]: set when a batch is validated
@@ -70,7 +70,7 @@ def from_history(batches: BatchRepo, model: str) -> LengthModel:
     records, _ = batches.list(None, RECENT_BATCHES)
     for record in records:
         hist = (record.get(INTERNAL) or {}).get(HISTOGRAM_KEY)
-        if record.get("model") == model and record.get("status") == "completed" and hist:
+        if record.get("model") == model and record.get("status") == BatchStatus.COMPLETED and hist:
             caps.append(cap_for(hist, record["usage"]["output_tokens"]))
     if not caps:
         return UPPER_BOUND

@@ -8,13 +8,14 @@ parts are deleted (a finalize that dies before leaves them to `bulkgen gc`).
 
 from __future__ import annotations
 
-from bulkgen.batch.schema import INTERNAL, TERMINAL_STATUSES, set_status
+from bulkgen.batch.schema import INTERNAL, TERMINAL_STATUSES, BatchStatus, set_status
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
 from bulkgen.store import layout
 
-_FINAL_STATUS = {None: "completed", "batch_cancelled": "cancelled", "batch_expired": "expired"}
+_FINAL_STATUS = {None: BatchStatus.COMPLETED, "batch_cancelled": BatchStatus.CANCELLED,
+                 "batch_expired": BatchStatus.EXPIRED}
 
 
 def result_file_ids(batch_id: str) -> tuple[str, str]:
@@ -24,8 +25,7 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
 
 def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None) -> dict:
     if stop is None:
-        record = svc.batches.update(batch_id,
-                                    lambda r: set_status(r, "finalizing") if r["status"] == "in_progress" else None)
+        record = svc.batches.update(batch_id, _to_finalizing)
     else:
         record = svc.batches.get(batch_id)
     expiry = (record.get(INTERNAL) or {}).get("output_expires_after_s")  # the batch's output_expires_after
@@ -47,7 +47,7 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
         if report:
             r["metrics"] = {**(r.get("metrics") or {}), **report["summary"], "report_files": report["files"]}
         if stop == "batch_cancelled" and r["cancelling_at"] is None:
-            set_status(r, "cancelling")
+            set_status(r, BatchStatus.CANCELLING)
         return set_status(r, _FINAL_STATUS[stop])
 
     record = svc.batches.update(batch_id, close)
@@ -55,6 +55,12 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
     if record["status"] in TERMINAL_STATUSES:
         parts.delete_parts(svc.store, batch_id)
     return record
+
+
+def _to_finalizing(record: dict) -> dict | None:
+    if record["status"] != BatchStatus.IN_PROGRESS:
+        return None
+    return set_status(record, BatchStatus.FINALIZING)
 
 
 def _store_report(svc: BatchService, batch_id: str, metrics: BatchMetrics | None) -> dict | None:

@@ -66,7 +66,7 @@ def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
         if raw.strip():
             try:
                 request = parse_line(raw, number, endpoint)
-            except LineError:  # validated by an older version with looser rules: its worker refuses it alone
+            except LineError:  # validated under looser rules than these: its worker refuses it alone
                 request = ParsedRequest("", number, "", endpoint, prompt=raw.decode("utf-8", "replace"))
             builder.add(number, start, raw, request)
     return builder.build()

@@ -6,10 +6,9 @@ this replica, left behind by a replica that died, or by a previous run of this o
 gets a runner thread; all runners share one work queue and the worker pool, so several batches run at
 once. Leases are renewed here; a runner whose lease was taken stops without writing anything.
 
-An index entry whose record is not stored is a batch still being created (the record is written first,
-but a replica of an older version, or a slow write, may show the entry alone): its runner gives it up and
-a later scan tries again. After ORPHAN_AFTER_S the entry is a leftover of a creator that died between its
-writes, and is dropped.
+An index entry whose record cannot be read yet is a batch still being created (the record is written
+first, but a slow write may show the entry alone): its runner gives it up and a later scan tries again.
+After ORPHAN_AFTER_S the entry is a leftover of a creator that died between its writes, and is dropped.
 """
 
 from __future__ import annotations
@@ -60,9 +59,6 @@ class BatchManager:
     def start(self) -> None:
         self.pool.start()
         self.dispatcher.start()
-        if self.only is None:
-            self.svc.reindex_active()  # storage written before the active index existed
-        self.svc.build_totals()        # ... or before the running totals /metrics reads (once per storage)
         threading.Thread(target=self._loop, name="bulkgen-batches", daemon=True).start()
 
     def stop(self, kill_workers: bool = True) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 from bulkgen.batch.lifecycle import needs_validation
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.responses import not_run_line, refused_line
-from bulkgen.batch.schema import TERMINAL_STATUSES, set_status, stored_priority
+from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority, set_status
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.plan.admission import WorkTally, estimate_into
@@ -98,7 +98,7 @@ class BatchRunner:
             return record
         self._log_start()
         stop = self.stop_reason(record)
-        if record["status"] != "finalizing":
+        if record["status"] != BatchStatus.FINALIZING:
             self.index = index if index is not None else self._scan(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
             if not stop and not self.done.all():
@@ -112,7 +112,7 @@ class BatchRunner:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
         job = BatchJob(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
                        record["model"], self.svc.settings.models[record["model"]], float(order),
-                       self.svc.store.spec(), self.svc.tenant, stored_priority(record))
+                       self.svc.store.spec(), self.svc.tenant, batch_priority(record["metadata"]))
         self.queue.add_batch(job, self.index, make_ranges(job, self.index, ~self.done, self.svc.settings.range_size))
         next_control = next_publish = 0.0
         while True:
@@ -233,7 +233,7 @@ class BatchRunner:
     def stop_reason(self, record: dict | None = None) -> str | None:
         """'batch_cancelled' or 'batch_expired' when the batch must stop now, else None."""
         record = record or self.svc.batches.get(self.batch_id)
-        if record["status"] == "cancelling":
+        if record["status"] == BatchStatus.CANCELLING:
             return "batch_cancelled"
         if time.time() >= record["expires_at"]:
             return "batch_expired"
@@ -310,7 +310,7 @@ class BatchRunner:
                 return None
             r["errors"] = {"object": "list", "data": [{"code": "batch_failed", "line": None, "param": None,
                                                        "message": message[:2000]}]}
-            return set_status(r, "failed")
+            return set_status(r, BatchStatus.FAILED)
 
         record = self.svc.batches.update(self.batch_id, fail)
         self.svc.mark_ended(self.batch_id, record)

@@ -23,7 +23,6 @@ At the storage root only:
   tenants/<name>/                               the root of every tenant but the default one
   active/<batch>, active/<tenant>/<batch>       empty: the batch has not ended (index of all tenants)
   meta/totals.json                              running totals of ended batches (/metrics)
-  meta/active-indexed                           empty: the active index was built from the records
   profiles/<model>/<device>.json                a model's measured step costs on one device (plan)
   webhooks/pending/<event>.json                 a webhook event not yet delivered
 
@@ -50,7 +49,6 @@ WATCH_DONE = "watch/done/"
 TENANTS = "tenants/"
 ACTIVE = "active/"
 TOTALS = "meta/totals.json"
-ACTIVE_INDEXED = "meta/active-indexed"
 PROFILES = "profiles/"
 WEBHOOKS_PENDING = "webhooks/pending/"
 

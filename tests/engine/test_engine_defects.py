@@ -1,4 +1,4 @@
-"""Regression tests for the six engine defects of issue 8, one (or two) per defect."""
+"""Regression tests for six engine defects (numbered in the test names), one (or two) per defect."""
 
 from __future__ import annotations
 

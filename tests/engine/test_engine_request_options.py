@@ -1,4 +1,4 @@
-"""best_of, max_tokens 0, prompt_logprobs and the extremes of the sampling ranges (issue 16)."""
+"""best_of, max_tokens 0, prompt_logprobs and the extremes of the sampling ranges."""
 
 from __future__ import annotations
 

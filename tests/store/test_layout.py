@@ -50,7 +50,6 @@ KEYS = [  # (what the layout names, the key stored data already has)
     (layout.profile("tiny", "cpu"), "profiles/tiny/cpu.json"),
     (layout.webhook_pending("evt_1"), "webhooks/pending/evt_1.json"),
     (layout.TOTALS, "meta/totals.json"),
-    (layout.ACTIVE_INDEXED, "meta/active-indexed"),
     (layout.output_filename("batch_b"), "batch_b_output.jsonl"),
     (layout.error_filename("batch_b"), "batch_b_error.jsonl"),
 ]
