@@ -1,8 +1,10 @@
 """The estimate a batch carries from create on, and `--refuse-infeasible`, on the session's real service.
 
-The profile here is test input: step costs written as a `bulkgen profile` would store them, slow enough
-(2 s a step) that 4,000 tokens cannot fit a 1h window; it is removed afterwards so the other tests'
-batches carry no estimate.
+The profile here is test input: step costs written as a `bulkgen profile` would store them, with prompt
+tokens so slow (5 s each) that a ~1,000-token prompt cannot fit a 1 h window while a one-word prompt fits
+with room to spare. Prompt cost, not output length: how long answers run is learnt from the session's
+earlier batches of MODEL (bulkgen/plan/lengths.py), so output-bound figures would depend on test order.
+The profile is removed afterwards so the other tests' batches carry no estimate.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import pytest
 from bulkgen.plan import profile as profiles
 from tests.service.conftest import MODEL, chat_row, upload, validated, wait_done, write_jsonl
 
+LONG = " ".join(["word"] * 900)  # about a thousand prompt tokens
+
 
 @pytest.fixture
 def slow_profile(service):
     store = service.svc.root
-    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 2.0, 0.0, 0.0, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
+    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 0.01, 0.0, 5.0, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
     yield
     store.delete(key)
     service.svc.settings.refuse_infeasible = False
@@ -25,14 +29,15 @@ def slow_profile(service):
 
 def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, tmp_path):
     client = service.client()
-    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", "x", max_tokens=4000)]))
+    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", LONG, max_tokens=8)]))
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
     batch = validated(client, batch.id)
     client.batches.cancel(batch.id)
     assert batch.status == "in_progress"
-    metrics = batch.model_extra["metrics"]
-    assert metrics["estimated_seconds"]["expected"] == pytest.approx(2.0 * 4000, rel=0.01)
-    assert metrics["estimated_completion_at"] >= batch.created_at + 7900
+    metrics = batch.model_extra["metrics"]  # there in the same write that made the batch in_progress
+    seconds = metrics["estimated_seconds"]
+    assert 3600 < seconds["low"] <= seconds["expected"] <= 5.0 * len(LONG) + 1  # a token is at least a character
+    assert metrics["estimated_completion_at"] >= batch.created_at + seconds["expected"] - 1
     (warning,) = batch.errors.data
     assert warning.code == "completion_window_infeasible_warning" and warning.param == "completion_window"
     assert "longer than its completion window of 1h" in warning.message
@@ -42,7 +47,7 @@ def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, 
 def test_refuse_infeasible_answers_400_at_create(service, slow_profile, tmp_path):
     service.svc.settings.refuse_infeasible = True
     client = service.client()
-    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", "x", max_tokens=4000)]))
+    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", LONG, max_tokens=8)]))
     with pytest.raises(openai.BadRequestError) as caught:
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
     error = caught.value.body
