@@ -23,6 +23,7 @@ import queue
 import threading
 import time
 from collections import defaultdict, deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,7 @@ class EngineWorker:
         self._group: list[Prepared] | None = None      # the suspects in the engine while isolating a failure
         self._writes: queue.Queue = queue.Queue()
         self._load_lock = threading.Lock()             # a load the dispatcher asks for waits for one under way
+        self._tasks: deque = deque()                   # (fn, Future): torch work other threads hand the engine thread
         self.node_ip = _node_ip()
         self.torch_threads: int | None = None          # set by the engine thread
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
@@ -110,18 +112,12 @@ class EngineWorker:
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         with self._load_lock:
             if self.model_key != model_key(model_name, model_path) or self.engine is None:
-                import torch
-
                 from bulkgen.engine import Engine
 
                 with self._cond:
                     self.engine, self.model_name, self.model_key = None, None, None
-                # One OpenMP thread here: a team this thread made would be a second one beside the engine
-                # thread's, and libgomp, seeing more threads than cores, stops spinning between parallel
-                # regions: every op of every step then waits for its threads to wake (steps ~30% slower).
-                torch.set_num_threads(1)
-                engine = Engine.from_pretrained(resolve_model_path(model_path, endpoint_url=endpoint_url),
-                                                **self.engine_kwargs)
+                path = resolve_model_path(model_path, endpoint_url=endpoint_url)
+                engine = self._on_engine_thread(lambda: Engine.from_pretrained(path, **self.engine_kwargs))
                 with self._cond:
                     self.engine, self.model_name = engine, model_name
                     self.model_key = model_key(model_name, model_path)
@@ -248,6 +244,17 @@ class EngineWorker:
         return Prepared(request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count)
 
     # -- the engine thread ------------------------------------------------------------------------------
+    def _on_engine_thread(self, fn):
+        """Run `fn` on the engine thread and return its result. Torch work happens on that thread alone: a
+        second thread running parallel ops (a model load on an RPC thread) makes a second OpenMP team, and
+        libgomp, seeing more threads than cores, stops spinning between parallel regions, so every op of
+        every step waits for its threads to wake (steps were ~30% slower in the worker than alone)."""
+        task: Future = Future()
+        with self._cond:
+            self._tasks.append((fn, task))
+            self._cond.notify_all()
+        return task.result()
+
     def _engine_loop(self) -> None:
         os_thread_name(f"bg-engine-{self.index}")
         import torch
@@ -257,9 +264,17 @@ class EngineWorker:
         self.torch_threads = torch.get_num_threads()  # what the forward really uses, shown to operators
         while True:
             with self._cond:
-                while not (self._aborts or self._has_work()):
+                while not (self._aborts or self._tasks or self._has_work()):
                     self._cond.wait(0.5)
                 aborts, self._aborts = self._aborts, []
+                tasks, self._tasks = list(self._tasks), deque()
+            for fn, task in tasks:
+                try:
+                    task.set_result(fn())
+                except BaseException as exc:  # the caller (load) raises it
+                    task.set_exception(exc)
+            if self.engine is None:
+                continue
             try:
                 if aborts and self.engine is not None:
                     self.engine.abort(aborts)
