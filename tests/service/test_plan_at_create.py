@@ -1,7 +1,7 @@
 """The estimate a batch carries from create on, and `--refuse-infeasible`, on the session's real service.
 
 The profile here is test input: step costs written as a `bulkgen profile` would store them, with prompt
-tokens so slow (5 s each) that a ~1,000-token prompt cannot fit a 1 h window while a one-word prompt fits
+tokens so slow (10 s each) that a ~1,000-token prompt cannot fit a 1 h window while a one-word prompt fits
 with room to spare. Prompt cost, not output length: how long answers run is learnt from the session's
 earlier batches of MODEL (bulkgen/plan/lengths.py), so output-bound figures would depend on test order.
 The profile is removed afterwards so the other tests' batches carry no estimate.
@@ -13,15 +13,19 @@ import openai
 import pytest
 
 from bulkgen.plan import profile as profiles
+from bulkgen.plan.calibrate import LIMITS
 from tests.service.conftest import MODEL, chat_row, upload, validated, wait_done, write_jsonl
 
 LONG = " ".join(["word"] * 900)  # about a thousand prompt tokens
+# 10 s a prompt token: LONG cannot fit a 1 h window even when the session's earlier batches of MODEL scale
+# the profile down by the most the runtime factor allows (LIMITS[0], bulkgen/plan/calibrate.py); "x" fits
+PER_TOKEN_S = 10.0
 
 
 @pytest.fixture
 def slow_profile(service):
     store = service.svc.root
-    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 0.01, 0.0, 5.0, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
+    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 0.01, 0.0, PER_TOKEN_S, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
     yield
     store.delete(key)
     service.svc.settings.refuse_infeasible = False
@@ -36,7 +40,8 @@ def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, 
     assert batch.status == "in_progress"
     metrics = batch.model_extra["metrics"]  # there in the same write that made the batch in_progress
     seconds = metrics["estimated_seconds"]
-    assert 3600 < seconds["low"] <= seconds["expected"] <= 5.0 * len(LONG) + 1  # a token is at least a character
+    # a token is at least a character; earlier batches of MODEL may scale the profile by up to LIMITS[1]
+    assert 3600 < seconds["low"] <= seconds["expected"] <= PER_TOKEN_S * len(LONG) * LIMITS[1] + 1
     assert metrics["estimated_completion_at"] >= batch.created_at + seconds["expected"] - 1
     (warning,) = batch.errors.data
     assert warning.code == "completion_window_infeasible_warning" and warning.param == "completion_window"
