@@ -10,6 +10,7 @@ with a profile measured on the machine, is `python bench/bench_plan.py` (figures
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,18 +22,17 @@ from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path
 from bulkgen.plan.scan import scan_file
 from bulkgen.sim.timed import EngineLimits, batch_seconds
 
-SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = ROOT / "samples"
 STEP_TOLERANCE = 0.10  # the engine admits by KV blocks and prefill chunks; the simulator by token budget alone
 
 
 def synthetic(path: Path, count: int = 5000) -> Path:
-    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
-    with path.open("w") as f:
-        for i in range(count):
-            prompt = " ".join(words[(i + k) % len(words)] for k in range(1 + i % 5))
-            body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-            f.write(json.dumps({"custom_id": f"s-{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
-    return path
+    """The benchmark's synthetic file (bench/bench_plan.py), so the test and the figures use one workload."""
+    spec = importlib.util.spec_from_file_location("bench_plan", ROOT / "bench" / "bench_plan.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench.synthetic(path, count)
 
 
 def run_batch(path: Path, storage: Path) -> dict:
