@@ -85,7 +85,7 @@ def build_model(path: Path, model_kwargs: dict, seed: int) -> tuple[Path, int]:
     """A random-weight Llama (fixed seed) plus the bundled byte tokenizer; returns (path, parameters)."""
     from transformers import AutoModelForCausalLM
 
-    from bulkgen.models.tiny import build_tiny_model
+    from bulkgen.lab.tiny import build_tiny_model
 
     kwargs = dict(model_kwargs)
     build_tiny_model(path, "llama", seed=seed, max_position_embeddings=1024, **kwargs)

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from bulkgen.models.tiny import build_tiny_model
+from bulkgen.lab.tiny import build_tiny_model
 
 SEED = ["--max-batch", "4", "--lengths", "8,4,3,10,2,5,7,1"]
 
