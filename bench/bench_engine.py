@@ -187,7 +187,6 @@ def run_bulkgen(path: Path, work: Workload, max_num_seqs: int, max_num_batched_t
         str(path),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        policy="continuous",
     )
     engine.generate([work.prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     before = engine.stats()

@@ -83,8 +83,9 @@ def run_policy(
 ) -> dict:
     """One fresh engine, every request at once; returns the batch summary of the run."""
     from bulkgen.engine import Engine, SamplingParams
+    from bulkgen.lab.grouped import scheduler_for
 
-    engine = Engine.from_pretrained(str(model_path), max_num_seqs=max_num_seqs, policy=policy)
+    engine = Engine.from_pretrained(str(model_path), max_num_seqs=max_num_seqs, scheduler=scheduler_for(policy))
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=ignore_eos)
         for r in requests
