@@ -83,7 +83,10 @@ class DynamicScheduler(StaticScheduler):
     """Static groups that wait, up to `max_queue_delay` seconds, for max_num_seqs sequences to fill them."""
 
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY,
     ) -> None:
         super().__init__(config, block_manager)
         self.max_queue_delay = max_queue_delay
@@ -104,7 +107,11 @@ def scheduler_for(policy: str, max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY)
     """The engine's `scheduler` argument for a policy named on the command line."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-    if isinstance(max_queue_delay, bool) or not isinstance(max_queue_delay, int | float) or max_queue_delay < 0:
+    if (
+        isinstance(max_queue_delay, bool)
+        or not isinstance(max_queue_delay, int | float)
+        or max_queue_delay < 0
+    ):
         raise ValueError(f"max_queue_delay must be a number >= 0, got {max_queue_delay!r}")
     if policy == "dynamic":
         return partial(DynamicScheduler, max_queue_delay=max_queue_delay)
