@@ -55,7 +55,7 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
 
     from bulkgen.engine import Engine
-    from bulkgen.models.tiny import add_sentence_transformers_config, build_tiny_model
+    from bulkgen.lab.tiny import add_sentence_transformers_config, build_tiny_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ from bulkgen.client import detect_endpoint  # noqa: E402
 from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 from bulkgen.plan import profile as profiles  # noqa: E402
 from bulkgen.plan.scan import scan_file  # noqa: E402
-from bulkgen.sim.timed import EngineLimits, batch_seconds  # noqa: E402
+from bulkgen.plan.timed import EngineLimits, batch_seconds  # noqa: E402
 
 
 def synthetic(path: Path, count: int) -> Path:

@@ -32,7 +32,7 @@ QUICK = {"requests": 8, "prompt": (4, 16), "output": 8, "repeats": 1,
 
 def run(spec: dict, seed: int = 0) -> dict:
     from bulkgen.engine import Engine, SamplingParams
-    from bulkgen.models.tiny import build_tiny_model
+    from bulkgen.lab.tiny import build_tiny_model
 
     rng = random.Random(seed)
     vocab = spec["model"]["vocab_size"]

@@ -56,7 +56,7 @@ ISSUE_REFERENCE = {"hf_static_greedy_s": 55.0, "hf_continuous_s": 75.1, "floor_s
 def build_model(spec: dict, device: str, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bulkgen.models.tiny import build_tokenizer
+    from bulkgen.lab.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = LlamaConfig(**spec["model"], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bulkgen.models.memory import LLAMA_3_2_1B, LLAMA_3_8B, LlamaShape, MemoryRow, format_memory_table
-from bulkgen.models.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+from bulkgen.lab.memory import LLAMA_3_2_1B, LLAMA_3_8B, LlamaShape, MemoryRow, format_memory_table
+from bulkgen.lab.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 SOURCE = f"Python {platform.python_version()} documentation (pydoc_data.topics, PSF licence)"
 PERMISSIVE = ("MIT", "BSD", "Apache", "PSF", "Python Software Foundation", "ISC")

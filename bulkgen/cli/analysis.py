@@ -1,6 +1,5 @@
 """Analysis commands: `simulate` (batching policies on paper), `latency` (a request's budget) and
-`bench` (the policies on the real engine). Thin wrappers: the logic lives in bulkgen.sim and
-bulkgen.metrics."""
+`bench` (the policies on the real engine). Thin wrappers: the logic lives in bulkgen.lab."""
 
 from __future__ import annotations
 
@@ -9,9 +8,9 @@ from pathlib import Path
 
 import click
 
+from bulkgen.lab.sim import DEFAULT_MAX_WAIT, POLICIES, LatencyBudget, SimulationInputError, Workload
+from bulkgen.lab.sim import simulate as run_policy
 from bulkgen.models.registry import default_model_path
-from bulkgen.sim import DEFAULT_MAX_WAIT, POLICIES, LatencyBudget, SimulationInputError, Workload
-from bulkgen.sim import simulate as run_policy
 
 
 def _int_list(option: str, text: str | None) -> tuple[int, ...] | None:
@@ -96,11 +95,11 @@ def simulate(
         results = [run_policy(workload, name, max_batch, max_wait) for name in _policies(policy)]
     except SimulationInputError as exc:
         raise click.BadParameter(exc.detail, param_hint="--" + exc.field.replace("_", "-")) from None
-    from bulkgen.sim.render import format_report
+    from bulkgen.lab.sim.render import format_report
 
     click.echo("\n".join(json.dumps(r.metrics()) for r in results) if as_json else format_report(results))
     if plot is not None:
-        from bulkgen.sim.render import plot_timelines
+        from bulkgen.lab.sim.render import plot_timelines
 
         plot_timelines(results, plot)
         if not as_json:
@@ -147,7 +146,7 @@ def bench(
     """Run BATCH_FILE (OpenAI batch JSONL) through the real engine under each policy, side by side."""
     from transformers.utils import logging as hf_logging
 
-    from bulkgen.metrics.policy_bench import BenchInputError, compare_policies, format_comparison
+    from bulkgen.lab.policy_bench import BenchInputError, compare_policies, format_comparison
 
     hf_logging.disable_progress_bar()  # one progress bar per engine load would bury the table
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-POLICIES = ("continuous", "static", "dynamic")
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
 
 
@@ -28,8 +27,6 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float = 0.85
-    policy: str = "continuous"
-    max_queue_delay: float = 0.05
     admission: str = "longest_first"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
@@ -42,14 +39,10 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name))
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.cuda_graphs not in (None, True, False):
             raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
-        if not isinstance(self.max_queue_delay, (int, float)) or self.max_queue_delay < 0:
-            raise ValueError(f"max_queue_delay must be a number >= 0, got {self.max_queue_delay!r}")
 
 
 def _positive_int(name: str, value: object) -> None:

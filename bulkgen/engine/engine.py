@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -30,6 +30,8 @@ from .stopping import check_stop, completion_text
 
 log = logging.getLogger(__name__)
 
+SchedulerFactory = Callable[[EngineConfig, BlockManager], Scheduler]
+
 
 class Engine:
     """Continuous-batching generation over any HF decoder-only model.
@@ -38,8 +40,11 @@ class Engine:
     own forward calls, so the caller can still use the model (e.g. `model.generate()`) between steps."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, pooling: PoolingConfig | None = None,
-                 **engine_kwargs) -> None:
-        """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling)."""
+                 scheduler: SchedulerFactory = Scheduler, **engine_kwargs) -> None:
+        """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
+        `scheduler`: the admission rule, continuous batching unless a caller brings another
+        (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against)."""
+        self._make_scheduler = scheduler
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -68,7 +73,7 @@ class Engine:
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.scheduler = self._make_scheduler(self.config, self.block_manager)
 
     @classmethod
     def from_pretrained(cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None,
@@ -175,10 +180,10 @@ class Engine:
         if not batch.items:
             if done:
                 return done
-            if self.config.policy != "dynamic" and self.requests:
+            wait = self.scheduler.idle_wait()
+            if wait is None and self.requests:
                 raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests unfinished")
-            wait = self.scheduler.time_until_group()
-            if wait > 0:
+            if wait:
                 time.sleep(min(wait, 0.01))
             return []
         start = time.time()

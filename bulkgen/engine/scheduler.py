@@ -6,9 +6,9 @@ budget and KV blocks allow, in the order of the waiting queue (waiting.py: fair 
 between batches, then longest first). When a running sequence needs a block and none is free, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later (nothing is lost).
 
-Policies share this machinery. continuous: admit whenever there is room. static: admit a group only
-when nothing is running, and hold every member's slot until the slowest finishes. dynamic: like
-static, but a group starts only when max_num_seqs are waiting or the oldest waited max_queue_delay.
+This is continuous batching: admit whenever there is room. Another admission rule (the static and
+dynamic batching that `bulkgen bench` compares against it, bulkgen/lab/grouped.py) subclasses Scheduler
+and overrides its hooks: `_admission_open`, `_next_candidate`/`_pop_candidate`, `held`, `idle_wait`.
 
 A prompt_logprobs prefill needs logits at every prompt position: it takes no cached prefix blocks, and
 its chunks are capped at PROMPT_LOGIT_ROWS tokens per step (all such sequences together), so the
@@ -17,7 +17,6 @@ its chunks are capped at PROMPT_LOGIT_ROWS tokens per step (all such sequences t
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,7 +42,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Owns the queues (waiting, preempted, running, static group); the engine calls schedule() per step."""
+    """Owns the queues (waiting, preempted, running); the engine calls schedule() per step."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
@@ -51,10 +50,8 @@ class Scheduler:
         self.waiting = WaitingQueue(config.admission)  # fair between tags, then the admission order
         self.preempted: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.group: list[Sequence] = []  # static/dynamic: members hold their slot until all finish
-        self.group_pending: deque[Sequence] = deque()
         self.num_preemptions = 0
-        self.prefill_padding_tokens = 0
+        self.prefill_padding_tokens = 0  # prompts padded to a group's longest; packed prompts pad none
         self._logit_rows = PROMPT_LOGIT_ROWS  # prompt-logprob rows left in the step being scheduled
 
     def add(self, seq: Sequence) -> None:
@@ -67,11 +64,9 @@ class Scheduler:
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if self.num_preemptions == before:
             self._admit(batch, budget)
-        grouped = self.config.policy != "continuous"
-        batch.held = list(self.group if grouped else self.running)
+        batch.held = self.held()
         batch.held_slots = len(batch.held)
-        if grouped:
-            batch.padding_slots = sum(s.status is SequenceStatus.FINISHED for s in self.group)
+        batch.padding_slots = sum(s.status is SequenceStatus.FINISHED for s in batch.held)
         for seq, n in batch.items:
             is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
             batch.is_decode.append(is_decode)
@@ -127,11 +122,8 @@ class Scheduler:
         self.preempted.appendleft(seq)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        if self.config.policy != "continuous" and not self.group_pending and not self.preempted:
-            if self.group and not all(s.status is SequenceStatus.FINISHED for s in self.group):
-                return
-            self.group = []
-            self._start_group()
+        if not self._admission_open():
+            return
         computing: set[int] = set()  # first-block hashes that sequences admitted now compute from scratch
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_candidate()
@@ -155,49 +147,35 @@ class Scheduler:
             batch.items.append((seq, n))
             budget -= n
 
+    def _admission_open(self) -> bool:
+        """Whether this step may admit at all (continuous: always; room is checked per sequence)."""
+        return True
+
     def _next_candidate(self) -> Sequence | None:
+        """The sequence admission tries next: preempted ones first, since they already waited once."""
         if self.preempted:
             return self.preempted[0]
-        if self.config.policy != "continuous":
-            return self.group_pending[0] if self.group_pending else None
         return self.waiting.peek()
 
     def _pop_candidate(self, seq: Sequence) -> None:
         if self.preempted and self.preempted[0] is seq:
             self.preempted.popleft()
-        elif self.group_pending and self.group_pending[0] is seq:
-            self.group_pending.popleft()
         else:
             self.waiting.pop(seq)
 
-    def _start_group(self) -> None:
-        """static/dynamic: take the next group of up to max_num_seqs waiting sequences."""
-        if not self.waiting:
-            return
-        if self.config.policy == "dynamic" and len(self.waiting) < self.config.max_num_seqs:
-            oldest = min(s.request.metrics.arrival_time for s in self.waiting)
-            if time.time() - oldest < self.config.max_queue_delay:
-                return
-        members = []
-        while len(members) < self.config.max_num_seqs and (seq := self.waiting.peek()) is not None:
-            self.waiting.pop(seq)
-            members.append(seq)
-        self.group = list(members)
-        self.group_pending = deque(members)
-        longest = max(s.num_prompt_tokens for s in members)
-        self.prefill_padding_tokens += sum(longest - s.num_prompt_tokens for s in members)
+    def held(self) -> list[Sequence]:
+        """Sequences holding a slot this step; those already finished count as padding."""
+        return list(self.running)
 
-    def time_until_group(self) -> float:
-        """dynamic: seconds until a waiting group may start (0 when one can start now or policy differs)."""
-        if self.config.policy != "dynamic" or self.running or self.group_pending or not self.waiting:
-            return 0.0
-        oldest = min(s.request.metrics.arrival_time for s in self.waiting)
-        return max(0.0, self.config.max_queue_delay - (time.time() - oldest))
+    def idle_wait(self) -> float | None:
+        """Seconds until admission may open, for a rule that holds work back on purpose; None means it never
+        does, so a step that schedules nothing while requests remain is a bug the engine reports."""
+        return None
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not admitted yet (queued, preempted, or in a static group's pending list)."""
-        return len(self.waiting) + len(self.preempted) + len(self.group_pending)
+        """Sequences not admitted yet (queued or preempted)."""
+        return len(self.waiting) + len(self.preempted)
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -213,4 +191,3 @@ class Scheduler:
         self.waiting.remove(doomed)
         self.preempted = deque(s for s in self.preempted if s.seq_id not in doomed)
         self.running = [s for s in self.running if s.seq_id not in doomed]
-        self.group_pending = deque(s for s in self.group_pending if s.seq_id not in doomed)

@@ -2,7 +2,7 @@
 
 The file is scanned once (bulkgen.plan.scan: the batch validator, the model's template and tokenizer),
 expected lengths come from the length model (bulkgen.plan.lengths), and the simulator
-(bulkgen.sim.timed) turns the work into seconds with the stored throughput profile of this model and
+(bulkgen.plan.timed) turns the work into seconds with the stored throughput profile of this model and
 device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand.
 
 What the estimate covers: `estimated_seconds` is the batch's generation wall time on N warm workers,
@@ -23,7 +23,7 @@ from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import Runtime, runtime_factor
 from bulkgen.plan.lengths import LengthModel
 from bulkgen.plan.scan import FileWork, scan_file
-from bulkgen.sim.timed import EngineLimits, batch_seconds
+from bulkgen.plan.timed import EngineLimits, batch_seconds
 
 
 class NoProfile(Exception):

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine
-from bulkgen.models.tiny import build_tiny_model, build_tokenizer
+from bulkgen.lab.tiny import build_tiny_model, build_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 

@@ -1,4 +1,6 @@
-"""Regression tests for six engine defects (numbered in the test names), one (or two) per defect."""
+"""Edges where an engine goes wrong easily: logprobs past the vocabulary, a failed step, overlapping
+completion seeds, bf16 attention scores, near-zero temperatures, half-queued requests, and a caller's
+model whose attention the engine must leave alone."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ def _greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-def test_1_logprobs_beyond_vocab_is_refused_and_engine_keeps_working(make_engine, reference, mixed_prompts):
+def test_logprobs_beyond_vocab_is_refused_and_engine_keeps_working(make_engine, reference, mixed_prompts):
     prompts = mixed_prompts(seed=40, count=2, low=5, high=12)
     engine = make_engine("llama")
     engine.add_request("ok", prompts[0], _greedy(4))
@@ -31,7 +33,7 @@ def test_1_logprobs_beyond_vocab_is_refused_and_engine_keeps_working(make_engine
     assert len(full[0].outputs[0].logprobs[0]["top_logprobs"]) == engine.vocab_size
 
 
-def test_1_a_failed_step_leaves_the_engine_consistent(make_engine, reference, mixed_prompts, monkeypatch):
+def test_a_failed_step_leaves_the_engine_consistent(make_engine, reference, mixed_prompts, monkeypatch):
     """A step whose sampling raises advances nothing: the next steps produce the reference tokens."""
     prompts = mixed_prompts(seed=41, count=3, low=5, high=30)
     engine = make_engine("llama", max_num_batched_tokens=32, block_size=4)
@@ -57,7 +59,7 @@ def test_1_a_failed_step_leaves_the_engine_consistent(make_engine, reference, mi
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
-def test_2_completion_seeds_do_not_overlap_the_next_seed(make_engine, mixed_prompts):
+def test_completion_seeds_do_not_overlap_the_next_seed(make_engine, mixed_prompts):
     prompt = mixed_prompts(seed=42, count=1, low=8, high=8)[0]
     engine = make_engine("llama")
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
@@ -99,7 +101,7 @@ def _long_decode_plan(bs: int = 16) -> StepPlan:
     return StepPlan(starts, counts, tables, num_prefill=1, block_size=bs)
 
 
-def test_3_bf16_decode_keeps_scores_in_float32():
+def test_bf16_decode_keeps_scores_in_float32():
     """At a larger query scale, bf16-rounded scores give ~0.0095 relative error here (fp32 scores: ~0.0017,
     about the bf16 rounding of the output itself)."""
     torch.manual_seed(0)
@@ -118,7 +120,7 @@ def test_3_bf16_decode_keeps_scores_in_float32():
         assert rel < 0.004, f"relative error {rel:.4f} against float64 (rows {rows})"
 
 
-def test_4_tiny_temperature_is_greedy(make_engine, reference, mixed_prompts):
+def test_tiny_temperature_is_greedy(make_engine, reference, mixed_prompts):
     prompt = mixed_prompts(seed=43, count=1, low=10, high=10)[0]
     engine = make_engine("llama")
     out = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1e-39, ignore_eos=True))[0]
@@ -126,7 +128,7 @@ def test_4_tiny_temperature_is_greedy(make_engine, reference, mixed_prompts):
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
-def test_5_a_request_is_checked_whole_before_any_part_is_queued(make_engine, reference, mixed_prompts,
+def test_a_request_is_checked_whole_before_any_part_is_queued(make_engine, reference, mixed_prompts,
                                                                  monkeypatch):
     prompts = mixed_prompts(seed=44, count=2, low=5, high=10)
     engine = make_engine("llama")
@@ -148,7 +150,7 @@ def test_5_a_request_is_checked_whole_before_any_part_is_queued(make_engine, ref
     assert out.token_ids == reference.greedy("llama", prompts[1], 4)
 
 
-def test_6_the_callers_model_keeps_its_own_attention(model_dirs, reference, tokenizer, mixed_prompts):
+def test_the_callers_model_keeps_its_own_attention(model_dirs, reference, tokenizer, mixed_prompts):
     from transformers import AutoModelForCausalLM
 
     from bulkgen.engine import Engine

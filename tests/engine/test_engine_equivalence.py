@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bulkgen.engine import SamplingParams
+from bulkgen.lab.grouped import scheduler_for
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -48,7 +49,7 @@ def test_shared_prefix_hits_cache(arch, make_engine, reference, mixed_prompts):
 def test_preemption_when_blocks_run_out(arch, policy, make_engine, reference, mixed_prompts):
     prompts = mixed_prompts(seed=4, count=8, low=10, high=40)
     engine = make_engine(arch, max_num_seqs=8, block_size=4, num_kv_blocks=24, enable_prefix_caching=False,
-                         policy=policy)
+                         scheduler=scheduler_for(policy))
     outs = _check(engine, reference, arch, prompts, max_tokens=24)
     assert engine.stats()["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == engine.stats()["preemptions"]

@@ -9,6 +9,7 @@ import pytest
 from bulkgen.engine import SamplingParams
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.sequence import Request, Sequence
+from bulkgen.lab.grouped import scheduler_for
 
 
 def _params(lengths):
@@ -20,7 +21,7 @@ def test_continuous_refills_slots_and_static_wastes_them(make_engine, mixed_prom
     lengths = [2, 12, 3, 12, 2, 12, 3, 12]
     results = {}
     for policy in ("continuous", "static"):
-        engine = make_engine("llama", max_num_seqs=4, policy=policy, admission="fifo")
+        engine = make_engine("llama", max_num_seqs=4, scheduler=scheduler_for(policy), admission="fifo")
         outs = engine.generate(prompts, _params(lengths))
         results[policy] = ([o.token_ids for o in outs], engine.stats(), engine.pop_step_records())
     cont_ids, cont, cont_steps = results["continuous"]
@@ -38,7 +39,7 @@ def test_continuous_refills_slots_and_static_wastes_them(make_engine, mixed_prom
 
 
 def test_static_admits_a_new_group_only_when_the_last_is_done(make_engine, mixed_prompts):
-    engine = make_engine("llama", max_num_seqs=2, policy="static")
+    engine = make_engine("llama", max_num_seqs=2, scheduler=scheduler_for("static"))
     engine.generate(mixed_prompts(seed=21, count=4, low=3, high=8), _params([1, 6, 6, 1]))
     held = [r["num_seqs"] for r in engine.pop_step_records()]
     assert set(held) == {2}  # a finished member keeps its slot until the group ends
@@ -46,7 +47,7 @@ def test_static_admits_a_new_group_only_when_the_last_is_done(make_engine, mixed
 
 def test_dynamic_waits_for_queue_delay_or_a_full_group(make_engine, mixed_prompts):
     prompts = mixed_prompts(seed=22, count=3, low=3, high=8)
-    engine = make_engine("llama", max_num_seqs=4, policy="dynamic", max_queue_delay=0.3)
+    engine = make_engine("llama", max_num_seqs=4, scheduler=scheduler_for("dynamic", max_queue_delay=0.3))
     engine.add_request("a", prompts[0], _params([2])[0])
     started = time.time()
     assert engine.step() == [] and engine.stats()["steps"] == 0  # too early, group not full
@@ -55,7 +56,7 @@ def test_dynamic_waits_for_queue_delay_or_a_full_group(make_engine, mixed_prompt
         done += engine.step()
     assert time.time() - started >= 0.25
     assert done[0].metrics.queue_wait_s >= 0.25
-    full = make_engine("llama", max_num_seqs=3, policy="dynamic", max_queue_delay=30.0)
+    full = make_engine("llama", max_num_seqs=3, scheduler=scheduler_for("dynamic", max_queue_delay=30.0))
     for i, p in enumerate(prompts):
         full.add_request(str(i), p, _params([2])[0])
     full.step()
@@ -97,7 +98,9 @@ def test_bad_requests_and_config_raise_clear_errors(make_engine):
     with pytest.raises(ValueError, match="vocab"):
         engine.add_request("v", [10**6], SamplingParams())
     with pytest.raises(ValueError, match="policy"):
-        make_engine("llama", policy="greedy")
+        scheduler_for("greedy")
+    with pytest.raises(ValueError, match="max_queue_delay"):
+        scheduler_for("dynamic", max_queue_delay=-1)
     with pytest.raises(ValueError, match="max_num_seqs"):
         make_engine("llama", max_num_seqs=0)
 

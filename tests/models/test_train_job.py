@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bulkgen.models.memory import LLAMA_3_2_1B, LLAMA_3_8B, MemoryRow
+from bulkgen.lab.memory import LLAMA_3_2_1B, LLAMA_3_8B, MemoryRow
 
 JOB = Path(__file__).resolve().parents[2] / "jobs" / "train_tiny.py"
 TINY = ["--steps", "12", "--minutes", "3", "--batch", "4", "--context", "64", "--hidden", "32",

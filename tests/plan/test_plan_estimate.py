@@ -20,7 +20,7 @@ import torch
 
 from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path
 from bulkgen.plan.scan import scan_file
-from bulkgen.sim.timed import EngineLimits, batch_seconds
+from bulkgen.plan.timed import EngineLimits, batch_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "samples"

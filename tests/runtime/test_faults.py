@@ -167,7 +167,8 @@ def test_two_replicas_on_one_storage_run_each_batch_once(serve_process, tmp_path
 
 
 def test_a_poison_line_costs_only_itself_and_no_other_batch(client, tmp_path):
-    """The line that once failed its whole batch and a later one (seed 2**64-1 with n=2)."""
+    """A line at the edge of the seed range (seed 2**64-1 with n=2: the second completion's seed wraps)
+    costs at most itself: its batch completes, and the next batch runs in full."""
     rows = _rows("p", 20, 8)
     rows.insert(7, completion_row("poison", "seeded", max_tokens=8, seed=2**64 - 1, n=2))
     batch = wait_done(client, _create(client, tmp_path / "poison.jsonl", rows).id, timeout=180)

@@ -34,7 +34,7 @@ MODEL = "bulkgen-tiny"
 @lru_cache(maxsize=1)
 def random_model() -> Path:
     """Built once per test session from a config (fixed seed); Ray workers load it from this folder."""
-    from bulkgen.models.tiny import build_tiny_model
+    from bulkgen.lab.tiny import build_tiny_model
 
     root = Path(tempfile.mkdtemp(prefix="bulkgen-random-model-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)

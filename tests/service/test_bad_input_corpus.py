@@ -92,8 +92,9 @@ def test_create_refuses_unknown_fields_by_name(client, tmp_path):
 
 
 def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, client, tmp_path):
-    """A batch already `in_progress`, its lines never validated here (as from an older version): a line the
-    parser refuses (top_p 1.5) is refused alone by its worker, with the field named, and the batch completes."""
+    """Workers parse every line themselves rather than trust validation: in a batch `in_progress` whose lines
+    were never validated, a line the parser refuses (top_p 1.5) is refused alone by its worker, with the field
+    named, and the batch completes."""
     from bulkgen.batch.schema import new_batch_record, set_status
 
     svc = service.svc

@@ -41,7 +41,7 @@ def st_path(tmp_path_factory):
     """The random test model's weights as a sentence-transformers folder: mean pooling, normalised, matryoshka."""
     import shutil
 
-    from bulkgen.models.tiny import add_sentence_transformers_config
+    from bulkgen.lab.tiny import add_sentence_transformers_config
 
     path = shutil.copytree(random_model(), tmp_path_factory.mktemp("st") / "model")
     return add_sentence_transformers_config(path, "mean", True, matryoshka=True)

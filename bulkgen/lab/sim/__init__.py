@@ -1,6 +1,6 @@
 """Explanatory models: a discrete-step batching simulator and the latency budget of one request."""
 
-from bulkgen.sim.batching import (
+from bulkgen.lab.sim.batching import (
     DEFAULT_MAX_WAIT,
     POLICIES,
     Segment,
@@ -9,7 +9,7 @@ from bulkgen.sim.batching import (
     Workload,
     simulate,
 )
-from bulkgen.sim.latency import LatencyBudget
+from bulkgen.lab.sim.latency import LatencyBudget
 
 __all__ = [
     "DEFAULT_MAX_WAIT",

@@ -6,8 +6,8 @@ import io
 import string
 from pathlib import Path
 
+from bulkgen.lab.sim.batching import SimResult
 from bulkgen.metrics.table import text_table
-from bulkgen.sim.batching import SimResult
 
 MAX_TIMELINE_STEPS = 120
 _ID_CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase

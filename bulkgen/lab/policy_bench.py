@@ -6,16 +6,19 @@ seeds, a fresh engine per policy, and the batch measures (``BatchMetrics``) for 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, ParsedRequest, fill_defaults, parse_line
 from bulkgen.metrics.batch import BatchMetrics
 from bulkgen.metrics.table import text_table
+from bulkgen.runtime.prepare import split_prompts, tokenize
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-DEFAULT_MAX_TOKENS = 16
+ENDPOINTS = (CHAT, COMPLETIONS)
+# The bench runs every line on the model it is given, so a line may leave body.model out; a line without a
+# limit gets a short one, since the point is the policies' timing, not long outputs.
+LINE_DEFAULTS = {"model": "bench", "max_tokens": 16}
 
 
 class BenchInputError(ValueError):
@@ -32,47 +35,43 @@ class BenchRequest:
 
 
 def load_requests(path: str | Path, tokenizer) -> list[BenchRequest]:
-    """Parse an OpenAI batch JSONL into token-id prompts (chat messages go through the chat template)."""
+    """An OpenAI batch JSONL read as the workers read it (one parser, one chat template, one tokenizer
+    call), its chat and completions lines side by side; a line with several prompts gives one request each."""
     path = Path(path)
-    requests = []
-    with path.open(encoding="utf-8") as lines:
-        for lineno, line in enumerate(lines, 1):
-            if line.strip():
-                requests.append(_parse_line(line, f"{path}:{lineno}", tokenizer, len(requests)))
+    requests: list[BenchRequest] = []
+    with path.open("rb") as lines:
+        for lineno, raw in enumerate(lines, 1):
+            if raw.strip():
+                where = f"{path}:{lineno}"
+                try:
+                    parsed = _parse(raw, lineno, where)
+                    requests += [_bench_request(one, tokenizer, len(requests)) for one in split_prompts(parsed)]
+                except LineError as err:
+                    raise BenchInputError(f"{where}: {err.message}") from None
     if not requests:
         raise BenchInputError(f"{path}: no requests in the file")
     return requests
 
 
-def _parse_line(line: str, where: str, tokenizer, index: int) -> BenchRequest:
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise BenchInputError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(item, dict) or not isinstance(item.get("body"), dict):
-        raise BenchInputError(f"{where}: each line must be an object with a 'body' object")
-    url, body = item.get("url"), item["body"]
-    if url not in ENDPOINTS:
-        raise BenchInputError(f"{where}: url must be one of {', '.join(ENDPOINTS)}, got {url!r}")
-    if url == "/v1/chat/completions":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BenchInputError(f"{where}: body.messages must be a non-empty list")
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    else:
-        text = body.get("prompt")
-        if not isinstance(text, str) or not text:
-            raise BenchInputError(f"{where}: body.prompt must be a non-empty string")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BenchInputError(f"{where}: body.max_tokens must be an integer >= 1, got {max_tokens!r}")
-    temperature = body.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature < 0:
-        raise BenchInputError(f"{where}: body.temperature must be a number >= 0, got {temperature!r}")
-    seed = body.get("seed", index)
-    custom_id = str(item.get("custom_id", f"request-{index}"))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return BenchRequest(custom_id, list(ids), max_tokens, float(temperature), int(seed))
+def _parse(raw: bytes, lineno: int, where: str) -> ParsedRequest:
+    """The line under whichever of the bench's endpoints its url names."""
+    line = fill_defaults(raw, LINE_DEFAULTS)
+    for endpoint in ENDPOINTS:
+        try:
+            return parse_line(line, lineno, endpoint)
+        except LineError as err:
+            if err.code != "url_mismatch":
+                raise
+    raise BenchInputError(f"{where}: url must be one of {', '.join(ENDPOINTS)}")
+
+
+def _bench_request(request: ParsedRequest, tokenizer, index: int) -> BenchRequest:
+    sampling = request.sampling
+    if sampling["max_tokens"] < 1:  # nothing generated: no step a policy could schedule differently
+        raise LineError("invalid_parameter", f"body.{request.limit_field} must be >= 1 for a bench run")
+    seed = index if sampling["seed"] is None else sampling["seed"]  # every policy draws the same tokens
+    return BenchRequest(request.custom_id, tokenize(request, tokenizer), sampling["max_tokens"],
+                        sampling["temperature"], seed)
 
 
 def run_policy(
@@ -84,8 +83,9 @@ def run_policy(
 ) -> dict:
     """One fresh engine, every request at once; returns the batch summary of the run."""
     from bulkgen.engine import Engine, SamplingParams
+    from bulkgen.lab.grouped import scheduler_for
 
-    engine = Engine.from_pretrained(str(model_path), max_num_seqs=max_num_seqs, policy=policy)
+    engine = Engine.from_pretrained(str(model_path), max_num_seqs=max_num_seqs, scheduler=scheduler_for(policy))
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=ignore_eos)
         for r in requests

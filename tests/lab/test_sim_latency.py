@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from bulkgen.sim import LatencyBudget
+from bulkgen.lab.sim import LatencyBudget
 
 
 def test_budget_parts():

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from bulkgen.metrics.policy_bench import BenchInputError, compare_policies, format_comparison, load_requests
-from bulkgen.models.tiny import build_tiny_model, build_tokenizer
+from bulkgen.lab.policy_bench import BenchInputError, compare_policies, format_comparison, load_requests
+from bulkgen.lab.tiny import build_tiny_model, build_tokenizer
 
 
 def write_batch(path, lines):

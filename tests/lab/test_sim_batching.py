@@ -1,8 +1,8 @@
-"""Hand-computed cases for the batching simulator (see bulkgen/sim/batching.py for the conventions)."""
+"""Hand-computed cases for the batching simulator (see bulkgen/lab/sim/batching.py for the conventions)."""
 
 import pytest
 
-from bulkgen.sim import SimulationInputError, Workload, simulate
+from bulkgen.lab.sim import SimulationInputError, Workload, simulate
 
 SEED_LENGTHS = (8, 4, 3, 10, 2, 5, 7, 1)
 
