@@ -30,6 +30,7 @@ import numpy as np
 
 from bulkgen.runtime.fairshare import FairShare
 from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.ranges import RangeBounds
 
 MAX_ATTEMPTS = 3
 AFFINITY_LOOKAHEAD = 16
@@ -60,38 +61,31 @@ def model_key(name: str | None, path: str | None) -> str | None:
 
 
 @dataclass
-class WorkRange:
+class QueuedRange:
+    """A range of a batch waiting in the queue (or in flight on a worker, until it is done)."""
+
     job: BatchJob
-    lo: int                   # index positions [lo, hi) of the batch's LineIndex
-    hi: int
-    first_line: int
-    last_line: int
-    start: int                # bytes [start, end) of the input file
-    end: int
-    work: int
-    prefix: int
-    attempts: int = 0
+    bounds: RangeBounds
+    work: int                 # estimated tokens of work (prompt and output): what a tenant's share is charged
+    prefix: int               # key of its first request's leading prompt (lineindex): prefix cache affinity
+    attempts: int = 0         # workers that died holding it
 
     @property
     def size(self) -> int:
-        return self.hi - self.lo
+        return self.bounds.size
 
     @property
     def key(self) -> tuple[str, int, int]:
-        return self.job.batch_id, self.lo, self.hi
-
-    def spec(self) -> dict:
-        """The assignment a worker receives (its batch comes along as `BatchJob` fields)."""
-        return {"batch_id": self.job.batch_id, "lo": self.lo, "hi": self.hi, "first_line": self.first_line,
-                "last_line": self.last_line, "start": self.start, "end": self.end}
+        return self.bounds.key
 
 
-def cut_range(job: BatchJob, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> WorkRange:
-    return WorkRange(job, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]), int(index.starts[lo]),
-                     int(index.ends[hi - 1]), int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
+def cut_range(job: BatchJob, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> QueuedRange:
+    bounds = RangeBounds(job.batch_id, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]),
+                         int(index.starts[lo]), int(index.ends[hi - 1]))
+    return QueuedRange(job, bounds, int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
 
 
-def make_ranges(job: BatchJob, index: LineIndex, todo: np.ndarray, size: int) -> list[WorkRange]:
+def make_ranges(job: BatchJob, index: LineIndex, todo: np.ndarray, size: int) -> list[QueuedRange]:
     """Ranges of at most `size` consecutive requests over the positions where `todo` is True."""
     ranges = []
     for lo, hi in true_runs(todo):
@@ -111,11 +105,11 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 class _Pending:
     job: BatchJob
     index: LineIndex
-    ranges: list[WorkRange] = field(default_factory=list)    # longest work per request first
+    ranges: list[QueuedRange] = field(default_factory=list)    # longest work per request first
     last_served: float = field(default_factory=time.monotonic)
 
     def sort(self) -> None:
-        self.ranges.sort(key=lambda r: (-r.work / r.size, r.lo))
+        self.ranges.sort(key=lambda r: (-r.work / r.size, r.bounds.lo))
 
 
 class WorkQueue:
@@ -128,7 +122,7 @@ class WorkQueue:
         self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
         self._lock = threading.Lock()
 
-    def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[WorkRange]) -> None:
+    def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[QueuedRange]) -> None:
         with self._lock:
             self._join(job.tenant)
             pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
@@ -149,7 +143,7 @@ class WorkQueue:
             return sum(1 for p in self._batches.values() if p.ranges)
 
     def take(self, worker: int, want: int, model: str | None, idle: bool,
-             exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkRange]:
+             exclude: set[str] | frozenset[str] = frozenset()) -> list[QueuedRange]:
         """Ranges for `worker`, about `want` requests, of `model` (a `model_key`; any model when the
         worker is idle), of none of the batches in `exclude`."""
         if want < 1:
@@ -162,7 +156,7 @@ class WorkQueue:
             share = self._tail_share()
             tail = share < pending.ranges[0].size   # split ranges only where they would cause stragglers
             want = min(want, share)
-            taken: list[WorkRange] = []
+            taken: list[QueuedRange] = []
             count = 0
             while pending.ranges and count < want:
                 taken.append(self._pop(pending, worker, want - count if tail else None))
@@ -170,7 +164,7 @@ class WorkQueue:
             self.fair.charge(pending.job.tenant, sum(r.work for r in taken))
             return taken
 
-    def settle(self, r: WorkRange, tokens: int) -> None:
+    def settle(self, r: QueuedRange, tokens: int) -> None:
         """`r` finished having used `tokens` (prompt plus output): its tenant's charge becomes that."""
         with self._lock:
             self.fair.charge(r.job.tenant, tokens - r.work)
@@ -180,7 +174,7 @@ class WorkQueue:
         with self._lock:
             return self.fair.shares()
 
-    def put_back(self, ranges: list[WorkRange], count: bool = True) -> list[WorkRange]:
+    def put_back(self, ranges: list[QueuedRange], count: bool = True) -> list[QueuedRange]:
         """Ranges lost with a dead worker go back, one attempt older; returns those given up on.
         count=False: the request was not at fault (storage did not answer), so it is not an attempt."""
         given_up = []
@@ -195,11 +189,11 @@ class WorkQueue:
                 if attempts >= MAX_ATTEMPTS and r.size == 1:
                     given_up.append(r)
                 elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it
-                    mid = (r.lo + r.hi) // 2
-                    pending.ranges += [cut_range(r.job, pending.index, r.lo, mid, attempts),
-                                       cut_range(r.job, pending.index, mid, r.hi, attempts)]
+                    mid = (r.bounds.lo + r.bounds.hi) // 2
+                    pending.ranges += [cut_range(r.job, pending.index, r.bounds.lo, mid, attempts),
+                                       cut_range(r.job, pending.index, mid, r.bounds.hi, attempts)]
                 else:
-                    pending.ranges.append(cut_range(r.job, pending.index, r.lo, r.hi, attempts))
+                    pending.ranges.append(cut_range(r.job, pending.index, r.bounds.lo, r.bounds.hi, attempts))
                 pending.sort()
         return given_up
 
@@ -230,12 +224,13 @@ class WorkQueue:
         pending = sum(r.size for p in self._batches.values() for r in p.ranges)
         return max(1, math.ceil(pending / max(1, self._num_workers())))
 
-    def _pop(self, pending: _Pending, worker: int, limit: int | None) -> WorkRange:
+    def _pop(self, pending: _Pending, worker: int, limit: int | None) -> QueuedRange:
         choice = self._affine(pending, worker)
         r = pending.ranges.pop(choice)
         if limit is not None and r.size > limit:  # keep the remainder queued
-            pending.ranges.insert(choice, cut_range(r.job, pending.index, r.lo + limit, r.hi, r.attempts))
-            r = cut_range(r.job, pending.index, r.lo, r.lo + limit, r.attempts)
+            lo, hi = r.bounds.lo, r.bounds.hi
+            pending.ranges.insert(choice, cut_range(r.job, pending.index, lo + limit, hi, r.attempts))
+            r = cut_range(r.job, pending.index, lo, lo + limit, r.attempts)
         if r.prefix:
             self._affinity[r.prefix] = worker
         return r

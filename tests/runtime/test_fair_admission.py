@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import threading
-from dataclasses import asdict
 
 import numpy as np
 
@@ -98,12 +97,12 @@ class Feeder:
     def feed(self) -> None:
         while True:
             poll = self.worker.poll("", 0)
-            self.inflight -= {(d["batch_id"], d["lo"], d["hi"]) for d in poll["done"]}
+            self.inflight -= {d.bounds.key for d in poll["done"]}
             ranges = take_for(self.queue, 0, poll, {key[0] for key in self.inflight})
             if not ranges:
                 return
             self.inflight |= {r.key for r in ranges}
-            self.worker.assign(asdict(ranges[0].job), [r.spec() for r in ranges])
+            self.worker.assign(ranges[0].job, [r.bounds for r in ranges])
 
 
 def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):

@@ -36,12 +36,12 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
     job = _job("b", 0)
     done = np.array([False, False, False, False, True, False])
     ranges = make_ranges(job, index, ~done, 2)
-    assert [(r.lo, r.hi) for r in ranges] == [(0, 2), (2, 4), (5, 6)]
+    assert [(r.bounds.lo, r.bounds.hi) for r in ranges] == [(0, 2), (2, 4), (5, 6)]
     q = _queue()
     q.add_batch(job, index, ranges)
-    assert [(r.lo, r.hi) for r in q.take(0, 2, "m@p", idle=False)] == [(2, 4)]   # work 9 per request
-    assert [(r.lo, r.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(5, 6)]
-    assert [(r.lo, r.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(0, 2)]   # whole ranges, not the tail
+    assert [(r.bounds.lo, r.bounds.hi) for r in q.take(0, 2, "m@p", idle=False)] == [(2, 4)]   # work 9 per request
+    assert [(r.bounds.lo, r.bounds.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(5, 6)]
+    assert [(r.bounds.lo, r.bounds.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(0, 2)]   # whole ranges, not the tail
     assert q.take(0, 1, "m@p", idle=False) == []
 
 
