@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 
+from bulkgen.batch.responses import json_line
 from bulkgen.runtime import parts
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import scan
@@ -149,6 +150,18 @@ def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
     lines = [json.loads(x) for x in out.read().splitlines()]
     assert [x["custom_id"] for x in lines] == ["c1", "c2", "c4", "c5", "c8"]
     assert tally.completed == 5 and tally.input_tokens == 5 and err.read() == b""
+
+
+def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_path):
+    store = LocalStore(tmp_path)
+    envelope = {"custom_id": 'a\u2028,"envelope":', "response": {"body": {"text": "é\t\"}"}}, "error": None}
+    entry = parts.PartEntry.of(7, True, envelope, (3, 2, 1))
+    assert parts.PartEntry.decode(entry.encode()) == entry
+    assert json.loads(entry.encode()) == {"line": 7, "ok": True, "usage": [3, 2, 1], "envelope": envelope}
+    parts.write_part(store, "b", 7, 7, [entry])
+    out, err, tally = parts.merge_parts(store, "b")
+    assert out.read() == json_line(envelope) and err.read() == b""
+    assert (tally.completed, tally.input_tokens, tally.output_tokens, tally.cached_tokens) == (1, 3, 2, 1)
 
 
 def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path):
