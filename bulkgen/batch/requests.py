@@ -50,7 +50,8 @@ class RequestLine:
 
     @classmethod
     def read(cls, raw: bytes | str, line: int, endpoint: str) -> RequestLine:
-        """The line of a batch whose endpoint is `endpoint`; LineError says what makes it (so its file) invalid."""
+        """The line of a batch whose endpoint is `endpoint`; LineError says what makes it (so its file)
+        invalid."""
         try:
             obj = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -68,9 +69,8 @@ class RequestLine:
         if method != "POST":
             raise LineError("invalid_method", f"method must be POST, got {quote(method)}", "method")
         if obj.get("url") != endpoint:
-            raise LineError(
-                "url_mismatch", f"url {quote(obj.get('url'))} does not match the batch endpoint {endpoint!r}", "url"
-            )
+            raise LineError("url_mismatch", f"url {quote(obj.get('url'))} does not match the batch endpoint "
+                            f"{endpoint!r}", "url")
         body = obj.get("body")
         if not isinstance(body, dict):
             raise LineError("invalid_body", "body must be a JSON object", "body")
@@ -84,8 +84,10 @@ class RequestLine:
         return _parse_body(self)
 
     def placeholder(self) -> ParsedRequest:
-        """A refused body's stand-in in the line index: no work, so its range is cut and its worker refuses it."""
-        return ParsedRequest(self.custom_id, self.line, self.model, self.url, prompt="", sampling={"max_tokens": 0})
+        """A refused body's stand-in in the line index: no work, so its range is cut and its worker
+        refuses it."""
+        return ParsedRequest(self.custom_id, self.line, self.model, self.url, prompt="",
+                             sampling={"max_tokens": 0})
 
 
 @dataclass

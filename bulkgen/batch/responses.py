@@ -33,7 +33,8 @@ def success_line(request: ParsedRequest, result: dict, model: str) -> dict[str, 
         body = response_body(result, model, request.response_fields)
     else:
         body = completion_body(result, model)
-    return envelope(request.custom_id, {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)
+    response = {"status_code": 200, "request_id": random_id("req_"), "body": body}
+    return envelope(request.custom_id, response, None)
 
 
 def refused_line(custom_id: str, message: str, code: str, param: str | None = None) -> dict[str, Any]:

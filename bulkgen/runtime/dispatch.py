@@ -120,22 +120,22 @@ class Dispatcher:
             self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
         if not ranges:
             return
-        job = ranges[0].job
-        if poll["model"] != job.model_key and not self._load(index, handle, ranges):
+        batch = ranges[0].batch
+        if poll["model"] != batch.model_key and not self._load(index, handle, ranges):
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)
-        handle.assign.remote(job, [r.bounds for r in ranges], self.owner)
+        handle.assign.remote(batch, [r.bounds for r in ranges], self.owner)
 
     def _load(self, index: int, handle, ranges: list[QueuedRange]) -> bool:
-        job = ranges[0].job
-        model = job.model
+        batch = ranges[0].batch
+        model = batch.model
         try:
-            ray.get(handle.load.remote(model, job.model_path, self.endpoint_url), timeout=LOAD_DEADLINE_S)
+            ray.get(handle.load.remote(model, batch.model_path, self.endpoint_url), timeout=LOAD_DEADLINE_S)
             return True
         except (RayError, GetTimeoutError) as exc:
             if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails
-                runner = self.runner_of(ranges[0].job.batch_id)
+                runner = self.runner_of(ranges[0].batch.batch_id)
                 if runner is not None:
                     runner.fatal(f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}")
                 return False
@@ -228,6 +228,6 @@ class Dispatcher:
 
     def _give_up(self, ranges: list[QueuedRange], reason: str) -> None:
         for r in ranges:
-            runner = self.runner_of(r.job.batch_id)
+            runner = self.runner_of(r.batch.batch_id)
             if runner is not None:
                 runner.give_up(r, reason)

@@ -34,7 +34,7 @@ class PartEntry:
 
     line: int                                # the request's line in the input file
     ok: bool                                 # its line goes to the output file (else to the error file)
-    envelope: bytes                          # that line, as `responses.json_line` encoded it (with its newline)
+    envelope: bytes                          # that line as `responses.json_line` encoded it (newline included)
     usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion and cached tokens
 
     @classmethod
@@ -44,7 +44,8 @@ class PartEntry:
     def encode(self) -> bytes:
         """{"line":..,"ok":..,"usage":[..],"envelope":{..}}: a JSON line whose last field is the output line's
         bytes as they are, so `decode` finds them without parsing them (the fields before hold no string)."""
-        head = json.dumps({"line": self.line, "ok": self.ok, "usage": list(self.usage)}, separators=(",", ":"))
+        fields = {"line": self.line, "ok": self.ok, "usage": list(self.usage)}
+        head = json.dumps(fields, separators=(",", ":"))
         return head[:-1].encode() + _ENVELOPE + self.envelope.rstrip(b"\n") + b"}\n"
 
     @classmethod
@@ -55,7 +56,8 @@ class PartEntry:
         return cls(head["line"], head["ok"], envelope, tuple(head["usage"]))
 
 
-def write_part(store: Store, batch_id: str, first_line: int, last_line: int, entries: list[PartEntry]) -> None:
+def write_part(store: Store, batch_id: str, first_line: int, last_line: int,
+               entries: list[PartEntry]) -> None:
     data = b"".join(e.encode() for e in sorted(entries, key=lambda e: e.line))
     store.write_bytes(layout.part(batch_id, first_line, last_line), data)
 

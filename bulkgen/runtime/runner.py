@@ -36,7 +36,7 @@ from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import IndexBuilder, LineIndex, read_lines, scan
 from bulkgen.runtime.ranges import RangeOutcome
-from bulkgen.runtime.workqueue import BatchJob, QueuedRange, make_ranges, true_runs
+from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
 from bulkgen.store import NotFound, StorageUnavailable, layout
 
 log = logging.getLogger(__name__)
@@ -112,10 +112,11 @@ class BatchRunner:
 
     def _execute(self, record: dict) -> str | None:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
-        job = BatchJob(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
-                       record["model"], self.svc.settings.models[record["model"]], float(order),
-                       self.svc.store.spec(), self.svc.tenant, batch_priority(record["metadata"]))
-        self.queue.add_batch(job, self.index, make_ranges(job, self.index, ~self.done, self.svc.settings.range_size))
+        batch = QueuedBatch(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
+                            record["model"], self.svc.settings.models[record["model"]], float(order),
+                            self.svc.store.spec(), self.svc.tenant, batch_priority(record["metadata"]))
+        ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
+        self.queue.add_batch(batch, self.index, ranges)
         next_control = next_publish = 0.0
         while True:
             self._wake.wait(0.5)
@@ -213,10 +214,10 @@ class BatchRunner:
 
     def give_up(self, r: QueuedRange, reason: str) -> None:
         """A request that kept killing its worker: an engine_error line, so the batch can finish."""
-        b = r.bounds
-        entries = [parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), f"{reason}; it was not "
-                                                                "retried again", "engine_error"))
-                   for line, raw in read_lines(self.svc.store, r.job.input_key, b.first_line, b.start, b.end)]
+        b, message = r.bounds, f"{reason}; it was not retried again"
+        lines = read_lines(self.svc.store, r.batch.input_key, b.first_line, b.start, b.end)
+        entries = [parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, "engine_error"))
+                   for line, raw in lines]
         parts.write_part(self.svc.store, self.batch_id, b.first_line, b.last_line, entries)
         self.range_done(RangeOutcome(b, parts.Tally(failed=len(entries))))
 

@@ -34,7 +34,7 @@ from bulkgen.runtime.lineindex import read_lines
 from bulkgen.runtime.parts import PartEntry, Tally, write_part
 from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
-from bulkgen.runtime.workqueue import BatchJob, model_key
+from bulkgen.runtime.workqueue import QueuedBatch, model_key
 from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
@@ -138,18 +138,18 @@ class EngineWorker:
         return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node,
                 "node_ip": self.node_ip}
 
-    def assign(self, job: BatchJob, ranges: list[RangeBounds], owner: str = "") -> None:
+    def assign(self, batch: QueuedBatch, ranges: list[RangeBounds], owner: str = "") -> None:
         """Read, prepare and queue ranges of one batch. `owner` names the driver that assigned them:
         several drivers (service replicas, a `bulkgen run`) may share a worker, and each polls only its
         own results."""
         with self._cond:
-            if job.batch_id in self._stopped:
+            if batch.batch_id in self._stopped:
                 return
-            self._owner_of[job.batch_id] = owner
+            self._owner_of[batch.batch_id] = owner
             self._preparing += sum(b.size for b in ranges)
         with self._prepare_lock:
             for bounds in ranges:
-                self._prepare_range(job, bounds)
+                self._prepare_range(batch, bounds)
 
     def poll(self, owner: str = "", timeout: float = 0.5, for_work: bool = True) -> dict[str, Any]:
         """`owner`'s finished ranges and step records by batch, and how many more requests the engine
@@ -199,12 +199,12 @@ class EngineWorker:
             self._owner_of.pop(batch_id, None)
 
     # -- preparation (RPC threads) --------------------------------------------------------------------
-    def _prepare_range(self, job: BatchJob, bounds: RangeBounds) -> None:
-        work = HeldRange(bounds, job.model, self._store(job.store))
+    def _prepare_range(self, batch: QueuedBatch, bounds: RangeBounds) -> None:
+        work = HeldRange(bounds, batch.model, self._store(batch.store))
         key = work.key
         ready: list[Prepared] = []
         try:
-            lines = list(read_lines(work.store, job.input_key, bounds.first_line, bounds.start, bounds.end))
+            lines = list(read_lines(work.store, batch.input_key, bounds.first_line, bounds.start, bounds.end))
         except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
             if isinstance(exc, StorageUnavailable):
                 log.warning("worker %d: could not read %s: %s", self.index, key, exc)
@@ -212,31 +212,32 @@ class EngineWorker:
                 log.exception("worker %d: could not read %s", self.index, key)
             with self._cond:
                 self._preparing -= bounds.size
-                self._done[self._owner_of.get(job.batch_id, "")].append(RangeOutcome(
-                    bounds, error=f"{type(exc).__name__}: {exc}", storage_down=isinstance(exc, StorageUnavailable)))
+                error = f"{type(exc).__name__}: {exc}"
+                self._done[self._owner_of.get(batch.batch_id, "")].append(
+                    RangeOutcome(bounds, error=error, storage_down=isinstance(exc, StorageUnavailable)))
                 self._cond.notify_all()
             return
         for line, raw in lines:
             try:
-                request = parse_line(raw, line, job.endpoint)
+                request = parse_line(raw, line, batch.endpoint)
             except LineError as err:  # a body error (validation counted the line and indexed it), or a line
                 # validated under looser rules: refuse the line alone
                 custom_id = custom_id_of(raw)
                 work.remaining[line] = custom_id
-                self._settle(work, line, PartEntry.of(line, False, refused_line(custom_id, err.message, err.code,
-                                                                                 err.param)))
+                refused = refused_line(custom_id, err.message, err.code, err.param)
+                self._settle(work, line, PartEntry.of(line, False, refused))
                 continue
             work.remaining[line] = request.custom_id
             subs = split_prompts(request)
             try:
-                ready += [self._prepared(f"{job.batch_id}|{line}", key, sub, k, len(subs))
+                ready += [self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs))
                           for k, sub in enumerate(subs)]
             except LineError as err:
-                self._settle(work, line, PartEntry.of(line, False, refused_line(request.custom_id, err.message,
-                                                                                 err.code, err.param)))
+                refused = refused_line(request.custom_id, err.message, err.code, err.param)
+                self._settle(work, line, PartEntry.of(line, False, refused))
         with self._cond:
             self._preparing -= bounds.size
-            if job.batch_id in self._stopped:
+            if batch.batch_id in self._stopped:
                 return
             self._ranges[key] = work
             self._inbox.extend(ready)

@@ -37,8 +37,9 @@ AFFINITY_LOOKAHEAD = 16
 
 
 @dataclass
-class BatchJob:
-    """What a worker needs to know about a range's batch (small; sent with every assignment)."""
+class QueuedBatch:
+    """A running batch as the queue holds it: what orders its ranges, and what a worker needs to run them
+    (small; sent with every assignment)."""
 
     batch_id: str
     input_key: str
@@ -64,7 +65,7 @@ def model_key(name: str | None, path: str | None) -> str | None:
 class QueuedRange:
     """A range of a batch waiting in the queue (or in flight on a worker, until it is done)."""
 
-    job: BatchJob
+    batch: QueuedBatch
     bounds: RangeBounds
     work: int                 # estimated tokens of work (prompt and output): what a tenant's share is charged
     prefix: int               # key of its first request's leading prompt (lineindex): prefix cache affinity
@@ -79,18 +80,18 @@ class QueuedRange:
         return self.bounds.key
 
 
-def cut_range(job: BatchJob, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> QueuedRange:
-    bounds = RangeBounds(job.batch_id, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]),
+def cut_range(batch: QueuedBatch, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> QueuedRange:
+    bounds = RangeBounds(batch.batch_id, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]),
                          int(index.starts[lo]), int(index.ends[hi - 1]))
-    return QueuedRange(job, bounds, int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
+    return QueuedRange(batch, bounds, int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
 
 
-def make_ranges(job: BatchJob, index: LineIndex, todo: np.ndarray, size: int) -> list[QueuedRange]:
+def make_ranges(batch: QueuedBatch, index: LineIndex, todo: np.ndarray, size: int) -> list[QueuedRange]:
     """Ranges of at most `size` consecutive requests over the positions where `todo` is True."""
     ranges = []
     for lo, hi in true_runs(todo):
         for start in range(lo, hi, size):
-            ranges.append(cut_range(job, index, start, min(hi, start + size)))
+            ranges.append(cut_range(batch, index, start, min(hi, start + size)))
     return ranges
 
 
@@ -103,7 +104,7 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 @dataclass
 class _Pending:
-    job: BatchJob
+    batch: QueuedBatch
     index: LineIndex
     ranges: list[QueuedRange] = field(default_factory=list)    # longest work per request first
     last_served: float = field(default_factory=time.monotonic)
@@ -122,10 +123,10 @@ class WorkQueue:
         self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
         self._lock = threading.Lock()
 
-    def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[QueuedRange]) -> None:
+    def add_batch(self, batch: QueuedBatch, index: LineIndex, ranges: list[QueuedRange]) -> None:
         with self._lock:
-            self._join(job.tenant)
-            pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
+            self._join(batch.tenant)
+            pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index))
             pending.ranges.extend(ranges)
             pending.sort()
 
@@ -161,13 +162,13 @@ class WorkQueue:
             while pending.ranges and count < want:
                 taken.append(self._pop(pending, worker, want - count if tail else None))
                 count += taken[-1].size
-            self.fair.charge(pending.job.tenant, sum(r.work for r in taken))
+            self.fair.charge(pending.batch.tenant, sum(r.work for r in taken))
             return taken
 
     def settle(self, r: QueuedRange, tokens: int) -> None:
         """`r` finished having used `tokens` (prompt plus output): its tenant's charge becomes that."""
         with self._lock:
-            self.fair.charge(r.job.tenant, tokens - r.work)
+            self.fair.charge(r.batch.tenant, tokens - r.work)
 
     def shares(self) -> dict[str, dict]:
         """Per tenant: weight and share of the work handed out so far (for the dashboard)."""
@@ -180,42 +181,44 @@ class WorkQueue:
         given_up = []
         with self._lock:
             for r in ranges:
-                self.fair.charge(r.job.tenant, -r.work)  # not done: refunded, charged again when retaken
-                pending = self._batches.get(r.job.batch_id)
+                self.fair.charge(r.batch.tenant, -r.work)  # not done: refunded, charged again when retaken
+                pending = self._batches.get(r.batch.batch_id)
                 if pending is None:
                     continue  # the batch stopped meanwhile
-                self._join(r.job.tenant)
+                self._join(r.batch.tenant)
                 attempts = r.attempts + int(count)
                 if attempts >= MAX_ATTEMPTS and r.size == 1:
                     given_up.append(r)
                 elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it
                     mid = (r.bounds.lo + r.bounds.hi) // 2
-                    pending.ranges += [cut_range(r.job, pending.index, r.bounds.lo, mid, attempts),
-                                       cut_range(r.job, pending.index, mid, r.bounds.hi, attempts)]
+                    pending.ranges += [cut_range(r.batch, pending.index, r.bounds.lo, mid, attempts),
+                                       cut_range(r.batch, pending.index, mid, r.bounds.hi, attempts)]
                 else:
-                    pending.ranges.append(cut_range(r.job, pending.index, r.bounds.lo, r.bounds.hi, attempts))
+                    lo, hi = r.bounds.lo, r.bounds.hi
+                    pending.ranges.append(cut_range(r.batch, pending.index, lo, hi, attempts))
                 pending.sort()
         return given_up
 
     # -- choices ---------------------------------------------------------------------------------
     def _next_batch(self, model: str | None, idle: bool, exclude: set[str] | frozenset[str]) -> _Pending | None:
         candidates = [p for p in self._batches.values()
-                      if p.ranges and (idle or p.job.model_key == model) and p.job.batch_id not in exclude]
+                      if p.ranges and (idle or p.batch.model_key == model)
+                      and p.batch.batch_id not in exclude]
         if not candidates:
             return None
         now = time.monotonic()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
         if starving:  # the one that waited longest, whatever its share, priority and order say
             return min(starving, key=lambda p: p.last_served)
-        same_model = [p for p in candidates if p.job.model_key == model]  # no reload when there is a choice
+        same_model = [p for p in candidates if p.batch.model_key == model]  # no reload when there is a choice
         candidates = same_model or candidates
-        tenant = self.fair.pick({p.job.tenant for p in candidates})
-        mine = [p for p in candidates if p.job.tenant == tenant]
-        return min(mine, key=lambda p: (p.job.priority, p.job.order_key, p.job.batch_id))
+        tenant = self.fair.pick({p.batch.tenant for p in candidates})
+        mine = [p for p in candidates if p.batch.tenant == tenant]
+        return min(mine, key=lambda p: (p.batch.priority, p.batch.order_key, p.batch.batch_id))
 
     def _join(self, tenant: str) -> None:
         """Before `tenant`'s work is queued: if it had none queued, it joins the fair share anew."""
-        backlogged = {p.job.tenant for p in self._batches.values() if p.ranges}
+        backlogged = {p.batch.tenant for p in self._batches.values() if p.ranges}
         if tenant not in backlogged:
             self.fair.join(tenant, backlogged)
 
@@ -229,8 +232,8 @@ class WorkQueue:
         r = pending.ranges.pop(choice)
         if limit is not None and r.size > limit:  # keep the remainder queued
             lo, hi = r.bounds.lo, r.bounds.hi
-            pending.ranges.insert(choice, cut_range(r.job, pending.index, lo + limit, hi, r.attempts))
-            r = cut_range(r.job, pending.index, lo, lo + limit, r.attempts)
+            pending.ranges.insert(choice, cut_range(r.batch, pending.index, lo + limit, hi, r.attempts))
+            r = cut_range(r.batch, pending.index, lo, lo + limit, r.attempts)
         if r.prefix:
             self._affinity[r.prefix] = worker
         return r

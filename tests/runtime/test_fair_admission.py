@@ -16,7 +16,7 @@ import numpy as np
 from bulkgen.runtime.dispatch import take_for
 from bulkgen.runtime.lineindex import LineIndex, scan
 from bulkgen.runtime.worker import EngineWorker
-from bulkgen.runtime.workqueue import BatchJob, WorkQueue, make_ranges
+from bulkgen.runtime.workqueue import QueuedBatch, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
 from tests.service.conftest import MODEL, completion_row, random_model
 
@@ -81,7 +81,7 @@ def _uniform_batch(store, batch_id: str, tenant: str, count: int, prompt: str, m
         np.full(count, one.work[0]),
         np.full(count, one.prefix[0], dtype=np.uint64),
     )
-    job = BatchJob(
+    job = QueuedBatch(
         batch_id, key, "/v1/completions", MODEL, str(random_model()), 0.0, store.spec(), tenant=tenant
     )
     return job, index
@@ -102,7 +102,7 @@ class Feeder:
             if not ranges:
                 return
             self.inflight |= {r.key for r in ranges}
-            self.worker.assign(ranges[0].job, [r.bounds for r in ranges])
+            self.worker.assign(ranges[0].batch, [r.bounds for r in ranges])
 
 
 def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):

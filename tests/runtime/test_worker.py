@@ -13,17 +13,17 @@ from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import scan
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.worker import EngineWorker
-from bulkgen.runtime.workqueue import BatchJob, make_ranges
+from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
 from bulkgen.store import LocalStore
 from tests.service.conftest import MODEL, completion_row, random_model
 
 
-def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[BatchJob, list[RangeBounds]]:
+def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[QueuedBatch, list[RangeBounds]]:
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     key = f"files/data/{batch_id}-in"
     store.write_bytes(key, data)
     index = scan(__import__("io").BytesIO(data), "/v1/completions")
-    job = BatchJob(batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.spec())
+    job = QueuedBatch(batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.spec())
     return job, [r.bounds for r in make_ranges(job, index, np.ones(len(index), bool), 4)]
 
 

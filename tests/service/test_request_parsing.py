@@ -133,7 +133,7 @@ def test_a_request_line_keeps_its_fields_and_its_url_picks_the_body_parser():
     assert line.model == row["body"]["model"]
     request = line.request()
     assert (request.endpoint, request.prompt, request.line) == (COMPLETIONS, "text", 3)
-    with pytest.raises(LineError) as info:  # the url names the body's type: a chat batch refuses a completions line
+    with pytest.raises(LineError) as info:  # a chat batch refuses a completions line: its url names its type
         RequestLine.read(_line(row), 3, "/v1/chat/completions")
     assert (info.value.code, info.value.param) == ("url_mismatch", "url")
     with pytest.raises(LineError) as info:
@@ -142,6 +142,7 @@ def test_a_request_line_keeps_its_fields_and_its_url_picks_the_body_parser():
 
 
 def test_custom_id_of_reads_the_id_alone_and_never_raises():
-    assert custom_id_of(_line(completion_row("a", "x", temperature=99))) == "a"  # a refused body still names it
+    assert custom_id_of(_line(completion_row("a", "x", temperature=99))) == "a"  # a refused body names it
     assert custom_id_of(b'{"custom_id": "r", "response": null, "error": {}}') == "r"  # a result line
-    assert [custom_id_of(raw) for raw in (b"not json", b"[1]", b'{"custom_id": 5}', b"\xff")] == ["", "", "", ""]
+    odd = (b"not json", b"[1]", b'{"custom_id": 5}', b"\xff")
+    assert [custom_id_of(raw) for raw in odd] == ["", "", "", ""]
