@@ -60,8 +60,8 @@ class HeldRange:
     store: Any
     remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
     entries: list[PartEntry] = field(default_factory=list)
-    answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)  # successes whose
-    # output line the writer thread encodes (off the step loop): entry, request, the engine's result
+    # successes whose output line the writer thread encodes, off the step loop: entry, request, engine result
+    answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
     partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
 
