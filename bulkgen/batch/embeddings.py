@@ -94,9 +94,10 @@ def fit_input(prompt_len: int, max_model_len: int) -> None:
         )
 
 
-def embedding_body(request: dict, result: dict, model: str) -> dict[str, Any]:
-    """The CreateEmbeddingResponse of one line: `result["completions"]` carry each input's vector by index."""
-    encoding = request["embedding"]["encoding_format"]
+def embedding_body(options: dict, result: dict, model: str) -> dict[str, Any]:
+    """The CreateEmbeddingResponse of one line (`options`: ParsedRequest.embedding): `result["completions"]`
+    carry each input's vector by index."""
+    encoding = options["encoding_format"]
     data = [
         {"object": "embedding", "index": c["index"], "embedding": encode(c["embedding"], encoding)}
         for c in sorted(result["completions"], key=lambda c: c["index"])

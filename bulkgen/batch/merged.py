@@ -10,11 +10,11 @@ written exactly once, in the original input order.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from bulkgen.batch.requests import custom_id_of
 from bulkgen.batch.responses import envelope, json_line
 
 
@@ -35,7 +35,7 @@ class ResultCursor:
 
     def _next(self) -> None:
         self.raw = next(self._lines, None)
-        self.custom_id = None if self.raw is None else json.loads(self.raw)["custom_id"]
+        self.custom_id = None if self.raw is None else custom_id_of(self.raw)
 
     def take(self, custom_id: str) -> bytes | None:
         if self.custom_id != custom_id:
@@ -49,7 +49,7 @@ def requests(input_lines: Iterable[bytes]) -> Iterator[tuple[bytes, str]]:
     """(line, custom_id) of each request of an input file that ran (validated: every line has one)."""
     for raw in input_lines:
         if raw.strip():
-            yield raw, json.loads(raw)["custom_id"]
+            yield raw, custom_id_of(raw)
 
 
 def check_all_taken(cursors: Iterable[ResultCursor]) -> None:

@@ -1,10 +1,13 @@
 """One input line -> a request the engine can run, with errors that name the line and field.
 
-A line has two halves, checked apart because they fail differently:
-- its identity (`parse_identity`: a JSON object with custom_id, method, url, a body object naming the
+`RequestLine` is the batch file's line format, written once (vLLM's `BatchRequestInput` is the model):
+every reader of an input line goes through it. A line has two halves, checked apart because they fail
+differently:
+- the line itself (`RequestLine.read`: a JSON object with custom_id, method, url, a body object naming the
   model). What is wrong there is wrong with the FILE: validation fails the batch, listing every line.
-- its body (`parse_body`: messages or prompt, sampling, tools). What is wrong there is wrong with that ONE
-  request: it becomes that line's 400 in the error file (`param` is `body.<field>`), and the rest runs.
+- its body (`RequestLine.request`: messages or prompt, sampling, tools, parsed as `url` says). What is
+  wrong there is wrong with that ONE request: it becomes that line's 400 in the error file (`param` is
+  `body.<field>`), and the rest runs.
 Validation and execution share this parser, so whatever passes validation is exactly what runs.
 """
 
@@ -22,26 +25,75 @@ from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
 from bulkgen.batch.structured import forced_tool, response_guide
 
-__all__ = ["CHAT", "COMPLETIONS", "LineError", "LineIdentity", "ParsedRequest", "parse_body", "parse_identity",
-           "parse_line", "fill_defaults", "RESPONSES"]
+__all__ = ["CHAT", "COMPLETIONS", "LineError", "LineIdentity", "ParsedRequest", "RequestLine", "custom_id_of",
+           "parse_body", "parse_identity", "parse_line", "fill_defaults", "RESPONSES"]
 
 # Every field a line may carry; anything else makes the line (so the file) invalid.
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
 MAX_CUSTOM_ID = 64
 
 
-@dataclass
-class LineIdentity:
-    """What validation needs to judge the file: who the line is and which model it asks for."""
+@dataclass(frozen=True)
+class RequestLine:
+    """One line of a batch input file: the Batch API's request input object."""
 
-    custom_id: str
-    line: int
-    model: str
-    body: dict[str, Any]
+    custom_id: str        # the client's name for the request: 1-64 characters, unique in the file (validation
+                          # checks that across lines); the request's output or error line carries it back
+    method: str           # the HTTP method of the request: POST, the only one the Batch API takes
+    url: str              # the endpoint the body is for; it picks the body's parser, and must be the batch's
+    body: dict[str, Any]  # the request body as `url` takes it; read checks only that it names a model
+    line: int             # the line's number in its file (from 1): every error about it names it
+
+    @property
+    def model(self) -> str:
+        return self.body["model"]
+
+    @classmethod
+    def read(cls, raw: bytes | str, line: int, endpoint: str) -> RequestLine:
+        """The line of a batch whose endpoint is `endpoint`; LineError says what makes it (so its file)
+        invalid."""
+        try:
+            obj = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
+        _refuse_unknown(obj, _LINE_FIELDS, "")
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id.strip():
+            raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
+        if len(custom_id) > MAX_CUSTOM_ID:
+            raise LineError("invalid_custom_id", f"custom_id is {len(custom_id)} characters; at most "
+                            f"{MAX_CUSTOM_ID} are allowed ({quote(custom_id, 40)})", "custom_id")
+        method = obj.get("method", "POST")
+        if method != "POST":
+            raise LineError("invalid_method", f"method must be POST, got {quote(method)}", "method")
+        if obj.get("url") != endpoint:
+            raise LineError("url_mismatch", f"url {quote(obj.get('url'))} does not match the batch endpoint "
+                            f"{endpoint!r}", "url")
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            raise LineError("invalid_body", "body must be a JSON object", "body")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise LineError("missing_model", "body.model must be a non-empty string", "body.model")
+        return cls(custom_id, method, endpoint, body, line)
+
+    def request(self) -> ParsedRequest:
+        """The body as the engine runs it, parsed as its `url` says; LineError refuses this request alone."""
+        return _parse_body(self)
+
+    def placeholder(self) -> ParsedRequest:
+        """A refused body's stand-in in the line index: no work, so its range is cut and its worker
+        refuses it."""
+        return ParsedRequest(self.custom_id, self.line, self.model, self.url, prompt="",
+                             sampling={"max_tokens": 0})
 
 
 @dataclass
 class ParsedRequest:
+    """A request as the worker runs it and the response writer answers it (bulkgen.batch.responses)."""
+
     custom_id: str
     line: int
     model: str
@@ -62,48 +114,40 @@ class ParsedRequest:
     response_fields: dict[str, Any] | None = None   # /v1/responses: the request fields its Response repeats
     embedding: dict[str, Any] | None = None         # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
 
 def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
     """Both halves: the request as the worker runs it (any LineError refuses the line)."""
-    return parse_body(parse_identity(raw, line, endpoint), endpoint)
+    return RequestLine.read(raw, line, endpoint).request()
 
 
-def parse_identity(raw: bytes | str, line: int, endpoint: str) -> LineIdentity:
+# The names validation (bulkgen.batch.validate) calls the two halves by.
+LineIdentity = RequestLine
+parse_identity = RequestLine.read
+
+
+def parse_body(identity: RequestLine, endpoint: str) -> ParsedRequest:
+    return identity.request()
+
+
+def placeholder(identity: RequestLine, endpoint: str) -> ParsedRequest:
+    return identity.placeholder()
+
+
+def custom_id_of(raw: bytes | str) -> str:
+    """The custom_id of a line, nothing else checked: of an input line validation passed, or of a result
+    line (the same field of the output and error files); "" where the line names none."""
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
-    _refuse_unknown(obj, _LINE_FIELDS, "")
-    custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id.strip():
-        raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
-    if len(custom_id) > MAX_CUSTOM_ID:
-        raise LineError("invalid_custom_id", f"custom_id is {len(custom_id)} characters; at most {MAX_CUSTOM_ID} "
-                        f"are allowed ({quote(custom_id, 40)})", "custom_id")
-    if obj.get("method", "POST") != "POST":
-        raise LineError("invalid_method", f"method must be POST, got {quote(obj.get('method'))}", "method")
-    if obj.get("url") != endpoint:
-        raise LineError(
-            "url_mismatch", f"url {quote(obj.get('url'))} does not match the batch endpoint {endpoint!r}", "url"
-        )
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise LineError("invalid_body", "body must be a JSON object", "body")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise LineError("missing_model", "body.model must be a non-empty string", "body.model")
-    return LineIdentity(custom_id, line, model, body)
+    except (ValueError, UnicodeDecodeError):
+        return ""
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    return custom_id if isinstance(custom_id, str) else ""
 
 
-def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
-    body = identity.body
+def _parse_body(line: RequestLine) -> ParsedRequest:
+    body, endpoint = line.body, line.url
     _refuse_unknown(body, BODY_FIELDS[endpoint], "body.")
-    request = ParsedRequest(identity.custom_id, identity.line, identity.model, endpoint)
+    request = ParsedRequest(line.custom_id, line.line, line.model, endpoint)
     if endpoint == RESPONSES:  # another front door to the chat request (its own refusals first)
         return responses_request(body, request)
     check_refused(body, endpoint)
@@ -130,12 +174,6 @@ def parse_body(identity: LineIdentity, endpoint: str) -> ParsedRequest:
     if body.get("max_completion_tokens") is not None:
         request.limit_field = "max_completion_tokens"
     return request
-
-
-def placeholder(identity: LineIdentity, endpoint: str) -> ParsedRequest:
-    """A refused body's stand-in in the line index: no work, so its range is cut and its worker refuses it."""
-    return ParsedRequest(identity.custom_id, identity.line, identity.model, endpoint, prompt="",
-                         sampling={"max_tokens": 0})
 
 
 def _refuse_unknown(obj: dict, known: set[str], prefix: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from bulkgen.batch.embeddings import EMBEDDINGS, embedding_body
 from bulkgen.batch.ids import random_id
-from bulkgen.batch.requests import CHAT, RESPONSES
+from bulkgen.batch.requests import CHAT, RESPONSES, ParsedRequest
 from bulkgen.batch.resp_api import output_text, response_body
 from bulkgen.batch.structured import REQUIRED, forced_calls
 from bulkgen.batch.tools import parse_tool_calls
@@ -23,18 +23,18 @@ def envelope(custom_id: str, response: dict | None, error: dict | None) -> dict[
     return {"id": random_id("batch_req_"), "custom_id": custom_id, "response": response, "error": error}
 
 
-def success_line(request: dict, result: dict, model: str) -> dict[str, Any]:
-    """`request`: ParsedRequest.to_dict(); `result`: the worker's finished-request dict."""
-    if request["endpoint"] == EMBEDDINGS:
-        body = embedding_body(request, result, model)
-    elif request["endpoint"] == CHAT:
-        body = chat_body(result, model, request.get("tool_format"), request.get("legacy_functions", False),
-                         request.get("forced_tool"))
-    elif request["endpoint"] == RESPONSES:
-        body = response_body(result, model, request["response_fields"])
+def success_line(request: ParsedRequest, result: dict, model: str) -> dict[str, Any]:
+    """`result`: the worker's finished-request dict (bulkgen.runtime.worker.result_dict)."""
+    if request.endpoint == EMBEDDINGS:
+        body = embedding_body(request.embedding, result, model)
+    elif request.endpoint == CHAT:
+        body = chat_body(result, model, request.tool_format, request.legacy_functions, request.forced_tool)
+    elif request.endpoint == RESPONSES:
+        body = response_body(result, model, request.response_fields)
     else:
         body = completion_body(result, model)
-    return envelope(request["custom_id"], {"status_code": 200, "request_id": random_id("req_"), "body": body}, None)
+    response = {"status_code": 200, "request_id": random_id("req_"), "body": body}
+    return envelope(request.custom_id, response, None)
 
 
 def refused_line(custom_id: str, message: str, code: str, param: str | None = None) -> dict[str, Any]:

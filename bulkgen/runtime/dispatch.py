@@ -13,12 +13,11 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from bulkgen.runtime.workqueue import MAX_ATTEMPTS, WorkQueue, WorkRange
+from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedRange, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +28,7 @@ REPLACE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between attempts to re
 LOAD_DEADLINE_S = 1800.0
 
 
-def take_for(queue: WorkQueue, index: int, poll: dict, holding: set[str]) -> list[WorkRange]:
+def take_for(queue: WorkQueue, index: int, poll: dict, holding: set[str]) -> list[QueuedRange]:
     """What worker `index` gets after `poll`: what it wants, or, when full, work of a batch it holds none
     of (`holding`: the batches of its ranges in flight) up to its spare room, so a newcomer starts at once."""
     idle = not holding and poll["held"] == 0
@@ -45,7 +44,7 @@ class Dispatcher:
         self.pool, self.queue, self.endpoint_url = pool, queue, endpoint_url
         self.owner = owner                    # this driver's name on workers that several drivers share
         self.runner_of = runner_of            # batch id -> its BatchRunner here, or None
-        self.inflight: list[dict[tuple, WorkRange]] = []
+        self.inflight: list[dict[tuple, QueuedRange]] = []
         self.models_loaded: list[str | None] = []
         self._model_of: list[tuple[str, str] | None] = []
         self.nodes: list[str | None] = []
@@ -121,22 +120,22 @@ class Dispatcher:
             self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
         if not ranges:
             return
-        job = ranges[0].job
-        if poll["model"] != job.model_key and not self._load(index, handle, ranges):
+        batch = ranges[0].batch
+        if poll["model"] != batch.model_key and not self._load(index, handle, ranges):
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)
-        handle.assign.remote(asdict(job), [r.spec() for r in ranges], self.owner)
+        handle.assign.remote(batch, [r.bounds for r in ranges], self.owner)
 
-    def _load(self, index: int, handle, ranges: list[WorkRange]) -> bool:
-        job = ranges[0].job
-        model = job.model
+    def _load(self, index: int, handle, ranges: list[QueuedRange]) -> bool:
+        batch = ranges[0].batch
+        model = batch.model
         try:
-            ray.get(handle.load.remote(model, job.model_path, self.endpoint_url), timeout=LOAD_DEADLINE_S)
+            ray.get(handle.load.remote(model, batch.model_path, self.endpoint_url), timeout=LOAD_DEADLINE_S)
             return True
         except (RayError, GetTimeoutError) as exc:
             if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails
-                runner = self.runner_of(ranges[0].job.batch_id)
+                runner = self.runner_of(ranges[0].batch.batch_id)
                 if runner is not None:
                     runner.fatal(f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}")
                 return False
@@ -145,21 +144,20 @@ class Dispatcher:
 
     def _route(self, index: int, poll: dict) -> None:
         holding = {r.batch_id: r for r in self._runners_in_flight(index)}  # before done ranges leave
-        for report in poll["done"]:
-            key = (report["batch_id"], report["lo"], report["hi"])
+        for outcome in poll["done"]:
             with self._lock:
-                r = self.inflight[index].pop(key, None)
-            if "error" in report:
-                if r is not None and report.get("storage"):  # storage down: no attempt used, no request failed
+                r = self.inflight[index].pop(outcome.bounds.key, None)
+            if outcome.error is not None:
+                if r is not None and outcome.storage_down:  # no attempt used, no request failed
                     self.queue.put_back([r], count=False)
                 elif r is not None:
-                    self._give_up(self.queue.put_back([r]), report["error"])
+                    self._give_up(self.queue.put_back([r]), outcome.error)
                 continue
             if r is not None:  # its tenant's share counts the tokens the range really used
-                self.queue.settle(r, report["tally"]["input_tokens"] + report["tally"]["output_tokens"])
-            runner = self.runner_of(report["batch_id"])
+                self.queue.settle(r, outcome.tally.input_tokens + outcome.tally.output_tokens)
+            runner = self.runner_of(outcome.bounds.batch_id)
             if runner is not None:
-                runner.range_done(report, f"bulkgen-worker-{index}")
+                runner.range_done(outcome)
         busy = sum(float(r.get("duration_s", 0.0)) for records in poll["steps"].values() for r in records)
         if busy:
             self._busy[index].append((time.monotonic(), busy))
@@ -228,8 +226,8 @@ class Dispatcher:
             name, path = self._model_of[index]
             handle.load.remote(name, path, self.endpoint_url)  # the worker serializes loads: no double load
 
-    def _give_up(self, ranges: list[WorkRange], reason: str) -> None:
+    def _give_up(self, ranges: list[QueuedRange], reason: str) -> None:
         for r in ranges:
-            runner = self.runner_of(r.job.batch_id)
+            runner = self.runner_of(r.batch.batch_id)
             if runner is not None:
                 runner.give_up(r, reason)

@@ -4,6 +4,9 @@ A part (`layout.part`: the batch's lines first..last) holds one entry per reques
 Whoever finishes a range writes its part (a retried range rewrites the same key), and everything
 downstream de-duplicates by line: coverage for a resumed runner, counts, and the final merge, which
 streams the parts in input order. At-least-once execution thus yields exactly one line per custom_id.
+
+A request's output (or error) line is encoded once, where its part is written; the part keeps those
+bytes as its entry's last field, and the merge copies them into the output file without decoding them.
 """
 
 from __future__ import annotations
@@ -22,13 +25,40 @@ from bulkgen.store import Store, layout
 SPOOL_BYTES = 64 * 1024 * 1024
 
 
-def entry(line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0, 0, 0)) -> dict:
-    return {"line": line, "ok": ok, "envelope": envelope, "usage": list(usage)}
+_ENVELOPE = b',"envelope":'  # what precedes an entry's output line in its part line
 
 
-def write_part(store: Store, batch_id: str, first_line: int, last_line: int, entries: list[dict]) -> None:
-    entries = sorted(entries, key=lambda e: e["line"])
-    data = b"".join(json_line(e) for e in entries)
+@dataclass
+class PartEntry:
+    """One request's result, as its part stores it (one JSON line, `encode`)."""
+
+    line: int                                # the request's line in the input file
+    ok: bool                                 # its line goes to the output file (else to the error file)
+    envelope: bytes                          # that line as `responses.json_line` encoded it (newline included)
+    usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion and cached tokens
+
+    @classmethod
+    def of(cls, line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0, 0, 0)) -> PartEntry:
+        return cls(line, ok, json_line(envelope), tuple(usage))
+
+    def encode(self) -> bytes:
+        """{"line":..,"ok":..,"usage":[..],"envelope":{..}}: a JSON line whose last field is the output line's
+        bytes as they are, so `decode` finds them without parsing them (the fields before hold no string)."""
+        fields = {"line": self.line, "ok": self.ok, "usage": list(self.usage)}
+        head = json.dumps(fields, separators=(",", ":"))
+        return head[:-1].encode() + _ENVELOPE + self.envelope.rstrip(b"\n") + b"}\n"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PartEntry:
+        cut = raw.index(_ENVELOPE)
+        head = json.loads(raw[:cut] + b"}")
+        envelope = raw[cut + len(_ENVELOPE):].rstrip(b"\r\n")[:-1] + b"\n"
+        return cls(head["line"], head["ok"], envelope, tuple(head["usage"]))
+
+
+def write_part(store: Store, batch_id: str, first_line: int, last_line: int,
+               entries: list[PartEntry]) -> None:
+    data = b"".join(e.encode() for e in sorted(entries, key=lambda e: e.line))
     store.write_bytes(layout.part(batch_id, first_line, last_line), data)
 
 
@@ -48,12 +78,12 @@ class Tally:
     cached_tokens: int = 0
     output_tokens: int = 0
 
-    def add(self, entry: dict) -> None:
-        if entry["ok"]:
+    def add(self, entry: PartEntry) -> None:
+        if entry.ok:
             self.completed += 1
         else:
             self.failed += 1
-        prompt, completion, cached = entry.get("usage", (0, 0, 0))
+        prompt, completion, cached = entry.usage
         self.input_tokens += prompt
         self.output_tokens += completion
         self.cached_tokens += cached
@@ -81,10 +111,10 @@ def iter_parts(store: Store, batch_id: str) -> list[tuple[str, int, int]]:
     return sorted(found, key=lambda p: (p[1], -p[2]))
 
 
-def _entries(store: Store, key: str) -> Iterator[dict]:
+def read_part(store: Store, key: str) -> Iterator[PartEntry]:
     for raw in store.iter_lines(key):
         if raw.strip():
-            yield json.loads(raw)
+            yield PartEntry.decode(raw)
 
 
 def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray, Tally]:
@@ -92,9 +122,9 @@ def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray,
     done = np.zeros(len(index), dtype=bool)
     tally = Tally()
     for key, _, _ in iter_parts(store, batch_id):
-        for e in _entries(store, key):
-            pos = int(np.searchsorted(index.lines, e["line"]))
-            if pos < len(index) and index.lines[pos] == e["line"] and not done[pos]:
+        for e in read_part(store, key):
+            pos = int(np.searchsorted(index.lines, e.line))
+            if pos < len(index) and index.lines[pos] == e.line and not done[pos]:
                 done[pos] = True
                 tally.add(e)
     return done, tally
@@ -110,11 +140,11 @@ def merge_parts(store: Store, batch_id: str):
     for key, _, last_line in iter_parts(store, batch_id):
         if last_line <= last:
             continue  # wholly covered by an earlier part (a retried range)
-        for e in _entries(store, key):
-            if e["line"] <= last:
+        for e in read_part(store, key):
+            if e.line <= last:
                 continue
-            last = e["line"]
-            (outputs if e["ok"] else errors).write(json_line(e["envelope"]))
+            last = e.line
+            (outputs if e.ok else errors).write(e.envelope)
             tally.add(e)
     outputs.seek(0)
     errors.seek(0)

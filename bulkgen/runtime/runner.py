@@ -25,6 +25,7 @@ import numpy as np
 
 from bulkgen.batch.lifecycle import needs_validation
 from bulkgen.batch.records import FileRepo, RecordNotFound
+from bulkgen.batch.requests import custom_id_of
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority, set_status
 from bulkgen.batch.service import BatchService
@@ -34,7 +35,8 @@ from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import IndexBuilder, LineIndex, read_lines, scan
-from bulkgen.runtime.workqueue import BatchJob, WorkRange, make_ranges, true_runs
+from bulkgen.runtime.ranges import RangeOutcome
+from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
 from bulkgen.store import NotFound, StorageUnavailable, layout
 
 log = logging.getLogger(__name__)
@@ -110,10 +112,11 @@ class BatchRunner:
 
     def _execute(self, record: dict) -> str | None:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
-        job = BatchJob(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
-                       record["model"], self.svc.settings.models[record["model"]], float(order),
-                       self.svc.store.spec(), self.svc.tenant, batch_priority(record["metadata"]))
-        self.queue.add_batch(job, self.index, make_ranges(job, self.index, ~self.done, self.svc.settings.range_size))
+        batch = QueuedBatch(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
+                            record["model"], self.svc.settings.models[record["model"]], float(order),
+                            self.svc.store.spec(), self.svc.tenant, batch_priority(record["metadata"]))
+        ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
+        self.queue.add_batch(batch, self.index, ranges)
         next_control = next_publish = 0.0
         while True:
             self._wake.wait(0.5)
@@ -186,16 +189,16 @@ class BatchRunner:
         self.svc.store.write_bytes(key, json.dumps({"owner": self.lease.owner, "started_at": time.time()}).encode())
 
     # -- calls from the dispatcher's threads ------------------------------------------------------------
-    def range_done(self, report: dict, worker: str) -> None:
-        lo, hi = report["lo"], report["hi"]
+    def range_done(self, outcome: RangeOutcome) -> None:
+        lo, hi = outcome.bounds.lo, outcome.bounds.hi
         with self._lock:
             if self.done is None or self.done[lo:hi].all():
                 return  # a duplicate (a range retried after its first worker was presumed dead)
             if self.done[lo:hi].any():
                 self._recount(lo, hi)
             else:
-                self.tally.merge(parts.Tally(**report["tally"]))
-                for m in report["requests"]:
+                self.tally.merge(outcome.tally)
+                for m in outcome.requests:
                     self.metrics.add_request(m)
             self.done[lo:hi] = True
             self._done_here += hi - lo
@@ -209,13 +212,14 @@ class BatchRunner:
         with self._lock:
             self.metrics.add_steps(worker, records)
 
-    def give_up(self, r: WorkRange, reason: str) -> None:
+    def give_up(self, r: QueuedRange, reason: str) -> None:
         """A request that kept killing its worker: an engine_error line, so the batch can finish."""
-        entries = [parts.entry(line, False, refused_line(custom_id_of(raw), f"{reason}; it was not retried "
-                                                                               "again", "engine_error"))
-                   for line, raw in read_lines(self.svc.store, r.job.input_key, r.first_line, r.start, r.end)]
-        parts.write_part(self.svc.store, self.batch_id, r.first_line, r.last_line, entries)
-        self.range_done({"lo": r.lo, "hi": r.hi, "tally": {"failed": len(entries)}, "requests": []}, "")
+        b, message = r.bounds, f"{reason}; it was not retried again"
+        lines = read_lines(self.svc.store, r.batch.input_key, b.first_line, b.start, b.end)
+        entries = [parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, "engine_error"))
+                   for line, raw in lines]
+        parts.write_part(self.svc.store, self.batch_id, b.first_line, b.last_line, entries)
+        self.range_done(RangeOutcome(b, parts.Tally(failed=len(entries))))
 
     def fatal(self, message: str) -> None:
         self._fatal = message
@@ -289,16 +293,16 @@ class BatchRunner:
                 end = min(hi, start + size)
                 first, last = int(self.index.lines[start]), int(self.index.lines[end - 1])
                 lines = read_lines(self.svc.store, key, first, int(self.index.starts[start]), int(self.index.ends[end - 1]))
-                entries = [parts.entry(line, False, not_run_line(custom_id_of(raw), code)) for line, raw in lines]
+                entries = [parts.PartEntry.of(line, False, not_run_line(custom_id_of(raw), code))
+                           for line, raw in lines]
                 parts.write_part(self.svc.store, self.batch_id, first, last, entries)
 
     def _recount(self, lo: int, hi: int) -> None:
         """A range overlapping results already counted: count only its new lines, from its stored part."""
         lines = set(int(x) for x, d in zip(self.index.lines[lo:hi], self.done[lo:hi], strict=True) if not d)
         first, last = int(self.index.lines[lo]), int(self.index.lines[hi - 1])
-        for raw in self.svc.store.iter_lines(layout.part(self.batch_id, first, last)):
-            e = json.loads(raw) if raw.strip() else None
-            if e and e["line"] in lines:
+        for e in parts.read_part(self.svc.store, layout.part(self.batch_id, first, last)):
+            if e.line in lines:
                 self.tally.add(e)
 
     def fail(self, message: str) -> dict:
@@ -326,7 +330,3 @@ class BatchRunner:
         except (NotFound, ValueError, KeyError):
             return BatchMetrics()
 
-
-def custom_id_of(raw: bytes) -> str:
-    """The custom_id of a validated input line (for lines that never reached a worker)."""
-    return json.loads(raw)["custom_id"]

@@ -27,13 +27,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
-from bulkgen.batch.responses import merge_results, not_run_line, refused_line, success_line
+from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
+from bulkgen.batch.responses import json_line, merge_results, not_run_line, refused_line, success_line
 from bulkgen.models.registry import resolve_model_path
-from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import read_lines
+from bulkgen.runtime.parts import PartEntry, Tally, write_part
 from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
-from bulkgen.runtime.workqueue import model_key
+from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
+from bulkgen.runtime.workqueue import QueuedBatch, model_key
 from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
@@ -51,27 +52,32 @@ class Prepared:
 
 
 @dataclass
-class RangeWork:
-    """One assigned range: what is still running, and the entries of what finished."""
+class HeldRange:
+    """A range assigned to this worker: what of it is still running, and the entries of what finished."""
 
-    batch_id: str
-    spec: dict
+    bounds: RangeBounds
     model: str
     store: Any
     remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
-    entries: list[dict] = field(default_factory=list)
+    entries: list[PartEntry] = field(default_factory=list)
+    # successes whose output line the writer thread encodes, off the step loop: entry, request, engine result
+    answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
     partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
 
     @property
-    def key(self) -> tuple:
-        return self.batch_id, self.spec["lo"], self.spec["hi"]
+    def batch_id(self) -> str:
+        return self.bounds.batch_id
 
-    def report(self) -> dict:
-        tally = parts.Tally()
+    @property
+    def key(self) -> tuple:
+        return self.bounds.key
+
+    def outcome(self) -> RangeOutcome:
+        tally = Tally()
         for e in self.entries:
             tally.add(e)
-        return {**self.spec, "tally": tally.__dict__, "requests": self.metrics}
+        return RangeOutcome(self.bounds, tally, self.metrics)
 
 
 class EngineWorker:
@@ -85,7 +91,7 @@ class EngineWorker:
         self.model_key: str | None = None
         self._cond = threading.Condition()
         self._prepare_lock = threading.Lock()
-        self._ranges: dict[tuple, RangeWork] = {}
+        self._ranges: dict[tuple, HeldRange] = {}
         self._live: dict[str, Prepared] = {}          # in the engine
         self._inbox: deque[Prepared] = deque()         # prepared, not yet in the engine
         self._aborts: list[str] = []
@@ -132,18 +138,18 @@ class EngineWorker:
         return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node,
                 "node_ip": self.node_ip}
 
-    def assign(self, job: dict, specs: list[dict], owner: str = "") -> None:
-        """Read, prepare and queue ranges of one batch (`job`: BatchJob fields). `owner` names the
-        driver that assigned them: several drivers (service replicas, a `bulkgen run`) may share a
-        worker, and each polls only its own results."""
+    def assign(self, batch: QueuedBatch, ranges: list[RangeBounds], owner: str = "") -> None:
+        """Read, prepare and queue ranges of one batch. `owner` names the driver that assigned them:
+        several drivers (service replicas, a `bulkgen run`) may share a worker, and each polls only its
+        own results."""
         with self._cond:
-            if job["batch_id"] in self._stopped:
+            if batch.batch_id in self._stopped:
                 return
-            self._owner_of[job["batch_id"]] = owner
-            self._preparing += sum(s["hi"] - s["lo"] for s in specs)
+            self._owner_of[batch.batch_id] = owner
+            self._preparing += sum(b.size for b in ranges)
         with self._prepare_lock:
-            for spec in specs:
-                self._prepare_range(job, spec)
+            for bounds in ranges:
+                self._prepare_range(batch, bounds)
 
     def poll(self, owner: str = "", timeout: float = 0.5, for_work: bool = True) -> dict[str, Any]:
         """`owner`'s finished ranges and step records by batch, and how many more requests the engine
@@ -181,7 +187,7 @@ class EngineWorker:
         self._writes.join()  # parts of its ranges that finished just before
         if code:
             for work in mine.values():
-                work.entries += [parts.entry(line, False, not_run_line(cid, code))
+                work.entries += [PartEntry.of(line, False, not_run_line(cid, code))
                                  for line, cid in work.remaining.items()]
                 self._store_part(work)
         return len(mine)
@@ -193,44 +199,45 @@ class EngineWorker:
             self._owner_of.pop(batch_id, None)
 
     # -- preparation (RPC threads) --------------------------------------------------------------------
-    def _prepare_range(self, job: dict, spec: dict) -> None:
-        work = RangeWork(job["batch_id"], spec, job["model"], self._store(job["store"]))
+    def _prepare_range(self, batch: QueuedBatch, bounds: RangeBounds) -> None:
+        work = HeldRange(bounds, batch.model, self._store(batch.store))
         key = work.key
         ready: list[Prepared] = []
         try:
-            lines = list(read_lines(work.store, job["input_key"], spec["first_line"], spec["start"], spec["end"]))
+            lines = list(read_lines(work.store, batch.input_key, bounds.first_line, bounds.start, bounds.end))
         except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
             if isinstance(exc, StorageUnavailable):
                 log.warning("worker %d: could not read %s: %s", self.index, key, exc)
             else:
                 log.exception("worker %d: could not read %s", self.index, key)
             with self._cond:
-                self._preparing -= spec["hi"] - spec["lo"]
-                self._done[self._owner_of.get(job["batch_id"], "")].append(
-                    {**spec, "error": f"{type(exc).__name__}: {exc}", "storage": isinstance(exc, StorageUnavailable)})
+                self._preparing -= bounds.size
+                error = f"{type(exc).__name__}: {exc}"
+                self._done[self._owner_of.get(batch.batch_id, "")].append(
+                    RangeOutcome(bounds, error=error, storage_down=isinstance(exc, StorageUnavailable)))
                 self._cond.notify_all()
             return
         for line, raw in lines:
             try:
-                request = parse_line(raw, line, job["endpoint"])
+                request = parse_line(raw, line, batch.endpoint)
             except LineError as err:  # a body error (validation counted the line and indexed it), or a line
                 # validated under looser rules: refuse the line alone
-                custom_id = json.loads(raw).get("custom_id", "")
+                custom_id = custom_id_of(raw)
                 work.remaining[line] = custom_id
-                self._settle(work, line, parts.entry(line, False, refused_line(custom_id, err.message, err.code,
-                                                                                err.param)))
+                refused = refused_line(custom_id, err.message, err.code, err.param)
+                self._settle(work, line, PartEntry.of(line, False, refused))
                 continue
             work.remaining[line] = request.custom_id
             subs = split_prompts(request)
             try:
-                ready += [self._prepared(f"{job['batch_id']}|{line}", key, sub, k, len(subs))
+                ready += [self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs))
                           for k, sub in enumerate(subs)]
             except LineError as err:
-                self._settle(work, line, parts.entry(line, False, refused_line(request.custom_id, err.message,
-                                                                                err.code, err.param)))
+                refused = refused_line(request.custom_id, err.message, err.code, err.param)
+                self._settle(work, line, PartEntry.of(line, False, refused))
         with self._cond:
-            self._preparing -= spec["hi"] - spec["lo"]
-            if job["batch_id"] in self._stopped:
+            self._preparing -= bounds.size
+            if batch.batch_id in self._stopped:
                 return
             self._ranges[key] = work
             self._inbox.extend(ready)
@@ -351,8 +358,8 @@ class EngineWorker:
                 return
             result = merge_results([done.pop(k) for k in range(p.parts)], p.params.get("n", 1))
         usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
-        entry = parts.entry(p.request.line, True, None, usage)
-        entry["result"] = (p.request, result)  # the writer thread builds the envelope, off the step loop
+        entry = PartEntry(p.request.line, True, b"", usage)
+        work.answers.append((entry, p.request, result))
         self._settle(work, p.request.line, entry)
 
     def _fail(self, p: Prepared, message: str, code: str, param: str | None = None) -> None:
@@ -361,9 +368,9 @@ class EngineWorker:
             work = self._ranges.get(p.range_key)
             if work is not None:
                 envelope = refused_line(p.request.custom_id, message, code, param)
-                self._settle(work, p.request.line, parts.entry(p.request.line, False, envelope))
+                self._settle(work, p.request.line, PartEntry.of(p.request.line, False, envelope))
 
-    def _settle(self, work: RangeWork, line: int, entry: dict) -> None:
+    def _settle(self, work: HeldRange, line: int, entry: PartEntry) -> None:
         """Record one request's entry; a range whose every request settled goes to the writer."""
         if work.remaining.pop(line, None) is None:
             return
@@ -403,14 +410,14 @@ class EngineWorker:
             try:
                 if self._store_until_done(work):
                     with self._cond:
-                        self._done[self._owner_of.get(work.batch_id, "")].append(work.report())
+                        self._done[self._owner_of.get(work.batch_id, "")].append(work.outcome())
                         self._cond.notify_all()
             except Exception:  # the range is not reported done, so the driver will hand it out again
                 log.exception("worker %d: could not store a part of %s", self.index, work.batch_id)
             finally:
                 self._writes.task_done()
 
-    def _store_until_done(self, work: RangeWork) -> bool:
+    def _store_until_done(self, work: HeldRange) -> bool:
         """Storage down: keep the results and try again (the part write is idempotent) until it answers
         or the batch is withdrawn from this worker (its runner gave up; a resumed one redoes the range)."""
         delay = 0.5
@@ -432,12 +439,11 @@ class EngineWorker:
             self._stores[key] = open_store(**spec)
         return self._stores[key]
 
-    def _store_part(self, work: RangeWork) -> None:
-        for e in work.entries:
-            if "result" in e:
-                request, result = e.pop("result")
-                e["envelope"] = success_line(request.to_dict(), result, work.model)
-        parts.write_part(work.store, work.batch_id, work.spec["first_line"], work.spec["last_line"], work.entries)
+    def _store_part(self, work: HeldRange) -> None:
+        for entry, request, result in work.answers:
+            entry.envelope = json_line(success_line(request, result, work.model))
+        work.answers.clear()
+        write_part(work.store, work.batch_id, work.bounds.first_line, work.bounds.last_line, work.entries)
 
     def _progress(self, owner: str) -> dict[str, dict[str, int]]:
         """Requests settled in ranges not yet written, per batch: so counts move with every request."""
@@ -446,7 +452,7 @@ class EngineWorker:
             if self._owner_of.get(work.batch_id, "") == owner and work.entries:
                 counts = out.setdefault(work.batch_id, {"completed": 0, "failed": 0})
                 for e in work.entries:
-                    counts["completed" if e["ok"] else "failed"] += 1
+                    counts["completed" if e.ok else "failed"] += 1
         return out
 
     # -- capacity ------------------------------------------------------------------------------------

@@ -30,14 +30,16 @@ import numpy as np
 
 from bulkgen.runtime.fairshare import FairShare
 from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.ranges import RangeBounds
 
 MAX_ATTEMPTS = 3
 AFFINITY_LOOKAHEAD = 16
 
 
 @dataclass
-class BatchJob:
-    """What a worker needs to know about a range's batch (small; sent with every assignment)."""
+class QueuedBatch:
+    """A running batch as the queue holds it: what orders its ranges, and what a worker needs to run them
+    (small; sent with every assignment)."""
 
     batch_id: str
     input_key: str
@@ -60,43 +62,36 @@ def model_key(name: str | None, path: str | None) -> str | None:
 
 
 @dataclass
-class WorkRange:
-    job: BatchJob
-    lo: int                   # index positions [lo, hi) of the batch's LineIndex
-    hi: int
-    first_line: int
-    last_line: int
-    start: int                # bytes [start, end) of the input file
-    end: int
-    work: int
-    prefix: int
-    attempts: int = 0
+class QueuedRange:
+    """A range of a batch waiting in the queue (or in flight on a worker, until it is done)."""
+
+    batch: QueuedBatch
+    bounds: RangeBounds
+    work: int                 # estimated tokens of work (prompt and output): what a tenant's share is charged
+    prefix: int               # key of its first request's leading prompt (lineindex): prefix cache affinity
+    attempts: int = 0         # workers that died holding it
 
     @property
     def size(self) -> int:
-        return self.hi - self.lo
+        return self.bounds.size
 
     @property
     def key(self) -> tuple[str, int, int]:
-        return self.job.batch_id, self.lo, self.hi
-
-    def spec(self) -> dict:
-        """The assignment a worker receives (its batch comes along as `BatchJob` fields)."""
-        return {"batch_id": self.job.batch_id, "lo": self.lo, "hi": self.hi, "first_line": self.first_line,
-                "last_line": self.last_line, "start": self.start, "end": self.end}
+        return self.bounds.key
 
 
-def cut_range(job: BatchJob, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> WorkRange:
-    return WorkRange(job, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]), int(index.starts[lo]),
-                     int(index.ends[hi - 1]), int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
+def cut_range(batch: QueuedBatch, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> QueuedRange:
+    bounds = RangeBounds(batch.batch_id, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]),
+                         int(index.starts[lo]), int(index.ends[hi - 1]))
+    return QueuedRange(batch, bounds, int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
 
 
-def make_ranges(job: BatchJob, index: LineIndex, todo: np.ndarray, size: int) -> list[WorkRange]:
+def make_ranges(batch: QueuedBatch, index: LineIndex, todo: np.ndarray, size: int) -> list[QueuedRange]:
     """Ranges of at most `size` consecutive requests over the positions where `todo` is True."""
     ranges = []
     for lo, hi in true_runs(todo):
         for start in range(lo, hi, size):
-            ranges.append(cut_range(job, index, start, min(hi, start + size)))
+            ranges.append(cut_range(batch, index, start, min(hi, start + size)))
     return ranges
 
 
@@ -109,13 +104,13 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 
 @dataclass
 class _Pending:
-    job: BatchJob
+    batch: QueuedBatch
     index: LineIndex
-    ranges: list[WorkRange] = field(default_factory=list)    # longest work per request first
+    ranges: list[QueuedRange] = field(default_factory=list)    # longest work per request first
     last_served: float = field(default_factory=time.monotonic)
 
     def sort(self) -> None:
-        self.ranges.sort(key=lambda r: (-r.work / r.size, r.lo))
+        self.ranges.sort(key=lambda r: (-r.work / r.size, r.bounds.lo))
 
 
 class WorkQueue:
@@ -128,10 +123,10 @@ class WorkQueue:
         self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
         self._lock = threading.Lock()
 
-    def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[WorkRange]) -> None:
+    def add_batch(self, batch: QueuedBatch, index: LineIndex, ranges: list[QueuedRange]) -> None:
         with self._lock:
-            self._join(job.tenant)
-            pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
+            self._join(batch.tenant)
+            pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index))
             pending.ranges.extend(ranges)
             pending.sort()
 
@@ -149,7 +144,7 @@ class WorkQueue:
             return sum(1 for p in self._batches.values() if p.ranges)
 
     def take(self, worker: int, want: int, model: str | None, idle: bool,
-             exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkRange]:
+             exclude: set[str] | frozenset[str] = frozenset()) -> list[QueuedRange]:
         """Ranges for `worker`, about `want` requests, of `model` (a `model_key`; any model when the
         worker is idle), of none of the batches in `exclude`."""
         if want < 1:
@@ -162,66 +157,68 @@ class WorkQueue:
             share = self._tail_share()
             tail = share < pending.ranges[0].size   # split ranges only where they would cause stragglers
             want = min(want, share)
-            taken: list[WorkRange] = []
+            taken: list[QueuedRange] = []
             count = 0
             while pending.ranges and count < want:
                 taken.append(self._pop(pending, worker, want - count if tail else None))
                 count += taken[-1].size
-            self.fair.charge(pending.job.tenant, sum(r.work for r in taken))
+            self.fair.charge(pending.batch.tenant, sum(r.work for r in taken))
             return taken
 
-    def settle(self, r: WorkRange, tokens: int) -> None:
+    def settle(self, r: QueuedRange, tokens: int) -> None:
         """`r` finished having used `tokens` (prompt plus output): its tenant's charge becomes that."""
         with self._lock:
-            self.fair.charge(r.job.tenant, tokens - r.work)
+            self.fair.charge(r.batch.tenant, tokens - r.work)
 
     def shares(self) -> dict[str, dict]:
         """Per tenant: weight and share of the work handed out so far (for the dashboard)."""
         with self._lock:
             return self.fair.shares()
 
-    def put_back(self, ranges: list[WorkRange], count: bool = True) -> list[WorkRange]:
+    def put_back(self, ranges: list[QueuedRange], count: bool = True) -> list[QueuedRange]:
         """Ranges lost with a dead worker go back, one attempt older; returns those given up on.
         count=False: the request was not at fault (storage did not answer), so it is not an attempt."""
         given_up = []
         with self._lock:
             for r in ranges:
-                self.fair.charge(r.job.tenant, -r.work)  # not done: refunded, charged again when retaken
-                pending = self._batches.get(r.job.batch_id)
+                self.fair.charge(r.batch.tenant, -r.work)  # not done: refunded, charged again when retaken
+                pending = self._batches.get(r.batch.batch_id)
                 if pending is None:
                     continue  # the batch stopped meanwhile
-                self._join(r.job.tenant)
+                self._join(r.batch.tenant)
                 attempts = r.attempts + int(count)
                 if attempts >= MAX_ATTEMPTS and r.size == 1:
                     given_up.append(r)
                 elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it
-                    mid = (r.lo + r.hi) // 2
-                    pending.ranges += [cut_range(r.job, pending.index, r.lo, mid, attempts),
-                                       cut_range(r.job, pending.index, mid, r.hi, attempts)]
+                    mid = (r.bounds.lo + r.bounds.hi) // 2
+                    pending.ranges += [cut_range(r.batch, pending.index, r.bounds.lo, mid, attempts),
+                                       cut_range(r.batch, pending.index, mid, r.bounds.hi, attempts)]
                 else:
-                    pending.ranges.append(cut_range(r.job, pending.index, r.lo, r.hi, attempts))
+                    lo, hi = r.bounds.lo, r.bounds.hi
+                    pending.ranges.append(cut_range(r.batch, pending.index, lo, hi, attempts))
                 pending.sort()
         return given_up
 
     # -- choices ---------------------------------------------------------------------------------
     def _next_batch(self, model: str | None, idle: bool, exclude: set[str] | frozenset[str]) -> _Pending | None:
         candidates = [p for p in self._batches.values()
-                      if p.ranges and (idle or p.job.model_key == model) and p.job.batch_id not in exclude]
+                      if p.ranges and (idle or p.batch.model_key == model)
+                      and p.batch.batch_id not in exclude]
         if not candidates:
             return None
         now = time.monotonic()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
         if starving:  # the one that waited longest, whatever its share, priority and order say
             return min(starving, key=lambda p: p.last_served)
-        same_model = [p for p in candidates if p.job.model_key == model]  # no reload when there is a choice
+        same_model = [p for p in candidates if p.batch.model_key == model]  # no reload when there is a choice
         candidates = same_model or candidates
-        tenant = self.fair.pick({p.job.tenant for p in candidates})
-        mine = [p for p in candidates if p.job.tenant == tenant]
-        return min(mine, key=lambda p: (p.job.priority, p.job.order_key, p.job.batch_id))
+        tenant = self.fair.pick({p.batch.tenant for p in candidates})
+        mine = [p for p in candidates if p.batch.tenant == tenant]
+        return min(mine, key=lambda p: (p.batch.priority, p.batch.order_key, p.batch.batch_id))
 
     def _join(self, tenant: str) -> None:
         """Before `tenant`'s work is queued: if it had none queued, it joins the fair share anew."""
-        backlogged = {p.job.tenant for p in self._batches.values() if p.ranges}
+        backlogged = {p.batch.tenant for p in self._batches.values() if p.ranges}
         if tenant not in backlogged:
             self.fair.join(tenant, backlogged)
 
@@ -230,12 +227,13 @@ class WorkQueue:
         pending = sum(r.size for p in self._batches.values() for r in p.ranges)
         return max(1, math.ceil(pending / max(1, self._num_workers())))
 
-    def _pop(self, pending: _Pending, worker: int, limit: int | None) -> WorkRange:
+    def _pop(self, pending: _Pending, worker: int, limit: int | None) -> QueuedRange:
         choice = self._affine(pending, worker)
         r = pending.ranges.pop(choice)
         if limit is not None and r.size > limit:  # keep the remainder queued
-            pending.ranges.insert(choice, cut_range(r.job, pending.index, r.lo + limit, r.hi, r.attempts))
-            r = cut_range(r.job, pending.index, r.lo, r.lo + limit, r.attempts)
+            lo, hi = r.bounds.lo, r.bounds.hi
+            pending.ranges.insert(choice, cut_range(r.batch, pending.index, lo + limit, hi, r.attempts))
+            r = cut_range(r.batch, pending.index, lo, lo + limit, r.attempts)
         if r.prefix:
             self._affinity[r.prefix] = worker
         return r

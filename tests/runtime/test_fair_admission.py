@@ -10,14 +10,13 @@ from __future__ import annotations
 import io
 import json
 import threading
-from dataclasses import asdict
 
 import numpy as np
 
 from bulkgen.runtime.dispatch import take_for
 from bulkgen.runtime.lineindex import LineIndex, scan
 from bulkgen.runtime.worker import EngineWorker
-from bulkgen.runtime.workqueue import BatchJob, WorkQueue, make_ranges
+from bulkgen.runtime.workqueue import QueuedBatch, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
 from tests.service.conftest import MODEL, completion_row, random_model
 
@@ -82,7 +81,7 @@ def _uniform_batch(store, batch_id: str, tenant: str, count: int, prompt: str, m
         np.full(count, one.work[0]),
         np.full(count, one.prefix[0], dtype=np.uint64),
     )
-    job = BatchJob(
+    job = QueuedBatch(
         batch_id, key, "/v1/completions", MODEL, str(random_model()), 0.0, store.spec(), tenant=tenant
     )
     return job, index
@@ -98,12 +97,12 @@ class Feeder:
     def feed(self) -> None:
         while True:
             poll = self.worker.poll("", 0)
-            self.inflight -= {(d["batch_id"], d["lo"], d["hi"]) for d in poll["done"]}
+            self.inflight -= {d.bounds.key for d in poll["done"]}
             ranges = take_for(self.queue, 0, poll, {key[0] for key in self.inflight})
             if not ranges:
                 return
             self.inflight |= {r.key for r in ranges}
-            self.worker.assign(asdict(ranges[0].job), [r.spec() for r in ranges])
+            self.worker.assign(ranges[0].batch, [r.bounds for r in ranges])
 
 
 def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):

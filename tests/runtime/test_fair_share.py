@@ -13,7 +13,7 @@ from collections import deque
 import numpy as np
 
 from bulkgen.runtime.lineindex import LineIndex
-from bulkgen.runtime.workqueue import BatchJob, WorkQueue, make_ranges
+from bulkgen.runtime.workqueue import QueuedBatch, WorkQueue, make_ranges
 
 SLOTS = 8
 MAX_TOKENS = 32
@@ -39,7 +39,7 @@ def _add(
     priority: int = 1,
     order: float = 0.0,
 ) -> None:
-    job = BatchJob(
+    job = QueuedBatch(
         batch_id,
         f"files/data/{batch_id}",
         "/v1/completions",
@@ -79,9 +79,9 @@ class Sim:
         self.pulls += 1
         for r in self.q.take(worker, room, "m@p", idle=False):
             state = {"range": r, "left": r.size, "used": 0}
-            self.first_taken.setdefault(r.job.batch_id, self.pulls)
+            self.first_taken.setdefault(r.batch.batch_id, self.pulls)
             for _ in range(r.size):  # each request stops somewhere up to max_tokens
-                held.append([r.job.tenant, self.rng.randint(1, MAX_TOKENS), state])
+                held.append([r.batch.tenant, self.rng.randint(1, MAX_TOKENS), state])
 
     def _decode(self, held: deque, counting: bool) -> None:
         for request in list(held)[:SLOTS]:

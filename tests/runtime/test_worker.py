@@ -5,25 +5,26 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
+
+from bulkgen.batch.responses import json_line
 from bulkgen.runtime import parts
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import scan
+from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.worker import EngineWorker
+from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
 from bulkgen.store import LocalStore
 from tests.service.conftest import MODEL, completion_row, random_model
 
 
-def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[dict]]:
+def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[QueuedBatch, list[RangeBounds]]:
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     key = f"files/data/{batch_id}-in"
     store.write_bytes(key, data)
     index = scan(__import__("io").BytesIO(data), "/v1/completions")
-    job = {"batch_id": batch_id, "input_key": key, "endpoint": "/v1/completions", "model": MODEL, "order_key": 0,
-           "store": store.spec()}
-    specs = [{"batch_id": batch_id, "lo": lo, "hi": min(lo + 4, len(index)), "first_line": int(index.lines[lo]),
-              "last_line": int(index.lines[min(lo + 4, len(index)) - 1]), "start": int(index.starts[lo]),
-              "end": int(index.ends[min(lo + 4, len(index)) - 1])} for lo in range(0, len(index), 4)]
-    return job, specs
+    job = QueuedBatch(batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.spec())
+    return job, [r.bounds for r in make_ranges(job, index, np.ones(len(index), bool), 4)]
 
 
 def _worker(store) -> EngineWorker:
@@ -32,8 +33,8 @@ def _worker(store) -> EngineWorker:
     return worker
 
 
-def _drain(worker: EngineWorker, ranges: int, timeout: float = 90) -> list[dict]:
-    done: list[dict] = []
+def _drain(worker: EngineWorker, ranges: int, timeout: float = 90) -> list[RangeOutcome]:
+    done: list[RangeOutcome] = []
     deadline = time.monotonic() + timeout
     while len(done) < ranges and time.monotonic() < deadline:
         done += worker.poll("", 0.2)["done"]
@@ -59,12 +60,12 @@ def test_ranges_become_parts_with_one_entry_per_line(tmp_path):
     assert worker.poll("", 0)["want"] == 16  # two full batches of slots: one running, one to sort from
     worker.assign(job, specs)
     reports = _drain(worker, len(specs))
-    assert sorted((r["lo"], r["hi"]) for r in reports) == [(0, 4), (4, 7)]
+    assert sorted((r.bounds.lo, r.bounds.hi) for r in reports) == [(0, 4), (4, 7)]
     lines = _lines(store, "batch_a")
     assert sorted(lines) == list(range(1, 8))
     assert lines[7]["envelope"]["response"]["body"]["error"]["code"] == "context_length_exceeded"
     assert all(lines[i]["ok"] and lines[i]["usage"][1] == 3 for i in range(1, 7))
-    assert sum(r["tally"]["completed"] for r in reports) == 6 and sum(len(r["requests"]) for r in reports) == 6
+    assert sum(r.tally.completed for r in reports) == 6 and sum(len(r.requests) for r in reports) == 6
     steps = worker.poll("", 0)["steps"]
     assert set(steps) <= {"batch_a"}
 
@@ -139,8 +140,8 @@ def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):
 def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
     store = LocalStore(tmp_path)
 
-    def e(line: int, tag: str) -> dict:
-        return parts.entry(line, True, {"custom_id": f"c{line}", "tag": tag}, (1, 1, 0))
+    def e(line: int, tag: str) -> parts.PartEntry:
+        return parts.PartEntry.of(line, True, {"custom_id": f"c{line}", "tag": tag}, (1, 1, 0))
 
     parts.write_part(store, "b", 5, 8, [e(5, "x"), e(8, "x")])
     parts.write_part(store, "b", 1, 4, [e(1, "x"), e(2, "x"), e(4, "x")])
@@ -149,6 +150,18 @@ def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
     lines = [json.loads(x) for x in out.read().splitlines()]
     assert [x["custom_id"] for x in lines] == ["c1", "c2", "c4", "c5", "c8"]
     assert tally.completed == 5 and tally.input_tokens == 5 and err.read() == b""
+
+
+def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_path):
+    store = LocalStore(tmp_path)
+    envelope = {"custom_id": 'a\u2028,"envelope":', "response": {"body": {"text": "é\t\"}"}}, "error": None}
+    entry = parts.PartEntry.of(7, True, envelope, (3, 2, 1))
+    assert parts.PartEntry.decode(entry.encode()) == entry
+    assert json.loads(entry.encode()) == {"line": 7, "ok": True, "usage": [3, 2, 1], "envelope": envelope}
+    parts.write_part(store, "b", 7, 7, [entry])
+    out, err, tally = parts.merge_parts(store, "b")
+    assert out.read() == json_line(envelope) and err.read() == b""
+    assert (tally.completed, tally.input_tokens, tally.output_tokens, tally.cached_tokens) == (1, 3, 2, 1)
 
 
 def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path):

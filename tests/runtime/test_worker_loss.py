@@ -10,7 +10,7 @@ import pytest
 from bulkgen.runtime import dispatch
 from bulkgen.runtime.dispatch import Dispatcher
 from bulkgen.runtime.lineindex import LineIndex
-from bulkgen.runtime.workqueue import BatchJob, WorkQueue, make_ranges
+from bulkgen.runtime.workqueue import QueuedBatch, WorkQueue, make_ranges
 from bulkgen.settings import WorkerSettings
 
 
@@ -75,7 +75,7 @@ def _dispatcher(pool: _Pool, runner: _Runner) -> tuple[Dispatcher, WorkQueue]:
 def _ranges(queue: WorkQueue, batch_id: str, n: int = 64):
     index = LineIndex(np.arange(1, n + 1), np.arange(n) * 10, np.arange(n) * 10 + 9, np.ones(n, dtype=np.int64),
                       np.zeros(n, dtype=np.uint64))
-    job = BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", "tiny", "/models/tiny", 0.0, {})
+    job = QueuedBatch(batch_id, f"files/data/{batch_id}", "/v1/completions", "tiny", "/models/tiny", 0.0, {})
     queue.add_batch(job, index, make_ranges(job, index, np.ones(n, bool), 16))
     return queue.take(0, 32, job.model_key, idle=True)
 

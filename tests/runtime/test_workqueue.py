@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
-from bulkgen.runtime.workqueue import MAX_ATTEMPTS, BatchJob, WorkQueue, make_ranges
+from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedBatch, QueuedRange, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
 
 
@@ -19,15 +19,20 @@ def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
                      np.array(prefix or [0] * n, dtype=np.uint64))
 
 
-def _job(batch_id: str, order: float, model: str = "m") -> BatchJob:
-    return BatchJob(batch_id, f"files/data/{batch_id}", "/v1/completions", model, "p", order, {"url": "unused"})
+def _job(batch_id: str, order: float, model: str = "m") -> QueuedBatch:
+    return QueuedBatch(batch_id, f"files/data/{batch_id}", "/v1/completions", model, "p", order,
+                       {"url": "unused"})
+
+
+def _spans(ranges: list[QueuedRange]) -> list[tuple[int, int]]:
+    return [(r.bounds.lo, r.bounds.hi) for r in ranges]
 
 
 def _queue(workers: int = 1, fair_after: float = 30.0) -> WorkQueue:
     return WorkQueue(lambda: workers, fair_after)
 
 
-def _add(q: WorkQueue, job: BatchJob, index: LineIndex, size: int) -> None:
+def _add(q: WorkQueue, job: QueuedBatch, index: LineIndex, size: int) -> None:
     q.add_batch(job, index, make_ranges(job, index, np.ones(len(index), bool), size))
 
 
@@ -36,12 +41,12 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
     job = _job("b", 0)
     done = np.array([False, False, False, False, True, False])
     ranges = make_ranges(job, index, ~done, 2)
-    assert [(r.lo, r.hi) for r in ranges] == [(0, 2), (2, 4), (5, 6)]
+    assert _spans(ranges) == [(0, 2), (2, 4), (5, 6)]
     q = _queue()
     q.add_batch(job, index, ranges)
-    assert [(r.lo, r.hi) for r in q.take(0, 2, "m@p", idle=False)] == [(2, 4)]   # work 9 per request
-    assert [(r.lo, r.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(5, 6)]
-    assert [(r.lo, r.hi) for r in q.take(0, 1, "m@p", idle=False)] == [(0, 2)]   # whole ranges, not the tail
+    assert _spans(q.take(0, 2, "m@p", idle=False)) == [(2, 4)]   # work 9 per request
+    assert _spans(q.take(0, 1, "m@p", idle=False)) == [(5, 6)]
+    assert _spans(q.take(0, 1, "m@p", idle=False)) == [(0, 2)]   # whole ranges, not the tail
     assert q.take(0, 1, "m@p", idle=False) == []
 
 
@@ -49,17 +54,17 @@ def test_fifo_then_deadline_and_no_starvation():
     q = _queue(fair_after=0.2)
     _add(q, _job("old-big", order=1.0), _index([1] * 100), 10)
     _add(q, _job("new-small", order=2.0), _index([1] * 5), 10)
-    assert q.take(0, 10, "m@p", idle=False)[0].job.batch_id == "old-big"
+    assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
     time.sleep(0.25)  # new-small got nothing for longer than fair_share_after_s: it goes next
-    assert q.take(0, 10, "m@p", idle=False)[0].job.batch_id == "new-small"
-    assert q.take(0, 10, "m@p", idle=False)[0].job.batch_id == "old-big"
+    assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "new-small"
+    assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
 
 
 def test_a_worker_keeps_its_model_unless_idle():
     q = _queue()
     _add(q, _job("a", 1.0, model="other"), _index([1] * 4), 4)
     assert q.take(0, 4, "m@p", idle=False) == []
-    assert q.take(0, 4, "m@p", idle=True)[0].job.model == "other"
+    assert q.take(0, 4, "m@p", idle=True)[0].batch.model == "other"
 
 
 def test_the_tail_is_split_among_workers():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bulkgen.batch.requests import COMPLETIONS, LineError, parse_line
+from bulkgen.batch.requests import COMPLETIONS, LineError, RequestLine, custom_id_of, parse_line
 from bulkgen.batch.responses import completion_body
 from bulkgen.runtime.prepare import fit_context
 from tests.service.conftest import chat_row, completion_row
@@ -124,3 +124,25 @@ def test_custom_id_length_and_unknown_fields():
         parse_line(_line(chat_row("a", "hi", foo=1, bar=2)), 1, "/v1/chat/completions")
     assert info.value.param == "body.foo" and "body.foo, body.bar" in info.value.message
     assert parse_line(_line(chat_row("a", "hi", user="u")), 1, "/v1/chat/completions").custom_id == "a"
+
+
+def test_a_request_line_keeps_its_fields_and_its_url_picks_the_body_parser():
+    row = completion_row("a", "text")
+    line = RequestLine.read(_line(row), 3, COMPLETIONS)
+    assert (line.custom_id, line.method, line.url, line.line) == ("a", "POST", COMPLETIONS, 3)
+    assert line.model == row["body"]["model"]
+    request = line.request()
+    assert (request.endpoint, request.prompt, request.line) == (COMPLETIONS, "text", 3)
+    with pytest.raises(LineError) as info:  # a chat batch refuses a completions line: its url names its type
+        RequestLine.read(_line(row), 3, "/v1/chat/completions")
+    assert (info.value.code, info.value.param) == ("url_mismatch", "url")
+    with pytest.raises(LineError) as info:
+        RequestLine.read(_line({**row, "method": "GET"}), 3, COMPLETIONS)
+    assert (info.value.code, info.value.param) == ("invalid_method", "method")
+
+
+def test_custom_id_of_reads_the_id_alone_and_never_raises():
+    assert custom_id_of(_line(completion_row("a", "x", temperature=99))) == "a"  # a refused body names it
+    assert custom_id_of(b'{"custom_id": "r", "response": null, "error": {}}') == "r"  # a result line
+    odd = (b"not json", b"[1]", b'{"custom_id": 5}', b"\xff")
+    assert [custom_id_of(raw) for raw in odd] == ["", "", "", ""]

@@ -312,7 +312,7 @@ def _result(text: str, finish: str) -> dict:
 )
 def test_the_output_body_is_an_sdk_response(finish, status, details):
     request = _parse(instructions="be brief", metadata={"team": "a"}, max_output_tokens=3, temperature=0)
-    line = success_line(request.to_dict(), _result("Hello there", finish), MODEL)
+    line = success_line(request, _result("Hello there", finish), MODEL)
     response = Response.model_validate(line["response"]["body"])
     assert response.output_text == "Hello there"
     assert response.id.startswith("resp_") and response.output[0].id.startswith("msg_")
@@ -379,12 +379,12 @@ def test_any_json_value_in_any_field(finish, data):
         request = parse_line(raw, 1, RESPONSES)
     except LineError:
         return
-    line = success_line(request.to_dict(), _result("x", finish), MODEL)
+    line = success_line(request, _result("x", finish), MODEL)
     assert Response.model_validate(line["response"]["body"]).output_text == "x"
 
 
 def test_a_response_line_is_a_parquet_row():
-    line = success_line(_parse(max_output_tokens=3).to_dict(), _result("Hello", "length"), MODEL)
+    line = success_line(_parse(max_output_tokens=3), _result("Hello", "length"), MODEL)
     row = parquet_row(line)
     assert (
         row["status"],
