@@ -137,7 +137,11 @@ class BatchManager:
             self._wake.clear()
 
     def _scan(self) -> None:
+        with self._lock:
+            handed_before = set(self._indexes)
+        active = set()
         for tenant, batch_id in self.svc.active_batches():
+            active.add(batch_id)
             if (self.only is not None and batch_id not in self.only) or self.runner_of(batch_id):
                 continue
             svc = self.svc.for_tenant(tenant)
@@ -148,6 +152,9 @@ class BatchManager:
                 index = self._indexes.pop(batch_id, None)
                 runner = self.runners[batch_id] = BatchRunner(svc, self.queue, self.dispatcher, lease, batch_id, index)
             threading.Thread(target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True).start()
+        with self._lock:  # a handed-over batch that another replica ran to its end: its index is not needed
+            for batch_id in handed_before - active:
+                self._indexes.pop(batch_id, None)
 
     def _run(self, runner: BatchRunner) -> None:
         try:

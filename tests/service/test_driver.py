@@ -55,15 +55,19 @@ def parsed_once(parses: Counter, door: str) -> bool:
     }
 
 
-def test_api_parses_each_line_once(service, parses, tmp_path):
+@pytest.mark.parametrize("at_create", [False, True], ids=["runner-validates", "refuse-infeasible"])
+def test_api_parses_each_line_once(service, parses, tmp_path, monkeypatch, at_create):
+    """Validated by the runner, or at create (`--refuse-infeasible`) and handed over with its index."""
+    monkeypatch.setattr(service.svc.settings, "refuse_infeasible", at_create)
     client = service.client()
+    door = f"api{int(at_create)}"
     batch = client.batches.create(
-        input_file_id=upload(client, batch_file(tmp_path, "api")).id,
+        input_file_id=upload(client, batch_file(tmp_path, door)).id,
         endpoint="/v1/chat/completions",
         completion_window="24h",
     )
     assert wait_done(client, batch.id).request_counts.completed == LINES
-    assert parsed_once(parses, "api"), parses
+    assert parsed_once(parses, door), parses
 
 
 def test_run_parses_each_line_once(service, parses, tmp_path):
