@@ -69,6 +69,7 @@ class Driver:
     def __init__(self, svc: BatchService, manager: BatchManager | None = None) -> None:
         self.svc = svc
         self.manager = manager
+        self._own_runtime = manager is None  # stop() stops only a runtime this driver started
         self._handed: set[str] = set()  # batches handed to the runtime here and not finished yet
         self._stopped = threading.Event()
 
@@ -154,7 +155,7 @@ class Driver:
     def stop(self) -> None:
         """Stop the runtime here; workers may be shared with a service on the same Ray: they keep running."""
         self._stopped.set()
-        if self.manager is not None:
+        if self.manager is not None and self._own_runtime:
             self.manager.stop(kill_workers=False)
             self.manager = None
 
