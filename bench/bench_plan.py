@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bulkgen.client import detect_endpoint  # noqa: E402
+from bulkgen.cli.client import detect_endpoint  # noqa: E402
 from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 from bulkgen.plan import profile as profiles  # noqa: E402
 from bulkgen.plan.scan import scan_file  # noqa: E402

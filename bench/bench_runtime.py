@@ -72,7 +72,7 @@ def run_engine(path: Path, engine_kwargs: dict) -> dict:
 
 def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
     from bulkgen.batch.service import BatchService
-    from bulkgen.oneshot import run_batch
+    from bulkgen.runtime.driver import Driver
     from bulkgen.settings import Settings, WorkerSettings
     from bulkgen.store import layout
 
@@ -81,7 +81,7 @@ def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
         svc = BatchService(settings)
         start = time.perf_counter()
         with path.open("rb") as f:
-            record = run_batch(svc, f, path.name, "/v1/completions", "24h")
+            record = Driver(svc).run(f, path.name, "/v1/completions", "24h")
         total = time.perf_counter() - start
         state = json.loads(svc.store.read_bytes(layout.metrics_state(record["id"])))
     metrics = record["metrics"]

@@ -15,8 +15,8 @@ import sys
 import click
 
 from bulkgen.batch.schema import BatchStatus
+from bulkgen.cli.oneshot import OneShotError, run_stored
 from bulkgen.cli.server_cmds import runtime_options
-from bulkgen.oneshot import OneShotError, run_stored
 
 
 @click.command()

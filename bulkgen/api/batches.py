@@ -15,7 +15,8 @@ from bulkgen.api.body import read_json_body
 from bulkgen.api.files import page
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import public_view
-from bulkgen.plan.admission import validate_now
+from bulkgen.plan.admission import raise_if_refused
+from bulkgen.runtime.driver import Driver
 
 router = APIRouter(prefix="/v1/batches")
 
@@ -57,9 +58,12 @@ def _create(svc, manager, body: CreateBatch) -> dict:
     seconds = None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
     record = svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
                               output_expires_after_s=seconds)
-    if svc.settings.refuse_infeasible:  # validated and estimated now, so an infeasible batch is a 400
-        record = validate_now(svc, record["id"], manager.queue.pending_requests())
-    manager.wake()  # a runner validates it: validating -> in_progress or failed
+    if svc.settings.refuse_infeasible:  # validated, indexed and estimated now, so an infeasible batch is a 400
+        driver = Driver(svc, manager)
+        record, index = driver.validate(record["id"])
+        raise_if_refused(record)
+        driver.hand_over(record["id"], index)
+    manager.wake()  # a runner validates it (unless done above): validating -> in_progress or failed
     return record
 
 

@@ -25,8 +25,8 @@ from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
 from bulkgen.batch.structured import forced_tool, response_guide
 
-__all__ = ["CHAT", "COMPLETIONS", "LineError", "LineIdentity", "ParsedRequest", "RequestLine", "custom_id_of",
-           "parse_body", "parse_identity", "parse_line", "fill_defaults", "RESPONSES"]
+__all__ = ["CHAT", "COMPLETIONS", "LineError", "ParsedRequest", "RequestLine", "custom_id_of", "parse_line",
+           "fill_defaults", "RESPONSES"]
 
 # Every field a line may carry; anything else makes the line (so the file) invalid.
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -118,19 +118,6 @@ class ParsedRequest:
 def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
     """Both halves: the request as the worker runs it (any LineError refuses the line)."""
     return RequestLine.read(raw, line, endpoint).request()
-
-
-# The names validation (bulkgen.batch.validate) calls the two halves by.
-LineIdentity = RequestLine
-parse_identity = RequestLine.read
-
-
-def parse_body(identity: RequestLine, endpoint: str) -> ParsedRequest:
-    return identity.request()
-
-
-def placeholder(identity: RequestLine, endpoint: str) -> ParsedRequest:
-    return identity.placeholder()
 
 
 def custom_id_of(raw: bytes | str) -> str:

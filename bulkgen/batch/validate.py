@@ -15,14 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from bulkgen.batch.requests import (
-    LineError,
-    LineIdentity,
-    ParsedRequest,
-    parse_body,
-    parse_identity,
-    placeholder,
-)
+from bulkgen.batch.requests import LineError, ParsedRequest, RequestLine
 from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
@@ -80,17 +73,17 @@ class Validator:
             return None
         self.result.total += 1
         try:
-            identity = parse_identity(raw, number, self.endpoint)
+            line = RequestLine.read(raw, number, self.endpoint)
         except LineError as err:
             self.result.add(err.code, err.message, number, err.param)
             return None
-        if not self._check_identity(identity, number):
+        if not self._check_identity(line, number):
             return None
         try:
-            return parse_body(identity, self.endpoint)
+            return line.request()
         except LineError as err:
             self.result.refuse(err, number)
-            return placeholder(identity, self.endpoint)
+            return line.placeholder()
 
     def finish(self) -> ValidationResult:
         result = self.result
@@ -102,7 +95,7 @@ class Validator:
                        "(split the file, or raise --max-requests-per-batch)")
         return result
 
-    def _check_identity(self, request: LineIdentity, number: int) -> bool:
+    def _check_identity(self, request: RequestLine, number: int) -> bool:
         result, ok = self.result, True
         if request.custom_id in self._first_line:
             result.add("duplicate_custom_id", f"custom_id {quote(request.custom_id)} already used on line "

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from bulkgen import client as c
 from bulkgen.batch.schema import BatchStatus
+from bulkgen.cli import client as c
 
 base_url_option = click.option("--base-url", envvar="OPENAI_BASE_URL", default="http://127.0.0.1:8000/v1",
                                show_default=True, help="API base URL (env OPENAI_BASE_URL).")

@@ -78,8 +78,8 @@ def plan(file: Path, storage: str, endpoint_url: str | None, model_spec: str | N
     from transformers import AutoTokenizer
 
     from bulkgen.batch.records import BatchRepo
+    from bulkgen.cli.client import ClientError, detect_endpoint
     from bulkgen.cli.server_cmds import check_storage
-    from bulkgen.client import ClientError, detect_endpoint
     from bulkgen.plan import lengths, planner
 
     store = check_storage(storage, endpoint_url, create=True)

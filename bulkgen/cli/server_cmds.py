@@ -146,7 +146,7 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
 def run(settings: Settings, file: Path, output: Path, endpoint: str | None, completion_window: str):
     """Run FILE as one batch in this process (local Ray, no server) and write the results."""
     from bulkgen.batch.schema import BatchStatus
-    from bulkgen.oneshot import OneShotError, run_file
+    from bulkgen.cli.oneshot import OneShotError, run_file
 
     try:
         summary = run_file(settings, file, output, endpoint, completion_window, echo=click.echo)

@@ -112,13 +112,9 @@ def estimate_into(svc, tally: WorkTally, queued_requests: int, refuse: bool = Fa
     return amend
 
 
-def validate_now(svc, batch_id: str, queued_requests: int) -> dict:
-    """`--refuse-infeasible`: validate and estimate at create; a batch its window cannot hold even alone is
-    failed and refused with a 400 naming why. The runner then finds the batch validated and indexes it with
-    one more read, as it does for a resumed batch."""
-    tally = WorkTally()
-    record = svc.validate(batch_id, on_request=tally.add, amend=estimate_into(svc, tally, queued_requests, True))
+def raise_if_refused(record: dict) -> None:
+    """`--refuse-infeasible`: a batch its window cannot hold even alone was failed as it was validated at
+    create (bulkgen.runtime.driver); the create call answers 400 naming why."""
     refused = [e for e in (record.get("errors") or {}).get("data", []) if e["code"] == INFEASIBLE]
     if record["status"] == BatchStatus.FAILED and refused:
         raise InvalidRequest(refused[0]["message"], param="completion_window", code=INFEASIBLE)
-    return record

@@ -48,6 +48,9 @@ class IndexBuilder:
     def __init__(self) -> None:
         self._cols: tuple[list[int], ...] = ([], [], [], [], [])
 
+    def __len__(self) -> int:
+        return len(self._cols[0])
+
     def add(self, number: int, start: int, raw: bytes, request: ParsedRequest) -> None:
         values = (number, start, start + len(raw), _work(request), _prefix_key(request))
         for col, value in zip(self._cols, values, strict=True):

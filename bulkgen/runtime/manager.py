@@ -27,6 +27,7 @@ from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.dispatch import Dispatcher
 from bulkgen.runtime.lease import Lease, LeaseLost
+from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.runtime.pool import WorkerPool
 from bulkgen.runtime.runner import BatchRunner, NotCreatedYet
 from bulkgen.runtime.workqueue import WorkQueue
@@ -51,6 +52,7 @@ class BatchManager:
                                lambda: {**s.tenant_weights, **(weights() if weights else {})})
         self.dispatcher = Dispatcher(self.pool, self.queue, s.endpoint_url, self.runner_of, self.owner)
         self.runners: dict[str, BatchRunner] = {}
+        self._indexes: dict[str, LineIndex] = {}  # handed over by a driver here, until a runner takes them
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -74,6 +76,23 @@ class BatchManager:
         if runner is not None:
             runner.poke()
         self._wake.set()
+
+    def hand_over(self, batch_id: str, index: LineIndex | None = None) -> None:
+        """Run a batch validated in this process (bulkgen.runtime.driver), with the line index its
+        validation built, so its runner does not read the file again; look now."""
+        with self._lock:
+            if index is not None:
+                self._indexes[batch_id] = index
+            if self.only is not None:
+                self.only.add(batch_id)
+        self._wake.set()
+
+    def forget(self, batch_id: str) -> None:
+        """The driver is done with the batch (another replica may have run it: its index is dropped here)."""
+        with self._lock:
+            self._indexes.pop(batch_id, None)
+            if self.only is not None:
+                self.only.discard(batch_id)
 
     def runner_of(self, batch_id: str) -> BatchRunner | None:
         with self._lock:
@@ -118,17 +137,24 @@ class BatchManager:
             self._wake.clear()
 
     def _scan(self) -> None:
+        with self._lock:
+            handed_before = set(self._indexes)
+        active = set()
         for tenant, batch_id in self.svc.active_batches():
+            active.add(batch_id)
             if (self.only is not None and batch_id not in self.only) or self.runner_of(batch_id):
                 continue
             svc = self.svc.for_tenant(tenant)
             lease = Lease(svc.store, batch_id, self.owner, svc.settings.lease_ttl_s)
             if not lease.acquire():
                 continue
-            runner = BatchRunner(svc, self.queue, self.dispatcher, lease, batch_id)
             with self._lock:
-                self.runners[batch_id] = runner
+                index = self._indexes.pop(batch_id, None)
+                runner = self.runners[batch_id] = BatchRunner(svc, self.queue, self.dispatcher, lease, batch_id, index)
             threading.Thread(target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True).start()
+        with self._lock:  # a handed-over batch that another replica ran to its end: its index is not needed
+            for batch_id in handed_before - active:
+                self._indexes.pop(batch_id, None)
 
     def _run(self, runner: BatchRunner) -> None:
         try:

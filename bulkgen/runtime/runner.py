@@ -30,11 +30,11 @@ from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority, set_status
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
-from bulkgen.plan.admission import WorkTally, estimate_into
 from bulkgen.runtime import parts
+from bulkgen.runtime.driver import validate_and_index
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
-from bulkgen.runtime.lineindex import IndexBuilder, LineIndex, read_lines, scan
+from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
 from bulkgen.store import NotFound, StorageUnavailable, layout
@@ -59,11 +59,14 @@ class BatchFailed(Exception):
 
 
 class BatchRunner:
-    def __init__(self, svc: BatchService, queue, dispatcher, lease: Lease, batch_id: str) -> None:
+    def __init__(self, svc: BatchService, queue, dispatcher, lease: Lease, batch_id: str,
+                 index: LineIndex | None = None) -> None:
+        """`index`: the line index a driver in this process built as it validated the batch (else the
+        runner validates and indexes a batch in `validating` in one pass, or reads a validated one)."""
         self.svc, self.queue, self.dispatcher, self.lease = svc, queue, dispatcher, lease
         self.batch_id = batch_id
         self.metrics = self._load_metrics()
-        self.index: LineIndex | None = None
+        self.index: LineIndex | None = index
         self.done: np.ndarray | None = None
         self.tally = parts.Tally()
         self._lock = threading.Lock()
@@ -101,7 +104,8 @@ class BatchRunner:
         self._log_start()
         stop = self.stop_reason(record)
         if record["status"] != BatchStatus.FINALIZING:
-            self.index = index if index is not None else self._scan(record)
+            if index is not None or self.index is None:  # else: handed over by the driver that validated it
+                self.index = index if index is not None else self._scan(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
             if not stop and not self.done.all():
                 stop = self._execute(record)
@@ -162,19 +166,10 @@ class BatchRunner:
             raise NotCreatedYet(self.batch_id) from None
         if not needs_validation(record):
             return record, None
-        builder, tally = IndexBuilder(), WorkTally()
-
-        def index_and_tally(*line) -> None:  # one streamed pass: the line index and the estimate's work
-            builder.add(*line)
-            tally.add(*line)
-
         try:
-            record = self.svc.validate(self.batch_id, on_request=index_and_tally,
-                                       amend=estimate_into(self.svc, tally, self.queue.pending_requests(),
-                                                           refuse=self.svc.settings.refuse_infeasible))
+            return validate_and_index(self.svc, self.batch_id, self.queue.pending_requests())
         except (NotFound, LookupError):
             raise BatchFailed("the input file is gone; the batch cannot run") from None
-        return record, (builder.build() if record["model"] is not None else None)
 
     def _scan(self, record: dict) -> LineIndex:
         try:

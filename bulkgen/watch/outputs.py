@@ -6,7 +6,7 @@
     <stem>.summary.json   status, counts, usage, metrics, and what was written
     <stem>.report.json    an object that is no batch file at all (not *.jsonl, not JSON lines), and why
 
-`bulkgen watch` and `jobs/batch_job.py` (through oneshot.run_stored) both write through here.
+`bulkgen watch` and `jobs/batch_job.py` (through bulkgen.cli.oneshot.run_stored) both write through here.
 """
 
 from __future__ import annotations

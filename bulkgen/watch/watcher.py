@@ -2,10 +2,11 @@
 
 Each object version is claimed first (claims.py), so it is processed once across restarts and beside
 other watchers on the same service storage; the batch is created through BatchService, visible through
-the API like any other. Its runner is this process's BatchManager restricted to the watcher's own
-batches (`only=`): a watcher adds workers for what it finds and never takes on the API's batches, while
-a `bulkgen serve` on the same storage may run the watcher's batches as well (leases keep one runner per
-batch). The watcher itself waits on the batch *records*, so it writes the results whoever ran the batch.
+the API like any other. Each batch goes the driver's way (bulkgen.runtime.driver: accept, validate with its
+line index, hand over, finish), with many batches at once: the driver's runtime runs only the batches
+handed to it, so a watcher adds workers for what it finds and never takes on the API's batches, while a
+`bulkgen serve` on the same storage may run the watcher's batches as well (leases keep one runner per
+batch). The watcher itself polls the batch *records*, so it writes the results whoever ran the batch.
 A failure with one object is logged in one line and the watcher goes on; the object is retried later.
 """
 
@@ -19,17 +20,23 @@ import socket
 import tempfile
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.requests import fill_defaults
-from bulkgen.batch.schema import TERMINAL_STATUSES, InvalidRequest, public_view
+from bulkgen.batch.schema import InvalidRequest, public_view
 from bulkgen.batch.service import BatchService
+from bulkgen.runtime.driver import Driver
+from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import NotFound, ObjectInfo, S3Store, layout, open_store
 from bulkgen.watch.claims import Claim, ClaimLost, Claims
 from bulkgen.watch.cron import Cron
 from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import stem_of, write_report, write_results
 from bulkgen.watch.sources import Message, PollTimer, SqsSource
+
+if TYPE_CHECKING:  # Ray is imported once a batch needs workers
+    from bulkgen.runtime.manager import BatchManager
 
 log = logging.getLogger("bulkgen.watch")
 
@@ -59,7 +66,7 @@ class Watcher:
         self.timer = PollTimer(spec.poll_interval(), Cron(spec.schedule) if spec.schedule else None)
         self.sqs = self._sqs(endpoint_url) if spec.sqs_queue_url else None
         self.pending: dict[str, Claim] = {}      # claim name -> a claim whose batch has not ended
-        self.manager = None
+        self.driver = Driver(svc)
         self._stopped = threading.Event()
         self._scans = 0
 
@@ -98,9 +105,12 @@ class Watcher:
         self._stopped.set()
         if self.sqs:
             self.sqs.stop()
-        if self.manager is not None:  # workers may be shared with a service on the same Ray: leave them
-            self.manager.stop(kill_workers=False)
-            self.manager = None
+        self.driver.stop()
+
+    @property
+    def manager(self) -> BatchManager | None:
+        """The runtime running this watcher's batches; None until one needs workers."""
+        return self.driver.manager
 
     def _guard(self, what: str, fn: Callable[[], object]) -> None:
         try:
@@ -169,18 +179,17 @@ class Watcher:
             if not claim.batch_id:
                 self.claims.update(claim, state="running", batch_id=batch_id)
             log.info("%s: resuming batch %s", key, batch_id)
-            self.svc.validate(batch_id)  # left `validating` by a watcher that died: no-op otherwise
-            self.svc.ensure_indexed(batch_id)  # it may have died between the record and its index entry
-            return self._track(claim)
+            _, index = self.driver.resume(batch_id)
+            return self._track(claim, index)
         try:
             endpoint = self._check_object(claim.info)
             self._upload(claim, endpoint)
             self.claims.update(claim, state="uploaded")  # still ours? (else the new owner creates the batch)
-            record = self.svc.create_batch(claim.file_id, endpoint, self.spec.completion_window,
-                                           {"watch_input": f"{self.inbox.url}/{key}"[-512:]})
-            # validated here, with the runtime's own step: a refused file gets its report without
-            # starting any worker (a crash before this leaves it `validating`, and the runtime validates it)
-            record = self.svc.validate(record["id"])
+            record = self.driver.accept(claim.file_id, endpoint, self.spec.completion_window,
+                                        {"watch_input": f"{self.inbox.url}/{key}"[-512:]})
+            # validated and indexed here: a refused file gets its report without starting any worker (a
+            # crash before this leaves it `validating`, and the runtime or the next owner validates it)
+            record, index = self.driver.validate(record["id"])
         except (NotABatchFile, InvalidRequest) as exc:
             written = write_report(self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc),
                                    self._source(claim))
@@ -190,7 +199,7 @@ class Watcher:
         self.claims.update(claim, state="running", batch_id=record["id"])
         log.info("%s: batch %s, %d requests, %s", key, record["id"], record["request_counts"]["total"],
                  record["status"])
-        self._track(claim)
+        self._track(claim, index)
 
     def _check_object(self, info: ObjectInfo) -> str:
         """The batch endpoint, once the name and first line say this is a JSONL batch file."""
@@ -236,47 +245,20 @@ class Watcher:
                 continue
         return None
 
-    def _track(self, claim: Claim) -> None:
+    def _track(self, claim: Claim, index: LineIndex | None = None) -> None:
         self.pending[claim.name] = claim
-        if self.svc.batches.get(claim.batch_id)["status"] in TERMINAL_STATUSES:
-            return  # refused by validation, or ended before a restart: no workers needed
-        self._ensure_manager()
-        self.manager.only.add(claim.batch_id)
-        self.manager.wake()
-
-    def _ensure_manager(self) -> None:
-        """Workers start with the first batch, in the background: claims are renewed meanwhile."""
-        if self.manager is not None:
-            return
-        from bulkgen.runtime.manager import BatchManager
-
-        manager = self.manager = BatchManager(self.svc, only={c.batch_id for c in self.pending.values()})
-
-        def start() -> None:
-            try:
-                manager.start()
-            except Exception as exc:
-                log.error("workers did not start (%s: %s); trying again", type(exc).__name__, _one_line(exc))
-                if self.manager is manager:
-                    self.manager = None
-                return
-            # a local Ray's processes are killed when the *thread* that started them ends (Linux
-            # PR_SET_PDEATHSIG), so this thread lives as long as the watcher
-            self._stopped.wait()
-
-        threading.Thread(target=start, name="bulkgen-watch-workers", daemon=True).start()
+        self.driver.hand_over(claim.batch_id, index)
 
     def check_pending(self) -> None:
         """Write the results of batches that ended; renew the claims of those still running."""
         for name, claim in list(self.pending.items()):
             try:
-                record = self.svc.batches.get(claim.batch_id)
-                running = self.manager is not None and self.manager.runner_of(claim.batch_id) is not None
-                if record["status"] in TERMINAL_STATUSES and not running:
+                record = self.driver.ended(claim.batch_id)
+                if record is not None:
                     self._finish(claim, record)
                     del self.pending[name]
                     continue
-                self._ensure_manager()  # (again, if the workers failed to start)
+                self.driver.start_in_background()  # (again, if the workers failed to start)
                 if self.claims.renew_due(claim):
                     self.claims.update(claim)
             except ClaimLost as exc:
@@ -288,10 +270,9 @@ class Watcher:
 
     def _finish(self, claim: Claim, record: dict) -> None:
         stem = stem_of(claim.info.key)
-        written = write_results(self.svc, record, self.outbox, stem, self.spec.output_format, self._source(claim))
+        written = self.driver.finish(record, lambda r: write_results(self.svc, r, self.outbox, stem,
+                                                                      self.spec.output_format, self._source(claim)))
         self.claims.finish(claim, outcome=record["status"])
-        if self.manager is not None:
-            self.manager.only.discard(record["id"])
         counts = record["request_counts"]
         log.info("%s: batch %s %s: %d completed, %d failed; wrote %s", claim.info.key, record["id"],
                  record["status"], counts["completed"], counts["failed"], ", ".join(written))

@@ -64,7 +64,7 @@ def simulated_steps(work, outputs: list[int]) -> float:
 def test_plan_counts_tokens_exactly_and_simulates_the_steps_the_engine_took(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
-    from bulkgen.client import detect_endpoint
+    from bulkgen.cli.client import detect_endpoint
     from bulkgen.engine.engine import _max_model_len  # the engine's own context rule, as plan uses it
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)

@@ -1,0 +1,108 @@
+"""Each door reads and parses an input line once in this process: validation builds the line index in the
+same streamed pass, and the runner runs from that index (bulkgen.runtime.driver). The worker that runs a
+line parses it once more, in its own process, from its ranged read: the driver never holds the file.
+
+The request parser is wrapped wherever a bulkgen module holds it, so every parse in this process counts,
+through the real doors: the API (the session's service), `bulkgen run`, jobs/batch_job.py's run_stored and
+the watcher, all on the session's Ray workers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+
+import bulkgen.batch.requests as requests
+import bulkgen.runtime.manager  # noqa: F401  (loaded before the parser is wrapped: the runner and its index)
+from bulkgen.batch.service import BatchService
+from bulkgen.cli import cli
+from bulkgen.cli.oneshot import run_stored
+from bulkgen.watch.jobspec import JobSpec
+from bulkgen.watch.watcher import Watcher
+from tests.service.conftest import MODEL, chat_row, random_model, settings_for, upload, wait_done, write_jsonl
+
+LINES = 4
+
+
+@pytest.fixture
+def parses(monkeypatch) -> Counter:
+    """custom_id -> how many times its line was parsed in this process."""
+    counts: Counter = Counter()
+    original = requests.RequestLine.read
+
+    def counting(cls, raw, line, endpoint):
+        request = original(raw, line, endpoint)
+        counts[request.custom_id] += 1
+        return request
+
+    monkeypatch.setattr(requests.RequestLine, "read", classmethod(counting))
+    return counts
+
+
+def batch_file(tmp_path, door: str):
+    rows = [chat_row(f"{door}-{i}", f"hello {i}", max_tokens=2) for i in range(LINES)]
+    return write_jsonl(tmp_path / f"{door}.jsonl", rows)
+
+
+def parsed_once(parses: Counter, door: str) -> bool:
+    return {k: v for k, v in parses.items() if k.startswith(f"{door}-")} == {
+        f"{door}-{i}": 1 for i in range(LINES)
+    }
+
+
+@pytest.mark.parametrize("at_create", [False, True], ids=["runner-validates", "refuse-infeasible"])
+def test_api_parses_each_line_once(service, parses, tmp_path, monkeypatch, at_create):
+    """Validated by the runner, or at create (`--refuse-infeasible`) and handed over with its index."""
+    monkeypatch.setattr(service.svc.settings, "refuse_infeasible", at_create)
+    client = service.client()
+    door = f"api{int(at_create)}"
+    batch = client.batches.create(
+        input_file_id=upload(client, batch_file(tmp_path, door)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+    assert wait_done(client, batch.id).request_counts.completed == LINES
+    assert parsed_once(parses, door), parses
+
+
+def test_run_parses_each_line_once(service, parses, tmp_path):
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(batch_file(tmp_path, "run")),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--storage",
+            str(tmp_path / "store"),
+            "--model",
+            f"{MODEL}={random_model()}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "o.jsonl").read_text().splitlines()) == LINES
+    assert parsed_once(parses, "run"), parses
+
+
+def test_stored_job_parses_each_line_once(service, parses, tmp_path):
+    settings = settings_for(str(tmp_path / "store"))
+    BatchService(settings).store.write_bytes("inbox/job.jsonl", batch_file(tmp_path, "job").read_bytes())
+    record = run_stored(settings, "inbox/job.jsonl", "outbox", echo=lambda _: None)
+    assert record["request_counts"]["completed"] == LINES
+    assert (tmp_path / "store" / "outbox" / "job.output.jsonl").read_text().count("\n") == LINES
+    assert parsed_once(parses, "job"), parses
+
+
+def test_watcher_parses_each_line_once(service, parses, tmp_path):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    batch_file(inbox, "watch")
+    watcher = Watcher(
+        BatchService(settings_for(str(tmp_path / "store"))),
+        JobSpec(input=str(inbox), output=str(tmp_path / "outbox")),
+    )
+    watcher.run(once=True)
+    assert (tmp_path / "outbox" / "watch.output.jsonl").read_text().count("\n") == LINES
+    assert parsed_once(parses, "watch"), parses
