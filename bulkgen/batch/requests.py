@@ -25,7 +25,7 @@ from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
 from bulkgen.batch.structured import forced_tool, response_guide
 
-__all__ = ["CHAT", "COMPLETIONS", "LineError", "ParsedRequest", "RequestLine", "custom_id_of", "parse_line",
+__all__ = ["CHAT", "COMPLETIONS", "LineError", "ParsedRequest", "RequestLine", "custom_id_of", "url_of", "parse_line",
            "fill_defaults", "RESPONSES"]
 
 # Every field a line may carry; anything else makes the line (so the file) invalid.
@@ -129,6 +129,19 @@ def custom_id_of(raw: bytes | str) -> str:
         return ""
     custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
     return custom_id if isinstance(custom_id, str) else ""
+
+
+def url_of(raw: bytes | str) -> str | None:
+    """The `url` of a line, to tell a file's endpoint from its first line (None where it names none);
+    LineError("invalid_json_line") where the line is not a JSON object."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        obj = None
+    if not isinstance(obj, dict):
+        raise LineError("invalid_json_line", "not a JSON object")
+    url = obj.get("url")
+    return url if isinstance(url, str) else None
 
 
 def _parse_body(line: RequestLine) -> ParsedRequest:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from bulkgen.batch.requests import LineError, url_of
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus
 
 
@@ -24,10 +24,10 @@ def endpoint_of(lines: Iterable[bytes], where: str) -> str:
     for number, raw in enumerate(lines, start=1):
         if raw.strip():
             try:
-                url = json.loads(raw).get("url")
-            except (ValueError, AttributeError):
+                url = url_of(raw)
+            except LineError:
                 raise ClientError(f"{where}:{number}: not a JSON object; is this a JSONL batch file?") from None
-            if not isinstance(url, str):
+            if url is None:
                 raise ClientError(f"{where}:{number}: no 'url' field; pass --endpoint")
             return url
     raise ClientError(f"{where} has no request lines")

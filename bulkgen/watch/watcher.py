@@ -12,7 +12,6 @@ A failure with one object is logged in one line and the watcher goes on; the obj
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -23,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.requests import fill_defaults
+from bulkgen.batch.requests import LineError, fill_defaults, url_of
 from bulkgen.batch.schema import InvalidRequest, public_view
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.driver import Driver
@@ -209,13 +208,11 @@ class Watcher:
             if not raw.strip():
                 continue
             try:
-                first = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
-                first = None
-            if not isinstance(first, dict):
-                raise NotABatchFile(f"line {number} is not a JSON object: this is not a JSONL batch file")
-            endpoint = self.spec.endpoint or first.get("url")
-            if not isinstance(endpoint, str):
+                url = url_of(raw)
+            except LineError:
+                raise NotABatchFile(f"line {number} is not a JSON object: this is not a JSONL batch file") from None
+            endpoint = self.spec.endpoint or url
+            if endpoint is None:
                 raise NotABatchFile(f"line {number} has no 'url' and the job sets no endpoint")
             return endpoint
         raise NotABatchFile("the object has no request lines")

@@ -146,3 +146,21 @@ def test_custom_id_of_reads_the_id_alone_and_never_raises():
     assert custom_id_of(b'{"custom_id": "r", "response": null, "error": {}}') == "r"  # a result line
     odd = (b"not json", b"[1]", b'{"custom_id": 5}', b"\xff")
     assert [custom_id_of(raw) for raw in odd] == ["", "", "", ""]
+
+
+def test_a_files_endpoint_is_told_from_its_first_request_line():
+    from bulkgen.batch.requests import url_of
+    from bulkgen.cli.client import ClientError, endpoint_of
+
+    assert url_of(b'{"custom_id": "a", "url": "/v1/embeddings"}') == "/v1/embeddings"
+    assert url_of(b'{"custom_id": "a", "url": 3}') is None
+    for raw in (b"[1, 2]", b"not json", b"\xff"):
+        with pytest.raises(LineError):
+            url_of(raw)
+    assert endpoint_of([b"\n", b'{"url": "/v1/completions"}\n'], "f.jsonl") == "/v1/completions"
+    with pytest.raises(ClientError, match=r"f.jsonl:2: not a JSON object"):
+        endpoint_of([b"  \n", b"[]\n"], "f.jsonl")
+    with pytest.raises(ClientError, match=r"f.jsonl:1: no 'url' field"):
+        endpoint_of([b"{}\n"], "f.jsonl")
+    with pytest.raises(ClientError, match="has no request lines"):
+        endpoint_of([b"\n"], "f.jsonl")
