@@ -22,13 +22,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.rig import API_PORT, GCS, HEAD_IP, REPO, S3_URL, InNamespace, Rig, RigUnavailable, check_available
+from tests.cluster.rig import (
+    API_PORT,
+    GCS,
+    HEAD_IP,
+    REPO,
+    S3_URL,
+    InNamespace,
+    Rig,
+    RigUnavailable,
+    check_available,
+)
 
 BUCKET = "bgt-store"
 STORAGE = f"s3://{BUCKET}/bulkgen"
 API = f"http://{HEAD_IP}:{API_PORT}"
 LEASE_TTL_S = 10
-POLL_DEADLINE_S = 10   # --worker-poll-deadline in the rig (the default is 30): a partition is noticed sooner
+POLL_DEADLINE_S = 10  # --worker-poll-deadline in the rig (the default is 30): a partition is noticed sooner
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) ")
 
@@ -55,8 +65,12 @@ class Cluster:
     # -- Ray ------------------------------------------------------------------------------------------
     def ray_status(self) -> str:
         env = [f"{k}={v}" for k, v in self.rig.env().items()]
-        out = subprocess.run(["ip", "netns", "exec", "bgt-head", "env", "-i", *env, "ray", "status", "--address", GCS],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["ip", "netns", "exec", "bgt-head", "env", "-i", *env, "ray", "status", "--address", GCS],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return out.stdout + out.stderr
 
     def wait_nodes(self, count: int, timeout: float = 120) -> None:
@@ -72,9 +86,27 @@ class Cluster:
         """`bulkgen serve --ray-address` in the head namespace (a PID namespace of its own); -> start seconds."""
         self.rig.kill("serve")
         self.serve_count += 1
-        argv = ["python", "-m", "bulkgen", "serve", "--host", HEAD_IP, "--port", str(API_PORT), "--ray-address", GCS,
-                "--storage", STORAGE, "--range-size", "16", "--lease-ttl", str(LEASE_TTL_S),
-                "--worker-poll-deadline", str(POLL_DEADLINE_S), *extra]
+        argv = [
+            "python",
+            "-m",
+            "bulkgen",
+            "serve",
+            "--host",
+            HEAD_IP,
+            "--port",
+            str(API_PORT),
+            "--ray-address",
+            GCS,
+            "--storage",
+            STORAGE,
+            "--range-size",
+            "16",
+            "--lease-ttl",
+            str(LEASE_TTL_S),
+            "--worker-poll-deadline",
+            str(POLL_DEADLINE_S),
+            *extra,
+        ]
         t0 = time.monotonic()
         proc = self.rig.spawn("serve", "head", argv, on_node=True)  # a process of the head node
 
@@ -113,7 +145,9 @@ class Cluster:
             c = self.openai()
             with path.open("rb") as f:
                 file_id = c.files.create(file=(path.name, f), purpose="batch").id
-            return c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+            return c.batches.create(
+                input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
 
         return self.cli.run(create)
 
@@ -141,16 +175,24 @@ class Cluster:
     def s3(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=S3_URL, region_name="us-east-1", aws_access_key_id="testing",
-                            aws_secret_access_key="testing")
+        return boto3.client(
+            "s3",
+            endpoint_url=S3_URL,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
 
     def parts(self, batch_id: str) -> dict[str, bytes]:
         """The batch's stored result parts (key -> body), read over S3 from the client namespace."""
+
         def read():
             s3 = self.s3()
             listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"bulkgen/parts/{batch_id}/lines-")
-            return {o["Key"]: s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
-                    for o in listed.get("Contents", [])}
+            return {
+                o["Key"]: s3.get_object(Bucket=BUCKET, Key=o["Key"])["Body"].read()
+                for o in listed.get("Contents", [])
+            }
 
         return self.cli.run(read)
 
