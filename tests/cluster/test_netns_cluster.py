@@ -18,7 +18,7 @@ import pytest
 from tests.cluster.conftest import STORAGE, TERMINAL, Cluster, wait_until
 from tests.cluster.rig import GCS, IP, PORTS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # the first one brings the cluster up
 
 NODE_IP = {"a": IP["a"], "b": IP["b"]}
 FAULT_REQUESTS = 400  # still running at 10 % on a quiet machine
@@ -247,13 +247,14 @@ def test_the_head_dies_mid_batch_and_head_and_service_restart_from_storage(clust
     def dropped(node: str) -> bool:
         return "silent for" in cluster.rig.worker_logs(node)
 
-    settled = wait_until(
+    wait_until(
         "both orphans dropped their parts, or one stored a part after the finalize",
         lambda: cluster.parts(batch_id) or (dropped("a") and dropped("b")),
         60,
         every=0.5,
     )
-    assert settled is True, f"an orphaned worker stored {sorted(settled)} after the batch was finalized"
+    leftover = sorted(cluster.parts(batch_id))
+    assert not leftover, f"orphaned workers stored {len(leftover)} parts after the finalize: {leftover[:3]}"
     assert all(cluster.rig.procs[f"ray-{n}"].poll() is None for n in "ab"), "the orphans' raylets ended early"
     final = {json.dumps(x, sort_keys=True) for x in out}
     kept = [
