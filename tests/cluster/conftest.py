@@ -1,7 +1,7 @@
-"""The session's network-namespace cluster (tests/cluster/rig.py) and what the scenarios do with it.
+"""The network-namespace cluster of the scenarios (tests/cluster/rig.py) and what they do with it.
 
-`cluster` brings up the head (with the S3 server) and nodes a and b once per session, runs `bulkgen
-serve` on the head, and always tears everything down by the PIDs it started, on failure and on
+`cluster` brings up the head (with the S3 server) and nodes a and b once for the scenarios' module, runs
+`bulkgen serve` on the head, and always tears everything down by the PIDs it started, on failure and on
 KeyboardInterrupt too (pytest's teardown, and atexit as a second net). The test's clients (openai,
 boto3) run in a thread inside the client namespace bgt-cli, a host that is not a Ray node.
 """
@@ -205,7 +205,7 @@ class Cluster:
         print(f"cluster timing {name}: {seconds:.1f} s", flush=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # down again before the rest of the suite: idle nodes still cost CPU
 def cluster():
     try:
         check_available()
