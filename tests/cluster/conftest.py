@@ -26,7 +26,6 @@ from tests.cluster.rig import (
     API_PORT,
     GCS,
     HEAD_IP,
-    REPO,
     S3_URL,
     InNamespace,
     Rig,
@@ -60,7 +59,7 @@ class Cluster:
         self.rig = rig
         self.cli = InNamespace("cli")
         self.timings: dict[str, float] = {}
-        self.serve_count = 0
+        self.killed_index: int | None = None  # the worker of the node the node-kill scenario killed
 
     # -- Ray ------------------------------------------------------------------------------------------
     def ray_status(self) -> str:
@@ -85,7 +84,6 @@ class Cluster:
     def serve(self, *extra: str) -> float:
         """`bulkgen serve --ray-address` in the head namespace (a PID namespace of its own); -> start seconds."""
         self.rig.kill("serve")
-        self.serve_count += 1
         argv = [
             "python",
             "-m",
@@ -234,6 +232,3 @@ def cluster():
             print(f"cluster timings: {json.dumps(c.timings)}; load average {os.getloadavg()}", flush=True)
         rig.down()
         shutil.rmtree(root, ignore_errors=True)
-
-
-__all__ = ["Cluster", "REPO", "wait_until"]

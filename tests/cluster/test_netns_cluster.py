@@ -153,7 +153,7 @@ def test_a_node_killed_mid_batch(cluster):
 
 
 def test_the_killed_node_returns_and_its_worker_is_used_again(cluster):
-    index = getattr(cluster, "killed_index", None)
+    index = cluster.killed_index
     assert index is not None, "the node-kill scenario did not run"
     mark, t0 = len(cluster.serve_log()), time.monotonic()
     cluster.timing("node_a_restart", cluster.rig.node_up("a"))
