@@ -196,9 +196,12 @@ def test_a_driver_on_a_host_that_is_no_ray_node_joins_as_a_node_without_gpus(clu
     sent = rows("drv", 100, 32)
     source, out = rig.root / "drv.jsonl", rig.root / "drv.out.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in sent))
-    join = (
+    start = (
         f"ray start --address={GCS} --node-ip-address={IP['drv']} --num-cpus=0 --num-gpus=0 "
-        f"--temp-dir={rig.root}/r-drv --disable-usage-stats {' '.join(PORTS)} && "
+        f"--temp-dir={rig.root}/r-drv --disable-usage-stats {' '.join(PORTS)}"
+    )
+    join = (  # `ray start` retried as the rig's own (a raylet under load gives up after 15 s)
+        f"for attempt in 1 2 3; do {start} && break; ray stop --force; [ $attempt = 3 ] && exit 3; done; "
         f"exec python -m bulkgen run {source} -o {out} --storage {STORAGE} --ray-address {GCS}"
     )
     t0 = time.monotonic()
