@@ -112,7 +112,12 @@ class BatchRunner:
             if stop:
                 self._withdraw(stop)
                 self._write_not_run(stop)
+        self.lease.wait_for_orphans(self._check_lease)  # a dead driver's workers may still store parts
         return finalize(self.svc, self.batch_id, stop, self.metrics)
+
+    def _check_lease(self) -> None:
+        if self._lease_lost:
+            raise LeaseLost(self.batch_id)
 
     def _execute(self, record: dict) -> str | None:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]

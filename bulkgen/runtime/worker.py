@@ -39,6 +39,11 @@ from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
 
+# A driver that has not polled for this long is gone (its process or its head died): parts of its ranges
+# are no longer stored, so a service restarted on the same storage can finalize without this worker
+# writing after it (the runner that takes the batch over waits this out: bulkgen.runtime.lease).
+ORPHAN_AFTER_S = 10.0
+
 
 @dataclass
 class Prepared:
@@ -98,6 +103,7 @@ class EngineWorker:
         self._preparing = 0
         self._stopped: set[str] = set()
         self._owner_of: dict[str, str] = {}            # batch id -> the driver that assigned it
+        self._polled: dict[str, float] = {}            # driver -> when it last polled (monotonic)
         self._done: dict[str, list[dict]] = defaultdict(list)             # per driver
         self._steps: dict[str, dict[str, list[dict]]] = defaultdict(dict)  # per driver, per batch
         self._quarantine: deque[list[Prepared]] = deque()
@@ -158,6 +164,7 @@ class EngineWorker:
         do not spin against a worker that is busy stepping."""
         deadline = time.monotonic() + timeout
         with self._cond:  # woken by every step that finishes a request: wait on, unless there is news
+            self._polled[owner] = time.monotonic()
             while not self._done.get(owner) and not (for_work and self._want() > 0):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -422,6 +429,8 @@ class EngineWorker:
         or the batch is withdrawn from this worker (its runner gave up; a resumed one redoes the range)."""
         delay = 0.5
         while True:
+            if self._orphaned(work):
+                return False
             try:
                 self._store_part(work)
                 return True
@@ -432,6 +441,19 @@ class EngineWorker:
                     return False
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    def _orphaned(self, work: RangeWork) -> bool:
+        """True when the driver of `work` stopped polling ORPHAN_AFTER_S ago: its part is not stored. The
+        range is handed back (no attempt used) in case that driver was only slow and polls again."""
+        with self._cond:
+            owner = self._owner_of.get(work.batch_id, "")
+            last = self._polled.get(owner)
+            if last is None or time.monotonic() - last < ORPHAN_AFTER_S:
+                return False
+            self._done[owner].append({**work.spec, "error": "its driver stopped polling", "storage": True})
+        log.warning("worker %d: driver %s silent for %.0f s; part %s-%s of %s not stored", self.index, owner or "-",
+                    time.monotonic() - last, work.spec["first_line"], work.spec["last_line"], work.batch_id)
+        return True
 
     def _store(self, spec: dict[str, Any]):
         key = json.dumps(spec, sort_keys=True)
