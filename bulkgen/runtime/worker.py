@@ -442,7 +442,7 @@ class EngineWorker:
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
 
-    def _orphaned(self, work: RangeWork) -> bool:
+    def _orphaned(self, work: HeldRange) -> bool:
         """True when the driver of `work` stopped polling ORPHAN_AFTER_S ago: its part is not stored. The
         range is handed back (no attempt used) in case that driver was only slow and polls again."""
         with self._cond:
@@ -450,9 +450,9 @@ class EngineWorker:
             last = self._polled.get(owner)
             if last is None or time.monotonic() - last < ORPHAN_AFTER_S:
                 return False
-            self._done[owner].append({**work.spec, "error": "its driver stopped polling", "storage": True})
+            self._done[owner].append(RangeOutcome(work.bounds, error="its driver stopped polling", storage_down=True))
         log.warning("worker %d: driver %s silent for %.0f s; part %s-%s of %s not stored", self.index, owner or "-",
-                    time.monotonic() - last, work.spec["first_line"], work.spec["last_line"], work.batch_id)
+                    time.monotonic() - last, work.bounds.first_line, work.bounds.last_line, work.batch_id)
         return True
 
     def _store(self, spec: dict[str, Any]):
