@@ -30,17 +30,17 @@ def test_a_worker_stores_no_part_for_a_driver_that_stopped_polling(tmp_path, mon
     worker.assign(job, specs, owner="gone")
     live_job, live_specs = _stored_batch(store, "batch_live", rows)
     worker.assign(live_job, live_specs, owner="alive")
-    done: list[dict] = []
+    done: list = []
     deadline = time.monotonic() + 60
     while not done and time.monotonic() < deadline:
         done = worker.poll("alive", 0.2)["done"]  # a live driver: its range is stored as usual
-    assert done and "error" not in done[0] and parts.iter_parts(store, "batch_live")
+    assert done and done[0].error is None and parts.iter_parts(store, "batch_live")
     while worker.poll("alive", 0.2)["held"] and time.monotonic() < deadline:
         pass
     worker._writes.join()  # the writer has dealt with every finished range
     assert parts.iter_parts(store, "batch_orphan") == []  # nothing stored for the silent driver
     handed_back = worker.poll("gone", 0)["done"]  # were it only slow, it gets its range back to redo
-    assert [(r["lo"], r["hi"], r.get("storage")) for r in handed_back] == [(0, 4, True)]
+    assert [(r.bounds.lo, r.bounds.hi, r.storage_down) for r in handed_back] == [(0, 4, True)]
 
 
 def test_a_runner_taking_a_batch_over_waits_until_the_old_owners_workers_stopped(tmp_path, monkeypatch):
