@@ -50,6 +50,7 @@ class Dispatcher:
         self._model_of: list[tuple[str, str] | None] = []
         self.nodes: list[str | None] = []
         self.threads: list[int | None] = []
+        self.step_times: list[dict | None] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
@@ -62,6 +63,7 @@ class Dispatcher:
         self._model_of = [None for _ in self.pool.workers]   # (name, path) each worker was told to load
         self.nodes = [None for _ in self.pool.workers]        # each worker's node IP, from its polls
         self.threads = [None for _ in self.pool.workers]      # torch threads of each worker's forward
+        self.step_times = [None for _ in self.pool.workers]   # each engine's step wall times, from its polls
         self._had_work = [True for _ in self.pool.workers]
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
         self._started = time.monotonic()
@@ -113,6 +115,7 @@ class Dispatcher:
         self.models_loaded[index] = poll["model"]
         self.nodes[index] = poll.get("node_ip")
         self.threads[index] = poll.get("threads")
+        self.step_times[index] = poll.get("step_time")
         self._route(index, poll)
         with self._lock:
             holding = {key[0] for key in self.inflight[index]}
@@ -185,7 +188,7 @@ class Dispatcher:
                 states.append({
                     "id": f"bulkgen-worker-{index}", "index": index,
                     "device": "gpu" if self.pool.use_gpu else "cpu", "node_ip": self.nodes[index],
-                    "cpu_threads": self.threads[index],
+                    "cpu_threads": self.threads[index], "step_time": self.step_times[index],
                     "model": model.split("@", 1)[0] if model else None,
                     "busy_share": round(min(1.0, busy / window), 4),
                     "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
