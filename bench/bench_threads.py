@@ -35,8 +35,11 @@ def _child(path: Path, threads: int, part: int, parts: int, start_at: float, arg
     from bulkgen.models.registry import default_model_path
     from bulkgen.runtime.prepare import fit_context, tokenize
 
-    engine = Engine.from_pretrained(default_model_path(), max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = Engine.from_pretrained(
+        default_model_path(),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
     engine.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=4))
     lines = path.read_bytes().splitlines()[part::parts]
     time.sleep(max(0.0, start_at - time.time()))  # every process starts generating at once
@@ -48,30 +51,76 @@ def _child(path: Path, threads: int, part: int, parts: int, start_at: float, arg
         prompts.append(ids)
         params.append(SamplingParams(**fit_context(r, len(ids), engine.max_model_len)))
     steps0, busy0 = engine.stats_.counters["steps"], engine.stats_.counters["busy_time_s"]
+    cpu0 = time.process_time()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     c = engine.stats_.counters
     tokens = sum(len(x.token_ids) for o in outs for x in o.outputs)
-    print("RESULT " + json.dumps({"wall_s": wall, "tokens": tokens, "steps": c["steps"] - steps0,
-                                  "step_ms": 1000 * (c["busy_time_s"] - busy0) / max(1, c["steps"] - steps0)}))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "wall_s": wall,
+                "tokens": tokens,
+                "steps": c["steps"] - steps0,
+                "cpu_s": cpu,
+                "step_ms": 1000 * (c["busy_time_s"] - busy0) / max(1, c["steps"] - steps0),
+            }
+        )
+    )
 
 
 def _layout(path: Path, processes: int, threads: int, args) -> dict:
+    from cpu_account import CpuAccount
+
     start_at = time.time() + 25.0  # after every process has loaded its model
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    procs = [subprocess.Popen([sys.executable, __file__, "--child", str(path), str(threads), str(k), str(processes),
-                               str(start_at), "--max-num-seqs", str(args.max_num_seqs),
-                               "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
-                              stdout=subprocess.PIPE, text=True, env=env) for k in range(processes)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                str(path),
+                str(threads),
+                str(k),
+                str(processes),
+                str(start_at),
+                "--max-num-seqs",
+                str(args.max_num_seqs),
+                "--max-num-batched-tokens",
+                str(args.max_num_batched_tokens),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for k in range(processes)
+    ]
     results = []
-    for p in procs:
-        out, _ = p.communicate(timeout=1800)
-        results.append(json.loads(next(x for x in out.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")))
+    with CpuAccount() as account:
+        for p in procs:
+            out, _ = p.communicate(timeout=1800)
+            results.append(
+                json.loads(
+                    next(x for x in out.splitlines() if x.startswith("RESULT ")).removeprefix("RESULT ")
+                )
+            )
     wall = max(r["wall_s"] for r in results)
+    others = account.window(start_at, start_at + wall).get("not this run", 0.0)
     tokens = sum(r["tokens"] for r in results)
-    return {"layout": f"{processes} proc x {threads} thread", "wall_s": wall, "tokens": tokens,
-            "tok_per_s": tokens / wall, "step_ms": [round(r["step_ms"], 1) for r in results],
-            "load": os.getloadavg()}
+    return {
+        "layout": f"{processes} proc x {threads} thread",
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "step_ms": [round(r["step_ms"], 1) for r in results],
+        "steps": [r["steps"] for r in results],
+        "cpu_s": [round(r["cpu_s"], 2) for r in results],
+        "others_cpu_s": others,
+        "load": os.getloadavg(),
+    }
 
 
 def main() -> None:
@@ -89,11 +138,16 @@ def main() -> None:
         path = workload(Path(tmp) / "requests.jsonl", args.requests)
         rows = [_layout(path, 1, 1, args), _layout(path, 1, cores, args), _layout(path, cores, 1, args)]
     for r in rows:
-        print(f"{r['layout']:>20}: {r['wall_s']:.2f} s, {r['tokens']} tokens, {r['tok_per_s']:.0f} tok/s, "
-              f"step ms {r['step_ms']}, load {r['load'][0]:.2f}")
-    print(f"{cores} threads in one process vs 1: {rows[1]['tok_per_s'] / rows[0]['tok_per_s']:.2f}x; "
-          f"{cores} processes x 1 thread vs 1 process x {cores} threads: "
-          f"{rows[2]['tok_per_s'] / rows[1]['tok_per_s']:.2f}x (the ceiling for {cores} workers vs 1)")
+        print(
+            f"{r['layout']:>20}: {r['wall_s']:.2f} s, {r['tokens']} tokens, {r['tok_per_s']:.0f} tok/s, "
+            f"steps {r['steps']}, step ms {r['step_ms']}, CPU s {r['cpu_s']}; "
+            f"other processes' CPU s meanwhile {r['others_cpu_s']:.1f}, load {r['load'][0]:.2f}"
+        )
+    print(
+        f"{cores} threads in one process vs 1: {rows[1]['tok_per_s'] / rows[0]['tok_per_s']:.2f}x; "
+        f"{cores} processes x 1 thread vs 1 process x {cores} threads: "
+        f"{rows[2]['tok_per_s'] / rows[1]['tok_per_s']:.2f}x (the ceiling for {cores} workers vs 1)"
+    )
 
 
 if __name__ == "__main__":

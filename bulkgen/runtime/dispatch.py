@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import asdict
 
 import ray
@@ -54,6 +55,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
+        self._last_poll: list[dict | None] = []   # per worker: its last answer that found nothing queued
+        self._news: list[threading.Event] = []    # per worker: ranges were queued, or its poll answered
         self._busy: list[deque] = []          # per worker: (arrival time, step seconds) of recent polls
         self._started = time.monotonic()
 
@@ -65,6 +68,9 @@ class Dispatcher:
         self.threads = [None for _ in self.pool.workers]      # torch threads of each worker's forward
         self.step_times = [None for _ in self.pool.workers]   # each engine's step wall times, from its polls
         self._had_work = [True for _ in self.pool.workers]
+        self._last_poll = [None for _ in self.pool.workers]
+        self._news = [threading.Event() for _ in self.pool.workers]
+        self.queue.on_work(self._work_queued)
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
         self._started = time.monotonic()
         for index in range(len(self.pool.workers)):
@@ -110,22 +116,56 @@ class Dispatcher:
 
     def _serve(self, index: int) -> None:
         handle = self.pool.workers[index]
-        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index]),
-                       timeout=self.pool.settings.poll_deadline_s)
+        ref = handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index])
+        handed = not self._had_work[index] and self._hand_while_polling(index, handle, ref.future())
+        poll = ray.get(ref, timeout=self.pool.settings.poll_deadline_s)
         self.models_loaded[index] = poll["model"]
         self.nodes[index] = poll.get("node_ip")
         self.threads[index] = poll.get("threads")
         self.step_times[index] = poll.get("step_time")
         self._route(index, poll)
+        self._news[index].clear()  # before the take: ranges queued after it wake the next poll's wait
+        if handed:  # the worker got ranges while this poll waited: its room is read afresh by the next
+            self._had_work[index] = True
+            return
         with self._lock:
             holding = {key[0] for key in self.inflight[index]}
         ranges = take_for(self.queue, index, poll, holding)
         if poll["want"] >= 1:
             self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
-        if not ranges:
-            return
+            self._last_poll[index] = poll
+        if ranges:
+            self._hand(index, handle, ranges, poll["model"])
+
+    def _hand_while_polling(self, index: int, handle, answered: Future) -> bool:
+        """The worker had room and the queue nothing, so its poll waits for results alone: ranges queued
+        meanwhile go to it at once (they waited up to POLL_WAIT_S for the poll's answer before, an idle
+        worker's every time a batch arrived), sized by the room its last answer reported, which has only
+        grown since (nothing was assigned to it after that answer). True if it got any."""
+        last, news = self._last_poll[index], self._news[index]
+        if last is None:
+            return False
+        answered.add_done_callback(lambda _: news.set())
+        deadline = time.monotonic() + self.pool.settings.poll_deadline_s
+        while not answered.done() and news.wait(max(0.0, deadline - time.monotonic())):
+            news.clear()
+            if answered.done():
+                break
+            with self._lock:
+                holding = {key[0] for key in self.inflight[index]}
+            ranges = take_for(self.queue, index, last, holding)
+            if ranges:
+                self._hand(index, handle, ranges, last["model"])
+                return True
+        return False
+
+    def _work_queued(self) -> None:
+        for news in self._news:
+            news.set()
+
+    def _hand(self, index: int, handle, ranges: list[WorkRange], loaded: str | None) -> None:
         job = ranges[0].job
-        if poll["model"] != job.model_key and not self._load(index, handle, ranges):
+        if loaded != job.model_key and not self._load(index, handle, ranges):
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)

@@ -127,6 +127,16 @@ class WorkQueue:
         self._batches: dict[str, _Pending] = {}
         self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_work(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (quick, non-blocking: it runs under the queue's lock) whenever ranges are queued,
+        so a dispatcher waiting on a worker hands them out at once instead of at its next poll."""
+        self._listeners.append(listener)
+
+    def _queued(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[WorkRange]) -> None:
         with self._lock:
@@ -134,6 +144,7 @@ class WorkQueue:
             pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
             pending.ranges.extend(ranges)
             pending.sort()
+            self._queued()
 
     def remove_batch(self, batch_id: str) -> None:
         """Drop the batch's pending ranges (cancelled, expired, lease lost, or done)."""
@@ -201,6 +212,7 @@ class WorkQueue:
                 else:
                     pending.ranges.append(cut_range(r.job, pending.index, r.lo, r.hi, attempts))
                 pending.sort()
+            self._queued()
         return given_up
 
     # -- choices ---------------------------------------------------------------------------------
