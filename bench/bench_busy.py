@@ -11,7 +11,9 @@ Measured, from every engine step the workers report (whole steps: this is the on
 - busy share of a worker: its step time inside [start, tail] over (tail - start). Goal: >= 95% each.
 The idle rest is split into the wait before the worker's first step (assignment latency), gaps
 between steps of up to 5 ms (the engine's own work between timed steps: scheduling, admission,
-the worker's bookkeeping), and longer gaps (the worker ran out of work or the host starved it).
+the worker's bookkeeping), and longer gaps (the worker ran out of work or the host starved it); the
+fewest requests a worker held at any poll between its first step and the tail tells which (0: the
+dispatcher let it run dry).
 On a machine with fewer cores than workers the engines share cores: their steps are slower, but a
 worker that is stepping is busy; the CPU account says what else ran.
 
@@ -64,9 +66,10 @@ class Recorder:
         self.queued_at: float | None = None
         self.tail_at: float | None = None
         self.takes: list[tuple[float, int, int, int]] = []
+        self.held: dict[str, list[tuple[float, int]]] = {}  # worker -> (poll answered, requests it held)
 
     def install(self) -> None:
-        from bulkgen.runtime import runner, workqueue
+        from bulkgen.runtime import dispatch, runner, workqueue
 
         recorder = self
         add_steps, add_batch, take = (
@@ -81,6 +84,15 @@ class Recorder:
                     (r["t"] - r["duration_s"], r["t"], r.get("batch_size", r["num_seqs"])) for r in records
                 )
             return add_steps(self, worker, records)
+
+        route = dispatch.Dispatcher._route
+
+        def on_route(self, index, poll):
+            with recorder.lock:
+                recorder.held.setdefault(f"bulkgen-worker-{index}", []).append((time.time(), poll["held"]))
+            return route(self, index, poll)
+
+        dispatch.Dispatcher._route = on_route
 
         def on_add(self, job, index, ranges):
             out = add_batch(self, job, index, ranges)
@@ -122,6 +134,7 @@ class Recorder:
                 "long_gaps_s": sum(g for g in gaps if g > SHORT_GAP_S) + (tail - last_end),
                 "longest_gap_s": max([*gaps, tail - last_end, 0.0]),
                 "mean_slots": sum(s for _, _, s in steps) / max(1, len(steps)),
+                "min_held": min((n for t, n in self.held.get(worker, []) if first < t < tail), default=None),
             }
         return out
 
@@ -215,7 +228,8 @@ def main() -> None:
             f"  {worker}: busy {s['busy_share']:.1%} ({s['steps']} steps, {s['mean_slots']:.1f} slots/step); "
             f"idle: before first step {s['first_step_after_s'] * 1000:.0f} ms, gaps <= 5 ms "
             f"{s['short_gaps_s'] * 1000:.0f} ms, longer gaps {s['long_gaps_s'] * 1000:.0f} ms "
-            f"(longest {s['longest_gap_s'] * 1000:.0f} ms)"
+            f"(longest {s['longest_gap_s'] * 1000:.0f} ms); fewest requests it held at a poll after its "
+            f"first step: {s['min_held']}"
         )
     print(
         f"every worker busy >= 95% until the tail: {'yes' if ok and result['shares'] else 'NO'}; "
