@@ -128,6 +128,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--single-thread-only",
+        action="store_true",
+        help="skip 1 process x C threads (an OpenMP "
+        "team on a loaded machine waits for descheduled threads at every barrier: minutes)",
+    )
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -136,18 +142,25 @@ def main() -> None:
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         path = workload(Path(tmp) / "requests.jsonl", args.requests)
-        rows = [_layout(path, 1, 1, args), _layout(path, 1, cores, args), _layout(path, cores, 1, args)]
+        layouts = [(1, 1), (cores, 1)] if args.single_thread_only else [(1, 1), (1, cores), (cores, 1)]
+        rows = [_layout(path, procs, threads, args) for procs, threads in layouts]
     for r in rows:
         print(
             f"{r['layout']:>20}: {r['wall_s']:.2f} s, {r['tokens']} tokens, {r['tok_per_s']:.0f} tok/s, "
-            f"steps {r['steps']}, step ms {r['step_ms']}, CPU s {r['cpu_s']}; "
+            f"steps {r['steps']}, step ms {r['step_ms']}, CPU s {r['cpu_s']} "
+            f"({1000 * sum(r['cpu_s']) / sum(r['steps']):.1f} CPU ms a step); "
             f"other processes' CPU s meanwhile {r['others_cpu_s']:.1f}, load {r['load'][0]:.2f}"
         )
     print(
-        f"{cores} threads in one process vs 1: {rows[1]['tok_per_s'] / rows[0]['tok_per_s']:.2f}x; "
-        f"{cores} processes x 1 thread vs 1 process x {cores} threads: "
-        f"{rows[2]['tok_per_s'] / rows[1]['tok_per_s']:.2f}x (the ceiling for {cores} workers vs 1)"
+        f"{cores} processes x 1 thread vs 1 x 1: {rows[-1]['tok_per_s'] / rows[0]['tok_per_s']:.2f}x, in steps of the "
+        f"slowest process {rows[0]['steps'][0] / max(rows[-1]['steps']):.2f}x"
     )
+    if len(rows) == 3:
+        print(
+            f"{cores} threads in one process vs 1: {rows[1]['tok_per_s'] / rows[0]['tok_per_s']:.2f}x; "
+            f"{cores} processes x 1 thread vs 1 process x {cores} threads: "
+            f"{rows[2]['tok_per_s'] / rows[1]['tok_per_s']:.2f}x (the ceiling for {cores} workers vs 1)"
+        )
 
 
 if __name__ == "__main__":

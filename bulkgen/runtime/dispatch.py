@@ -55,7 +55,7 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
-        self._last_poll: list[dict | None] = []   # per worker: its last answer that found nothing queued
+        self._last_poll: dict[int, dict] = {}     # per worker: its last answer that found nothing queued
         self._news: list[threading.Event] = []    # per worker: ranges were queued, or its poll answered
         self._busy: list[deque] = []          # per worker: (arrival time, step seconds) of recent polls
         self._started = time.monotonic()
@@ -68,7 +68,6 @@ class Dispatcher:
         self.threads = [None for _ in self.pool.workers]      # torch threads of each worker's forward
         self.step_times = [None for _ in self.pool.workers]   # each engine's step wall times, from its polls
         self._had_work = [True for _ in self.pool.workers]
-        self._last_poll = [None for _ in self.pool.workers]
         self._news = [threading.Event() for _ in self.pool.workers]
         self.queue.on_work(self._work_queued)
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
@@ -142,7 +141,7 @@ class Dispatcher:
         meanwhile go to it at once (they waited up to POLL_WAIT_S for the poll's answer before, an idle
         worker's every time a batch arrived), sized by the room its last answer reported, which has only
         grown since (nothing was assigned to it after that answer). True if it got any."""
-        last, news = self._last_poll[index], self._news[index]
+        last, news = self._last_poll.get(index), self._news[index]
         if last is None:
             return False
         answered.add_done_callback(lambda _: news.set())
@@ -249,6 +248,8 @@ class Dispatcher:
         for runner in holding:  # its unwritten results are redone elsewhere: never count them twice
             runner.live_progress(f"bulkgen-worker-{index}", None)
         self.models_loaded[index] = None
+        self._had_work[index] = True  # its replacement's room is learnt afresh
+        self._last_poll.pop(index, None)
         self._give_up(self.queue.put_back(lost), f"the worker running this request died {MAX_ATTEMPTS} times")
         self._replace(index)
 

@@ -46,7 +46,7 @@ def _dispatcher() -> tuple[Dispatcher, WorkQueue, _Handle]:
     d._news = [threading.Event()]
     queue.on_work(d._work_queued)
     # its last answer: room for 32 requests, nothing queued then
-    d._last_poll = [{"want": 32, "spare": 0, "held": 0, "model": MODEL_KEY}]
+    d._last_poll = {0: {"want": 32, "spare": 0, "held": 0, "model": MODEL_KEY}}
     return d, queue, pool.workers[0]
 
 
