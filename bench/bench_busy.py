@@ -174,7 +174,9 @@ def run(args) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             engine = {"max_num_seqs": args.max_num_seqs}
-            workers = WorkerSettings(ray_address=c.address, cpu_threads=1, engine_kwargs=engine)
+            workers = WorkerSettings(
+                ray_address=c.address, cpu_threads=1, engine_kwargs=engine, poll_deadline_s=120.0
+            )
             svc = BatchService(Settings(storage=f"{tmp}/store", workers=workers, range_size=args.range_size))
             warm = workload(Path(tmp) / "warm.jsonl", 4 * args.nodes, 2, seed=1)
             with warm.open("rb") as f:  # loads the model on every worker (they outlive a run)
