@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from bulkgen.metrics.sketch import LogHistogram
+
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -62,6 +64,27 @@ class EngineStats:
     def pop_records(self) -> list[dict]:
         records, self.records = self.records, []
         return records
+
+
+class StepTimes:
+    """Wall time of engine steps, bounded (a log-bucketed sketch, 1% relative error): what a worker reports
+    of its engine so operators and benches can compare a step in the worker with a step alone."""
+
+    def __init__(self) -> None:
+        self._sketch = LogHistogram()
+
+    def add(self, duration_s: float) -> None:
+        self._sketch.add(max(0.0, float(duration_s)))
+
+    def summary(self) -> dict:
+        """steps, and mean / p50 / p90 step wall time in ms (None before the first step)."""
+        sketch = self._sketch
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(1000.0 * value, 3)
+
+        return {"steps": sketch.count, "mean_ms": ms(sketch.total / sketch.count if sketch.count else None),
+                "p50_ms": ms(sketch.quantile(0.5)), "p90_ms": ms(sketch.quantile(0.9))}
 
 
 def by_tag(batch: ScheduledBatch, sampled: list[Sequence]) -> dict[str, dict[str, int]]:

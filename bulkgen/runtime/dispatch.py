@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -49,9 +50,12 @@ class Dispatcher:
         self._model_of: list[tuple[str, str] | None] = []
         self.nodes: list[str | None] = []
         self.threads: list[int | None] = []
+        self.step_times: list[dict | None] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
+        self._last_poll: dict[int, dict] = {}     # per worker: its last answer that found nothing queued
+        self._news: list[threading.Event] = []    # per worker: ranges were queued, or its poll answered
         self._busy: list[deque] = []          # per worker: (arrival time, step seconds) of recent polls
         self._started = time.monotonic()
 
@@ -61,7 +65,10 @@ class Dispatcher:
         self._model_of = [None for _ in self.pool.workers]   # (name, path) each worker was told to load
         self.nodes = [None for _ in self.pool.workers]        # each worker's node IP, from its polls
         self.threads = [None for _ in self.pool.workers]      # torch threads of each worker's forward
+        self.step_times = [None for _ in self.pool.workers]   # each engine's step wall times, from its polls
         self._had_work = [True for _ in self.pool.workers]
+        self._news = [threading.Event() for _ in self.pool.workers]
+        self.queue.on_work(self._work_queued)
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
         self._started = time.monotonic()
         for index in range(len(self.pool.workers)):
@@ -107,21 +114,56 @@ class Dispatcher:
 
     def _serve(self, index: int) -> None:
         handle = self.pool.workers[index]
-        poll = ray.get(handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index]),
-                       timeout=self.pool.settings.poll_deadline_s)
+        ref = handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index])
+        handed = not self._had_work[index] and self._hand_while_polling(index, handle, ref.future())
+        poll = ray.get(ref, timeout=self.pool.settings.poll_deadline_s)
         self.models_loaded[index] = poll["model"]
         self.nodes[index] = poll.get("node_ip")
         self.threads[index] = poll.get("threads")
+        self.step_times[index] = poll.get("step_time")
         self._route(index, poll)
+        self._news[index].clear()  # before the take: ranges queued after it wake the next poll's wait
+        if handed:  # the worker got ranges while this poll waited: its room is read afresh by the next
+            self._had_work[index] = True
+            return
         with self._lock:
             holding = {key[0] for key in self.inflight[index]}
         ranges = take_for(self.queue, index, poll, holding)
         if poll["want"] >= 1:
             self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
-        if not ranges:
-            return
+            self._last_poll[index] = poll
+        if ranges:
+            self._hand(index, handle, ranges, poll["model"])
+
+    def _hand_while_polling(self, index: int, handle, answered: Future) -> bool:
+        """The worker had room and the queue nothing, so its poll waits for results alone: ranges queued
+        meanwhile go to it at once (they waited up to POLL_WAIT_S for the poll's answer before, an idle
+        worker's every time a batch arrived), sized by the room its last answer reported, which has only
+        grown since (nothing was assigned to it after that answer). True if it got any."""
+        last, news = self._last_poll.get(index), self._news[index]
+        if last is None:
+            return False
+        answered.add_done_callback(lambda _: news.set())
+        deadline = time.monotonic() + self.pool.settings.poll_deadline_s
+        while not answered.done() and news.wait(max(0.0, deadline - time.monotonic())):
+            news.clear()
+            if answered.done():
+                break
+            with self._lock:
+                holding = {key[0] for key in self.inflight[index]}
+            ranges = take_for(self.queue, index, last, holding)
+            if ranges:
+                self._hand(index, handle, ranges, last["model"])
+                return True
+        return False
+
+    def _work_queued(self) -> None:
+        for news in self._news:
+            news.set()
+
+    def _hand(self, index: int, handle, ranges: list[QueuedRange], loaded: str | None) -> None:
         batch = ranges[0].batch
-        if poll["model"] != batch.model_key and not self._load(index, handle, ranges):
+        if loaded != batch.model_key and not self._load(index, handle, ranges):
             return
         with self._lock:
             self.inflight[index].update((r.key, r) for r in ranges)
@@ -183,7 +225,7 @@ class Dispatcher:
                 states.append({
                     "id": f"bulkgen-worker-{index}", "index": index,
                     "device": "gpu" if self.pool.use_gpu else "cpu", "node_ip": self.nodes[index],
-                    "cpu_threads": self.threads[index],
+                    "cpu_threads": self.threads[index], "step_time": self.step_times[index],
                     "model": model.split("@", 1)[0] if model else None,
                     "busy_share": round(min(1.0, busy / window), 4),
                     "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
@@ -204,6 +246,8 @@ class Dispatcher:
         for runner in holding:  # its unwritten results are redone elsewhere: never count them twice
             runner.live_progress(f"bulkgen-worker-{index}", None)
         self.models_loaded[index] = None
+        self._had_work[index] = True  # its replacement's room is learnt afresh
+        self._last_poll.pop(index, None)
         self._give_up(self.queue.put_back(lost), f"the worker running this request died {MAX_ATTEMPTS} times")
         self._replace(index)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
 from bulkgen.batch.responses import json_line, merge_results, not_run_line, refused_line, success_line
+from bulkgen.engine.stats import StepTimes
 from bulkgen.models.registry import resolve_model_path
 from bulkgen.runtime.lineindex import read_lines
 from bulkgen.runtime.parts import PartEntry, Tally, write_part
@@ -113,6 +114,7 @@ class EngineWorker:
         self._tasks: deque = deque()                   # (fn, Future): torch work other threads hand the engine thread
         self.node_ip = _node_ip()
         self.torch_threads: int | None = None          # set by the engine thread
+        self._step_times = StepTimes()                 # the loaded engine's step wall times, reported by poll
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
@@ -132,6 +134,7 @@ class EngineWorker:
                 engine = self._on_engine_thread(lambda: Engine.from_pretrained(path, **self.engine_kwargs))
                 with self._cond:
                     self.engine, self.model_name = engine, model_name
+                    self._step_times = StepTimes()
                     self.model_key = model_key(model_name, model_path)
                     self._cond.notify_all()
         return self.info()
@@ -161,7 +164,8 @@ class EngineWorker:
         """`owner`'s finished ranges and step records by batch, and how many more requests the engine
         wants. Waits up to `timeout` for something to report: a finished range, or (with `for_work`)
         room in the engine; a driver with nothing to hand out polls without `for_work`, so its polls
-        do not spin against a worker that is busy stepping."""
+        do not spin against a worker that is busy stepping. `step_time`: the engine's whole steps since
+        its model loaded (count, mean, p50, p90 wall ms), to compare with the engine alone."""
         deadline = time.monotonic() + timeout
         with self._cond:  # woken by every step that finishes a request: wait on, unless there is news
             self._polled[owner] = time.monotonic()
@@ -174,6 +178,7 @@ class EngineWorker:
             steps = self._steps.pop(owner, {})
             return {"worker": self.index, "node_ip": self.node_ip, "threads": self.torch_threads,
                     "model": self.model_key, "done": done, "steps": steps,
+                    "step_time": self._step_times.summary(),  # whole steps, whatever batches shared them
                     "progress": self._progress(owner),
                     "want": self._want(), "spare": self._spare(),
                     "held": len(self._live) + len(self._inbox) + self._preparing}
@@ -342,6 +347,7 @@ class EngineWorker:
                 if p is not None:
                     self._finish(p, out)
             for record in records:
+                self._step_times.add(record["duration_s"])
                 for batch_id, share in split_step(record).items():
                     owner = self._owner_of.get(batch_id, "")
                     self._steps[owner].setdefault(batch_id, []).append(share)

@@ -122,6 +122,16 @@ class WorkQueue:
         self._batches: dict[str, _Pending] = {}
         self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
         self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_work(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (quick, non-blocking: it runs under the queue's lock) whenever ranges are queued,
+        so a dispatcher waiting on a worker hands them out at once instead of at its next poll."""
+        self._listeners.append(listener)
+
+    def _queued(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     def add_batch(self, batch: QueuedBatch, index: LineIndex, ranges: list[QueuedRange]) -> None:
         with self._lock:
@@ -129,6 +139,7 @@ class WorkQueue:
             pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index))
             pending.ranges.extend(ranges)
             pending.sort()
+            self._queued()
 
     def remove_batch(self, batch_id: str) -> None:
         """Drop the batch's pending ranges (cancelled, expired, lease lost, or done)."""
@@ -197,6 +208,7 @@ class WorkQueue:
                     lo, hi = r.bounds.lo, r.bounds.hi
                     pending.ranges.append(cut_range(r.batch, pending.index, lo, hi, attempts))
                 pending.sort()
+            self._queued()
         return given_up
 
     # -- choices ---------------------------------------------------------------------------------

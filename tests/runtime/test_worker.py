@@ -178,3 +178,23 @@ def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path):
     assert progress == {"batch_g": {"completed": 1, "failed": 0}}
     assert worker.poll("someone-else", 0)["progress"] == {}
     worker.abort_batch("batch_g", None)
+
+
+def test_the_worker_reports_its_engine_step_time_over_every_step_it_ran(tmp_path):
+    store = LocalStore(tmp_path)
+    worker = _worker(store)
+    assert worker.poll("", 0)["step_time"] == {"steps": 0, "mean_ms": None, "p50_ms": None, "p90_ms": None}
+    rows = [completion_row(f"s{i}", "step " * (i + 1), max_tokens=3) for i in range(6)]
+    job, specs = _stored_batch(store, "batch_s", rows)
+    worker.assign(job, specs)
+    done, records = 0, 0
+    deadline = time.monotonic() + 90
+    while done < len(specs) and time.monotonic() < deadline:
+        poll = worker.poll("", 0.2)
+        done += len(poll["done"])
+        records += len(poll["steps"].get("batch_s", []))
+    last = worker.poll("", 0)
+    records += len(last["steps"].get("batch_s", []))
+    step_time = last["step_time"]
+    assert step_time["steps"] == worker.engine.stats_.counters["steps"] == records > 0
+    assert step_time["mean_ms"] > 0 and 0 < step_time["p50_ms"] <= step_time["p90_ms"]
