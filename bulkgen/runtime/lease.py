@@ -8,6 +8,9 @@ takes over once the lease lapses (after at most `ttl_s`).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from bulkgen.store import Store, layout
 from bulkgen.store.conditional import TtlLease
 
@@ -17,8 +20,9 @@ class LeaseLost(Exception):
 
 
 class Lease(TtlLease):
-    def __init__(self, store: Store, batch_id: str, owner: str, ttl_s: float) -> None:
-        super().__init__(store, layout.lease(batch_id), owner, ttl_s)
+    def __init__(self, store: Store, batch_id: str, owner: str, ttl_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(store, layout.lease(batch_id), owner, ttl_s, clock)
         self.batch_id = batch_id
 
     def acquire(self) -> bool:

@@ -111,16 +111,20 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 class _Pending:
     job: BatchJob
     index: LineIndex
+    last_served: float                                        # on the queue's clock
     ranges: list[WorkRange] = field(default_factory=list)    # longest work per request first
-    last_served: float = field(default_factory=time.monotonic)
 
     def sort(self) -> None:
         self.ranges.sort(key=lambda r: (-r.work / r.size, r.lo))
 
 
 class WorkQueue:
+    """`clock` (monotonic seconds) times how long a batch went unserved; tests pass a fake one."""
+
     def __init__(self, num_workers, fair_share_after_s: float = 30.0,
-                 weights: Callable[[], dict[str, float]] | None = None) -> None:
+                 weights: Callable[[], dict[str, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._num_workers = num_workers          # a callable: the pool's current size
         self.fair_share_after_s = fair_share_after_s
         self.fair = FairShare(weights)           # tenant -> weight; missing tenants weigh 1
@@ -131,7 +135,7 @@ class WorkQueue:
     def add_batch(self, job: BatchJob, index: LineIndex, ranges: list[WorkRange]) -> None:
         with self._lock:
             self._join(job.tenant)
-            pending = self._batches.setdefault(job.batch_id, _Pending(job, index))
+            pending = self._batches.setdefault(job.batch_id, _Pending(job, index, self.clock()))
             pending.ranges.extend(ranges)
             pending.sort()
 
@@ -158,7 +162,7 @@ class WorkQueue:
             pending = self._next_batch(model, idle, exclude)
             if pending is None:
                 return []
-            pending.last_served = time.monotonic()
+            pending.last_served = self.clock()
             share = self._tail_share()
             tail = share < pending.ranges[0].size   # split ranges only where they would cause stragglers
             want = min(want, share)
@@ -209,7 +213,7 @@ class WorkQueue:
                       if p.ranges and (idle or p.job.model_key == model) and p.job.batch_id not in exclude]
         if not candidates:
             return None
-        now = time.monotonic()
+        now = self.clock()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
         if starving:  # the one that waited longest, whatever its share, priority and order say
             return min(starving, key=lambda p: p.last_served)

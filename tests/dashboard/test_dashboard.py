@@ -9,8 +9,8 @@ import urllib.request
 
 from playwright.sync_api import expect
 
-from tests.dashboard.conftest import shot
-from tests.service.conftest import chat_row, upload, wait_done, write_jsonl
+from tests.support.screens import shot
+from tests.support.service import chat_row, upload, wait_done, write_jsonl
 
 
 def drop_file(page, target: str, path) -> None:

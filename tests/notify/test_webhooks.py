@@ -14,7 +14,7 @@ from openai.types.webhooks import BatchCompletedWebhookEvent, BatchExpiredWebhoo
 
 from bulkgen.cli import cli
 from bulkgen.notify.webhooks import WebhookNotifier, event_id, parse_secret
-from tests.notify.receiver import SECRET, Receiver, SilentReceiver
+from tests.support.receiver import SECRET, Receiver, SilentReceiver
 
 FAST = {"first_wait_s": 0.02, "max_wait_s": 0.1}
 

@@ -15,7 +15,7 @@ import ray
 
 from bulkgen.runtime.pool import NAMESPACE
 from bulkgen.store import LocalStore
-from tests.service.conftest import completion_row, read_lines, upload, wait_done, wait_for, write_jsonl
+from tests.support.service import completion_row, read_lines, upload, wait_done, wait_for, write_jsonl
 
 pytestmark = pytest.mark.slow
 

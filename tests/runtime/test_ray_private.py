@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.service.conftest import free_port
+from tests.support.service import free_port
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "chat.jsonl"
 

@@ -10,7 +10,7 @@ from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import scan
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.store import LocalStore
-from tests.service.conftest import MODEL, completion_row, random_model
+from tests.support.service import MODEL, completion_row, random_model
 
 
 def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[dict, list[dict]]:

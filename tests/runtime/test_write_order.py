@@ -1,6 +1,6 @@
 """Publication order under a real BatchManager: an active-index entry is never acted on before its record.
 
-The storage is a real LocalStore whose writes the test holds at gates (tests/runtime/gated_store.py), so
+The storage is a real LocalStore whose writes the test holds at gates (tests/support/gated_store.py), so
 the slow record write of a busy machine or an S3 latency spike happens exactly where the test wants it.
 """
 
@@ -18,8 +18,8 @@ from bulkgen.batch.ids import new_id
 from bulkgen.batch.schema import new_batch_record
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
-from tests.runtime.gated_store import GatedStore
-from tests.service.conftest import chat_row, settings_for
+from tests.support.gated_store import GatedStore
+from tests.support.service import chat_row, settings_for
 
 ROWS = b"".join(json.dumps(chat_row(f"r{i}", f"hi {i}", max_tokens=2)).encode() + b"\n" for i in range(3))
 

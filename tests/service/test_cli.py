@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from bulkgen.cli import cli
 from tests.models.english import looks_like_english
-from tests.service.conftest import SAMPLES, chat_row, random_model, wait_done, wait_for, write_jsonl
+from tests.support.service import SAMPLES, chat_row, random_model, wait_done, wait_for, write_jsonl
 
 
 def _invoke(service, *args):

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from bulkgen.store import LocalStore
-from tests.runtime.conftest import ServeProcess
 from tests.service.api_only import ApiOnly
+from tests.support.serve_process import ServeProcess
 
 LIMIT = 2 * 2**20
 BOUNDARY = "b0undary"

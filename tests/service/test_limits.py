@@ -13,7 +13,7 @@ import pytest
 
 from bulkgen.batch.responses import json_line
 from bulkgen.batch.service import BatchService
-from tests.service.conftest import (
+from tests.support.service import (
     Service,
     chat_row,
     read_lines,

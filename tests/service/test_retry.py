@@ -22,7 +22,7 @@ from bulkgen.batch.retry import retryable
 from bulkgen.batch.schema import INTERNAL, new_batch_record
 from bulkgen.cli import cli
 from bulkgen.tenants import KeyRing, add_key
-from tests.service.conftest import (
+from tests.support.service import (
     Service,
     chat_row,
     read_lines,

@@ -14,7 +14,8 @@ import pytest
 
 from bulkgen.store import open_store
 from tests.service.api_only import ApiOnly
-from tests.service.conftest import (
+from tests.support.s3 import FAST_RETRY
+from tests.support.service import (
     Service,
     completion_row,
     read_lines,
@@ -23,7 +24,6 @@ from tests.service.conftest import (
     wait_done,
     write_jsonl,
 )
-from tests.store.conftest import FAST_RETRY
 
 
 def _health(root: str) -> dict:

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from tests.notify.receiver import SECRET, Receiver, SilentReceiver
-from tests.service.conftest import Service, chat_row, settings_for, upload, wait_done, wait_for, write_jsonl
+from tests.support.receiver import SECRET, Receiver, SilentReceiver
+from tests.support.service import Service, chat_row, settings_for, upload, wait_done, wait_for, write_jsonl
 
 LONG = 3500  # tokens: holds a batch open on the random model until it is cancelled or expires
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.conftest import chat_row
-from tests.watch.conftest import ROOT, rows_jsonl, wait_until
+from tests.support.service import chat_row
+from tests.support.watch import ROOT, rows_jsonl, wait_until
 
 
 def claims_of(store: Path, key: str) -> list[dict]:

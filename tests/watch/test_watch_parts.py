@@ -23,7 +23,7 @@ from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import parquet_row
 from bulkgen.watch.sources import SqsSource
 from bulkgen.watch.watcher import Watcher
-from tests.watch.conftest import ROOT
+from tests.support.watch import ROOT
 
 UTC = dt.timezone.utc
 
