@@ -7,9 +7,12 @@ import os
 import shutil
 import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Without a GPU, triton kernels (bulkgen/engine/triton_decode.py) run in triton's CPU interpreter. It is
 # chosen when triton.language is first imported, so it is set here, before any test imports bulkgen.
@@ -20,14 +23,15 @@ if not torch.cuda.is_available():
 # except for requests marked HOLD while a test keeps the gate closed. Set at import, before anything starts
 # Ray or a subprocess, so every worker process inherits both variables.
 os.environ["BULKGEN_TEST_ENGINE"] = "tests.support.held_engine:HeldEngine"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # to import it
 os.environ["BULKGEN_TEST_GATE"] = tempfile.mkdtemp(prefix="bulkgen-gate-")
 atexit.register(shutil.rmtree, os.environ["BULKGEN_TEST_GATE"], ignore_errors=True)
 
 
 @pytest.fixture
 def engine_gate():
-    """The held engine's gate, closed for the test (use it as `with engine_gate:` to close it for a block);
-    opened again when the test ends, so a failed test never leaves the next one's requests held."""
+    """The held engine's gate (tests/support/held_engine.py), closed for the test and opened again when it
+    ends, so a failed test never leaves the next one's requests held."""
     from tests.support.held_engine import EngineGate
 
     gate = EngineGate(os.environ["BULKGEN_TEST_GATE"])

@@ -9,6 +9,7 @@ import urllib.request
 
 from playwright.sync_api import expect
 
+from tests.support.held_engine import HOLD
 from tests.support.screens import shot
 from tests.support.service import chat_row, upload, wait_done, write_jsonl
 
@@ -180,9 +181,9 @@ def test_key_prompt(page, keyed_url, service, tmp_path):
     expect(page.locator("#workers")).to_contain_text("bulkgen-worker-0")  # the key is kept for later calls
 
 
-def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path):
+def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path, engine_gate):
     """The page uses only /v1/... with the key, so a key sees its own tenant's batches and nothing else."""
-    rows = [chat_row(f"t-{i}", f"tenant check {i}", max_tokens=400) for i in range(300)]
+    rows = [chat_row(f"t-{i}", f"{HOLD} tenant check {i}", max_tokens=64) for i in range(32)]  # held on a worker
     own = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "own.jsonl", rows)).id,
                                 endpoint="/v1/chat/completions", completion_window="24h")
     page.goto(tenants_url + "/")

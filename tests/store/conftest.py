@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 import uuid
 
 import boto3
@@ -13,6 +12,7 @@ import pytest
 
 from bulkgen.store import Store, open_store
 from tests.support.s3 import FAST_RETRY
+from tests.support.wait import wait_until
 
 
 @pytest.fixture(params=["local", "s3", pytest.param("seaweedfs", marks=pytest.mark.slow)])
@@ -46,17 +46,19 @@ def _free_port() -> int:
 
 
 def _wait_for_s3(client, proc: subprocess.Popen, log, timeout: float = 60.0) -> None:
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
+    last: list[Exception] = []
+
+    def answers() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"weed mini exited with {proc.returncode}; see {log}")
         try:
             client.list_buckets()
-            return
+            return True
         except Exception as exc:  # not up yet: refused connection or a 5xx while it starts
-            last = exc
-            time.sleep(0.3)
-    raise RuntimeError(f"weed mini's S3 port did not answer within {timeout:.0f} s ({last!r}); see {log}")
+            last[:] = [exc]
+            return False
+
+    wait_until(answers, timeout, f"weed mini's S3 port (see {log})", interval=0.3, details=lambda: repr(last))
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,8 @@
 """A real bulkgen service for tests: uvicorn on 127.0.0.1, local Ray, a tiny random model, the openai client.
 
 The service mechanics (cancel, expiry, resume, exact token counts) are tested on a random-weight model: it
-has a 4,096-token context, so long requests stay in flight, and it almost never samples <|end|>, so
-max_tokens runs to its end. The trained bundled model (512-token context, stops at <|end|>) is what
+almost never samples <|end|>, so max_tokens runs to its end. Tests that need a request still in flight
+hold it at the engine gate (held_engine.py) rather than making it long. The trained bundled model (512-token context, stops at <|end|>) is what
 `bulkgen run` uses by default; tests/models and the `bulkgen run` tests here check it.
 """
 
