@@ -39,6 +39,7 @@ def __getattr__(name: str):
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 def engine_class() -> type:
     """The class a worker builds its engine from: Engine, unless BULKGEN_TEST_ENGINE names another."""
     import importlib

@@ -1,8 +1,8 @@
 """A clock a test moves by hand, for the parts that take one (`clock=`): leases, claims, the work queue.
 
-    clock = FakeClock()                 # starts at the real wall time, so stored expiry times compare
-    lease = Lease(store, "b", "me", ttl_s=30, clock=clock)
-    clock.advance(31)                   # the lease has lapsed, without waiting 31 s
+clock = FakeClock()                 # starts at the real wall time, so stored expiry times compare
+lease = Lease(store, "b", "me", ttl_s=30, clock=clock)
+clock.advance(31)                   # the lease has lapsed, without waiting 31 s
 """
 
 from __future__ import annotations

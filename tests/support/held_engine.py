@@ -25,7 +25,7 @@ from pathlib import Path
 from bulkgen.engine.engine import Engine
 from tests.support.wait import wait_until
 
-HOLD = "[hold]"        # in a prompt: the request waits at the gate
+HOLD = "[hold]"  # in a prompt: the request waits at the gate
 GATE_ENV = "BULKGEN_TEST_GATE"
 
 

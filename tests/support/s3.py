@@ -18,12 +18,21 @@ SLOW_DOWN = (
 )
 ANSWERS = {
     "503": (503, SLOW_DOWN),
-    "500": (500, b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
-                 b"<Message>We encountered an internal error. Please try again.</Message></Error>"),
-    "403": (403, b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
-                 b"<Message>Access Denied</Message></Error>"),
-    "badkey": (403, b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
-                    b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>"),
+    "500": (
+        500,
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+        b"<Message>We encountered an internal error. Please try again.</Message></Error>",
+    ),
+    "403": (
+        403,
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+        b"<Message>Access Denied</Message></Error>",
+    ),
+    "badkey": (
+        403,
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
+        b"<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>",
+    ),
 }
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host"}
 

@@ -15,13 +15,26 @@ class ServeProcess:
     def __init__(self, storage: str, *extra: str) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        cmd = [sys.executable, "-m", "bulkgen", "serve", "--storage", storage, "--port", str(self.port),
-               "--range-size", "16", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bulkgen",
+            "serve",
+            "--storage",
+            storage,
+            "--port",
+            str(self.port),
+            "--range-size",
+            "16",
+            *extra,
+        ]
         self.log = open(f"{storage}.serve-{self.port}.log", "wb")
         # its own session, so a SIGKILL reaches the whole process group (the service and its local Ray)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_until(self._healthy, 120, f"bulkgen serve on port {self.port}", interval=0.1, check=self._running)
+            wait_until(
+                self._healthy, 120, f"bulkgen serve on port {self.port}", interval=0.1, check=self._running
+            )
         except AssertionError:
             self.kill()
             raise RuntimeError(f"bulkgen serve did not start; see {self.log.name}") from None

@@ -17,12 +17,27 @@ FAST_ENGINE = ("--range-size", "16", "--max-num-seqs", "64", "--max-num-batched-
 
 class WatchProcess:
     def __init__(self, log_path: Path, *args: str, env: dict | None = None) -> None:
-        cmd = [sys.executable, "-m", "bulkgen", "watch", "--model", f"{MODEL}={random_model()}", *FAST_ENGINE, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bulkgen",
+            "watch",
+            "--model",
+            f"{MODEL}={random_model()}",
+            *FAST_ENGINE,
+            *args,
+        ]
         self.log_path = log_path
         self.log = open(log_path, "wb")
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=full_env, cwd=log_path.parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=full_env,
+            cwd=log_path.parent,
+        )
 
     @property
     def pid(self) -> int:
@@ -50,8 +65,14 @@ def wait_until(predicate, timeout: float, what: str, *watchers: WatchProcess):
         for w in watchers:
             assert w.alive(), f"watcher died while waiting for {what}:\n{w.text()[-3000:]}"
 
-    return support_wait(predicate, timeout, what, interval=0.1, check=alive,
-                        details=lambda: "\n".join(w.text()[-3000:] for w in watchers))
+    return support_wait(
+        predicate,
+        timeout,
+        what,
+        interval=0.1,
+        check=alive,
+        details=lambda: "\n".join(w.text()[-3000:] for w in watchers),
+    )
 
 
 def rows_jsonl(rows: list[dict]) -> bytes:
