@@ -2,11 +2,14 @@
 gate until the test opens it, so a cancel, kill or expiry test catches a batch in progress for as long as
 it needs, instead of making its batch long enough to outlast the test on a fast machine.
 
-    rows = [chat_row("long-0", f"{HOLD} story", max_tokens=64), chat_row("short-0", "label")]
-    with engine_gate:                    # the fixture closes the gate; leaving the block opens it
+    def test_cancel(client, engine_gate):   # the fixture closes the gate, and opens it when the test ends
+        rows = [chat_row("long-0", f"{HOLD} story", max_tokens=64), chat_row("short-0", "label")]
         ...create the batch...
-        engine_gate.wait_held()          # a worker holds the marked requests now
-        ...cancel / kill / expire: they are still in progress...
+        engine_gate.wait_held()             # a worker holds the marked requests now
+        ...cancel / kill / expire: they are still in progress; or engine_gate.open() to let them finish
+
+Held requests step along with unheld ones in the same engine, so give them more tokens than the unheld
+requests beside them take steps.
 
 Workers build this class when BULKGEN_TEST_ENGINE names it (bulkgen.engine.engine_class). tests/conftest.py
 sets that, and BULKGEN_TEST_GATE (a folder), for the whole session before anything starts Ray, so every
@@ -71,13 +74,6 @@ class EngineGate:
     def wait_held(self, timeout: float = 120) -> None:
         """Until some worker holds its marked requests at the closed gate (all it has left are those)."""
         wait_until(lambda: (self.folder / "held").exists(), timeout, "an engine to hold requests at the gate")
-
-    def __enter__(self) -> EngineGate:
-        self.close()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.open()
 
 
 def _gate() -> EngineGate:
