@@ -121,7 +121,7 @@ def main() -> None:
     from openai import OpenAI
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.service.conftest import free_port
+    from tests.support.service import free_port
 
     load = round(os.getloadavg()[0], 2)
     work = Path(tempfile.mkdtemp(prefix="bulkgen-bench-memory-"))

@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Without a GPU, triton kernels (bulkgen/engine/triton_decode.py) run in triton's CPU interpreter. It is
 # chosen when triton.language is first imported, so it is set here, before any test imports bulkgen.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every engine a worker builds is the held engine (tests/support/held_engine.py): it behaves as the plain one
+# except for requests marked HOLD while a test keeps the gate closed. Set at import, before anything starts
+# Ray or a subprocess, so every worker process inherits both variables.
+os.environ["BULKGEN_TEST_ENGINE"] = "tests.support.held_engine:HeldEngine"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # to import it
+os.environ["BULKGEN_TEST_GATE"] = tempfile.mkdtemp(prefix="bulkgen-gate-")
+atexit.register(shutil.rmtree, os.environ["BULKGEN_TEST_GATE"], ignore_errors=True)
+
+
+@pytest.fixture
+def engine_gate():
+    """The held engine's gate (tests/support/held_engine.py), closed for the test and opened again when it
+    ends, so a failed test never leaves the next one's requests held."""
+    from tests.support.held_engine import EngineGate
+
+    gate = EngineGate(os.environ["BULKGEN_TEST_GATE"])
+    gate.close()
+    yield gate
+    gate.open()
+
 
 # ---- object storage: moto S3 server over real HTTP (owner: store) ------------------------------
 # `s3_server` (session): endpoint URL of a moto ThreadedMotoServer on 127.0.0.1 with fake credentials.
@@ -65,7 +92,7 @@ def s3_bucket_url(s3_server, monkeypatch):
 def flaky_proxy(s3_server):
     """A fault-injecting proxy in front of the S3 server (tests/store/conftest.py FlakyProxy): its `.url`
     is the endpoint to use; set `.rate` or `.down` to inject faults."""
-    from tests.store.conftest import FlakyProxy
+    from tests.support.s3 import FlakyProxy
 
     proxy = FlakyProxy(s3_server)
     proxy.thread.start()
@@ -83,7 +110,7 @@ def flaky_proxy(s3_server):
 
 @pytest.fixture(scope="session")
 def service(tmp_path_factory, aws_test_credentials):
-    from tests.service.conftest import Service, settings_for
+    from tests.support.service import Service, settings_for
 
     svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500,
                                fair_share_after_s=2.0))

@@ -18,7 +18,13 @@ transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (Stable
 recurrent/conv models. Sliding-window models run with max_model_len clipped to the window.
 """
 
+import os
+
 from .sampling_params import SamplingParams
+
+# Tests set this to an Engine subclass ("module:Class") whose steps they can hold at a gate
+# (tests/support/held_engine.py); workers inherit it, so a test holds a batch mid-run in any process.
+ENGINE_CLASS_ENV = "BULKGEN_TEST_ENGINE"
 
 _LAZY = {"Engine": ".engine", "CompletionOutput": ".outputs", "RequestMetrics": ".outputs",
          "RequestOutput": ".outputs", "EmbedParams": ".pooling", "PoolingConfig": ".pooling"}
@@ -32,6 +38,18 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def engine_class() -> type:
+    """The class a worker builds its engine from: Engine, unless BULKGEN_TEST_ENGINE names another."""
+    import importlib
+
+    name = os.environ.get(ENGINE_CLASS_ENV)
+    if not name:
+        return importlib.import_module(".engine", __name__).Engine
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
 
 __all__ = ["CompletionOutput", "EmbedParams", "Engine", "PoolingConfig", "RequestMetrics", "RequestOutput",
            "SamplingParams"]

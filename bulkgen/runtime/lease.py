@@ -15,6 +15,7 @@ theirs lands after the merge or is left behind by it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from bulkgen.runtime.worker import ORPHAN_AFTER_S
 from bulkgen.store import Store, layout
@@ -28,8 +29,9 @@ class LeaseLost(Exception):
 
 
 class Lease(TtlLease):
-    def __init__(self, store: Store, batch_id: str, owner: str, ttl_s: float) -> None:
-        super().__init__(store, layout.lease(batch_id), owner, ttl_s)
+    def __init__(self, store: Store, batch_id: str, owner: str, ttl_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__(store, layout.lease(batch_id), owner, ttl_s, clock)
         self.batch_id = batch_id
         self.taken_from: dict | None = None   # the lapsed lease of another owner we took the batch from
 

@@ -126,12 +126,12 @@ class EngineWorker:
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         with self._load_lock:
             if self.model_key != model_key(model_name, model_path) or self.engine is None:
-                from bulkgen.engine import Engine
+                from bulkgen.engine import engine_class
 
                 with self._cond:
                     self.engine, self.model_name, self.model_key = None, None, None
                 path = resolve_model_path(model_path, endpoint_url=endpoint_url)
-                engine = self._on_engine_thread(lambda: Engine.from_pretrained(path, **self.engine_kwargs))
+                engine = self._on_engine_thread(lambda: engine_class().from_pretrained(path, **self.engine_kwargs))
                 with self._cond:
                     self.engine, self.model_name = engine, model_name
                     self._step_times = StepTimes()

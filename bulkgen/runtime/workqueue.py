@@ -106,16 +106,20 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 class _Pending:
     batch: QueuedBatch
     index: LineIndex
+    last_served: float                                        # on the queue's clock
     ranges: list[QueuedRange] = field(default_factory=list)    # longest work per request first
-    last_served: float = field(default_factory=time.monotonic)
 
     def sort(self) -> None:
         self.ranges.sort(key=lambda r: (-r.work / r.size, r.bounds.lo))
 
 
 class WorkQueue:
+    """`clock` (monotonic seconds) times how long a batch went unserved; tests pass a fake one."""
+
     def __init__(self, num_workers, fair_share_after_s: float = 30.0,
-                 weights: Callable[[], dict[str, float]] | None = None) -> None:
+                 weights: Callable[[], dict[str, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self._num_workers = num_workers          # a callable: the pool's current size
         self.fair_share_after_s = fair_share_after_s
         self.fair = FairShare(weights)           # tenant -> weight; missing tenants weigh 1
@@ -136,7 +140,7 @@ class WorkQueue:
     def add_batch(self, batch: QueuedBatch, index: LineIndex, ranges: list[QueuedRange]) -> None:
         with self._lock:
             self._join(batch.tenant)
-            pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index))
+            pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index, self.clock()))
             pending.ranges.extend(ranges)
             pending.sort()
             self._queued()
@@ -164,7 +168,7 @@ class WorkQueue:
             pending = self._next_batch(model, idle, exclude)
             if pending is None:
                 return []
-            pending.last_served = time.monotonic()
+            pending.last_served = self.clock()
             share = self._tail_share()
             tail = share < pending.ranges[0].size   # split ranges only where they would cause stragglers
             want = min(want, share)
@@ -218,7 +222,7 @@ class WorkQueue:
                       and p.batch.batch_id not in exclude]
         if not candidates:
             return None
-        now = time.monotonic()
+        now = self.clock()
         starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
         if starving:  # the one that waited longest, whatever its share, priority and order say
             return min(starving, key=lambda p: p.last_served)

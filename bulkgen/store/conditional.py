@@ -58,10 +58,14 @@ class TtlLease:
     (its other fields carry on, so a new owner continues what the last one recorded); renewing is a
     replace-if-unchanged of our own version. So of two owners exactly one holds the key, and when one dies
     the other takes over once `expires_at` has passed (after at most `ttl_s`).
+
+    `clock` gives the wall time in seconds (`expires_at` is compared across processes and machines);
+    tests pass a fake one to make a lease lapse without waiting.
     """
 
-    def __init__(self, store: Store, key: str, owner: str, ttl_s: float) -> None:
-        self.store, self.key, self.owner, self.ttl_s = store, key, owner, ttl_s
+    def __init__(self, store: Store, key: str, owner: str, ttl_s: float,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.store, self.key, self.owner, self.ttl_s, self.clock = store, key, owner, ttl_s, clock
         self.body: dict = {}
         self.version: str | None = None
         self.retaken = False
@@ -85,7 +89,7 @@ class TtlLease:
             return not create_first and self._put(body or {}, if_none_match=True)
         current = json.loads(data)
         if (unless is not None and unless(current)) or (
-            current["owner"] != self.owner and current["expires_at"] > time.time()
+            current["owner"] != self.owner and current["expires_at"] > self.clock()
         ):
             return False
         self.retaken = True
@@ -106,7 +110,7 @@ class TtlLease:
         self.version = None
 
     def _put(self, body: dict, *, if_match: str | None = None, if_none_match: bool = False) -> bool:
-        body = {**body, "owner": self.owner, "expires_at": time.time() + self.ttl_s}
+        body = {**body, "owner": self.owner, "expires_at": self.clock() + self.ttl_s}
         try:
             self.version = self.store.write_bytes(
                 self.key, json.dumps(body).encode(), if_match=if_match, if_none_match=if_none_match

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from bulkgen.batch.ids import new_id
 from bulkgen.store import ObjectInfo, Store, layout
@@ -33,7 +34,7 @@ class Claim:
     name: str
     info: ObjectInfo
     lease: TtlLease
-    renewed_at: float = field(default_factory=time.monotonic)
+    renewed_at: float  # on the Claims' timer
 
     @property
     def body(self) -> dict:
@@ -54,8 +55,13 @@ class Claim:
 
 
 class Claims:
-    def __init__(self, store: Store, input_url: str, owner: str, ttl_s: float) -> None:
+    """`clock` (wall seconds) stamps and checks the claims' `expires_at`; `timer` (monotonic seconds) says
+    when this watcher's own claims are due for renewal. Tests pass fake ones to lapse a claim at once."""
+
+    def __init__(self, store: Store, input_url: str, owner: str, ttl_s: float,
+                 clock: Callable[[], float] = time.time, timer: Callable[[], float] = time.monotonic) -> None:
         self.store, self.input_url, self.owner, self.ttl_s = store, input_url, owner, ttl_s
+        self.clock, self.timer = clock, timer
 
     def name(self, info: ObjectInfo) -> str:
         return hashlib.sha256(f"{self.input_url}\n{info.key}\n{info.etag}".encode()).hexdigest()[:40]
@@ -67,12 +73,12 @@ class Claims:
     def take(self, info: ObjectInfo) -> Claim | None:
         """The claim on this object version, or None when it is finished or another live watcher holds it."""
         name = self.name(info)
-        lease = TtlLease(self.store, layout.watch_claim(name), self.owner, self.ttl_s)
+        lease = TtlLease(self.store, layout.watch_claim(name), self.owner, self.ttl_s, self.clock)
         body = {"state": "claimed", "batch_id": None, "file_id": new_id("file-"), "input": self.input_url,
                 "key": info.key, "etag": info.etag}
         if not lease.take(body, create_first=True, unless=lambda current: self._finished(name, current)):
             return None
-        return Claim(name, info, lease)
+        return Claim(name, info, lease, self.timer())
 
     def _finished(self, name: str, current: dict) -> bool:
         """A claim marked done whose done mark was never written (its owner died between): write it now."""
@@ -85,10 +91,10 @@ class Claims:
         """Record progress (and renew): ClaimLost if another watcher has taken the claim meanwhile."""
         if not claim.lease.renew(**changes):
             raise ClaimLost(f"claim on {claim.info.key} was taken over by another watcher")
-        claim.renewed_at = time.monotonic()
+        claim.renewed_at = self.timer()
 
     def renew_due(self, claim: Claim) -> bool:
-        return time.monotonic() - claim.renewed_at >= self.ttl_s / 3
+        return self.timer() - claim.renewed_at >= self.ttl_s / 3
 
     def finish(self, claim: Claim, **changes) -> None:
         """The object version is done: mark the claim, then the done index the polls read."""

@@ -32,6 +32,7 @@ from tests.cluster.rig import (
     RigUnavailable,
     check_available,
 )
+from tests.support.wait import wait_until
 
 BUCKET = "bgt-store"
 STORAGE = f"s3://{BUCKET}/bulkgen"
@@ -40,18 +41,6 @@ LEASE_TTL_S = 10
 POLL_DEADLINE_S = 10  # --worker-poll-deadline in the rig (the default is 30): a partition is noticed sooner
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) ")
-
-
-def wait_until(what: str, predicate, timeout: float, every: float = 0.2):
-    """Poll `predicate` until it returns something truthy; fail naming `what` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f} s")
-        time.sleep(every)
 
 
 class Cluster:
@@ -78,7 +67,7 @@ class Cluster:
             active = status.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in status else ""
             return active.count("node_") >= count
 
-        wait_until(f"{count} live Ray nodes", alive, timeout, every=1.0)
+        wait_until(alive, timeout, f"{count} live Ray nodes", interval=1.0)
 
     # -- the service on the head ------------------------------------------------------------------------
     def serve(self, *extra: str) -> float:
@@ -115,7 +104,7 @@ class Cluster:
             except (urllib.error.URLError, OSError):
                 return False
 
-        wait_until("bulkgen serve answering /health", healthy, 240, every=0.3)
+        wait_until(healthy, 240, "bulkgen serve answering /health", interval=0.3)
         return time.monotonic() - t0
 
     def serve_log(self) -> str:

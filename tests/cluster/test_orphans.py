@@ -14,7 +14,7 @@ from bulkgen.runtime import worker as worker_module
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.store import LocalStore
 from tests.runtime.test_worker import _stored_batch, _worker
-from tests.service.conftest import completion_row
+from tests.support.service import completion_row
 
 
 def test_a_worker_stores_no_part_for_a_driver_that_stopped_polling(tmp_path, monkeypatch):

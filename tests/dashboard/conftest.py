@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import pytest
 
 CHROMIUM = os.environ.get("BULKGEN_CHROMIUM", "/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
 
 
 @pytest.fixture(scope="package")
@@ -96,20 +95,9 @@ def page(browser, request):
     assert not errors, f"script errors on the page: {errors}"
 
 
-def shot(page, name: str) -> Path:
-    """Save a screenshot, once the page shows no leaked JavaScript value."""
-    text = page.locator("main").inner_text()
-    for word in ("null", "undefined", "NaN", "[object"):
-        assert word not in text, f"{name}: the page shows {word!r}:\n{text}"
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
-    return path
-
-
 def _serve(app):
     """Run `app` on a free port of 127.0.0.1 in a thread; yields its root URL."""
-    from tests.service.conftest import start_uvicorn
+    from tests.support.service import start_uvicorn
 
     server, thread, port = start_uvicorn(app)
     yield f"http://127.0.0.1:{port}"

@@ -9,8 +9,9 @@ import urllib.request
 
 from playwright.sync_api import expect
 
-from tests.dashboard.conftest import shot
-from tests.service.conftest import chat_row, upload, wait_done, write_jsonl
+from tests.support.held_engine import HOLD
+from tests.support.screens import shot
+from tests.support.service import chat_row, upload, wait_done, write_jsonl
 
 
 def drop_file(page, target: str, path) -> None:
@@ -86,8 +87,10 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     expect(page.locator(f"#batches tr[data-id='{batch_id}']")).to_have_count(1)
 
 
-def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path):
-    rows = [chat_row(f"long-{i}", f"a long answer {i}", max_tokens=600) for i in range(500)]
+def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path, engine_gate):
+    # the held requests keep the batch running until it is cancelled; the others move its progress and ETA
+    rows = [chat_row(f"long-{i}", f"{HOLD} a long answer {i}", max_tokens=128) for i in range(16)]
+    rows += [chat_row(f"short-{i}", f"a short answer {i}", max_tokens=16) for i in range(240)]
     batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "long.jsonl", rows)).id,
                                   endpoint="/v1/chat/completions", completion_window="24h",
                                   metadata={"kind": "long"})
@@ -180,9 +183,9 @@ def test_key_prompt(page, keyed_url, service, tmp_path):
     expect(page.locator("#workers")).to_contain_text("bulkgen-worker-0")  # the key is kept for later calls
 
 
-def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path):
+def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path, engine_gate):
     """The page uses only /v1/... with the key, so a key sees its own tenant's batches and nothing else."""
-    rows = [chat_row(f"t-{i}", f"tenant check {i}", max_tokens=400) for i in range(300)]
+    rows = [chat_row(f"t-{i}", f"{HOLD} tenant check {i}", max_tokens=64) for i in range(32)]  # held on a worker
     own = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "own.jsonl", rows)).id,
                                 endpoint="/v1/chat/completions", completion_window="24h")
     page.goto(tenants_url + "/")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import pytest
@@ -14,7 +15,8 @@ from openai.types.webhooks import BatchCompletedWebhookEvent, BatchExpiredWebhoo
 
 from bulkgen.cli import cli
 from bulkgen.notify.webhooks import WebhookNotifier, event_id, parse_secret
-from tests.notify.receiver import SECRET, Receiver, SilentReceiver
+from tests.support.receiver import SECRET, Receiver, SilentReceiver
+from tests.support.wait import wait_until
 
 FAST = {"first_wait_s": 0.02, "max_wait_s": 0.1}
 
@@ -68,8 +70,7 @@ def test_5xx_and_429_are_retried_and_the_event_is_delivered_once(receiver):
     notifier = WebhookNotifier(r.url, SECRET, **FAST)
     notifier(_record(status="failed"))
     (event,) = r.wait_events(1)
-    time.sleep(0.3)  # nothing more arrives after the 2xx
-    notifier.close()
+    notifier.close()  # its sender thread has ended: every request it would make has arrived
     assert event.type == "batch.failed" and len(r.requests) == 3 and len(r.events) == 1
     assert len({body for body, _ in r.requests}) == 1  # the same event each time
     assert len({h["webhook-id"] for _, h in r.requests}) == 1  # receivers de-duplicate on it
@@ -100,9 +101,7 @@ def test_an_unreachable_receiver_is_retried_then_logged(caplog):
     notifier = WebhookNotifier(f"http://127.0.0.1:{port}/x", SECRET, attempts=3, **FAST)
     with caplog.at_level(logging.ERROR, logger="bulkgen.notify.webhooks"):
         notifier(_record())
-        deadline = time.monotonic() + 10
-        while not notifier.dropped and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: notifier.dropped, 10, "the event to be given up on")
         notifier.close()
     assert notifier.dropped == 1 and notifier.delivered == 0
     (line,) = [rec.getMessage() for rec in caplog.records]
@@ -116,9 +115,7 @@ def test_a_receiver_that_never_answers_never_blocks_the_caller(receiver):
     for i in range(5):  # the sender is stuck on the first; two wait in the queue; the rest are dropped
         notifier(_record(batch_id=f"batch_{i}"))
     assert time.monotonic() - started < 0.1
-    deadline = time.monotonic() + 10
-    while notifier.dropped < 5 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: notifier.dropped >= 5, 10, "all five events to be given up on")
     notifier.close()
     assert notifier.dropped == 5 and notifier.delivered == 0
 
@@ -161,10 +158,18 @@ def test_undelivered_events_survive_the_process_and_are_sent_by_the_next(receive
     store.create()
     silent = receiver(SilentReceiver)
     first = WebhookNotifier(silent.url, SECRET, store=store, timeout_s=0.2, first_wait_s=30)
+    retry_wait = threading.Event()
+    wait_between_tries = first._sleep  # observed, not replaced: the notifier waits exactly as it would
+
+    def observed_wait(seconds: float) -> None:
+        retry_wait.set()
+        wait_between_tries(seconds)
+
+    first._sleep = observed_wait
     first(_record(batch_id="batch_one", status="completed"))
     first(_record(batch_id="batch_two", status="cancelled"))
     assert len(list(store.list("webhooks/pending/"))) == 2  # kept before the first try
-    time.sleep(0.5)  # the first try timed out; it now waits 30 s to retry
+    assert retry_wait.wait(30)  # the first try timed out; it now waits 30 s to retry
     first.close(wait_s=0.2)  # stopped mid-wait, as a service that is shut down or dies
     assert first.delivered == 0 and len(list(store.list("webhooks/pending/"))) == 2
 

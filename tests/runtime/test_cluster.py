@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.service.conftest import random_model
+from tests.support.service import random_model
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from bulkgen.runtime.lineindex import LineIndex, scan
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.runtime.workqueue import QueuedBatch, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
-from tests.service.conftest import MODEL, completion_row, random_model
+from tests.support.service import MODEL, completion_row, random_model
 
 BIG = 100_000
 BIG_MAX_TOKENS = [2, 3, 4, 5]  # so an engine slot frees within 5 steps

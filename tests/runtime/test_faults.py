@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -15,7 +14,9 @@ import ray
 
 from bulkgen.runtime.pool import NAMESPACE
 from bulkgen.store import LocalStore
-from tests.service.conftest import completion_row, read_lines, upload, wait_done, wait_for, write_jsonl
+from tests.support.held_engine import HOLD
+from tests.support.service import completion_row, read_lines, upload, wait_done, wait_for, write_jsonl
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -52,19 +53,25 @@ def _assert_kept(client, batch, before: dict[str, bytes]) -> None:
     assert kept and all(json.dumps(e, sort_keys=True) in final for e in kept)
 
 
+def _held_rows(prefix: str, n: int, max_tokens: int = 200) -> list[dict]:
+    """Requests held at the engine gate while it is closed (tests/support/held_engine.py); whole ranges
+    (RANGE requests each), and more tokens than the unheld requests beside them take steps."""
+    return [completion_row(f"{prefix}{i}", f"{HOLD} item {i}", max_tokens=max_tokens) for i in range(n)]
+
+
+RANGE = 16  # the service's range size (tests/support/service.py settings_for)
+
+
 def _some_parts(store, batch_id: str, timeout: float = 180) -> dict[str, bytes]:
     """Wait until some ranges are stored (counts move per request, parts per range)."""
-    deadline = time.monotonic() + timeout
-    while not (found := _parts(store, batch_id)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert found, "no part was written in time"
-    return found
+    return wait_until(lambda: _parts(store, batch_id), timeout, f"a part of {batch_id}")
 
 
-def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, client, tmp_path):
-    rows = _rows("k", 400, 200)  # long enough to be still running when the worker dies, on a quiet machine
+def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, client, tmp_path, engine_gate):
+    rows = _held_rows("h", RANGE) + _rows("k", 96, 8)  # the held range is still running when the worker dies
     batch = _create(client, tmp_path / "kill.jsonl", rows)
     running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
+    engine_gate.wait_held()
     assert running.status == "in_progress" and running.model_extra["metrics"]["eta_s"] is not None
     store = service.svc.store
     before = _some_parts(store, batch.id)
@@ -73,6 +80,7 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, cli
     nodes = {node["NodeManagerAddress"] for node in ray.nodes()}
     assert first["node_ip"] in nodes and first["cpu_threads"] >= 1  # its node as Ray knows it, its threads
     ray.kill(ray.get_actor("bulkgen-worker-0", namespace=NAMESPACE))
+    engine_gate.open()  # the replacement runs the held range to its end
     settled = []  # completed + failed as the client saw them: never above the total, whatever was lost
     terminal = {"completed", "failed", "expired", "cancelled"}
     batch = wait_for(client, batch.id, lambda b: settled.append(b.request_counts.completed + b.request_counts.failed)
@@ -100,8 +108,9 @@ def test_two_batches_share_the_workers_and_a_small_one_is_not_starved(service, c
     assert 0 < small_tokens < big_tokens
 
 
-def test_concurrent_cancels_of_a_queued_batch_end_it_once(service, client, tmp_path):
-    blocker = _create(client, tmp_path / "blocker.jsonl", _rows("b", 200, 64))
+def test_concurrent_cancels_of_a_queued_batch_end_it_once(service, client, tmp_path, engine_gate):
+    blocker = _create(client, tmp_path / "blocker.jsonl", _held_rows("b", 200, 64))  # fills the worker, held
+    engine_gate.wait_held()
     rows = _rows("q", 40, 8)
     queued = _create(client, tmp_path / "queued.jsonl", rows)
     threads = [threading.Thread(target=client.batches.cancel, args=(queued.id,)) for _ in range(3)]
@@ -120,27 +129,31 @@ def test_concurrent_cancels_of_a_queued_batch_end_it_once(service, client, tmp_p
     wait_done(client, blocker.id, timeout=120)
 
 
-def test_the_input_of_a_running_batch_cannot_be_deleted(client, tmp_path):
-    rows = _rows("d", 60, 16)
+def test_the_input_of_a_running_batch_cannot_be_deleted(client, tmp_path, engine_gate):
+    rows = _held_rows("d", 60, 16)
     batch = _create(client, tmp_path / "del.jsonl", rows)
+    engine_gate.wait_held()  # running, and held there until the gate opens
     with pytest.raises(openai.ConflictError, match="is the input of batch"):
         client.files.delete(batch.input_file_id)
+    engine_gate.open()
     batch = wait_done(client, batch.id, timeout=180)
     assert batch.status == "completed" and len(read_lines(client, batch.output_file_id)) == 60
     assert client.files.delete(batch.input_file_id).deleted
 
 
-def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_path):
+def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_path, engine_gate):
     storage = str(tmp_path / "store")
     first = serve_process(storage, "--lease-ttl", "4")
     client = first.client()
-    rows = _rows("s", 400, 48)
+    rows = _held_rows("h", RANGE, 64) + _rows("s", 96, 8)
     batch = _create(client, tmp_path / "s.jsonl", rows)
     store = LocalStore(storage)
-    _some_parts(store, batch.id)
+    wait_until(lambda: len(_parts(store, batch.id)) == 96 // RANGE, 180, "the unheld ranges' parts")
+    engine_gate.wait_held()
     first.kill()
     before = _parts(store, batch.id)
-    assert before and len(before) < 400 // 16
+    assert before and len(before) < len(rows) // RANGE  # the held range had no part yet
+    engine_gate.open()
     second = serve_process(storage, "--lease-ttl", "4")
     batch = wait_done(second.client(), batch.id, timeout=300)
     assert batch.status == "completed"

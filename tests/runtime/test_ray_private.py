@@ -15,13 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.service.conftest import free_port
+from tests.support.service import free_port
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "chat.jsonl"
 
@@ -75,14 +74,13 @@ def foreign_head():
         assert (Path(tmpdir) / "ray" / "ray_current_cluster").exists()  # what an uninvited ray.init() reads
         yield env
     finally:
-        for proc in _processes_of(tmpdir):
+        head = _processes_of(tmpdir)
+        for proc in head:
             try:
                 proc.send_signal(signal.SIGKILL)
             except psutil.NoSuchProcess:
                 pass
-        deadline = time.monotonic() + 30
-        while _processes_of(tmpdir) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        psutil.wait_procs(head, timeout=30)  # returns as soon as all are gone
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 

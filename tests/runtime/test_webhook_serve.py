@@ -8,7 +8,7 @@ import json
 import pytest
 from openai import OpenAI
 
-from tests.notify.receiver import SECRET, Receiver
+from tests.support.receiver import SECRET, Receiver
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,10 @@ from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
 from bulkgen.store import LocalStore
-from tests.service.conftest import MODEL, completion_row, random_model
+from tests.support.clock import FakeClock
+from tests.support.held_engine import HOLD
+from tests.support.service import MODEL, completion_row, random_model
+from tests.support.wait import wait_until
 
 
 def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[QueuedBatch, list[RangeBounds]]:
@@ -104,29 +107,33 @@ def test_a_poison_request_is_isolated_and_costs_no_one_else(tmp_path):
     assert _lines(store, "batch_l")[1]["ok"]
 
 
-def test_abort_with_a_code_stores_what_finished_and_marks_the_rest(tmp_path):
+def test_abort_with_a_code_stores_what_finished_and_marks_the_rest(tmp_path, engine_gate):
     store = LocalStore(tmp_path)
     worker = _worker(store)
-    rows = [completion_row(f"r{i}", "long", max_tokens=4000) for i in range(4)]
+    rows = [completion_row(f"r{i}", f"{HOLD} long", max_tokens=64) for i in range(4)]
     job, specs = _stored_batch(store, "batch_c", rows)
     worker.assign(job, specs)
-    time.sleep(0.5)
+    engine_gate.wait_held()  # all four are in the engine, none can finish
     assert worker.abort_batch("batch_c", "batch_cancelled") == 1
     lines = _lines(store, "batch_c")
     assert sorted(lines) == [1, 2, 3, 4]
     assert all(e["envelope"]["error"]["code"] == "batch_cancelled" for e in lines.values())
-    worker.assign(job, specs)  # a late assignment of a stopped batch is ignored
-    time.sleep(0.3)
-    assert worker.poll("", 0)["held"] == 0 and not worker.engine.has_unfinished()
+    worker.assign(job, specs)  # a late assignment of a stopped batch is ignored: were it queued, the closed
+    # gate would hold it in the engine and this wait would time out
+    wait_until(lambda: worker.poll("", 0)["held"] == 0 and not worker.engine.has_unfinished(), 30,
+               "the worker to drop the aborted requests and hold nothing")
 
 
 def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):
     store = LocalStore(tmp_path)
-    a = Lease(store, "batch_x", "replica-a", ttl_s=0.5)
-    b = Lease(store, "batch_x", "replica-b", ttl_s=0.5)
+    clock = FakeClock()
+    a = Lease(store, "batch_x", "replica-a", ttl_s=30, clock=clock)
+    b = Lease(store, "batch_x", "replica-b", ttl_s=30, clock=clock)
     assert a.acquire() and not b.acquire()
     a.renew()
-    time.sleep(0.6)
+    clock.advance(29)
+    assert not b.acquire()      # still a's: its renewal restarted the 30 s
+    clock.advance(2)
     assert b.acquire()          # a's lease lapsed (its process stopped renewing)
     try:
         a.renew()
@@ -164,10 +171,10 @@ def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_pa
     assert (tally.completed, tally.input_tokens, tally.output_tokens, tally.cached_tokens) == (1, 3, 2, 1)
 
 
-def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path):
+def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path, engine_gate):
     store = LocalStore(tmp_path)
     worker = _worker(store)
-    rows = [completion_row("quick", "a", max_tokens=1)] + [completion_row(f"slow{i}", "b", max_tokens=3000)
+    rows = [completion_row("quick", "a", max_tokens=1)] + [completion_row(f"slow{i}", f"{HOLD} b", max_tokens=64)
                                                           for i in range(3)]
     job, specs = _stored_batch(store, "batch_g", rows)
     worker.assign(job, specs, owner="me")

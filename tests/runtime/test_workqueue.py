@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import numpy as np
 
 from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
 from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedBatch, QueuedRange, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
+from tests.support.clock import FakeClock
 
 
 def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
@@ -51,11 +51,14 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
 
 
 def test_fifo_then_deadline_and_no_starvation():
-    q = _queue(fair_after=0.2)
+    clock = FakeClock()
+    q = WorkQueue(lambda: 1, fair_share_after_s=30.0, clock=clock)
     _add(q, _job("old-big", order=1.0), _index([1] * 100), 10)
     _add(q, _job("new-small", order=2.0), _index([1] * 5), 10)
     assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
-    time.sleep(0.25)  # new-small got nothing for longer than fair_share_after_s: it goes next
+    clock.advance(29)
+    assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
+    clock.advance(2)  # new-small got nothing for longer than fair_share_after_s: it goes next
     assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "new-small"
     assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
 

@@ -1,6 +1,6 @@
 """Publication order under a real BatchManager: an active-index entry is never acted on before its record.
 
-The storage is a real LocalStore whose writes the test holds at gates (tests/runtime/gated_store.py), so
+The storage is a real LocalStore whose writes the test holds at gates (tests/support/gated_store.py), so
 the slow record write of a busy machine or an S3 latency spike happens exactly where the test wants it.
 """
 
@@ -18,8 +18,9 @@ from bulkgen.batch.ids import new_id
 from bulkgen.batch.schema import new_batch_record
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
-from tests.runtime.gated_store import GatedStore
-from tests.service.conftest import chat_row, settings_for
+from tests.support.gated_store import GatedStore
+from tests.support.service import chat_row, settings_for
+from tests.support.wait import wait_until
 
 ROWS = b"".join(json.dumps(chat_row(f"r{i}", f"hi {i}", max_tokens=2)).encode() + b"\n" for i in range(3))
 
@@ -47,11 +48,14 @@ def _scans(store: GatedStore) -> int:
 def _wait_scans(store: GatedStore, manager: BatchManager, count: int, until=lambda: False) -> None:
     """`count` more manager scans (woken at once, not waited for), or until `until()` holds."""
     target = _scans(store) + count
-    deadline = time.monotonic() + 60
-    while _scans(store) < target and not until():
-        assert time.monotonic() < deadline, "the manager stopped scanning"
+
+    def scanned() -> bool:
+        if _scans(store) >= target or until():
+            return True
         manager.wake()
-        time.sleep(0.01)
+        return False
+
+    wait_until(scanned, 60, "the manager's next scans", interval=0.01)
 
 
 def test_a_batch_whose_record_write_is_slow_completes(running):
@@ -104,9 +108,9 @@ def test_an_index_entry_whose_record_never_came_is_dropped_after_a_grace(running
     store, svc, manager = running
     stale = new_id("batch_", now=time.time() - 3600)  # its creator died an hour ago, between the writes
     store.write_bytes(f"active/{stale}", b"")
-    deadline = time.monotonic() + 60
-    while store.exists(f"active/{stale}"):
-        assert time.monotonic() < deadline, "a dead creator's index entry is retried forever"
+    def dropped() -> bool:
         manager.wake()
-        time.sleep(0.05)
+        return not store.exists(f"active/{stale}")
+
+    wait_until(dropped, 60, "a dead creator's index entry to be dropped (not retried forever)", interval=0.05)
     assert not store.exists(f"leases/{stale}.json") and not store.exists(f"batches/{stale}.json")

@@ -6,7 +6,7 @@ from bulkgen.api import create_app
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
 from bulkgen.settings import Settings
-from tests.service.conftest import start_uvicorn
+from tests.support.service import start_uvicorn
 
 
 class ApiOnly:

@@ -8,7 +8,7 @@ from urllib.request import Request, urlopen
 import openai
 import pytest
 
-from tests.service.conftest import SAMPLES, chat_row, upload, validated, write_jsonl
+from tests.support.service import SAMPLES, chat_row, upload, validated, write_jsonl
 
 
 def _create(client, path, endpoint="/v1/chat/completions"):
@@ -99,7 +99,7 @@ def test_api_errors_are_4xx_with_openai_shape(service, client, tmp_path):
 
 
 def test_cancel_a_finished_batch_is_a_conflict(client, tmp_path):
-    from tests.service.conftest import wait_done
+    from tests.support.service import wait_done
 
     file_id = upload(client, write_jsonl(tmp_path / "c.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
     batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -111,7 +111,7 @@ def test_cancel_a_finished_batch_is_a_conflict(client, tmp_path):
 def test_api_key_is_enforced_when_configured(tmp_path):
     from urllib.request import urlopen as get
 
-    from tests.service.conftest import Service, settings_for
+    from tests.support.service import Service, settings_for
 
     service = Service(settings_for(str(tmp_path / "store")), api_key="s3cret")
     try:

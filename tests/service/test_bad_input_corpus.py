@@ -11,7 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.service.conftest import chat_row, read_lines, upload, validated, wait_done, write_jsonl
+from tests.support.service import chat_row, read_lines, upload, validated, wait_done, write_jsonl
 
 CORPUS = Path(__file__).parent / "bad_inputs"
 MANIFEST = json.loads((CORPUS / "manifest.json").read_text())

@@ -18,7 +18,7 @@ from bulkgen.engine.sampling_params import SamplingParams
 from bulkgen.lab.tiny import build_tokenizer
 from bulkgen.runtime.lineindex import IndexBuilder
 from bulkgen.runtime.prepare import fit_context, tokenize
-from tests.service.conftest import HERMES_TEMPLATE, MODEL, chat_row, completion_row
+from tests.support.service import HERMES_TEMPLATE, MODEL, chat_row, completion_row
 
 TOKENIZER = build_tokenizer()
 TOKENIZER.chat_template = HERMES_TEMPLATE

@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from bulkgen.cli import cli
 from tests.models.english import looks_like_english
-from tests.service.conftest import SAMPLES, chat_row, random_model, wait_done, wait_for, write_jsonl
+from tests.support.held_engine import HOLD
+from tests.support.service import SAMPLES, chat_row, random_model, wait_done, wait_for, write_jsonl
 
 
 def _invoke(service, *args):
@@ -57,8 +58,8 @@ def test_client_errors_are_one_line(service, tmp_path):
     assert bad.exit_code == 1 and "notes.txt:1" in bad.output
 
 
-def test_cancel_command(service, tmp_path):
-    rows = [chat_row(f"long-{i}", "x", max_tokens=3000) for i in range(4)]
+def test_cancel_command(service, tmp_path, engine_gate):
+    rows = [chat_row(f"long-{i}", f"{HOLD} x", max_tokens=64) for i in range(4)]  # held until cancelled
     submitted = _invoke(service, "submit", str(write_jsonl(tmp_path / "c.jsonl", rows)))
     batch_id = submitted.output.split()[0]
     result = _invoke(service, "cancel", batch_id)
@@ -114,8 +115,9 @@ def test_run_as_subprocess(tmp_path):
     assert sum(looks_like_english(t) for t in texts) >= 18, texts  # the bundled trained model, not noise
 
 
-def test_status_shows_time_left_while_running(service, tmp_path):
-    rows = [chat_row(f"eta-{i}", f"item {i}", max_tokens=256) for i in range(450)]  # still running when cancelled
+def test_status_shows_time_left_while_running(service, tmp_path, engine_gate):
+    rows = [chat_row(f"held-{i}", f"{HOLD} item {i}", max_tokens=64) for i in range(16)]  # running when cancelled
+    rows += [chat_row(f"eta-{i}", f"item {i}", max_tokens=8) for i in range(32)]  # the ETA is measured on these
     submitted = _invoke(service, "submit", str(write_jsonl(tmp_path / "eta.jsonl", rows)))
     batch_id = submitted.output.split()[0]
     client = service.client()

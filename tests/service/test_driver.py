@@ -21,7 +21,7 @@ from bulkgen.cli import cli
 from bulkgen.cli.oneshot import run_stored
 from bulkgen.watch.jobspec import JobSpec
 from bulkgen.watch.watcher import Watcher
-from tests.service.conftest import MODEL, chat_row, random_model, settings_for, upload, wait_done, write_jsonl
+from tests.support.service import MODEL, chat_row, random_model, settings_for, upload, wait_done, write_jsonl
 
 LINES = 4
 

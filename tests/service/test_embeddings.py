@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from openai.types import CreateEmbeddingResponse
 
-from tests.service.conftest import (
+from tests.support.service import (
     MODEL,
     Service,
     random_model,
@@ -218,7 +218,7 @@ def test_bulkgen_run_embeds_a_file_on_the_defaults(tmp_path):
 
     from bulkgen.cli import cli
     from bulkgen.watch.outputs import parquet_row
-    from tests.service.conftest import SAMPLES
+    from tests.support.service import SAMPLES
 
     out = tmp_path / "emb.jsonl"
     result = CliRunner().invoke(

@@ -15,7 +15,7 @@ from bulkgen.settings import parse_tenant_weights
 from bulkgen.store import LocalStore
 from bulkgen.tenants import KeyRing, KeysFileError, add_key, parse_weights, revoke_keys
 from tests.service.api_only import ApiOnly
-from tests.service.conftest import chat_row, upload, write_jsonl
+from tests.support.service import chat_row, upload, write_jsonl
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Deleting a file while a batch is being created on it: exactly one of the two wins, by a conditional write.
 
-The interleavings are forced with gates on a real LocalStore (tests/runtime/gated_store.py); a stress loop
+The interleavings are forced with gates on a real LocalStore (tests/support/gated_store.py); a stress loop
 then runs both at once through the real service and the openai client.
 """
 
@@ -16,8 +16,8 @@ import pytest
 from bulkgen.batch.schema import Conflict, InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
-from tests.runtime.gated_store import GatedStore
-from tests.service.conftest import MODEL, chat_row, wait_done
+from tests.support.gated_store import GatedStore
+from tests.support.service import MODEL, chat_row, wait_done
 
 ROWS = b"".join(json.dumps(chat_row(f"r{i}", f"hello {i}", max_tokens=2)).encode() + b"\n" for i in range(2))
 

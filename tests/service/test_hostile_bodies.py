@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from bulkgen.store import LocalStore
-from tests.runtime.conftest import ServeProcess
 from tests.service.api_only import ApiOnly
+from tests.support.serve_process import ServeProcess
+from tests.support.wait import wait_until
 
 LIMIT = 2 * 2**20
 BOUNDARY = "b0undary"
@@ -88,12 +89,8 @@ def _leftovers(api) -> tuple[list[str], list[Path]]:
 
 
 def _until(condition, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    """True once `condition()` holds; an AssertionError after `timeout` s."""
+    return bool(wait_until(lambda: bool(condition()), timeout, "the condition", interval=0.05))
 
 
 def test_stalled_bodies_are_answered_408_and_leave_no_thread_or_temp_file(api):

@@ -19,7 +19,7 @@ from bulkgen.cli import cli
 from bulkgen.runtime.manager import BatchManager
 from bulkgen.settings import Settings
 from bulkgen.tenants import KeyRing, add_key, hash_key
-from tests.service.conftest import MODEL, start_uvicorn
+from tests.support.service import MODEL, start_uvicorn
 
 
 @pytest.fixture

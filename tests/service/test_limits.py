@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -13,7 +12,7 @@ import pytest
 
 from bulkgen.batch.responses import json_line
 from bulkgen.batch.service import BatchService
-from tests.service.conftest import (
+from tests.support.service import (
     Service,
     chat_row,
     read_lines,
@@ -23,6 +22,7 @@ from tests.service.conftest import (
     wait_done,
     write_jsonl,
 )
+from tests.support.wait import wait_until
 
 LIMIT = 1_000_000
 
@@ -41,14 +41,12 @@ def _stored(service) -> tuple[list[str], list[Path]]:
 def _settles_to(service, before, timeout: float = 10.0) -> bool:
     """The stored data objects and temp files come back to `before`. The session's service runs other
     tests' batches meanwhile, whose writes pass through short-lived temp files; a leaked one stays."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def settled() -> bool:
         data, temps = _stored(service)
-        if data == before[0] and set(temps) <= set(before[1]):
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
+        return data == before[0] and set(temps) <= set(before[1])
+
+    return wait_until(settled, timeout, "the stored objects and temp files to come back", interval=0.05,
+                      details=lambda: str(_stored(service)))
 
 
 def _post(service, path: str, chunks, content_type: str, length: int | None = None) -> tuple[int, dict]:

@@ -8,7 +8,7 @@ from urllib.request import urlopen
 import openai
 import pytest
 
-from tests.service.conftest import (
+from tests.support.service import (
     MODEL,
     SAMPLES,
     TOOLS_MODEL,

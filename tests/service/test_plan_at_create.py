@@ -14,7 +14,7 @@ import pytest
 
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import LIMITS
-from tests.service.conftest import MODEL, chat_row, upload, validated, wait_done, write_jsonl
+from tests.support.service import MODEL, chat_row, upload, validated, wait_done, write_jsonl
 
 LONG = " ".join(["word"] * 900)  # about a thousand prompt tokens
 # 10 s a prompt token: LONG cannot fit a 1 h window even when the session's earlier batches of MODEL scale

@@ -9,7 +9,7 @@ import pytest
 from bulkgen.batch.requests import COMPLETIONS, LineError, RequestLine, custom_id_of, parse_line
 from bulkgen.batch.responses import completion_body
 from bulkgen.runtime.prepare import fit_context
-from tests.service.conftest import chat_row, completion_row
+from tests.support.service import chat_row, completion_row
 
 
 def _line(row: dict) -> bytes:

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from openai.types.responses import Response
 
-from tests.service.conftest import MODEL, read_lines, upload, wait_done, write_jsonl
+from tests.support.service import MODEL, read_lines, upload, wait_done, write_jsonl
 
 LABEL = {
     "type": "object",

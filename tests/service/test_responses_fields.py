@@ -20,9 +20,9 @@ from bulkgen.engine.grammar import Guide
 from bulkgen.runtime.prepare import fit_context
 from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import parquet_row
-from tests.service.conftest import MODEL, chat_row
 from tests.service.test_body_fuzz import EDGES, JSON
 from tests.service.test_body_fuzz import _run_like_a_worker as run_like_a_worker
+from tests.support.service import MODEL, chat_row
 
 SCHEMA = {
     "type": "object",

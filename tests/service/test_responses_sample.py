@@ -12,7 +12,7 @@ from openai.types.responses import Response
 
 from bulkgen.cli import cli
 from tests.models.english import looks_like_english
-from tests.service.conftest import SAMPLES
+from tests.support.service import SAMPLES
 
 
 def test_run_the_responses_sample(tmp_path):

@@ -20,8 +20,8 @@ from bulkgen.batch.records import FileRepo
 from bulkgen.batch.schema import new_batch_record, set_status
 from bulkgen.store import LocalStore
 from tests.service.api_only import ApiOnly
-from tests.service.conftest import completion_row, read_lines, upload, wait_done, write_jsonl
 from tests.store.test_listing import CountingStore
+from tests.support.service import completion_row, read_lines, upload, wait_done, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 DAY = 24 * 3600

@@ -6,7 +6,7 @@ import json
 
 import boto3
 
-from tests.service.conftest import SAMPLES, Service, random_model, read_lines, settings_for, upload, wait_done
+from tests.support.service import SAMPLES, Service, random_model, read_lines, settings_for, upload, wait_done
 
 
 def test_batch_round_trip_on_s3(s3_bucket_url, s3_server):

@@ -13,7 +13,7 @@ from bulkgen.batch.responses import completion_body, merge_results
 from bulkgen.batch.validate import Validator, validate_stream
 from bulkgen.runtime.lineindex import IndexBuilder
 from bulkgen.runtime.prepare import fit_context, split_prompts
-from tests.service.conftest import MODEL, chat_row, completion_row
+from tests.support.service import MODEL, chat_row, completion_row
 
 IGNORED = {
     "store": False,

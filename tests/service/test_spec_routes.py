@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from tests.service.conftest import MODEL, chat_row, random_model, write_jsonl
+from tests.support.service import MODEL, chat_row, random_model, write_jsonl
 
 
 def test_models_retrieve_and_unknown_model_404(client):

@@ -5,7 +5,6 @@ injected S3 faults during a batch lose and duplicate nothing, and a lasting outa
 from __future__ import annotations
 
 import json
-import time
 from urllib.request import urlopen
 
 import boto3
@@ -14,7 +13,9 @@ import pytest
 
 from bulkgen.store import open_store
 from tests.service.api_only import ApiOnly
-from tests.service.conftest import (
+from tests.support.held_engine import HOLD
+from tests.support.s3 import FAST_RETRY
+from tests.support.service import (
     Service,
     completion_row,
     read_lines,
@@ -23,7 +24,7 @@ from tests.service.conftest import (
     wait_done,
     write_jsonl,
 )
-from tests.store.conftest import FAST_RETRY
+from tests.support.wait import wait_until
 
 
 def _health(root: str) -> dict:
@@ -86,28 +87,27 @@ def test_s3_faults_during_a_batch_lose_and_duplicate_nothing(s3_bucket_url, flak
         service.stop()
 
 
-def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3_server, flaky_proxy, tmp_path):
+def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3_server, flaky_proxy, tmp_path,
+                                                               engine_gate):
     service = Service(settings_for(s3_bucket_url, endpoint_url=flaky_proxy.url, storage_outage_timeout_s=3))
     try:
         client = service.client()
-        rows = _rows(320, 24)
+        held = [completion_row(f"h{i}", f"{HOLD} item {i}", max_tokens=64) for i in range(16)]
+        rows = held + _rows(48, 8)  # the held range keeps the batch running when storage goes down
         file_id = upload(client, write_jsonl(tmp_path / "o.jsonl", rows)).id
         batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
-        deadline = time.monotonic() + 120
-        while client.batches.retrieve(batch.id).request_counts.completed == 0:
-            assert time.monotonic() < deadline, "the batch never started"
-            time.sleep(0.2)
+        wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed, 120, "the batch to start")
+        engine_gate.wait_held()
         flaky_proxy.down = "drop"
-        deadline = time.monotonic() + 120
-        while service.manager.runner_of(batch.id) is not None:
-            assert time.monotonic() < deadline, "the runner kept waiting past the outage timeout"
-            time.sleep(0.5)
+        wait_until(lambda: service.manager.runner_of(batch.id) is None, 120,
+                   "the runner to stop after the outage timeout", interval=0.1)
         bucket, prefix = s3_bucket_url.removeprefix("s3://").split("/", 1)
         s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
         stored = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/batches/{batch.id}.json")["Body"].read())
         assert stored["status"] in ("in_progress", "finalizing")  # left active: nothing written while down
         s3.head_object(Bucket=bucket, Key=f"{prefix}/active/{batch.id}")
         flaky_proxy.down = None
+        engine_gate.open()
         batch = wait_done(client, batch.id, timeout=300)
         assert batch.status == "completed", batch.errors
         _assert_exactly_once(client, batch, rows)

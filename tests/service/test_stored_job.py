@@ -10,7 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.service.conftest import SAMPLES, random_model
+from tests.support.service import SAMPLES, random_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from openai.types.chat import ChatCompletion
 
-from tests.service.conftest import TOOLS_MODEL, chat_row, read_lines, upload, wait_done, write_jsonl
+from tests.support.service import TOOLS_MODEL, chat_row, read_lines, upload, wait_done, write_jsonl
 
 LABEL = {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
          "required": ["label"], "additionalProperties": False}

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from bulkgen.cli import cli
 from bulkgen.tenants import KeyRing, KeysFileError, add_key, hash_key, read_keys_file
-from tests.service.conftest import Service, chat_row, read_lines, settings_for, upload, wait_done, write_jsonl
+from tests.support.service import Service, chat_row, read_lines, settings_for, upload, wait_done, write_jsonl
 
 
 def test_keys_file_holds_hashes_and_rejects_bad_lines(tmp_path):

@@ -12,7 +12,7 @@ from bulkgen.batch.responses import chat_body
 from bulkgen.batch.tools import parse_tool_calls, tool_format
 from bulkgen.lab.tiny import build_tokenizer
 from bulkgen.runtime.prepare import render_chat, tokenize
-from tests.service.conftest import HERMES_TEMPLATE, chat_row
+from tests.support.service import HERMES_TEMPLATE, chat_row
 
 WEATHER = {
     "type": "function",

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from tests.notify.receiver import SECRET, Receiver, SilentReceiver
-from tests.service.conftest import Service, chat_row, settings_for, upload, wait_done, wait_for, write_jsonl
-
-LONG = 3500  # tokens: holds a batch open on the random model until it is cancelled or expires
+from tests.support.held_engine import HOLD
+from tests.support.receiver import SECRET, Receiver, SilentReceiver
+from tests.support.service import Service, chat_row, settings_for, upload, wait_done, wait_for, write_jsonl
+from tests.support.wait import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +54,27 @@ def _create(client, tmp_path, name: str, rows: list) -> object:
     return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
-def _events_for(receiver: Receiver, batch_id: str, timeout: float = 30.0) -> list:
-    deadline = time.monotonic() + timeout
-    while not any(e.data.id == batch_id for e in receiver.events):
-        assert time.monotonic() < deadline, f"no event for {batch_id}: {receiver.requests}"
-        time.sleep(0.05)
-    time.sleep(0.5)  # a duplicate would arrive now
+def _wait_event(receiver: Receiver, batch_id: str, timeout: float = 30.0) -> None:
+    wait_until(lambda: any(e.data.id == batch_id for e in receiver.events), timeout, f"an event for {batch_id}",
+               details=lambda: str(receiver.requests))
+
+
+def _events_for(receiver: Receiver, batch_id: str) -> list:
     return [e for e in receiver.events if e.data.id == batch_id]
 
 
-def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path):
+def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path, engine_gate):
     service, _, ended = hooked
     receiver = Receiver()
-    notifier(receiver)
+    hook = notifier(receiver)
     client = service.client()
 
     done = wait_done(client, _create(client, tmp_path, "ok", [chat_row("a", "hi", max_tokens=2)]).id)
     failed = wait_done(client, _create(client, tmp_path, "bad", [chat_row("a", "hi", model="no-such-model")]).id)
     assert failed.status == "failed"  # at validation: it never runs
-    cancelled = _create(client, tmp_path, "cancel", [chat_row("long", "story", max_tokens=LONG)])
-    expired = _create(client, tmp_path, "expire", [chat_row("long", "story", max_tokens=LONG)])
+    cancelled = _create(client, tmp_path, "cancel", [chat_row("long", f"{HOLD} story", max_tokens=64)])
+    expired = _create(client, tmp_path, "expire", [chat_row("long", f"{HOLD} story", max_tokens=64)])
+    engine_gate.wait_held()
     wait_for(client, cancelled.id, lambda b: b.status == "in_progress")
     client.batches.cancel(cancelled.id)
 
@@ -85,6 +86,9 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path):
     batches = {b.id: b for b in (done, failed, wait_done(client, cancelled.id), wait_done(client, expired.id))}
     assert [b.status for b in batches.values()] == ["completed", "failed", "cancelled", "expired"]
 
+    for batch_id in batches:
+        _wait_event(receiver, batch_id)
+    hook.close()  # its sender thread has ended: every request it would make for these events has arrived
     for batch_id, batch in batches.items():
         (event,) = _events_for(receiver, batch_id)
         assert event.type == f"batch.{batch.status}"
@@ -101,9 +105,11 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path):
 def test_retried_after_two_500s_and_delivered_once(hooked, notifier, tmp_path):
     service, _, _ = hooked
     receiver = Receiver([500, 500])
-    notifier(receiver, first_wait_s=0.1, max_wait_s=0.5)
+    hook = notifier(receiver, first_wait_s=0.1, max_wait_s=0.5)
     client = service.client()
     batch = wait_done(client, _create(client, tmp_path, "retry", [chat_row("a", "hi", max_tokens=2)]).id)
+    _wait_event(receiver, batch.id)
+    hook.close()  # nothing more can arrive
     (event,) = _events_for(receiver, batch.id)
     assert event.type == "batch.completed" and len(receiver.requests) == 3
     assert len({h["webhook-id"] for _, h in receiver.requests}) == 1

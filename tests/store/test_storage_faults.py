@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bulkgen.store import StorageUnavailable, open_store
-from tests.service.conftest import free_port
-from tests.store.conftest import FAST_RETRY
+from tests.support.s3 import FAST_RETRY
+from tests.support.service import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

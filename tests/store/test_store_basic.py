@@ -196,7 +196,7 @@ def test_list_objects_gives_sizes_and_a_version_that_changes_with_the_object(sto
     assert [(i.key, i.size) for i in listed] == [("in/a.jsonl", 5), ("in/b c+d.jsonl", 2)]
     assert [i.key for i in store.list_objects("in/", start_after="in/a.jsonl")] == ["in/b c+d.jsonl"]
     assert store.stat("in/b c+d.jsonl") == listed[1]
-    time.sleep(0.01)
+    time.sleep(0.01)  # inherent: a local file's version is its mtime, which the kernel moves on once per tick
     store.write_bytes("in/a.jsonl", b"54321")
     assert store.stat("in/a.jsonl").etag != listed[0].etag
     with pytest.raises(NotFound):

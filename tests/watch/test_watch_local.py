@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.service.conftest import chat_row
-from tests.watch.conftest import ROOT, rows_jsonl, wait_until
+from tests.support.held_engine import HOLD
+from tests.support.service import chat_row
+from tests.support.watch import ROOT, rows_jsonl, wait_until
 
 
 def claims_of(store: Path, key: str) -> list[dict]:
@@ -27,7 +28,7 @@ def summary(outbox: Path, stem: str) -> dict | None:
 
 
 @pytest.mark.slow
-def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process):
+def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process, engine_gate):
     inbox, outbox, store = tmp_path / "inbox", tmp_path / "outbox", tmp_path / "store"
     inbox.mkdir()
     (inbox / "a.jsonl").write_bytes(rows_jsonl([chat_row(f"a-{i}", f"hello {i}", max_tokens=4) for i in range(4)]))
@@ -59,8 +60,8 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     assert "only *.jsonl" in json.loads((outbox / "notes.txt.report.json").read_text())["reason"]
     assert not (outbox / "broken.summary.json").exists() and batches_of(store, "broken.jsonl") == []
 
-    # a long batch, and the watcher dies (SIGKILL, Ray with it) while it runs
-    long_rows = rows_jsonl([chat_row(f"long-{i}", f"tell me {i}", max_tokens=600) for i in range(16)])
+    # a long batch, held at the engine gate, and the watcher dies (SIGKILL, Ray with it) while it runs
+    long_rows = rows_jsonl([chat_row(f"long-{i}", f"{HOLD} tell me {i}", max_tokens=64) for i in range(16)])
     (inbox / ".long.jsonl.part").write_bytes(long_rows)  # hidden while it is being written: never claimed
     (inbox / ".long.jsonl.part").rename(inbox / "long.jsonl")
 
@@ -71,7 +72,9 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
             return record["status"] == "in_progress" and record["id"]
 
     long_batch = wait_until(long_in_progress, 60, "the long batch in progress", first)
+    engine_gate.wait_held()
     first.kill()
+    engine_gate.open()  # the second watcher runs it to its end
     (inbox / "a.jsonl").write_bytes(rows_jsonl([chat_row(f"a2-{i}", f"again {i}", max_tokens=4) for i in range(3)]))
 
     second = watch_process(tmp_path / "second.log", *args)

@@ -23,7 +23,8 @@ from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import parquet_row
 from bulkgen.watch.sources import SqsSource
 from bulkgen.watch.watcher import Watcher
-from tests.watch.conftest import ROOT
+from tests.support.clock import FakeClock
+from tests.support.watch import ROOT
 
 UTC = dt.timezone.utc
 
@@ -95,7 +96,7 @@ def test_local_list_objects_version_changes_with_the_file(tmp_path):
     store.write_bytes("inbox/b/c.jsonl", b"two\n")
     first = {info.key: info for info in store.list_objects("inbox/")}
     assert sorted(first) == ["inbox/a.jsonl", "inbox/b/c.jsonl"] and first["inbox/a.jsonl"].size == 4
-    time.sleep(0.01)
+    time.sleep(0.01)  # inherent: the version is the file's mtime, which the kernel moves on once per tick
     store.write_bytes("inbox/a.jsonl", b"one\n")  # same bytes, written again: a new version all the same
     assert store.stat("inbox/a.jsonl").etag != first["inbox/a.jsonl"].etag
     assert store.stat("inbox/b/c.jsonl") == first["inbox/b/c.jsonl"]
@@ -220,15 +221,18 @@ def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_ru
     inbox.mkdir()
     (inbox / "bad.jsonl").write_text(json.dumps({"custom_id": "a", "url": CHAT, "body": "m"}) + "\n")
     svc = BatchService(Settings(storage=str(tmp_path / "store"), models={"m": "unused"}))
-    spec = JobSpec(input=str(inbox), output=str(tmp_path / "outbox"), claim_ttl=1)
+    spec = JobSpec(input=str(inbox), output=str(tmp_path / "outbox"), claim_ttl=60)
+    clock = FakeClock()
     dead = Watcher(svc, spec, owner="dead")
+    dead.claims.clock = clock
     claim = dead.claims.take(dead.inbox.stat("bad.jsonl"))
     dead._upload(claim, CHAT)
     record = svc.create_batch(claim.file_id, CHAT, "24h", None)  # ... and it died before writing the claim
     assert dead.claims.take(dead.inbox.stat("bad.jsonl")) is not None  # its own claim, while it is alive
     alive = Watcher(svc, spec, owner="alive")
+    alive.claims.clock = clock
     assert alive.scan() == 1 and not alive.pending  # the dead watcher's claim has not lapsed yet
-    time.sleep(1.1)
+    clock.advance(61)
     assert alive.scan() == 1 and [c.batch_id for c in alive.pending.values()] == [record["id"]]
     alive.check_pending()
     assert list(svc.batches.ids()) == [record["id"]] and not alive.pending

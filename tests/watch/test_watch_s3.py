@@ -10,7 +10,7 @@ import boto3
 import pyarrow.parquet as pq
 import pytest
 
-from tests.watch.conftest import ROOT, rows_jsonl, wait_until
+from tests.support.watch import ROOT, rows_jsonl, wait_until
 
 
 def exists(s3, bucket: str, key: str) -> bool:

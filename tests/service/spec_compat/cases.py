@@ -6,7 +6,7 @@ exactly README's list: features a text-only self-hosted model cannot honour, and
 
 from __future__ import annotations
 
-from tests.service.conftest import TOOLS_MODEL
+from tests.support.service import TOOLS_MODEL
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 WEATHER = {

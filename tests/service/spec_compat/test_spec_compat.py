@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from bulkgen.batch.bodyfields import BODY_FIELDS
-from tests.service.conftest import TOOLS_MODEL, read_lines, tool_model, upload, wait_done
 from tests.service.spec_compat.cases import TOOL, USER
 from tests.service.spec_compat.generate import FILES, SCHEMAS, properties, validator
+from tests.support.service import TOOLS_MODEL, read_lines, tool_model, upload, wait_done
 
 HERE = Path(__file__).parent
 EXPECTED = json.loads((HERE / "expected.json").read_text())

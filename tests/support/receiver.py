@@ -5,10 +5,11 @@ from __future__ import annotations
 import base64
 import socket
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
+
+from tests.support.wait import wait_until
 
 SECRET = "whsec_" + base64.b64encode(b"bulkgen-test-webhook-secret-0123").decode()
 
@@ -51,10 +52,8 @@ class Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def wait_events(self, count: int, timeout: float = 30.0) -> list:
-        deadline = time.monotonic() + timeout
-        while len(self.events) < count:
-            assert time.monotonic() < deadline, f"got {len(self.events)} of {count} events: {self.requests}"
-            time.sleep(0.05)
+        wait_until(lambda: len(self.events) >= count, timeout, f"{count} events",
+                   details=lambda: f"got {len(self.events)}: {self.requests}")
         return self.events
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
 """A real bulkgen service for tests: uvicorn on 127.0.0.1, local Ray, a tiny random model, the openai client.
 
 The service mechanics (cancel, expiry, resume, exact token counts) are tested on a random-weight model: it
-has a 4,096-token context, so long requests stay in flight, and it almost never samples <|end|>, so
-max_tokens runs to its end. The trained bundled model (512-token context, stops at <|end|>) is what
+almost never samples <|end|>, so max_tokens runs to its end. Tests that need a request still in flight
+hold it at the engine gate (held_engine.py) rather than making it long. The trained bundled model (512-token context, stops at <|end|>) is what
 `bulkgen run` uses by default; tests/models and the `bulkgen run` tests here check it.
 """
 
@@ -16,7 +16,6 @@ import signal
 import socket
 import tempfile
 import threading
-import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from bulkgen.api import create_app
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
 from bulkgen.settings import Settings, WorkerSettings
+from tests.support.wait import wait_until
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 MODEL = "bulkgen-tiny"
@@ -105,11 +105,7 @@ def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
+    wait_until(lambda: server.started, 30, "uvicorn to start")
     return server, thread, port
 
 
@@ -158,14 +154,15 @@ def completion_row(custom_id: str, prompt: str, max_tokens: int = 8, **body) -> 
 
 
 def wait_for(client, batch_id: str, predicate, timeout: float = 120.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if predicate(batch):
-            return batch
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting on {batch_id}: {batch.status} {batch.request_counts}")
-        time.sleep(0.2)
+    """The batch, once `predicate(batch)` holds; AssertionError with its last status after `timeout` s."""
+    last = []
+
+    def reached():
+        last[:] = [client.batches.retrieve(batch_id)]
+        return last[0] if predicate(last[0]) else None
+
+    return wait_until(reached, timeout, f"{batch_id}", interval=0.1,
+                      details=lambda: f"{last[0].status} {last[0].request_counts}" if last else "")
 
 
 def validated(client, batch_id: str, timeout: float = 60.0):
