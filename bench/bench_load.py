@@ -35,14 +35,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 BOUNDARY = "bulkgenbenchboundary"
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
-                   "body": {"model": "bulkgen-tiny", "prompt": "hello", "max_tokens": 4}}) + "\n"
+LINE = (
+    json.dumps(
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "bulkgen-tiny", "prompt": "hello", "max_tokens": 4},
+        }
+    )
+    + "\n"
+)
 
 
 def multipart(data: bytes, name: str) -> bytes:
-    return (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n"
-            f"Content-Type: application/jsonl\r\n\r\n").encode() + data + f"\r\n--{BOUNDARY}--\r\n".encode()
+    return (
+        (
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="{name}"\r\n'
+            f"Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{BOUNDARY}--\r\n".encode()
+    )
 
 
 def fake_batches(storage: str, count: int, start: int = 0) -> list[str]:
@@ -90,8 +105,13 @@ def metrics_cost(sizes: list[int], repeats: int = 20) -> list[dict]:
             t0 = time.perf_counter()
             for batch_id in svc.batches.ids():
                 svc.batches.get(batch_id)
-            rows.append({"stored_batches": size, "scrape_ms_p50": round(statistics.median(times), 2),
-                         "read_every_record_ms": round((time.perf_counter() - t0) * 1000, 1)})
+            rows.append(
+                {
+                    "stored_batches": size,
+                    "scrape_ms_p50": round(statistics.median(times), 2),
+                    "read_every_record_ms": round((time.perf_counter() - t0) * 1000, 1),
+                }
+            )
     return rows
 
 
@@ -103,8 +123,12 @@ class Server:
         sock.close()
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.log = open(f"{storage}.serve.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bulkgen", "serve", "--storage", storage, "--port",
-                                      str(self.port)], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bulkgen", "serve", "--storage", storage, "--port", str(self.port)],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -124,14 +148,27 @@ class Server:
         self.log.close()
 
 
-def client_loop(port: int, rounds: int, file_ids: list[str], batch_ids: list[str], seed: int,
-                results: dict, errors: list, lock: threading.Lock) -> None:
+def client_loop(
+    port: int,
+    rounds: int,
+    file_ids: list[str],
+    batch_ids: list[str],
+    seed: int,
+    results: dict,
+    errors: list,
+    lock: threading.Lock,
+) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     mine = defaultdict(list)
     upload = multipart(LINE.encode(), f"c{seed}.jsonl")
     routes = [
         ("GET /v1/files/{id}", "GET", lambda i: f"/v1/files/{file_ids[(seed + i) % len(file_ids)]}", None),
-        ("GET /v1/batches/{id}", "GET", lambda i: f"/v1/batches/{batch_ids[(seed * 7 + i) % len(batch_ids)]}", None),
+        (
+            "GET /v1/batches/{id}",
+            "GET",
+            lambda i: f"/v1/batches/{batch_ids[(seed * 7 + i) % len(batch_ids)]}",
+            None,
+        ),
         ("GET /v1/files", "GET", lambda i: "/v1/files?limit=20", None),
         ("GET /v1/batches", "GET", lambda i: "/v1/batches?limit=20", None),
         ("POST /v1/files", "POST", lambda i: "/v1/files", upload),
@@ -139,7 +176,7 @@ def client_loop(port: int, rounds: int, file_ids: list[str], batch_ids: list[str
         ("GET /health (baseline)", "GET", lambda i: "/health", None),
     ]
     for i in range(rounds):
-        for name, method, path, body in routes[seed % len(routes):] + routes[:seed % len(routes)]:
+        for name, method, path, body in routes[seed % len(routes) :] + routes[: seed % len(routes)]:
             headers = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"} if body else {}
             t0 = time.perf_counter()
             try:
@@ -174,13 +211,20 @@ def load(clients: int, rounds: int, stored_batches: int) -> dict:
             file_ids = []
             for n in range(50):
                 request = urllib.request.Request(
-                    f"http://127.0.0.1:{server.port}/v1/files", data=multipart(LINE.encode(), f"seed{n}.jsonl"),
-                    headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+                    f"http://127.0.0.1:{server.port}/v1/files",
+                    data=multipart(LINE.encode(), f"seed{n}.jsonl"),
+                    headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"},
+                )
                 with urllib.request.urlopen(request) as response:
                     file_ids.append(json.loads(response.read())["id"])
             results, errors, lock = defaultdict(list), [], threading.Lock()
-            threads = [threading.Thread(target=client_loop, args=(server.port, rounds, file_ids, batch_ids, seed,
-                                                                  results, errors, lock)) for seed in range(clients)]
+            threads = [
+                threading.Thread(
+                    target=client_loop,
+                    args=(server.port, rounds, file_ids, batch_ids, seed, results, errors, lock),
+                )
+                for seed in range(clients)
+            ]
             t0 = time.perf_counter()
             for t in threads:
                 t.start()
@@ -189,12 +233,25 @@ def load(clients: int, rounds: int, stored_batches: int) -> dict:
             wall = time.perf_counter() - t0
         finally:
             server.stop()
-    routes = {name: {"requests": len(v), "p50_ms": round(percentile(v, 0.5), 1),
-                     "p99_ms": round(percentile(v, 0.99), 1)} for name, v in sorted(results.items())}
+    routes = {
+        name: {
+            "requests": len(v),
+            "p50_ms": round(percentile(v, 0.5), 1),
+            "p99_ms": round(percentile(v, 0.99), 1),
+        }
+        for name, v in sorted(results.items())
+    }
     total = sum(len(v) for v in results.values())
-    return {"clients": clients, "rounds": rounds, "stored_batches": stored_batches, "wall_s": round(wall, 1),
-            "requests_per_s": round(total / wall, 1), "errors": len(errors), "first_errors": errors[:5],
-            "routes": routes}
+    return {
+        "clients": clients,
+        "rounds": rounds,
+        "stored_batches": stored_batches,
+        "wall_s": round(wall, 1),
+        "requests_per_s": round(total / wall, 1),
+        "errors": len(errors),
+        "first_errors": errors[:5],
+        "routes": routes,
+    }
 
 
 def main() -> None:
@@ -204,16 +261,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=10_000, help="stored batch records")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = {"load": load(args.clients, args.rounds, args.batches),
-              "metrics": metrics_cost([10, args.batches])}
+    result = {
+        "load": load(args.clients, args.rounds, args.batches),
+        "metrics": metrics_cost([10, args.batches]),
+    }
     small, large = (row["scrape_ms_p50"] for row in result["metrics"])
     result["metrics_flat"] = large <= 2 * small + 1.0  # within noise: no growth with the stored batches
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         r = result["load"]
-        print(f"{r['clients']} clients x {r['rounds']} rounds, {r['stored_batches']} stored batches: "
-              f"{r['wall_s']} s, {r['requests_per_s']} req/s, {r['errors']} errors {r['first_errors']}")
+        print(
+            f"{r['clients']} clients x {r['rounds']} rounds, {r['stored_batches']} stored batches: "
+            f"{r['wall_s']} s, {r['requests_per_s']} req/s, {r['errors']} errors {r['first_errors']}"
+        )
         print(f"{'route':<26}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}")
         for name, row in r["routes"].items():
             print(f"{name:<26}{row['requests']:>9}{row['p50_ms']:>9}{row['p99_ms']:>9}")

@@ -35,8 +35,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-WORDS = ("the data batch model token cache queue worker prompt result slot stream range part lease "
-         "engine offline bulk label summary review answer question detail").split()
+WORDS = (
+    "the data batch model token cache queue worker prompt result slot stream range part lease "
+    "engine offline bulk label summary review answer question detail"
+).split()
 
 
 def workload(path: Path, lines: int, total_bytes: int, prompt_chars: int | None = None) -> Path:
@@ -48,14 +50,22 @@ def workload(path: Path, lines: int, total_bytes: int, prompt_chars: int | None 
     pool = " ".join(rng.choice(WORDS) for _ in range(400_000))  # ~2.5 MB of text; lines are slices of it
     with path.open("w") as f:
         for i in range(lines):
-            row = {"custom_id": f"request-{i}", "method": "POST", "url": "/v1/chat/completions",
-                   "body": {"model": "bulkgen-tiny", "max_tokens": 4, "temperature": 0,
-                            "messages": [{"role": "user", "content": ""}]}}
+            row = {
+                "custom_id": f"request-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "bulkgen-tiny",
+                    "max_tokens": 4,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": ""}],
+                },
+            }
             if prompt_chars is not None:
                 row["body"]["user"] = ""
             need = per_line - len(json.dumps(row)) - 1
             start = rng.randrange(len(pool) - need)
-            text = pool[start:start + need]
+            text = pool[start : start + need]
             if prompt_chars is None:
                 row["body"]["messages"][0]["content"] = text
             else:
@@ -93,9 +103,24 @@ class Sampler(threading.Thread):
 def start_serve(storage: str, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     log = open(f"{storage}.serve.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bulkgen", "serve", "--storage", storage, "--port", str(port),
-                             "--cpu-workers", "1"], stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bulkgen",
+            "serve",
+            "--storage",
+            storage,
+            "--port",
+            str(port),
+            "--cpu-workers",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -114,8 +139,11 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=200, help="file size in MB (10**6 bytes)")
     parser.add_argument("--run-s", type=float, default=20.0, help="seconds to run before cancelling")
     parser.add_argument("--full", action="store_true", help="run the batch to its end instead of cancelling")
-    parser.add_argument("--prompt-chars", type=int,
-                        help="short prompts of this many characters, the rest of each line padding in `user`")
+    parser.add_argument(
+        "--prompt-chars",
+        type=int,
+        help="short prompts of this many characters, the rest of each line padding in `user`",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     from openai import OpenAI
@@ -142,8 +170,9 @@ def main() -> None:
         times["upload_s"] = time.perf_counter() - t
         sampler.phase = "validate"
         t = time.perf_counter()
-        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         assert batch.status == "validating", batch.status
         while (batch := client.batches.retrieve(batch.id)).status == "validating":
             time.sleep(0.05)
@@ -164,9 +193,12 @@ def main() -> None:
             time.sleep(0.1)
         times["finalize_s"] = time.perf_counter() - t
         sampler.phase = "download"
-        error_lines = len(client.files.content(batch.error_file_id).text.splitlines()) if batch.error_file_id else 0
-        output_lines = (len(client.files.content(batch.output_file_id).text.splitlines())
-                        if batch.output_file_id else 0)
+        error_lines = (
+            len(client.files.content(batch.error_file_id).text.splitlines()) if batch.error_file_id else 0
+        )
+        output_lines = (
+            len(client.files.content(batch.output_file_id).text.splitlines()) if batch.output_file_id else 0
+        )
         sampler.stop.set()
         sampler.join()
         hwm = rss_kb(proc.pid, "VmHWM")
@@ -175,25 +207,40 @@ def main() -> None:
         proc.wait(30)
         shutil.rmtree(work, ignore_errors=True)
     peaks = {phase: round((kb - idle) / 1024, 1) for phase, kb in sampler.peaks.items()}
-    result = {"load_avg_1m_at_start": load, "file_bytes": uploaded.bytes, "lines": args.lines, "idle_rss_mb": round(idle / 1024, 1),
-              "peak_above_idle_mb": peaks, "vmhwm_above_idle_mb": round((hwm - idle) / 1024, 1),
-              **{k: round(v, 2) for k, v in times.items()}, "status": batch.status,
-              "ran_before_cancel": {"completed": ran.completed, "failed": ran.failed},
-              "request_counts": batch.request_counts.model_dump(), "error_file_lines": error_lines,
-              "output_file_lines": output_lines}
+    result = {
+        "load_avg_1m_at_start": load,
+        "file_bytes": uploaded.bytes,
+        "lines": args.lines,
+        "idle_rss_mb": round(idle / 1024, 1),
+        "peak_above_idle_mb": peaks,
+        "vmhwm_above_idle_mb": round((hwm - idle) / 1024, 1),
+        **{k: round(v, 2) for k, v in times.items()},
+        "status": batch.status,
+        "ran_before_cancel": {"completed": ran.completed, "failed": ran.failed},
+        "request_counts": batch.request_counts.model_dump(),
+        "error_file_lines": error_lines,
+        "output_file_lines": output_lines,
+    }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"file: {uploaded.bytes / 1e6:.1f} MB, {args.lines} lines; serve idle RSS {idle / 1024:.0f} MB "
-          f"(machine load {load} at start)")
+    print(
+        f"file: {uploaded.bytes / 1e6:.1f} MB, {args.lines} lines; serve idle RSS {idle / 1024:.0f} MB "
+        f"(machine load {load} at start)"
+    )
     for phase, mb in peaks.items():
         print(f"  peak RSS above idle while {phase:16s} {mb:8.1f} MB")
     print(f"  VmHWM above idle: {result['vmhwm_above_idle_mb']} MB (goal < 500 MB)")
-    print(f"upload {times['upload_s']:.1f} s, validation {times['validate_s']:.1f} s (create -> in_progress), "
-          f"run {times['run_s']:.1f} s, {'finalize' if args.full else 'cancel+finalize'} {times['finalize_s']:.1f} s")
-    print(f"counts when the run phase ended: {ran.completed} completed, {ran.failed} failed; "
-          f"final {batch.status} {batch.request_counts.model_dump()}, error file {error_lines} lines, "
-          f"output file {output_lines} lines")
+    print(
+        f"upload {times['upload_s']:.1f} s, validation {times['validate_s']:.1f} s (create -> in_progress), "
+        f"run {times['run_s']:.1f} s, {'finalize' if args.full else 'cancel+finalize'} {times['finalize_s']:.1f} s"
+    )
+    print(
+        f"counts when the run phase ended: {ran.completed} completed, {ran.failed} failed; "
+        f"final {batch.status} {batch.request_counts.model_dump()}, error file {error_lines} lines, "
+        f"output file {output_lines} lines"
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -34,14 +34,26 @@ def synthetic(path: Path, count: int) -> Path:
         for i in range(count):
             prompt = " ".join(words[(i + k) % len(words)] for k in range(1 + i % 5))
             body = {"model": DEFAULT_MODEL_NAME, "prompt": prompt, "max_tokens": 4, "temperature": 0}
-            f.write(json.dumps({"custom_id": f"s-{i}", "method": "POST", "url": "/v1/completions", "body": body}) + "\n")
+            f.write(
+                json.dumps({"custom_id": f"s-{i}", "method": "POST", "url": "/v1/completions", "body": body})
+                + "\n"
+            )
     return path
 
 
 def run(path: Path, storage: Path) -> tuple[dict, list[int]]:
     out = storage / f"{path.stem}.out.jsonl"
-    cmd = [sys.executable, "-c", "from bulkgen.cli import cli; cli()", "run", str(path), "--output", str(out),
-           "--storage", str(storage)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from bulkgen.cli import cli; cli()",
+        "run",
+        str(path),
+        "--output",
+        str(out),
+        "--storage",
+        str(storage),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=1800, cwd=ROOT)
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     lengths = [e["response"]["body"]["usage"].get("completion_tokens", 0) for e in lines]
@@ -61,23 +73,35 @@ def main() -> None:
     context = _max_model_len(AutoConfig.from_pretrained(default_model_path(), local_files_only=True), None)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        files = [ROOT / "samples" / "chat.jsonl", ROOT / "samples" / "completions.jsonl",
-                 synthetic(Path(tmp) / "synthetic.jsonl", args.lines)]
+        files = [
+            ROOT / "samples" / "chat.jsonl",
+            ROOT / "samples" / "completions.jsonl",
+            synthetic(Path(tmp) / "synthetic.jsonl", args.lines),
+        ]
         for f in files:
             profile = profiles.measure(DEFAULT_MODEL_NAME, default_model_path())
             metrics, lengths = run(f, Path(tmp) / f.stem)
             work = scan_file(f, detect_endpoint(f), DEFAULT_MODEL_NAME, tokenizer, context, 1_000_000)
             limits = EngineLimits(profile.max_num_seqs, profile.max_num_batched_tokens)
             estimate = batch_seconds(work.arrays()[1].tolist(), lengths, profile.step_seconds, limits)
-            rows.append({"file": f.name, "requests": metrics["requests"], "actual_s": metrics["wall_time_s"],
-                         "estimate_s": round(estimate, 3), "ratio": round(metrics["wall_time_s"] / estimate, 3)})
+            rows.append(
+                {
+                    "file": f.name,
+                    "requests": metrics["requests"],
+                    "actual_s": metrics["wall_time_s"],
+                    "estimate_s": round(estimate, 3),
+                    "ratio": round(metrics["wall_time_s"] / estimate, 3),
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
         return
     for r in rows:
         ok = "within" if abs(r["ratio"] - 1) <= 0.25 else "OUTSIDE"
-        print(f"{r['file']:<20} {r['requests']:>6} requests  actual {r['actual_s']:7.2f} s  estimate "
-              f"{r['estimate_s']:7.2f} s  actual/estimate {r['ratio']:.2f}  ({ok} ±25%)")
+        print(
+            f"{r['file']:<20} {r['requests']:>6} requests  actual {r['actual_s']:7.2f} s  estimate "
+            f"{r['estimate_s']:7.2f} s  actual/estimate {r['ratio']:.2f}  ({ok} ±25%)"
+        )
 
 
 if __name__ == "__main__":

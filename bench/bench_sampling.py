@@ -22,12 +22,34 @@ from pathlib import Path
 import torch
 
 GOAL = 1.3
-FULL = {"requests": 48, "prompt": (8, 64), "output": 32, "repeats": 2,
-        "model": {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
-                  "num_key_value_heads": 4, "intermediate_size": 1536, "vocab_size": 32000}}
-QUICK = {"requests": 8, "prompt": (4, 16), "output": 8, "repeats": 1,
-         "model": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 32000}}
+FULL = {
+    "requests": 48,
+    "prompt": (8, 64),
+    "output": 32,
+    "repeats": 2,
+    "model": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1536,
+        "vocab_size": 32000,
+    },
+}
+QUICK = {
+    "requests": 8,
+    "prompt": (4, 16),
+    "output": 8,
+    "repeats": 1,
+    "model": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 32000,
+    },
+}
 
 
 def run(spec: dict, seed: int = 0) -> dict:
@@ -36,14 +58,18 @@ def run(spec: dict, seed: int = 0) -> dict:
 
     rng = random.Random(seed)
     vocab = spec["model"]["vocab_size"]
-    prompts = [[rng.randrange(261, vocab) for _ in range(rng.randint(*spec["prompt"]))]
-               for _ in range(spec["requests"])]
+    prompts = [
+        [rng.randrange(261, vocab) for _ in range(rng.randint(*spec["prompt"]))]
+        for _ in range(spec["requests"])
+    ]
     with tempfile.TemporaryDirectory(prefix="bulkgen-bench-sampling-") as tmp:
         path = build_tiny_model(Path(tmp) / "model", "llama", seed=seed, **spec["model"])
         engine = Engine.from_pretrained(str(path), device="cpu")
     greedy = SamplingParams(max_tokens=spec["output"], temperature=0.0, ignore_eos=True)
-    sampled = [SamplingParams(max_tokens=spec["output"], temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
-               for i in range(len(prompts))]
+    sampled = [
+        SamplingParams(max_tokens=spec["output"], temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     engine.generate(prompts[:2], greedy)  # warm-up
     times: dict[str, list[float]] = {"greedy": [], "sampled": []}
     for _ in range(spec["repeats"]):  # interleaved, so load from other processes hits both alike
@@ -53,10 +79,16 @@ def run(spec: dict, seed: int = 0) -> dict:
             times[name].append(time.perf_counter() - started)
             assert sum(len(o.token_ids) for o in outs) == spec["output"] * len(prompts)
     best = {name: min(values) for name, values in times.items()}
-    return {"vocab_size": vocab, "requests": len(prompts), "output_tokens": spec["output"] * len(prompts),
-            "torch_threads": torch.get_num_threads(), "greedy_s": round(best["greedy"], 3),
-            "sampled_s": round(best["sampled"], 3), "ratio": round(best["sampled"] / best["greedy"], 3),
-            "goal": GOAL}
+    return {
+        "vocab_size": vocab,
+        "requests": len(prompts),
+        "output_tokens": spec["output"] * len(prompts),
+        "torch_threads": torch.get_num_threads(),
+        "greedy_s": round(best["greedy"], 3),
+        "sampled_s": round(best["sampled"], 3),
+        "ratio": round(best["sampled"] / best["greedy"], 3),
+        "goal": GOAL,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,10 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(report))
     else:
         verdict = "met" if report["ratio"] <= GOAL else "NOT met"
-        print(f"vocab {report['vocab_size']}, {report['requests']} requests, {report['output_tokens']} output "
-              f"tokens, {report['torch_threads']} torch threads")
-        print(f"greedy {report['greedy_s']:.2f} s, sampled (T 0.8, top_p 0.95) {report['sampled_s']:.2f} s: "
-              f"sampled/greedy {report['ratio']:.2f}x (goal <= {GOAL}x: {verdict})")
+        print(
+            f"vocab {report['vocab_size']}, {report['requests']} requests, {report['output_tokens']} output "
+            f"tokens, {report['torch_threads']} torch threads"
+        )
+        print(
+            f"greedy {report['greedy_s']:.2f} s, sampled (T 0.8, top_p 0.95) {report['sampled_s']:.2f} s: "
+            f"sampled/greedy {report['ratio']:.2f}x (goal <= {GOAL}x: {verdict})"
+        )
     return report
 
 

@@ -21,12 +21,25 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 GOAL = 0.8
-SCHEMA = {"type": "object", "properties": {
-    "label": {"enum": ["positive", "negative", "neutral"]},
-    "summary": {"type": "string", "maxLength": 400},
-}, "required": ["label", "summary"], "additionalProperties": False}
-TOPICS = ["the soup", "a train ride", "the new phone", "a museum", "the weather", "a library card",
-          "the rent", "a concert"]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "summary": {"type": "string", "maxLength": 400},
+    },
+    "required": ["label", "summary"],
+    "additionalProperties": False,
+}
+TOPICS = [
+    "the soup",
+    "a train ride",
+    "the new phone",
+    "a museum",
+    "the weather",
+    "a library card",
+    "the rent",
+    "a concert",
+]
 
 
 class TimedRuntime:
@@ -73,17 +86,24 @@ def prompts(engine, count: int) -> list[list[int]]:
 def timed_run(engine, requests, guide, max_tokens: int) -> dict:
     from bulkgen.engine import SamplingParams
 
-    params = [SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, guide=guide)
-              for i in range(len(requests))]
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=0.8, seed=i, guide=guide)
+        for i in range(len(requests))
+    ]
     engine.reset()  # a cold prefix cache for each run
     waited = _wait_clock(engine)
     started = time.perf_counter()
     outs = engine.generate(requests, params)
     wall = time.perf_counter() - started
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {"wall_s": round(wall, 3), "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 1),
-            "ran_to_max_tokens": sum(c.finish_reason == "length" for o in outs for c in o.outputs),
-            "mask_wait_s": round(sum(waited), 4), "outputs": outs}
+    return {
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 1),
+        "ran_to_max_tokens": sum(c.finish_reason == "length" for o in outs for c in o.outputs),
+        "mask_wait_s": round(sum(waited), 4),
+        "outputs": outs,
+    }
 
 
 def _wait_clock(engine) -> list[float]:
@@ -133,20 +153,30 @@ def main(argv: list[str] | None = None) -> dict:
     free, constrained = (max(runs[k], key=lambda r: r["tokens_per_s"]) for k in ("free", "constrained"))
     valid = _valid(constrained.pop("outputs"))
     free.pop("outputs")
-    report = {"device": "cuda" if args.gpu else "cpu", "requests": args.requests, "free": free,
-              "constrained": constrained, "valid_finished_outputs": valid,
-              "mask_fill_ms_per_step": round(1000 * sum(timer.fill_s) / max(1, len(timer.fill_s)), 3),
-              "ratio": round(constrained["tokens_per_s"] / free["tokens_per_s"], 3), "goal": GOAL}
+    report = {
+        "device": "cuda" if args.gpu else "cpu",
+        "requests": args.requests,
+        "free": free,
+        "constrained": constrained,
+        "valid_finished_outputs": valid,
+        "mask_fill_ms_per_step": round(1000 * sum(timer.fill_s) / max(1, len(timer.fill_s)), 3),
+        "ratio": round(constrained["tokens_per_s"] / free["tokens_per_s"], 3),
+        "goal": GOAL,
+    }
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(f"{report['device']}, {args.requests} concurrent requests, {args.max_tokens} tokens max")
         for name in ("free", "constrained"):
             r = report[name]
-            print(f"  {name:12} {r['wall_s']:7.2f} s  {r['tokens_per_s']:8.1f} tok/s  ({r['output_tokens']} tokens, "
-                  f"{r['ran_to_max_tokens']} ran to max_tokens)")
-        print(f"  constrained / free: {report['ratio']:.2f}x (goal >= {GOAL}); masks {report['mask_fill_ms_per_step']} "
-              f"ms per step, {constrained['mask_wait_s']} s waited after forwards; valid: {valid}")
+            print(
+                f"  {name:12} {r['wall_s']:7.2f} s  {r['tokens_per_s']:8.1f} tok/s  ({r['output_tokens']} tokens, "
+                f"{r['ran_to_max_tokens']} ran to max_tokens)"
+            )
+        print(
+            f"  constrained / free: {report['ratio']:.2f}x (goal >= {GOAL}); masks {report['mask_fill_ms_per_step']} "
+            f"ms per step, {constrained['mask_wait_s']} s waited after forwards; valid: {valid}"
+        )
     return report
 
 

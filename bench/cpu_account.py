@@ -22,8 +22,8 @@ def _stat(stat_path: Path) -> tuple[str, int, float] | None:
         text = stat_path.read_text()
     except OSError:
         return None
-    name = text[text.index("(") + 1:text.rindex(")")]
-    fields = text[text.rindex(")") + 2:].split()
+    name = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
     return name, int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -51,7 +51,7 @@ class CpuAccount:
 
     def __init__(self, interval_s: float = 0.2) -> None:
         self.interval_s = interval_s
-        self.samples: list[tuple[float, dict[str, float]]] = []   # (time.time(), key -> cumulative CPU s)
+        self.samples: list[tuple[float, dict[str, float]]] = []  # (time.time(), key -> cumulative CPU s)
         self._me = os.getpid()
         self._labels: dict[tuple[int, str], str] = {}
         self._stop = threading.Event()
@@ -72,13 +72,18 @@ class CpuAccount:
         self.samples.append((time.time(), self._snapshot()))
 
     def _snapshot(self) -> dict[str, float]:
-        stats = {int(p.name): got for p in Path("/proc").iterdir()
-                 if p.name.isdigit() and (got := _stat(p / "stat")) is not None}
+        stats = {
+            int(p.name): got
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit() and (got := _stat(p / "stat")) is not None
+        }
         out: dict[str, float] = {}
         for pid, (name, _, cpu) in stats.items():
             if (pid, name) not in self._labels:  # a Ray worker renames itself when it becomes an actor
                 mine = pid == self._me or self._descends(pid, stats)
-                label = "driver (this process)" if pid == self._me else group_of(name, _cmdline(str(pid)), mine)
+                label = (
+                    "driver (this process)" if pid == self._me else group_of(name, _cmdline(str(pid)), mine)
+                )
                 self._labels[pid, name] = label
             group = self._labels[pid, name]
             if group == "engine worker":

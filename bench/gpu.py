@@ -39,16 +39,42 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_engine import _hf_static_groups, make_workload  # noqa: E402
 
 ANCHOR = {
-    "requests": 512, "prompt": (16, 1024), "output": (8, 256), "static_batch": 64, "dtype": "bfloat16",
-    "model": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
-                  max_position_embeddings=131072, head_dim=64),
+    "requests": 512,
+    "prompt": (16, 1024),
+    "output": (8, 256),
+    "static_batch": 64,
+    "dtype": "bfloat16",
+    "model": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+        head_dim=64,
+    ),
 }
 QUICK = {
-    "requests": 12, "prompt": (4, 40), "output": (2, 12), "static_batch": 4, "dtype": "float32",
-    "model": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True, rope_theta=500000.0,
-                  max_position_embeddings=2048, head_dim=16),
+    "requests": 12,
+    "prompt": (4, 40),
+    "output": (2, 12),
+    "static_batch": 4,
+    "dtype": "float32",
+    "model": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=2048,
+        head_dim=16,
+    ),
 }
 ISSUE_REFERENCE = {"hf_static_greedy_s": 55.0, "hf_continuous_s": 75.1, "floor_s": 1.06}
 
@@ -59,8 +85,12 @@ def build_model(spec: dict, device: str, seed: int):
     from bulkgen.lab.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = LlamaConfig(**spec["model"], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=None)
+    config = LlamaConfig(
+        **spec["model"],
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(getattr(torch, spec["dtype"])).eval()
@@ -90,7 +120,9 @@ def run_hf_static(model, work, batch: int, pad_id: int, device: str) -> tuple[di
 
     class OnDevice:  # _hf_static_groups builds CPU tensors; move them to the model's device
         def generate(self, **kw):
-            return model.generate(**{k: v.to(model_device) if torch.is_tensor(v) else v for k, v in kw.items()})
+            return model.generate(
+                **{k: v.to(model_device) if torch.is_tensor(v) else v for k, v in kw.items()}
+            )
 
     outputs: list[list[int]] = []
     _hf_static_groups(OnDevice(), type(work)(work.prompts[:2], [2, 2]), batch, pad_id)  # warm-up
@@ -99,8 +131,12 @@ def run_hf_static(model, work, batch: int, pad_id: int, device: str) -> tuple[di
     slot_steps = _hf_static_groups(_Recorder(OnDevice(), outputs, work), work, batch, pad_id)
     sync(device)
     wall = time.perf_counter() - started
-    return {"method": "hf_static", "wall_s": wall, "output_tokens": work.useful_tokens,
-            "slot_efficiency": work.useful_tokens / slot_steps}, outputs
+    return {
+        "method": "hf_static",
+        "wall_s": wall,
+        "output_tokens": work.useful_tokens,
+        "slot_efficiency": work.useful_tokens / slot_steps,
+    }, outputs
 
 
 class _Recorder:
@@ -140,20 +176,31 @@ def run_bulkgen(engine, work, sampled: bool, device: str) -> tuple[dict, list[li
     slots = after["slot_steps"] - before["slot_steps"]
     active = after["active_slot_steps"] - before["active_slot_steps"]
     name = "bulkgen_sampled" if sampled else "bulkgen_greedy"
-    return {"method": name, "wall_s": wall, "output_tokens": work.useful_tokens,
-            "slot_efficiency": active / slots if slots else None, "steps": after["steps"] - before["steps"],
-            "cached_prompt_tokens": after["cached_prompt_tokens"] - before["cached_prompt_tokens"]}, tokens
+    return {
+        "method": name,
+        "wall_s": wall,
+        "output_tokens": work.useful_tokens,
+        "slot_efficiency": active / slots if slots else None,
+        "steps": after["steps"] - before["steps"],
+        "cached_prompt_tokens": after["cached_prompt_tokens"] - before["cached_prompt_tokens"],
+    }, tokens
 
 
 def divergence(reference: list[list[int]], candidate: list[list[int]]) -> dict:
     """First position where each request's tokens differ (its length when they never do)."""
-    firsts = [next((i for i, (a, b) in enumerate(zip(r, c, strict=True)) if a != b), len(r))
-              for r, c in zip(reference, candidate, strict=True)]
+    firsts = [
+        next((i for i, (a, b) in enumerate(zip(r, c, strict=True)) if a != b), len(r))
+        for r, c in zip(reference, candidate, strict=True)
+    ]
     exact = sum(f == len(r) for f, r in zip(firsts, reference, strict=True))
     diverged = [f for f, r in zip(firsts, reference, strict=True) if f < len(r)]
-    return {"requests": len(firsts), "identical": exact, "identical_share": round(exact / len(firsts), 4),
-            "first_divergence_min": min(diverged, default=None),
-            "first_divergence_median": statistics.median(diverged) if diverged else None}
+    return {
+        "requests": len(firsts),
+        "identical": exact,
+        "identical_share": round(exact / len(firsts), 4),
+        "first_divergence_min": min(diverged, default=None),
+        "first_divergence_median": statistics.median(diverged) if diverged else None,
+    }
 
 
 def finish_rows(rows: list[dict], floor_s: float) -> None:
@@ -167,10 +214,17 @@ def finish_rows(rows: list[dict], floor_s: float) -> None:
 
 def format_table(rows: list[dict]) -> str:
     head = ["method", "wall s", "out tok/s", "slot eff", "x static", "x floor"]
-    lines = [head] + [[r["method"], f"{r['wall_s']:.2f}", f"{r['output_tokens_per_s']:.0f}",
-                       "n/a" if r["slot_efficiency"] is None else f"{r['slot_efficiency']:.3f}",
-                       "n/a" if r["vs_static"] is None else f"{r['vs_static']:.2f}", f"{r['vs_floor']:.2f}"]
-                      for r in rows]
+    lines = [head] + [
+        [
+            r["method"],
+            f"{r['wall_s']:.2f}",
+            f"{r['output_tokens_per_s']:.0f}",
+            "n/a" if r["slot_efficiency"] is None else f"{r['slot_efficiency']:.3f}",
+            "n/a" if r["vs_static"] is None else f"{r['vs_static']:.2f}",
+            f"{r['vs_floor']:.2f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines)
 
@@ -182,7 +236,9 @@ def parse_args(argv):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     parser.add_argument("--skip-static", action="store_true", help="bulkgen only (the baseline takes ~55 s)")
-    parser.add_argument("--profile", action="store_true", help="also write a torch.profiler table of 30 steps")
+    parser.add_argument(
+        "--profile", action="store_true", help="also write a torch.profiler table of 30 steps"
+    )
     return parser.parse_args(argv)
 
 
@@ -192,16 +248,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     spec = QUICK if args.quick else ANCHOR
     device = "cpu" if args.quick or not torch.cuda.is_available() else "cuda"
-    work = make_workload(spec["requests"], spec["prompt"], spec["output"], spec["model"]["vocab_size"], args.seed)
+    work = make_workload(
+        spec["requests"], spec["prompt"], spec["output"], spec["model"]["vocab_size"], args.seed
+    )
     model, tokenizer = build_model(spec, device, args.seed)
     floor_s = workload_flops(spec, work) / (args.peak_tflops * 1e12)
-    rows, report = [], {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                        "torch": torch.__version__, "quick": args.quick, "requests": len(work.prompts),
-                        "prompt_tokens": sum(map(len, work.prompts)), "output_tokens": work.useful_tokens,
-                        "floor_s": round(floor_s, 4), "issue_reference": ISSUE_REFERENCE}
+    rows, report = (
+        [],
+        {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "quick": args.quick,
+            "requests": len(work.prompts),
+            "prompt_tokens": sum(map(len, work.prompts)),
+            "output_tokens": work.useful_tokens,
+            "floor_s": round(floor_s, 4),
+            "issue_reference": ISSUE_REFERENCE,
+        },
+    )
     report["results"] = rows
-    save = _saver(Path(args.out), f"gpu-{report['date'][:10]}{'-quick' if args.quick else ''}.json", report, floor_s)
+    save = _saver(
+        Path(args.out), f"gpu-{report['date'][:10]}{'-quick' if args.quick else ''}.json", report, floor_s
+    )
     static_tokens = None
     if not args.skip_static:
         row, static_tokens = run_hf_static(model, work, spec["static_batch"], tokenizer.pad_token_id, device)
@@ -214,11 +283,17 @@ def main(argv: list[str] | None = None) -> dict:
     engine.generate(work.prompts[:4], None)  # warm-up (and the backend's self-check ran in Engine())
     graphs = engine.runner.graphs
     max_context = max(len(p) + n for p, n in zip(work.prompts, work.output_lengths, strict=True))
-    report["decode_buckets"] = graphs.capture(max_context) if graphs is not None else 0  # untimed, as at startup
-    report["engine"] = {"setup_s": round(time.perf_counter() - started, 2), "attention": engine.runner.backend.name,
-                        "max_num_seqs": engine.config.max_num_seqs, "kv_blocks": engine.runner.num_blocks,
-                        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
-                        "attention_probe": getattr(engine.runner.backend, "probe_report", None)}
+    report["decode_buckets"] = (
+        graphs.capture(max_context) if graphs is not None else 0
+    )  # untimed, as at startup
+    report["engine"] = {
+        "setup_s": round(time.perf_counter() - started, 2),
+        "attention": engine.runner.backend.name,
+        "max_num_seqs": engine.config.max_num_seqs,
+        "kv_blocks": engine.runner.num_blocks,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "attention_probe": getattr(engine.runner.backend, "probe_report", None),
+    }
     save()
     row, greedy_tokens = run_bulkgen(engine, work, sampled=False, device=device)
     rows.append(row)
@@ -231,8 +306,10 @@ def main(argv: list[str] | None = None) -> dict:
         report["profile"] = profile_steps(engine, work, Path(args.out), device)
     final = save()
     path = final.pop("path")
-    print(f"{report['device']}, torch {report['torch']}: {report['requests']} requests, {report['prompt_tokens']} "
-          f"prompt / {report['output_tokens']} output tokens; floor {floor_s:.2f} s; engine {report['engine']}")
+    print(
+        f"{report['device']}, torch {report['torch']}: {report['requests']} requests, {report['prompt_tokens']} "
+        f"prompt / {report['output_tokens']} output tokens; floor {floor_s:.2f} s; engine {report['engine']}"
+    )
     print(format_table(final["results"]))
     if "greedy_vs_hf_static" in report:
         print(f"greedy bulkgen vs hf_static: {report['greedy_vs_hf_static']}")
@@ -262,8 +339,11 @@ def profile_steps(engine, work, out: Path, device: str) -> str:
     from bulkgen.engine import SamplingParams
 
     for i, prompt in enumerate(work.prompts[:256]):
-        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=i,
-                                                           ignore_eos=True))
+        engine.add_request(
+            f"p{i}",
+            prompt,
+            SamplingParams(max_tokens=64, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True),
+        )
     for _ in range(10):  # past the prefill-heavy start
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])

@@ -60,9 +60,13 @@ def cuda_ms(fn, repeat: int = 10) -> float:
 def versions() -> dict:
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "device": torch.cuda.get_device_name(), "cudnn": torch.backends.cudnn.version(),
-            "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled()}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": torch.cuda.get_device_name(),
+        "cudnn": torch.backends.cudnn.version(),
+        "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(),
+    }
 
 
 def decode_attention() -> dict:
@@ -77,16 +81,22 @@ def decode_attention() -> dict:
     k = kc[table].view(b, -1, hkv, d).transpose(1, 2)
     mask = (torch.arange(w * bs, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
     choice = torch._fused_sdp_choice(q.view(b, hkv, group, d), k, k, mask, scale=d**-0.5)
-    out = {"sdpa_choice": {int(x): x.name for x in torch.nn.attention.SDPBackend}.get(int(choice), int(choice)),
-           "padded_decode_ms_per_layer": cuda_ms(lambda: paged_decode(q, kc, vc, DecodeMeta(0, b, table, lengths),
-                                                                     d**-0.5))}
+    out = {
+        "sdpa_choice": {int(x): x.name for x in torch.nn.attention.SDPBackend}.get(int(choice), int(choice)),
+        "padded_decode_ms_per_layer": cuda_ms(
+            lambda: paged_decode(q, kc, vc, DecodeMeta(0, b, table, lengths), d**-0.5)
+        ),
+    }
     real = int(lengths.sum())
     cu_k = torch.zeros(b + 1, dtype=torch.int32, device="cuda")
     cu_k[1:] = lengths.cumsum(0)
     cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda")
     kv = torch.randn(real, hkv, d, device="cuda", dtype=torch.bfloat16)
-    out["flash_varlen_gqa_ms_per_layer"] = cuda_ms(lambda: torch.ops.aten._flash_attention_forward(
-        q, kv, kv, cu_q, cu_k, 1, w * bs, 0.0, False, False, scale=d**-0.5)[0])
+    out["flash_varlen_gqa_ms_per_layer"] = cuda_ms(
+        lambda: torch.ops.aten._flash_attention_forward(
+            q, kv, kv, cu_q, cu_k, 1, w * bs, 0.0, False, False, scale=d**-0.5
+        )[0]
+    )
     out["real_kv_gb_per_layer"] = round(real * hkv * d * 2 * 2 / 1e9, 3)
     return out
 
@@ -108,11 +118,14 @@ def capture_check() -> dict:
     before = torch.cuda.memory_allocated()
     started = time.perf_counter()
     buckets = engine.runner.graphs.capture(512)
-    return {"buckets": buckets, "s": round(time.perf_counter() - started, 2),
-            "grew_gb": round((torch.cuda.memory_allocated() - before) / 1e9, 3),
-            "kv_cache_requires_grad": engine.runner.k_caches[0].requires_grad,
-            "attention_backend": engine.runner.backend.name,
-            "attention_probe": getattr(engine.runner.backend, "probe_report", None)}
+    return {
+        "buckets": buckets,
+        "s": round(time.perf_counter() - started, 2),
+        "grew_gb": round((torch.cuda.memory_allocated() - before) / 1e9, 3),
+        "kv_cache_requires_grad": engine.runner.k_caches[0].requires_grad,
+        "attention_backend": engine.runner.backend.name,
+        "attention_probe": getattr(engine.runner.backend, "probe_report", None),
+    }
 
 
 def syncs_and_step_times() -> dict:
@@ -125,8 +138,11 @@ def syncs_and_step_times() -> dict:
         for batch in (64, 256, 512):
             engine.reset()
             for i in range(batch):
-                engine.add_request(f"{name}{i}", [5 + i % 100] * (100 + i % 400),
-                                   SamplingParams(max_tokens=24, ignore_eos=True, **sampling))
+                engine.add_request(
+                    f"{name}{i}",
+                    [5 + i % 100] * (100 + i % 400),
+                    SamplingParams(max_tokens=24, ignore_eos=True, **sampling),
+                )
             while engine.scheduler.num_waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
                 engine.step()  # through the prefill
             engine.step()
@@ -153,8 +169,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = Report(Path(parser.parse_args(argv).out))
     report.phase("cuda_available", torch.cuda.is_available)
     if report["cuda_available"]:
-        for name, fn in (("versions", versions), ("decode_attention", decode_attention),
-                         ("capture", capture_check), ("decode_steps", syncs_and_step_times)):
+        for name, fn in (
+            ("versions", versions),
+            ("decode_attention", decode_attention),
+            ("capture", capture_check),
+            ("decode_steps", syncs_and_step_times),
+        ):
             report.phase(name, fn)
             torch.cuda.empty_cache()
     return report

@@ -24,30 +24,80 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 130}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 CORPUS = {
-    "enum": {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
-             "required": ["label"], "additionalProperties": False},
-    "const": {"type": "object", "properties": {"kind": {"const": "invoice"}, "n": {"type": "integer"}},
-              "required": ["kind", "n"], "additionalProperties": False},
-    "anyOf": {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"x": {"type": "boolean"}},
-                                                "required": ["x"], "additionalProperties": False}]},
+    "enum": {
+        "type": "object",
+        "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+        "required": ["label"],
+        "additionalProperties": False,
+    },
+    "const": {
+        "type": "object",
+        "properties": {"kind": {"const": "invoice"}, "n": {"type": "integer"}},
+        "required": ["kind", "n"],
+        "additionalProperties": False,
+    },
+    "anyOf": {
+        "anyOf": [
+            {"type": "integer"},
+            {
+                "type": "object",
+                "properties": {"x": {"type": "boolean"}},
+                "required": ["x"],
+                "additionalProperties": False,
+            },
+        ]
+    },
     "min/max": PERSON,
     "minItems/maxItems": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3},
-    "pattern": {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
-                "required": ["code"], "additionalProperties": False},
-    "format date": {"type": "object", "properties": {"day": {"type": "string", "format": "date"}},
-                    "required": ["day"], "additionalProperties": False},
-    "format email": {"type": "object", "properties": {"to": {"type": "string", "format": "email"}},
-                     "required": ["to"], "additionalProperties": False},
-    "$defs + $ref": {"$defs": {"person": PERSON}, "type": "object",
-                     "properties": {"a": {"$ref": "#/$defs/person"}}, "required": ["a"],
-                     "additionalProperties": False},
-    "recursive $ref": {"$defs": {"node": {"type": "object", "properties": {
-        "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}},
-        "required": ["v", "kids"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
+    "pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+    "format date": {
+        "type": "object",
+        "properties": {"day": {"type": "string", "format": "date"}},
+        "required": ["day"],
+        "additionalProperties": False,
+    },
+    "format email": {
+        "type": "object",
+        "properties": {"to": {"type": "string", "format": "email"}},
+        "required": ["to"],
+        "additionalProperties": False,
+    },
+    "$defs + $ref": {
+        "$defs": {"person": PERSON},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/person"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "recursive $ref": {
+        "$defs": {
+            "node": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2},
+                },
+                "required": ["v", "kids"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/node",
+    },
     "json_object": {"type": "object"},
 }
 
@@ -184,8 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
             cells = []
             for lib in report.values():
                 r = lib[name]
-                cells.append(f"{'no: ' + r['error'][:30]:>34}" if not r["compiles"] else
-                             f"{r['valid']:>3}/{r['finished']:<3} valid, {r['compile_ms']:>6} ms, {r['mask_us']:>6} us")
+                cells.append(
+                    f"{'no: ' + r['error'][:30]:>34}"
+                    if not r["compiles"]
+                    else f"{r['valid']:>3}/{r['finished']:<3} valid, {r['compile_ms']:>6} ms, {r['mask_us']:>6} us"
+                )
             print(f"{name:18} " + "  ".join(cells))
     return report
 

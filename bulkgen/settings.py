@@ -35,22 +35,32 @@ class SettingError(ValueError):
 class Flag:
     """How a user sets one field from the command line."""
 
-    name: str                                # the option, e.g. "--max-file-mb"
+    name: str  # the option, e.g. "--max-file-mb"
     help: str | None = None
     envvar: str | None = None
     metavar: str | None = None
-    type: type | None = None                 # None: the type of the field's default
+    type: type | None = None  # None: the type of the field's default
     choices: tuple[str, ...] | None = None
-    scale: int = 1                           # field = flag value * scale (--max-file-mb MiB -> max_file_bytes)
-    parse: Callable[[tuple[str, ...]], Any] | None = None  # a repeatable flag: its values -> the field's value
-    shared: bool = True                      # False: only the command that uses it declares it (serve)
+    scale: int = 1  # field = flag value * scale (--max-file-mb MiB -> max_file_bytes)
+    parse: Callable[[tuple[str, ...]], Any] | None = (
+        None  # a repeatable flag: its values -> the field's value
+    )
+    shared: bool = True  # False: only the command that uses it declares it (serve)
 
 
-def setting(default: Any = MISSING, *, factory: Any = MISSING, flag: Flag | None = None,
-            check: Callable[[Any], None] | None = None, keys: Mapping[str, Flag] | None = None) -> Any:
+def setting(
+    default: Any = MISSING,
+    *,
+    factory: Any = MISSING,
+    flag: Flag | None = None,
+    check: Callable[[Any], None] | None = None,
+    keys: Mapping[str, Flag] | None = None,
+) -> Any:
     """A settings field. `flag=None` says on purpose that users do not set it from the command line;
     `check` raises ValueError (what is wrong, without the value); `keys`: flags of a dict field's keys."""
-    return field(default=default, default_factory=factory, metadata={"flag": flag, "check": check, "keys": keys})
+    return field(
+        default=default, default_factory=factory, metadata={"flag": flag, "check": check, "keys": keys}
+    )
 
 
 def _positive_int(value: Any) -> None:
@@ -66,6 +76,7 @@ def _at_least(low: float, what: str) -> Callable[[Any], None]:
     def check(value: Any) -> None:
         if not value >= low:
             raise ValueError(f"must be at least {what}")
+
     return check
 
 
@@ -73,6 +84,7 @@ def _over(low: float, what: str) -> Callable[[Any], None]:
     def check(value: Any) -> None:
         if not value > low:
             raise ValueError(f"must be over {what}")
+
     return check
 
 
@@ -80,6 +92,7 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], None]:
     def check(value: Any) -> None:
         if value not in choices:
             raise ValueError(f"must be one of {', '.join(choices)}")
+
     return check
 
 
@@ -109,10 +122,17 @@ def parse_tenant_weights(specs: tuple[str, ...] | list[str]) -> dict[str, float]
 
 # EngineConfig fields the command line sets through WorkerSettings.engine_kwargs; absent: sized for the device.
 ENGINE_FLAGS = {
-    "max_num_seqs": Flag("--max-num-seqs", type=int, help="Sequences per engine step; default sized for the "
-                         "device (CPU 64, GPU 128-512 by free memory)."),
-    "max_num_batched_tokens": Flag("--max-num-batched-tokens", type=int, help="Token budget per engine step "
-                                   "(chunked prefill above it); default by device (CPU 2048, GPU 4k-16k)."),
+    "max_num_seqs": Flag(
+        "--max-num-seqs",
+        type=int,
+        help="Sequences per engine step; default sized for the device (CPU 64, GPU 128-512 by free memory).",
+    ),
+    "max_num_batched_tokens": Flag(
+        "--max-num-batched-tokens",
+        type=int,
+        help="Token budget per engine step "
+        "(chunked prefill above it); default by device (CPU 2048, GPU 4k-16k).",
+    ),
 }
 
 
@@ -140,22 +160,38 @@ def _check_fields(settings: Any) -> None:
 class WorkerSettings:
     """The engine worker actors: where Ray is, how many actors, and the engine's own settings."""
 
-    ray_address: str | None = setting(None, flag=Flag(
-        "--ray-address", envvar="RAY_ADDRESS", help="Join this Ray cluster (host:port, ray://…, or 'auto': this "
-        "machine's `ray start` cluster; env RAY_ADDRESS); default: a private local Ray, whatever else runs here."))
-    num_workers: int | None = setting(None, check=_optional(_positive_int), flag=Flag(
-        "--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."))
-    cpu_workers: int = setting(1, check=_positive_int, flag=Flag(
-        "--cpu-workers", help="CPU workers when there is no GPU."))
+    ray_address: str | None = setting(
+        None,
+        flag=Flag(
+            "--ray-address",
+            envvar="RAY_ADDRESS",
+            help="Join this Ray cluster (host:port, ray://…, or 'auto': this "
+            "machine's `ray start` cluster; env RAY_ADDRESS); default: a private local Ray, whatever else runs here.",
+        ),
+    )
+    num_workers: int | None = setting(
+        None,
+        check=_optional(_positive_int),
+        flag=Flag("--workers", type=int, help="Engine workers; default one per GPU, else --cpu-workers."),
+    )
+    cpu_workers: int = setting(
+        1, check=_positive_int, flag=Flag("--cpu-workers", help="CPU workers when there is no GPU.")
+    )
     # torch threads per CPU worker (Ray sets 1 otherwise); sized by whoever builds a pool, not by users
     cpu_threads: int | None = setting(None, check=_optional(_positive_int))
     engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
-    poll_deadline_s: float = setting(30.0, check=_over(0.5, "0.5 s (a healthy poll's wait)"), flag=Flag(
-        "--worker-poll-deadline", help="Seconds a worker may leave a poll (answered within 0.5 s when healthy) "
-        "unanswered before it counts as lost and its work goes elsewhere; Ray's own RAY_health_check_* settings "
-        "decide when Ray marks its node dead."))
+    poll_deadline_s: float = setting(
+        30.0,
+        check=_over(0.5, "0.5 s (a healthy poll's wait)"),
+        flag=Flag(
+            "--worker-poll-deadline",
+            help="Seconds a worker may leave a poll (answered within 0.5 s when healthy) "
+            "unanswered before it counts as lost and its work goes elsewhere; Ray's own RAY_health_check_* settings "
+            "decide when Ray marks its node dead.",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -165,43 +201,113 @@ class WorkerSettings:
 class Settings:
     """What `serve`, `run`, `watch` and the Ray job run with; fields in the order `--help` lists their flags."""
 
-    storage: str = setting(DEFAULT_STORAGE, flag=Flag(
-        "--storage", envvar="BULKGEN_STORAGE",
-        help="Where everything lives: a folder, file:///…, or s3://bucket/prefix (env BULKGEN_STORAGE)."))
-    endpoint_url: str | None = setting(None, flag=Flag(  # else AWS_ENDPOINT_URL, read by the S3 store
-        "--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."))
-    models: dict[str, str] = setting(factory=lambda: parse_model_specs([]), check=_some_model, flag=Flag(
-        "--model", metavar="NAME=PATH", parse=parse_model_specs,
-        help="Served model (local folder or s3://…), repeatable; default: the bundled sample model."))
+    storage: str = setting(
+        DEFAULT_STORAGE,
+        flag=Flag(
+            "--storage",
+            envvar="BULKGEN_STORAGE",
+            help="Where everything lives: a folder, file:///…, or s3://bucket/prefix (env BULKGEN_STORAGE).",
+        ),
+    )
+    endpoint_url: str | None = setting(
+        None,
+        flag=Flag(  # else AWS_ENDPOINT_URL, read by the S3 store
+            "--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."
+        ),
+    )
+    models: dict[str, str] = setting(
+        factory=lambda: parse_model_specs([]),
+        check=_some_model,
+        flag=Flag(
+            "--model",
+            metavar="NAME=PATH",
+            parse=parse_model_specs,
+            help="Served model (local folder or s3://…), repeatable; default: the bundled sample model.",
+        ),
+    )
     workers: WorkerSettings = setting(factory=WorkerSettings)
-    range_size: int = setting(32, check=_positive_int, flag=Flag(  # the unit workers pull and parts hold
-        "--range-size", help="Requests per line range: the unit workers pull and results are checkpointed in."))
+    range_size: int = setting(
+        32,
+        check=_positive_int,
+        flag=Flag(  # the unit workers pull and parts hold
+            "--range-size",
+            help="Requests per line range: the unit workers pull and results are checkpointed in.",
+        ),
+    )
     max_requests_per_batch: int = setting(50_000, check=_positive_int, flag=Flag("--max-requests-per-batch"))
-    max_file_bytes: int = setting(200 * MIB, check=_positive_int, flag=Flag(
-        "--max-file-mb", scale=MIB,
-        help="Largest input file accepted, in MiB (uploads are refused while they stream past it)."))
-    scheduling: str = setting("fifo", check=_one_of(SCHEDULING), flag=Flag(  # fifo: by created_at
-        "--scheduling", choices=SCHEDULING,
-        help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at)."))
-    fair_share_after_s: float = setting(30.0, check=_at_least(0, "0"), flag=Flag(
-        "--fair-share-after", help="Seconds a batch may get no work before it is served next (no batch starves)."))
-    tenant_weights: dict[str, float] = setting(factory=dict, check=_check_weights, flag=Flag(  # others weigh 1
-        "--tenant-weight", metavar="TENANT=W", parse=parse_tenant_weights,
-        help="Give TENANT W times the default share of the workers while tenants compete (repeatable; default 1 "
-        "each); a keys file's `TENANT weight=W` line wins over it."))
-    lease_ttl_s: float = setting(30.0, check=_at_least(1, "1 second"), flag=Flag(  # since the last renewal
-        "--lease-ttl", help="Seconds after which another replica takes over a batch whose runner stopped renewing."))
-    tenant: str = setting(DEFAULT_TENANT, check=check_tenant, flag=Flag(  # also the tenant of a keyless service
-        "--tenant", envvar="BULKGEN_TENANT",
-        help="Whose files and batches these are (env BULKGEN_TENANT); with API keys, each key's tenant."))
-    storage_outage_timeout_s: float = setting(300.0, check=_over(0, "0 seconds"), flag=Flag(
-        "--storage-outage-timeout", help="Seconds a running batch waits for storage that stopped answering; then "
-        "its runner stops, the batch stays active and resumes once storage answers."))
+    max_file_bytes: int = setting(
+        200 * MIB,
+        check=_positive_int,
+        flag=Flag(
+            "--max-file-mb",
+            scale=MIB,
+            help="Largest input file accepted, in MiB (uploads are refused while they stream past it).",
+        ),
+    )
+    scheduling: str = setting(
+        "fifo",
+        check=_one_of(SCHEDULING),
+        flag=Flag(  # fifo: by created_at
+            "--scheduling",
+            choices=SCHEDULING,
+            help="Which batch goes first: fifo (oldest) or deadline (earliest expires_at).",
+        ),
+    )
+    fair_share_after_s: float = setting(
+        30.0,
+        check=_at_least(0, "0"),
+        flag=Flag(
+            "--fair-share-after",
+            help="Seconds a batch may get no work before it is served next (no batch starves).",
+        ),
+    )
+    tenant_weights: dict[str, float] = setting(
+        factory=dict,
+        check=_check_weights,
+        flag=Flag(  # others weigh 1
+            "--tenant-weight",
+            metavar="TENANT=W",
+            parse=parse_tenant_weights,
+            help="Give TENANT W times the default share of the workers while tenants compete (repeatable; default 1 "
+            "each); a keys file's `TENANT weight=W` line wins over it.",
+        ),
+    )
+    lease_ttl_s: float = setting(
+        30.0,
+        check=_at_least(1, "1 second"),
+        flag=Flag(  # since the last renewal
+            "--lease-ttl",
+            help="Seconds after which another replica takes over a batch whose runner stopped renewing.",
+        ),
+    )
+    tenant: str = setting(
+        DEFAULT_TENANT,
+        check=check_tenant,
+        flag=Flag(  # also the tenant of a keyless service
+            "--tenant",
+            envvar="BULKGEN_TENANT",
+            help="Whose files and batches these are (env BULKGEN_TENANT); with API keys, each key's tenant.",
+        ),
+    )
+    storage_outage_timeout_s: float = setting(
+        300.0,
+        check=_over(0, "0 seconds"),
+        flag=Flag(
+            "--storage-outage-timeout",
+            help="Seconds a running batch waits for storage that stopped answering; then "
+            "its runner stops, the batch stays active and resumes once storage answers.",
+        ),
+    )
     # create answers 400 for a batch its window cannot hold (bulkgen.plan); only `serve` creates from a client
-    refuse_infeasible: bool = setting(False, flag=Flag(
-        "--refuse-infeasible", shared=False,
-        help="Validate at create and answer 400 for a batch whose estimated time, alone on the workers, exceeds "
-        "its completion window (needs a stored `bulkgen profile`); default: accept and warn in the batch's errors."))
+    refuse_infeasible: bool = setting(
+        False,
+        flag=Flag(
+            "--refuse-infeasible",
+            shared=False,
+            help="Validate at create and answer 400 for a batch whose estimated time, alone on the workers, exceeds "
+            "its completion window (needs a stored `bulkgen profile`); default: accept and warn in the batch's errors.",
+        ),
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -254,7 +360,9 @@ def from_flags(values: Mapping[str, Any]) -> Settings:
         if exc.field not in known:
             raise
         flag, raw = known[exc.field].flag, values.get(exc.field)
-        shown = "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"  # as typed: 0.3, 5
+        shown = (
+            "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"
+        )  # as typed: 0.3, 5
         raise ValueError(f"{flag.name}{shown}: {exc.message}") from None
 
 
@@ -267,5 +375,9 @@ def _in_field_terms(flag: Flag, raw: Any) -> Any:
 
 def _build(cls: type, tree: dict[str, Any]) -> Any:
     kinds = {item.name: item.default_factory for item in fields(cls)}
-    return cls(**{name: _build(kinds[name], value) if is_dataclass(kinds[name]) else value
-                  for name, value in tree.items()})
+    return cls(
+        **{
+            name: _build(kinds[name], value) if is_dataclass(kinds[name]) else value
+            for name, value in tree.items()
+        }
+    )

@@ -33,7 +33,7 @@ TENANT_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"
 _TENANT = re.compile(rf"^{TENANT_PATTERN}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 KEY_PREFIX = "bg-"
-HASH_LABEL = "sha256:"   # how `bulkgen keys list` shows a key, and `bulkgen keys revoke` takes one
+HASH_LABEL = "sha256:"  # how `bulkgen keys list` shows a key, and `bulkgen keys revoke` takes one
 WEIGHT_PREFIX = "weight="  # `TENANT weight=W`: the tenant's share weight
 MAX_WEIGHT = 1e6
 log = logging.getLogger(__name__)
@@ -45,8 +45,10 @@ class KeysFileError(ValueError):
 
 def check_tenant(name: str) -> str:
     if not isinstance(name, str) or not _TENANT.match(name):
-        raise ValueError(f"tenant name {str(name)[:80]!r} is not valid: use 1-63 lowercase letters, digits, "
-                         "'-' or '_', starting with a letter or digit")
+        raise ValueError(
+            f"tenant name {str(name)[:80]!r} is not valid: use 1-63 lowercase letters, digits, "
+            "'-' or '_', starting with a letter or digit"
+        )
     return name
 
 
@@ -72,12 +74,17 @@ class KeyRing:
     closed: a file that cannot be read or has a bad line means no key is valid until it is fixed, with
     one ERROR line naming the file and line per change, not per request."""
 
-    def __init__(self, hashes: dict[str, str], path: Path | None = None, digest: str | None = None,
-                 weights: dict[str, float] | None = None) -> None:
-        self._hashes = hashes                 # sha256 hex -> tenant
-        self._weights = weights or {}         # tenant -> share weight, where the file gives one
+    def __init__(
+        self,
+        hashes: dict[str, str],
+        path: Path | None = None,
+        digest: str | None = None,
+        weights: dict[str, float] | None = None,
+    ) -> None:
+        self._hashes = hashes  # sha256 hex -> tenant
+        self._weights = weights or {}  # tenant -> share weight, where the file gives one
         self.path = path
-        self._digest = digest                 # of the bytes `_hashes` came from
+        self._digest = digest  # of the bytes `_hashes` came from
         self._lock = threading.Lock()
 
     @classmethod
@@ -106,7 +113,7 @@ class KeyRing:
             return None
         self._reload()
         given = hash_key(key)
-        for known, tenant in self._hashes.items():   # compare every entry, in constant time each
+        for known, tenant in self._hashes.items():  # compare every entry, in constant time each
             if hmac.compare_digest(given, known):
                 return Caller(tenant)
         return None
@@ -179,8 +186,10 @@ def _parse(path: Path, data: bytes, weights: bool) -> dict:
             shares[tenant] = weight
             continue
         if len(fields) != 2 or not _SHA256.match(fields[1]):
-            raise KeysFileError(f"{path}:{number}: expected 'TENANT KEY_SHA256' (64 lowercase hex digits) or "
-                                "'TENANT weight=W'; create key entries with `bulkgen keys add TENANT`")
+            raise KeysFileError(
+                f"{path}:{number}: expected 'TENANT KEY_SHA256' (64 lowercase hex digits) or "
+                "'TENANT weight=W'; create key entries with `bulkgen keys add TENANT`"
+            )
         try:
             hashes[fields[1]] = check_tenant(fields[0])
         except ValueError as exc:
@@ -203,7 +212,9 @@ def check_weight(text: str, what: str) -> float:
     except ValueError:
         weight = float("nan")
     if not 0 < weight <= MAX_WEIGHT:
-        raise ValueError(f"the weight of {what} must be a number > 0 and at most {MAX_WEIGHT:g}, got {text[:40]!r}")
+        raise ValueError(
+            f"the weight of {what} must be a number > 0 and at most {MAX_WEIGHT:g}, got {text[:40]!r}"
+        )
     return weight
 
 
@@ -232,7 +243,7 @@ def revoke_keys(path: str | os.PathLike[str], which: str) -> list[tuple[str, str
     comments stay; the file is replaced atomically. -> the (tenant, hash) pairs removed."""
     path = Path(path)
     data = _read(path)
-    hashes = parse_keys(path, data)   # refuse to rewrite a file we could not read back
+    hashes = parse_keys(path, data)  # refuse to rewrite a file we could not read back
     chosen = _chosen(hashes, which)
     gone = {key_hash for _, key_hash in chosen}
     kept = [line for line in data.decode("utf-8").splitlines(keepends=True) if _line_hash(line) not in gone]
@@ -257,8 +268,10 @@ def _chosen(hashes: dict[str, str], which: str) -> list[tuple[str, str]]:
     if which.startswith(HASH_LABEL):
         prefix = which.removeprefix(HASH_LABEL).lower()
         if not re.fullmatch(r"[0-9a-f]{8,64}", prefix):
-            raise ValueError(f"{which!r}: give at least 8 hex digits of the key's hash, as `bulkgen keys list` "
-                             "shows it (sha256:0123abcd...)")
+            raise ValueError(
+                f"{which!r}: give at least 8 hex digits of the key's hash, as `bulkgen keys list` "
+                "shows it (sha256:0123abcd...)"
+            )
         found = [(t, h) for h, t in hashes.items() if h.startswith(prefix)]
         if len(found) > 1:
             raise ValueError(f"{which!r} matches {len(found)} keys; give more digits")
@@ -267,6 +280,8 @@ def _chosen(hashes: dict[str, str], which: str) -> list[tuple[str, str]]:
     else:
         found = [(t, h) for h, t in hashes.items() if t == which]
     if not found:
-        raise ValueError(f"no key matches {which[:80]!r}: give a tenant, sha256:PREFIX (see `bulkgen keys list`) "
-                         "or the key itself")
+        raise ValueError(
+            f"no key matches {which[:80]!r}: give a tenant, sha256:PREFIX (see `bulkgen keys list`) "
+            "or the key itself"
+        )
     return found

@@ -42,6 +42,7 @@ SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"(])")
 
 # ---- data -------------------------------------------------------------------------------------------
 
+
 def prose_paragraphs() -> tuple[list[str], list[str]]:
     """Prose paragraphs (one line each) and where they came from: the Python documentation, then the
     long descriptions of installed packages under a permissive licence. Code, tables, headings dropped."""
@@ -64,14 +65,19 @@ def permissive_descriptions():
     for dist in distributions():
         meta = dist.metadata
         licence = " ".join([meta.get("License-Expression") or "", *(meta.get_all("Classifier") or [])])
-        if meta["Name"] and meta["Name"] != "bulkgen" and any(p in licence for p in PERMISSIVE) and "GPL" not in licence:
+        if (
+            meta["Name"]
+            and meta["Name"] != "bulkgen"
+            and any(p in licence for p in PERMISSIVE)
+            and "GPL" not in licence
+        ):
             seen[meta["Name"].lower()] = (meta["Name"].lower(), meta["Version"], meta.get_payload() or "")
     return [seen[k] for k in sorted(seen)]
 
 
 def _clean(block: str) -> str:
-    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", block)          # markdown links: keep the words
-    text = re.sub(r"\[\d+\]|[*`]", "", text)                     # footnote marks, emphasis, code ticks
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", block)  # markdown links: keep the words
+    text = re.sub(r"\[\d+\]|[*`]", "", text)  # footnote marks, emphasis, code ticks
     return re.sub(r"\s+", " ", text).strip()
 
 
@@ -122,11 +128,22 @@ def train_tokenizer(paragraphs: list[str], vocab_size: int):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(paragraphs, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|end|>", pad_token="<|pad|>",
-                                  bos_token=None, unk_token=None, model_max_length=None)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=None,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -140,14 +157,23 @@ def unigram_baseline(train: torch.Tensor, heldout_targets: torch.Tensor, vocab_s
 
 # ---- model and training -----------------------------------------------------------------------------
 
+
 def build_model(tokenizer, args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.context, tie_word_embeddings=True, rope_theta=10000.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.context,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
     )
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(config).float()
@@ -158,14 +184,14 @@ def batches(stream: torch.Tensor, batch: int, length: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     while True:
         starts = torch.randint(0, len(stream) - length - 1, (batch,), generator=gen)
-        rows = torch.stack([stream[s:s + length + 1] for s in starts.tolist()])
+        rows = torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
         yield rows[:, :-1], rows[:, 1:]
 
 
 def heldout_windows(stream: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = (len(stream) - 1) // length
     x = stream[: n * length].view(n, length)
-    y = stream[1: n * length + 1].view(n, length)
+    y = stream[1 : n * length + 1].view(n, length)
     return x, y
 
 
@@ -177,8 +203,10 @@ def loss_of(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(model, x: torch.Tensor, y: torch.Tensor, batch: int = 8) -> float:
     model.eval()
-    total = sum(float(loss_of(model, x[i:i + batch], y[i:i + batch])) * len(x[i:i + batch])
-                for i in range(0, len(x), batch))
+    total = sum(
+        float(loss_of(model, x[i : i + batch], y[i : i + batch])) * len(x[i : i + batch])
+        for i in range(0, len(x), batch)
+    )
     model.train()
     return total / len(x)
 
@@ -192,8 +220,8 @@ def lr_at(progress: float, peak: float, warmup: float = 0.05, floor: float = 0.1
 
 
 def optimizer_for(model, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    decay = [p for p in model.parameters() if p.dim() >= 2]     # matrices and embeddings
-    no_decay = [p for p in model.parameters() if p.dim() < 2]   # norm gains
+    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norm gains
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
@@ -221,15 +249,23 @@ def train(model, stream, heldout, args) -> dict:
         step += 1
         history.append(loss.item())
         bar.update(1)
-        bar.set_postfix(loss=f"{sum(history[-20:]) / len(history[-20:]):.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}")
+        bar.set_postfix(
+            loss=f"{sum(history[-20:]) / len(history[-20:]):.3f}", lr=f"{opt.param_groups[0]['lr']:.1e}"
+        )
         if args.eval_every and step % args.eval_every == 0:
             bar.write(f"step {step}: held-out loss {evaluate(model, *heldout):.3f}")
     bar.close()
-    return {"steps": step, "seconds": round(time.monotonic() - start, 1), "first_loss": history[0],
-            "last_loss": sum(history[-20:]) / len(history[-20:]), "stopped_by": "steps" if step >= args.steps else "clock"}
+    return {
+        "steps": step,
+        "seconds": round(time.monotonic() - start, 1),
+        "first_loss": history[0],
+        "last_loss": sum(history[-20:]) / len(history[-20:]),
+        "stopped_by": "steps" if step >= args.steps else "clock",
+    }
 
 
 # ---- after training: samples, memory, files ----------------------------------------------------------
+
 
 @torch.no_grad()
 def completions(model, tokenizer, seed: int) -> list[dict]:
@@ -242,40 +278,55 @@ def completions(model, tokenizer, seed: int) -> list[dict]:
         for mode in ("greedy", "sampled"):
             torch.manual_seed(seed)
             sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.95} if mode == "sampled" else {}
-            gen = model.generate(ids, max_new_tokens=40, pad_token_id=tokenizer.pad_token_id,
-                                 eos_token_id=tokenizer.eos_token_id, **sampling)
-            text = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
-            out.append({"prompt": CHAT[0]["content"] if prompt == chat else prompt, "chat": prompt == chat,
-                        "mode": mode, "completion": text})
+            gen = model.generate(
+                ids,
+                max_new_tokens=40,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                **sampling,
+            )
+            text = tokenizer.decode(gen[0, ids.shape[1] :], skip_special_tokens=True)
+            out.append(
+                {
+                    "prompt": CHAT[0]["content"] if prompt == chat else prompt,
+                    "chat": prompt == chat,
+                    "mode": mode,
+                    "completion": text,
+                }
+            )
     return out
 
 
 def memory_rows(model, context: int, batch: int) -> list[MemoryRow]:
     own = LlamaShape.from_config("bulkgen-tiny (this model)", model.config)
     tiny_context = min(context, model.config.max_position_embeddings)
-    return [MemoryRow(own, tiny_context, batch), MemoryRow(LLAMA_3_2_1B, context, batch),
-            MemoryRow(LLAMA_3_8B, context, batch)]
+    return [
+        MemoryRow(own, tiny_context, batch),
+        MemoryRow(LLAMA_3_2_1B, context, batch),
+        MemoryRow(LLAMA_3_8B, context, batch),
+    ]
 
 
 def model_card(summary: dict, table: str) -> str:
     samples = "\n".join(
         f"- {s['mode']}, {'chat' if s['chat'] else 'text'} `{s['prompt']}` → `{s['completion'].strip()}`"
-        for s in summary["completions"])
+        for s in summary["completions"]
+    )
     return f"""# bulkgen-tiny
 
-A {summary['parameters'] / 1e6:.1f} M-parameter Llama trained from scratch by `jobs/train_tiny.py`, so that
+A {summary["parameters"] / 1e6:.1f} M-parameter Llama trained from scratch by `jobs/train_tiny.py`, so that
 bulkgen's quickstart prints English offline. It knows nothing: it writes Python-documentation-flavoured
 prose, often untrue. Serve a real model with `--model NAME=PATH`.
 
-- Text: prose paragraphs of the {summary['source']} and of the long descriptions (READMEs) of
-  {len(summary['packages'])} installed packages under MIT, BSD, Apache, PSF or ISC licences (listed in
-  training_summary.json); {summary['train_tokens']:,} training and {summary['heldout_tokens']:,} held-out tokens
-  (held-out = {summary['heldout_fraction']:.0%} of paragraphs, seed {summary['seed']}).
-- Tokenizer: byte-level BPE, {summary['vocab_size']:,} tokens, chat template `<|role|>\\ntext<|end|>\\n`.
-- Training: {summary['steps']} AdamW steps of {summary['batch']} x {summary['context']} tokens,
-  {summary['seconds'] / 60:.1f} min on {summary['threads']} CPU threads.
-- Held-out loss {summary['heldout_loss']:.3f} nats/token (shipped bf16 weights: {summary['heldout_loss_bf16']:.3f})
-  against {summary['unigram_baseline']:.3f} for a unigram model fitted on the training split.
+- Text: prose paragraphs of the {summary["source"]} and of the long descriptions (READMEs) of
+  {len(summary["packages"])} installed packages under MIT, BSD, Apache, PSF or ISC licences (listed in
+  training_summary.json); {summary["train_tokens"]:,} training and {summary["heldout_tokens"]:,} held-out tokens
+  (held-out = {summary["heldout_fraction"]:.0%} of paragraphs, seed {summary["seed"]}).
+- Tokenizer: byte-level BPE, {summary["vocab_size"]:,} tokens, chat template `<|role|>\\ntext<|end|>\\n`.
+- Training: {summary["steps"]} AdamW steps of {summary["batch"]} x {summary["context"]} tokens,
+  {summary["seconds"] / 60:.1f} min on {summary["threads"]} CPU threads.
+- Held-out loss {summary["heldout_loss"]:.3f} nats/token (shipped bf16 weights: {summary["heldout_loss_bf16"]:.3f})
+  against {summary["unigram_baseline"]:.3f} for a unigram model fitted on the training split.
 
 ## Samples
 
@@ -327,29 +378,51 @@ def main(argv=None) -> dict:
     train_paras, held_paras = split_heldout(paragraphs, args.seed, args.heldout)
     tokenizer = train_tokenizer(train_paras, args.vocab)
     stream = token_stream(render(train_paras, tokenizer, args.seed), tokenizer)
-    heldout = heldout_windows(token_stream(render(held_paras, tokenizer, args.seed + 1), tokenizer), args.context)
+    heldout = heldout_windows(
+        token_stream(render(held_paras, tokenizer, args.seed + 1), tokenizer), args.context
+    )
     baseline = unigram_baseline(stream, heldout[1].reshape(-1), len(tokenizer))
     model = build_model(tokenizer, args)
     params = sum(p.numel() for p in model.parameters())
-    print(f"{len(train_paras)} training / {len(held_paras)} held-out paragraphs; {len(stream):,} training tokens, "
-          f"{heldout[1].numel():,} held-out targets; vocab {len(tokenizer)}; {params / 1e6:.2f} M parameters")
+    print(
+        f"{len(train_paras)} training / {len(held_paras)} held-out paragraphs; {len(stream):,} training tokens, "
+        f"{heldout[1].numel():,} held-out targets; vocab {len(tokenizer)}; {params / 1e6:.2f} M parameters"
+    )
     untrained = evaluate(model, *heldout)
-    print(f"unigram baseline on the held-out split: {baseline:.3f} nats/token; untrained model: {untrained:.3f}")
+    print(
+        f"unigram baseline on the held-out split: {baseline:.3f} nats/token; untrained model: {untrained:.3f}"
+    )
     run = train(model, stream, heldout, args)
     loss = evaluate(model, *heldout)
     loss_bf16 = evaluate(model.to(torch.bfloat16).float(), *heldout)
-    print(f"held-out loss {loss:.3f} (bf16 weights {loss_bf16:.3f}) vs unigram {baseline:.3f} nats/token; "
-          f"{run['steps']} steps in {run['seconds'] / 60:.1f} min (stopped by {run['stopped_by']})")
+    print(
+        f"held-out loss {loss:.3f} (bf16 weights {loss_bf16:.3f}) vs unigram {baseline:.3f} nats/token; "
+        f"{run['steps']} steps in {run['seconds'] / 60:.1f} min (stopped by {run['stopped_by']})"
+    )
     samples = completions(model, tokenizer, args.seed)
     for s in samples:
         print(f"[{s['mode']}{' chat' if s['chat'] else ''}] {s['prompt']!r} -> {s['completion']!r}")
     table = format_memory_table(memory_rows(model, args.memory_context, args.memory_batch))
     print("\nMemory, training vs inference (activations excluded):\n" + table)
-    summary = {"source": SOURCE, "packages": sources[1:], "seed": args.seed, "heldout_fraction": args.heldout, "train_tokens": len(stream),
-               "heldout_tokens": heldout[1].numel(), "vocab_size": len(tokenizer), "parameters": params,
-               "batch": args.batch, "context": args.context, "threads": torch.get_num_threads(), **run,
-               "untrained_heldout_loss": untrained, "heldout_loss": loss, "heldout_loss_bf16": loss_bf16, "unigram_baseline": baseline,
-               "completions": samples}
+    summary = {
+        "source": SOURCE,
+        "packages": sources[1:],
+        "seed": args.seed,
+        "heldout_fraction": args.heldout,
+        "train_tokens": len(stream),
+        "heldout_tokens": heldout[1].numel(),
+        "vocab_size": len(tokenizer),
+        "parameters": params,
+        "batch": args.batch,
+        "context": args.context,
+        "threads": torch.get_num_threads(),
+        **run,
+        "untrained_heldout_loss": untrained,
+        "heldout_loss": loss,
+        "heldout_loss_bf16": loss_bf16,
+        "unigram_baseline": baseline,
+        "completions": samples,
+    }
     save(model, tokenizer, args.out, summary, table)
     print(f"wrote {args.out}")
     return summary

@@ -23,7 +23,9 @@ if not torch.cuda.is_available():
 # except for requests marked HOLD while a test keeps the gate closed. Set at import, before anything starts
 # Ray or a subprocess, so every worker process inherits both variables.
 os.environ["BULKGEN_TEST_ENGINE"] = "tests.support.held_engine:HeldEngine"
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # to import it
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+)  # to import it
 os.environ["BULKGEN_TEST_GATE"] = tempfile.mkdtemp(prefix="bulkgen-gate-")
 atexit.register(shutil.rmtree, os.environ["BULKGEN_TEST_GATE"], ignore_errors=True)
 
@@ -112,8 +114,11 @@ def flaky_proxy(s3_server):
 def service(tmp_path_factory, aws_test_credentials):
     from tests.support.service import Service, settings_for
 
-    svc = Service(settings_for(str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500,
-                               fair_share_after_s=2.0))
+    svc = Service(
+        settings_for(
+            str(tmp_path_factory.mktemp("storage")), max_requests_per_batch=500, fair_share_after_s=2.0
+        )
+    )
     yield svc
     svc.stop()
 

@@ -119,7 +119,9 @@ def test_bench_on_real_engine(tmp_path):
 def test_bench_bad_file(tmp_path):
     model = build_tiny_model(tmp_path / "model")
     batch = tmp_path / "batch.jsonl"
-    batch.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": -3}}\n')
+    batch.write_text(
+        '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": -3}}\n'
+    )
     result = run("bench", str(batch), "--model", str(model))
     assert result.exit_code == 2 and "batch.jsonl:1: body.max_tokens" in result.output
     missing = run("bench", str(tmp_path / "nope.jsonl"), "--model", str(model))

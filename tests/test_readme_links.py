@@ -19,4 +19,3 @@ def test_readme_relative_links_reach_files():
     assert any(link.startswith("docs/") for link in links), "the README links to no docs page"
     missing = [link for link in links if not (ROOT / link.split("#", 1)[0]).exists()]
     assert not missing, f"README.md links to files that do not exist: {missing}"
-

@@ -40,8 +40,15 @@ class StorageProbe:
             return self.last
 
 
-def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None = None, *,
-               allowed_hosts: Iterable[str] = (), body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+def create_app(
+    svc,
+    manager,
+    api_key: str | None = None,
+    keyring: KeyRing | None = None,
+    *,
+    allowed_hosts: Iterable[str] = (),
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
     """`svc`: bulkgen.batch.service.BatchService (its tenant answers keyless callers); `manager`: runs
     batches. `keyring` (tenants and their key hashes) or `api_key` (one key, svc's tenant) require keys.
     `allowed_hosts`: Host names answered besides the bound address ("*": any; bulkgen.api.guard);
@@ -55,14 +62,18 @@ def create_app(svc, manager, api_key: str | None = None, keyring: KeyRing | None
     auth.install(app, keyring, svc.tenant)
     app.include_router(files.router)
     app.include_router(batches.router)
-    dashboard.install(app)  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
+    dashboard.install(
+        app
+    )  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
     app.add_middleware(Guard, allowed_hosts=allowed_hosts)  # added last: outermost, before the key check
 
     @app.get("/v1/models")
     async def list_models() -> dict:
         # every served model answers every endpoint: embeddings pool its final hidden states (bulkgen.engine.pooling)
-        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
-                for name in svc.settings.models]
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
+            for name in svc.settings.models
+        ]
         return {"object": "list", "data": data}
 
     @app.get("/v1/models/{model:path}", response_model=None)

@@ -51,5 +51,8 @@ def service_of(request: Request):
 
 
 def _unauthorized(message: str) -> JSONResponse:
-    return JSONResponse(error_body(message, code="invalid_api_key", error_type="invalid_request_error"),
-                        status_code=401, headers={"WWW-Authenticate": "Bearer"})
+    return JSONResponse(
+        error_body(message, code="invalid_api_key", error_type="invalid_request_error"),
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )

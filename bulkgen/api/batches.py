@@ -55,10 +55,19 @@ async def create_batch(request: Request) -> dict:
 
 def _create(svc, manager, body: CreateBatch) -> dict:
     expiry = body.output_expires_after
-    seconds = None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
-    record = svc.create_batch(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
-                              output_expires_after_s=seconds)
-    if svc.settings.refuse_infeasible:  # validated, indexed and estimated now, so an infeasible batch is a 400
+    seconds = (
+        None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
+    )
+    record = svc.create_batch(
+        body.input_file_id,
+        body.endpoint,
+        body.completion_window,
+        body.metadata,
+        output_expires_after_s=seconds,
+    )
+    if (
+        svc.settings.refuse_infeasible
+    ):  # validated, indexed and estimated now, so an infeasible batch is a 400
         driver = Driver(svc, manager)
         record, index = driver.validate(record["id"])
         raise_if_refused(record)
@@ -73,7 +82,9 @@ async def retrieve_batch(request: Request, batch_id: str) -> dict:
 
 
 @router.get("")
-async def list_batches(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)) -> dict:
+async def list_batches(
+    request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+) -> dict:
     items, has_more = await run_in_threadpool(service_of(request).batches.list, after, limit)
     return page([public_view(r) for r in items], has_more)
 

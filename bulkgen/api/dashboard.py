@@ -21,7 +21,7 @@ from bulkgen.metrics.batch import LATENCY_KEYS
 from bulkgen.store import NotFound, layout
 
 STATIC = Path(__file__).resolve().parent / "static"  # served openly: bulkgen.api.auth exempts / and /ui/
-MAX_POINTS = 240          # timeline points sent to the page (neighbouring buckets merged beyond that)
+MAX_POINTS = 240  # timeline points sent to the page (neighbouring buckets merged beyond that)
 HISTOGRAM_BINS = 30
 
 router = APIRouter()
@@ -48,7 +48,9 @@ async def workers(request: Request) -> dict:
         worker["batches"] = mine
     queue = getattr(manager, "queue", None)
     shares = queue.shares() if queue is not None else {}
-    fair = shares.get(tenant, {"weight": queue.fair.weight(tenant) if queue is not None else 1.0, "share": 0.0})
+    fair = shares.get(
+        tenant, {"weight": queue.fair.weight(tenant) if queue is not None else 1.0, "share": 0.0}
+    )
     return {"object": "list", "data": data, "fair_share": {"tenant": tenant, **fair}}
 
 
@@ -73,8 +75,13 @@ def _timeline(svc, batch_id: str) -> dict:
     for key in LATENCY_KEYS:
         counts, edges = metrics.latencies[key].histogram(HISTOGRAM_BINS)
         histograms[key] = {"counts": counts, "edges": edges}
-    return {"object": "batch.timeline", "id": batch_id, "points": downsample(_points(metrics), MAX_POINTS),
-            "histograms": histograms, "summary": metrics.summary() if metrics.totals["requests"] else None}
+    return {
+        "object": "batch.timeline",
+        "id": batch_id,
+        "points": downsample(_points(metrics), MAX_POINTS),
+        "histograms": histograms,
+        "summary": metrics.summary() if metrics.totals["requests"] else None,
+    }
 
 
 def _points(metrics: BatchMetrics) -> list[dict]:
@@ -94,9 +101,13 @@ def downsample(points: list[dict], limit: int) -> list[dict]:
     out = []
     for i in range(0, len(points), group):
         run = points[i : i + group]
-        merged = {k: sum(p[k] for p in run) / len(run) for k in ("output_tokens_per_s", "busy_workers",
-                                                                    "occupancy", "batch_size")}
-        merged.update(t_s=run[0]["t_s"], width_s=run[0]["width_s"] * len(run), steps=sum(p["steps"] for p in run))
+        merged = {
+            k: sum(p[k] for p in run) / len(run)
+            for k in ("output_tokens_per_s", "busy_workers", "occupancy", "batch_size")
+        }
+        merged.update(
+            t_s=run[0]["t_s"], width_s=run[0]["width_s"] * len(run), steps=sum(p["steps"] for p in run)
+        )
         out.append(merged)
     return out
 

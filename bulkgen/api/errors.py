@@ -17,15 +17,18 @@ from bulkgen.store import StorageUnavailable
 log = logging.getLogger(__name__)
 
 
-def error_body(message: str, param: str | None = None, code: str | None = None,
-               error_type: str = "invalid_request_error") -> dict:
+def error_body(
+    message: str, param: str | None = None, code: str | None = None, error_type: str = "invalid_request_error"
+) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(InvalidRequest)
     async def invalid(_: Request, exc: InvalidRequest) -> JSONResponse:
-        status = getattr(exc, "status", 409 if isinstance(exc, Conflict) else 400)  # 408, 413, 415: bulkgen.api.body
+        status = getattr(
+            exc, "status", 409 if isinstance(exc, Conflict) else 400
+        )  # 408, 413, 415: bulkgen.api.body
         return JSONResponse(error_body(exc.message, exc.param, exc.code), status_code=status)
 
     @app.exception_handler(ClientDisconnect)
@@ -51,16 +54,25 @@ def install(app: FastAPI) -> None:
             message = f"unknown field {where}: bulkgen refuses what it cannot honour; remove it"
             return JSONResponse(error_body(message, where, "unknown_parameter"), status_code=400)
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body("the body is not valid JSON", None, "invalid_json"), status_code=400)
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+            return JSONResponse(
+                error_body("the body is not valid JSON", None, "invalid_json"), status_code=400
+            )
+        message = (
+            f"{where}: {first.get('msg', 'invalid request')}"
+            if where
+            else first.get("msg", "invalid request")
+        )
         return JSONResponse(error_body(message, where or None, "invalid_request"), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", error_type="server_error"),
-                            status_code=500)
+        return JSONResponse(
+            error_body(f"internal error: {type(exc).__name__}", error_type="server_error"), status_code=500
+        )

@@ -28,8 +28,9 @@ async def create_file(request: Request) -> dict:
         purpose = fields.get("purpose")
         if purpose != "batch":
             raise InvalidRequest(f"purpose must be 'batch'; got {quote(purpose)}", param="purpose")
-        expires = check_expires_after(fields.get("expires_after[seconds]"),
-                                      fields.get("expires_after[anchor]") or "created_at")
+        expires = check_expires_after(
+            fields.get("expires_after[seconds]"), fields.get("expires_after[anchor]") or "created_at"
+        )
         return await run_in_threadpool(files.write_meta, file_id, size, name, purpose, expires)
     except BaseException:
         await run_in_threadpool(files.discard_data, file_id)

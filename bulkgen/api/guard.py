@@ -80,8 +80,9 @@ class Guard:
             # uvicorn cancels what still runs once its shutdown grace period is over: one line, no traceback
             log.warning("%s %s stopped: the service is shutting down", scope["method"], scope["path"])
             if not started:
-                body = error_body("the service is shutting down; try again", code="shutting_down",
-                                  error_type="server_error")
+                body = error_body(
+                    "the service is shutting down; try again", code="shutting_down", error_type="server_error"
+                )
                 await JSONResponse(body, status_code=503)(scope, receive_body, send_with_headers)
 
     def refusal(self, scope: Scope, headers: Headers) -> tuple[int, str, str] | None:

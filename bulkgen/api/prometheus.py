@@ -47,12 +47,21 @@ class RecordCache:
 def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
     registry = CollectorRegistry()
     batches = Gauge("bulkgen_batches", "Batches by status", ["status"], registry=registry)
-    requests = Gauge("bulkgen_requests", "Requests by outcome, over all stored batches", ["outcome"], registry=registry)
+    requests = Gauge(
+        "bulkgen_requests", "Requests by outcome, over all stored batches", ["outcome"], registry=registry
+    )
     tokens = Gauge("bulkgen_tokens", "Tokens processed, over all stored batches", ["kind"], registry=registry)
     queued = Gauge("bulkgen_queue_batches", "Batches waiting for the worker pool", registry=registry)
-    pending = Gauge("bulkgen_queue_requests", "Requests of active batches not finished yet", registry=registry)
-    busy = Gauge("bulkgen_worker_busy_seconds", "Seconds each worker spent stepping its engine, over all stored "
-                 "batches; rate() of it is the worker's utilisation", ["worker"], registry=registry)
+    pending = Gauge(
+        "bulkgen_queue_requests", "Requests of active batches not finished yet", registry=registry
+    )
+    busy = Gauge(
+        "bulkgen_worker_busy_seconds",
+        "Seconds each worker spent stepping its engine, over all stored "
+        "batches; rate() of it is the worker's utilisation",
+        ["worker"],
+        registry=registry,
+    )
     ended, live = cache.get()
     total = copy.deepcopy(ended)
     waiting = 0

@@ -25,8 +25,8 @@ from python_multipart.multipart import parse_options_header
 from bulkgen.api.body import TooLarge, body_chunks
 from bulkgen.batch.schema import InvalidRequest, quote
 
-FIELD_LIMIT = 64 * 1024     # a form field other than the file (purpose, expires_after[...])
-FORM_OVERHEAD = 64 * 1024   # multipart boundaries, part headers and fields allowed beyond the file itself
+FIELD_LIMIT = 64 * 1024  # a form field other than the file (purpose, expires_after[...])
+FORM_OVERHEAD = 64 * 1024  # multipart boundaries, part headers and fields allowed beyond the file itself
 KNOWN_FIELDS = ("file", "purpose", "expires_after[anchor]", "expires_after[seconds]")
 _EOF, _ABORT = object(), object()
 
@@ -101,8 +101,9 @@ class _Form:
         self._field, self._value = b"", b""
 
 
-async def receive_upload(request: Request, limit: int, store: Callable[[BinaryIO], tuple[str, int]],
-                         discard: Callable[[str], None]) -> tuple[dict[str, str], str, str, int]:
+async def receive_upload(
+    request: Request, limit: int, store: Callable[[BinaryIO], tuple[str, int]], discard: Callable[[str], None]
+) -> tuple[dict[str, str], str, str, int]:
     """Parse a multipart upload; its `file` part streams into `store(reader) -> (file id, size)` (run in a
     thread), and `discard(file id)` removes it if the request fails after it was stored.
     -> (other form fields, filename, file id, size). Refused past `limit` file bytes, or past `limit` plus
@@ -127,7 +128,9 @@ async def receive_upload(request: Request, limit: int, store: Callable[[BinaryIO
     except FormParserError as exc:
         await upload.abort(discard)
         raise InvalidRequest(f"the multipart body is malformed: {exc}", param="file") from None
-    except BaseException:  # refused, the client went away, or the store failed: publish nothing, leave no thread
+    except (
+        BaseException
+    ):  # refused, the client went away, or the store failed: publish nothing, leave no thread
         await upload.abort(discard)
         raise
     return upload.fields, upload.filename, file_id, size
@@ -137,9 +140,12 @@ def _refuse_unknown(fields: dict[str, str]) -> None:
     """A field bulkgen would not honour (e.g. `expires_after` as one JSON field) is refused by name."""
     for name in fields:
         if name not in KNOWN_FIELDS:
-            raise InvalidRequest(f"unknown form field {quote(name, 64)}: bulkgen refuses what it cannot honour; "
-                                 f"the fields are {', '.join(KNOWN_FIELDS)}", param=name[:64],
-                                 code="unknown_parameter")
+            raise InvalidRequest(
+                f"unknown form field {quote(name, 64)}: bulkgen refuses what it cannot honour; "
+                f"the fields are {', '.join(KNOWN_FIELDS)}",
+                param=name[:64],
+                code="unknown_parameter",
+            )
 
 
 class _Upload:
@@ -176,8 +182,10 @@ class _Upload:
             elif kind == "data":
                 self._value += data
                 if len(self._value) > FIELD_LIMIT:
-                    raise InvalidRequest(f"form field {quote(self._name)} is over {FIELD_LIMIT} bytes",
-                                         param=(self._name or "")[:64])
+                    raise InvalidRequest(
+                        f"form field {quote(self._name)} is over {FIELD_LIMIT} bytes",
+                        param=(self._name or "")[:64],
+                    )
             elif kind == "end" and self._in_file:
                 await self.pipe.put(_EOF)
                 self._in_file = False

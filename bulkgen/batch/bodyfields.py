@@ -74,11 +74,40 @@ _CHAT_ONLY = {
 RESPONSES = "/v1/responses"
 # CreateResponse's fields; bulkgen.batch.resp_api says which it honours, ignores and refuses.
 _RESPONSES_FIELDS = {
-    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "metadata", "reasoning",
-    "store", "user", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-    "prompt_cache_options", "stream", "stream_options", "truncation", "parallel_tool_calls", "tools", "tool_choice",
-    "max_tool_calls", "include", "top_logprobs", "background", "background_options", "conversation",
-    "previous_response_id", "prompt", "context_management", "moderation", "image", "access_programs",
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "text",
+    "metadata",
+    "reasoning",
+    "store",
+    "user",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "stream",
+    "stream_options",
+    "truncation",
+    "parallel_tool_calls",
+    "tools",
+    "tool_choice",
+    "max_tool_calls",
+    "include",
+    "top_logprobs",
+    "background",
+    "background_options",
+    "conversation",
+    "previous_response_id",
+    "prompt",
+    "context_management",
+    "moderation",
+    "image",
+    "access_programs",
 }
 BODY_FIELDS = {
     CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
@@ -124,8 +153,9 @@ def check_refused(body: dict, endpoint: str) -> None:
             continue
         if isinstance(choice, dict) and (choice.get("type") == "function" or name == "function_call"):
             continue  # a named function: bulkgen.batch.structured forces it
-        raise unsupported(name, "supports 'none', 'auto', 'required', a named function and allowed_tools in "
-                          "mode 'auto'")
+        raise unsupported(
+            name, "supports 'none', 'auto', 'required', a named function and allowed_tools in mode 'auto'"
+        )
 
 
 def allowed_tools(choice) -> list[str] | None:

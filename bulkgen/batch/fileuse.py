@@ -98,5 +98,11 @@ def _change(store: Store, file_id: str, change: Callable[[dict], dict], refuse_d
         return change(state)
 
     key = layout.file_use(FileRepo.check(file_id))
-    update_json(store, key, checked, missing={"pins": 0, "deleting": False}, attempts=_ATTEMPTS,
-                conflict=f"file {file_id}: too many concurrent batch creations and deletes")
+    update_json(
+        store,
+        key,
+        checked,
+        missing={"pins": 0, "deleting": False},
+        attempts=_ATTEMPTS,
+        conflict=f"file {file_id}: too many concurrent batch creations and deletes",
+    )

@@ -10,8 +10,14 @@ from bulkgen.batch.validate import Validator, validate_stream
 
 
 def validate_batch(
-    files: FileRepo, batches: BatchRepo, batch_id: str, served_models, max_requests: int, max_bytes: int,
-    on_request: Callable | None = None, amend: Callable[[dict], dict] | None = None,
+    files: FileRepo,
+    batches: BatchRepo,
+    batch_id: str,
+    served_models,
+    max_requests: int,
+    max_bytes: int,
+    on_request: Callable | None = None,
+    amend: Callable[[dict], dict] | None = None,
 ) -> dict:
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
@@ -26,9 +32,17 @@ def validate_batch(
         return record
     meta = files.get(record["input_file_id"])
     if meta["bytes"] > max_bytes:
-        errors = {"object": "list", "data": [{
-            "code": "file_too_large", "line": None, "param": "input_file_id",
-            "message": f"the input file has {meta['bytes']} bytes; the limit is {max_bytes}"}]}
+        errors = {
+            "object": "list",
+            "data": [
+                {
+                    "code": "file_too_large",
+                    "line": None,
+                    "param": "input_file_id",
+                    "message": f"the input file has {meta['bytes']} bytes; the limit is {max_bytes}",
+                }
+            ],
+        }
         return batches.update(batch_id, lambda r: _fail(r, errors) if needs_validation(r) else None)
     validator = Validator(record["endpoint"], served_models, max_requests)
     with files.open(record["input_file_id"]) as reader:

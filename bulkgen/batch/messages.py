@@ -102,18 +102,26 @@ def text_parts(content: Any, param: str, parts: dict[str, str], media: set[str],
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise LineError(code, f"{param}.content must be a string or a list of content parts", f"{param}.content")
+        raise LineError(
+            code, f"{param}.content must be a string or a list of content parts", f"{param}.content"
+        )
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"{param}.content[{j}]"
         if kind in media:
-            raise LineError("unsupported_parameter", f"{where} is a {kind} part; this model takes text only",
-                            f"{where}.type")
+            raise LineError(
+                "unsupported_parameter",
+                f"{where} is a {kind} part; this model takes text only",
+                f"{where}.type",
+            )
         text = part.get(parts[kind]) if kind in parts else None
         if not isinstance(text, str):
-            raise LineError(code, f"{where} must be a text part, one of {sorted(parts)} with its text; got "
-                            f"{quote(part)}", where)
+            raise LineError(
+                code,
+                f"{where} must be a text part, one of {sorted(parts)} with its text; got {quote(part)}",
+                where,
+            )
         texts.append(text)
     return "".join(texts)
 

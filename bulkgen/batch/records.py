@@ -48,12 +48,21 @@ def check_expires_after(seconds: Any, anchor: Any = "created_at", param: str = "
     if seconds is None and anchor in (None, "created_at"):
         return None
     if anchor != "created_at":
-        raise InvalidRequest(f"{param}[anchor] must be 'created_at'; got {anchor!r}", param=f"{param}[anchor]")
+        raise InvalidRequest(
+            f"{param}[anchor] must be 'created_at'; got {anchor!r}", param=f"{param}[anchor]"
+        )
     if isinstance(seconds, str) and seconds.strip().lstrip("-").isdigit():
         seconds = int(seconds)
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
-        raise InvalidRequest(f"{param}[seconds] must be a whole number of seconds from {MIN_EXPIRY_S} (1 hour) to "
-                             f"{MAX_EXPIRY_S} (30 days); got {repr(seconds)[:64]}", param=f"{param}[seconds]")
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, int)
+        or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S
+    ):
+        raise InvalidRequest(
+            f"{param}[seconds] must be a whole number of seconds from {MIN_EXPIRY_S} (1 hour) to "
+            f"{MAX_EXPIRY_S} (30 days); got {repr(seconds)[:64]}",
+            param=f"{param}[seconds]",
+        )
     return seconds
 
 
@@ -92,7 +101,9 @@ class FileRepo:
     def data_key(file_id: str) -> str:
         return layout.file_data(_check_id("file", file_id))
 
-    def create(self, fileobj: BinaryIO, filename: str, purpose: str, expires_after_s: int | None = None) -> dict:
+    def create(
+        self, fileobj: BinaryIO, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> dict:
         """Store the bytes first, then the record: a record never points at missing content."""
         return self.put(new_id("file-"), fileobj, filename, purpose, expires_after_s)
 
@@ -104,14 +115,16 @@ class FileRepo:
     def discard_data(self, file_id: str) -> None:
         self.store.delete(self.data_key(file_id))
 
-    def put(self, file_id: str, fileobj: BinaryIO, filename: str, purpose: str,
-            expires_after_s: int | None = None) -> dict:
+    def put(
+        self, file_id: str, fileobj: BinaryIO, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> dict:
         """Write (or rewrite, with the same id) a file: how a retried finalize leaves no orphans."""
         size = self.store.upload_fileobj(self.data_key(file_id), fileobj)
         return self.write_meta(file_id, size, filename, purpose, expires_after_s)
 
-    def write_meta(self, file_id: str, size: int, filename: str, purpose: str,
-                   expires_after_s: int | None = None) -> dict:
+    def write_meta(
+        self, file_id: str, size: int, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> dict:
         """The file object of bytes already stored under data_key(file_id) (an upload streamed there)."""
         now = int(time.time())
         record = {
@@ -225,8 +238,14 @@ class BatchRepo:
             return None if new == record else new
 
         try:
-            record, new = update_json(self.store, self.key(batch_id), changed, attempts=attempts,
-                                      pause_s=0.01, conflict=f"batch {batch_id}: too many concurrent updates")
+            record, new = update_json(
+                self.store,
+                self.key(batch_id),
+                changed,
+                attempts=attempts,
+                pause_s=0.01,
+                conflict=f"batch {batch_id}: too many concurrent updates",
+            )
         except NotFound:
             raise RecordNotFound(f"No such batch: {batch_id!r}") from None
         if new is None:

@@ -25,8 +25,18 @@ from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote
 from bulkgen.batch.structured import forced_tool, response_guide
 
-__all__ = ["CHAT", "COMPLETIONS", "LineError", "ParsedRequest", "RequestLine", "custom_id_of", "url_of", "parse_line",
-           "fill_defaults", "RESPONSES"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "LineError",
+    "ParsedRequest",
+    "RequestLine",
+    "custom_id_of",
+    "url_of",
+    "parse_line",
+    "fill_defaults",
+    "RESPONSES",
+]
 
 # Every field a line may carry; anything else makes the line (so the file) invalid.
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
@@ -37,12 +47,12 @@ MAX_CUSTOM_ID = 64
 class RequestLine:
     """One line of a batch input file: the Batch API's request input object."""
 
-    custom_id: str        # the client's name for the request: 1-64 characters, unique in the file (validation
-                          # checks that across lines); the request's output or error line carries it back
-    method: str           # the HTTP method of the request: POST, the only one the Batch API takes
-    url: str              # the endpoint the body is for; it picks the body's parser, and must be the batch's
+    custom_id: str  # the client's name for the request: 1-64 characters, unique in the file (validation
+    # checks that across lines); the request's output or error line carries it back
+    method: str  # the HTTP method of the request: POST, the only one the Batch API takes
+    url: str  # the endpoint the body is for; it picks the body's parser, and must be the batch's
     body: dict[str, Any]  # the request body as `url` takes it; read checks only that it names a model
-    line: int             # the line's number in its file (from 1): every error about it names it
+    line: int  # the line's number in its file (from 1): every error about it names it
 
     @property
     def model(self) -> str:
@@ -63,14 +73,21 @@ class RequestLine:
         if not isinstance(custom_id, str) or not custom_id.strip():
             raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
         if len(custom_id) > MAX_CUSTOM_ID:
-            raise LineError("invalid_custom_id", f"custom_id is {len(custom_id)} characters; at most "
-                            f"{MAX_CUSTOM_ID} are allowed ({quote(custom_id, 40)})", "custom_id")
+            raise LineError(
+                "invalid_custom_id",
+                f"custom_id is {len(custom_id)} characters; at most "
+                f"{MAX_CUSTOM_ID} are allowed ({quote(custom_id, 40)})",
+                "custom_id",
+            )
         method = obj.get("method", "POST")
         if method != "POST":
             raise LineError("invalid_method", f"method must be POST, got {quote(method)}", "method")
         if obj.get("url") != endpoint:
-            raise LineError("url_mismatch", f"url {quote(obj.get('url'))} does not match the batch endpoint "
-                            f"{endpoint!r}", "url")
+            raise LineError(
+                "url_mismatch",
+                f"url {quote(obj.get('url'))} does not match the batch endpoint {endpoint!r}",
+                "url",
+            )
         body = obj.get("body")
         if not isinstance(body, dict):
             raise LineError("invalid_body", "body must be a JSON object", "body")
@@ -86,8 +103,9 @@ class RequestLine:
     def placeholder(self) -> ParsedRequest:
         """A refused body's stand-in in the line index: no work, so its range is cut and its worker
         refuses it."""
-        return ParsedRequest(self.custom_id, self.line, self.model, self.url, prompt="",
-                             sampling={"max_tokens": 0})
+        return ParsedRequest(
+            self.custom_id, self.line, self.model, self.url, prompt="", sampling={"max_tokens": 0}
+        )
 
 
 @dataclass
@@ -98,21 +116,25 @@ class ParsedRequest:
     line: int
     model: str
     endpoint: str
-    messages: list[dict[str, Any]] | None = None   # as the chat template takes them (role, content, name, ...)
-    prompt: str | list[int] | None = None           # the (first) prompt
-    prompts: list[str | list[int]] | None = None    # every prompt, when the line holds several: choices of
-                                                    # prompt i get the indices i*n .. i*n+n-1
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams kwargs; max_tokens None = to context
-    tools: list[dict] | None = None                 # function tools, rendered through the chat template
-    legacy_functions: bool = False                  # `functions` (not `tools`): answer with message.function_call
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. reasoning_effort, where the template takes it
-    echo: bool = False                              # completions: the prompt leads the text (and its logprobs)
-    tool_format: str | None = None                  # set by prepare.tokenize from the chat template: parse calls
-    forced_tool: str | None = None                  # a forced call: "*" (tool_choice required) or the function's
-                                                    # name; its grammar is sampling["guide"]
-    limit_field: str = "max_tokens"                 # the body field max_tokens came from (errors name it)
-    response_fields: dict[str, Any] | None = None   # /v1/responses: the request fields its Response repeats
-    embedding: dict[str, Any] | None = None         # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
+    messages: list[dict[str, Any]] | None = None  # as the chat template takes them (role, content, name, ...)
+    prompt: str | list[int] | None = None  # the (first) prompt
+    prompts: list[str | list[int]] | None = None  # every prompt, when the line holds several: choices of
+    # prompt i get the indices i*n .. i*n+n-1
+    sampling: dict[str, Any] = field(
+        default_factory=dict
+    )  # SamplingParams kwargs; max_tokens None = to context
+    tools: list[dict] | None = None  # function tools, rendered through the chat template
+    legacy_functions: bool = False  # `functions` (not `tools`): answer with message.function_call
+    template_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # e.g. reasoning_effort, where the template takes it
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs)
+    tool_format: str | None = None  # set by prepare.tokenize from the chat template: parse calls
+    forced_tool: str | None = None  # a forced call: "*" (tool_choice required) or the function's
+    # name; its grammar is sampling["guide"]
+    limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)
+    response_fields: dict[str, Any] | None = None  # /v1/responses: the request fields its Response repeats
+    embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
 
 
 def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
@@ -161,8 +183,11 @@ def _parse_body(line: RequestLine) -> ParsedRequest:
         request.template_kwargs = template_kwargs(body)
         request.forced_tool, guide = forced_tool(body, request.tools)
         if guide is not None and response_guide(body) is not None:
-            raise LineError("invalid_request", "body.response_format cannot constrain a forced tool call's "
-                            "output; drop one of them", "body.response_format")
+            raise LineError(
+                "invalid_request",
+                "body.response_format cannot constrain a forced tool call's output; drop one of them",
+                "body.response_format",
+            )
         guide = guide or response_guide(body)
     else:
         all_prompts = prompts(body.get("prompt"))
@@ -181,12 +206,18 @@ def _refuse_unknown(obj: dict, known: set[str], prefix: str) -> None:
     if unknown:
         names = ", ".join(prefix + quote(key, 40).strip("'\"") for key in unknown[:5])
         more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
-        raise LineError("unknown_parameter", f"unknown field{'s' if len(unknown) > 1 else ''} {names}{more}: "
-                        "not a field of the OpenAI request; remove it", prefix + unknown[0][:64])
+        raise LineError(
+            "unknown_parameter",
+            f"unknown field{'s' if len(unknown) > 1 else ''} {names}{more}: "
+            "not a field of the OpenAI request; remove it",
+            prefix + unknown[0][:64],
+        )
 
 
-_ALIASES = {"max_tokens": ("max_tokens", "max_completion_tokens"),
-            "max_completion_tokens": ("max_tokens", "max_completion_tokens")}
+_ALIASES = {
+    "max_tokens": ("max_tokens", "max_completion_tokens"),
+    "max_completion_tokens": ("max_tokens", "max_completion_tokens"),
+}
 
 
 def fill_defaults(raw: bytes, body_defaults: dict[str, Any], url: str | None = None) -> bytes:

@@ -41,8 +41,9 @@ def refused_line(custom_id: str, message: str, code: str, param: str | None = No
     """A request the model endpoint refused (e.g. context_length_exceeded, 400) or failed on (500)."""
     status, error_type = (500, "server_error") if code == "engine_error" else (400, "invalid_request_error")
     error = {"message": message, "type": error_type, "param": param, "code": code}
-    return envelope(custom_id, {"status_code": status, "request_id": random_id("req_"), "body": {"error": error}},
-                    None)
+    return envelope(
+        custom_id, {"status_code": status, "request_id": random_id("req_"), "body": {"error": error}}, None
+    )
 
 
 def not_run_line(custom_id: str, code: str) -> dict[str, Any]:
@@ -61,8 +62,9 @@ def usage(result: dict) -> dict[str, Any]:
     }
 
 
-def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: bool = False,
-              forced: str | None = None) -> dict[str, Any]:
+def chat_body(
+    result: dict, model: str, tool_format: str | None = None, legacy: bool = False, forced: str | None = None
+) -> dict[str, Any]:
     """`tool_format`: read tool calls out of the text (the request rendered tools; see bulkgen.batch.tools);
     `legacy`: they came as `functions`, so the (first) call is answered as message.function_call;
     `forced`: the output is a forced call (bulkgen.batch.structured), a document of JSON, not free text.
@@ -73,7 +75,8 @@ def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: 
             "index": c["index"],
             "message": _message(c, tool_format, legacy, forced),
             "logprobs": {"content": [_chat_logprob(t) for t in c["logprobs"]], "refusal": None}
-            if c.get("logprobs") is not None else None,
+            if c.get("logprobs") is not None
+            else None,
             "finish_reason": c["finish_reason"],
         }
         for c in result["completions"]
@@ -85,11 +88,20 @@ def chat_body(result: dict, model: str, tool_format: str | None = None, legacy: 
             choice["finish_reason"] = "tool_calls"
         elif choice["message"].get("function_call"):
             choice["finish_reason"] = "function_call"
-    return {"id": random_id("chatcmpl-"), "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(result), "system_fingerprint": None}
+    return {
+        "id": random_id("chatcmpl-"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(result),
+        "system_fingerprint": None,
+    }
 
 
-def _message(completion: dict, tool_format: str | None, legacy: bool, forced: str | None = None) -> dict[str, Any]:
+def _message(
+    completion: dict, tool_format: str | None, legacy: bool, forced: str | None = None
+) -> dict[str, Any]:
     """The assistant message: its text, or the tool calls read from it. A forced call's output is a JSON
     document (bulkgen.batch.structured); cut by max_tokens it is no whole document, and stays the content."""
     text = completion["text"]
@@ -141,10 +153,22 @@ def completion_body(result: dict, model: str) -> dict[str, Any]:
         if echo is not None and tokens is not None:
             first = {"token": echo["first_token"], "logprob": None, "top_logprobs": None}
             tokens = [first, *(c.get("prompt_logprobs") or []), *tokens]
-        choices.append({"text": (echo["text"] if echo else "") + c["text"], "index": c["index"],
-                        "logprobs": _completion_logprobs(tokens), "finish_reason": c["finish_reason"]})
-    return {"id": random_id("cmpl-"), "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(result)}
+        choices.append(
+            {
+                "text": (echo["text"] if echo else "") + c["text"],
+                "index": c["index"],
+                "logprobs": _completion_logprobs(tokens),
+                "finish_reason": c["finish_reason"],
+            }
+        )
+    return {
+        "id": random_id("cmpl-"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(result),
+    }
 
 
 def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
@@ -157,8 +181,10 @@ def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
     return {
         "tokens": [t["token"] for t in tokens],
         "token_logprobs": [t["logprob"] for t in tokens],
-        "top_logprobs": [None if t.get("top_logprobs") is None else {a["token"]: a["logprob"]
-                                                                      for a in t["top_logprobs"]} for t in tokens],
+        "top_logprobs": [
+            None if t.get("top_logprobs") is None else {a["token"]: a["logprob"] for a in t["top_logprobs"]}
+            for t in tokens
+        ],
         "text_offset": offsets,
     }
 
@@ -167,17 +193,29 @@ def answer_summary(body: dict) -> dict[str, Any]:
     """The text (None for embeddings), finish reason and token counts of any 200 answer body bulkgen
     writes (chat, completion, Response, embeddings): what previews and Parquet rows show."""
     if body.get("object") == "response":
-        return {"text": output_text(body), "finish_reason": "length" if body["status"] == "incomplete" else "stop",
-                "prompt_tokens": body["usage"]["input_tokens"], "completion_tokens": body["usage"]["output_tokens"]}
+        return {
+            "text": output_text(body),
+            "finish_reason": "length" if body["status"] == "incomplete" else "stop",
+            "prompt_tokens": body["usage"]["input_tokens"],
+            "completion_tokens": body["usage"]["output_tokens"],
+        }
     if "data" in body:  # embeddings
         vectors = body["data"]
-        return {"text": None, "finish_reason": None, "prompt_tokens": body["usage"]["prompt_tokens"],
-                "completion_tokens": 0, "vectors": len(vectors),
-                "dimensions": len(vectors[0]["embedding"]) if vectors else 0}
+        return {
+            "text": None,
+            "finish_reason": None,
+            "prompt_tokens": body["usage"]["prompt_tokens"],
+            "completion_tokens": 0,
+            "vectors": len(vectors),
+            "dimensions": len(vectors[0]["embedding"]) if vectors else 0,
+        }
     choice = body["choices"][0]
-    return {"text": choice["message"]["content"] if "message" in choice else choice["text"],
-            "finish_reason": choice["finish_reason"], "prompt_tokens": body["usage"]["prompt_tokens"],
-            "completion_tokens": body["usage"]["completion_tokens"]}
+    return {
+        "text": choice["message"]["content"] if "message" in choice else choice["text"],
+        "finish_reason": choice["finish_reason"],
+        "prompt_tokens": body["usage"]["prompt_tokens"],
+        "completion_tokens": body["usage"]["completion_tokens"],
+    }
 
 
 _LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}

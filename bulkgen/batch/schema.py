@@ -33,10 +33,12 @@ class BatchStatus(str, Enum):
         return format(self.value, spec)
 
 
-ACTIVE_STATUSES = frozenset({BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING,
-                             BatchStatus.CANCELLING})
-TERMINAL_STATUSES = frozenset({BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED,
-                               BatchStatus.CANCELLED})
+ACTIVE_STATUSES = frozenset(
+    {BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.CANCELLING}
+)
+TERMINAL_STATUSES = frozenset(
+    {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+)
 _WINDOW = re.compile(r"^\s*(\d+)\s*h\s*$")
 MAX_WINDOW_HOURS = 24 * 365
 INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
@@ -102,8 +104,10 @@ def batch_priority(metadata: dict | None) -> int:
     `metadata.bulkgen_priority`; normal when absent."""
     value = (metadata or {}).get(PRIORITY_KEY, "normal")
     if value not in PRIORITIES:
-        raise InvalidRequest(f"metadata.{PRIORITY_KEY} must be one of {', '.join(PRIORITIES)}; got {quote(value)}",
-                             param=f"metadata.{PRIORITY_KEY}")
+        raise InvalidRequest(
+            f"metadata.{PRIORITY_KEY} must be one of {', '.join(PRIORITIES)}; got {quote(value)}",
+            param=f"metadata.{PRIORITY_KEY}",
+        )
     return PRIORITIES[value]
 
 

@@ -44,8 +44,14 @@ from bulkgen.tenants import DEFAULT_TENANT, tenant_prefix
 
 
 class BatchService:
-    def __init__(self, settings: Settings, store: Store | None = None, tenant: str | None = None,
-                 on_batch_end: Callable[[dict], None] | None = None, _family: dict | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store | None = None,
+        tenant: str | None = None,
+        on_batch_end: Callable[[dict], None] | None = None,
+        _family: dict | None = None,
+    ) -> None:
         """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant.
         `on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled), of any
         tenant, with the final record, by whichever door ended it here: validation at create, the runner,
@@ -67,11 +73,20 @@ class BatchService:
     def for_tenant(self, tenant: str) -> BatchService:
         """The service of `tenant` on the same storage (one object per tenant, shared)."""
         if tenant not in self._family:
-            BatchService(self.settings, self.root, tenant, on_batch_end=self._on_batch_end, _family=self._family)
+            BatchService(
+                self.settings, self.root, tenant, on_batch_end=self._on_batch_end, _family=self._family
+            )
         return self._family[tenant]
 
-    def create_batch(self, input_file_id: str, endpoint: str, window: str, metadata: dict | None,
-                     output_expires_after_s: int | None = None, links: dict[str, str] | None = None) -> dict:
+    def create_batch(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        window: str,
+        metadata: dict | None,
+        output_expires_after_s: int | None = None,
+        links: dict[str, str] | None = None,
+    ) -> dict:
         """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
         the runtime validates it (`validate`), so validation survives a restart like any other work.
         Writes in order: the file's ref (fileuse.pin: a delete of the file either wins before it, and this
@@ -102,16 +117,27 @@ class BatchService:
         except RecordNotFound:
             raise _file_gone(file_id, "does not exist") from None
         if meta["purpose"] != "batch":
-            raise InvalidRequest(f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
-                                 param="input_file_id")
+            raise InvalidRequest(
+                f"file {meta['id']} has purpose {meta['purpose']!r}; batches need purpose 'batch'",
+                param="input_file_id",
+            )
         return meta
 
-    def validate(self, batch_id: str, on_request: Callable | None = None,
-                 amend: Callable[[dict], dict] | None = None) -> dict:
+    def validate(
+        self, batch_id: str, on_request: Callable | None = None, amend: Callable[[dict], dict] | None = None
+    ) -> dict:
         """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
         s = self.settings
-        record = validate_batch(self.files, self.batches, batch_id, s.models, s.max_requests_per_batch,
-                                s.max_file_bytes, on_request, amend)
+        record = validate_batch(
+            self.files,
+            self.batches,
+            batch_id,
+            s.models,
+            s.max_requests_per_batch,
+            s.max_file_bytes,
+            on_request,
+            amend,
+        )
         if record["status"] == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)
         return record
@@ -167,11 +193,16 @@ class BatchService:
             try:
                 status = self.batches.get(batch_id)["status"]
             except RecordNotFound:  # its creator is between writes, or died (then the ref is old)
-                status = "being created" if fileuse.ref_age(self.store, key) < fileuse.REF_GRACE_S else "deleted"
+                status = (
+                    "being created" if fileuse.ref_age(self.store, key) < fileuse.REF_GRACE_S else "deleted"
+                )
             if status in ACTIVE_STATUSES or status == "being created":
-                raise Conflict(f"file {file_id} is the input of batch {batch_id}, which is {status}; delete the "
-                               "file once the batch has ended (or cancel the batch first)",
-                               param="file_id", code="file_in_use")
+                raise Conflict(
+                    f"file {file_id} is the input of batch {batch_id}, which is {status}; delete the "
+                    "file once the batch has ended (or cancel the batch first)",
+                    param="file_id",
+                    code="file_in_use",
+                )
 
 
 def _file_gone(file_id: str, why: str) -> InvalidRequest:
@@ -182,6 +213,8 @@ def _cancel(record: dict) -> dict | None:
     if record["status"] in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return None
     if record["status"] not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
-        raise Conflict(f"batch {record['id']} is {record['status']} and can no longer be cancelled",
-                       code="batch_not_cancellable")
+        raise Conflict(
+            f"batch {record['id']} is {record['status']} and can no longer be cancelled",
+            code="batch_not_cancellable",
+        )
     return set_status(record, BatchStatus.CANCELLING)

@@ -39,8 +39,12 @@ def response_guide(body: dict) -> Guide | None:
     if kind == "json_object" and set(fmt) == {"type"}:
         return Guide.json_object()
     if kind != "json_schema" or set(fmt) != {"type", "json_schema"}:
-        raise invalid("response_format", "must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
-                      "'json_schema', 'json_schema': {...}}", fmt)
+        raise invalid(
+            "response_format",
+            "must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+            "'json_schema', 'json_schema': {...}}",
+            fmt,
+        )
     return json_schema_guide(fmt["json_schema"], "response_format.json_schema", "response_format")
 
 
@@ -72,7 +76,9 @@ def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide
         if not tools:
             raise invalid("tool_choice", "is 'required' but the request has no tools", choice)
         calls = [_call_schema(t["function"]) for t in tools]
-        return REQUIRED, _compiled(Guide.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls}), param)
+        return REQUIRED, _compiled(
+            Guide.json_schema(calls[0] if len(calls) == 1 else {"anyOf": calls}), param
+        )
     if not (isinstance(choice, dict) and choice.get("type") == "function"):
         return None, None
     name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
@@ -83,17 +89,26 @@ def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide
 
 
 def _call_schema(function: dict) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "arguments": function.get("parameters") or ANY_ARGUMENTS},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"const": function["name"]},
+            "arguments": function.get("parameters") or ANY_ARGUMENTS,
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 def _compiled(guide: Guide, param: str) -> Guide:
     try:
         check(guide)
     except GrammarError as exc:
-        raise LineError("invalid_parameter", f"body.{param}: the schema cannot be used for constrained decoding: "
-                        f"{exc}", f"body.{param}") from None
+        raise LineError(
+            "invalid_parameter",
+            f"body.{param}: the schema cannot be used for constrained decoding: {exc}",
+            f"body.{param}",
+        ) from None
     return guide
 
 
@@ -107,5 +122,10 @@ def forced_calls(text: str, forced: str) -> list[dict[str, Any]] | None:
     name, arguments = (value.get("name"), value.get("arguments")) if forced == REQUIRED else (forced, value)
     if not isinstance(name, str):
         return None
-    return [{"id": random_id("call_"), "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}]
+    return [
+        {
+            "id": random_id("call_"),
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+        }
+    ]

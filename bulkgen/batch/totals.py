@@ -20,8 +20,13 @@ RECENT_IDS = 1000
 
 
 def empty() -> dict:
-    return {"batches": {s.value: 0 for s in sorted(TERMINAL_STATUSES)}, "requests": {"completed": 0, "failed": 0},
-            "tokens": {"input": 0, "output": 0, "cached": 0}, "worker_busy_s": {}, "recent": []}
+    return {
+        "batches": {s.value: 0 for s in sorted(TERMINAL_STATUSES)},
+        "requests": {"completed": 0, "failed": 0},
+        "tokens": {"input": 0, "output": 0, "cached": 0},
+        "worker_busy_s": {},
+        "recent": [],
+    }
 
 
 def load(store: Store) -> dict:
@@ -58,4 +63,3 @@ def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:
         return totals
 
     return update_json(store, TOTALS_KEY, added, missing=empty(), attempts=attempts)[1] is not None
-

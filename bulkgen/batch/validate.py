@@ -28,7 +28,7 @@ class ValidationResult:
     model: str | None = None
     errors: list[dict] = field(default_factory=list)
     error_count: int = 0
-    refused: list[dict] = field(default_factory=list)   # body errors: each refuses its line alone
+    refused: list[dict] = field(default_factory=list)  # body errors: each refuses its line alone
     refused_count: int = 0
 
     @property
@@ -48,12 +48,19 @@ class ValidationResult:
     def error_list(self) -> dict:
         """The `errors` field of a batch that failed: the file's problems and, so that one pass shows
         everything, the lines its body errors would have refused."""
-        data = sorted(self.errors + self.refused[:MAX_LISTED_ERRORS - len(self.errors)],
-                      key=lambda e: e["line"] or 0)
+        data = sorted(
+            self.errors + self.refused[: MAX_LISTED_ERRORS - len(self.errors)], key=lambda e: e["line"] or 0
+        )
         if self.error_count + self.refused_count > len(data):
             more = self.error_count + self.refused_count - len(data)
-            data.append({"code": "too_many_errors", "line": None, "param": None,
-                         "message": f"{more} more errors not listed; fix the ones above and validate again"})
+            data.append(
+                {
+                    "code": "too_many_errors",
+                    "line": None,
+                    "param": None,
+                    "message": f"{more} more errors not listed; fix the ones above and validate again",
+                }
+            )
         return {"object": "list", "data": data}
 
 
@@ -90,34 +97,50 @@ class Validator:
         if result.total == 0:
             result.add("empty_file", "the input file has no requests")
         elif result.total > self.max_requests:
-            result.add("too_many_tasks",
-                       f"the file has {result.total} requests; the limit per batch is {self.max_requests} "
-                       "(split the file, or raise --max-requests-per-batch)")
+            result.add(
+                "too_many_tasks",
+                f"the file has {result.total} requests; the limit per batch is {self.max_requests} "
+                "(split the file, or raise --max-requests-per-batch)",
+            )
         return result
 
     def _check_identity(self, request: RequestLine, number: int) -> bool:
         result, ok = self.result, True
         if request.custom_id in self._first_line:
-            result.add("duplicate_custom_id", f"custom_id {quote(request.custom_id)} already used on line "
-                       f"{self._first_line[request.custom_id]}", number, "custom_id")
+            result.add(
+                "duplicate_custom_id",
+                f"custom_id {quote(request.custom_id)} already used on line "
+                f"{self._first_line[request.custom_id]}",
+                number,
+                "custom_id",
+            )
             ok = False
         else:
             self._first_line[request.custom_id] = number
         if result.model is None:
             result.model = request.model
             if request.model not in self.served:
-                result.add("model_not_found", f"model {quote(request.model)} is not served here; available: "
-                           f"{sorted(self.served)}", number, "body.model")
+                result.add(
+                    "model_not_found",
+                    f"model {quote(request.model)} is not served here; available: {sorted(self.served)}",
+                    number,
+                    "body.model",
+                )
                 ok = False
         elif request.model != result.model:
-            result.add("model_mismatch", f"model {quote(request.model)} differs from {quote(result.model)}; "
-                       "one model per file", number, "body.model")
+            result.add(
+                "model_mismatch",
+                f"model {quote(request.model)} differs from {quote(result.model)}; one model per file",
+                number,
+                "body.model",
+            )
             ok = False
         return ok
 
 
 def validate_stream(
-    reader: BinaryIO, validator: Validator,
+    reader: BinaryIO,
+    validator: Validator,
     on_request: Callable[[int, int, bytes, ParsedRequest], None] | None = None,
 ) -> ValidationResult:
     """Stream a file through `validator`; `on_request(line, byte offset, raw, request)` sees each line of a
@@ -131,7 +154,11 @@ def validate_stream(
 
 def lines_with_offsets(reader: BinaryIO) -> Iterator[tuple[int, int, bytes]]:
     """(line number, byte offset, line without '\\n' / '\\r\\n'), read in 1 MB chunks."""
-    offset, number, pending = 0, 0, []   # pending: chunks of the line not yet ended (one long line stays linear)
+    offset, number, pending = (
+        0,
+        0,
+        [],
+    )  # pending: chunks of the line not yet ended (one long line stays linear)
     while chunk := reader.read(READ_CHUNK):
         pieces = chunk.split(b"\n")
         if len(pieces) == 1:

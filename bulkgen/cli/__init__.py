@@ -16,10 +16,24 @@ def cli() -> None:
 def _register() -> None:
     from bulkgen.cli import analysis, client_cmds, gc_cmd, keys_cmds, plan_cmds, server_cmds, watch_cmds
 
-    commands = (server_cmds.serve, server_cmds.run, client_cmds.submit, client_cmds.status, client_cmds.list_batches,
-                client_cmds.cancel, client_cmds.results, watch_cmds.watch, analysis.simulate, analysis.latency,
-                analysis.bench, keys_cmds.keys, gc_cmd.gc, client_cmds.retry, plan_cmds.plan,
-                plan_cmds.profile_cmd)
+    commands = (
+        server_cmds.serve,
+        server_cmds.run,
+        client_cmds.submit,
+        client_cmds.status,
+        client_cmds.list_batches,
+        client_cmds.cancel,
+        client_cmds.results,
+        watch_cmds.watch,
+        analysis.simulate,
+        analysis.latency,
+        analysis.bench,
+        keys_cmds.keys,
+        gc_cmd.gc,
+        client_cmds.retry,
+        plan_cmds.plan,
+        plan_cmds.profile_cmd,
+    )
     for command in commands:
         cli.add_command(command)
 

@@ -26,7 +26,9 @@ def endpoint_of(lines: Iterable[bytes], where: str) -> str:
             try:
                 url = url_of(raw)
             except LineError:
-                raise ClientError(f"{where}:{number}: not a JSON object; is this a JSONL batch file?") from None
+                raise ClientError(
+                    f"{where}:{number}: not a JSON object; is this a JSONL batch file?"
+                ) from None
             if url is None:
                 raise ClientError(f"{where}:{number}: no 'url' field; pass --endpoint")
             return url
@@ -36,14 +38,17 @@ def endpoint_of(lines: Iterable[bytes], where: str) -> str:
 def make_client(base_url: str | None, api_key: str | None):
     from openai import OpenAI
 
-    return OpenAI(base_url=base_url or "http://127.0.0.1:8000/v1", api_key=api_key or "bulkgen", max_retries=3)
+    return OpenAI(
+        base_url=base_url or "http://127.0.0.1:8000/v1", api_key=api_key or "bulkgen", max_retries=3
+    )
 
 
 def format_errors(batch) -> str:
     errors = getattr(batch, "errors", None)
     data = errors.data if errors and errors.data else []
-    return "\n".join(f"  line {e.line}: [{e.code}] {e.message}" if e.line else f"  [{e.code}] {e.message}"
-                     for e in data)
+    return "\n".join(
+        f"  line {e.line}: [{e.code}] {e.message}" if e.line else f"  [{e.code}] {e.message}" for e in data
+    )
 
 
 def wait(get_batch: Callable[[], object], on_update: Callable[[object], None], interval: float = 1.0):
@@ -109,6 +114,7 @@ def download_merged(client, chain: list, output: Path) -> list[str]:
     out_path, err_path = output_paths(output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bulkgen-merge-") as tmp, contextlib.ExitStack() as files:
+
         def fetch(file_id: str | None):
             path = Path(tmp) / (file_id or "none")
             with path.open("wb") as f:

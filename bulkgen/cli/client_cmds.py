@@ -10,10 +10,16 @@ import click
 from bulkgen.batch.schema import BatchStatus
 from bulkgen.cli import client as c
 
-base_url_option = click.option("--base-url", envvar="OPENAI_BASE_URL", default="http://127.0.0.1:8000/v1",
-                               show_default=True, help="API base URL (env OPENAI_BASE_URL).")
-api_key_option = click.option("--api-key", envvar="OPENAI_API_KEY", default="bulkgen",
-                              help="API key (env OPENAI_API_KEY).")
+base_url_option = click.option(
+    "--base-url",
+    envvar="OPENAI_BASE_URL",
+    default="http://127.0.0.1:8000/v1",
+    show_default=True,
+    help="API base URL (env OPENAI_BASE_URL).",
+)
+api_key_option = click.option(
+    "--api-key", envvar="OPENAI_API_KEY", default="bulkgen", help="API key (env OPENAI_API_KEY)."
+)
 
 
 def _client(base_url: str, api_key: str):
@@ -30,7 +36,9 @@ def _call(fn, *args, **kwargs):
         message = exc.body.get("message") if isinstance(exc.body, dict) else str(exc)
         raise click.ClickException(f"{exc.status_code}: {message}") from None
     except openai.APIConnectionError:
-        raise click.ClickException("cannot reach the server; is `bulkgen serve` running at --base-url?") from None
+        raise click.ClickException(
+            "cannot reach the server; is `bulkgen serve` running at --base-url?"
+        ) from None
 
 
 @click.command()
@@ -39,8 +47,11 @@ def _call(fn, *args, **kwargs):
 @click.option("--completion-window", default="24h", show_default=True)
 @click.option("--metadata", "metadata", multiple=True, help="KEY=VALUE, repeatable.")
 @click.option("--wait/--no-wait", default=False, help="Wait with a progress bar, then download the results.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where --wait writes results (errors beside it as NAME.errors.jsonl).")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where --wait writes results (errors beside it as NAME.errors.jsonl).",
+)
 @base_url_option
 @api_key_option
 def submit(file, endpoint, completion_window, metadata, wait, output, base_url, api_key):
@@ -53,10 +64,17 @@ def submit(file, endpoint, completion_window, metadata, wait, output, base_url, 
     client = _client(base_url, api_key)
     with file.open("rb") as f:
         uploaded = _call(client.files.create, file=(file.name, f), purpose="batch")
-    batch = _call(client.batches.create, input_file_id=uploaded.id, endpoint=endpoint,
-                  completion_window=completion_window, metadata=pairs or None)
+    batch = _call(
+        client.batches.create,
+        input_file_id=uploaded.id,
+        endpoint=endpoint,
+        completion_window=completion_window,
+        metadata=pairs or None,
+    )
     batch = c.validated(lambda: _call(client.batches.retrieve, batch.id))
-    click.echo(f"{batch.id} {batch.status} ({batch.request_counts.total if batch.request_counts else 0} requests)")
+    click.echo(
+        f"{batch.id} {batch.status} ({batch.request_counts.total if batch.request_counts else 0} requests)"
+    )
     if batch.status == BatchStatus.FAILED:
         raise click.ClickException(f"batch failed validation:\n{c.format_errors(batch)}")
     if wait:
@@ -98,7 +116,9 @@ def status(batch_id, metrics, as_json, base_url, api_key):
     counts = batch.request_counts
     eta = ((batch.model_extra or {}).get("metrics") or {}).get("eta_s")
     left = f", about {_duration(eta)} left" if batch.status == BatchStatus.IN_PROGRESS and eta else ""
-    click.echo(f"{batch.id}  {batch.status}  {counts.completed}/{counts.total} completed, {counts.failed} failed{left}")
+    click.echo(
+        f"{batch.id}  {batch.status}  {counts.completed}/{counts.total} completed, {counts.failed} failed{left}"
+    )
     if batch.errors and batch.errors.data:
         click.echo(c.format_errors(batch))
     if metrics:
@@ -140,11 +160,17 @@ def cancel(batch_id, base_url, api_key):
 
 @click.command()
 @click.argument("batch_id")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Output path (errors beside it); default BATCH_output.jsonl.")
-@click.option("--merged", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write one file across the batch and its retries instead (errors beside it): each custom_id "
-                   "once, in input order, its newest success or else its last error.")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Output path (errors beside it); default BATCH_output.jsonl.",
+)
+@click.option(
+    "--merged",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write one file across the batch and its retries instead (errors beside it): each custom_id "
+    "once, in input order, its newest success or else its last error.",
+)
 @base_url_option
 @api_key_option
 def results(batch_id, output, merged, base_url, api_key):
@@ -153,7 +179,9 @@ def results(batch_id, output, merged, base_url, api_key):
     if merged:
         try:
             chain = c.retry_chain(lambda b: _call(client.batches.retrieve, b), batch_id)
-            written = _call(c.download_merged, client, chain, merged)  # a result file gone: one line, no traceback
+            written = _call(
+                c.download_merged, client, chain, merged
+            )  # a result file gone: one line, no traceback
         except c.ClientError as exc:
             raise click.ClickException(str(exc)) from None
         for line in written:
@@ -169,8 +197,11 @@ def results(batch_id, output, merged, base_url, api_key):
 @click.command()
 @click.argument("batch_id")
 @click.option("--wait/--no-wait", default=False, help="Wait with a progress bar, then download the results.")
-@click.option("--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="Where --wait writes the retry's results (errors beside it as NAME.errors.jsonl).")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Where --wait writes the retry's results (errors beside it as NAME.errors.jsonl).",
+)
 @base_url_option
 @api_key_option
 def retry(batch_id, wait, output, base_url, api_key):

@@ -9,8 +9,14 @@ import click
 DEFAULT_KEYS_FILE = Path(".bulkgen") / "api-keys"
 
 _file_option = click.option(
-    "--file", "path", envvar="BULKGEN_API_KEYS", default=str(DEFAULT_KEYS_FILE), show_default=True,
-    type=click.Path(dir_okay=False, path_type=Path), help="The keys file `bulkgen serve --api-keys` reads.")
+    "--file",
+    "path",
+    envvar="BULKGEN_API_KEYS",
+    default=str(DEFAULT_KEYS_FILE),
+    show_default=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The keys file `bulkgen serve --api-keys` reads.",
+)
 
 
 @click.group()
@@ -30,7 +36,9 @@ def add(tenant: str, path: Path) -> None:
     except (ValueError, KeysFileError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(key)
-    click.echo(f"added a key for tenant {tenant!r} to {path}; it is not stored anywhere, keep it now", err=True)
+    click.echo(
+        f"added a key for tenant {tenant!r} to {path}; it is not stored anywhere, keep it now", err=True
+    )
 
 
 @keys.command("list")

@@ -27,8 +27,14 @@ class OneShotError(Exception):
     """Bad input or a failed batch, explained in words."""
 
 
-def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None, window: str,
-             echo: Callable[[str], None] = print) -> dict:
+def run_file(
+    settings: Settings,
+    file: Path,
+    output: Path,
+    endpoint: str | None,
+    window: str,
+    echo: Callable[[str], None] = print,
+) -> dict:
     """`bulkgen run`: a local JSONL file in, local result files out."""
     svc = BatchService(settings)
     try:
@@ -38,7 +44,9 @@ def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None,
     progress = _Progress()
 
     def announce(record: dict) -> None:
-        echo(f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})")
+        echo(
+            f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})"
+        )
         progress.open(record["request_counts"]["total"])
 
     def write(record: dict) -> list[str]:
@@ -47,15 +55,23 @@ def run_file(settings: Settings, file: Path, output: Path, endpoint: str | None,
 
     try:
         with file.open("rb") as f:
-            return Driver(svc).run(f, str(file), endpoint, window, write, announce=announce, on_poll=progress.show)
+            return Driver(svc).run(
+                f, str(file), endpoint, window, write, announce=announce, on_poll=progress.show
+            )
     except DriverError as exc:
         raise OneShotError(str(exc)) from None
     finally:
         progress.close()
 
 
-def run_stored(settings: Settings, input_key: str, output_prefix: str, endpoint: str | None = None,
-               window: str = "24h", echo: Callable[[str], None] = print) -> dict:
+def run_stored(
+    settings: Settings,
+    input_key: str,
+    output_prefix: str,
+    endpoint: str | None = None,
+    window: str = "24h",
+    echo: Callable[[str], None] = print,
+) -> dict:
     """A JSONL file already in storage (e.g. dropped under inbox/) run as a batch; results copied beside
     it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.summary.json (the
     writer `bulkgen watch` uses too: bulkgen/watch/outputs.py)."""
@@ -139,7 +155,9 @@ def _preview(path: Path, count: int = 3) -> str:
             body = entry["response"]["body"]
             summary = answer_summary(body)
             if summary["text"] is None:
-                lines.append(f"  {entry['custom_id']}: {summary['vectors']} vector(s) of {summary['dimensions']} values")
+                lines.append(
+                    f"  {entry['custom_id']}: {summary['vectors']} vector(s) of {summary['dimensions']} values"
+                )
                 continue
             text = summary["text"]
             lines.append(f"  {entry['custom_id']}: {text[:70]!r}")

@@ -12,12 +12,23 @@ from bulkgen.models.registry import parse_model_specs
 from bulkgen.settings import DEFAULT_STORAGE
 
 _STORE_OPTIONS = [
-    click.option("--storage", envvar="BULKGEN_STORAGE", default=DEFAULT_STORAGE, show_default=True,
-                 help="The service's storage: profiles live under profiles/<model>/<device>.json, and earlier "
-                      "batches there give the length model (env BULKGEN_STORAGE)."),
-    click.option("--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."),
-    click.option("--model", "model_spec", metavar="NAME=PATH",
-                 help="The model (local folder); default: the bundled sample model."),
+    click.option(
+        "--storage",
+        envvar="BULKGEN_STORAGE",
+        default=DEFAULT_STORAGE,
+        show_default=True,
+        help="The service's storage: profiles live under profiles/<model>/<device>.json, and earlier "
+        "batches there give the length model (env BULKGEN_STORAGE).",
+    ),
+    click.option(
+        "--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."
+    ),
+    click.option(
+        "--model",
+        "model_spec",
+        metavar="NAME=PATH",
+        help="The model (local folder); default: the bundled sample model.",
+    ),
 ]
 
 
@@ -31,7 +42,7 @@ def _model(spec: str | None) -> tuple[str, str]:
     from bulkgen.models.registry import resolve_model_path
 
     try:
-        (name, path), = parse_model_specs([spec] if spec else []).items()
+        ((name, path),) = parse_model_specs([spec] if spec else []).items()
         return name, resolve_model_path(path)
     except (ValueError, FileNotFoundError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -53,14 +64,18 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
     if as_json:
         click.echo(measured.to_json().decode())
         return
-    click.echo(f"{name} on {measured.device}: step = {measured.base_s * 1000:.2f} ms + {measured.per_seq_s * 1000:.3f} "
-               f"ms/sequence + {measured.per_prefill_token_s * 1e6:.1f} us/prefill token + "
-               f"{measured.per_context_token_s * 1e9:.1f} ns/context token + {measured.per_new_seq_s * 1000:.3f} "
-               f"ms/admitted sequence (spread ±{measured.spread:.0%}); "
-               f"model load {measured.model_load_s:.1f} s")
+    click.echo(
+        f"{name} on {measured.device}: step = {measured.base_s * 1000:.2f} ms + {measured.per_seq_s * 1000:.3f} "
+        f"ms/sequence + {measured.per_prefill_token_s * 1e6:.1f} us/prefill token + "
+        f"{measured.per_context_token_s * 1e9:.1f} ns/context token + {measured.per_new_seq_s * 1000:.3f} "
+        f"ms/admitted sequence (spread ±{measured.spread:.0%}); "
+        f"model load {measured.model_load_s:.1f} s"
+    )
     for p in measured.points:
-        click.echo(f"  batch {p['batch']:>3}, context {p['context']:>4}: decode step {p['decode_step_s'] * 1000:7.2f} ms, "
-                   f"prefill {p['prefill_tokens_per_s']:9.0f} tokens/s")
+        click.echo(
+            f"  batch {p['batch']:>3}, context {p['context']:>4}: decode step {p['decode_step_s'] * 1000:7.2f} ms, "
+            f"prefill {p['prefill_tokens_per_s']:9.0f} tokens/s"
+        )
     click.echo(f"stored as {key} under {storage}")
 
 
@@ -68,12 +83,24 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @_store_options
 @click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True, help="Engine workers.")
-@click.option("--gpu", "device", metavar="cpu|h200|…",
-              help="Estimate for this device's stored profile; default: this machine's (profiled now if none).")
+@click.option(
+    "--gpu",
+    "device",
+    metavar="cpu|h200|…",
+    help="Estimate for this device's stored profile; default: this machine's (profiled now if none).",
+)
 @click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def plan(file: Path, storage: str, endpoint_url: str | None, model_spec: str | None, workers: int,
-         device: str | None, max_requests_per_batch: int, as_json: bool) -> None:
+def plan(
+    file: Path,
+    storage: str,
+    endpoint_url: str | None,
+    model_spec: str | None,
+    workers: int,
+    device: str | None,
+    max_requests_per_batch: int,
+    as_json: bool,
+) -> None:
     """Validate FILE as a batch would, count its tokens with the model's tokenizer, and estimate its time."""
     from transformers import AutoTokenizer
 
@@ -87,9 +114,19 @@ def plan(file: Path, storage: str, endpoint_url: str | None, model_spec: str | N
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     batches = BatchRepo(store)
     try:
-        result = planner.plan_file(file, detect_endpoint(file), name, path, tokenizer,
-                                   lengths.from_history(batches, name), workers, max_requests_per_batch,
-                                   device, store, batches=batches)
+        result = planner.plan_file(
+            file,
+            detect_endpoint(file),
+            name,
+            path,
+            tokenizer,
+            lengths.from_history(batches, name),
+            workers,
+            max_requests_per_batch,
+            device,
+            store,
+            batches=batches,
+        )
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None
     if result["valid"]:

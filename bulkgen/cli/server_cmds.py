@@ -59,11 +59,19 @@ def check_storage(url: str, endpoint_url: str | None, create: bool = False):
 
 def webhook_options(fn):
     """--webhook / --webhook-secret, for `serve` and `watch`."""
-    fn = click.option("--webhook-secret", envvar="BULKGEN_WEBHOOK_SECRET", metavar="whsec_...",
-                      help="Signing secret, whsec_<base64> as OpenAI's (env BULKGEN_WEBHOOK_SECRET).")(fn)
-    return click.option("--webhook", envvar="BULKGEN_WEBHOOK_URL", metavar="URL",
-                        help="POST a signed batch.completed/failed/expired/cancelled event here when a batch "
-                             "ends (env BULKGEN_WEBHOOK_URL); needs --webhook-secret.")(fn)
+    fn = click.option(
+        "--webhook-secret",
+        envvar="BULKGEN_WEBHOOK_SECRET",
+        metavar="whsec_...",
+        help="Signing secret, whsec_<base64> as OpenAI's (env BULKGEN_WEBHOOK_SECRET).",
+    )(fn)
+    return click.option(
+        "--webhook",
+        envvar="BULKGEN_WEBHOOK_URL",
+        metavar="URL",
+        help="POST a signed batch.completed/failed/expired/cancelled event here when a batch "
+        "ends (env BULKGEN_WEBHOOK_URL); needs --webhook-secret.",
+    )(fn)
 
 
 def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
@@ -72,14 +80,18 @@ def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
     if not url:
         return None
     if not secret:
-        raise click.UsageError("--webhook needs --webhook-secret (env BULKGEN_WEBHOOK_SECRET), a whsec_<base64> "
-                               "secret to sign events with; make one with: python -c \"import base64, os; "
-                               "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\"")
+        raise click.UsageError(
+            "--webhook needs --webhook-secret (env BULKGEN_WEBHOOK_SECRET), a whsec_<base64> "
+            'secret to sign events with; make one with: python -c "import base64, os; '
+            "print('whsec_' + base64.b64encode(os.urandom(32)).decode())\""
+        )
     from bulkgen.notify.webhooks import WebhookNotifier
     from bulkgen.store import open_store
 
     try:
-        return WebhookNotifier(url, secret, store=open_store(settings.storage, endpoint_url=settings.endpoint_url))
+        return WebhookNotifier(
+            url, secret, store=open_store(settings.storage, endpoint_url=settings.endpoint_url)
+        )
     except ValueError as exc:
         raise click.UsageError(f"--webhook/--webhook-secret: {exc}") from None
 
@@ -87,23 +99,50 @@ def webhook_notifier(settings: Settings, url: str | None, secret: str | None):
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--api-key", envvar="BULKGEN_API_KEY",
-              help="Require this one bearer key, for --tenant (env BULKGEN_API_KEY).")
-@click.option("--api-keys", "api_keys", envvar="BULKGEN_API_KEYS", type=click.Path(dir_okay=False, path_type=Path),
-              help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
-                   "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.")
-@click.option("--allowed-hosts", envvar="BULKGEN_ALLOWED_HOSTS", default="", metavar="NAME[:PORT],.DOMAIN,...",
-              help="Host names answered besides 127.0.0.1, localhost, [::1] and the bound address, comma-separated: "
-                   "NAME (any port), NAME:PORT, .DOMAIN (it and its subdomains) or '*' (any); for a proxy or DNS "
-                   "name in front. Other Host headers are refused (env BULKGEN_ALLOWED_HOSTS).")
-@click.option("--body-timeout", "body_timeout_s", type=click.FloatRange(min=0, min_open=True),
-              default=BODY_TIMEOUT_S, show_default=True,
-              help="Seconds a request body may stall (no bytes arriving) before it is refused with 408.")
+@click.option(
+    "--api-key",
+    envvar="BULKGEN_API_KEY",
+    help="Require this one bearer key, for --tenant (env BULKGEN_API_KEY).",
+)
+@click.option(
+    "--api-keys",
+    "api_keys",
+    envvar="BULKGEN_API_KEYS",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Tenants and their key hashes, 'TENANT SHA256' per line (see `bulkgen keys add`; env "
+    "BULKGEN_API_KEYS). Each key sees only its tenant's files and batches.",
+)
+@click.option(
+    "--allowed-hosts",
+    envvar="BULKGEN_ALLOWED_HOSTS",
+    default="",
+    metavar="NAME[:PORT],.DOMAIN,...",
+    help="Host names answered besides 127.0.0.1, localhost, [::1] and the bound address, comma-separated: "
+    "NAME (any port), NAME:PORT, .DOMAIN (it and its subdomains) or '*' (any); for a proxy or DNS "
+    "name in front. Other Host headers are refused (env BULKGEN_ALLOWED_HOSTS).",
+)
+@click.option(
+    "--body-timeout",
+    "body_timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=BODY_TIMEOUT_S,
+    show_default=True,
+    help="Seconds a request body may stall (no bytes arriving) before it is refused with 408.",
+)
 @setting_option("refuse_infeasible")
 @webhook_options
 @runtime_options
-def serve(settings: Settings, host: str, port: int, api_key: str | None, api_keys: Path | None,
-          allowed_hosts: str, body_timeout_s: float, webhook: str | None, webhook_secret: str | None):
+def serve(
+    settings: Settings,
+    host: str,
+    port: int,
+    api_key: str | None,
+    api_keys: Path | None,
+    allowed_hosts: str,
+    body_timeout_s: float,
+    webhook: str | None,
+    webhook_secret: str | None,
+):
     """Run the OpenAI-compatible Files + Batches service."""
     import uvicorn
 
@@ -119,17 +158,22 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
     except KeysFileError as exc:
         raise click.ClickException(str(exc)) from None
     if keyring is not None and not keyring.tenants():
-        raise click.ClickException(f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`")
+        raise click.ClickException(
+            f"{api_keys} holds no keys: add one with `bulkgen keys add TENANT --file {api_keys}`"
+        )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     notifier = webhook_notifier(settings, webhook, webhook_secret)
     svc = BatchService(settings, on_batch_end=notifier)
     manager = BatchManager(svc, weights=keyring.weights if keyring is not None else None)
     manager.start()
-    click.echo(f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})")
+    click.echo(
+        f"bulkgen serving {', '.join(settings.models)} on http://{host}:{port}/v1 (storage: {settings.storage})"
+    )
     if keyring is not None:
         click.echo(f"API keys from {api_keys}: tenants {', '.join(keyring.tenants())}")
-    app = create_app(svc, manager, api_key, keyring, allowed_hosts=allowed_hosts.split(","),
-                     body_timeout_s=body_timeout_s)
+    app = create_app(
+        svc, manager, api_key, keyring, allowed_hosts=allowed_hosts.split(","), body_timeout_s=body_timeout_s
+    )
     # On SIGTERM, requests still running after the grace period are cancelled: shutdown is bounded.
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     if notifier is not None:
@@ -138,8 +182,13 @@ def serve(settings: Settings, host: str, port: int, api_key: str | None, api_key
 
 @click.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--output", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Output JSONL; errors go beside it as NAME.errors.jsonl, metrics as NAME.metrics.json.")
+@click.option(
+    "--output",
+    "-o",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Output JSONL; errors go beside it as NAME.errors.jsonl, metrics as NAME.metrics.json.",
+)
 @click.option("--endpoint", help="Batch endpoint; default: the url of the file's first line.")
 @click.option("--completion-window", default="24h", show_default=True)
 @runtime_options

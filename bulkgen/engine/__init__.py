@@ -26,8 +26,14 @@ from .sampling_params import SamplingParams
 # (tests/support/held_engine.py); workers inherit it, so a test holds a batch mid-run in any process.
 ENGINE_CLASS_ENV = "BULKGEN_TEST_ENGINE"
 
-_LAZY = {"Engine": ".engine", "CompletionOutput": ".outputs", "RequestMetrics": ".outputs",
-         "RequestOutput": ".outputs", "EmbedParams": ".pooling", "PoolingConfig": ".pooling"}
+_LAZY = {
+    "Engine": ".engine",
+    "CompletionOutput": ".outputs",
+    "RequestMetrics": ".outputs",
+    "RequestOutput": ".outputs",
+    "EmbedParams": ".pooling",
+    "PoolingConfig": ".pooling",
+}
 
 
 def __getattr__(name: str):
@@ -51,5 +57,12 @@ def engine_class() -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-__all__ = ["CompletionOutput", "EmbedParams", "Engine", "PoolingConfig", "RequestMetrics", "RequestOutput",
-           "SamplingParams"]
+__all__ = [
+    "CompletionOutput",
+    "EmbedParams",
+    "Engine",
+    "PoolingConfig",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -87,8 +87,9 @@ class PlainBackend:
         for seg in segments:
             out[seg.q_start : seg.q_end] = _sdpa_segment(q, k, v, k_cache, v_cache, seg, scale)
         if decode is not None:
-            out[decode.start : decode.end] = paged_decode(q[decode.start : decode.end], k_cache, v_cache, decode,
-                                                          scale, self.decode_kernel)
+            out[decode.start : decode.end] = paged_decode(
+                q[decode.start : decode.end], k_cache, v_cache, decode, scale, self.decode_kernel
+            )
         return out
 
 
@@ -102,8 +103,11 @@ def _decode_meta(plan: StepPlan, pack: HostPack, q_off: int) -> DecodeMeta | Non
     rows = range(plan.num_prefill, len(plan.starts))
     lengths = [plan.starts[i] + 1 for i in rows]
     width = -(-max(lengths) // plan.block_size)
-    table = [b for i, n in zip(rows, lengths, strict=True)
-             for b in plan.block_tables[i][: -(-n // plan.block_size)] + [0] * (width - -(-n // plan.block_size))]
+    table = [
+        b
+        for i, n in zip(rows, lengths, strict=True)
+        for b in plan.block_tables[i][: -(-n // plan.block_size)] + [0] * (width - -(-n // plan.block_size))
+    ]
     return DecodeMeta(q_off, q_off + plan.num_decode, pack.add(table), pack.add(lengths))
 
 
@@ -116,14 +120,20 @@ def _sdpa_segment(q, k, v, k_cache, v_cache, seg: Segment, scale: float) -> torc
         vs = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, seg.rows)
     ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [Hkv, S, D]
     out = F.scaled_dot_product_attention(  # 4-D inputs reach the fused CPU kernel; 3-D ones do not
-        qs[None], ks[None], vs[None], attn_mask=seg.mask, is_causal=seg.mask is None and qs.shape[1] > 1,
-        scale=scale, enable_gqa=ks.shape[0] != qs.shape[0],
+        qs[None],
+        ks[None],
+        vs[None],
+        attn_mask=seg.mask,
+        is_causal=seg.mask is None and qs.shape[1] > 1,
+        scale=scale,
+        enable_gqa=ks.shape[0] != qs.shape[0],
     )
     return out[0].transpose(0, 1)
 
 
-def paged_decode(q: torch.Tensor, k_cache, v_cache, dec: DecodeMeta, scale: float,
-                 kernel: str | None = None) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor, k_cache, v_cache, dec: DecodeMeta, scale: float, kernel: str | None = None
+) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D]. With the triton kernel (CUDA's default) each sequence reads its own
     blocks in place. The padded path gathers each sequence's blocks into a padded [B, Hkv, L, D] and
     makes one masked SDPA call: it copies the decode sequences' KV per layer (the CPU path, the
@@ -169,7 +179,9 @@ class FlashVarlenBackend(PlainBackend):
         k_lens = ends if continuing else counts
         meta = VarlenMeta(pack.add(_cumsum(counts)), pack.add(_cumsum(k_lens)), max(counts), max(k_lens))
         if continuing:
-            rows = [r for i in range(p) for r in _context_rows(plan.block_tables[i], ends[i], plan.block_size)]
+            rows = [
+                r for i in range(p) for r in _context_rows(plan.block_tables[i], ends[i], plan.block_size)
+            ]
             meta.rows = pack.add(rows)
         return meta, decode
 
@@ -188,7 +200,9 @@ class FlashVarlenBackend(PlainBackend):
         out = torch.empty_like(q)
         if varlen is not None:
             out[: decode.start] = self._prefill(q[: decode.start], k, v, k_cache, v_cache, varlen, scale)
-        out[decode.start :] = paged_decode(q[decode.start :], k_cache, v_cache, decode, scale, self.decode_kernel)
+        out[decode.start :] = paged_decode(
+            q[decode.start :], k_cache, v_cache, decode, scale, self.decode_kernel
+        )
         return out
 
     @staticmethod
@@ -211,7 +225,9 @@ class VarlenPagedBackend:
         ends = plan.ends
         width = max(len(t) for t in plan.block_tables)
         table = [b for t in plan.block_tables for b in t + [0] * (width - len(t))]
-        meta = VarlenMeta(pack.add(_cumsum(plan.counts)), pack.add(_cumsum(ends)), max(plan.counts), max(ends))
+        meta = VarlenMeta(
+            pack.add(_cumsum(plan.counts)), pack.add(_cumsum(ends)), max(plan.counts), max(ends)
+        )
         meta.block_table, meta.seqused_k, meta.num_rows = pack.add(table), pack.add(ends), len(ends)
         return meta
 
@@ -229,7 +245,17 @@ def flash_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> t
     """Causal varlen attention (bottom-right aligned when a sequence has more keys than queries).
     Module-level so CPU tests can put a reference implementation in its place."""
     out = torch.ops.aten._flash_attention_forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        0.0,
+        True,
+        False,
+        scale=scale,
     )
     return out[0]
 
@@ -239,8 +265,17 @@ def varlen_paged(q, k_cache, v_cache, meta: VarlenMeta, scale: float) -> torch.T
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn(
-        q.contiguous(), k_cache, v_cache, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, scale=scale,
-        window_size=(-1, 0), enable_gqa=k_cache.shape[2] != q.shape[1], seqused_k=meta.seqused_k,
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        meta.cu_q,
+        meta.cu_k,
+        meta.max_q,
+        meta.max_k,
+        scale=scale,
+        window_size=(-1, 0),
+        enable_gqa=k_cache.shape[2] != q.shape[1],
+        seqused_k=meta.seqused_k,
         block_table=meta.block_table,
     )
 

@@ -26,8 +26,14 @@ log = logging.getLogger(__name__)
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                   block_size: int):
+def select_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+):
     forced = os.environ.get("BULKGEN_ATTENTION")
     if forced:
         if forced not in BACKENDS:
@@ -46,8 +52,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
         log.warning("attention backend %s rejected: %s", _label(backend), error)
     if half:
         found = report or "this torch offers none"
-        raise RuntimeError(f"no fused CUDA attention backend passed its check in {dtype} ({found}); the plain "
-                           "fallback would be many times slower. Set BULKGEN_ATTENTION=plain to run it anyway")
+        raise RuntimeError(
+            f"no fused CUDA attention backend passed its check in {dtype} ({found}); the plain "
+            "fallback would be many times slower. Set BULKGEN_ATTENTION=plain to run it anyway"
+        )
     raise RuntimeError(f"no attention backend passed its check on {device} in {dtype}: {report}")
 
 
@@ -125,9 +133,16 @@ def _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim,
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device)
 
-    q, k, v = rand(tokens, num_heads, head_dim), rand(tokens, num_kv_heads, head_dim), rand(tokens, num_kv_heads, head_dim)
-    k_cache, v_cache = rand(blocks, block_size, num_kv_heads, head_dim), rand(blocks, block_size, num_kv_heads, head_dim)
-    scale = head_dim ** -0.5
+    q, k, v = (
+        rand(tokens, num_heads, head_dim),
+        rand(tokens, num_kv_heads, head_dim),
+        rand(tokens, num_kv_heads, head_dim),
+    )
+    k_cache, v_cache = (
+        rand(blocks, block_size, num_kv_heads, head_dim),
+        rand(blocks, block_size, num_kv_heads, head_dim),
+    )
+    scale = head_dim**-0.5
     try:
         want = run_backend(PlainBackend(decode_kernel="padded"), plan, q, k, v, k_cache, v_cache, scale)
         got = run_backend(backend, plan, *(t.to(dtype) for t in (q, k, v, k_cache, v_cache)), scale)

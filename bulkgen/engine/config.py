@@ -34,11 +34,19 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
-        for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_kv_blocks",
+            "kv_cache_bytes",
+            "max_model_len",
+        ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.cuda_graphs not in (None, True, False):

@@ -65,8 +65,18 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    def __init__(self, model, k_caches, v_caches, block_size: int, scratch_slot: int, max_batch: int,
-                 max_width: int, capture: bool, decode_kernel: str | None = None):
+    def __init__(
+        self,
+        model,
+        k_caches,
+        v_caches,
+        block_size: int,
+        scratch_slot: int,
+        max_batch: int,
+        max_width: int,
+        capture: bool,
+        decode_kernel: str | None = None,
+    ):
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.block_size, self.scratch_slot = block_size, scratch_slot
         self.max_batch, self.max_width = max_batch, max_width
@@ -112,8 +122,18 @@ class DecodeGraphs:
             used = t[: -(-n // bs)]
             table.extend(used + [0] * (b.width - len(used)))
         pad = b.batch - num
-        values = (ids + [0] * pad + plan.starts + [0] * pad + plan.slots() + [self.scratch_slot] * pad
-                  + lengths + [1] * pad + table + [0] * (pad * b.width))
+        values = (
+            ids
+            + [0] * pad
+            + plan.starts
+            + [0] * pad
+            + plan.slots()
+            + [self.scratch_slot] * pad
+            + lengths
+            + [1] * pad
+            + table
+            + [0] * (pad * b.width)
+        )
         b.staging.copy_(torch.tensor(values, dtype=torch.int64))
 
     def _bucket(self, batch: int, width: int) -> _Bucket:
@@ -121,8 +141,12 @@ class DecodeGraphs:
         if key not in self.buckets:
             size = batch * (4 + width)
             pinned = self.device.type == "cuda"
-            b = _Bucket(batch, width, torch.zeros(size, dtype=torch.int64, device=self.device),
-                        torch.zeros(size, dtype=torch.int64, pin_memory=pinned))
+            b = _Bucket(
+                batch,
+                width,
+                torch.zeros(size, dtype=torch.int64, device=self.device),
+                torch.zeros(size, dtype=torch.int64, pin_memory=pinned),
+            )
             _, _, slots, lengths, _ = b.views()
             slots.fill_(self.scratch_slot)  # an all-padding step: safe to run while capturing
             lengths.fill_(1)
@@ -136,8 +160,13 @@ class DecodeGraphs:
         meta = ([], DecodeMeta(0, b.batch, table, lengths))
         ctx = StepContext(slots, self.k_caches, self.v_caches, self.plain, meta)
         with attention_scope(self.model):
-            out = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False, bulkgen_ctx=ctx,
-                             logits_to_keep=0)
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=pos[None],
+                use_cache=False,
+                bulkgen_ctx=ctx,
+                logits_to_keep=0,
+            )
         return out.logits[0]
 
     def _try_capture(self, b: _Bucket) -> None:
@@ -147,8 +176,14 @@ class DecodeGraphs:
             self._capture(b, failure)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this bucket runs eagerly
             root = failure[0] if failure else exc
-            log.error("decode CUDA graph for batch %d, width %d failed to capture (%s: %s); decode steps run "
-                      "eagerly from now on", b.batch, b.width, type(root).__name__, root)
+            log.error(
+                "decode CUDA graph for batch %d, width %d failed to capture (%s: %s); decode steps run "
+                "eagerly from now on",
+                b.batch,
+                b.width,
+                type(root).__name__,
+                root,
+            )
             b.graph, b.out, self.use_graphs = None, None, False
 
     @torch.inference_mode()

@@ -39,8 +39,14 @@ class Engine:
     The model's attention is switched to bulkgen's paged implementation only inside the engine's
     own forward calls, so the caller can still use the model (e.g. `model.generate()`) between steps."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, pooling: PoolingConfig | None = None,
-                 scheduler: SchedulerFactory = Scheduler, **engine_kwargs) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        pooling: PoolingConfig | None = None,
+        scheduler: SchedulerFactory = Scheduler,
+        **engine_kwargs,
+    ) -> None:
         """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
         `scheduler`: the admission rule, continuous batching unless a caller brings another
         (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against)."""
@@ -76,8 +82,9 @@ class Engine:
         self.scheduler = self._make_scheduler(self.config, self.block_manager)
 
     @classmethod
-    def from_pretrained(cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None,
-                        **engine_kwargs) -> Engine:
+    def from_pretrained(
+        cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None, **engine_kwargs
+    ) -> Engine:
         """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -92,8 +99,13 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | EmbedParams,
-                    tag: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | EmbedParams,
+        tag: str | None = None,
+    ) -> None:
         """Queue a request; ValueError if the id is in use or the prompt or params do not fit this engine.
 
         The whole request (all its sequences: best_of or n) is built and checked before any part is queued.
@@ -110,7 +122,9 @@ class Engine:
             check_embed(self.pooling, embed, self.model.config.hidden_size)
             params = SamplingParams(max_tokens=0)
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}")
+            raise ValueError(
+                f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}"
+            )
         self._check_vocab(request_id, params)
         ids = self._tokenize(request_id, prompt)
         if len(ids) >= self.max_model_len + (embed is not None):  # a prompt to embed may fill the context
@@ -119,14 +133,20 @@ class Engine:
                 f"({self.max_model_len}); it must be shorter"
             )
         max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # Python ints: no overflow
-        count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None or embed is not None)
+        count = (
+            params.num_sequences
+            if max_tokens
+            else int(params.prompt_logprobs is not None or embed is not None)
+        )
         blocks = -(-(len(ids) + max_tokens) // self.config.block_size)
         if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
             raise ValueError(
                 f"request {request_id!r}: each of its {count} sequences needs {blocks} KV blocks but the cache "
                 f"has {self.runner.num_blocks}"
             )
-        stop_ids = frozenset(params.stop_token_ids or ()) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        stop_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids
+        )
         request = Request(request_id, ids, params, next(self._order), tag, stop_ids, embed)
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
         for seq in request.seqs:
@@ -161,7 +181,9 @@ class Engine:
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})")
+                raise ValueError(
+                    f"request {request_id!r}: token ids {bad[:5]} outside vocab [0, {self.vocab_size})"
+                )
             ids = list(prompt)
         else:
             raise ValueError(f"request {request_id!r}: prompt must be a str or a list of int token ids")
@@ -182,7 +204,9 @@ class Engine:
                 return done
             wait = self.scheduler.idle_wait()
             if wait is None and self.requests:
-                raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests unfinished")
+                raise RuntimeError(
+                    f"scheduler made no progress with {len(self.requests)} requests unfinished"
+                )
             if wait:
                 time.sleep(min(wait, 0.01))
             return []
@@ -195,8 +219,9 @@ class Engine:
             bitmask = pending[1].result() if pending else None  # never leave a fill running on a matcher
         masks = self._constrained_rows(step.sampling, pending[0], bitmask) if pending else None
         sampling = step.sampling
-        tokens, logprobs = (sample(step.logits[: len(sampling)], sampling, self.adjustments, masks) if sampling
-                            else ([], []))
+        tokens, logprobs = (
+            sample(step.logits[: len(sampling)], sampling, self.adjustments, masks) if sampling else ([], [])
+        )
         scored = self._score_prompts(step)
         if step.pooled:
             add_chunks(step.pooled, step.hidden, step.pool_spans, self.pooling.method)
@@ -222,7 +247,9 @@ class Engine:
         runs; on a CPU the forward already uses every core, and a thread beside it only slows it down."""
         if not self._guided:
             return None
-        guided = [s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)]
+        guided = [
+            s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)
+        ]
         if not guided:
             return None
         matchers = [s.matcher for s in guided]
@@ -233,8 +260,9 @@ class Engine:
         return guided, self._mask_thread.submit(self.grammars.masks, matchers)
 
     @staticmethod
-    def _constrained_rows(sampling: list[Sequence], guided: list[Sequence],
-                          bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _constrained_rows(
+        sampling: list[Sequence], guided: list[Sequence], bitmask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows of `sampling` that are constrained, their packed masks) for the sampler."""
         where = {s.seq_id: i for i, s in enumerate(guided)}
         rows = [i for i, s in enumerate(sampling) if s.matcher is not None]
@@ -260,8 +288,15 @@ class Engine:
         rows = prompt_logprobs(step.logits[len(step.sampling) :], targets, ks)
         out, at = [], 0
         for seq, _, count in step.prompt_spans:
-            out.append((seq, [self._logprob_entry(t, lp) for t, lp in zip(targets[at:at + count],
-                                                                       rows[at:at + count], strict=True)]))
+            out.append(
+                (
+                    seq,
+                    [
+                        self._logprob_entry(t, lp)
+                        for t, lp in zip(targets[at : at + count], rows[at : at + count], strict=True)
+                    ],
+                )
+            )
             at += count
         return out
 
@@ -327,31 +362,48 @@ class Engine:
         metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
         params = request.params
         if request.embed is not None:
-            vector = finish(request.seqs[0].pool_state, len(request.prompt_token_ids), self.pooling, request.embed)
+            vector = finish(
+                request.seqs[0].pool_state, len(request.prompt_token_ids), self.pooling, request.embed
+            )
             return RequestOutput(request.request_id, request.prompt_token_ids, [], metrics, embedding=vector)
         if params.max_tokens == 0:
             cumulative = 0.0 if params.logprobs is not None or params.best_of is not None else None
-            outputs = [CompletionOutput(i, [], "", "length", None if params.logprobs is None else [], cumulative)
-                       for i in range(params.n)]
+            outputs = [
+                CompletionOutput(i, [], "", "length", None if params.logprobs is None else [], cumulative)
+                for i in range(params.n)
+            ]
         else:
             outputs = [
-                CompletionOutput(s.index, s.output_token_ids, completion_text(s, self.tokenizer), s.finish_reason,
-                                 s.logprobs, s.cumulative_logprob)
+                CompletionOutput(
+                    s.index,
+                    s.output_token_ids,
+                    completion_text(s, self.tokenizer),
+                    s.finish_reason,
+                    s.logprobs,
+                    s.cumulative_logprob,
+                )
                 for s in request.seqs
             ]
             if params.best_of is not None:
                 outputs = best_of(outputs, params.n)
-        return RequestOutput(request.request_id, request.prompt_token_ids, outputs, metrics, request.prompt_logprobs)
+        return RequestOutput(
+            request.request_id, request.prompt_token_ids, outputs, metrics, request.prompt_logprobs
+        )
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams | EmbedParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams | EmbedParams] | None = None,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order (request ids are str(index))."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         if self.requests:
-            raise ValueError(f"generate() needs an idle engine; {len(self.requests)} requests are still in it")
+            raise ValueError(
+                f"generate() needs an idle engine; {len(self.requests)} requests are still in it"
+            )
         ids = [str(i) for i in range(len(prompts))]
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.add_request(rid, prompt, p)
@@ -361,7 +413,9 @@ class Engine:
                 results[out.request_id] = out
         return [results[i] for i in ids]
 
-    def embed(self, prompts: list[str] | list[list[int]], params: EmbedParams | None = None) -> list[list[float]]:
+    def embed(
+        self, prompts: list[str] | list[list[int]], params: EmbedParams | None = None
+    ) -> list[list[float]]:
         """Embed every prompt (packed, sorted, chunked like any prefill); vectors in input order."""
         return [out.embedding for out in self.generate(prompts, [params or EmbedParams()] * len(prompts))]
 

@@ -111,7 +111,9 @@ class GrammarRuntime:
         parallel threads (the GIL is released), on the host; `unpacked`: as [len, vocab] bool instead
         (for a CPU engine, whose mask thread then does the unpacking too)."""
         bitmask = self._llt.allocate_token_bitmask(len(matchers), self.vocab_size)
-        self._llt.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self._llt.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
+        )
         return unpack(bitmask, self.vocab_size) if unpacked else bitmask
 
     @staticmethod

@@ -74,12 +74,17 @@ class ModelRunner:
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
-        self.backend = select_backend(self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads,
-                                      self.head_dim, self.block_size)
+        self.backend = select_backend(
+            self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads, self.head_dim, self.block_size
+        )
         self.num_blocks = self._num_blocks(max_model_len)
         shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)  # + a scratch block
-        self.k_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.k_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.v_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
         self.pack = HostPack(self.device)
         self.graphs = self._decode_graphs(max_model_len)
 
@@ -89,9 +94,17 @@ class ModelRunner:
         if not (wanted or (wanted is None and on_cuda)):
             return None
         max_width = 1 << (-(-max_model_len // self.block_size) - 1).bit_length()
-        return DecodeGraphs(self.model, self.k_caches, self.v_caches, self.block_size,
-                            self.num_blocks * self.block_size, self.config.max_num_seqs, max_width, capture=on_cuda,
-                            decode_kernel=getattr(self.backend, "decode_kernel", None))
+        return DecodeGraphs(
+            self.model,
+            self.k_caches,
+            self.v_caches,
+            self.block_size,
+            self.num_blocks * self.block_size,
+            self.config.max_num_seqs,
+            max_width,
+            capture=on_cuda,
+            decode_kernel=getattr(self.backend, "decode_kernel", None),
+        )
 
     def _num_blocks(self, max_model_len: int) -> int:
         block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
@@ -105,7 +118,7 @@ class ModelRunner:
         prompt-logprob prefills (see StepLogits). Changes no sequence."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
-        tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens:][:n]]
+        tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens :][:n]]
         if self.graphs is not None and not plan.num_prefill and not step.pooled:
             logits = self.graphs.run(plan, tokens)  # one row per sequence: row index = query offset
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
@@ -118,8 +131,12 @@ class ModelRunner:
         keep = pack.add(rows)
         meta = self.backend.prepare(plan, pack)
         flat = pack.upload()
-        ctx = StepContext(flat[slots], self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat))
-        kwargs = dict(input_ids=flat[ids][None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx)
+        ctx = StepContext(
+            flat[slots], self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat)
+        )
+        kwargs = dict(
+            input_ids=flat[ids][None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
+        )
         with attention_scope(self.model), _capture_hidden(self.model, step):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
@@ -158,8 +175,11 @@ class ModelRunner:
         decode = [(s, n) for s, n in batch if n == 1 and s.num_computed_tokens > 0]
         ordered = prefill + decode
         plan = StepPlan(
-            [s.num_computed_tokens for s, _ in ordered], [n for _, n in ordered],
-            [s.block_table for s, _ in ordered], len(prefill), self.block_size,
+            [s.num_computed_tokens for s, _ in ordered],
+            [n for _, n in ordered],
+            [s.block_table for s, _ in ordered],
+            len(prefill),
+            self.block_size,
         )
         return ordered, plan
 
@@ -203,5 +223,7 @@ def _check_supported(model: torch.nn.Module) -> None:
     layer_types = getattr(model.config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
     if other:
-        raise ValueError(f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only")
+        raise ValueError(
+            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
+        )
     check_attention_routing(model)

@@ -50,7 +50,9 @@ class LogitAdjustments:
         updates: dict[tuple[int, int], float] = {}
         pool_rows = [self._catch_up(seqs[i], vocab, device, updates) for i in rows]
         if updates:  # one (row, token) entry each: set, not added, so the values stay exact
-            index = torch.tensor(list(zip(*updates, strict=True)), dtype=torch.int64).to(device, non_blocking=True)
+            index = torch.tensor(list(zip(*updates, strict=True)), dtype=torch.int64).to(
+                device, non_blocking=True
+            )
             values = torch.tensor(list(updates.values()), dtype=torch.float32).to(device, non_blocking=True)
             self.pool.index_put_((index[0], index[1]), values)
         ints = torch.tensor([rows, pool_rows], dtype=torch.int64).to(device, non_blocking=True)
@@ -61,8 +63,9 @@ class LogitAdjustments:
         if row is not None:
             self.free.append(row.index)
 
-    def _catch_up(self, seq: Sequence, vocab: int, device: torch.device,
-                  updates: dict[tuple[int, int], float]) -> int:
+    def _catch_up(
+        self, seq: Sequence, vocab: int, device: torch.device, updates: dict[tuple[int, int], float]
+    ) -> int:
         row = self.rows.get(seq.seq_id)
         if row is None:
             row = self.rows[seq.seq_id] = _Row(self._take(seq, vocab, device))
@@ -72,8 +75,9 @@ class LogitAdjustments:
             bias = params.logit_bias or {}
             for token in fresh:
                 count = row.counts[token] = row.counts.get(token, 0) + 1
-                updates[row.index, token] = (bias.get(token, 0.0) - params.frequency_penalty * count
-                                             - params.presence_penalty)
+                updates[row.index, token] = (
+                    bias.get(token, 0.0) - params.frequency_penalty * count - params.presence_penalty
+                )
             row.counted += len(fresh)
         return row.index
 
@@ -89,11 +93,15 @@ class LogitAdjustments:
         bias = seq.params.logit_bias
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
-            self.pool[index].index_put_((ids,), torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+            self.pool[index].index_put_(
+                (ids,), torch.tensor(list(bias.values()), dtype=torch.float32, device=device)
+            )
         return index
 
 
-def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], adjustments: LogitAdjustments | None = None) -> None:
+def adjust_logits(
+    logits: torch.Tensor, seqs: list[Sequence], adjustments: LogitAdjustments | None = None
+) -> None:
     """Apply penalties and logit_bias in place. `adjustments` keeps the rows between steps (the engine
     passes its own); without it each asking row is built afresh from its tokens."""
     (adjustments or LogitAdjustments()).apply(logits, seqs)

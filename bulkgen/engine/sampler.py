@@ -26,8 +26,12 @@ REJECTION_ROUNDS = 8
 
 
 @torch.inference_mode()
-def sample(logits: torch.Tensor, seqs: list[Sequence], adjustments: LogitAdjustments | None = None,
-           masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[int], list[tuple | None]]:
+def sample(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    adjustments: LogitAdjustments | None = None,
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[list[int], list[tuple | None]]:
     """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs).
 
     Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
@@ -43,7 +47,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], adjustments: LogitAdjustm
         tokens = logits.argmax(dim=-1)
         if rows:
             index = torch.tensor(rows, device=logits.device)
-            tokens.index_copy_(0, index, sample_random(logits.index_select(0, index), [seqs[i] for i in rows]))
+            tokens.index_copy_(
+                0, index, sample_random(logits.index_select(0, index), [seqs[i] for i in rows])
+            )
     logprobs = _logprobs(logits, seqs, tokens)
     return tokens.tolist(), logprobs
 
@@ -53,9 +59,16 @@ def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     floats = torch.tensor([[1.0 / s.params.temperature, s.params.top_p] for s in seqs], dtype=torch.float32)
     ints = torch.tensor(
-        [[s.rng_key & MASK32, s.rng_key >> 32, s.num_output_tokens * DRAWS_PER_POSITION,
-          min(s.params.top_k, vocab)]
-         for s in seqs], dtype=torch.int64,
+        [
+            [
+                s.rng_key & MASK32,
+                s.rng_key >> 32,
+                s.num_output_tokens * DRAWS_PER_POSITION,
+                min(s.params.top_k, vocab),
+            ]
+            for s in seqs
+        ],
+        dtype=torch.int64,
     )
     floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
     inv_temp, top_p = floats[:, 0:1], floats[:, 1:2]

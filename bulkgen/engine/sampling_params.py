@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 from .grammar import GrammarError, Guide, check
 
-GREEDY_TEMPERATURE = 1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
+GREEDY_TEMPERATURE = (
+    1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
+)
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # int64 seeds from the API and unsigned 64-bit ones both fit
 MAX_PENALTY, MAX_LOGIT_BIAS = 2.0, 100.0  # OpenAI's ranges
 
@@ -82,8 +84,12 @@ def check_sampling(values: dict) -> None:
     for name, minimum in (("max_tokens", 0), ("top_k", 0), ("n", 1)):
         if name in values:
             _check_int(name, values[name], minimum)
-    for name, minimum, maximum in (("seed", MIN_SEED, MAX_SEED), ("logprobs", 0, None), ("best_of", 1, None),
-                                   ("prompt_logprobs", 0, None)):
+    for name, minimum, maximum in (
+        ("seed", MIN_SEED, MAX_SEED),
+        ("logprobs", 0, None),
+        ("best_of", 1, None),
+        ("prompt_logprobs", 0, None),
+    ):
         if values.get(name) is not None:
             _check_int(name, values[name], minimum, maximum)
     if values.get("best_of") is not None and values["best_of"] < values.get("n", 1):

@@ -20,8 +20,16 @@ class SequenceStatus(enum.Enum):
 class Request:
     """The unit the caller sees: a prompt, its sampling params, and `n` sequences."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, order: int,
-                 tag: str | None = None, stop_ids: frozenset[int] = frozenset(), embed=None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        order: int,
+        tag: str | None = None,
+        stop_ids: frozenset[int] = frozenset(),
+        embed=None,
+    ):
         self.request_id = request_id
         self.embed = embed  # pooling.EmbedParams: a prefill-only request answered with its pooled vector
         self.tag = tag or ""

@@ -16,8 +16,16 @@ class EngineStats:
     def __init__(self, max_num_seqs: int):
         self.max_num_seqs = max_num_seqs
         self.counters = dict(
-            steps=0, busy_time_s=0.0, slot_steps=0, active_slot_steps=0, useful_tokens=0, prefill_tokens=0,
-            decode_tokens=0, output_tokens=0, cached_prompt_tokens=0, padding_slot_steps=0,
+            steps=0,
+            busy_time_s=0.0,
+            slot_steps=0,
+            active_slot_steps=0,
+            useful_tokens=0,
+            prefill_tokens=0,
+            decode_tokens=0,
+            output_tokens=0,
+            cached_prompt_tokens=0,
+            padding_slot_steps=0,
         )
         self.histogram: dict[str, int] = {}
         self.records: list[dict] = []
@@ -36,12 +44,19 @@ class EngineStats:
         c["padding_slot_steps"] += batch.padding_slots
         key = str(batch.held_slots)
         self.histogram[key] = self.histogram.get(key, 0) + 1
-        self.records.append(dict(
-            t=time.time(), duration_s=duration_s, num_seqs=batch.held_slots, active_seqs=len(batch.items),
-            prefill_tokens=batch.prefill_tokens, decode_tokens=batch.decode_tokens,
-            padding_slots=batch.padding_slots, max_num_seqs=self.max_num_seqs,
-            by_tag=by_tag(batch, sampled),
-        ))
+        self.records.append(
+            dict(
+                t=time.time(),
+                duration_s=duration_s,
+                num_seqs=batch.held_slots,
+                active_seqs=len(batch.items),
+                prefill_tokens=batch.prefill_tokens,
+                decode_tokens=batch.decode_tokens,
+                padding_slots=batch.padding_slots,
+                max_num_seqs=self.max_num_seqs,
+                by_tag=by_tag(batch, sampled),
+            )
+        )
 
     def add_cached(self, num_tokens: int) -> None:
         self.counters["cached_prompt_tokens"] += num_tokens
@@ -83,8 +98,12 @@ class StepTimes:
         def ms(value: float | None) -> float | None:
             return None if value is None else round(1000.0 * value, 3)
 
-        return {"steps": sketch.count, "mean_ms": ms(sketch.total / sketch.count if sketch.count else None),
-                "p50_ms": ms(sketch.quantile(0.5)), "p90_ms": ms(sketch.quantile(0.9))}
+        return {
+            "steps": sketch.count,
+            "mean_ms": ms(sketch.total / sketch.count if sketch.count else None),
+            "p50_ms": ms(sketch.quantile(0.5)),
+            "p90_ms": ms(sketch.quantile(0.9)),
+        }
 
 
 def by_tag(batch: ScheduledBatch, sampled: list[Sequence]) -> dict[str, dict[str, int]]:

@@ -81,7 +81,9 @@ class HostPack:
             self._events[turn].synchronize()
         buf = self._pinned[turn]
         if buf is None or buf.numel() < host.numel():
-            buf = self._pinned[turn] = torch.empty(max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True)
+            buf = self._pinned[turn] = torch.empty(
+                max(host.numel(), 1 << 16), dtype=torch.int64, pin_memory=True
+            )
         staged = buf[: host.numel()]
         staged.copy_(host)
         out = staged.to(self.device, non_blocking=True)

@@ -51,8 +51,14 @@ def num_splits(batch: int, kv_heads: int, width: int) -> int:
     return max(1, min(width, _MAX_SPLITS, -(-_TARGET_PROGRAMS // max(1, batch * kv_heads))))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-                 lengths: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; table [B, W] block ids (padding unread);
     lengths [B] context lengths including the new token -> [B, Hq, D] in q's dtype."""
     batch, hq, dim = q.shape
@@ -64,12 +70,34 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, batch, hq, splits, dtype=torch.float32, device=q.device)  # running max, sum
     _decode_split[(batch, hkv, splits)](
-        q, k_cache, v_cache, table, lengths, acc, stats,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        table.stride(0), acc.stride(0), acc.stride(1), acc.stride(2), stats.stride(0), stats.stride(1),
-        stats.stride(2), scale, per_split,
-        GROUP=group, GROUP_P=triton.next_power_of_2(group), DIM=dim, DIM_P=triton.next_power_of_2(dim),
-        BLOCK_SIZE=block_size, PER_SPLIT=per_split if interpreted else 1, DYNAMIC_LOOP=not interpreted,
+        q,
+        k_cache,
+        v_cache,
+        table,
+        lengths,
+        acc,
+        stats,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        table.stride(0),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        stats.stride(0),
+        stats.stride(1),
+        stats.stride(2),
+        scale,
+        per_split,
+        GROUP=group,
+        GROUP_P=triton.next_power_of_2(group),
+        DIM=dim,
+        DIM_P=triton.next_power_of_2(dim),
+        BLOCK_SIZE=block_size,
+        PER_SPLIT=per_split if interpreted else 1,
+        DYNAMIC_LOOP=not interpreted,
     )
     return _merge(acc, stats[0], stats[1]).to(q.dtype)
 
@@ -85,14 +113,33 @@ def _merge(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.
 if triton is not None:
 
     @triton.jit
-    def _attend_block(q, running_max, running_sum, acc, k_ptr, v_ptr, table_ptr, seq, kv_head, block, length,
-                      sk_blk, sk_tok, sk_h, st_b, DIM: tl.constexpr, DIM_P: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr):
+    def _attend_block(
+        q,
+        running_max,
+        running_sum,
+        acc,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        seq,
+        kv_head,
+        block,
+        length,
+        sk_blk,
+        sk_tok,
+        sk_h,
+        st_b,
+        DIM: tl.constexpr,
+        DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ):
         """One K/V block into the online softmax of the group's query heads. A block past the sequence
         (the interpreter's fixed-count loop) loads nothing and leaves the state as it was."""
         d, t = tl.arange(0, DIM_P), tl.arange(0, BLOCK_SIZE)
         valid = block * BLOCK_SIZE + t < length
-        physical = tl.load(table_ptr + seq * st_b + block, mask=block * BLOCK_SIZE < length, other=0).to(tl.int64)
+        physical = tl.load(table_ptr + seq * st_b + block, mask=block * BLOCK_SIZE < length, other=0).to(
+            tl.int64
+        )
         rows = physical * sk_blk + t[:, None] * sk_tok + kv_head * sk_h + d[None, :]
         kv_mask = valid[:, None] & (d[None, :] < DIM)
         k = tl.load(k_ptr + rows, mask=kv_mask, other=0.0).to(tl.float32)
@@ -107,11 +154,36 @@ if triton is not None:
         return new_max, running_sum * alpha + tl.sum(p, axis=1), acc
 
     @triton.jit
-    def _decode_split(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, acc_ptr, stats_ptr,
-                      sq_b, sq_h, sk_blk, sk_tok, sk_h, st_b, sa_b, sa_h, sa_s, ss_kind, ss_b, ss_h,
-                      scale, per_split,
-                      GROUP: tl.constexpr, GROUP_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, PER_SPLIT: tl.constexpr, DYNAMIC_LOOP: tl.constexpr):
+    def _decode_split(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        table_ptr,
+        lengths_ptr,
+        acc_ptr,
+        stats_ptr,
+        sq_b,
+        sq_h,
+        sk_blk,
+        sk_tok,
+        sk_h,
+        st_b,
+        sa_b,
+        sa_h,
+        sa_s,
+        ss_kind,
+        ss_b,
+        ss_h,
+        scale,
+        per_split,
+        GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
+        DIM: tl.constexpr,
+        DIM_P: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        PER_SPLIT: tl.constexpr,
+        DYNAMIC_LOOP: tl.constexpr,
+    ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(lengths_ptr + seq)
         first = split * per_split
@@ -127,13 +199,47 @@ if triton is not None:
             last = tl.minimum(first + per_split, tl.cdiv(length, BLOCK_SIZE))
             for block in range(first, last):
                 running_max, running_sum, acc = _attend_block(
-                    q, running_max, running_sum, acc, k_ptr, v_ptr, table_ptr, seq, kv_head, block, length,
-                    sk_blk, sk_tok, sk_h, st_b, DIM, DIM_P, BLOCK_SIZE)
+                    q,
+                    running_max,
+                    running_sum,
+                    acc,
+                    k_ptr,
+                    v_ptr,
+                    table_ptr,
+                    seq,
+                    kv_head,
+                    block,
+                    length,
+                    sk_blk,
+                    sk_tok,
+                    sk_h,
+                    st_b,
+                    DIM,
+                    DIM_P,
+                    BLOCK_SIZE,
+                )
         else:  # the CPU interpreter cannot loop to a tensor bound: a fixed count, blocks past the end masked
             for i in range(PER_SPLIT):
                 running_max, running_sum, acc = _attend_block(
-                    q, running_max, running_sum, acc, k_ptr, v_ptr, table_ptr, seq, kv_head, first + i, length,
-                    sk_blk, sk_tok, sk_h, st_b, DIM, DIM_P, BLOCK_SIZE)
+                    q,
+                    running_max,
+                    running_sum,
+                    acc,
+                    k_ptr,
+                    v_ptr,
+                    table_ptr,
+                    seq,
+                    kv_head,
+                    first + i,
+                    length,
+                    sk_blk,
+                    sk_tok,
+                    sk_h,
+                    st_b,
+                    DIM,
+                    DIM_P,
+                    BLOCK_SIZE,
+                )
         head_mask = g < GROUP
         base = seq * sa_b + heads * sa_h + split * sa_s
         tl.store(acc_ptr + base[:, None] + d[None, :], acc, mask=q_mask)

@@ -43,9 +43,17 @@ class LlamaShape:
 
     @classmethod
     def from_config(cls, name: str, config) -> LlamaShape:
-        return cls(name, config.vocab_size, config.hidden_size, config.num_hidden_layers,
-                   config.num_attention_heads, config.num_key_value_heads, config.intermediate_size,
-                   bool(config.tie_word_embeddings), getattr(config, "head_dim", None))
+        return cls(
+            name,
+            config.vocab_size,
+            config.hidden_size,
+            config.num_hidden_layers,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.intermediate_size,
+            bool(config.tie_word_embeddings),
+            getattr(config, "head_dim", None),
+        )
 
 
 # Public shapes of the two reference models (their config.json), for the computed rows.
@@ -80,6 +88,7 @@ class MemoryRow:
 
 def format_memory_table(rows: list[MemoryRow]) -> str:
     """A Markdown table; sizes in GiB (MiB below 0.1 GiB)."""
+
     def size(n: int) -> str:
         return f"{n / GIB:,.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:,.1f} MiB"
 

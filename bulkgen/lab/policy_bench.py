@@ -45,7 +45,9 @@ def load_requests(path: str | Path, tokenizer) -> list[BenchRequest]:
                 where = f"{path}:{lineno}"
                 try:
                     parsed = _parse(raw, lineno, where)
-                    requests += [_bench_request(one, tokenizer, len(requests)) for one in split_prompts(parsed)]
+                    requests += [
+                        _bench_request(one, tokenizer, len(requests)) for one in split_prompts(parsed)
+                    ]
                 except LineError as err:
                     raise BenchInputError(f"{where}: {err.message}") from None
     if not requests:
@@ -70,8 +72,9 @@ def _bench_request(request: ParsedRequest, tokenizer, index: int) -> BenchReques
     if sampling["max_tokens"] < 1:  # nothing generated: no step a policy could schedule differently
         raise LineError("invalid_parameter", f"body.{request.limit_field} must be >= 1 for a bench run")
     seed = index if sampling["seed"] is None else sampling["seed"]  # every policy draws the same tokens
-    return BenchRequest(request.custom_id, tokenize(request, tokenizer), sampling["max_tokens"],
-                        sampling["temperature"], seed)
+    return BenchRequest(
+        request.custom_id, tokenize(request, tokenizer), sampling["max_tokens"], sampling["temperature"], seed
+    )
 
 
 def run_policy(
@@ -85,7 +88,9 @@ def run_policy(
     from bulkgen.engine import Engine, SamplingParams
     from bulkgen.lab.grouped import scheduler_for
 
-    engine = Engine.from_pretrained(str(model_path), max_num_seqs=max_num_seqs, scheduler=scheduler_for(policy))
+    engine = Engine.from_pretrained(
+        str(model_path), max_num_seqs=max_num_seqs, scheduler=scheduler_for(policy)
+    )
     params = [
         SamplingParams(max_tokens=r.max_tokens, temperature=r.temperature, seed=r.seed, ignore_eos=ignore_eos)
         for r in requests

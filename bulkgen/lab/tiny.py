@@ -88,8 +88,13 @@ def build_tiny_model(
     return path
 
 
-def add_sentence_transformers_config(path: str | Path, pooling: str = "lasttoken", normalize: bool = True,
-                                     max_seq_length: int = 2048, **st_config) -> Path:
+def add_sentence_transformers_config(
+    path: str | Path,
+    pooling: str = "lasttoken",
+    normalize: bool = True,
+    max_seq_length: int = 2048,
+    **st_config,
+) -> Path:
     """Make the model folder at `path` a sentence-transformers model too: modules.json naming the
     Transformer, a Pooling module (`pooling`: sentence-transformers' mode name) and optionally Normalize.
     `st_config` goes into config_sentence_transformers.json (e.g. truncate_dim, matryoshka)."""
@@ -101,12 +106,15 @@ def add_sentence_transformers_config(path: str | Path, pooling: str = "lasttoken
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
     ]
     if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        modules.append(
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+        )
         (root / "2_Normalize").mkdir(exist_ok=True)
     hidden = json.loads((root / "config.json").read_text())["hidden_size"]
     (root / "1_Pooling").mkdir(exist_ok=True)
-    (root / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"embedding_dimension": hidden, "pooling_mode": pooling, "include_prompt": True}))
+    (root / "1_Pooling" / "config.json").write_text(
+        json.dumps({"embedding_dimension": hidden, "pooling_mode": pooling, "include_prompt": True})
+    )
     (root / "modules.json").write_text(json.dumps(modules))
     (root / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
     (root / "config_sentence_transformers.json").write_text(json.dumps(st_config))

@@ -19,8 +19,15 @@ from bulkgen.metrics.timeline import DEFAULT_MAX_BUCKETS, Timeline
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "queue_wait_s")
 TOKEN_KEYS = ("num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "num_preemptions")
-STEP_SUMS = ("steps", "busy_time_s", "slot_steps", "active_slot_steps", "prefill_tokens", "decode_tokens",
-             "padding_slot_steps")
+STEP_SUMS = (
+    "steps",
+    "busy_time_s",
+    "slot_steps",
+    "active_slot_steps",
+    "prefill_tokens",
+    "decode_tokens",
+    "padding_slot_steps",
+)
 SPAN = ("first_step_start", "last_step_end")
 STATE_VERSION = 2
 
@@ -99,7 +106,9 @@ class BatchMetrics:
             "output_tokens_per_s": round(output_tokens / wall_time_s, 3) if wall_time_s > 0 else None,
             "input_tokens": self.totals["num_prompt_tokens"],
             # an embeddings batch's throughput (it outputs no tokens)
-            "input_tokens_per_s": round(self.totals["num_prompt_tokens"] / wall_time_s, 3) if wall_time_s > 0 else None,
+            "input_tokens_per_s": round(self.totals["num_prompt_tokens"] / wall_time_s, 3)
+            if wall_time_s > 0
+            else None,
             "cached_prompt_tokens": self.totals["num_cached_tokens"],
             "slot_efficiency": slot_efficiency(engine),
             "decode_padding_pct": _pct(engine["padding_slot_steps"], engine["slot_steps"]),
@@ -125,6 +134,7 @@ class BatchMetrics:
     def _per_worker(self) -> dict[str, dict]:
         """busy: the worker's time on this batch's steps; idle: the rest of the span in which it served
         the batch (no step at all, or steps of other batches sharing the worker)."""
+
         def span(sums: dict) -> float:
             first, last = sums.get("first_step_start"), sums.get("last_step_end")
             return (last - first) if first is not None and last is not None else 0.0
@@ -178,15 +188,25 @@ def percentiles(values) -> dict:
     if data.size == 0:
         return {"p50": None, "p95": None, "p99": None, "mean": None, "count": 0}
     p50, p95, p99 = np.percentile(data, [50, 95, 99])
-    return {"p50": float(p50), "p95": float(p95), "p99": float(p99), "mean": float(data.mean()),
-            "count": int(data.size)}
+    return {
+        "p50": float(p50),
+        "p95": float(p95),
+        "p99": float(p99),
+        "mean": float(data.mean()),
+        "count": int(data.size),
+    }
 
 
 def _percentiles(sketch: LogHistogram) -> dict:
     if not sketch.count:
         return {"p50": None, "p95": None, "p99": None, "mean": None, "count": 0}
-    return {"p50": sketch.quantile(0.5), "p95": sketch.quantile(0.95), "p99": sketch.quantile(0.99),
-            "mean": sketch.total / sketch.count, "count": sketch.count}
+    return {
+        "p50": sketch.quantile(0.5),
+        "p95": sketch.quantile(0.95),
+        "p99": sketch.quantile(0.99),
+        "mean": sketch.total / sketch.count,
+        "count": sketch.count,
+    }
 
 
 def _number(metrics: dict, key: str) -> float | None:

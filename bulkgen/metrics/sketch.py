@@ -38,7 +38,7 @@ class LogHistogram:
         """The bucket's representative: within `accuracy` of every value in it."""
         if key == 0:
             return MIN_VALUE
-        return MIN_VALUE * 2 * self.gamma ** key / (self.gamma + 1)
+        return MIN_VALUE * 2 * self.gamma**key / (self.gamma + 1)
 
     def quantile(self, q: float) -> float | None:
         if not self.count:
@@ -70,12 +70,21 @@ class LogHistogram:
         return counts, [i * width for i in range(bins + 1)]
 
     def to_state(self) -> dict:
-        return {"accuracy": self.accuracy, "buckets": {str(k): v for k, v in self.buckets.items()},
-                "count": self.count, "total": self.total, "max": self.max}
+        return {
+            "accuracy": self.accuracy,
+            "buckets": {str(k): v for k, v in self.buckets.items()},
+            "count": self.count,
+            "total": self.total,
+            "max": self.max,
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> LogHistogram:
         sketch = cls(float(state["accuracy"]))
         sketch.buckets = {int(k): int(v) for k, v in state["buckets"].items()}
-        sketch.count, sketch.total, sketch.max = int(state["count"]), float(state["total"]), float(state["max"])
+        sketch.count, sketch.total, sketch.max = (
+            int(state["count"]),
+            float(state["total"]),
+            float(state["max"]),
+        )
         return sketch

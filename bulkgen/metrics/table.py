@@ -38,7 +38,13 @@ def describe_summary(summary: dict) -> str:
     ]
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("queue_wait_s", "queue wait")):
         pct = summary.get(key) or {}
-        rows.append([f"{label} p50/p95/p99 (ms)",
-                     "/".join(num(pct.get(p) * 1000 if pct.get(p) is not None else None, "{:.1f}")
-                              for p in ("p50", "p95", "p99"))])
+        rows.append(
+            [
+                f"{label} p50/p95/p99 (ms)",
+                "/".join(
+                    num(pct.get(p) * 1000 if pct.get(p) is not None else None, "{:.1f}")
+                    for p in ("p50", "p95", "p99")
+                ),
+            ]
+        )
     return text_table(rows)

@@ -41,7 +41,9 @@ def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: st
         return str(local)
     from bulkgen.store import open_store
 
-    cache = Path(cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models"))
+    cache = Path(
+        cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models")
+    )
     dest = cache / hashlib.sha256(path.encode()).hexdigest()[:16]
     if not (dest / "config.json").is_file():
         open_store(path, endpoint_url=endpoint_url).download_dir("", dest)

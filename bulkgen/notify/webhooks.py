@@ -57,7 +57,7 @@ def parse_secret(secret: str) -> bytes:
     if not secret.startswith(SECRET_PREFIX):
         raise ValueError(f"the webhook secret must look like {SECRET_PREFIX}<base64> (as OpenAI's do)")
     try:
-        key = base64.b64decode(secret[len(SECRET_PREFIX):], validate=True)
+        key = base64.b64decode(secret[len(SECRET_PREFIX) :], validate=True)
     except binascii.Error:
         raise ValueError(f"the webhook secret is not {SECRET_PREFIX} followed by valid base64") from None
     if len(key) < 16:
@@ -98,13 +98,27 @@ class WebhookNotifier:
     """Call it with a batch's final record (it is BatchService's `on_batch_end` hook); it never blocks on
     the receiver. With `store`, events survive the process (see the module docstring)."""
 
-    def __init__(self, url: str, secret: str, *, store: Store | None = None, attempts: int = 8,
-                 first_wait_s: float = 1.0, max_wait_s: float = 60.0, timeout_s: float = 10.0,
-                 queue_size: int = 1000) -> None:
+    def __init__(
+        self,
+        url: str,
+        secret: str,
+        *,
+        store: Store | None = None,
+        attempts: int = 8,
+        first_wait_s: float = 1.0,
+        max_wait_s: float = 60.0,
+        timeout_s: float = 10.0,
+        queue_size: int = 1000,
+    ) -> None:
         self.url = check_url(url)
         self._key = parse_secret(secret)
         self.store = store
-        self.attempts, self.first_wait_s, self.max_wait_s, self.timeout_s = attempts, first_wait_s, max_wait_s, timeout_s
+        self.attempts, self.first_wait_s, self.max_wait_s, self.timeout_s = (
+            attempts,
+            first_wait_s,
+            max_wait_s,
+            timeout_s,
+        )
         self._queue: queue.Queue[dict | None] = queue.Queue(maxsize=queue_size)
         self._closed = threading.Event()
         self.delivered = 0
@@ -125,7 +139,13 @@ class WebhookNotifier:
             try:
                 self.store.write_bytes(_pending_key(event), json.dumps(event).encode())
             except Exception as exc:  # storage down for a moment: the event is still sent from memory
-                log.error("webhook %s for %s not kept under %s: %s", event["type"], record["id"], PENDING_PREFIX, exc)
+                log.error(
+                    "webhook %s for %s not kept under %s: %s",
+                    event["type"],
+                    record["id"],
+                    PENDING_PREFIX,
+                    exc,
+                )
         self._enqueue(event)
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -146,8 +166,13 @@ class WebhookNotifier:
         except queue.Full:
             self.dropped += 1
             kept = " (kept pending)" if self.store is not None else ""
-            log.error("webhook %s for %s not queued: %d events already wait%s", event["type"], event["data"]["id"],
-                      self._queue.maxsize, kept)
+            log.error(
+                "webhook %s for %s not queued: %d events already wait%s",
+                event["type"],
+                event["data"]["id"],
+                self._queue.maxsize,
+                kept,
+            )
             return False
 
     def _resend_pending(self) -> None:
@@ -167,8 +192,14 @@ class WebhookNotifier:
                 return
             except Exception as exc:  # the last retry failed, or an answer that retrying cannot change
                 self.dropped += 1
-                log.error("webhook %s %s for %s to %s not delivered: %s", event["type"], event["id"],
-                          event["data"]["id"], self.url, exc)
+                log.error(
+                    "webhook %s %s for %s to %s not delivered: %s",
+                    event["type"],
+                    event["id"],
+                    event["data"]["id"],
+                    self.url,
+                    exc,
+                )
             self._forget(event)
 
     def _forget(self, event: dict) -> None:
@@ -196,9 +227,13 @@ class WebhookNotifier:
 
     def _post(self, msg_id: str, body: bytes) -> None:
         timestamp = int(time.time())  # signed afresh per try: a late retry stays inside the receiver's window
-        headers = {"content-type": "application/json", "user-agent": f"bulkgen/{__version__}",
-                   "webhook-id": msg_id, "webhook-timestamp": str(timestamp),
-                   "webhook-signature": signature(self._key, msg_id, timestamp, body)}
+        headers = {
+            "content-type": "application/json",
+            "user-agent": f"bulkgen/{__version__}",
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature(self._key, msg_id, timestamp, body),
+        }
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:

@@ -56,8 +56,15 @@ def newest_profile(store, model: str) -> profiles.Profile | None:
     return max(found, key=lambda p: p.measured_at, default=None)
 
 
-def plan_record(record: dict, tally: WorkTally, store, batches, workers: int, queued_requests: int,
-                now: float | None = None) -> dict:
+def plan_record(
+    record: dict,
+    tally: WorkTally,
+    store,
+    batches,
+    workers: int,
+    queued_requests: int,
+    now: float | None = None,
+) -> dict:
     """The record with its estimate (and, if infeasible alone, a warning in `errors`); unchanged without a
     profile. `store`: the storage root (profiles); `batches`: the tenant's BatchRepo (length history)."""
     max_tokens = np.array(tally.max_tokens, np.int64)
@@ -72,30 +79,41 @@ def plan_record(record: dict, tally: WorkTally, store, batches, workers: int, qu
     plan = estimate(np.array(tally.prompts, np.int64), max_tokens, lengths, profile, workers, runtime=runtime)
     seconds = plan["estimated_seconds"]
     queue_s = queued_requests * seconds["expected"] / len(max_tokens)
-    record["metrics"] = {**(record.get("metrics") or {}), "estimated_seconds": seconds,
-                         "queued_requests_ahead": queued_requests,
-                         "estimated_completion_at": int(now + queue_s + seconds["expected"]),
-                         "estimate_basis": f"profile {profile.device}, {lengths.source}"}
+    record["metrics"] = {
+        **(record.get("metrics") or {}),
+        "estimated_seconds": seconds,
+        "queued_requests_ahead": queued_requests,
+        "estimated_completion_at": int(now + queue_s + seconds["expected"]),
+        "estimate_basis": f"profile {profile.device}, {lengths.source}",
+    }
     window = record["expires_at"] - now
     if seconds["low"] > window:
-        entry = {"code": INFEASIBLE + "_warning", "line": None, "param": "completion_window",
-                 "message": infeasible_message(seconds["low"], record["completion_window"], workers)}
+        entry = {
+            "code": INFEASIBLE + "_warning",
+            "line": None,
+            "param": "completion_window",
+            "message": infeasible_message(seconds["low"], record["completion_window"], workers),
+        }
         errors = record.get("errors") or {"object": "list", "data": []}
         record["errors"] = {**errors, "data": [*errors["data"], entry]}
     return record
 
 
 def infeasible_message(low_s: float, window: str, workers: int) -> str:
-    return (f"this batch needs at least {low_s:,.0f} s on {workers} worker(s) even alone (estimate from the stored "
-            f"throughput profile), longer than its completion window of {window}; use a longer window, split the "
-            "file, or add workers")
+    return (
+        f"this batch needs at least {low_s:,.0f} s on {workers} worker(s) even alone (estimate from the stored "
+        f"throughput profile), longer than its completion window of {window}; use a longer window, split the "
+        "file, or add workers"
+    )
 
 
 def is_infeasible(record: dict) -> bool:
     return any(e["code"] == INFEASIBLE + "_warning" for e in (record.get("errors") or {}).get("data", []))
 
 
-def estimate_into(svc, tally: WorkTally, queued_requests: int, refuse: bool = False) -> Callable[[dict], dict]:
+def estimate_into(
+    svc, tally: WorkTally, queued_requests: int, refuse: bool = False
+) -> Callable[[dict], dict]:
     """The validation's `amend`: writes the estimate (and a window warning) into the record in the write that
     makes it `in_progress`. `refuse` (`--refuse-infeasible`): a batch its window cannot hold even alone is
     `failed` in that same write (code completion_window_infeasible), so no runner ever starts it."""

@@ -23,7 +23,7 @@ from bulkgen.batch.schema import BatchStatus
 from bulkgen.plan.lengths import RECENT_BATCHES
 from bulkgen.plan.profile import Profile
 
-MIN_BUSY_S = 5.0     # shorter batches measure the noise of their start more than the steps: not used
+MIN_BUSY_S = 5.0  # shorter batches measure the noise of their start more than the steps: not used
 LIMITS = (0.5, 4.0)  # a factor outside these says the profile is for other hardware: clipped, not trusted
 
 
@@ -63,8 +63,11 @@ def runtime_factor(batches: BatchRepo, model: str, profile: Profile) -> Runtime:
         if overhead < 0 or factor <= 0:
             overhead, factor = 0.0, float(np.median(y / x))
     factor = float(np.clip(factor, *LIMITS))
-    return Runtime(factor, round(float(overhead), 3),
-                   f"x{factor:.2f} + {overhead:.2f} s, measured on {len(points)} earlier batch(es) here")
+    return Runtime(
+        factor,
+        round(float(overhead), 3),
+        f"x{factor:.2f} + {overhead:.2f} s, measured on {len(points)} earlier batch(es) here",
+    )
 
 
 def _predicted_busy(metrics: dict, profile: Profile) -> float:
@@ -73,5 +76,10 @@ def _predicted_busy(metrics: dict, profile: Profile) -> float:
     inputs, outputs = metrics.get("input_tokens") or 0, metrics.get("output_tokens") or 0
     prefill = inputs - (metrics.get("cached_prompt_tokens") or 0)
     context = outputs * (inputs / requests + outputs / requests / 2)
-    return (steps * profile.base_s + profile.per_seq_s * (outputs + requests) + profile.per_prefill_token_s * prefill
-            + profile.per_context_token_s * context + profile.per_new_seq_s * requests)
+    return (
+        steps * profile.base_s
+        + profile.per_seq_s * (outputs + requests)
+        + profile.per_prefill_token_s * prefill
+        + profile.per_context_token_s * context
+        + profile.per_new_seq_s * requests
+    )

@@ -21,15 +21,15 @@ from bulkgen.batch.records import BatchRepo
 from bulkgen.batch.schema import INTERNAL, BatchStatus
 
 RECENT_BATCHES = 100
-MAX_OUTPUT_KEY = "max_output_tokens"      # record[INTERNAL][...]: set when a batch is validated
-HISTOGRAM_KEY = "max_tokens_histogram"    # [[max_tokens, sequences], ...], at most HISTOGRAM_BINS rows
+MAX_OUTPUT_KEY = "max_output_tokens"  # record[INTERNAL][...]: set when a batch is validated
+HISTOGRAM_KEY = "max_tokens_histogram"  # [[max_tokens, sequences], ...], at most HISTOGRAM_BINS rows
 HISTOGRAM_BINS = 64
 
 
 @dataclass(frozen=True)
 class LengthModel:
-    cap: float      # expected output tokens = min(max_tokens, cap); inf: max_tokens itself
-    source: str     # what the cap comes from, in words
+    cap: float  # expected output tokens = min(max_tokens, cap); inf: max_tokens itself
+    source: str  # what the cap comes from, in words
 
     def expected(self, max_tokens: np.ndarray) -> np.ndarray:
         """Per-sequence expected output tokens; at least one for a sequence that generates at all."""
@@ -39,7 +39,9 @@ class LengthModel:
         return np.where(max_tokens > 0, capped, 0).astype(np.int64)
 
 
-UPPER_BOUND = LengthModel(math.inf, "max_tokens (an upper bound: no earlier batch of this model measured here)")
+UPPER_BOUND = LengthModel(
+    math.inf, "max_tokens (an upper bound: no earlier batch of this model measured here)"
+)
 
 
 def histogram(max_tokens: np.ndarray) -> list[list[int]]:

@@ -30,22 +30,37 @@ class NoProfile(Exception):
     """No stored profile for the device asked about, and it is not the device at hand to measure."""
 
 
-def estimate(uncached: np.ndarray, max_tokens: np.ndarray, lengths: LengthModel, profile: profiles.Profile,
-             workers: int, range_size: int = 32, runtime: Runtime | None = None) -> dict[str, Any]:
+def estimate(
+    uncached: np.ndarray,
+    max_tokens: np.ndarray,
+    lengths: LengthModel,
+    profile: profiles.Profile,
+    workers: int,
+    range_size: int = 32,
+    runtime: Runtime | None = None,
+) -> dict[str, Any]:
     """Seconds as {low, expected, high} (the profile's step-time spread around the expected lengths) and
     the upper bound (every sequence runs to max_tokens). `runtime`: the service's measured runtime factor."""
     runtime = runtime or Runtime()
     limits = EngineLimits(profile.max_num_seqs, profile.max_num_batched_tokens)
 
     def seconds(outputs: np.ndarray) -> float:
-        return runtime.seconds(batch_seconds(uncached.tolist(), outputs.tolist(), profile.step_seconds, limits,
-                                             workers, range_size))
+        return runtime.seconds(
+            batch_seconds(
+                uncached.tolist(), outputs.tolist(), profile.step_seconds, limits, workers, range_size
+            )
+        )
 
     expected = seconds(lengths.expected(max_tokens))
     upper = expected if math.isinf(lengths.cap) else seconds(max_tokens)
-    return {"estimated_seconds": {"low": round(expected * (1 - profile.spread), 2), "expected": round(expected, 2),
-                                  "high": round(expected * (1 + profile.spread), 2)},
-            "upper_bound_seconds": round(upper * (1 + profile.spread), 2)}
+    return {
+        "estimated_seconds": {
+            "low": round(expected * (1 - profile.spread), 2),
+            "expected": round(expected, 2),
+            "high": round(expected * (1 + profile.spread), 2),
+        },
+        "upper_bound_seconds": round(upper * (1 + profile.spread), 2),
+    }
 
 
 def find_profile(store, model: str, path: str, device: str | None) -> tuple[profiles.Profile, bool]:
@@ -60,16 +75,29 @@ def find_profile(store, model: str, path: str, device: str | None) -> tuple[prof
         if found is not None:
             return found, False
     if not (wanted == here or here.endswith("-" + wanted)):
-        raise NoProfile(f"no profile of {model} exists for device {wanted!r} (stored: {', '.join(stored) or 'none'}); "
-                        f"run `bulkgen profile` for this model on a machine with that device, on this storage")
+        raise NoProfile(
+            f"no profile of {model} exists for device {wanted!r} (stored: {', '.join(stored) or 'none'}); "
+            f"run `bulkgen profile` for this model on a machine with that device, on this storage"
+        )
     profile = profiles.measure(model, path)
     profiles.save(store, profile)
     return profile, True
 
 
-def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer, lengths: LengthModel,
-              workers: int, max_requests: int, device: str | None = None, store=None,
-              profile: profiles.Profile | None = None, batches=None) -> dict[str, Any]:
+def plan_file(
+    path: Path,
+    endpoint: str,
+    model: str,
+    model_path: str,
+    tokenizer,
+    lengths: LengthModel,
+    workers: int,
+    max_requests: int,
+    device: str | None = None,
+    store=None,
+    profile: profiles.Profile | None = None,
+    batches=None,
+) -> dict[str, Any]:
     """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
     `profile`, or the one `find_profile` gives for `device` on `store`."""
     from transformers import AutoConfig
@@ -84,20 +112,35 @@ def plan_file(path: Path, endpoint: str, model: str, model_path: str, tokenizer,
     if profile is None:
         profile, measured_now = find_profile(store, model, model_path, device)
     runtime = Runtime() if batches is None else runtime_factor(batches, model, profile)
-    result = {"file": str(path), "valid": True, **summarize(work, lengths, profile, workers, runtime),
-              "runtime_factor": runtime.source}
-    result["profile"] = {"stored_at": profiles.profile_key(model, profile.device), "measured_now": measured_now}
+    result = {
+        "file": str(path),
+        "valid": True,
+        **summarize(work, lengths, profile, workers, runtime),
+        "runtime_factor": runtime.source,
+    }
+    result["profile"] = {
+        "stored_at": profiles.profile_key(model, profile.device),
+        "measured_now": measured_now,
+    }
     return result
 
 
-def summarize(work: FileWork, lengths: LengthModel, profile: profiles.Profile, workers: int,
-              runtime: Runtime | None = None) -> dict[str, Any]:
+def summarize(
+    work: FileWork,
+    lengths: LengthModel,
+    profile: profiles.Profile,
+    workers: int,
+    runtime: Runtime | None = None,
+) -> dict[str, Any]:
     prompts, uncached, max_tokens = work.arrays()
     expected = lengths.expected(max_tokens)
     prompt_total = int(prompts.sum())
     return {
-        "model": profile.model, "device": profile.device, "workers": workers,
-        "requests": work.validation.total, "refused_lines": work.refused,
+        "model": profile.model,
+        "device": profile.device,
+        "workers": workers,
+        "requests": work.validation.total,
+        "refused_lines": work.refused,
         "prompt_tokens": prompt_total,
         "prefix_cache_share": round(1 - int(uncached.sum()) / prompt_total, 4) if prompt_total else 0.0,
         "max_output_tokens": int(max_tokens.sum()),
@@ -112,21 +155,36 @@ def describe(result: dict[str, Any]) -> str:
     """The plan as a user reads it in a terminal."""
     if not result["valid"]:
         lines = [f"{result['file']}: a batch of it would fail validation:"]
-        lines += [f"  line {e['line']}: [{e['code']}] {e['message']}" if e["line"] else f"  [{e['code']}] {e['message']}"
-                  for e in result["errors"]]
+        lines += [
+            f"  line {e['line']}: [{e['code']}] {e['message']}"
+            if e["line"]
+            else f"  [{e['code']}] {e['message']}"
+            for e in result["errors"]
+        ]
         return "\n".join(lines)
     s, prof = result["estimated_seconds"], result["profile"]
     where = "measured just now" if prof["measured_now"] else "stored"
     rows = [
-        ("requests", f"{result['requests']:,}" + (f" ({result['refused_lines']} refused by their worker)"
-                                                  if result["refused_lines"] else "")),
-        ("prompt tokens", f"{result['prompt_tokens']:,} (exact, {result['model']}'s chat template and tokenizer)"),
-        ("prefix cache", f"{result['prefix_cache_share']:.0%} of prompt tokens shared with an earlier prompt"),
+        (
+            "requests",
+            f"{result['requests']:,}"
+            + (f" ({result['refused_lines']} refused by their worker)" if result["refused_lines"] else ""),
+        ),
+        (
+            "prompt tokens",
+            f"{result['prompt_tokens']:,} (exact, {result['model']}'s chat template and tokenizer)",
+        ),
+        (
+            "prefix cache",
+            f"{result['prefix_cache_share']:.0%} of prompt tokens shared with an earlier prompt",
+        ),
         ("max output tokens", f"{result['max_output_tokens']:,}"),
         ("expected output", f"{result['expected_output_tokens']:,} tokens, from {result['length_model']}"),
-        (f"time on {result['workers']} worker" + ("s" if result["workers"] > 1 else ""),
-         f"{_duration(s['low'])} - {_duration(s['high'])} (expected {_duration(s['expected'])}; "
-         f"at most {_duration(result['upper_bound_seconds'])} if every request runs to max_tokens)"),
+        (
+            f"time on {result['workers']} worker" + ("s" if result["workers"] > 1 else ""),
+            f"{_duration(s['low'])} - {_duration(s['high'])} (expected {_duration(s['expected'])}; "
+            f"at most {_duration(result['upper_bound_seconds'])} if every request runs to max_tokens)",
+        ),
         ("start-up", f"+{_duration(result['startup_seconds'])} model load for a fresh worker (bulkgen run)"),
         ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
         ("runtime factor", result["runtime_factor"]),

@@ -48,15 +48,22 @@ class Profile:
     block_size: int
     model_load_s: float
     per_new_seq_s: float = 0.0  # admitting a sequence (and, later, finishing it): per request, not per token
-    spread: float = 0.15  # relative spread of step times (half the interquartile range / median): the ± of plans
+    spread: float = (
+        0.15  # relative spread of step times (half the interquartile range / median): the ± of plans
+    )
     measured_at: float = field(default_factory=time.time)
     host: str = field(default_factory=platform.node)
     points: list[dict] = field(default_factory=list)
     version: int = PROFILE_VERSION
 
     def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int, new_seqs: int = 0) -> float:
-        return (self.base_s + self.per_seq_s * seqs + self.per_prefill_token_s * prefill_tokens
-                + self.per_context_token_s * context_tokens + self.per_new_seq_s * new_seqs)
+        return (
+            self.base_s
+            + self.per_seq_s * seqs
+            + self.per_prefill_token_s * prefill_tokens
+            + self.per_context_token_s * context_tokens
+            + self.per_new_seq_s * new_seqs
+        )
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
@@ -65,7 +72,9 @@ class Profile:
     def from_json(cls, data: bytes) -> Profile:
         fields = json.loads(data)
         if fields.get("version") != PROFILE_VERSION:
-            raise ValueError(f"profile version {fields.get('version')} is not {PROFILE_VERSION}; measure it again")
+            raise ValueError(
+                f"profile version {fields.get('version')} is not {PROFILE_VERSION}; measure it again"
+            )
         return cls(**fields)
 
 
@@ -112,8 +121,10 @@ def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: i
     engine = Engine.from_pretrained(path, **(engine_kwargs or {}))
     load_s = time.perf_counter() - started
     result: list = []
-    worker = threading.Thread(target=lambda: result.append(_measure_grid(engine, threads or os.cpu_count() or 1)),
-                              name="bulkgen-profile")
+    worker = threading.Thread(
+        target=lambda: result.append(_measure_grid(engine, threads or os.cpu_count() or 1)),
+        name="bulkgen-profile",
+    )
     worker.start()
     worker.join()
     if not result:
@@ -123,11 +134,31 @@ def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: i
     base, per_seq, per_context = _fit_decode(cells)
     per_prefill = _fit_prefill(cells, base, per_seq)
     per_new_seq = _fit_churn(churn, (base, per_seq, per_prefill, per_context))
-    points = [{"batch": b, "context": c, "decode_step_s": round(_mean_decode(rows)[1], 6),
-               "prefill_tokens_per_s": round(_prefill_rate(rows), 1)} for b, c, rows in cells]
-    return Profile(model, device_name(str(engine.device.type)), base, per_seq, per_prefill, per_context,
-                   cfg.max_num_seqs, cfg.max_num_batched_tokens, engine.max_model_len, cfg.block_size,
-                   round(load_s, 3), per_new_seq, _spread(cells), points=points)
+    points = [
+        {
+            "batch": b,
+            "context": c,
+            "decode_step_s": round(_mean_decode(rows)[1], 6),
+            "prefill_tokens_per_s": round(_prefill_rate(rows), 1),
+        }
+        for b, c, rows in cells
+    ]
+    return Profile(
+        model,
+        device_name(str(engine.device.type)),
+        base,
+        per_seq,
+        per_prefill,
+        per_context,
+        cfg.max_num_seqs,
+        cfg.max_num_batched_tokens,
+        engine.max_model_len,
+        cfg.block_size,
+        round(load_s, 3),
+        per_new_seq,
+        _spread(cells),
+        points=points,
+    )
 
 
 def _measure_grid(engine, threads: int) -> list:
@@ -135,9 +166,13 @@ def _measure_grid(engine, threads: int) -> list:
 
     torch.set_num_threads(threads)  # per thread, as the worker's engine loop sets it
     _run_cell(engine, 4, 16, 4)  # warm-up: the first forward passes are slower than the rest
-    cells = [(batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
-             for context in CONTEXTS if context + DECODE_STEPS < engine.max_model_len
-             for batch in BATCH_SIZES if batch <= engine.config.max_num_seqs]
+    cells = [
+        (batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
+        for context in CONTEXTS
+        if context + DECODE_STEPS < engine.max_model_len
+        for batch in BATCH_SIZES
+        if batch <= engine.config.max_num_seqs
+    ]
     churn = [r for _ in range(CHURN_ROUNDS) for r in _run_cell(engine, engine.config.max_num_seqs, 4, 2)]
     return cells, churn
 
@@ -158,8 +193,15 @@ def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple]:
         decoding = record["decode_tokens"]
         decoded += bool(decoding)
         context_tokens = decoding * (context + decoded)
-        rows.append((record["active_seqs"], record["prefill_tokens"], context_tokens, record["duration_s"],
-                     record["active_seqs"] - decoding))
+        rows.append(
+            (
+                record["active_seqs"],
+                record["prefill_tokens"],
+                context_tokens,
+                record["duration_s"],
+                record["active_seqs"] - decoding,
+            )
+        )
     engine.reset()
     return rows
 

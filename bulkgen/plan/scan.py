@@ -29,14 +29,19 @@ class FileWork:
     """What a file asks of the engine, one entry per sequence the engine will run."""
 
     validation: ValidationResult
-    prompt_tokens: list[int] = field(default_factory=list)    # the whole prompt (usage.input_tokens)
-    uncached_tokens: list[int] = field(default_factory=list)  # what prefill computes (prefix-cache hits removed)
-    max_tokens: list[int] = field(default_factory=list)       # as fit_context resolves it (0: embeddings)
-    refused: int = 0                                          # lines their worker would answer with a 400
+    prompt_tokens: list[int] = field(default_factory=list)  # the whole prompt (usage.input_tokens)
+    uncached_tokens: list[int] = field(
+        default_factory=list
+    )  # what prefill computes (prefix-cache hits removed)
+    max_tokens: list[int] = field(default_factory=list)  # as fit_context resolves it (0: embeddings)
+    refused: int = 0  # lines their worker would answer with a 400
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return (np.array(self.prompt_tokens, np.int64), np.array(self.uncached_tokens, np.int64),
-                np.array(self.max_tokens, np.int64))
+        return (
+            np.array(self.prompt_tokens, np.int64),
+            np.array(self.uncached_tokens, np.int64),
+            np.array(self.max_tokens, np.int64),
+        )
 
 
 class _PrefixCache:
@@ -49,7 +54,7 @@ class _PrefixCache:
         """Leading tokens of `ids` an earlier prompt already computed (never the last token: it must run)."""
         bs, parent, hits = self.block_size, 0, 0
         for start in range(0, (len(ids) - 1) // bs * bs, bs):
-            parent = hash((parent, tuple(ids[start:start + bs])))
+            parent = hash((parent, tuple(ids[start : start + bs])))
             if parent in self.seen:
                 hits += bs
                 continue
@@ -58,8 +63,15 @@ class _PrefixCache:
         return hits
 
 
-def scan_file(path: Path, endpoint: str, served_model: str, tokenizer, max_model_len: int, max_requests: int,
-              block_size: int = 16) -> FileWork:
+def scan_file(
+    path: Path,
+    endpoint: str,
+    served_model: str,
+    tokenizer,
+    max_model_len: int,
+    max_requests: int,
+    block_size: int = 16,
+) -> FileWork:
     """Validate and tokenize `path`; the validation result says whether a batch of it would be accepted."""
     validator = Validator(endpoint, [served_model], max_requests)
     cache = _PrefixCache(block_size)

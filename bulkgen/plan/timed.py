@@ -35,8 +35,14 @@ class EngineLimits:
     max_num_batched_tokens: int
 
 
-def batch_seconds(prompts: Sequence[int], outputs: Sequence[int], cost: StepCost, limits: EngineLimits,
-                  workers: int = 1, range_size: int = 32) -> float:
+def batch_seconds(
+    prompts: Sequence[int],
+    outputs: Sequence[int],
+    cost: StepCost,
+    limits: EngineLimits,
+    workers: int = 1,
+    range_size: int = 32,
+) -> float:
     """Wall seconds from the first request entering an engine to the last one finishing.
     `prompts`: prompt tokens each request must compute (cached prefix excluded); `outputs`: tokens each
     generates (>= 1; 0 for a prefill-only request such as an embedding)."""
@@ -45,7 +51,7 @@ def batch_seconds(prompts: Sequence[int], outputs: Sequence[int], cost: StepCost
 
 
 def _deal(requests: list[tuple[int, int]], workers: int, range_size: int) -> list[list[tuple[int, int]]]:
-    ranges = [requests[i:i + range_size] for i in range(0, len(requests), range_size)]
+    ranges = [requests[i : i + range_size] for i in range(0, len(requests), range_size)]
     ranges.sort(key=lambda r: -sum(p + o for p, o in r) / len(r))
     loads: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
     work = [0] * workers
@@ -63,8 +69,11 @@ def engine_seconds(requests: list[tuple[int, int]], cost: StepCost, limits: Engi
     seconds = 0.0
     while waiting or running:
         decoding = [s for s in running if not s.prefill_left]
-        if not waiting and all(not s.prefill_left for s in running) or (
-                len(running) >= limits.max_num_seqs and decoding == running):
+        if (
+            not waiting
+            and all(not s.prefill_left for s in running)
+            or (len(running) >= limits.max_num_seqs and decoding == running)
+        ):
             seconds += _decode_run(running, cost)
         else:
             seconds += _mixed_step(running, waiting, cost, limits)
@@ -84,7 +93,9 @@ def _decode_run(running: list[_Seq], cost: StepCost) -> float:
     return k * first + per_step_growth * k * (k - 1) / 2
 
 
-def _mixed_step(running: list[_Seq], waiting: list[tuple[int, int]], cost: StepCost, limits: EngineLimits) -> float:
+def _mixed_step(
+    running: list[_Seq], waiting: list[tuple[int, int]], cost: StepCost, limits: EngineLimits
+) -> float:
     budget, prefill, context, active, admitted = limits.max_num_batched_tokens, 0, 0, 0, 0
     for s in sorted(running, key=lambda s: bool(s.prefill_left)):  # decodes first
         if budget == 0:
@@ -95,7 +106,12 @@ def _mixed_step(running: list[_Seq], waiting: list[tuple[int, int]], cost: StepC
             s.decode_left, s.context, budget = s.decode_left - 1, s.context + 1, budget - 1
             continue
         n = min(s.prefill_left, budget)
-        s.prefill_left, s.context, budget, prefill = s.prefill_left - n, s.context + n, budget - n, prefill + n
+        s.prefill_left, s.context, budget, prefill = (
+            s.prefill_left - n,
+            s.context + n,
+            budget - n,
+            prefill + n,
+        )
         if not s.prefill_left:
             s.decode_left = max(0, s.decode_left - 1)  # the step that ends a prompt samples its first token
     while waiting and budget > 0 and len(running) < limits.max_num_seqs:

@@ -23,8 +23,8 @@ from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedRange, WorkQueue
 log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 0.5
-BUSY_WINDOW_S = 30.0     # a worker's busy share is measured over this recent window
-POLL_DEADLINE_S = 120.0   # calls other than polls (abort) may take this long before the worker counts as lost
+BUSY_WINDOW_S = 30.0  # a worker's busy share is measured over this recent window
+POLL_DEADLINE_S = 120.0  # calls other than polls (abort) may take this long before the worker counts as lost
 REPLACE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between attempts to replace a lost worker
 LOAD_DEADLINE_S = 1800.0
 
@@ -43,8 +43,8 @@ def take_for(queue: WorkQueue, index: int, poll: dict, holding: set[str]) -> lis
 class Dispatcher:
     def __init__(self, pool, queue: WorkQueue, endpoint_url: str | None, runner_of, owner: str) -> None:
         self.pool, self.queue, self.endpoint_url = pool, queue, endpoint_url
-        self.owner = owner                    # this driver's name on workers that several drivers share
-        self.runner_of = runner_of            # batch id -> its BatchRunner here, or None
+        self.owner = owner  # this driver's name on workers that several drivers share
+        self.runner_of = runner_of  # batch id -> its BatchRunner here, or None
         self.inflight: list[dict[tuple, QueuedRange]] = []
         self.models_loaded: list[str | None] = []
         self._model_of: list[tuple[str, str] | None] = []
@@ -54,25 +54,27 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
-        self._last_poll: dict[int, dict] = {}     # per worker: its last answer that found nothing queued
-        self._news: list[threading.Event] = []    # per worker: ranges were queued, or its poll answered
-        self._busy: list[deque] = []          # per worker: (arrival time, step seconds) of recent polls
+        self._last_poll: dict[int, dict] = {}  # per worker: its last answer that found nothing queued
+        self._news: list[threading.Event] = []  # per worker: ranges were queued, or its poll answered
+        self._busy: list[deque] = []  # per worker: (arrival time, step seconds) of recent polls
         self._started = time.monotonic()
 
     def start(self) -> None:
         self.inflight = [{} for _ in self.pool.workers]
         self.models_loaded = [None for _ in self.pool.workers]
-        self._model_of = [None for _ in self.pool.workers]   # (name, path) each worker was told to load
-        self.nodes = [None for _ in self.pool.workers]        # each worker's node IP, from its polls
-        self.threads = [None for _ in self.pool.workers]      # torch threads of each worker's forward
-        self.step_times = [None for _ in self.pool.workers]   # each engine's step wall times, from its polls
+        self._model_of = [None for _ in self.pool.workers]  # (name, path) each worker was told to load
+        self.nodes = [None for _ in self.pool.workers]  # each worker's node IP, from its polls
+        self.threads = [None for _ in self.pool.workers]  # torch threads of each worker's forward
+        self.step_times = [None for _ in self.pool.workers]  # each engine's step wall times, from its polls
         self._had_work = [True for _ in self.pool.workers]
         self._news = [threading.Event() for _ in self.pool.workers]
         self.queue.on_work(self._work_queued)
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
         self._started = time.monotonic()
         for index in range(len(self.pool.workers)):
-            threading.Thread(target=self._loop, args=(index,), name=f"bulkgen-dispatch-{index}", daemon=True).start()
+            threading.Thread(
+                target=self._loop, args=(index,), name=f"bulkgen-dispatch-{index}", daemon=True
+            ).start()
 
     def stop(self) -> None:
         self._stopped.set()
@@ -179,7 +181,9 @@ class Dispatcher:
             if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails
                 runner = self.runner_of(ranges[0].batch.batch_id)
                 if runner is not None:
-                    runner.fatal(f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}")
+                    runner.fatal(
+                        f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}"
+                    )
                 return False
             self.queue.put_back(ranges)
             raise
@@ -218,18 +222,23 @@ class Dispatcher:
         with self._lock:
             for index, inflight in enumerate(self.inflight):
                 batches: dict[str, int] = {}
-                for (batch_id, lo, hi) in inflight:
+                for batch_id, lo, hi in inflight:
                     batches[batch_id] = batches.get(batch_id, 0) + hi - lo
                 busy = sum(d for t, d in list(self._busy[index]) if t >= now - window)
                 model = self.models_loaded[index] if index < len(self.models_loaded) else None
-                states.append({
-                    "id": f"bulkgen-worker-{index}", "index": index,
-                    "device": "gpu" if self.pool.use_gpu else "cpu", "node_ip": self.nodes[index],
-                    "cpu_threads": self.threads[index], "step_time": self.step_times[index],
-                    "model": model.split("@", 1)[0] if model else None,
-                    "busy_share": round(min(1.0, busy / window), 4),
-                    "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
-                })
+                states.append(
+                    {
+                        "id": f"bulkgen-worker-{index}",
+                        "index": index,
+                        "device": "gpu" if self.pool.use_gpu else "cpu",
+                        "node_ip": self.nodes[index],
+                        "cpu_threads": self.threads[index],
+                        "step_time": self.step_times[index],
+                        "model": model.split("@", 1)[0] if model else None,
+                        "busy_share": round(min(1.0, busy / window), 4),
+                        "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
+                    }
+                )
         return states
 
     def _runners_in_flight(self, index: int) -> list:
@@ -238,8 +247,12 @@ class Dispatcher:
         return [r for r in map(self.runner_of, batches) if r is not None]
 
     def _lost(self, index: int, exc: Exception) -> None:
-        log.warning("worker %d on %s lost (%s); its ranges go back to the queue", index,
-                    self.nodes[index] or "an unknown node", type(exc).__name__)
+        log.warning(
+            "worker %d on %s lost (%s); its ranges go back to the queue",
+            index,
+            self.nodes[index] or "an unknown node",
+            type(exc).__name__,
+        )
         holding = self._runners_in_flight(index)
         with self._lock:
             lost, self.inflight[index] = list(self.inflight[index].values()), {}

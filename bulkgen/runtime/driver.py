@@ -39,7 +39,9 @@ class DriverError(Exception):
     """Bad input or a failed batch, explained in words."""
 
 
-def validate_and_index(svc: BatchService, batch_id: str, queued_requests: int = 0) -> tuple[dict, LineIndex | None]:
+def validate_and_index(
+    svc: BatchService, batch_id: str, queued_requests: int = 0
+) -> tuple[dict, LineIndex | None]:
     """A batch in `validating` is checked, indexed and estimated in one streamed pass; -> (record, its line
     index). The index is None when this call did not validate the file (it was validated before, or by
     another process meanwhile) or the batch failed: whoever runs it then reads the file itself.
@@ -50,16 +52,23 @@ def validate_and_index(svc: BatchService, batch_id: str, queued_requests: int = 
         builder.add(*line)
         tally.add(*line)
 
-    record = svc.validate(batch_id, on_request=index_and_tally,
-                          amend=estimate_into(svc, tally, queued_requests, refuse=svc.settings.refuse_infeasible))
+    record = svc.validate(
+        batch_id,
+        on_request=index_and_tally,
+        amend=estimate_into(svc, tally, queued_requests, refuse=svc.settings.refuse_infeasible),
+    )
     complete = record["model"] is not None and len(builder) == record["request_counts"]["total"]
     return record, (builder.build() if complete else None)
 
 
 def refusal(name: str, record: dict) -> str:
     """A batch that failed validation, one line per error, each naming the file and line."""
-    lines = "\n".join(f"  {name}:{e['line']}: [{e['code']}] {e['message']}" if e["line"] else
-                      f"  {name}: [{e['code']}] {e['message']}" for e in record["errors"]["data"])
+    lines = "\n".join(
+        f"  {name}:{e['line']}: [{e['code']}] {e['message']}"
+        if e["line"]
+        else f"  {name}: [{e['code']}] {e['message']}"
+        for e in record["errors"]["data"]
+    )
     return f"{name} failed validation:\n{lines}"
 
 
@@ -160,9 +169,16 @@ class Driver:
             self.manager = None
 
     # -- all of it, blocking -------------------------------------------------------------------------
-    def run(self, fileobj: BinaryIO, name: str, endpoint: str, window: str, write: Writer | None = None,
-            announce: Callable[[dict], None] | None = None,
-            on_poll: Callable[[dict], None] | None = None) -> dict:
+    def run(
+        self,
+        fileobj: BinaryIO,
+        name: str,
+        endpoint: str,
+        window: str,
+        write: Writer | None = None,
+        announce: Callable[[dict], None] | None = None,
+        on_poll: Callable[[dict], None] | None = None,
+    ) -> dict:
         """Store, validate, run one batch to its end and write its results; -> the final record. Ray, the
         workers and the served model start while the file is stored and validated: most of a run's fixed
         cost is theirs. A file whose validation fails within HEAD_START_S is reported before Ray starts."""
@@ -196,7 +212,9 @@ class Driver:
             self.finish(record, write)
         return record
 
-    def _intake(self, fileobj: BinaryIO, name: str, endpoint: str, window: str) -> tuple[dict, LineIndex | None]:
+    def _intake(
+        self, fileobj: BinaryIO, name: str, endpoint: str, window: str
+    ) -> tuple[dict, LineIndex | None]:
         try:
             record = self.accept(self.store(fileobj, name), endpoint, window)
             record, index = self.validate(record["id"])

@@ -14,8 +14,11 @@ from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
 from bulkgen.store import layout
 
-_FINAL_STATUS = {None: BatchStatus.COMPLETED, "batch_cancelled": BatchStatus.CANCELLED,
-                 "batch_expired": BatchStatus.EXPIRED}
+_FINAL_STATUS = {
+    None: BatchStatus.COMPLETED,
+    "batch_cancelled": BatchStatus.CANCELLED,
+    "batch_expired": BatchStatus.EXPIRED,
+}
 
 
 def result_file_ids(batch_id: str) -> tuple[str, str]:

@@ -29,11 +29,12 @@ class LeaseLost(Exception):
 
 
 class Lease(TtlLease):
-    def __init__(self, store: Store, batch_id: str, owner: str, ttl_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, store: Store, batch_id: str, owner: str, ttl_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
         super().__init__(store, layout.lease(batch_id), owner, ttl_s, clock)
         self.batch_id = batch_id
-        self.taken_from: dict | None = None   # the lapsed lease of another owner we took the batch from
+        self.taken_from: dict | None = None  # the lapsed lease of another owner we took the batch from
 
     def acquire(self) -> bool:
         """Take the lease if it is free, lapsed, or already ours; False if another owner holds it."""

@@ -25,11 +25,11 @@ MAX_WORK_TOKENS = 1 << 24  # more than any context: a longer max_tokens is refus
 
 @dataclass
 class LineIndex:
-    lines: np.ndarray    # int64: 1-based line number of each request (blank lines are no requests)
-    starts: np.ndarray   # int64: byte offset where the line starts
-    ends: np.ndarray     # int64: byte offset where it ends (newline excluded)
-    work: np.ndarray     # int64: estimated tokens of work
-    prefix: np.ndarray   # uint64: key of the leading prompt part, 0 if none
+    lines: np.ndarray  # int64: 1-based line number of each request (blank lines are no requests)
+    starts: np.ndarray  # int64: byte offset where the line starts
+    ends: np.ndarray  # int64: byte offset where it ends (newline excluded)
+    work: np.ndarray  # int64: estimated tokens of work
+    prefix: np.ndarray  # uint64: key of the leading prompt part, 0 if none
 
     def __len__(self) -> int:
         return len(self.lines)
@@ -58,8 +58,13 @@ class IndexBuilder:
 
     def build(self) -> LineIndex:
         lines, starts, ends, work, prefix = self._cols
-        return LineIndex(np.array(lines, np.int64), np.array(starts, np.int64), np.array(ends, np.int64),
-                         np.array(work, np.int64), np.array(prefix, np.uint64))
+        return LineIndex(
+            np.array(lines, np.int64),
+            np.array(starts, np.int64),
+            np.array(ends, np.int64),
+            np.array(work, np.int64),
+            np.array(prefix, np.uint64),
+        )
 
 
 def scan(reader: BinaryIO, endpoint: str) -> LineIndex:

@@ -40,16 +40,23 @@ ORPHAN_AFTER_S = 600.0
 
 
 class BatchManager:
-    def __init__(self, svc: BatchService, only: set[str] | None = None,
-                 weights: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(
+        self,
+        svc: BatchService,
+        only: set[str] | None = None,
+        weights: Callable[[], dict[str, float]] | None = None,
+    ) -> None:
         """`weights`: tenants' share weights read live (a keys file's); they win over settings.tenant_weights."""
         s = svc.settings
         self.svc = svc
-        self.only = only                      # run just these batches (`bulkgen run`, a stored job)
+        self.only = only  # run just these batches (`bulkgen run`, a stored job)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.pool = WorkerPool(s.workers)
-        self.queue = WorkQueue(lambda: len(self.pool.workers), s.fair_share_after_s,
-                               lambda: {**s.tenant_weights, **(weights() if weights else {})})
+        self.queue = WorkQueue(
+            lambda: len(self.pool.workers),
+            s.fair_share_after_s,
+            lambda: {**s.tenant_weights, **(weights() if weights else {})},
+        )
         self.dispatcher = Dispatcher(self.pool, self.queue, s.endpoint_url, self.runner_of, self.owner)
         self.runners: dict[str, BatchRunner] = {}
         self._indexes: dict[str, LineIndex] = {}  # handed over by a driver here, until a runner takes them
@@ -150,8 +157,12 @@ class BatchManager:
                 continue
             with self._lock:
                 index = self._indexes.pop(batch_id, None)
-                runner = self.runners[batch_id] = BatchRunner(svc, self.queue, self.dispatcher, lease, batch_id, index)
-            threading.Thread(target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True).start()
+                runner = self.runners[batch_id] = BatchRunner(
+                    svc, self.queue, self.dispatcher, lease, batch_id, index
+                )
+            threading.Thread(
+                target=self._run, args=(runner,), name=f"bulkgen-run-{batch_id}", daemon=True
+            ).start()
         with self._lock:  # a handed-over batch that another replica ran to its end: its index is not needed
             for batch_id in handed_before - active:
                 self._indexes.pop(batch_id, None)
@@ -178,8 +189,12 @@ class BatchManager:
         runner.lease.release()
         made = id_time(runner.batch_id)
         if made is None or time.time() - made >= ORPHAN_AFTER_S:
-            log.warning("batch %s: in the active index for %.0f s without a record (its creator stopped between "
-                        "writes); dropped from the index", runner.batch_id, time.time() - (made or 0))
+            log.warning(
+                "batch %s: in the active index for %.0f s without a record (its creator stopped between "
+                "writes); dropped from the index",
+                runner.batch_id,
+                time.time() - (made or 0),
+            )
             runner.svc.drop_from_index(runner.batch_id)
         else:
             log.debug("batch %s: no record yet; looking again on the next scan", runner.batch_id)

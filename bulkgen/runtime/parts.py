@@ -32,9 +32,9 @@ _ENVELOPE = b',"envelope":'  # what precedes an entry's output line in its part 
 class PartEntry:
     """One request's result, as its part stores it (one JSON line, `encode`)."""
 
-    line: int                                # the request's line in the input file
-    ok: bool                                 # its line goes to the output file (else to the error file)
-    envelope: bytes                          # that line as `responses.json_line` encoded it (newline included)
+    line: int  # the request's line in the input file
+    ok: bool  # its line goes to the output file (else to the error file)
+    envelope: bytes  # that line as `responses.json_line` encoded it (newline included)
     usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion and cached tokens
 
     @classmethod
@@ -52,12 +52,13 @@ class PartEntry:
     def decode(cls, raw: bytes) -> PartEntry:
         cut = raw.index(_ENVELOPE)
         head = json.loads(raw[:cut] + b"}")
-        envelope = raw[cut + len(_ENVELOPE):].rstrip(b"\r\n")[:-1] + b"\n"
+        envelope = raw[cut + len(_ENVELOPE) :].rstrip(b"\r\n")[:-1] + b"\n"
         return cls(head["line"], head["ok"], envelope, tuple(head["usage"]))
 
 
-def write_part(store: Store, batch_id: str, first_line: int, last_line: int,
-               entries: list[PartEntry]) -> None:
+def write_part(
+    store: Store, batch_id: str, first_line: int, last_line: int, entries: list[PartEntry]
+) -> None:
     data = b"".join(e.encode() for e in sorted(entries, key=lambda e: e.line))
     store.write_bytes(layout.part(batch_id, first_line, last_line), data)
 
@@ -95,7 +96,8 @@ class Tally:
     def apply(self, record: dict) -> None:
         record["request_counts"].update(completed=self.completed, failed=self.failed)
         record["usage"].update(
-            input_tokens=self.input_tokens, output_tokens=self.output_tokens,
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
             total_tokens=self.input_tokens + self.output_tokens,
         )
         record["usage"]["input_tokens_details"]["cached_tokens"] = self.cached_tokens

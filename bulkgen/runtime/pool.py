@@ -35,9 +35,16 @@ def init_ray(address: str | None = None) -> None:
         if address:
             _join(address)
         else:
-            ray.init(address="local", namespace=NAMESPACE, num_cpus=max(2, os.cpu_count() or 1),
-                     include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False,
-                     configure_logging=False, _node_ip_address="127.0.0.1")
+            ray.init(
+                address="local",
+                namespace=NAMESPACE,
+                num_cpus=max(2, os.cpu_count() or 1),
+                include_dashboard=False,
+                object_store_memory=256 * 1024 * 1024,
+                log_to_driver=False,
+                configure_logging=False,
+                _node_ip_address="127.0.0.1",
+            )
     except RayUnavailable:
         raise
     except Exception as exc:
@@ -51,8 +58,12 @@ def _join(address: str) -> None:
     _use_token_auth_if_available()
     # Ray rewrites a loopback address to this host's IP unless told the driver's node is loopback too
     loopback = address.split("://")[-1].startswith(("127.", "localhost"))
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-             **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
+    ray.init(
+        address=address,
+        namespace=NAMESPACE,
+        log_to_driver=False,
+        **({"_node_ip_address": "127.0.0.1"} if loopback else {}),
+    )
 
 
 def _check_answers(address: str) -> None:
@@ -63,8 +74,9 @@ def _check_answers(address: str) -> None:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=JOIN_TIMEOUT_S).close()
     except OSError as exc:
-        raise RayUnavailable(f"cannot join the Ray cluster at {address}: nothing answers there "
-                             f"({exc.strerror or exc})") from None
+        raise RayUnavailable(
+            f"cannot join the Ray cluster at {address}: nothing answers there ({exc.strerror or exc})"
+        ) from None
 
 
 def _use_token_auth_if_available() -> None:
@@ -108,8 +120,12 @@ class WorkerPool:
             threads = str(self._threads)
             options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
         actor = ray.remote(EngineWorker).options(
-            name=f"bulkgen-worker-{index}", namespace=NAMESPACE, get_if_exists=True,
-            max_concurrency=8, max_restarts=0, **options,
+            name=f"bulkgen-worker-{index}",
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            max_concurrency=8,
+            max_restarts=0,
+            **options,
         )
         return actor.remote(index, self.settings.engine_kwargs, self._threads)
 

@@ -30,8 +30,9 @@ def tokenize(request: ParsedRequest, tokenizer) -> list[int]:
     elif isinstance(request.prompt, list):
         if max(request.prompt) >= len(tokenizer):
             where = "body.input" if request.endpoint == EMBEDDINGS else "body.prompt"
-            raise LineError("invalid_prompt", f"a token id in {where} is outside the vocabulary ({len(tokenizer)})",
-                            where)
+            raise LineError(
+                "invalid_prompt", f"a token id in {where} is outside the vocabulary ({len(tokenizer)})", where
+            )
         ids = list(request.prompt)
     else:
         ids = tokenizer(request.prompt)["input_ids"]
@@ -47,7 +48,9 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
     Sets `request.tool_format` (how to read calls back) when tools are rendered."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise LineError("model_not_chat", "this model has no chat template; use /v1/completions", _input(request))
+        raise LineError(
+            "model_not_chat", "this model has no chat template; use /v1/completions", _input(request)
+        )
     if not isinstance(template, str):  # a dict of named templates: the default one renders chat
         template = template.get("tool_use") if request.tools else template.get("default", "")
     kwargs: dict[str, Any] = {k: v for k, v in request.template_kwargs.items() if k in template}
@@ -55,15 +58,22 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
         request.tool_format = tool_format(template)
         if request.tool_format is None:
             name = "functions" if request.legacy_functions else "tools"
-            raise LineError("unsupported_parameter", f"this model's chat template does not render tools, so "
-                            f"body.{name} would be silently dropped", f"body.{name}")
+            raise LineError(
+                "unsupported_parameter",
+                f"this model's chat template does not render tools, so body.{name} would be silently dropped",
+                f"body.{name}",
+            )
         kwargs["tools"] = request.tools
     try:
-        return tokenizer.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False,
-                                             **kwargs)
+        return tokenizer.apply_chat_template(
+            request.messages, add_generation_prompt=True, tokenize=False, **kwargs
+        )
     except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
-        raise LineError("invalid_messages", f"the model's chat template refused {_input(request)}: "
-                        f"{type(exc).__name__}: {str(exc)[:200]}", _input(request)) from None
+        raise LineError(
+            "invalid_messages",
+            f"the model's chat template refused {_input(request)}: {type(exc).__name__}: {str(exc)[:200]}",
+            _input(request),
+        ) from None
 
 
 def _input(request: ParsedRequest) -> str:
@@ -77,8 +87,11 @@ def _check_vocabulary(request: ParsedRequest, vocab: int) -> None:
     bias = request.sampling.get("logit_bias") or {}
     outside = [t for t in bias if t >= vocab]
     if outside:
-        raise LineError("invalid_parameter", f"body.logit_bias names token {outside[0]}, outside the vocabulary "
-                        f"({vocab} tokens)", "body.logit_bias")
+        raise LineError(
+            "invalid_parameter",
+            f"body.logit_bias names token {outside[0]}, outside the vocabulary ({vocab} tokens)",
+            "body.logit_bias",
+        )
 
 
 def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> dict[str, Any]:

@@ -59,8 +59,15 @@ class BatchFailed(Exception):
 
 
 class BatchRunner:
-    def __init__(self, svc: BatchService, queue, dispatcher, lease: Lease, batch_id: str,
-                 index: LineIndex | None = None) -> None:
+    def __init__(
+        self,
+        svc: BatchService,
+        queue,
+        dispatcher,
+        lease: Lease,
+        batch_id: str,
+        index: LineIndex | None = None,
+    ) -> None:
         """`index`: the line index a driver in this process built as it validated the batch (else the
         runner validates and indexes a batch in `validating` in one pass, or reads a validated one)."""
         self.svc, self.queue, self.dispatcher, self.lease = svc, queue, dispatcher, lease
@@ -75,9 +82,9 @@ class BatchRunner:
         self._lease_lost = False
         self._started = time.time()
         self._done_here = 0
-        self._live: dict[str, dict] = {}   # per worker: requests settled in ranges not yet written
+        self._live: dict[str, dict] = {}  # per worker: requests settled in ranges not yet written
         self._outage_since: float | None = None
-        self.outage: str | None = None     # why the runner stopped with storage down (the batch stays active)
+        self.outage: str | None = None  # why the runner stopped with storage down (the batch stays active)
 
     # -- the runner's thread ---------------------------------------------------------------------------
     def run(self) -> dict:
@@ -91,8 +98,12 @@ class BatchRunner:
             return self.fail(str(exc))
         except (StorageOutage, StorageUnavailable) as exc:
             self.outage = str(exc)
-            log.error("batch %s: runner stopped: %s; the batch stays active and resumes from its stored parts "
-                      "once storage answers", self.batch_id, exc)
+            log.error(
+                "batch %s: runner stopped: %s; the batch stays active and resumes from its stored parts "
+                "once storage answers",
+                self.batch_id,
+                exc,
+            )
             self._withdraw(None)
             return None
 
@@ -121,9 +132,17 @@ class BatchRunner:
 
     def _execute(self, record: dict) -> str | None:
         order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
-        batch = QueuedBatch(self.batch_id, FileRepo.data_key(record["input_file_id"]), record["endpoint"],
-                            record["model"], self.svc.settings.models[record["model"]], float(order),
-                            self.svc.store.spec(), self.svc.tenant, batch_priority(record["metadata"]))
+        batch = QueuedBatch(
+            self.batch_id,
+            FileRepo.data_key(record["input_file_id"]),
+            record["endpoint"],
+            record["model"],
+            self.svc.settings.models[record["model"]],
+            float(order),
+            self.svc.store.spec(),
+            self.svc.tenant,
+            batch_priority(record["metadata"]),
+        )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)
         next_control = next_publish = 0.0
@@ -181,12 +200,16 @@ class BatchRunner:
             with self.svc.files.open(record["input_file_id"]) as f:
                 return scan(f, record["endpoint"])
         except (NotFound, LookupError):
-            raise BatchFailed(f"the input file {record['input_file_id']} is gone; the batch cannot run") from None
+            raise BatchFailed(
+                f"the input file {record['input_file_id']} is gone; the batch cannot run"
+            ) from None
 
     def _log_start(self) -> None:
         """The runner note beside the parts: who ran the batch and when (a replica's takeover shows here)."""
         key = layout.runner_note(self.batch_id, self.lease.owner)
-        self.svc.store.write_bytes(key, json.dumps({"owner": self.lease.owner, "started_at": time.time()}).encode())
+        self.svc.store.write_bytes(
+            key, json.dumps({"owner": self.lease.owner, "started_at": time.time()}).encode()
+        )
 
     # -- calls from the dispatcher's threads ------------------------------------------------------------
     def range_done(self, outcome: RangeOutcome) -> None:
@@ -216,8 +239,10 @@ class BatchRunner:
         """A request that kept killing its worker: an engine_error line, so the batch can finish."""
         b, message = r.bounds, f"{reason}; it was not retried again"
         lines = read_lines(self.svc.store, r.batch.input_key, b.first_line, b.start, b.end)
-        entries = [parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, "engine_error"))
-                   for line, raw in lines]
+        entries = [
+            parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, "engine_error"))
+            for line, raw in lines
+        ]
         parts.write_part(self.svc.store, self.batch_id, b.first_line, b.last_line, entries)
         self.range_done(RangeOutcome(b, parts.Tally(failed=len(entries))))
 
@@ -292,9 +317,13 @@ class BatchRunner:
             for start in range(lo, hi, size):
                 end = min(hi, start + size)
                 first, last = int(self.index.lines[start]), int(self.index.lines[end - 1])
-                lines = read_lines(self.svc.store, key, first, int(self.index.starts[start]), int(self.index.ends[end - 1]))
-                entries = [parts.PartEntry.of(line, False, not_run_line(custom_id_of(raw), code))
-                           for line, raw in lines]
+                lines = read_lines(
+                    self.svc.store, key, first, int(self.index.starts[start]), int(self.index.ends[end - 1])
+                )
+                entries = [
+                    parts.PartEntry.of(line, False, not_run_line(custom_id_of(raw), code))
+                    for line, raw in lines
+                ]
                 parts.write_part(self.svc.store, self.batch_id, first, last, entries)
 
     def _recount(self, lo: int, hi: int) -> None:
@@ -312,8 +341,10 @@ class BatchRunner:
         def fail(r: dict) -> dict | None:
             if r["status"] in TERMINAL_STATUSES:
                 return None
-            r["errors"] = {"object": "list", "data": [{"code": "batch_failed", "line": None, "param": None,
-                                                       "message": message[:2000]}]}
+            r["errors"] = {
+                "object": "list",
+                "data": [{"code": "batch_failed", "line": None, "param": None, "message": message[:2000]}],
+            }
             return set_status(r, BatchStatus.FAILED)
 
         record = self.svc.batches.update(self.batch_id, fail)
@@ -329,4 +360,3 @@ class BatchRunner:
             return BatchMetrics.from_state(json.loads(self.svc.store.read_bytes(self._metrics_key)))
         except (NotFound, ValueError, KeyError):
             return BatchMetrics()
-

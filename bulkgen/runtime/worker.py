@@ -53,8 +53,8 @@ class Prepared:
     request: ParsedRequest
     prompt_ids: list[int]
     params: dict[str, Any]
-    part: int = 0      # a completions line with several prompts runs one engine request per prompt:
-    parts: int = 1     # this is prompt `part` of `parts`
+    part: int = 0  # a completions line with several prompts runs one engine request per prompt:
+    parts: int = 1  # this is prompt `part` of `parts`
 
 
 @dataclass
@@ -64,7 +64,7 @@ class HeldRange:
     bounds: RangeBounds
     model: str
     store: Any
-    remaining: dict[int, str] = field(default_factory=dict)   # line -> custom_id
+    remaining: dict[int, str] = field(default_factory=dict)  # line -> custom_id
     entries: list[PartEntry] = field(default_factory=list)
     # successes whose output line the writer thread encodes, off the step loop: entry, request, engine result
     answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)
@@ -87,7 +87,9 @@ class HeldRange:
 
 
 class EngineWorker:
-    def __init__(self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None):
+    def __init__(
+        self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None
+    ):
         self.index = index
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
@@ -98,23 +100,23 @@ class EngineWorker:
         self._cond = threading.Condition()
         self._prepare_lock = threading.Lock()
         self._ranges: dict[tuple, HeldRange] = {}
-        self._live: dict[str, Prepared] = {}          # in the engine
-        self._inbox: deque[Prepared] = deque()         # prepared, not yet in the engine
+        self._live: dict[str, Prepared] = {}  # in the engine
+        self._inbox: deque[Prepared] = deque()  # prepared, not yet in the engine
         self._aborts: list[str] = []
         self._preparing = 0
         self._stopped: set[str] = set()
-        self._owner_of: dict[str, str] = {}            # batch id -> the driver that assigned it
-        self._polled: dict[str, float] = {}            # driver -> when it last polled (monotonic)
-        self._done: dict[str, list[dict]] = defaultdict(list)             # per driver
+        self._owner_of: dict[str, str] = {}  # batch id -> the driver that assigned it
+        self._polled: dict[str, float] = {}  # driver -> when it last polled (monotonic)
+        self._done: dict[str, list[dict]] = defaultdict(list)  # per driver
         self._steps: dict[str, dict[str, list[dict]]] = defaultdict(dict)  # per driver, per batch
         self._quarantine: deque[list[Prepared]] = deque()
-        self._group: list[Prepared] | None = None      # the suspects in the engine while isolating a failure
+        self._group: list[Prepared] | None = None  # the suspects in the engine while isolating a failure
         self._writes: queue.Queue = queue.Queue()
-        self._load_lock = threading.Lock()             # a load the dispatcher asks for waits for one under way
-        self._tasks: deque = deque()                   # (fn, Future): torch work other threads hand the engine thread
+        self._load_lock = threading.Lock()  # a load the dispatcher asks for waits for one under way
+        self._tasks: deque = deque()  # (fn, Future): torch work other threads hand the engine thread
         self.node_ip = _node_ip()
-        self.torch_threads: int | None = None          # set by the engine thread
-        self._step_times = StepTimes()                 # the loaded engine's step wall times, reported by poll
+        self.torch_threads: int | None = None  # set by the engine thread
+        self._step_times = StepTimes()  # the loaded engine's step wall times, reported by poll
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
@@ -131,7 +133,9 @@ class EngineWorker:
                 with self._cond:
                     self.engine, self.model_name, self.model_key = None, None, None
                 path = resolve_model_path(model_path, endpoint_url=endpoint_url)
-                engine = self._on_engine_thread(lambda: engine_class().from_pretrained(path, **self.engine_kwargs))
+                engine = self._on_engine_thread(
+                    lambda: engine_class().from_pretrained(path, **self.engine_kwargs)
+                )
                 with self._cond:
                     self.engine, self.model_name = engine, model_name
                     self._step_times = StepTimes()
@@ -144,8 +148,14 @@ class EngineWorker:
 
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         device = str(next(self.engine.model.parameters()).device) if self.engine is not None else "unloaded"
-        return {"index": self.index, "model": self.model_name, "device": device, "pid": os.getpid(), "node": node,
-                "node_ip": self.node_ip}
+        return {
+            "index": self.index,
+            "model": self.model_name,
+            "device": device,
+            "pid": os.getpid(),
+            "node": node,
+            "node_ip": self.node_ip,
+        }
 
     def assign(self, batch: QueuedBatch, ranges: list[RangeBounds], owner: str = "") -> None:
         """Read, prepare and queue ranges of one batch. `owner` names the driver that assigned them:
@@ -176,12 +186,19 @@ class EngineWorker:
                 self._cond.wait(left)
             done = self._done.pop(owner, [])
             steps = self._steps.pop(owner, {})
-            return {"worker": self.index, "node_ip": self.node_ip, "threads": self.torch_threads,
-                    "model": self.model_key, "done": done, "steps": steps,
-                    "step_time": self._step_times.summary(),  # whole steps, whatever batches shared them
-                    "progress": self._progress(owner),
-                    "want": self._want(), "spare": self._spare(),
-                    "held": len(self._live) + len(self._inbox) + self._preparing}
+            return {
+                "worker": self.index,
+                "node_ip": self.node_ip,
+                "threads": self.torch_threads,
+                "model": self.model_key,
+                "done": done,
+                "steps": steps,
+                "step_time": self._step_times.summary(),  # whole steps, whatever batches shared them
+                "progress": self._progress(owner),
+                "want": self._want(),
+                "spare": self._spare(),
+                "held": len(self._live) + len(self._inbox) + self._preparing,
+            }
 
     def abort_batch(self, batch_id: str, code: str | None) -> int:
         """Stop the batch's work here. With `code` (batch_cancelled / batch_expired) each of its ranges
@@ -199,8 +216,9 @@ class EngineWorker:
         self._writes.join()  # parts of its ranges that finished just before
         if code:
             for work in mine.values():
-                work.entries += [PartEntry.of(line, False, not_run_line(cid, code))
-                                 for line, cid in work.remaining.items()]
+                work.entries += [
+                    PartEntry.of(line, False, not_run_line(cid, code)) for line, cid in work.remaining.items()
+                ]
                 self._store_part(work)
         return len(mine)
 
@@ -226,7 +244,8 @@ class EngineWorker:
                 self._preparing -= bounds.size
                 error = f"{type(exc).__name__}: {exc}"
                 self._done[self._owner_of.get(batch.batch_id, "")].append(
-                    RangeOutcome(bounds, error=error, storage_down=isinstance(exc, StorageUnavailable)))
+                    RangeOutcome(bounds, error=error, storage_down=isinstance(exc, StorageUnavailable))
+                )
                 self._cond.notify_all()
             return
         for line, raw in lines:
@@ -242,8 +261,10 @@ class EngineWorker:
             work.remaining[line] = request.custom_id
             subs = split_prompts(request)
             try:
-                ready += [self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs))
-                          for k, sub in enumerate(subs)]
+                ready += [
+                    self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs))
+                    for k, sub in enumerate(subs)
+                ]
             except LineError as err:
                 refused = refused_line(request.custom_id, err.message, err.code, err.param)
                 self._settle(work, line, PartEntry.of(line, False, refused))
@@ -257,10 +278,14 @@ class EngineWorker:
                 self._complete(key)
             self._cond.notify_all()
 
-    def _prepared(self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int) -> Prepared:
+    def _prepared(
+        self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int
+    ) -> Prepared:
         ids = tokenize(request, self.engine.tokenizer)
         params = fit_context(request, len(ids), self.engine.max_model_len)
-        return Prepared(request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count)
+        return Prepared(
+            request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count
+        )
 
     # -- the engine thread ------------------------------------------------------------------------------
     def _on_engine_thread(self, fn):
@@ -307,14 +332,16 @@ class EngineWorker:
                 self._recover(f"{type(exc).__name__}: {exc}")
 
     def _has_work(self) -> bool:
-        return self.engine is not None and bool(self.engine.has_unfinished() or self._inbox or self._quarantine)
+        return self.engine is not None and bool(
+            self.engine.has_unfinished() or self._inbox or self._quarantine
+        )
 
     def _admit(self) -> None:
         with self._cond:
             if self._group is not None and not self._live:
-                self._group = None                     # every suspect of the group settled
+                self._group = None  # every suspect of the group settled
             if self._group is not None:
-                return                                 # isolating: nothing new joins the suspects
+                return  # isolating: nothing new joins the suspects
             if self._quarantine:
                 if self._live:
                     return
@@ -330,7 +357,9 @@ class EngineWorker:
         from bulkgen.engine import EmbedParams, SamplingParams
 
         try:
-            params = EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
+            params = (
+                EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
+            )
             self.engine.add_request(p.request_id, p.prompt_ids, params, tag=p.range_key[0])
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])
@@ -456,9 +485,18 @@ class EngineWorker:
             last = self._polled.get(owner)
             if last is None or time.monotonic() - last < ORPHAN_AFTER_S:
                 return False
-            self._done[owner].append(RangeOutcome(work.bounds, error="its driver stopped polling", storage_down=True))
-        log.warning("worker %d: driver %s silent for %.0f s; part %s-%s of %s not stored", self.index, owner or "-",
-                    time.monotonic() - last, work.bounds.first_line, work.bounds.last_line, work.batch_id)
+            self._done[owner].append(
+                RangeOutcome(work.bounds, error="its driver stopped polling", storage_down=True)
+            )
+        log.warning(
+            "worker %d: driver %s silent for %.0f s; part %s-%s of %s not stored",
+            self.index,
+            owner or "-",
+            time.monotonic() - last,
+            work.bounds.first_line,
+            work.bounds.last_line,
+            work.batch_id,
+        )
         return True
 
     def _store(self, spec: dict[str, Any]):
@@ -517,7 +555,10 @@ def _node_ip() -> str | None:
         if not ray.is_initialized():
             return None
         # the address the node registered with (what `ray status` shows), not this host's default route's
-        return getattr(ray._private.worker.global_worker, "node_ip_address", None) or ray.util.get_node_ip_address()
+        return (
+            getattr(ray._private.worker.global_worker, "node_ip_address", None)
+            or ray.util.get_node_ip_address()
+        )
     except Exception:
         return None
 
@@ -542,11 +583,16 @@ def split_step(record: dict) -> dict[str, dict]:
     out = {}
     for tag, t in by_tag.items():
         out[tag] = {
-            "t": record["t"], "duration_s": record["duration_s"] * (t["prefill_tokens"] + t["decode_tokens"]) / total,
-            "num_seqs": t["held"], "active_seqs": t["active"], "prefill_tokens": t["prefill_tokens"],
-            "decode_tokens": t["decode_tokens"], "output_tokens": t.get("output_tokens", 0),
+            "t": record["t"],
+            "duration_s": record["duration_s"] * (t["prefill_tokens"] + t["decode_tokens"]) / total,
+            "num_seqs": t["held"],
+            "active_seqs": t["active"],
+            "prefill_tokens": t["prefill_tokens"],
+            "decode_tokens": t["decode_tokens"],
+            "output_tokens": t.get("output_tokens", 0),
             "padding_slots": round(record.get("padding_slots", 0) * t["held"] / held_all),
-            "max_num_seqs": record.get("max_num_seqs"), "batch_size": record.get("num_seqs", t["held"]),
+            "max_num_seqs": record.get("max_num_seqs"),
+            "batch_size": record.get("num_seqs", t["held"]),
         }
     return out
 
@@ -564,7 +610,9 @@ def result_dict(output) -> dict[str, Any]:
         "completions": [
             {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
             for c in output.outputs
-        ] if output.embedding is None else [{"index": 0, "embedding": output.embedding}],
+        ]
+        if output.embedding is None
+        else [{"index": 0, "embedding": output.embedding}],
         "prompt_logprobs": getattr(output, "prompt_logprobs", None),
         "metrics": metrics.as_dict(),
         "finished_at": time.time(),

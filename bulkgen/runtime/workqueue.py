@@ -44,12 +44,12 @@ class QueuedBatch:
     batch_id: str
     input_key: str
     endpoint: str
-    model: str                # the name clients use
-    model_path: str           # where it is: two drivers may serve one name from different places
-    order_key: float          # created_at (fifo) or expires_at (deadline): lower goes first
-    store: dict               # the batch's storage (`Store.spec()`): workers may serve several services
-    tenant: str = "default"   # whose share of the workers the batch's work counts against
-    priority: int = 1         # among the tenant's batches, lower goes first (0 high, 1 normal, 2 low)
+    model: str  # the name clients use
+    model_path: str  # where it is: two drivers may serve one name from different places
+    order_key: float  # created_at (fifo) or expires_at (deadline): lower goes first
+    store: dict  # the batch's storage (`Store.spec()`): workers may serve several services
+    tenant: str = "default"  # whose share of the workers the batch's work counts against
+    priority: int = 1  # among the tenant's batches, lower goes first (0 high, 1 normal, 2 low)
 
     @property
     def model_key(self) -> str:
@@ -67,9 +67,9 @@ class QueuedRange:
 
     batch: QueuedBatch
     bounds: RangeBounds
-    work: int                 # estimated tokens of work (prompt and output): what a tenant's share is charged
-    prefix: int               # key of its first request's leading prompt (lineindex): prefix cache affinity
-    attempts: int = 0         # workers that died holding it
+    work: int  # estimated tokens of work (prompt and output): what a tenant's share is charged
+    prefix: int  # key of its first request's leading prompt (lineindex): prefix cache affinity
+    attempts: int = 0  # workers that died holding it
 
     @property
     def size(self) -> int:
@@ -81,8 +81,15 @@ class QueuedRange:
 
 
 def cut_range(batch: QueuedBatch, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> QueuedRange:
-    bounds = RangeBounds(batch.batch_id, lo, hi, int(index.lines[lo]), int(index.lines[hi - 1]),
-                         int(index.starts[lo]), int(index.ends[hi - 1]))
+    bounds = RangeBounds(
+        batch.batch_id,
+        lo,
+        hi,
+        int(index.lines[lo]),
+        int(index.lines[hi - 1]),
+        int(index.starts[lo]),
+        int(index.ends[hi - 1]),
+    )
     return QueuedRange(batch, bounds, int(index.work[lo:hi].sum()), int(index.prefix[lo]), attempts)
 
 
@@ -106,8 +113,8 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
 class _Pending:
     batch: QueuedBatch
     index: LineIndex
-    last_served: float                                        # on the queue's clock
-    ranges: list[QueuedRange] = field(default_factory=list)    # longest work per request first
+    last_served: float  # on the queue's clock
+    ranges: list[QueuedRange] = field(default_factory=list)  # longest work per request first
 
     def sort(self) -> None:
         self.ranges.sort(key=lambda r: (-r.work / r.size, r.bounds.lo))
@@ -116,15 +123,19 @@ class _Pending:
 class WorkQueue:
     """`clock` (monotonic seconds) times how long a batch went unserved; tests pass a fake one."""
 
-    def __init__(self, num_workers, fair_share_after_s: float = 30.0,
-                 weights: Callable[[], dict[str, float]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        num_workers,
+        fair_share_after_s: float = 30.0,
+        weights: Callable[[], dict[str, float]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.clock = clock
-        self._num_workers = num_workers          # a callable: the pool's current size
+        self._num_workers = num_workers  # a callable: the pool's current size
         self.fair_share_after_s = fair_share_after_s
-        self.fair = FairShare(weights)           # tenant -> weight; missing tenants weigh 1
+        self.fair = FairShare(weights)  # tenant -> weight; missing tenants weigh 1
         self._batches: dict[str, _Pending] = {}
-        self._affinity: dict[int, int] = {}      # prefix key -> worker that served it last
+        self._affinity: dict[int, int] = {}  # prefix key -> worker that served it last
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
 
@@ -158,8 +169,14 @@ class WorkQueue:
         with self._lock:
             return sum(1 for p in self._batches.values() if p.ranges)
 
-    def take(self, worker: int, want: int, model: str | None, idle: bool,
-             exclude: set[str] | frozenset[str] = frozenset()) -> list[QueuedRange]:
+    def take(
+        self,
+        worker: int,
+        want: int,
+        model: str | None,
+        idle: bool,
+        exclude: set[str] | frozenset[str] = frozenset(),
+    ) -> list[QueuedRange]:
         """Ranges for `worker`, about `want` requests, of `model` (a `model_key`; any model when the
         worker is idle), of none of the batches in `exclude`."""
         if want < 1:
@@ -170,7 +187,7 @@ class WorkQueue:
                 return []
             pending.last_served = self.clock()
             share = self._tail_share()
-            tail = share < pending.ranges[0].size   # split ranges only where they would cause stragglers
+            tail = share < pending.ranges[0].size  # split ranges only where they would cause stragglers
             want = min(want, share)
             taken: list[QueuedRange] = []
             count = 0
@@ -206,8 +223,10 @@ class WorkQueue:
                     given_up.append(r)
                 elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it
                     mid = (r.bounds.lo + r.bounds.hi) // 2
-                    pending.ranges += [cut_range(r.batch, pending.index, r.bounds.lo, mid, attempts),
-                                       cut_range(r.batch, pending.index, mid, r.bounds.hi, attempts)]
+                    pending.ranges += [
+                        cut_range(r.batch, pending.index, r.bounds.lo, mid, attempts),
+                        cut_range(r.batch, pending.index, mid, r.bounds.hi, attempts),
+                    ]
                 else:
                     lo, hi = r.bounds.lo, r.bounds.hi
                     pending.ranges.append(cut_range(r.batch, pending.index, lo, hi, attempts))
@@ -216,10 +235,14 @@ class WorkQueue:
         return given_up
 
     # -- choices ---------------------------------------------------------------------------------
-    def _next_batch(self, model: str | None, idle: bool, exclude: set[str] | frozenset[str]) -> _Pending | None:
-        candidates = [p for p in self._batches.values()
-                      if p.ranges and (idle or p.batch.model_key == model)
-                      and p.batch.batch_id not in exclude]
+    def _next_batch(
+        self, model: str | None, idle: bool, exclude: set[str] | frozenset[str]
+    ) -> _Pending | None:
+        candidates = [
+            p
+            for p in self._batches.values()
+            if p.ranges and (idle or p.batch.model_key == model) and p.batch.batch_id not in exclude
+        ]
         if not candidates:
             return None
         now = self.clock()

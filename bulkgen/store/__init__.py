@@ -17,8 +17,16 @@ from bulkgen.store.base import NotFound, ObjectInfo, PreconditionFailed, Storage
 from bulkgen.store.local import LocalStore
 from bulkgen.store.s3 import S3Store
 
-__all__ = ["LocalStore", "NotFound", "ObjectInfo", "PreconditionFailed", "S3Store", "StorageUnavailable", "Store",
-           "open_store"]
+__all__ = [
+    "LocalStore",
+    "NotFound",
+    "ObjectInfo",
+    "PreconditionFailed",
+    "S3Store",
+    "StorageUnavailable",
+    "Store",
+    "open_store",
+]
 
 
 def open_store(url: str, *, endpoint_url: str | None = None, **options: Any) -> Store:

@@ -63,8 +63,9 @@ class TtlLease:
     tests pass a fake one to make a lease lapse without waiting.
     """
 
-    def __init__(self, store: Store, key: str, owner: str, ttl_s: float,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, store: Store, key: str, owner: str, ttl_s: float, clock: Callable[[], float] = time.time
+    ) -> None:
         self.store, self.key, self.owner, self.ttl_s, self.clock = store, key, owner, ttl_s, clock
         self.body: dict = {}
         self.version: str | None = None

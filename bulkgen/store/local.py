@@ -63,8 +63,13 @@ def content_version(data: bytes) -> str:
 class LocalStore(Store):
     """Objects are plain files under `root`; keys map to relative paths."""
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True,
-                 anchor: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        anchor: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.root = Path(root).expanduser().absolute()
         if self.root.exists() and not self.root.is_dir():
             raise ValueError(f"local store root {str(self.root)!r} exists and is not a folder")
@@ -93,7 +98,9 @@ class LocalStore(Store):
             os.close(fd)
             os.unlink(tmp)
         except OSError as exc:
-            raise StorageUnavailable(self.url, f"cannot write in the folder ({exc.strerror or exc})") from None
+            raise StorageUnavailable(
+                self.url, f"cannot write in the folder ({exc.strerror or exc})"
+            ) from None
 
     def _anchored(self) -> None:
         """StorageUnavailable unless the storage folder is there: a key that is missing because the
@@ -262,7 +269,9 @@ class LocalStore(Store):
         """Keys of one folder sorted once, then a bisect to the first that can follow `start_after`:
         a page of a big folder costs one directory read and a sort, not a Path per entry."""
         keys = _sorted_keys(folder, folder_key)
-        lo = bisect.bisect_left(keys, prefix)  # every match starts with prefix (its folder is the walk's root)
+        lo = bisect.bisect_left(
+            keys, prefix
+        )  # every match starts with prefix (its folder is the walk's root)
         if start_after is not None:
             after = bisect.bisect_right(keys, start_after)
             if after and keys[after - 1].endswith("/") and start_after.startswith(keys[after - 1]):
@@ -275,7 +284,7 @@ class LocalStore(Store):
                 if key.startswith(prefix) and (start_after is None or key > start_after):
                     yield key
             elif _folder_may_match(key, prefix, start_after):
-                yield from self._walk(folder / key[len(folder_key):-1], key, prefix, start_after)
+                yield from self._walk(folder / key[len(folder_key) : -1], key, prefix, start_after)
 
 
 def _sorted_keys(folder: Path, folder_key: str) -> list[str]:

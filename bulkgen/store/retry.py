@@ -53,8 +53,15 @@ DROPPED_CONNECTION = (
 NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404"})
 PRECONDITION_CODES = frozenset({"PreconditionFailed", "ConditionalRequestConflict", "412"})
 CREDENTIAL_CODES = frozenset(
-    {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
-     "AuthorizationHeaderMalformed", "InvalidClientTokenId"}
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AuthorizationHeaderMalformed",
+        "InvalidClientTokenId",
+    }
 )
 
 
@@ -130,8 +137,9 @@ def map_client_error(exc: ClientError, key: str, *, conditional_write: bool = Fa
 
 
 @contextmanager
-def store_errors(key: str, *, url: str = "s3", endpoint: str | None = None,
-                 conditional_write: bool = False) -> Iterator[None]:
+def store_errors(
+    key: str, *, url: str = "s3", endpoint: str | None = None, conditional_write: bool = False
+) -> Iterator[None]:
     """Raise NotFound / PreconditionFailed in place of the S3 errors that mean them, and
     StorageUnavailable for every failure of the storage itself (after the retries)."""
     try:

@@ -138,10 +138,13 @@ class S3Store(Store):
         return f"{self.root}/{key}" if self.root else key
 
     def _errors(self, key: str, *, conditional_write: bool = False):
-        return store_errors(key, url=self.url, endpoint=self.endpoint_url, conditional_write=conditional_write)
+        return store_errors(
+            key, url=self.url, endpoint=self.endpoint_url, conditional_write=conditional_write
+        )
 
-    def _call(self, key: str, fn: Callable[[], T], *, conditional_write: bool = False,
-              attempts: int | None = None) -> T:
+    def _call(
+        self, key: str, fn: Callable[[], T], *, conditional_write: bool = False, attempts: int | None = None
+    ) -> T:
         retry = {**self.retry, "attempts": attempts or self.retry["attempts"]}
         with self._errors(key, conditional_write=conditional_write):
             return call_with_retries(fn, **retry)
@@ -215,7 +218,9 @@ class S3Store(Store):
 
         def fetch() -> bytes:
             full = self._full(check_key(key))
-            response = self._client().get_object(Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}")
+            response = self._client().get_object(
+                Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end - 1}"
+            )
             return response["Body"].read()
 
         return self._call(key, fetch)

@@ -58,8 +58,15 @@ class Claims:
     """`clock` (wall seconds) stamps and checks the claims' `expires_at`; `timer` (monotonic seconds) says
     when this watcher's own claims are due for renewal. Tests pass fake ones to lapse a claim at once."""
 
-    def __init__(self, store: Store, input_url: str, owner: str, ttl_s: float,
-                 clock: Callable[[], float] = time.time, timer: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: Store,
+        input_url: str,
+        owner: str,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        timer: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store, self.input_url, self.owner, self.ttl_s = store, input_url, owner, ttl_s
         self.clock, self.timer = clock, timer
 
@@ -74,8 +81,14 @@ class Claims:
         """The claim on this object version, or None when it is finished or another live watcher holds it."""
         name = self.name(info)
         lease = TtlLease(self.store, layout.watch_claim(name), self.owner, self.ttl_s, self.clock)
-        body = {"state": "claimed", "batch_id": None, "file_id": new_id("file-"), "input": self.input_url,
-                "key": info.key, "etag": info.etag}
+        body = {
+            "state": "claimed",
+            "batch_id": None,
+            "file_id": new_id("file-"),
+            "input": self.input_url,
+            "key": info.key,
+            "etag": info.etag,
+        }
         if not lease.take(body, create_first=True, unless=lambda current: self._finished(name, current)):
             return None
         return Claim(name, info, lease, self.timer())

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 
-_FIELDS = (("minute", 0, 59), ("hour", 0, 23), ("day of month", 1, 31), ("month", 1, 12), ("day of week", 0, 7))
+_FIELDS = (
+    ("minute", 0, 59),
+    ("hour", 0, 23),
+    ("day of month", 1, 31),
+    ("month", 1, 12),
+    ("day of week", 0, 7),
+)
 
 
 class CronError(ValueError):
@@ -20,8 +26,10 @@ class Cron:
     def __init__(self, expression: str) -> None:
         parts = expression.split() if isinstance(expression, str) else []
         if len(parts) != 5:
-            raise CronError(f"schedule {expression!r} must have 5 fields: minute hour day-of-month month "
-                            "day-of-week, e.g. '*/5 * * * *'")
+            raise CronError(
+                f"schedule {expression!r} must have 5 fields: minute hour day-of-month month "
+                "day-of-week, e.g. '*/5 * * * *'"
+            )
         self.expression = expression
         sets = [_field(part, *spec, expression) for part, spec in zip(parts, _FIELDS, strict=True)]
         self.minutes, self.hours, self.days, self.months, weekdays = sets
@@ -36,7 +44,9 @@ class Cron:
 
     def next_after(self, after: dt.datetime) -> dt.datetime:
         """The first matching minute strictly after `after` (a UTC datetime)."""
-        t = after.replace(second=0, microsecond=0, tzinfo=after.tzinfo or dt.timezone.utc) + dt.timedelta(minutes=1)
+        t = after.replace(second=0, microsecond=0, tzinfo=after.tzinfo or dt.timezone.utc) + dt.timedelta(
+            minutes=1
+        )
         limit = t + dt.timedelta(days=366 * 5)
         while t < limit:
             if t.month not in self.months:
@@ -67,7 +77,9 @@ def _field(text: str, name: str, low: int, high: int, expression: str) -> set[in
                 if step_text:
                     last = high
         except ValueError:
-            raise CronError(f"schedule {expression!r}: {name} field {text!r} is not a number, range or step") from None
+            raise CronError(
+                f"schedule {expression!r}: {name} field {text!r} is not a number, range or step"
+            ) from None
         if not (low <= first <= last <= high) or step < 1:
             raise CronError(f"schedule {expression!r}: {name} field {text!r} must stay within {low}-{high}")
         values.update(range(first, last + 1, step))

@@ -28,8 +28,8 @@ from bulkgen.batch.schema import ENDPOINTS, InvalidRequest, parse_completion_win
 from bulkgen.watch.cron import Cron, CronError
 from bulkgen.watch.outputs import FORMATS
 
-DEFAULT_INTERVAL_S = 10.0         # polling alone
-DEFAULT_BACKSTOP_S = 300.0        # the slow poll beside SQS events
+DEFAULT_INTERVAL_S = 10.0  # polling alone
+DEFAULT_BACKSTOP_S = 300.0  # the slow poll beside SQS events
 DEFAULT_CLAIM_TTL_S = 60.0
 
 
@@ -68,7 +68,9 @@ class JobSpec:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise JobError(f"{path}: unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+            raise JobError(
+                f"{path}: unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}"
+            )
         spec = cls(**{"name": Path(path).stem, **data})
         spec.check(str(path))
         return spec
@@ -90,7 +92,9 @@ class JobSpec:
         if not self.output or not isinstance(self.output, str):
             raise JobError(f"{where}: output (a folder or s3://bucket/prefix/) is required")
         if self.output_format not in FORMATS:
-            raise JobError(f"{where}: output_format must be one of {', '.join(FORMATS)}; got {self.output_format!r}")
+            raise JobError(
+                f"{where}: output_format must be one of {', '.join(FORMATS)}; got {self.output_format!r}"
+            )
         if self.endpoint is not None and self.endpoint not in ENDPOINTS:
             raise JobError(f"{where}: endpoint must be one of {', '.join(ENDPOINTS)}; got {self.endpoint!r}")
         try:
@@ -116,15 +120,22 @@ class JobSpec:
     def _check_defaults(self, where: str) -> None:
         """Defaults must be what a request body may hold: the request parser says so, naming the field."""
         if not isinstance(self.defaults, dict):
-            raise JobError(f"{where}: defaults must be a mapping such as {{temperature: 0.7, max_tokens: 64}}")
+            raise JobError(
+                f"{where}: defaults must be a mapping such as {{temperature: 0.7, max_tokens: 64}}"
+            )
         for name in ("model", "messages", "prompt", "input"):
             if name in self.defaults:
-                raise JobError(f"{where}: defaults.{name} is not a sampling parameter" +
-                               ("; use the job's model field" if name == "model" else ""))
+                raise JobError(
+                    f"{where}: defaults.{name} is not a sampling parameter"
+                    + ("; use the job's model field" if name == "model" else "")
+                )
         endpoint = self.endpoint or CHAT
         body = {"model": self.model or "m", **self.defaults}
-        body.update({CHAT: {"messages": [{"role": "user", "content": "x"}]}, COMPLETIONS: {"prompt": "x"}}.get(
-            endpoint, {"input": "x"}))
+        body.update(
+            {CHAT: {"messages": [{"role": "user", "content": "x"}]}, COMPLETIONS: {"prompt": "x"}}.get(
+                endpoint, {"input": "x"}
+            )
+        )
         try:
             parse_line(_json({"custom_id": "defaults", "url": endpoint, "body": body}), 1, endpoint)
         except LineError as exc:

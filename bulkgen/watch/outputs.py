@@ -29,8 +29,9 @@ def stem_of(key: str) -> str:
     return key.removesuffix(".jsonl")
 
 
-def write_results(svc: BatchService, record: dict, out: Store, stem: str, fmt: str = "jsonl",
-                  source: dict | None = None) -> list[str]:
+def write_results(
+    svc: BatchService, record: dict, out: Store, stem: str, fmt: str = "jsonl", source: dict | None = None
+) -> list[str]:
     """Write an ended batch's results under `stem` in `out`; -> the keys written (summary last)."""
     if fmt not in FORMATS:
         raise ValueError(f"output format must be one of {FORMATS}, got {fmt!r}")
@@ -38,7 +39,10 @@ def write_results(svc: BatchService, record: dict, out: Store, stem: str, fmt: s
     if fmt == "parquet" and (record["output_file_id"] or record["error_file_id"]):
         written.append(_write_parquet(svc, record, out, f"{stem}.output.parquet"))
     elif fmt == "jsonl":
-        for file_id, suffix in ((record["output_file_id"], "output.jsonl"), (record["error_file_id"], "errors.jsonl")):
+        for file_id, suffix in (
+            (record["output_file_id"], "output.jsonl"),
+            (record["error_file_id"], "errors.jsonl"),
+        ):
             if file_id:
                 with svc.files.open(file_id) as src:
                     out.upload_fileobj(f"{stem}.{suffix}", src)
@@ -53,8 +57,22 @@ def write_results(svc: BatchService, record: dict, out: Store, stem: str, fmt: s
 
 def summary(record: dict, written: list[str], source: dict | None = None) -> dict:
     view = public_view(record)
-    keep = ("id", "status", "endpoint", "model", "request_counts", "usage", "metrics", "errors", "created_at",
-            "in_progress_at", "completed_at", "failed_at", "expired_at", "cancelled_at")
+    keep = (
+        "id",
+        "status",
+        "endpoint",
+        "model",
+        "request_counts",
+        "usage",
+        "metrics",
+        "errors",
+        "created_at",
+        "in_progress_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelled_at",
+    )
     return {"batch": {k: view.get(k) for k in keep}, "source": source, "written": written}
 
 
@@ -73,10 +91,18 @@ def _dumps(value) -> bytes:
 def _schema():
     import pyarrow as pa
 
-    return pa.schema([("custom_id", pa.string()), ("status", pa.string()), ("text", pa.string()),
-                      ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()),
-                      ("completion_tokens", pa.int64()), ("error_code", pa.string()),
-                      ("error_message", pa.string())])
+    return pa.schema(
+        [
+            ("custom_id", pa.string()),
+            ("status", pa.string()),
+            ("text", pa.string()),
+            ("finish_reason", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            ("completion_tokens", pa.int64()),
+            ("error_code", pa.string()),
+            ("error_message", pa.string()),
+        ]
+    )
 
 
 def _write_parquet(svc: BatchService, record: dict, out: Store, key: str) -> str:
@@ -110,14 +136,27 @@ def _rows(svc: BatchService, record: dict) -> Iterator[dict]:
 
 def parquet_row(line: dict) -> dict:
     """One output or error line (the hosted API's envelope) as a flat row."""
-    row = {"custom_id": line["custom_id"], "status": "failed", "text": None, "finish_reason": None,
-           "prompt_tokens": None, "completion_tokens": None, "error_code": None, "error_message": None}
+    row = {
+        "custom_id": line["custom_id"],
+        "status": "failed",
+        "text": None,
+        "finish_reason": None,
+        "prompt_tokens": None,
+        "completion_tokens": None,
+        "error_code": None,
+        "error_message": None,
+    }
     response, error = line.get("response"), line.get("error")
     body = response["body"] if response else {}
     if response and response.get("status_code") == 200:
         summary = answer_summary(body)
-        row.update(status="completed", text=summary["text"], finish_reason=summary["finish_reason"],
-                   prompt_tokens=summary["prompt_tokens"], completion_tokens=summary["completion_tokens"])
+        row.update(
+            status="completed",
+            text=summary["text"],
+            finish_reason=summary["finish_reason"],
+            prompt_tokens=summary["prompt_tokens"],
+            completion_tokens=summary["completion_tokens"],
+        )
     else:
         error = error or body.get("error") or {}
         row["error_code"], row["error_message"] = error.get("code"), error.get("message")

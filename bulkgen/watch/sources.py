@@ -24,8 +24,8 @@ from bulkgen.watch.cron import Cron
 
 log = logging.getLogger(__name__)
 
-SQS_WAIT_S = 10      # long poll: one request per 10 s while the queue is empty
-SQS_BATCH = 10       # the most messages SQS returns per receive
+SQS_WAIT_S = 10  # long poll: one request per 10 s while the queue is empty
+SQS_BATCH = 10  # the most messages SQS returns per receive
 
 
 class PollTimer:
@@ -70,7 +70,9 @@ class SqsSource:
 
         match = re.match(r"https://sqs\.([a-z0-9-]+)\.amazonaws\.com", queue_url)
         self.queue_url, self.bucket, self.root = queue_url, bucket, root.rstrip("/")
-        self.client = boto3.client("sqs", endpoint_url=endpoint_url, region_name=match.group(1) if match else None)
+        self.client = boto3.client(
+            "sqs", endpoint_url=endpoint_url, region_name=match.group(1) if match else None
+        )
         self.inbox: queue.Queue[Message] = queue.Queue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._receive_loop, name="bulkgen-watch-sqs", daemon=True)
@@ -97,8 +99,9 @@ class SqsSource:
     def _receive_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                reply = self.client.receive_message(QueueUrl=self.queue_url, MaxNumberOfMessages=SQS_BATCH,
-                                                    WaitTimeSeconds=SQS_WAIT_S)
+                reply = self.client.receive_message(
+                    QueueUrl=self.queue_url, MaxNumberOfMessages=SQS_BATCH, WaitTimeSeconds=SQS_WAIT_S
+                )
             except Exception as exc:  # the queue is unreachable for a moment: the backstop poll covers it
                 log.warning("sqs %s: %s: %s", self.queue_url, type(exc).__name__, exc)
                 self._stopped.wait(SQS_WAIT_S)
@@ -121,7 +124,9 @@ class SqsSource:
             message.test = True
             return message
         for record in body.get("Records") or []:
-            if not isinstance(record, dict) or not str(record.get("eventName", "")).startswith("ObjectCreated"):
+            if not isinstance(record, dict) or not str(record.get("eventName", "")).startswith(
+                "ObjectCreated"
+            ):
                 continue
             s3 = record.get("s3") or {}
             if (s3.get("bucket") or {}).get("name") != self.bucket:
@@ -129,5 +134,5 @@ class SqsSource:
             key = unquote_plus((s3.get("object") or {}).get("key", ""))
             base = f"{self.root}/" if self.root else ""
             if key.startswith(base) and len(key) > len(base):
-                message.keys.append(key[len(base):])
+                message.keys.append(key[len(base) :])
         return message

@@ -50,8 +50,15 @@ class Watcher:
     """`on_batch_end(record)` is called once per batch, with its final public record, after its results
     are written (where a webhook notifier plugs in); an exception in it is logged, never fatal."""
 
-    def __init__(self, svc: BatchService, spec: JobSpec, *, endpoint_url: str | None = None,
-                 on_batch_end: Callable[[dict], None] | None = None, owner: str | None = None) -> None:
+    def __init__(
+        self,
+        svc: BatchService,
+        spec: JobSpec,
+        *,
+        endpoint_url: str | None = None,
+        on_batch_end: Callable[[dict], None] | None = None,
+        owner: str | None = None,
+    ) -> None:
         self.svc, self.spec, self.on_batch_end = svc, spec.check(), on_batch_end
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.inbox = open_store(spec.input, endpoint_url=endpoint_url)
@@ -59,12 +66,14 @@ class Watcher:
         self.outbox.create()  # a local output folder is made here, at start (stores never make their root later)
         for name, other in (("output", self.outbox), ("service storage", svc.store)):
             if _inside(other.url, self.inbox.url):
-                raise JobError(f"the {name} {other.url} is inside the input {self.inbox.url}: "
-                               "the watcher would read what it writes")
+                raise JobError(
+                    f"the {name} {other.url} is inside the input {self.inbox.url}: "
+                    "the watcher would read what it writes"
+                )
         self.claims = Claims(svc.store, self.inbox.url, self.owner, spec.claim_ttl)
         self.timer = PollTimer(spec.poll_interval(), Cron(spec.schedule) if spec.schedule else None)
         self.sqs = self._sqs(endpoint_url) if spec.sqs_queue_url else None
-        self.pending: dict[str, Claim] = {}      # claim name -> a claim whose batch has not ended
+        self.pending: dict[str, Claim] = {}  # claim name -> a claim whose batch has not ended
         self.driver = Driver(svc)
         self._stopped = threading.Event()
         self._scans = 0
@@ -77,9 +86,15 @@ class Watcher:
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, once: bool = False) -> None:
         """Watch until stop() (or, with `once`, until one poll's objects have all ended)."""
-        log.info("watching %s -> %s (%s%s; format %s; storage %s)", self.inbox.url, self.outbox.url,
-                 self.timer.describe(), f", sqs {self.spec.sqs_queue_url}" if self.sqs else "",
-                 self.spec.output_format, self.svc.store.url)
+        log.info(
+            "watching %s -> %s (%s%s; format %s; storage %s)",
+            self.inbox.url,
+            self.outbox.url,
+            self.timer.describe(),
+            f", sqs {self.spec.sqs_queue_url}" if self.sqs else "",
+            self.spec.output_format,
+            self.svc.store.url,
+        )
         if self.sqs:
             self.sqs.start()
         try:
@@ -184,20 +199,30 @@ class Watcher:
             endpoint = self._check_object(claim.info)
             self._upload(claim, endpoint)
             self.claims.update(claim, state="uploaded")  # still ours? (else the new owner creates the batch)
-            record = self.driver.accept(claim.file_id, endpoint, self.spec.completion_window,
-                                        {"watch_input": f"{self.inbox.url}/{key}"[-512:]})
+            record = self.driver.accept(
+                claim.file_id,
+                endpoint,
+                self.spec.completion_window,
+                {"watch_input": f"{self.inbox.url}/{key}"[-512:]},
+            )
             # validated and indexed here: a refused file gets its report without starting any worker (a
             # crash before this leaves it `validating`, and the runtime or the next owner validates it)
             record, index = self.driver.validate(record["id"])
         except (NotABatchFile, InvalidRequest) as exc:
-            written = write_report(self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc),
-                                   self._source(claim))
+            written = write_report(
+                self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc), self._source(claim)
+            )
             self.claims.finish(claim, outcome="not_run")
             log.warning("%s: not run: %s (report: %s)", key, exc, written)
             return
         self.claims.update(claim, state="running", batch_id=record["id"])
-        log.info("%s: batch %s, %d requests, %s", key, record["id"], record["request_counts"]["total"],
-                 record["status"])
+        log.info(
+            "%s: batch %s, %d requests, %s",
+            key,
+            record["id"],
+            record["request_counts"]["total"],
+            record["status"],
+        )
         self._track(claim, index)
 
     def _check_object(self, info: ObjectInfo) -> str:
@@ -210,7 +235,9 @@ class Watcher:
             try:
                 url = url_of(raw)
             except LineError:
-                raise NotABatchFile(f"line {number} is not a JSON object: this is not a JSONL batch file") from None
+                raise NotABatchFile(
+                    f"line {number} is not a JSON object: this is not a JSONL batch file"
+                ) from None
             endpoint = self.spec.endpoint or url
             if endpoint is None:
                 raise NotABatchFile(f"line {number} has no 'url' and the job sets no endpoint")
@@ -262,27 +289,45 @@ class Watcher:
                 log.info("%s", exc)
                 del self.pending[name]
             except Exception as exc:
-                log.warning("%s: batch %s: %s: %s", claim.info.key, claim.batch_id, type(exc).__name__,
-                            _one_line(exc))
+                log.warning(
+                    "%s: batch %s: %s: %s", claim.info.key, claim.batch_id, type(exc).__name__, _one_line(exc)
+                )
 
     def _finish(self, claim: Claim, record: dict) -> None:
         stem = stem_of(claim.info.key)
-        written = self.driver.finish(record, lambda r: write_results(self.svc, r, self.outbox, stem,
-                                                                      self.spec.output_format, self._source(claim)))
+        written = self.driver.finish(
+            record,
+            lambda r: write_results(
+                self.svc, r, self.outbox, stem, self.spec.output_format, self._source(claim)
+            ),
+        )
         self.claims.finish(claim, outcome=record["status"])
         counts = record["request_counts"]
-        log.info("%s: batch %s %s: %d completed, %d failed; wrote %s", claim.info.key, record["id"],
-                 record["status"], counts["completed"], counts["failed"], ", ".join(written))
+        log.info(
+            "%s: batch %s %s: %d completed, %d failed; wrote %s",
+            claim.info.key,
+            record["id"],
+            record["status"],
+            counts["completed"],
+            counts["failed"],
+            ", ".join(written),
+        )
         if self.on_batch_end is not None:
             try:
                 self.on_batch_end(public_view(record))
             except Exception as exc:
-                log.warning("batch %s: on_batch_end failed: %s: %s", record["id"], type(exc).__name__,
-                            _one_line(exc))
+                log.warning(
+                    "batch %s: on_batch_end failed: %s: %s", record["id"], type(exc).__name__, _one_line(exc)
+                )
 
     def _source(self, claim: Claim) -> dict:
-        return {"input": self.inbox.url, "key": claim.info.key, "etag": claim.info.etag,
-                "size": claim.info.size, "claim": claim.name}
+        return {
+            "input": self.inbox.url,
+            "key": claim.info.key,
+            "etag": claim.info.etag,
+            "size": claim.info.size,
+            "claim": claim.name,
+        }
 
 
 def _hidden(key: str) -> bool:

@@ -66,7 +66,9 @@ class Watch:
         return b
 
     def until(self, what: str, predicate, timeout: float):
-        return wait_until(lambda: (b := self.look()) is not None and predicate(b) and b, timeout, what, interval=0.2)
+        return wait_until(
+            lambda: (b := self.look()) is not None and predicate(b) and b, timeout, what, interval=0.2
+        )
 
     def ended(self, timeout: float = 300):
         return self.until(f"batch {self.batch_id} ended", lambda b: b.status in TERMINAL, timeout)
@@ -114,7 +116,12 @@ def fault_mid_batch(cluster: Cluster, name: str, index: int, fault, after: float
     )
     mark, t_fault, wall = len(cluster.serve_log()), time.monotonic(), datetime.now()
     fault()
-    seen = wait_until(lambda: watch.look() and cluster.log_line(rf"worker {index} .*lost", mark), 120, f"{name}: worker {index} reported lost", interval=0.2)
+    seen = wait_until(
+        lambda: watch.look() and cluster.log_line(rf"worker {index} .*lost", mark),
+        120,
+        f"{name}: worker {index} reported lost",
+        interval=0.2,
+    )
     batch = watch.ended()
     done = time.monotonic() - t_fault
     return batch, sent, watch, (seen[0] - wall).total_seconds(), done
@@ -123,7 +130,12 @@ def fault_mid_batch(cluster: Cluster, name: str, index: int, fault, after: float
 def test_a_batch_from_the_client_namespace_spreads_over_both_nodes(cluster):
     """`bulkgen serve --ray-address` on the head, the openai client in bgt-cli: one worker per fake GPU,
     one on each node, and both do work."""
-    wait_until(lambda: sorted(map(str, cluster.workers().values())) == sorted(NODE_IP.values()), 120, "a worker on each node", interval=0.2)
+    wait_until(
+        lambda: sorted(map(str, cluster.workers().values())) == sorted(NODE_IP.values()),
+        120,
+        "a worker on each node",
+        interval=0.2,
+    )
     sent = rows("spread", 300, 48)
     t0 = time.monotonic()
     watch = Watch(cluster, cluster.submit(sent, "spread").id)
@@ -150,9 +162,19 @@ def test_the_killed_node_returns_and_its_worker_is_used_again(cluster):
     assert index is not None, "the node-kill scenario did not run"
     mark, t0 = len(cluster.serve_log()), time.monotonic()
     cluster.timing("node_a_restart", cluster.rig.node_up("a"))
-    wait_until(lambda: cluster.log_line(rf"worker {index} replaced", mark), 180, f"worker {index} replaced", interval=0.2)
+    wait_until(
+        lambda: cluster.log_line(rf"worker {index} replaced", mark),
+        180,
+        f"worker {index} replaced",
+        interval=0.2,
+    )
     cluster.timing("node_start_to_worker_replaced", time.monotonic() - t0)
-    wait_until(lambda: cluster.workers().get(index) == NODE_IP["a"], 60, "the replacement reports node a", interval=0.2)
+    wait_until(
+        lambda: cluster.workers().get(index) == NODE_IP["a"],
+        60,
+        "the replacement reports node a",
+        interval=0.2,
+    )
     sent = rows("back", 150, 48)
     watch = Watch(cluster, cluster.submit(sent, "back").id)
     batch = watch.ended()
@@ -176,9 +198,19 @@ def test_a_partition_mid_batch_then_the_link_back(cluster):
     wait_until(lambda: raylet.poll() is not None, 90, "node b's raylet, declared dead, exits", interval=0.5)
     t0 = time.monotonic()
     cluster.rig.node_up("b")
-    wait_until(lambda: cluster.log_line(rf"worker {index} replaced", mark), 180, f"worker {index} replaced", interval=0.2)
+    wait_until(
+        lambda: cluster.log_line(rf"worker {index} replaced", mark),
+        180,
+        f"worker {index} replaced",
+        interval=0.2,
+    )
     cluster.timing("partitioned_node_restart_to_worker_replaced", time.monotonic() - t0)
-    wait_until(lambda: cluster.workers().get(index) == NODE_IP["b"], 60, "the replacement reports node b", interval=0.2)
+    wait_until(
+        lambda: cluster.workers().get(index) == NODE_IP["b"],
+        60,
+        "the replacement reports node b",
+        interval=0.2,
+    )
 
 
 def test_a_driver_on_a_host_that_is_no_ray_node_joins_as_a_node_without_gpus(cluster):
@@ -243,7 +275,12 @@ def test_the_head_dies_mid_batch_and_head_and_service_restart_from_storage(clust
     def dropped(node: str) -> bool:
         return "silent for" in cluster.rig.worker_logs(node)
 
-    wait_until(lambda: cluster.parts(batch_id) or (dropped("a") and dropped("b")), 60, "both orphans dropped their parts, or one stored a part after the finalize", interval=0.5)
+    wait_until(
+        lambda: cluster.parts(batch_id) or (dropped("a") and dropped("b")),
+        60,
+        "both orphans dropped their parts, or one stored a part after the finalize",
+        interval=0.5,
+    )
     leftover = sorted(cluster.parts(batch_id))
     assert not leftover, f"orphaned workers stored {len(leftover)} parts after the finalize: {leftover[:3]}"
     assert all(cluster.rig.procs[f"ray-{n}"].poll() is None for n in "ab"), "the orphans' raylets ended early"

@@ -19,7 +19,8 @@ def drop_file(page, target: str, path) -> None:
     transfer = page.evaluate_handle(
         """([name, text]) => { const dt = new DataTransfer();
                                dt.items.add(new File([text], name, { type: "application/jsonl" })); return dt; }""",
-        [path.name, path.read_text()])
+        [path.name, path.read_text()],
+    )
     page.dispatch_event(target, "dragover", {"dataTransfer": transfer})
     page.dispatch_event(target, "drop", {"dataTransfer": transfer})
 
@@ -51,7 +52,7 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     assert lines.count() == 3
     for i in range(3):  # drawn over the run, not a single point
         assert lines.nth(i).bounding_box()["width"] > 100
-    assert page.locator("#metrics svg.chart rect.bar").count() >= 3   # TTFT, TPOT, queue wait
+    assert page.locator("#metrics svg.chart rect.bar").count() >= 3  # TTFT, TPOT, queue wait
     expect(page.get_by_text("Slot efficiency").first).to_be_visible()
     expect(page.locator("dl.facts")).to_contain_text(["Created", "Output tokens"])
     shot(page, "batch")
@@ -70,7 +71,9 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     assert client.files.content(client.batches.retrieve(batch_id).output_file_id).text == saved.read_text()
     with urllib.request.urlopen(f"{root_url}/v1/dashboard/batches/{batch_id}/timeline", timeout=10) as res:
         timeline = json.load(res)  # what the charts drew
-    assert all(sum(timeline["histograms"][k]["counts"]) == len(rows) for k in ("ttft_s", "tpot_s", "queue_wait_s"))
+    assert all(
+        sum(timeline["histograms"][k]["counts"]) == len(rows) for k in ("ttft_s", "tpot_s", "queue_wait_s")
+    )
     assert timeline["points"] and sum(p["steps"] for p in timeline["points"]) > 0
 
     page.get_by_role("link", name="Batches").first.click()
@@ -91,9 +94,12 @@ def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path
     # the held requests keep the batch running until it is cancelled; the others move its progress and ETA
     rows = [chat_row(f"long-{i}", f"{HOLD} a long answer {i}", max_tokens=128) for i in range(16)]
     rows += [chat_row(f"short-{i}", f"a short answer {i}", max_tokens=16) for i in range(240)]
-    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "long.jsonl", rows)).id,
-                                  endpoint="/v1/chat/completions", completion_window="24h",
-                                  metadata={"kind": "long"})
+    batch = client.batches.create(
+        input_file_id=upload(client, write_jsonl(tmp_path / "long.jsonl", rows)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"kind": "long"},
+    )
     page.goto(root_url + "/")
     row = page.locator(f"#batches tr[data-id='{batch.id}']")
     expect(row.locator(".status")).to_have_text("in progress", timeout=30_000)
@@ -129,10 +135,18 @@ def test_cancel_a_running_batch_and_see_workers(page, root_url, client, tmp_path
 
 
 def test_broken_file_shows_errors_with_lines(page, root_url, tmp_path):
-    path = write_jsonl(tmp_path / "broken.jsonl", [chat_row("ok-1", "fine"), "{not json",
-                                                   {"method": "POST", "url": "/v1/chat/completions", "body": {}}])
+    path = write_jsonl(
+        tmp_path / "broken.jsonl",
+        [
+            chat_row("ok-1", "fine"),
+            "{not json",
+            {"method": "POST", "url": "/v1/chat/completions", "body": {}},
+        ],
+    )
     chosen = []
-    page.on("filechooser", lambda chooser: chosen.append(chooser))  # intercept choosers from the start (enabling it later races)
+    page.on(
+        "filechooser", lambda chooser: chosen.append(chooser)
+    )  # intercept choosers from the start (enabling it later races)
     page.goto(root_url + "/#/new")
     page.get_by_role("button", name="Choose a file").focus()  # the keyboard alone: Enter opens the picker
     with page.expect_file_chooser() as chooser:
@@ -154,7 +168,9 @@ def test_broken_file_shows_errors_with_lines(page, root_url, tmp_path):
 
 def test_key_prompt(page, keyed_url, service, tmp_path):
     def status_of(path: str, key: str | None = None) -> int:
-        req = urllib.request.Request(keyed_url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
+        req = urllib.request.Request(
+            keyed_url + path, headers={"Authorization": f"Bearer {key}"} if key else {}
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as res:
                 return res.status
@@ -185,9 +201,14 @@ def test_key_prompt(page, keyed_url, service, tmp_path):
 
 def test_each_key_sees_only_its_tenant(page, tenants_url, client, tmp_path, engine_gate):
     """The page uses only /v1/... with the key, so a key sees its own tenant's batches and nothing else."""
-    rows = [chat_row(f"t-{i}", f"{HOLD} tenant check {i}", max_tokens=64) for i in range(32)]  # held on a worker
-    own = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "own.jsonl", rows)).id,
-                                endpoint="/v1/chat/completions", completion_window="24h")
+    rows = [
+        chat_row(f"t-{i}", f"{HOLD} tenant check {i}", max_tokens=64) for i in range(32)
+    ]  # held on a worker
+    own = client.batches.create(
+        input_file_id=upload(client, write_jsonl(tmp_path / "own.jsonl", rows)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     page.goto(tenants_url + "/")
     page.get_by_label("Key", exact=True).fill("other-key")
     page.get_by_role("button", name="Use key").click()

@@ -37,11 +37,30 @@ def test_anchor_workload_is_the_issue_s():
     gpu = _load("gpu")
     a = gpu.ANCHOR
     assert (a["requests"], a["prompt"], a["output"], a["static_batch"], a["dtype"]) == (
-        512, (16, 1024), (8, 256), 64, "bfloat16")
-    assert {k: a["model"][k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                       "num_attention_heads", "num_key_value_heads", "vocab_size")} == dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256)
+        512,
+        (16, 1024),
+        (8, 256),
+        64,
+        "bfloat16",
+    )
+    assert {
+        k: a["model"][k]
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        )
+    } == dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
     assert a["model"]["tie_word_embeddings"] and a["model"]["rope_theta"] == 500000.0
 
 
@@ -58,17 +77,26 @@ def test_gpu_bench_runs_from_a_checkout_without_the_package_installed(tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(site.getsitepackages())
-    check = subprocess.run([sys.executable, "-S", "-c", "import bulkgen"], env=env, cwd=tmp_path,
-                           capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-S", "-c", "import bulkgen"], env=env, cwd=tmp_path, capture_output=True, text=True
+    )
     assert check.returncode != 0 and "No module named 'bulkgen'" in check.stderr  # really not installed
-    run = subprocess.run([sys.executable, "-S", str(BENCH / "gpu.py"), "--quick", "--skip-static", "--out",
-                          str(tmp_path)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-S", str(BENCH / "gpu.py"), "--quick", "--skip-static", "--out", str(tmp_path)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("gpu-*-quick.json")).read_text())
     rows = {r["method"]: r for r in report["results"]}
     assert set(rows) == {"bulkgen_greedy", "bulkgen_sampled"}
     # each timed run starts from a cold prefix cache: the warm-up's or the greedy run's prompts are not reused
-    assert rows["bulkgen_greedy"]["cached_prompt_tokens"] == rows["bulkgen_sampled"]["cached_prompt_tokens"] == 0
+    assert (
+        rows["bulkgen_greedy"]["cached_prompt_tokens"] == rows["bulkgen_sampled"]["cached_prompt_tokens"] == 0
+    )
 
 
 def test_gpu_probe_records_what_it_found_on_a_machine_without_cuda(tmp_path):

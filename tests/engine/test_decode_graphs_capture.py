@@ -114,7 +114,9 @@ def test_replayed_graphs_give_the_eager_tokens(fake_cuda, model_dirs, tokenizer)
     assert got == _eager_tokens(model, tokenizer)
 
 
-def test_a_failed_capture_is_logged_with_its_cause_and_decoding_goes_on(fake_cuda, model_dirs, tokenizer, caplog):
+def test_a_failed_capture_is_logged_with_its_cause_and_decoding_goes_on(
+    fake_cuda, model_dirs, tokenizer, caplog
+):
     model = _model(model_dirs)
     engine = _graph_engine(model, tokenizer)
     FakeGraph.fail_capture = True

@@ -27,8 +27,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_fp32_greedy_matches_cpu_reference(arch, model_dirs, reference, mixed_prompts):
     prompts = mixed_prompts(seed=30, count=6, low=1, high=80)
-    engine = Engine.from_pretrained(str(model_dirs[arch]), device="cuda", dtype=torch.float32,
-                                    max_num_batched_tokens=64, block_size=8, num_kv_blocks=NUM_KV_BLOCKS)
+    engine = Engine.from_pretrained(
+        str(model_dirs[arch]),
+        device="cuda",
+        dtype=torch.float32,
+        max_num_batched_tokens=64,
+        block_size=8,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == reference.greedy(arch, prompt, 8)
@@ -39,7 +45,9 @@ def test_every_fused_candidate_matches_plain_in_bf16():
     assert names, "this torch offers no fused varlen attention on CUDA"
     for name in names:
         for block_size in (16, 256):
-            error = attn_select.self_check(BACKENDS[name](), torch.device("cuda"), torch.bfloat16, 8, 2, 64, block_size)
+            error = attn_select.self_check(
+                BACKENDS[name](), torch.device("cuda"), torch.bfloat16, 8, 2, 64, block_size
+            )
             print(f"{name} block_size={block_size}: {error or 'ok'}")
     chosen = attn_select.select_backend(torch.device("cuda"), torch.bfloat16, 8, 2, 64, 16)
     assert chosen.name != "plain", "no fused backend passed its self-check"
@@ -48,16 +56,29 @@ def test_every_fused_candidate_matches_plain_in_bf16():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_bf16_greedy_follows_hf_generate(arch, model_dirs, mixed_prompts):
     prompts = mixed_prompts(seed=31, count=12, low=1, high=300)
-    engine = Engine.from_pretrained(str(model_dirs[arch]), device="cuda", dtype=torch.bfloat16,
-                                    max_num_batched_tokens=256, block_size=16, num_kv_blocks=NUM_KV_BLOCKS)
+    engine = Engine.from_pretrained(
+        str(model_dirs[arch]),
+        device="cuda",
+        dtype=torch.bfloat16,
+        max_num_batched_tokens=256,
+        block_size=16,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.bfloat16).cuda().eval()
     firsts = []
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, min_new_tokens=16,
-                                 do_sample=False, eos_token_id=None)[0, len(prompt) :].tolist()
-        firsts.append(next((i for i, (a, b) in enumerate(zip(ref, out.token_ids, strict=True)) if a != b), 16))
+            ref = model.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=16,
+                min_new_tokens=16,
+                do_sample=False,
+                eos_token_id=None,
+            )[0, len(prompt) :].tolist()
+        firsts.append(
+            next((i for i, (a, b) in enumerate(zip(ref, out.token_ids, strict=True)) if a != b), 16)
+        )
     print(f"{arch} bf16 first divergence per prompt: {firsts}, backend {engine.runner.backend.name}")
     assert sum(f == 16 for f in firsts) >= len(firsts) / 2, firsts
     assert min(firsts) >= 2, firsts
@@ -66,16 +87,22 @@ def test_cuda_bf16_greedy_follows_hf_generate(arch, model_dirs, mixed_prompts):
 
 def test_cuda_seeded_sampling_is_the_same_alone_and_in_a_crowd(model_dirs, mixed_prompts):
     prompts = mixed_prompts(seed=32, count=6, low=3, high=120)
-    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.float32,
-                                    num_kv_blocks=NUM_KV_BLOCKS)
+    engine = Engine.from_pretrained(
+        str(model_dirs["llama"]), device="cuda", dtype=torch.float32, num_kv_blocks=NUM_KV_BLOCKS
+    )
     seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=77, ignore_eos=True)
     alone = engine.generate([prompts[0]], seeded)[0].token_ids
-    others = [SamplingParams(max_tokens=n, temperature=1.0, top_k=5, ignore_eos=True) for n in (3, 20, 7, 15, 9)]
+    others = [
+        SamplingParams(max_tokens=n, temperature=1.0, top_k=5, ignore_eos=True) for n in (3, 20, 7, 15, 9)
+    ]
     crowd = engine.generate(prompts, [seeded, *others])
     assert crowd[0].token_ids == alone
-    pair = engine.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2,
-                                                        ignore_eos=True))[0]
-    six = engine.generate([prompts[0]], SamplingParams(max_tokens=12, temperature=0.8, seed=6, ignore_eos=True))[0]
+    pair = engine.generate(
+        [prompts[0]], SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=2, ignore_eos=True)
+    )[0]
+    six = engine.generate(
+        [prompts[0]], SamplingParams(max_tokens=12, temperature=0.8, seed=6, ignore_eos=True)
+    )[0]
     assert pair.outputs[1].token_ids != six.outputs[0].token_ids
 
 
@@ -100,8 +127,9 @@ def test_cuda_graph_decode_gives_the_eager_tokens_in_fp32(model_dirs, mixed_prom
 
 
 def test_capture_called_as_the_bench_calls_it_records_no_autograd(model_dirs):
-    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.bfloat16,
-                                    num_kv_blocks=NUM_KV_BLOCKS)
+    engine = Engine.from_pretrained(
+        str(model_dirs["llama"]), device="cuda", dtype=torch.bfloat16, num_kv_blocks=NUM_KV_BLOCKS
+    )
     for p in engine.model.parameters():
         p.requires_grad_(True)  # as a freshly built model's (bench/gpu.py)
     before = torch.cuda.memory_allocated()
@@ -117,8 +145,9 @@ def test_capture_called_as_the_bench_calls_it_records_no_autograd(model_dirs):
 def test_a_greedy_decode_step_syncs_the_host_once(model_dirs, mixed_prompts):
     import warnings
 
-    engine = Engine.from_pretrained(str(model_dirs["llama"]), device="cuda", dtype=torch.bfloat16,
-                                    num_kv_blocks=NUM_KV_BLOCKS)
+    engine = Engine.from_pretrained(
+        str(model_dirs["llama"]), device="cuda", dtype=torch.bfloat16, num_kv_blocks=NUM_KV_BLOCKS
+    )
     for i, prompt in enumerate(mixed_prompts(seed=34, count=16, low=4, high=40)):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     for _ in range(4):  # prefill, and the first decode buckets captured

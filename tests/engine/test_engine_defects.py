@@ -29,7 +29,9 @@ def test_logprobs_beyond_vocab_is_refused_and_engine_keeps_working(make_engine, 
         done += engine.step()
     assert [o.request_id for o in done] == ["ok"]
     assert done[0].token_ids == reference.greedy("llama", prompts[0], 4)
-    full = engine.generate([prompts[1]], SamplingParams(max_tokens=2, temperature=0, logprobs=engine.vocab_size))
+    full = engine.generate(
+        [prompts[1]], SamplingParams(max_tokens=2, temperature=0, logprobs=engine.vocab_size)
+    )
     assert len(full[0].outputs[0].logprobs[0]["top_logprobs"]) == engine.vocab_size
 
 
@@ -128,11 +130,14 @@ def test_tiny_temperature_is_greedy(make_engine, reference, mixed_prompts):
     assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
 
 
-def test_a_request_is_checked_whole_before_any_part_is_queued(make_engine, reference, mixed_prompts,
-                                                                 monkeypatch):
+def test_a_request_is_checked_whole_before_any_part_is_queued(
+    make_engine, reference, mixed_prompts, monkeypatch
+):
     prompts = mixed_prompts(seed=44, count=2, low=5, high=10)
     engine = make_engine("llama")
-    huge = engine.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2))[0]
+    huge = engine.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=1.0, seed=2**64 - 1, n=2))[
+        0
+    ]
     assert [len(c.token_ids) for c in huge.outputs] == [3, 3]
     real = engine_module.Sequence
 

@@ -27,7 +27,9 @@ def test_mixed_lengths_with_chunked_prefill(arch, make_engine, reference, mixed_
     _check(engine, reference, arch, prompts, max_tokens=10)
     records = engine.pop_step_records()
     assert max(r["prefill_tokens"] + r["decode_tokens"] for r in records) <= 48
-    assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records), "no step mixed prefill and decode"
+    assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records), (
+        "no step mixed prefill and decode"
+    )
     assert max(r["num_seqs"] for r in records) <= 6
 
 
@@ -45,11 +47,19 @@ def test_shared_prefix_hits_cache(arch, make_engine, reference, mixed_prompts):
     assert engine.stats()["cached_prompt_tokens"] == sum(cached)
 
 
-@pytest.mark.parametrize("arch,policy", [("llama", "continuous"), ("mistral", "continuous"), ("qwen3", "static")])
+@pytest.mark.parametrize(
+    "arch,policy", [("llama", "continuous"), ("mistral", "continuous"), ("qwen3", "static")]
+)
 def test_preemption_when_blocks_run_out(arch, policy, make_engine, reference, mixed_prompts):
     prompts = mixed_prompts(seed=4, count=8, low=10, high=40)
-    engine = make_engine(arch, max_num_seqs=8, block_size=4, num_kv_blocks=24, enable_prefix_caching=False,
-                         scheduler=scheduler_for(policy))
+    engine = make_engine(
+        arch,
+        max_num_seqs=8,
+        block_size=4,
+        num_kv_blocks=24,
+        enable_prefix_caching=False,
+        scheduler=scheduler_for(policy),
+    )
     outs = _check(engine, reference, arch, prompts, max_tokens=24)
     assert engine.stats()["preemptions"] > 0
     assert sum(o.metrics.num_preemptions for o in outs) == engine.stats()["preemptions"]

@@ -33,7 +33,9 @@ def test_step_records_count_work_per_tag(make_engine, mixed_prompts):
     prompts = mixed_prompts(seed=51, count=5, low=5, high=20)
     engine = make_engine("llama", max_num_seqs=4)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, _greedy(3 + i), tag="batch-a" if i < 3 else ("batch-b" if i == 3 else None))
+        engine.add_request(
+            str(i), p, _greedy(3 + i), tag="batch-a" if i < 3 else ("batch-b" if i == 3 else None)
+        )
     while engine.has_unfinished():
         engine.step()
     records = engine.pop_step_records()
@@ -103,14 +105,26 @@ def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference,
     """The CUDA-graph decode path (padded static buckets, scratch slot), run eagerly on CPU."""
     from bulkgen.engine.decode_graphs import bucket, buckets_up_to
 
-    assert [bucket(n, 512) for n in (1, 2, 3, 5, 7, 64, 65, 97, 500, 512)] == [1, 2, 3, 6, 8, 64, 96, 128, 512, 512]
+    assert [bucket(n, 512) for n in (1, 2, 3, 5, 7, 64, 65, 97, 500, 512)] == [
+        1,
+        2,
+        3,
+        6,
+        8,
+        64,
+        96,
+        128,
+        512,
+        512,
+    ]
     assert bucket(300, 256) == 256
     assert buckets_up_to(20) == [1, 2, 3, 4, 6, 8, 12, 16, 20]
     prompts = mixed_prompts(seed=53, count=7, low=1, high=70)
     engine = make_engine("qwen2", cuda_graphs=True, max_num_seqs=5, block_size=4, max_num_batched_tokens=48)
     outs = engine.generate(prompts, [_greedy(n) for n in (3, 9, 5, 12, 1, 7, 10)])
-    assert [o.token_ids for o in outs] == [reference.greedy("qwen2", p, n)
-                                         for p, n in zip(prompts, (3, 9, 5, 12, 1, 7, 10), strict=True)]
+    assert [o.token_ids for o in outs] == [
+        reference.greedy("qwen2", p, n) for p, n in zip(prompts, (3, 9, 5, 12, 1, 7, 10), strict=True)
+    ]
     assert len(engine.runner.graphs.buckets) >= 2
     assert engine.runner.graphs.capture(max_context=40) == len(engine.runner.graphs.buckets) >= 4 * 3
     assert engine.runner.k_caches[0].shape[0] == engine.runner.num_blocks + 1
@@ -122,7 +136,11 @@ def _reference_varlen(q, k, v, cu_q, cu_k, scale):
     group = q.shape[1] // k.shape[1]
     for i in range(len(cu_q) - 1):
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        qi, ki, vi = q[qs].double(), k[ks].double().repeat_interleave(group, 1), v[ks].double().repeat_interleave(group, 1)
+        qi, ki, vi = (
+            q[qs].double(),
+            k[ks].double().repeat_interleave(group, 1),
+            v[ks].double().repeat_interleave(group, 1),
+        )
         offset = ki.shape[0] - qi.shape[0]
         allowed = torch.arange(ki.shape[0])[None, :] <= torch.arange(qi.shape[0])[:, None] + offset
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
@@ -154,7 +172,10 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch):
     monkeypatch.setattr(attn_backends, "varlen_paged", fake_paged)
     for backend in (attn_backends.FlashVarlenBackend(), attn_backends.VarlenPagedBackend()):
         for block_size in (4, 16):
-            assert attn_select.self_check(backend, torch.device("cpu"), torch.float32, 8, 2, 16, block_size) is None
+            assert (
+                attn_select.self_check(backend, torch.device("cpu"), torch.float32, 8, 2, 16, block_size)
+                is None
+            )
 
 
 class _BrokenDecode(PlainBackend):
@@ -186,14 +207,19 @@ def test_a_rejected_backend_names_the_part_that_failed():
 
 def test_on_cuda_in_bf16_no_fused_backend_is_an_error_unless_plain_is_forced(monkeypatch):
     """The plain fallback is a per-sequence loop: on a GPU in bf16 it must never be chosen silently."""
-    reasons = {"varlen_paged": "prefill kernel: RuntimeError: block size", "flash_varlen": "decode path: max abs error 0.5"}
+    reasons = {
+        "varlen_paged": "prefill kernel: RuntimeError: block size",
+        "flash_varlen": "decode path: max abs error 0.5",
+    }
     monkeypatch.setattr(attn_select, "cuda_candidates", lambda: list(reasons))
     monkeypatch.setattr(attn_select, "self_check", lambda backend, *a: reasons.get(backend.name, None))
     cuda = torch.device("cuda")
     with pytest.raises(RuntimeError, match="BULKGEN_ATTENTION=plain") as err:
         attn_select.select_backend(cuda, torch.bfloat16, 8, 2, 64, 16)
     assert all(reason in str(err.value) for reason in reasons.values())
-    fp32 = attn_select.select_backend(cuda, torch.float32, 8, 2, 64, 16)  # flash has no fp32: plain is expected
+    fp32 = attn_select.select_backend(
+        cuda, torch.float32, 8, 2, 64, 16
+    )  # flash has no fp32: plain is expected
     assert fp32.name == "plain" and fp32.probe_report["varlen_paged"] == reasons["varlen_paged"]
     assert fp32.probe_report["flash_varlen+padded_decode"] == reasons["flash_varlen"]
     monkeypatch.setenv("BULKGEN_ATTENTION", "plain")

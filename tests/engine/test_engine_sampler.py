@@ -32,9 +32,16 @@ def test_stream_keys_are_distinct_across_seeds_and_completions():
 
 def _seqs(count, temperature=1.0, top_p=1.0, top_k=0, position=0, seed0=0):
     params = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, greedy=False, logprobs=None)
-    return [SimpleNamespace(params=params, rng_key=stream_key(seed0 + i, 0), num_output_tokens=position,
-                            adjusts_logits=False, cumulative_logprob=None)
-            for i in range(count)]
+    return [
+        SimpleNamespace(
+            params=params,
+            rng_key=stream_key(seed0 + i, 0),
+            num_output_tokens=position,
+            adjusts_logits=False,
+            cumulative_logprob=None,
+        )
+        for i in range(count)
+    ]
 
 
 @pytest.mark.parametrize("top_p,top_k", [(1.0, 0), (0.7, 0), (1.0, 3), (0.9, 4), (0.05, 0)])
@@ -72,8 +79,9 @@ def test_a_row_samples_the_same_token_alone_and_in_any_crowd():
 def test_mixed_greedy_and_random_rows():
     torch.manual_seed(1)
     logits = torch.randn(4, 50)
-    greedy = SimpleNamespace(params=SimpleNamespace(greedy=True, logprobs=None), adjusts_logits=False,
-                             cumulative_logprob=None)
+    greedy = SimpleNamespace(
+        params=SimpleNamespace(greedy=True, logprobs=None), adjusts_logits=False, cumulative_logprob=None
+    )
     seqs = [greedy, *_seqs(1, top_p=0.9), greedy, *_seqs(1, seed0=9)]
     tokens, logprobs = sampler.sample(logits, seqs)
     assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())

@@ -85,8 +85,17 @@ def test_incremental_interface_metrics_and_abort(make_engine, mixed_prompts):
     assert set(m.as_dict()) >= {"ttft_s", "tpot_s", "queue_wait_s", "num_cached_tokens", "num_preemptions"}
     records = engine.pop_step_records()
     assert records and engine.pop_step_records() == []
-    assert set(records[0]) == {"t", "duration_s", "num_seqs", "active_seqs", "prefill_tokens",
-                               "decode_tokens", "padding_slots", "max_num_seqs", "by_tag"}
+    assert set(records[0]) == {
+        "t",
+        "duration_s",
+        "num_seqs",
+        "active_seqs",
+        "prefill_tokens",
+        "decode_tokens",
+        "padding_slots",
+        "max_num_seqs",
+        "by_tag",
+    }
 
 
 def test_bad_requests_and_config_raise_clear_errors(make_engine):

@@ -20,21 +20,55 @@ from bulkgen.engine.grammar import GrammarRuntime, Guide, apply_masks
 from bulkgen.engine.sampling_params import SamplingError
 from bulkgen.models.registry import BUNDLED_MODEL
 
-LABEL = {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
-         "required": ["label"], "additionalProperties": False}
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+LABEL = {
+    "type": "object",
+    "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+    "required": ["label"],
+    "additionalProperties": False,
+}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 SCHEMAS = {
     "enum": LABEL,
     "object": PERSON,
-    "array": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 2,
-              "maxItems": 4},
-    "anyOf-const": {"anyOf": [{"const": "yes"}, {"type": "object", "properties": {"why": {"const": "no"}},
-                                                 "required": ["why"], "additionalProperties": False}]},
-    "recursive": {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer", "maximum": 99}, "kids": {
-        "type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1}}, "required": ["v", "kids"],
-        "additionalProperties": False}}, "$ref": "#/$defs/n"},
+    "array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 1, "maximum": 9},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "anyOf-const": {
+        "anyOf": [
+            {"const": "yes"},
+            {
+                "type": "object",
+                "properties": {"why": {"const": "no"}},
+                "required": ["why"],
+                "additionalProperties": False,
+            },
+        ]
+    },
+    "recursive": {
+        "$defs": {
+            "n": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer", "maximum": 99},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 1},
+                },
+                "required": ["v", "kids"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/n",
+    },
 }
 
 
@@ -59,8 +93,10 @@ def test_json_mode_outputs_parse_as_objects(bundled):
     """Free-form keys let the tiny model ramble inside strings; a logit_bias toward closing them (and the
     object) makes documents end, and shows biases and the mask compose."""
     close = {bundled.tokenizer.convert_tokens_to_ids(t): 6.0 for t in ('"', "}")}
-    outs = bundled.generate(["Say something."], SamplingParams(max_tokens=96, n=6, seed=3, logit_bias=close,
-                                                              guide=Guide.json_object()))
+    outs = bundled.generate(
+        ["Say something."],
+        SamplingParams(max_tokens=96, n=6, seed=3, logit_bias=close, guide=Guide.json_object()),
+    )
     docs = [json.loads(c.text) for c in outs[0].outputs if c.finish_reason == "stop"]
     assert len(docs) >= 3 and all(isinstance(d, dict) for d in docs), [c.text for c in outs[0].outputs]
 
@@ -100,12 +136,19 @@ def test_greedy_constrained_equals_transformers_generate_with_the_grammar(model_
     for prompt, guide, out in zip(prompts, guides, outs, strict=True):
         processors = [GrammarProcessor(runtime, guide, len(prompt))] if guide else []
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 logits_processor=LogitsProcessorList(processors))[0, len(prompt) :].tolist()
+            ref = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=24,
+                do_sample=False,
+                logits_processor=LogitsProcessorList(processors),
+            )[0, len(prompt) :].tolist()
         if ref and ref[-1] == tokenizer.eos_token_id and guide:
             ref = ref[:-1]  # the engine ends a complete document without sampling the end token
         assert out.token_ids == ref, (guide, tokenizer.decode(out.token_ids), tokenizer.decode(ref))
-    assert outs[0].finish_reason == "stop" and json.loads(outs[0].text)["label"] in LABEL["properties"]["label"]["enum"]
+    assert (
+        outs[0].finish_reason == "stop"
+        and json.loads(outs[0].text)["label"] in LABEL["properties"]["label"]["enum"]
+    )
 
 
 def test_preemption_in_the_middle_does_not_change_a_constrained_output(model_dirs, mixed_prompts):
@@ -126,11 +169,13 @@ def test_preemption_in_the_middle_does_not_change_a_constrained_output(model_dir
 
 def test_logprobs_come_from_the_masked_distribution(model_dirs):
     engine = Engine.from_pretrained(str(model_dirs["llama"]))
-    out = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, logprobs=5,
-                                                      guide=Guide.json_schema(LABEL)))[0]
+    out = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0, logprobs=5, guide=Guide.json_schema(LABEL))
+    )[0]
     first = out.outputs[0].logprobs[0]
-    assert first["token"] == "{" and all(t["token"] == "{" or t["logprob"] == float("-inf")
-                                         for t in first["top_logprobs"])
+    assert first["token"] == "{" and all(
+        t["token"] == "{" or t["logprob"] == float("-inf") for t in first["top_logprobs"]
+    )
 
 
 def test_a_schema_that_cannot_compile_is_refused_when_the_request_is_built():
@@ -144,6 +189,8 @@ def test_a_seeded_constrained_request_samples_the_same_alone_and_in_a_crowd(mode
     prompts = mixed_prompts(seed=83, count=5, low=3, high=30)
     seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=9, guide=Guide.json_schema(PERSON))
     alone = engine.generate([prompts[0]], seeded)[0].token_ids
-    others = [SamplingParams(max_tokens=n, temperature=0.8, guide=g) for n, g in
-              ((12, None), (30, Guide.json_schema(LABEL)), (7, None), (25, Guide.json_object()))]
+    others = [
+        SamplingParams(max_tokens=n, temperature=0.8, guide=g)
+        for n, g in ((12, None), (30, Guide.json_schema(LABEL)), (7, None), (25, Guide.json_object()))
+    ]
     assert engine.generate(prompts, [seeded, *others])[0].token_ids == alone

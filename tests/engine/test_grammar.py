@@ -16,19 +16,46 @@ from transformers import AutoTokenizer
 from bulkgen.engine.grammar import GrammarError, GrammarRuntime, Guide, apply_masks, check, grammar, unpack
 from bulkgen.models.registry import BUNDLED_MODEL
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 130}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 SCHEMAS = [
-    {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
-     "required": ["label"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+        "required": ["label"],
+        "additionalProperties": False,
+    },
     {"$defs": {"p": PERSON}, "type": "array", "items": {"$ref": "#/$defs/p"}, "minItems": 1, "maxItems": 2},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"},
-                                      "day": {"type": "string", "format": "date"}},
-     "required": ["code", "day"], "additionalProperties": False},
-    {"$defs": {"n": {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
-        "type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 2}}, "required": ["v", "kids"],
-        "additionalProperties": False}}, "$ref": "#/$defs/n"},
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]$"},
+            "day": {"type": "string", "format": "date"},
+        },
+        "required": ["code", "day"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {
+            "n": {
+                "type": "object",
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/n"}, "maxItems": 2},
+                },
+                "required": ["v", "kids"],
+                "additionalProperties": False,
+            }
+        },
+        "$ref": "#/$defs/n",
+    },
 ]
 
 
@@ -81,8 +108,13 @@ def test_json_mode_gives_an_object(runtime):
 def test_one_compile_per_distinct_schema():
     grammar.cache_clear()
     a = Guide.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
-    b = Guide.json_schema(json.loads(json.dumps({"type": "object", "properties": {"x": {"type": "integer"}},
-                                                 "required": ["x"]}, indent=2)))
+    b = Guide.json_schema(
+        json.loads(
+            json.dumps(
+                {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}, indent=2
+            )
+        )
+    )
     assert a == b
     for _ in range(5):
         check(a)
@@ -90,12 +122,15 @@ def test_one_compile_per_distinct_schema():
     assert grammar.cache_info().misses == 1
 
 
-@pytest.mark.parametrize("schema,reason", [
-    ({"type": "object", "properties": {"a": {"type": "strnig"}}}, "strnig"),
-    ({"$ref": "#/$defs/missing"}, "does not exist"),
-    ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
-    ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum"),
-])
+@pytest.mark.parametrize(
+    "schema,reason",
+    [
+        ({"type": "object", "properties": {"a": {"type": "strnig"}}}, "strnig"),
+        ({"$ref": "#/$defs/missing"}, "does not exist"),
+        ({"type": "string", "pattern": "(?<=a)b"}, "look-around"),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "minimum"),
+    ],
+)
 def test_a_schema_that_cannot_compile_is_a_grammar_error_naming_why(schema, reason):
     with pytest.raises(GrammarError, match=reason) as err:
         check(Guide.json_schema(schema))
@@ -132,18 +167,31 @@ def _sentencepiece_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    pieces += sorted(set('▁{}[]":,abcdefghijklmnopqrstuvwxyz0123456789-')) + ['▁"', '":', "▁{", "▁}", "ab", "abc"]
+    pieces += sorted(set('▁{}[]":,abcdefghijklmnopqrstuvwxyz0123456789-')) + [
+        '▁"',
+        '":',
+        "▁{",
+        "▁}",
+        "ab",
+        "abc",
+    ]
     vocab = {p: i for i, p in enumerate(pieces)}
     merges = [("a", "b"), ("ab", "c"), ("▁", '"'), ('"', ":"), ("▁", "{"), ("▁", "}")]
     core = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     core.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    core.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                      decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    core.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_a_sentencepiece_style_tokenizer_gives_valid_json_too():
     tokenizer = _sentencepiece_tokenizer()
-    assert tokenizer.convert_ids_to_tokens(tokenizer("é").input_ids)[-2:] == ["<0xC3>", "<0xA9>"]  # byte fallback
+    assert tokenizer.convert_ids_to_tokens(tokenizer("é").input_ids)[-2:] == [
+        "<0xC3>",
+        "<0xA9>",
+    ]  # byte fallback
     runtime = (tokenizer, GrammarRuntime(tokenizer, len(tokenizer)))
     assert _finished_documents_validate(runtime, SCHEMAS[0]) >= 6

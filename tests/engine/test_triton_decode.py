@@ -38,11 +38,14 @@ def _case(seed: int, lengths: list[int], hq: int, hkv: int, dim: int, block_size
     return q, k_cache, v_cache, table, torch.tensor(lengths)
 
 
-@pytest.mark.parametrize("lengths,hq,hkv,dim,block_size", [
-    ([1, 5, 16, 17, 40], 8, 2, 16, 4),    # GQA 4:1, a one-token context, exact block multiples
-    ([33, 2, 64], 4, 4, 24, 16),          # no GQA, a head dim that is no power of two
-    ([70], 6, 2, 16, 8),                  # one sequence: its blocks split across programs
-])
+@pytest.mark.parametrize(
+    "lengths,hq,hkv,dim,block_size",
+    [
+        ([1, 5, 16, 17, 40], 8, 2, 16, 4),  # GQA 4:1, a one-token context, exact block multiples
+        ([33, 2, 64], 4, 4, 24, 16),  # no GQA, a head dim that is no power of two
+        ([70], 6, 2, 16, 8),  # one sequence: its blocks split across programs
+    ],
+)
 def test_kernel_matches_the_padded_reference(interpreted, lengths, hq, hkv, dim, block_size):
     q, k_cache, v_cache, table, lens = _case(len(lengths), lengths, hq, hkv, dim, block_size)
     got = interpreted.paged_decode(q, k_cache, v_cache, table, lens, dim**-0.5)
@@ -63,8 +66,9 @@ def test_padding_and_other_sequences_blocks_are_never_read(interpreted):
 def test_half_precision_keeps_float32_scores(interpreted):
     q, k_cache, v_cache, table, lens = _case(3, [12, 30], 8, 2, 32, 16, torch.float16)
     got = interpreted.paged_decode(q, k_cache, v_cache, table, lens, 32**-0.5)
-    want = paged_decode(q.float(), k_cache.float(), v_cache.float(), DecodeMeta(0, 2, table, lens), 32**-0.5,
-                        "padded")
+    want = paged_decode(
+        q.float(), k_cache.float(), v_cache.float(), DecodeMeta(0, 2, table, lens), 32**-0.5, "padded"
+    )
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), want, atol=2e-3, rtol=2e-3)
 
@@ -72,11 +76,14 @@ def test_half_precision_keeps_float32_scores(interpreted):
 def test_splits_depend_on_shapes_only_and_never_exceed_the_blocks():
     assert td.num_splits(512, 8, 96) == 1
     assert td.num_splits(1, 8, 96) == 16 and td.num_splits(1, 8, 3) == 3
-    assert all(1 <= td.num_splits(b, h, w) <= min(w, 16) for b in (1, 7, 64) for h in (1, 8) for w in (1, 5, 200))
+    assert all(
+        1 <= td.num_splits(b, h, w) <= min(w, 16) for b in (1, 7, 64) for h in (1, 8) for w in (1, 5, 200)
+    )
 
 
-def test_engine_decodes_through_the_kernel_to_the_reference_tokens(interpreted, monkeypatch, model_dirs,
-                                                                    reference, mixed_prompts):
+def test_engine_decodes_through_the_kernel_to_the_reference_tokens(
+    interpreted, monkeypatch, model_dirs, reference, mixed_prompts
+):
     """Forced on CPU (BULKGEN_DECODE_KERNEL=triton), eagerly and through the static decode buckets."""
     monkeypatch.setenv("BULKGEN_DECODE_KERNEL", "triton")
     calls = []
@@ -84,8 +91,9 @@ def test_engine_decodes_through_the_kernel_to_the_reference_tokens(interpreted, 
     monkeypatch.setattr(interpreted, "paged_decode", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
     prompts = mixed_prompts(seed=71, count=3, low=2, high=30)
     for graphs in (False, True):
-        engine = Engine.from_pretrained(str(model_dirs["llama"]), cuda_graphs=graphs, block_size=4,
-                                        num_kv_blocks=64)
+        engine = Engine.from_pretrained(
+            str(model_dirs["llama"]), cuda_graphs=graphs, block_size=4, num_kv_blocks=64
+        )
         decode_backend = engine.runner.graphs.plain if graphs else engine.runner.backend
         assert isinstance(decode_backend, PlainBackend)
         # 3 tokens: two decode steps through the interpreted kernel (each costs seconds), eager and graphed

@@ -52,7 +52,9 @@ def test_request_aggregates():
     # TTFT ms: 0..50, 50, 51..100 (102 values); the sketch returns each percentile within 1%
     # of a value at (or next to) the exact rank: p50 = 50 ms, p95 ~ 95 ms, p99 ~ 99 ms.
     assert s["ttft_s"]["p50"] == pytest.approx(0.050, rel=0.011)
-    assert s["ttft_s"]["p95"] == pytest.approx(0.095, rel=0.021) and s["ttft_s"]["p99"] == pytest.approx(0.099, rel=0.021)
+    assert s["ttft_s"]["p95"] == pytest.approx(0.095, rel=0.021) and s["ttft_s"]["p99"] == pytest.approx(
+        0.099, rel=0.021
+    )
     assert s["ttft_s"]["mean"] == pytest.approx((sum(range(101)) + 50) / 102 / 1000)
     assert s["tpot_s"]["count"] == 101 and s["tpot_s"]["p95"] == pytest.approx(0.0095, rel=0.021)
     assert s["queue_wait_s"]["p95"] == pytest.approx(2 * 0.095, rel=0.021)
@@ -64,9 +66,20 @@ def test_request_aggregates():
     assert metrics.summary(wall_time_s=10.0)["output_tokens_per_s"] == pytest.approx(50.6)
 
 
-def step(t: float, held: int, active: int, size: int | None = None, padding: int = 0, duration: float = 0.1) -> dict:
-    return {"t": t, "duration_s": duration, "num_seqs": held, "active_seqs": active, "prefill_tokens": 0,
-            "decode_tokens": active, "padding_slots": padding, "max_num_seqs": 8, "batch_size": size or held}
+def step(
+    t: float, held: int, active: int, size: int | None = None, padding: int = 0, duration: float = 0.1
+) -> dict:
+    return {
+        "t": t,
+        "duration_s": duration,
+        "num_seqs": held,
+        "active_seqs": active,
+        "prefill_tokens": 0,
+        "decode_tokens": active,
+        "padding_slots": padding,
+        "max_num_seqs": 8,
+        "batch_size": size or held,
+    }
 
 
 def test_steps_sum_per_worker_into_efficiency_padding_and_histogram():
@@ -81,9 +94,13 @@ def test_steps_sum_per_worker_into_efficiency_padding_and_histogram():
     assert s["batch_size_histogram"] == {"2": 1, "4": 1, "8": 1}
     assert s["preemptions"] == 2
     # w-a's steps cover 0.9..1.1 s: 0.2 s busy, no gap; w-b: one step
-    assert s["per_worker"]["w-a"] == {"busy_time_s": pytest.approx(0.2), "idle_time_s": pytest.approx(0.0, abs=1e-6),
-                                      "steps": 2, "slot_efficiency": 0.875}
-    metrics.add_steps("w-a", [step(2.0, 4, 4)])   # 1.1 -> 1.9 s with no step of this batch: idle
+    assert s["per_worker"]["w-a"] == {
+        "busy_time_s": pytest.approx(0.2),
+        "idle_time_s": pytest.approx(0.0, abs=1e-6),
+        "steps": 2,
+        "slot_efficiency": 0.875,
+    }
+    metrics.add_steps("w-a", [step(2.0, 4, 4)])  # 1.1 -> 1.9 s with no step of this batch: idle
     assert metrics.summary()["per_worker"]["w-a"]["idle_time_s"] == pytest.approx(0.8)
     assert s["per_worker"]["w-b"]["busy_time_s"] == pytest.approx(0.5)
 
@@ -95,7 +112,9 @@ def test_slot_efficiency_without_active_counter_uses_padding():
 def test_state_stays_small_for_a_million_requests():
     metrics = BatchMetrics()
     for i in range(1_000_000):
-        metrics.add_request({"ttft_s": (i % 5000) / 1000, "tpot_s": 0.01 + (i % 97) / 10_000, "queue_wait_s": i % 7})
+        metrics.add_request(
+            {"ttft_s": (i % 5000) / 1000, "tpot_s": 0.01 + (i % 97) / 10_000, "queue_wait_s": i % 7}
+        )
     size = len(json.dumps(metrics.to_state()))
     assert size < 100_000, size
     assert metrics.summary()["ttft_s"]["p50"] == pytest.approx(2.5, rel=0.011)

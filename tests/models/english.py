@@ -6,8 +6,34 @@ from __future__ import annotations
 
 import re
 
-COMMON = {"the", "a", "an", "is", "are", "of", "to", "and", "in", "that", "it", "be", "for", "as", "with", "or",
-          "this", "by", "on", "can", "not", "if", "you", "from", "which", "when"}
+COMMON = {
+    "the",
+    "a",
+    "an",
+    "is",
+    "are",
+    "of",
+    "to",
+    "and",
+    "in",
+    "that",
+    "it",
+    "be",
+    "for",
+    "as",
+    "with",
+    "or",
+    "this",
+    "by",
+    "on",
+    "can",
+    "not",
+    "if",
+    "you",
+    "from",
+    "which",
+    "when",
+}
 
 
 def english_score(text: str) -> float:

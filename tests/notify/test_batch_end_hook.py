@@ -18,8 +18,12 @@ def _service(tmp_path, ended: list) -> BatchService:
 
 
 def _batch(svc: BatchService, model: str) -> dict:
-    row = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
-           "body": {"model": model, "prompt": "hi", "max_tokens": 2}}
+    row = {
+        "custom_id": "a",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": model, "prompt": "hi", "max_tokens": 2},
+    }
     file = svc.files.create(io.BytesIO(json.dumps(row).encode() + b"\n"), "in.jsonl", "batch")
     return svc.create_batch(file["id"], "/v1/completions", "24h", None)
 
@@ -27,8 +31,11 @@ def _batch(svc: BatchService, model: str) -> dict:
 def test_a_batch_failed_at_validation_ends_once_for_any_tenant(tmp_path):
     ended: list[dict] = []
     svc = _service(tmp_path, ended)
-    made = [(svc, _batch(svc, "not-served")), (svc.for_tenant("acme"), _batch(svc.for_tenant("acme"), "not-served")),
-            (svc, _batch(svc, "served"))]
+    made = [
+        (svc, _batch(svc, "not-served")),
+        (svc.for_tenant("acme"), _batch(svc.for_tenant("acme"), "not-served")),
+        (svc, _batch(svc, "served")),
+    ]
     assert {b["status"] for _, b in made} == {"validating"} and ended == []
     failed, other, running = (owner.validate(b["id"]) for owner, b in made)  # what a runner does first
     assert (failed["status"], other["status"], running["status"]) == ("failed", "failed", "in_progress")
@@ -46,10 +53,14 @@ def test_replicas_racing_to_end_a_batch_call_the_hook_once(tmp_path):
 
     def end(replica: BatchService, status: str) -> None:
         start.wait()
-        replica.batches.update(batch_id, lambda r: None if r["status"] in ("cancelled", "expired")
-                               else set_status(r, status))
+        replica.batches.update(
+            batch_id, lambda r: None if r["status"] in ("cancelled", "expired") else set_status(r, status)
+        )
 
-    threads = [threading.Thread(target=end, args=(r, ("cancelled", "expired")[i % 2])) for i, r in enumerate(replicas)]
+    threads = [
+        threading.Thread(target=end, args=(r, ("cancelled", "expired")[i % 2]))
+        for i, r in enumerate(replicas)
+    ]
     for t in threads:
         t.start()
     for t in threads:

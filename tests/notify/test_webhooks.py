@@ -130,11 +130,14 @@ def test_only_final_statuses_make_events(receiver):
     assert event.type == "batch.cancelled" and len(r.requests) == 1
 
 
-@pytest.mark.parametrize("secret, message", [
-    ("s3cret", "must look like whsec_"),
-    ("whsec_not*base64", "valid base64"),
-    ("whsec_c2hvcnQ=", "at least 16"),
-])
+@pytest.mark.parametrize(
+    "secret, message",
+    [
+        ("s3cret", "must look like whsec_"),
+        ("whsec_not*base64", "valid base64"),
+        ("whsec_c2hvcnQ=", "at least 16"),
+    ],
+)
 def test_bad_secrets_are_refused_clearly(secret, message):
     with pytest.raises(ValueError, match=message):
         parse_secret(secret)
@@ -144,8 +147,9 @@ def test_serve_refuses_a_webhook_without_a_secret(monkeypatch):
     monkeypatch.delenv("BULKGEN_WEBHOOK_SECRET", raising=False)
     result = CliRunner().invoke(cli, ["serve", "--webhook", "http://127.0.0.1:9/hooks"])
     assert result.exit_code == 2 and "--webhook needs --webhook-secret" in result.output
-    result = CliRunner().invoke(cli, ["serve"], env={"BULKGEN_WEBHOOK_URL": "ftp://example/x",
-                                                     "BULKGEN_WEBHOOK_SECRET": SECRET})
+    result = CliRunner().invoke(
+        cli, ["serve"], env={"BULKGEN_WEBHOOK_URL": "ftp://example/x", "BULKGEN_WEBHOOK_SECRET": SECRET}
+    )
     assert result.exit_code == 2 and "http(s)://host" in result.output
 
 
@@ -177,6 +181,9 @@ def test_undelivered_events_survive_the_process_and_are_sent_by_the_next(receive
     second = WebhookNotifier(r.url, SECRET, store=store)
     events = r.wait_events(2)
     second.close()
-    assert {(e.data.id, e.type) for e in events} == {("batch_one", "batch.completed"), ("batch_two", "batch.cancelled")}
+    assert {(e.data.id, e.type) for e in events} == {
+        ("batch_one", "batch.completed"),
+        ("batch_two", "batch.cancelled"),
+    }
     assert {e.id for e in events} == {event_id("batch_one", "completed"), event_id("batch_two", "cancelled")}
     assert list(store.list("webhooks/pending/")) == [] and second.delivered == 2

@@ -24,7 +24,9 @@ from bulkgen.plan.timed import EngineLimits, batch_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "samples"
-STEP_TOLERANCE = 0.10  # the engine admits by KV blocks and prefill chunks; the simulator by token budget alone
+STEP_TOLERANCE = (
+    0.10  # the engine admits by KV blocks and prefill chunks; the simulator by token budget alone
+)
 
 
 def synthetic(path: Path, count: int = 5000) -> Path:
@@ -39,8 +41,17 @@ def run_batch(path: Path, storage: Path) -> dict:
     """`bulkgen run` in its own process, as a user runs it: in this one it would join the test session's
     Ray and reuse a worker actor made with other tests' engine settings, which the profile does not model."""
     out = storage / f"{path.stem}.out.jsonl"
-    cmd = [sys.executable, "-c", "from bulkgen.cli import cli; cli()", "run", str(path), "--output", str(out),
-           "--storage", str(storage)]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from bulkgen.cli import cli; cli()",
+        "run",
+        str(path),
+        "--output",
+        str(out),
+        "--storage",
+        str(storage),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return json.loads(out.with_name(f"{path.stem}.out.metrics.json").read_text())
@@ -76,8 +87,13 @@ def test_plan_counts_tokens_exactly_and_simulates_the_steps_the_engine_took(tmp_
         work = scan_file(f, detect_endpoint(f), DEFAULT_MODEL_NAME, tokenizer, context, 50_000)
         assert sum(work.prompt_tokens) == metrics["input_tokens"]  # exact, as the workers counted
         steps = sum(w["steps"] for w in metrics["per_worker"].values())
-        report[f.name] = {"engine_steps": steps, "simulated": simulated_steps(work, real_lengths(tmp_path / f.stem, f,
-                                                                                                work.validation.total))}
+        report[f.name] = {
+            "engine_steps": steps,
+            "simulated": simulated_steps(work, real_lengths(tmp_path / f.stem, f, work.validation.total)),
+        }
     print(json.dumps(report))
     for name, r in report.items():
-        assert abs(r["simulated"] - r["engine_steps"]) <= STEP_TOLERANCE * r["engine_steps"] + 1, (name, report)
+        assert abs(r["simulated"] - r["engine_steps"]) <= STEP_TOLERANCE * r["engine_steps"] + 1, (
+            name,
+            report,
+        )

@@ -58,7 +58,9 @@ def _add_batch(queue: WorkQueue, batch_id: str, n: int = 64) -> None:
         np.ones(n, dtype=np.int64),
         np.zeros(n, dtype=np.uint64),
     )
-    batch = QueuedBatch(batch_id, f"files/data/{batch_id}", "/v1/completions", "tiny", "/models/tiny", 0.0, {})
+    batch = QueuedBatch(
+        batch_id, f"files/data/{batch_id}", "/v1/completions", "tiny", "/models/tiny", 0.0, {}
+    )
     queue.add_batch(batch, index, make_ranges(batch, index, np.ones(n, bool), 16))
 
 

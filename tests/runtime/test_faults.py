@@ -27,15 +27,20 @@ def _create(client, path: Path, rows: list[dict]):
 
 
 def _rows(prefix: str, n: int, max_tokens: int) -> list[dict]:
-    return [completion_row(f"{prefix}{i}", f"item {i} " * (1 + i % 5), max_tokens=max_tokens) for i in range(n)]
+    return [
+        completion_row(f"{prefix}{i}", f"item {i} " * (1 + i % 5), max_tokens=max_tokens) for i in range(n)
+    ]
 
 
 def _assert_exactly_once(client, batch, rows: list[dict]) -> None:
     out, err = read_lines(client, batch.output_file_id), read_lines(client, batch.error_file_id)
     ids = [line["custom_id"] for line in out + err]
     assert sorted(ids) == sorted(r["custom_id"] for r in rows)  # every custom_id, none twice
-    assert [line["custom_id"] for line in out] == [r["custom_id"] for r in rows if r["custom_id"] in set(ids) and
-                                                   any(o["custom_id"] == r["custom_id"] for o in out)]
+    assert [line["custom_id"] for line in out] == [
+        r["custom_id"]
+        for r in rows
+        if r["custom_id"] in set(ids) and any(o["custom_id"] == r["custom_id"] for o in out)
+    ]
     assert batch.request_counts.completed == len(out) and batch.request_counts.failed == len(err)
 
 
@@ -47,9 +52,13 @@ def _assert_kept(client, batch, before: dict[str, bytes]) -> None:
     """Results stored before a fault are the ones in the final output (finished work kept, not redone).
     Envelopes carry random ids, so this holds only where no range overlapping a stored part was redone:
     after a restart (coverage queues only lines without a part), not after a worker died mid-write."""
-    final = {json.dumps(line, sort_keys=True) for line in read_lines(client, batch.output_file_id)
-             + read_lines(client, batch.error_file_id)}
-    kept = [json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()]
+    final = {
+        json.dumps(line, sort_keys=True)
+        for line in read_lines(client, batch.output_file_id) + read_lines(client, batch.error_file_id)
+    }
+    kept = [
+        json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()
+    ]
     assert kept and all(json.dumps(e, sort_keys=True) in final for e in kept)
 
 
@@ -83,8 +92,14 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, cli
     engine_gate.open()  # the replacement runs the held range to its end
     settled = []  # completed + failed as the client saw them: never above the total, whatever was lost
     terminal = {"completed", "failed", "expired", "cancelled"}
-    batch = wait_for(client, batch.id, lambda b: settled.append(b.request_counts.completed + b.request_counts.failed)
-                     or b.status in terminal, timeout=300)
+    batch = wait_for(
+        client,
+        batch.id,
+        lambda b: (
+            settled.append(b.request_counts.completed + b.request_counts.failed) or b.status in terminal
+        ),
+        timeout=300,
+    )
     assert batch.status == "completed" and max(settled) <= len(rows)
     _assert_exactly_once(client, batch, rows)
     assert batch.request_counts.failed == 0
@@ -97,7 +112,10 @@ def test_two_batches_share_the_workers_and_a_small_one_is_not_starved(service, c
     wait_for(client, big.id, lambda b: b.request_counts.completed >= 16, timeout=180)
     small = _create(client, tmp_path / "small.jsonl", small_rows)
     small = wait_done(client, small.id, timeout=180)
-    assert client.batches.retrieve(big.id).status in ("in_progress", "finalizing")  # done while the big one ran
+    assert client.batches.retrieve(big.id).status in (
+        "in_progress",
+        "finalizing",
+    )  # done while the big one ran
     big = wait_done(client, big.id, timeout=300)
     _assert_exactly_once(client, small, small_rows)
     _assert_exactly_once(client, big, big_rows)
@@ -167,14 +185,16 @@ def test_sigkill_of_the_service_resumes_from_written_parts(serve_process, tmp_pa
 def test_two_replicas_on_one_storage_run_each_batch_once(serve_process, tmp_path):
     storage = str(tmp_path / "store")
     a, b = serve_process(storage), serve_process(storage)
-    batches = [(_create(c, tmp_path / f"r{i}.jsonl", _rows(f"r{i}-", 48, 8)), _rows(f"r{i}-", 48, 8))
-               for i, c in enumerate([a.client(), b.client(), a.client(), b.client()])]
+    batches = [
+        (_create(c, tmp_path / f"r{i}.jsonl", _rows(f"r{i}-", 48, 8)), _rows(f"r{i}-", 48, 8))
+        for i, c in enumerate([a.client(), b.client(), a.client(), b.client()])
+    ]
     store = LocalStore(storage)
     for batch, rows in batches:
         done = wait_done(a.client(), batch.id, timeout=300)
         assert done.status == "completed"
         _assert_exactly_once(a.client(), done, rows)
-        assert len(list(store.list(f"parts/{batch.id}/runner-"))) == 1   # one runner, one finalize
+        assert len(list(store.list(f"parts/{batch.id}/runner-"))) == 1  # one runner, one finalize
     outputs = [f for f in a.client().files.list(purpose="batch_output").data]
     assert len(outputs) == len(batches)
 
@@ -188,7 +208,7 @@ def test_a_poison_line_costs_only_itself_and_no_other_batch(client, tmp_path):
     assert batch.status == "completed"
     _assert_exactly_once(client, batch, rows)
     failed = read_lines(client, batch.error_file_id)
-    assert [e["custom_id"] for e in failed] in ([], ["poison"])   # refused alone, or run: never its neighbours
+    assert [e["custom_id"] for e in failed] in ([], ["poison"])  # refused alone, or run: never its neighbours
     assert batch.request_counts.completed >= 20
     later_rows = _rows("after", 4, 4)
     later = wait_done(client, _create(client, tmp_path / "after.jsonl", later_rows).id, timeout=180)

@@ -85,10 +85,12 @@ def test_a_poison_request_is_isolated_and_costs_no_one_else(tmp_path):
         return real_step()
 
     engine.step = step_that_dies_on_poison
-    job_p, specs_p = _stored_batch(store, "batch_p", [completion_row(f"p{i}", f"q {i}", max_tokens=4)
-                                                       for i in range(8)])
-    job_o, specs_o = _stored_batch(store, "batch_o", [completion_row(f"o{i}", f"z {i}", max_tokens=4)
-                                                       for i in range(4)])
+    job_p, specs_p = _stored_batch(
+        store, "batch_p", [completion_row(f"p{i}", f"q {i}", max_tokens=4) for i in range(8)]
+    )
+    job_o, specs_o = _stored_batch(
+        store, "batch_o", [completion_row(f"o{i}", f"z {i}", max_tokens=4) for i in range(4)]
+    )
     worker.assign(job_p, specs_p)
     worker.assign(job_o, specs_o)
     _drain(worker, len(specs_p) + len(specs_o))
@@ -120,8 +122,11 @@ def test_abort_with_a_code_stores_what_finished_and_marks_the_rest(tmp_path, eng
     assert all(e["envelope"]["error"]["code"] == "batch_cancelled" for e in lines.values())
     worker.assign(job, specs)  # a late assignment of a stopped batch is ignored: were it queued, the closed
     # gate would hold it in the engine and this wait would time out
-    wait_until(lambda: worker.poll("", 0)["held"] == 0 and not worker.engine.has_unfinished(), 30,
-               "the worker to drop the aborted requests and hold nothing")
+    wait_until(
+        lambda: worker.poll("", 0)["held"] == 0 and not worker.engine.has_unfinished(),
+        30,
+        "the worker to drop the aborted requests and hold nothing",
+    )
 
 
 def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):
@@ -132,9 +137,9 @@ def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):
     assert a.acquire() and not b.acquire()
     a.renew()
     clock.advance(29)
-    assert not b.acquire()      # still a's: its renewal restarted the 30 s
+    assert not b.acquire()  # still a's: its renewal restarted the 30 s
     clock.advance(2)
-    assert b.acquire()          # a's lease lapsed (its process stopped renewing)
+    assert b.acquire()  # a's lease lapsed (its process stopped renewing)
     try:
         a.renew()
         raise AssertionError("a stale owner renewed a lease it lost")
@@ -152,7 +157,7 @@ def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
 
     parts.write_part(store, "b", 5, 8, [e(5, "x"), e(8, "x")])
     parts.write_part(store, "b", 1, 4, [e(1, "x"), e(2, "x"), e(4, "x")])
-    parts.write_part(store, "b", 1, 2, [e(1, "retry"), e(2, "retry")])   # a retried half: a duplicate
+    parts.write_part(store, "b", 1, 2, [e(1, "retry"), e(2, "retry")])  # a retried half: a duplicate
     out, err, tally = parts.merge_parts(store, "b")
     lines = [json.loads(x) for x in out.read().splitlines()]
     assert [x["custom_id"] for x in lines] == ["c1", "c2", "c4", "c5", "c8"]
@@ -161,7 +166,7 @@ def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
 
 def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_path):
     store = LocalStore(tmp_path)
-    envelope = {"custom_id": 'a\u2028,"envelope":', "response": {"body": {"text": "é\t\"}"}}, "error": None}
+    envelope = {"custom_id": 'a\u2028,"envelope":', "response": {"body": {"text": 'é\t"}'}}, "error": None}
     entry = parts.PartEntry.of(7, True, envelope, (3, 2, 1))
     assert parts.PartEntry.decode(entry.encode()) == entry
     assert json.loads(entry.encode()) == {"line": 7, "ok": True, "usage": [3, 2, 1], "envelope": envelope}
@@ -174,8 +179,9 @@ def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_pa
 def test_progress_counts_requests_of_ranges_not_yet_written(tmp_path, engine_gate):
     store = LocalStore(tmp_path)
     worker = _worker(store)
-    rows = [completion_row("quick", "a", max_tokens=1)] + [completion_row(f"slow{i}", f"{HOLD} b", max_tokens=64)
-                                                          for i in range(3)]
+    rows = [completion_row("quick", "a", max_tokens=1)] + [
+        completion_row(f"slow{i}", f"{HOLD} b", max_tokens=64) for i in range(3)
+    ]
     job, specs = _stored_batch(store, "batch_g", rows)
     worker.assign(job, specs, owner="me")
     deadline = time.monotonic() + 60

@@ -73,8 +73,13 @@ def _dispatcher(pool: _Pool, runner: _Runner) -> tuple[Dispatcher, WorkQueue]:
 
 
 def _ranges(queue: WorkQueue, batch_id: str, n: int = 64):
-    index = LineIndex(np.arange(1, n + 1), np.arange(n) * 10, np.arange(n) * 10 + 9, np.ones(n, dtype=np.int64),
-                      np.zeros(n, dtype=np.uint64))
+    index = LineIndex(
+        np.arange(1, n + 1),
+        np.arange(n) * 10,
+        np.arange(n) * 10 + 9,
+        np.ones(n, dtype=np.int64),
+        np.zeros(n, dtype=np.uint64),
+    )
     job = QueuedBatch(batch_id, f"files/data/{batch_id}", "/v1/completions", "tiny", "/models/tiny", 0.0, {})
     queue.add_batch(job, index, make_ranges(job, index, np.ones(n, bool), 16))
     return queue.take(0, 32, job.model_key, idle=True)
@@ -92,8 +97,8 @@ def test_a_lost_workers_live_counts_are_withdrawn_so_counts_never_exceed_the_tot
     d.inflight[0] = {r.key: r for r in taken}
     runner.live_progress("bulkgen-worker-0", {"completed": 20, "failed": 0})  # settled, not yet written
     d._lost(0, TimeoutError("poll unanswered"))
-    assert runner.live["bulkgen-worker-0"] == {}          # redone elsewhere: counted once, there
-    assert queue.pending_requests() == 64                  # every lost request is queued again
+    assert runner.live["bulkgen-worker-0"] == {}  # redone elsewhere: counted once, there
+    assert queue.pending_requests() == 64  # every lost request is queued again
     assert d.inflight[0] == {} and runner.given_up == []
 
 
@@ -101,9 +106,9 @@ def test_replacement_is_retried_until_it_succeeds_and_the_new_worker_loads_the_m
     pool, runner = _Pool(failures=3), _Runner("b1")
     d, _ = _dispatcher(pool, runner)
     d._lost(0, TimeoutError("poll unanswered"))
-    assert pool.attempts == 4                              # three failures did not end the dispatcher's thread
+    assert pool.attempts == 4  # three failures did not end the dispatcher's thread
     assert pool.workers[0].calls == [("load", ("tiny", "/models/tiny", None))]
-    assert d.nodes[0] is None                              # the new actor's node is learnt from its first poll
+    assert d.nodes[0] is None  # the new actor's node is learnt from its first poll
 
 
 def test_a_stopped_dispatcher_gives_up_replacing():

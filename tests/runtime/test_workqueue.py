@@ -15,13 +15,19 @@ from tests.support.clock import FakeClock
 
 def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
     n = len(work)
-    return LineIndex(np.arange(1, n + 1), np.arange(n) * 10, np.arange(n) * 10 + 9, np.array(work),
-                     np.array(prefix or [0] * n, dtype=np.uint64))
+    return LineIndex(
+        np.arange(1, n + 1),
+        np.arange(n) * 10,
+        np.arange(n) * 10 + 9,
+        np.array(work),
+        np.array(prefix or [0] * n, dtype=np.uint64),
+    )
 
 
 def _job(batch_id: str, order: float, model: str = "m") -> QueuedBatch:
-    return QueuedBatch(batch_id, f"files/data/{batch_id}", "/v1/completions", model, "p", order,
-                       {"url": "unused"})
+    return QueuedBatch(
+        batch_id, f"files/data/{batch_id}", "/v1/completions", model, "p", order, {"url": "unused"}
+    )
 
 
 def _spans(ranges: list[QueuedRange]) -> list[tuple[int, int]]:
@@ -44,9 +50,9 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
     assert _spans(ranges) == [(0, 2), (2, 4), (5, 6)]
     q = _queue()
     q.add_batch(job, index, ranges)
-    assert _spans(q.take(0, 2, "m@p", idle=False)) == [(2, 4)]   # work 9 per request
+    assert _spans(q.take(0, 2, "m@p", idle=False)) == [(2, 4)]  # work 9 per request
     assert _spans(q.take(0, 1, "m@p", idle=False)) == [(5, 6)]
-    assert _spans(q.take(0, 1, "m@p", idle=False)) == [(0, 2)]   # whole ranges, not the tail
+    assert _spans(q.take(0, 1, "m@p", idle=False)) == [(0, 2)]  # whole ranges, not the tail
     assert q.take(0, 1, "m@p", idle=False) == []
 
 
@@ -82,9 +88,9 @@ def test_lost_ranges_come_back_halved_and_a_lone_killer_is_given_up():
     q = _queue()
     _add(q, _job("b", 0), _index([1] * 4), 4)
     [r] = q.take(0, 4, "m@p", idle=False)
-    assert q.put_back([r]) == [] and q.pending_requests() == 4     # attempt 1: the same range again
+    assert q.put_back([r]) == [] and q.pending_requests() == 4  # attempt 1: the same range again
     [r] = q.take(0, 4, "m@p", idle=False)
-    assert q.put_back([r]) == []                                     # attempt 2: halved
+    assert q.put_back([r]) == []  # attempt 2: halved
     halves = q.take(0, 2, "m@p", idle=False) + q.take(0, 2, "m@p", idle=False)
     assert sorted(h.size for h in halves) == [2, 2]
     suspect = halves[0]
@@ -114,8 +120,15 @@ def test_shared_prefixes_stay_on_the_worker_that_cached_them():
 
 
 def test_scan_indexes_offsets_across_blank_and_crlf_lines(tmp_path):
-    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": "m", "prompt": "x" * (4 * i + 4), "max_tokens": 3}} for i in range(3)]
+    rows = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "x" * (4 * i + 4), "max_tokens": 3},
+        }
+        for i in range(3)
+    ]
     data = (json.dumps(rows[0]) + "\r\n\n" + json.dumps(rows[1]) + "\n   \n" + json.dumps(rows[2])).encode()
     index = scan(io.BytesIO(data), "/v1/completions")
     assert index.lines.tolist() == [1, 3, 5]

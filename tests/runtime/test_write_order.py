@@ -108,6 +108,7 @@ def test_an_index_entry_whose_record_never_came_is_dropped_after_a_grace(running
     store, svc, manager = running
     stale = new_id("batch_", now=time.time() - 3600)  # its creator died an hour ago, between the writes
     store.write_bytes(f"active/{stale}", b"")
+
     def dropped() -> bool:
         manager.wake()
         return not store.exists(f"active/{stale}")

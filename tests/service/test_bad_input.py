@@ -13,7 +13,9 @@ from tests.support.service import SAMPLES, chat_row, upload, validated, write_js
 
 def _create(client, path, endpoint="/v1/chat/completions"):
     """Create answers `validating` at once (as the hosted API does); the runtime then validates."""
-    batch = client.batches.create(input_file_id=upload(client, path).id, endpoint=endpoint, completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, path).id, endpoint=endpoint, completion_window="24h"
+    )
     assert batch.status == "validating"
     return validated(client, batch.id)
 
@@ -22,11 +24,18 @@ def test_invalid_sample_lists_every_error_with_its_line(client):
     batch = _create(client, SAMPLES / "invalid.jsonl")
     assert batch.status == "failed" and batch.failed_at is not None
     found = sorted((e.line, e.code) for e in batch.errors.data)
-    assert found == [(2, "duplicate_custom_id"), (3, "invalid_json_line"), (4, "missing_custom_id"),
-                     (5, "url_mismatch"), (6, "model_mismatch")]
+    assert found == [
+        (2, "duplicate_custom_id"),
+        (3, "invalid_json_line"),
+        (4, "missing_custom_id"),
+        (5, "url_mismatch"),
+        (6, "model_mismatch"),
+    ]
     by_code = {e.code: e for e in batch.errors.data}
     assert by_code["url_mismatch"].param == "url"
-    assert "line 1" in by_code["duplicate_custom_id"].message and by_code["duplicate_custom_id"].line == 2  # names where the id was first used
+    assert (
+        "line 1" in by_code["duplicate_custom_id"].message and by_code["duplicate_custom_id"].line == 2
+    )  # names where the id was first used
     assert client.batches.retrieve(batch.id).status == "failed"
 
 
@@ -55,7 +64,9 @@ def test_unknown_model_and_bad_fields_name_line_and_param(client, tmp_path):
         chat_row("d", "hi", temperature=9),
         chat_row("e", "hi", n=0),
     ]
-    for row in rows:  # one model per file, not served: the first line names it; the body errors are listed too
+    for (
+        row
+    ) in rows:  # one model per file, not served: the first line names it; the body errors are listed too
         row["body"]["model"] = "no-such-model"
     batch = _create(client, write_jsonl(tmp_path / "m.jsonl", rows))
     errors = {(e.line, e.code, e.param) for e in batch.errors.data}
@@ -63,7 +74,7 @@ def test_unknown_model_and_bad_fields_name_line_and_param(client, tmp_path):
     assert (2, "invalid_method", "method") in errors
     assert (3, "invalid_request", "body.stream") in errors
     assert (4, "invalid_parameter", "body.temperature") in errors
-    assert (5, "invalid_parameter", "body.n") in errors   # body errors are listed too when the file fails
+    assert (5, "invalid_parameter", "body.n") in errors  # body errors are listed too when the file fails
 
 
 def test_too_many_tasks(client, tmp_path):
@@ -75,26 +86,38 @@ def test_too_many_tasks(client, tmp_path):
 def test_api_errors_are_4xx_with_openai_shape(service, client, tmp_path):
     file_id = upload(client, write_jsonl(tmp_path / "ok.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
     with pytest.raises(openai.BadRequestError, match="does not exist"):
-        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
     with pytest.raises(openai.BadRequestError, match="completion_window"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="2d")
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         client.batches.create(input_file_id=file_id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="metadata"):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
-                              metadata={f"k{i}": "v" for i in range(17)})
+        client.batches.create(
+            input_file_id=file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={f"k{i}": "v" for i in range(17)},
+        )
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_doesnotexist")
     with pytest.raises(openai.NotFoundError):
         client.files.content("../../etc/passwd")
     with pytest.raises(openai.BadRequestError, match="purpose"):
         client.files.create(file=("x.jsonl", b"{}"), purpose="fine-tune")
-    request = Request(f"{service.base_url}/batches", data=b"{not json", method="POST",
-                      headers={"Content-Type": "application/json", "Authorization": "Bearer k"})
+    request = Request(
+        f"{service.base_url}/batches",
+        data=b"{not json",
+        method="POST",
+        headers={"Content-Type": "application/json", "Authorization": "Bearer k"},
+    )
     with pytest.raises(Exception) as info:
         urlopen(request)
     assert info.value.code == 400 and "error" in json.loads(info.value.read())
-    ok = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="72h")
+    ok = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="72h"
+    )
     assert ok.expires_at - ok.created_at == 72 * 3600  # any whole number of hours
 
 
@@ -102,7 +125,9 @@ def test_cancel_a_finished_batch_is_a_conflict(client, tmp_path):
     from tests.support.service import wait_done
 
     file_id = upload(client, write_jsonl(tmp_path / "c.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     wait_done(client, batch.id)
     with pytest.raises(openai.ConflictError):
         client.batches.cancel(batch.id)
@@ -117,7 +142,10 @@ def test_api_key_is_enforced_when_configured(tmp_path):
     try:
         with pytest.raises(openai.AuthenticationError):
             service.client(api_key="wrong").models.list()
-        assert [m.id for m in service.client(api_key="s3cret").models.list()] == ["bulkgen-tiny", "bulkgen-tools"]
+        assert [m.id for m in service.client(api_key="s3cret").models.list()] == [
+            "bulkgen-tiny",
+            "bulkgen-tools",
+        ]
         assert json.loads(get(service.base_url.removesuffix("/v1") + "/health").read())["status"] == "ok"
     finally:
         service.stop()

@@ -18,16 +18,20 @@ MANIFEST = json.loads((CORPUS / "manifest.json").read_text())
 
 
 def _run(client, name: str, endpoint: str):
-    batch = client.batches.create(input_file_id=upload(client, CORPUS / name).id, endpoint=endpoint,
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, CORPUS / name).id, endpoint=endpoint, completion_window="24h"
+    )
     assert batch.status == "validating"
     return wait_done(client, batch.id)
 
 
 def refused(client, batch) -> list[list]:
     """[custom_id, code, param] of each 400 line in the batch's error file."""
-    return sorted([e["custom_id"], e["response"]["body"]["error"]["code"], e["response"]["body"]["error"]["param"]]
-                  for e in read_lines(client, batch.error_file_id) if e["response"]["status_code"] == 400)
+    return sorted(
+        [e["custom_id"], e["response"]["body"]["error"]["code"], e["response"]["body"]["error"]["param"]]
+        for e in read_lines(client, batch.error_file_id)
+        if e["response"]["status_code"] == 400
+    )
 
 
 @pytest.mark.parametrize("name", sorted(MANIFEST))
@@ -51,9 +55,14 @@ def test_bad_input_file_fails_or_refuses_each_line_by_name(client, name):
 
 def test_engine_messages_name_the_body_field_and_the_value(client):
     batch = _run(client, "engine_rules.jsonl", "/v1/chat/completions")
-    by_id = {e["custom_id"]: e["response"]["body"]["error"]["message"] for e in read_lines(client, batch.error_file_id)}
-    assert by_id["seed-huge"] == ("body.seed must be an integer between -9223372036854775808 and "
-                                  "9223372036854775807; got 1180591620717411303424")
+    by_id = {
+        e["custom_id"]: e["response"]["body"]["error"]["message"]
+        for e in read_lines(client, batch.error_file_id)
+    }
+    assert by_id["seed-huge"] == (
+        "body.seed must be an integer between -9223372036854775808 and "
+        "9223372036854775807; got 1180591620717411303424"
+    )
     assert by_id["top-p-bool"] == "body.top_p must be a number between 0 and 1; got True"
     assert "Overflow" not in json.dumps(by_id)
 
@@ -61,17 +70,24 @@ def test_engine_messages_name_the_body_field_and_the_value(client):
 def test_errors_quote_input_briefly(client, tmp_path):
     """A 500 KB file id and 300 lines sharing a 10 KB custom_id: errors quote at most ~80 characters."""
     with pytest.raises(openai.BadRequestError) as info:
-        client.batches.create(input_file_id="f" * 500_000, endpoint="/v1/chat/completions", completion_window="24h")
+        client.batches.create(
+            input_file_id="f" * 500_000, endpoint="/v1/chat/completions", completion_window="24h"
+        )
     assert info.value.response.status_code == 400 and len(info.value.response.content) < 400
     assert "500000 characters" in info.value.message
     long_id = "y" * 10_000
     rows = [chat_row(long_id, "hi") for _ in range(300)]
-    batch = validated(client, client.batches.create(
-        input_file_id=upload(client, write_jsonl(tmp_path / "long.jsonl", rows)).id,
-        endpoint="/v1/chat/completions", completion_window="24h").id)
+    batch = validated(
+        client,
+        client.batches.create(
+            input_file_id=upload(client, write_jsonl(tmp_path / "long.jsonl", rows)).id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        ).id,
+    )
     assert batch.status == "failed" and len(batch.errors.data) == 300
     assert {e.code for e in batch.errors.data} == {"invalid_custom_id"}
-    assert len(json.dumps(batch.model_dump())) < 100_000   # 3 MB of custom_ids, not copied into the record
+    assert len(json.dumps(batch.model_dump())) < 100_000  # 3 MB of custom_ids, not copied into the record
     with pytest.raises(openai.NotFoundError) as info:
         client.batches.retrieve("b" * 60_000)
     assert len(info.value.response.content) < 400
@@ -80,15 +96,24 @@ def test_errors_quote_input_briefly(client, tmp_path):
 def test_create_refuses_unknown_fields_by_name(client, tmp_path):
     file_id = upload(client, write_jsonl(tmp_path / "ok.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
     with pytest.raises(openai.BadRequestError) as info:
-        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
-                              extra_body={"priority": "high"})
+        client.batches.create(
+            input_file_id=file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            extra_body={"priority": "high"},
+        )
     assert info.value.code == "unknown_parameter" and info.value.param == "priority"
-    ok = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
-                               metadata={"k": "v"})
+    ok = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"k": "v"}
+    )
     assert ok.status == "validating" and ok.metadata == {"k": "v"}
     with pytest.raises(openai.BadRequestError, match="metadata"):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
-                              metadata={"k": "v" * 513})
+        client.batches.create(
+            input_file_id=file_id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"k": "v" * 513},
+        )
 
 
 def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, client, tmp_path):
@@ -98,8 +123,11 @@ def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, 
     from bulkgen.batch.schema import new_batch_record, set_status
 
     svc = service.svc
-    rows = [chat_row("a", "hi", max_tokens=2), chat_row("old", "hi", max_tokens=2, top_p=1.5),
-            chat_row("b", "hi", max_tokens=2)]
+    rows = [
+        chat_row("a", "hi", max_tokens=2),
+        chat_row("old", "hi", max_tokens=2, top_p=1.5),
+        chat_row("b", "hi", max_tokens=2),
+    ]
     file_id = upload(client, write_jsonl(tmp_path / "old.jsonl", rows)).id
     record = set_status(new_batch_record(file_id, "/v1/chat/completions", "24h", None), "in_progress")
     record.update(model="bulkgen-tiny", request_counts={"total": 3, "completed": 0, "failed": 0})
@@ -107,7 +135,10 @@ def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, 
     svc.store.write_bytes("active/" + record["id"], b"")
     service.manager.wake()
     batch = wait_done(client, record["id"])
-    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (
+        2,
+        1,
+    )
     (error,) = [json.loads(line) for line in client.files.content(batch.error_file_id).text.splitlines()]
     assert error["custom_id"] == "old" and error["response"]["status_code"] == 400
     assert error["response"]["body"]["error"]["param"] == "body.top_p"

@@ -18,7 +18,9 @@ def _mixed_batch(client, tmp_path, gate):
     rows = [chat_row(f"long-{i}", f"{HOLD} story {i}", max_tokens=256) for i in range(LONG)]
     rows += [chat_row(f"short-{i}", f"label {i}", max_tokens=2) for i in range(SHORT)]
     file_id = upload(client, write_jsonl(tmp_path / "mixed.jsonl", rows)).id
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     gate.wait_held()
     return wait_for(client, batch.id, lambda b: b.request_counts.completed >= SHORT // 2)
 

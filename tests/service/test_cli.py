@@ -23,8 +23,16 @@ def _invoke(service, *args):
 
 def test_submit_wait_downloads_results(service, tmp_path):
     out = tmp_path / "out" / "chat.jsonl"
-    result = _invoke(service, "submit", str(SAMPLES / "chat.jsonl"), "--wait", "--output", str(out),
-                     "--metadata", "owner=cli")
+    result = _invoke(
+        service,
+        "submit",
+        str(SAMPLES / "chat.jsonl"),
+        "--wait",
+        "--output",
+        str(out),
+        "--metadata",
+        "owner=cli",
+    )
     assert result.exit_code == 0, result.output
     assert "completed: 22 completed, 0 failed" in result.output
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -72,8 +80,19 @@ def test_run_one_shot_in_process(tmp_path):
     already runs with a random model under the same name: the worker keys models by name and path.
     As a tenant, its records and results are stored under that tenant's folder."""
     out = tmp_path / "res.jsonl"
-    result = CliRunner().invoke(cli, ["run", str(SAMPLES / "completions.jsonl"), "--output", str(out),
-                                      "--storage", str(tmp_path / "store"), "--tenant", "team-x"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(SAMPLES / "completions.jsonl"),
+            "--output",
+            str(out),
+            "--storage",
+            str(tmp_path / "store"),
+            "--tenant",
+            "team-x",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert list((tmp_path / "store" / "tenants" / "team-x" / "batches").glob("batch_*.json"))
     assert not (tmp_path / "store" / "batches").exists()
@@ -85,17 +104,42 @@ def test_run_one_shot_in_process(tmp_path):
 
 def test_run_fails_when_no_request_succeeded(tmp_path, monkeypatch):
     monkeypatch.setenv("BULKGEN_DEFAULT_MODEL", str(random_model()))
-    rows = [{"custom_id": f"big-{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": "bulkgen-tiny", "prompt": "x", "max_tokens": 1_000_000}} for i in range(3)]
-    result = CliRunner().invoke(cli, ["run", str(write_jsonl(tmp_path / "big.jsonl", rows)), "--output",
-                                      str(tmp_path / "o.jsonl"), "--storage", str(tmp_path / "store")])
+    rows = [
+        {
+            "custom_id": f"big-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "bulkgen-tiny", "prompt": "x", "max_tokens": 1_000_000},
+        }
+        for i in range(3)
+    ]
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(write_jsonl(tmp_path / "big.jsonl", rows)),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+    )
     assert result.exit_code == 1 and "no request succeeded: all 3 are in the error file" in result.output
     assert len((tmp_path / "o.errors.jsonl").read_text().splitlines()) == 3
 
 
 def test_run_invalid_file_names_file_and_line(tmp_path):
-    result = CliRunner().invoke(cli, ["run", str(SAMPLES / "invalid.jsonl"), "--output", str(tmp_path / "o.jsonl"),
-                                      "--storage", str(tmp_path / "store")])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(SAMPLES / "invalid.jsonl"),
+            "--output",
+            str(tmp_path / "o.jsonl"),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+    )
     assert result.exit_code == 1 and "invalid.jsonl:3: [invalid_json_line]" in result.output
 
 
@@ -104,9 +148,24 @@ def test_run_as_subprocess(tmp_path):
     """What a new user types: a fresh process that starts its own Ray."""
     out = tmp_path / "chat.jsonl"
     env = {**os.environ, "RAY_ADDRESS": ""}
-    proc = subprocess.run([sys.executable, "-m", "bulkgen", "run", str(SAMPLES / "chat.jsonl"), "-o", str(out),
-                           "--storage", str(tmp_path / "store")], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bulkgen",
+            "run",
+            str(SAMPLES / "chat.jsonl"),
+            "-o",
+            str(out),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "22 completed, 0 failed" in proc.stdout
     lines = [json.loads(line) for line in out.read_text().splitlines()]
@@ -116,8 +175,12 @@ def test_run_as_subprocess(tmp_path):
 
 
 def test_status_shows_time_left_while_running(service, tmp_path, engine_gate):
-    rows = [chat_row(f"held-{i}", f"{HOLD} item {i}", max_tokens=64) for i in range(16)]  # running when cancelled
-    rows += [chat_row(f"eta-{i}", f"item {i}", max_tokens=8) for i in range(32)]  # the ETA is measured on these
+    rows = [
+        chat_row(f"held-{i}", f"{HOLD} item {i}", max_tokens=64) for i in range(16)
+    ]  # running when cancelled
+    rows += [
+        chat_row(f"eta-{i}", f"item {i}", max_tokens=8) for i in range(32)
+    ]  # the ETA is measured on these
     submitted = _invoke(service, "submit", str(write_jsonl(tmp_path / "eta.jsonl", rows)))
     batch_id = submitted.output.split()[0]
     client = service.client()

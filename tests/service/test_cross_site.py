@@ -18,7 +18,8 @@ JSONL = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "b
 @pytest.fixture
 def api(tmp_path):
     server = ApiOnly(
-        LocalStore(tmp_path / "storage", fsync=False), app_options={"allowed_hosts": ["bulkgen.test", ".corp.example"]}
+        LocalStore(tmp_path / "storage", fsync=False),
+        app_options={"allowed_hosts": ["bulkgen.test", ".corp.example"]},
     )
     yield server
     server.stop()

@@ -242,6 +242,10 @@ def test_bulkgen_run_embeds_a_file_on_the_defaults(tmp_path):
     assert np.allclose(np.linalg.norm(vectors(bodies["doc-0"]), axis=1), 1, atol=1e-5)
     metrics = json.loads((tmp_path / "emb.metrics.json").read_text())
     assert metrics["requests"] == 11  # engine requests: one per input, so the two-input line counts twice
-    assert metrics["output_tokens"] == 0 and metrics["input_tokens_per_s"] > 0 and metrics["tpot_s"]["p50"] is None
+    assert (
+        metrics["output_tokens"] == 0
+        and metrics["input_tokens_per_s"] > 0
+        and metrics["tpot_s"]["p50"] is None
+    )
     row = parquet_row(lines[0])  # `bulkgen watch`'s export reads an embeddings line too
     assert row["status"] == "completed" and row["prompt_tokens"] > 0 and row["text"] is None

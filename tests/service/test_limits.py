@@ -41,12 +41,18 @@ def _stored(service) -> tuple[list[str], list[Path]]:
 def _settles_to(service, before, timeout: float = 10.0) -> bool:
     """The stored data objects and temp files come back to `before`. The session's service runs other
     tests' batches meanwhile, whose writes pass through short-lived temp files; a leaked one stays."""
+
     def settled() -> bool:
         data, temps = _stored(service)
         return data == before[0] and set(temps) <= set(before[1])
 
-    return wait_until(settled, timeout, "the stored objects and temp files to come back", interval=0.05,
-                      details=lambda: str(_stored(service)))
+    return wait_until(
+        settled,
+        timeout,
+        "the stored objects and temp files to come back",
+        interval=0.05,
+        details=lambda: str(_stored(service)),
+    )
 
 
 def _post(service, path: str, chunks, content_type: str, length: int | None = None) -> tuple[int, dict]:
@@ -67,9 +73,11 @@ def _post(service, path: str, chunks, content_type: str, length: int | None = No
 
 
 def _multipart(size: int, boundary: str = "b0undary"):
-    yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-           f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"x.jsonl\"\r\n"
-           "Content-Type: application/jsonl\r\n\r\n").encode()
+    yield (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n"
+    ).encode()
     block = b"x" * 65536
     for start in range(0, size, len(block)):
         yield block[: min(len(block), size - start)]
@@ -78,12 +86,14 @@ def _multipart(size: int, boundary: str = "b0undary"):
 
 def test_upload_over_the_limit_is_refused_while_streaming_and_nothing_is_stored(small_limit):
     before = _stored(small_limit)
-    status, body = _post(small_limit, "/files", _multipart(8 * LIMIT), "multipart/form-data; boundary=b0undary")
+    status, body = _post(
+        small_limit, "/files", _multipart(8 * LIMIT), "multipart/form-data; boundary=b0undary"
+    )
     assert status == 413 and body["error"]["code"] == "file_too_large" and body["error"]["param"] == "file"
     assert f"limit of {LIMIT} bytes" in body["error"]["message"]
-    assert _settles_to(small_limit, before)   # no data object, no temp file left behind
+    assert _settles_to(small_limit, before)  # no data object, no temp file left behind
     status, body = _post(small_limit, "/files", _multipart(LIMIT), "multipart/form-data; boundary=b0undary")
-    assert status == 200 and body["bytes"] == LIMIT and body["purpose"] == "batch"   # exactly the limit: fine
+    assert status == 200 and body["bytes"] == LIMIT and body["purpose"] == "batch"  # exactly the limit: fine
 
 
 def test_upload_with_a_large_declared_length_is_refused_before_storing(small_limit, client):
@@ -92,18 +102,20 @@ def test_upload_with_a_large_declared_length_is_refused_before_storing(small_lim
         client.files.create(file=("big.jsonl", b"y" * (3 * LIMIT)), purpose="batch")
     assert info.value.status_code == 413 and info.value.code == "file_too_large"
     with pytest.raises(openai.BadRequestError) as info:
-        client.files.create(file=("ok.jsonl", b"{}\n"), purpose="fine-tune")   # refused after the upload…
+        client.files.create(file=("ok.jsonl", b"{}\n"), purpose="fine-tune")  # refused after the upload…
     assert info.value.param == "purpose"
-    assert _settles_to(small_limit, before)                                    # …and its bytes discarded
+    assert _settles_to(small_limit, before)  # …and its bytes discarded
 
 
 def test_json_body_over_a_megabyte_is_refused(service):
-    big = json.dumps({"input_file_id": "f", "endpoint": "/v1/chat/completions",
-                      "metadata": {"k": "v" * 3_000_000}}).encode()
+    big = json.dumps(
+        {"input_file_id": "f", "endpoint": "/v1/chat/completions", "metadata": {"k": "v" * 3_000_000}}
+    ).encode()
     status, body = _post(service, "/batches", big, "application/json", len(big))
     assert status == 413 and body["error"]["code"] == "request_too_large"
-    status, body = _post(service, "/batches", iter([big[i:i + 65536] for i in range(0, len(big), 65536)]),
-                         "application/json")   # chunked: counted as it arrives
+    status, body = _post(
+        service, "/batches", iter([big[i : i + 65536] for i in range(0, len(big), 65536)]), "application/json"
+    )  # chunked: counted as it arrives
     assert status == 413 and body["error"]["code"] == "request_too_large"
     status, body = _post(service, "/batches", b"{not json", "application/json", 9)
     assert status == 400 and body["error"]["code"] == "invalid_json"
@@ -118,11 +130,19 @@ def test_line_breaks_inside_strings_are_escaped_in_every_written_line():
 
 def test_output_and_error_files_split_into_their_lines(client, tmp_path):
     ids = ["ok\u2028one", "ok\u0085two", "too\u2029long"]
-    rows = [chat_row(ids[0], "a\u2028b", max_tokens=2), chat_row(ids[1], "c", max_tokens=2),
-            chat_row(ids[2], "x", max_tokens=100_000)]   # refused at run time: an error-file line
-    batch = wait_done(client, client.batches.create(
-        input_file_id=upload(client, write_jsonl(tmp_path / "u.jsonl", rows)).id,
-        endpoint="/v1/chat/completions", completion_window="24h").id)
+    rows = [
+        chat_row(ids[0], "a\u2028b", max_tokens=2),
+        chat_row(ids[1], "c", max_tokens=2),
+        chat_row(ids[2], "x", max_tokens=100_000),
+    ]  # refused at run time: an error-file line
+    batch = wait_done(
+        client,
+        client.batches.create(
+            input_file_id=upload(client, write_jsonl(tmp_path / "u.jsonl", rows)).id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        ).id,
+    )
     assert batch.status == "completed" and batch.request_counts.failed == 1
     out = client.files.content(batch.output_file_id).text
     assert len(out.splitlines()) == 2 and "\u2028" not in out
@@ -143,12 +163,14 @@ def test_a_batch_left_validating_is_validated_by_the_next_runtime(tmp_path):
             file_id = accepted.files.create(f, path.name, "batch")["id"]
         ids.append(accepted.create_batch(file_id, "/v1/chat/completions", "24h", None)["id"])
     assert {accepted.batches.get(i)["status"] for i in ids} == {"validating"}
-    service = Service(settings)   # the service starts: its runtime finds both in the active index
+    service = Service(settings)  # the service starts: its runtime finds both in the active index
     try:
         client = service.client()
         done, failed = wait_done(client, ids[0]), validated(client, ids[1])
         assert done.status == "completed" and done.request_counts.completed == 3
-        assert failed.status == "failed" and [(e.line, e.param) for e in failed.errors.data] == [(1, "method")]
+        assert failed.status == "failed" and [(e.line, e.param) for e in failed.errors.data] == [
+            (1, "method")
+        ]
     finally:
         service.stop()
 
@@ -159,16 +181,23 @@ def test_uploads_stream_into_s3_and_a_refused_one_leaves_no_object(s3_bucket_url
 
     service = Service(settings_for(s3_bucket_url, endpoint_url=s3_server, max_file_bytes=20 * 2**20))
     try:
-        status, body = _post(service, "/files", _multipart(12 * 2**20), "multipart/form-data; boundary=b0undary")
-        assert status == 200 and body["bytes"] == 12 * 2**20   # above the 8 MiB multipart threshold
+        status, body = _post(
+            service, "/files", _multipart(12 * 2**20), "multipart/form-data; boundary=b0undary"
+        )
+        assert status == 200 and body["bytes"] == 12 * 2**20  # above the 8 MiB multipart threshold
         assert service.client().files.content(body["id"]).content == b"x" * (12 * 2**20)
-        status, refused = _post(service, "/files", _multipart(30 * 2**20), "multipart/form-data; boundary=b0undary")
+        status, refused = _post(
+            service, "/files", _multipart(30 * 2**20), "multipart/form-data; boundary=b0undary"
+        )
         assert status == 413 and refused["error"]["code"] == "file_too_large"
     finally:
         service.stop()
     bucket, prefix = s3_bucket_url.removeprefix("s3://").split("/", 1)
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
-    data = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/files/data/").get("Contents", [])]
+    data = [
+        o["Key"]
+        for o in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/files/data/").get("Contents", [])
+    ]
     assert data == [f"{prefix}/files/data/{body['id']}"]
     assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
 
@@ -179,7 +208,9 @@ def test_many_concurrent_uploads_all_arrive(service):
     from concurrent.futures import ThreadPoolExecutor
 
     def one(i: int) -> tuple[int, int]:
-        status, body = _post(service, "/files", _multipart(5 * LIMIT + i), "multipart/form-data; boundary=b0undary")
+        status, body = _post(
+            service, "/files", _multipart(5 * LIMIT + i), "multipart/form-data; boundary=b0undary"
+        )
         if status == 200:
             service.svc.files.delete(body["id"])
         return status, body.get("bytes", -1)

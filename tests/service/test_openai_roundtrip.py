@@ -27,11 +27,17 @@ def test_sample_batch_completes_with_one_output_line_per_request(client, sample)
     path = SAMPLES / sample
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     uploaded = upload(client, path)
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint=rows[0]["url"], completion_window="24h",
-                                  metadata={"team": "evals"})
+    batch = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint=rows[0]["url"],
+        completion_window="24h",
+        metadata={"team": "evals"},
+    )
     assert batch.status == "validating" and batch.in_progress_at is None
     batch = validated(client, batch.id)
-    assert batch.status in ("in_progress", "finalizing", "completed") and batch.request_counts.total == len(rows)
+    assert batch.status in ("in_progress", "finalizing", "completed") and batch.request_counts.total == len(
+        rows
+    )
     batch = wait_done(client, batch.id)
     assert batch.status == "completed", batch
     assert batch.request_counts.completed == len(rows) and batch.request_counts.failed == 0
@@ -39,7 +45,9 @@ def test_sample_batch_completes_with_one_output_line_per_request(client, sample)
     for stamp in ("created_at", "in_progress_at", "finalizing_at", "completed_at"):
         assert getattr(batch, stamp) is not None
     lines = read_lines(client, batch.output_file_id)
-    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in rows]  # exactly once, input order
+    assert [line["custom_id"] for line in lines] == [
+        r["custom_id"] for r in rows
+    ]  # exactly once, input order
     kind = "chat.completion" if sample == "chat.jsonl" else "text_completion"
     prompt_tokens = completion_tokens = 0
     for line, row in zip(lines, rows, strict=True):
@@ -60,8 +68,11 @@ def test_shared_system_prompt_reports_cached_tokens(client, tmp_path):
     rows = [chat_row(f"r{i}", f"ticket {i}") for i in range(6)]
     for row in rows:
         row["body"]["messages"].insert(0, {"role": "system", "content": system})
-    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "p.jsonl", rows)).id,
-                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, write_jsonl(tmp_path / "p.jsonl", rows)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     batch = wait_done(client, batch.id)
     assert batch.status == "completed"
     assert batch.usage.input_tokens_details.cached_tokens > 0
@@ -71,15 +82,22 @@ def test_greedy_chat_output_is_deterministic_and_matches_the_engine(client, tmp_
     from bulkgen.engine import Engine, SamplingParams
 
     rows = [chat_row("a", "The quick brown fox", max_tokens=12), chat_row("b", "jumps over", max_tokens=5)]
-    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "g.jsonl", rows)).id,
-                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, write_jsonl(tmp_path / "g.jsonl", rows)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     lines = read_lines(client, wait_done(client, batch.id).output_file_id)
     engine = Engine.from_pretrained(str(random_model()))
     tok = engine.tokenizer
-    prompts = [tok.apply_chat_template(r["body"]["messages"], add_generation_prompt=True, tokenize=False) for r in rows]
+    prompts = [
+        tok.apply_chat_template(r["body"]["messages"], add_generation_prompt=True, tokenize=False)
+        for r in rows
+    ]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    expected = engine.generate(ids, [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=5,
-                                                                                                  temperature=0)])
+    expected = engine.generate(
+        ids, [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=5, temperature=0)]
+    )
     got = [line["response"]["body"]["choices"][0]["message"]["content"] for line in lines]
     assert got == [o.text for o in expected]
 
@@ -90,8 +108,11 @@ def test_request_options_logprobs_n_and_context_limit(client, tmp_path):
         chat_row("n2", "abc", max_tokens=3, n=2, temperature=0.8, seed=5),
         chat_row("too-long", "x", max_tokens=100_000),
     ]
-    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "o.jsonl", rows)).id,
-                                  endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, write_jsonl(tmp_path / "o.jsonl", rows)).id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
     batch = wait_done(client, batch.id)
     assert batch.status == "completed"
     assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
@@ -106,7 +127,9 @@ def test_request_options_logprobs_n_and_context_limit(client, tmp_path):
 
 
 def test_files_api_list_retrieve_content_delete(client, tmp_path):
-    ids = [upload(client, write_jsonl(tmp_path / f"f{i}.jsonl", [chat_row(f"x{i}", "hi")])).id for i in range(3)]
+    ids = [
+        upload(client, write_jsonl(tmp_path / f"f{i}.jsonl", [chat_row(f"x{i}", "hi")])).id for i in range(3)
+    ]
     newest_first = [f.id for f in client.files.list(limit=2, purpose="batch") if f.id in ids]
     assert newest_first == ids[::-1]  # the pager follows has_more/after across pages
     oldest_first = [f.id for f in client.files.list(order="asc", purpose="batch") if f.id in ids]
@@ -121,8 +144,12 @@ def test_files_api_list_retrieve_content_delete(client, tmp_path):
 
 def test_batches_list_pages_newest_first(client, tmp_path):
     file_id = upload(client, write_jsonl(tmp_path / "l.jsonl", [chat_row("l", "hi", max_tokens=1)])).id
-    created = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                     completion_window="24h").id for _ in range(3)]
+    created = [
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+        for _ in range(3)
+    ]
     listed = [b.id for b in client.batches.list(limit=1)]
     assert [b for b in listed if b in created] == created[::-1]
     for batch_id in created:
@@ -132,14 +159,21 @@ def test_batches_list_pages_newest_first(client, tmp_path):
 def test_models_health_and_prometheus(service, client, tmp_path):
     assert [m.id for m in client.models.list()] == [MODEL, TOOLS_MODEL]
     file_id = upload(client, write_jsonl(tmp_path / "p.jsonl", [chat_row("p", "hi", max_tokens=2)])).id
-    wait_done(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                            completion_window="24h").id)
+    wait_done(
+        client,
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id,
+    )
     root = service.base_url.removesuffix("/v1")
     assert json.loads(urlopen(f"{root}/health").read())["status"] == "ok"
     text = urlopen(f"{root}/metrics").read().decode()
     assert 'bulkgen_batches{status="completed"}' in text and "bulkgen_queue_batches" in text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert values['bulkgen_requests{outcome="completed"}'] >= 1
     assert values['bulkgen_tokens{kind="output"}'] >= 1
     assert values['bulkgen_worker_busy_seconds{worker="bulkgen-worker-0"}'] > 0

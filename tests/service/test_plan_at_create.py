@@ -25,7 +25,9 @@ PER_TOKEN_S = 10.0
 @pytest.fixture
 def slow_profile(service):
     store = service.svc.root
-    key = profiles.save(store, profiles.Profile(MODEL, "cpu", 0.01, 0.0, PER_TOKEN_S, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05))
+    key = profiles.save(
+        store, profiles.Profile(MODEL, "cpu", 0.01, 0.0, PER_TOKEN_S, 0.0, 64, 1024, 4096, 16, 1.0, 0.0, 0.05)
+    )
     yield
     store.delete(key)
     service.svc.settings.refuse_infeasible = False
@@ -59,6 +61,8 @@ def test_refuse_infeasible_answers_400_at_create(service, slow_profile, tmp_path
     assert error["code"] == "completion_window_infeasible" and error["param"] == "completion_window"
     assert "even alone" in error["message"]
     fits = upload(client, write_jsonl(tmp_path / "short.jsonl", [chat_row("short-0", "x", max_tokens=4)]))
-    batch = client.batches.create(input_file_id=fits.id, endpoint="/v1/chat/completions", completion_window="1h")
+    batch = client.batches.create(
+        input_file_id=fits.id, endpoint="/v1/chat/completions", completion_window="1h"
+    )
     assert batch.status == "in_progress" and batch.errors is None  # validated at create
     assert wait_done(client, batch.id).status == "completed"

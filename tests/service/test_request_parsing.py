@@ -17,31 +17,69 @@ def _line(row: dict) -> bytes:
 
 
 def test_chat_fields_map_to_sampling_params():
-    row = chat_row("a", "hi", max_tokens=None, max_completion_tokens=7, temperature=0.5, top_p=0.9, n=2, seed=3,
-                   stop="END", logprobs=True, top_logprobs=3)
-    row["body"]["messages"] = [{"role": "developer", "content": [{"type": "text", "text": "be "},
-                                                                  {"type": "text", "text": "brief"}]},
-                               {"role": "user", "content": "hi"}]
+    row = chat_row(
+        "a",
+        "hi",
+        max_tokens=None,
+        max_completion_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        n=2,
+        seed=3,
+        stop="END",
+        logprobs=True,
+        top_logprobs=3,
+    )
+    row["body"]["messages"] = [
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}],
+        },
+        {"role": "user", "content": "hi"},
+    ]
     request = parse_line(_line(row), 1, "/v1/chat/completions")
     assert request.messages[0] == {"role": "system", "content": "be brief"}
-    assert request.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3,
-                                "stop": ["END"], "logprobs": 3}
+    assert request.sampling == {
+        "max_tokens": 7,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "n": 2,
+        "seed": 3,
+        "stop": ["END"],
+        "logprobs": 3,
+    }
 
 
 @pytest.mark.parametrize(
     ("change", "code", "param"),
     [
         ({"tools": [{"type": "function"}]}, "invalid_parameter", "body.tools[0]"),
-        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "unsupported_parameter", "body.tools[0].type"),
+        (
+            {"tools": [{"type": "custom", "custom": {"name": "f"}}]},
+            "unsupported_parameter",
+            "body.tools[0].type",
+        ),
         ({"audio": {"voice": "alloy", "format": "wav"}}, "unsupported_parameter", "body.audio"),
         ({"presence_penalty": 2.5}, "invalid_parameter", "body.presence_penalty"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "strnig"}}}},
-         "invalid_parameter", "body.response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "strnig"}},
+                }
+            },
+            "invalid_parameter",
+            "body.response_format",
+        ),
         ({"n": 129}, "invalid_parameter", "body.n"),
         ({"top_p": True}, "invalid_parameter", "body.top_p"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "invalid_parameter", "body.stop"),
         ({"top_logprobs": 2}, "invalid_parameter", "body.top_logprobs"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "invalid_messages", "body.messages[0].tool_call_id"),
+        (
+            {"messages": [{"role": "tool", "content": "x"}]},
+            "invalid_messages",
+            "body.messages[0].tool_call_id",
+        ),
         ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_messages", "body.messages[0]"),
     ],
 )
@@ -81,13 +119,29 @@ def test_fit_context_defaults_to_rest_of_context_and_refuses_overflow():
 
 
 def test_completion_logprobs_shape():
-    result = {"prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 0, "completions": [{
-        "index": 0, "text": "ab", "finish_reason": "length",
-        "logprobs": [{"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]},
-                     {"token": "b", "logprob": -0.2, "top_logprobs": []}]}]}
+    result = {
+        "prompt_tokens": 2,
+        "completion_tokens": 2,
+        "cached_tokens": 0,
+        "completions": [
+            {
+                "index": 0,
+                "text": "ab",
+                "finish_reason": "length",
+                "logprobs": [
+                    {"token": "a", "logprob": -0.1, "top_logprobs": [{"token": "a", "logprob": -0.1}]},
+                    {"token": "b", "logprob": -0.2, "top_logprobs": []},
+                ],
+            }
+        ],
+    }
     body = completion_body(result, "m")
-    assert body["choices"][0]["logprobs"] == {"tokens": ["a", "b"], "token_logprobs": [-0.1, -0.2],
-                                              "top_logprobs": [{"a": -0.1}, {}], "text_offset": [0, 1]}
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["a", "b"],
+        "token_logprobs": [-0.1, -0.2],
+        "top_logprobs": [{"a": -0.1}, {}],
+        "text_offset": [0, 1],
+    }
     assert body["usage"]["total_tokens"] == 4
 
 
@@ -101,10 +155,12 @@ def test_streamed_lines_keep_numbers_and_offsets_across_chunk_edges(monkeypatch,
     data = b'{"a": 1}\r\n\n' + b"x" * 20 + b"\nlast"
     got = list(validate.lines_with_offsets(io.BytesIO(data)))
     assert got == [(1, 0, b'{"a": 1}'), (2, 10, b""), (3, 11, b"x" * 20), (4, 32, b"last")]
-    assert [data[start:start + len(raw)] for _, start, raw in got] == [raw for _, _, raw in got]
+    assert [data[start : start + len(raw)] for _, start, raw in got] == [raw for _, _, raw in got]
 
 
-@pytest.mark.parametrize(("field", "value"), [("top_p", -0.1), ("seed", 2**70), ("n", 0), ("temperature", -1)])
+@pytest.mark.parametrize(
+    ("field", "value"), [("top_p", -0.1), ("seed", 2**70), ("n", 0), ("temperature", -1)]
+)
 def test_the_parser_refuses_what_the_engine_refuses(field, value):
     from bulkgen.engine.sampling_params import SamplingError, SamplingParams
 

@@ -45,24 +45,33 @@ def _age(store, file_id: str, seconds: float) -> None:
 @pytest.mark.parametrize("seconds", [-100, 0, 3599, 30 * DAY + 1, "soon", 1.5])
 def test_expires_after_out_of_bounds_is_400_naming_the_field(api, seconds):
     with pytest.raises(openai.BadRequestError) as err:
-        api.client().files.create(file=("a.jsonl", b"{}\n"), purpose="batch",
-                                  expires_after={"anchor": "created_at", "seconds": seconds})
+        api.client().files.create(
+            file=("a.jsonl", b"{}\n"),
+            purpose="batch",
+            expires_after={"anchor": "created_at", "seconds": seconds},
+        )
     assert err.value.body["param"] == "expires_after[seconds]"
     assert "from 3600 (1 hour) to 2592000 (30 days)" in err.value.body["message"]
 
 
 def test_expires_after_anchor_must_be_created_at(api):
     with pytest.raises(openai.BadRequestError, match=r"expires_after\[anchor\] must be 'created_at'"):
-        api.client().files.create(file=("a.jsonl", b"{}\n"), purpose="batch",
-                                  expires_after={"anchor": "last_active_at", "seconds": 3600})
+        api.client().files.create(
+            file=("a.jsonl", b"{}\n"),
+            purpose="batch",
+            expires_after={"anchor": "last_active_at", "seconds": 3600},
+        )
 
 
 def test_expired_file_is_404_and_unlisted_before_gc(api):
     client = api.client()
     forever = client.files.create(file=("keep.jsonl", b"{}\n"), purpose="batch")
     assert forever.expires_at is None
-    brief = client.files.create(file=("brief.jsonl", b"{}\n"), purpose="batch",
-                                expires_after={"anchor": "created_at", "seconds": 3600})
+    brief = client.files.create(
+        file=("brief.jsonl", b"{}\n"),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
     assert brief.expires_at == brief.created_at + 3600
     assert client.files.retrieve(brief.id).id == brief.id
     _age(api.svc.store, brief.id, 1)
@@ -98,8 +107,11 @@ def _ended_batches(store, count: int) -> None:
 
 def _scrape(root: str) -> dict[str, float]:
     text = urlopen(f"{root}/metrics").read().decode()
-    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
+    return {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def test_metrics_reads_do_not_grow_with_stored_batches(tmp_path):
@@ -130,9 +142,12 @@ def test_metrics_reads_do_not_grow_with_stored_batches(tmp_path):
 
 def test_output_expiry_parts_deleted_and_gc(service, client, tmp_path):
     rows = [completion_row(f"r{i}", f"item {i}", max_tokens=4) for i in range(20)]
-    batch = client.batches.create(input_file_id=upload(client, write_jsonl(tmp_path / "r.jsonl", rows)).id,
-                                  endpoint="/v1/completions", completion_window="24h",
-                                  output_expires_after={"anchor": "created_at", "seconds": 7200})
+    batch = client.batches.create(
+        input_file_id=upload(client, write_jsonl(tmp_path / "r.jsonl", rows)).id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
     batch = wait_done(client, batch.id)
     assert batch.status == "completed"
     output = client.files.retrieve(batch.output_file_id)
@@ -160,8 +175,12 @@ def test_output_expiry_parts_deleted_and_gc(service, client, tmp_path):
     done = subprocess.run(gc, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[1] == "orphaned parts: removed 2 objects of 2 ended batches"
-    for key in (FileRepo.data_key(batch.output_file_id), FileRepo.meta_key(batch.output_file_id),
-                f"leases/{batch.id}.json", "parts/batch_gone/lines-000000001-000000002.jsonl"):
+    for key in (
+        FileRepo.data_key(batch.output_file_id),
+        FileRepo.meta_key(batch.output_file_id),
+        f"leases/{batch.id}.json",
+        "parts/batch_gone/lines-000000001-000000002.jsonl",
+    ):
         assert not store.exists(key), key
     assert client.files.retrieve(batch.input_file_id).id == batch.input_file_id  # not expired: kept
     assert len(list(store.list(f"parts/{batch.id}/runner-"))) == 1
@@ -170,10 +189,12 @@ def test_output_expiry_parts_deleted_and_gc(service, client, tmp_path):
 def test_output_expires_after_is_checked_at_create(client, tmp_path):
     file_id = upload(client, write_jsonl(tmp_path / "x.jsonl", [completion_row("a", "x")])).id
     with pytest.raises(openai.BadRequestError, match=r"output_expires_after\[seconds\]"):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h",
-                              output_expires_after={"anchor": "created_at", "seconds": 10})
-
-
+        client.batches.create(
+            input_file_id=file_id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 10},
+        )
 
 
 def test_gc_covers_every_tenant(tmp_path):

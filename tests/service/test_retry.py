@@ -111,7 +111,9 @@ def test_an_expired_batch_is_retried_and_merged_with_its_retry(service, client, 
 def test_a_cancelled_batch_retries_only_what_did_not_run(service, client, tmp_path, engine_gate):
     rows = [chat_row(f"ok-{i}", f"label {i}", max_tokens=2) for i in range(3)]
     rows.insert(1, chat_row("too-long", "x", max_tokens=100_000))
-    rows += [chat_row(f"slow-{i}", f"{HOLD} story {i}", max_tokens=64) for i in range(2)]  # held until cancelled
+    rows += [
+        chat_row(f"slow-{i}", f"{HOLD} story {i}", max_tokens=64) for i in range(2)
+    ]  # held until cancelled
     file_id = upload(client, write_jsonl(tmp_path / "mixed.jsonl", rows)).id
     first = client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"

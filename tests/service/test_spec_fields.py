@@ -103,10 +103,19 @@ def test_service_hints_are_accepted_and_ignored():
         ({"web_search_options": {}}, "body.web_search_options"),
         ({"modalities": ["text", "audio"]}, "body.modalities"),
         ({"response_format": {"type": "xml"}}, "body.response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
-         "body.response_format"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x y"}}},
-         "body.response_format.json_schema.name"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}},
+                }
+            },
+            "body.response_format",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x y"}}},
+            "body.response_format.json_schema.name",
+        ),
         ({"tool_choice": "required"}, "body.tool_choice"),
         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "body.tool_choice"),
         ({"function_call": {"name": "f"}}, "body.function_call"),

@@ -33,8 +33,14 @@ def test_bulkgen_run_refuses_body_errors_line_by_line(tmp_path, monkeypatch):
         chat_row("ok-1", "hi", max_tokens=2),
         chat_row("hot", "hi", temperature=9),
         chat_row("null-t", "hi", max_tokens=2, temperature=None, top_p=None),
-        chat_row("json", "hi", response_format={"type": "json_schema", "json_schema": {
-            "name": "bad", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}),
+        chat_row(
+            "json",
+            "hi",
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+            },
+        ),
         chat_row("ok-2", "hi", max_tokens=2),
     ]
     result = CliRunner().invoke(

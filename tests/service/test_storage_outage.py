@@ -41,14 +41,21 @@ def test_api_answers_503_while_storage_is_down(s3_bucket_url, flaky_proxy):
         uploaded = client.files.create(file=("a.jsonl", b"{}\n"), purpose="batch")
         assert _health(api.root)["storage"] == "ok"
         flaky_proxy.down = "drop"
-        for call in (lambda: client.files.list(), lambda: client.files.retrieve(uploaded.id),
-                     lambda: client.batches.list(), lambda: client.files.create(file=("b.jsonl", b"{}\n"),
-                                                                               purpose="batch")):
+        for call in (
+            lambda: client.files.list(),
+            lambda: client.files.retrieve(uploaded.id),
+            lambda: client.batches.list(),
+            lambda: client.files.create(file=("b.jsonl", b"{}\n"), purpose="batch"),
+        ):
             with pytest.raises(openai.InternalServerError) as err:
                 call()
             assert err.value.status_code == 503
-            assert err.value.body["code"] == "storage_unavailable" and err.value.body["type"] == "server_error"
-            assert err.value.body["message"].startswith(f"storage {s3_bucket_url} is unavailable: unreachable")
+            assert (
+                err.value.body["code"] == "storage_unavailable" and err.value.body["type"] == "server_error"
+            )
+            assert err.value.body["message"].startswith(
+                f"storage {s3_bucket_url} is unavailable: unreachable"
+            )
         health = _health(api.root)
         assert health["status"] == "degraded" and health["storage"].startswith("unavailable: unreachable")
         flaky_proxy.down = None
@@ -76,7 +83,9 @@ def test_s3_faults_during_a_batch_lose_and_duplicate_nothing(s3_bucket_url, flak
         rows = _rows(96, 8)
         file_id = upload(client, write_jsonl(tmp_path / "f.jsonl", rows)).id
         flaky_proxy.rate = 0.15  # 5xx, SlowDown, dropped connections and lost answers, from here on
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
         batch = wait_done(client, batch.id, timeout=300)
         flaky_proxy.rate = 0
         assert batch.status == "completed", batch.errors
@@ -87,23 +96,34 @@ def test_s3_faults_during_a_batch_lose_and_duplicate_nothing(s3_bucket_url, flak
         service.stop()
 
 
-def test_lasting_outage_stops_the_runner_and_the_batch_resumes(s3_bucket_url, s3_server, flaky_proxy, tmp_path,
-                                                               engine_gate):
+def test_lasting_outage_stops_the_runner_and_the_batch_resumes(
+    s3_bucket_url, s3_server, flaky_proxy, tmp_path, engine_gate
+):
     service = Service(settings_for(s3_bucket_url, endpoint_url=flaky_proxy.url, storage_outage_timeout_s=3))
     try:
         client = service.client()
         held = [completion_row(f"h{i}", f"{HOLD} item {i}", max_tokens=64) for i in range(16)]
         rows = held + _rows(48, 8)  # the held range keeps the batch running when storage goes down
         file_id = upload(client, write_jsonl(tmp_path / "o.jsonl", rows)).id
-        batch = client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
-        wait_until(lambda: client.batches.retrieve(batch.id).request_counts.completed, 120, "the batch to start")
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/completions", completion_window="24h"
+        )
+        wait_until(
+            lambda: client.batches.retrieve(batch.id).request_counts.completed, 120, "the batch to start"
+        )
         engine_gate.wait_held()
         flaky_proxy.down = "drop"
-        wait_until(lambda: service.manager.runner_of(batch.id) is None, 120,
-                   "the runner to stop after the outage timeout", interval=0.1)
+        wait_until(
+            lambda: service.manager.runner_of(batch.id) is None,
+            120,
+            "the runner to stop after the outage timeout",
+            interval=0.1,
+        )
         bucket, prefix = s3_bucket_url.removeprefix("s3://").split("/", 1)
         s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
-        stored = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/batches/{batch.id}.json")["Body"].read())
+        stored = json.loads(
+            s3.get_object(Bucket=bucket, Key=f"{prefix}/batches/{batch.id}.json")["Body"].read()
+        )
         assert stored["status"] in ("in_progress", "finalizing")  # left active: nothing written while down
         s3.head_object(Bucket=bucket, Key=f"{prefix}/active/{batch.id}")
         flaky_proxy.down = None

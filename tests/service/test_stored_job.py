@@ -24,13 +24,15 @@ def test_batch_job_runs_a_dropped_file_on_s3(s3_bucket_url, s3_server, tmp_path)
     model = f"bulkgen-tiny={random_model()}"
     base = [sys.executable, str(ROOT / "jobs" / "batch_job.py"), "--storage", s3_bucket_url, "--model", model]
 
-    ok = subprocess.run([*base, "--input", "inbox/day1.jsonl"], capture_output=True, text=True, timeout=300,
-                        cwd=tmp_path)
+    ok = subprocess.run(
+        [*base, "--input", "inbox/day1.jsonl"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     body = s3.get_object(Bucket=bucket, Key=f"{prefix}/outbox/day1.output.jsonl")["Body"].read().decode()
     assert len(body.splitlines()) == 10
     assert json.loads(body.splitlines()[0])["custom_id"] == "completion-000"
 
-    bad = subprocess.run([*base, "--input", "inbox/broken.jsonl"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    bad = subprocess.run(
+        [*base, "--input", "inbox/broken.jsonl"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert bad.returncode == 1 and "inbox/broken.jsonl:1" in bad.stderr and "Traceback" not in bad.stderr

@@ -16,20 +16,56 @@ from openai.types.chat import ChatCompletion
 
 from tests.support.service import TOOLS_MODEL, chat_row, read_lines, upload, wait_done, write_jsonl
 
-LABEL = {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
-         "required": ["label"], "additionalProperties": False}
-ORDER = {"type": "object", "properties": {
-    "items": {"type": "array", "items": {"type": "object", "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"}, "qty": {"type": "integer", "minimum": 1,
-                                                                            "maximum": 9}},
-        "required": ["sku", "qty"], "additionalProperties": False}, "minItems": 1, "maxItems": 2},
-    "rush": {"type": "boolean"}}, "required": ["items", "rush"], "additionalProperties": False}
-WEATHER = {"name": "get_weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer",
-                                                                                 "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}}
-TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"const": "UTC"}},
-                                           "required": ["zone"], "additionalProperties": False}}
+LABEL = {
+    "type": "object",
+    "properties": {"label": {"enum": ["positive", "negative", "neutral"]}},
+    "required": ["label"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}[0-9]{2}$"},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["sku", "qty"],
+                "additionalProperties": False,
+            },
+            "minItems": 1,
+            "maxItems": 2,
+        },
+        "rush": {"type": "boolean"},
+    },
+    "required": ["items", "rush"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Oslo", "Lima"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+TIME = {
+    "name": "get_time",
+    "parameters": {
+        "type": "object",
+        "properties": {"zone": {"const": "UTC"}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+}
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
 
 
@@ -45,30 +81,62 @@ def client(service):
 @pytest.fixture(scope="module")
 def results(client, tmp_path_factory):
     rows = [
-        chat_row("label", "Review: the soup was cold.", 100, temperature=1.0, n=3, seed=1,
-                 response_format=_schema_format("label", LABEL)),
-        chat_row("order", "Order two things.", 200, temperature=0.7, seed=2,
-                 response_format=_schema_format("order", ORDER)),
+        chat_row(
+            "label",
+            "Review: the soup was cold.",
+            100,
+            temperature=1.0,
+            n=3,
+            seed=1,
+            response_format=_schema_format("label", LABEL),
+        ),
+        chat_row(
+            "order",
+            "Order two things.",
+            200,
+            temperature=0.7,
+            seed=2,
+            response_format=_schema_format("order", ORDER),
+        ),
         chat_row("object", "Anything.", 60, temperature=0, response_format={"type": "json_object"}),
-        chat_row("named", "Weather in Oslo?", 120, tools=TOOLS, temperature=0,
-                 tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-        chat_row("required", "Any tool.", 150, tools=TOOLS, temperature=0.5, seed=4,
-                 tool_choice="required"),
-        chat_row("legacy", "Weather?", 120, functions=[WEATHER], temperature=0,
-                 function_call={"name": "get_weather"}),
-        chat_row("bad-schema", "x", response_format=_schema_format("bad", {"type": "string", "pattern": "(?<=a)b"})),
+        chat_row(
+            "named",
+            "Weather in Oslo?",
+            120,
+            tools=TOOLS,
+            temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        ),
+        chat_row("required", "Any tool.", 150, tools=TOOLS, temperature=0.5, seed=4, tool_choice="required"),
+        chat_row(
+            "legacy",
+            "Weather?",
+            120,
+            functions=[WEATHER],
+            temperature=0,
+            function_call={"name": "get_weather"},
+        ),
+        chat_row(
+            "bad-schema", "x", response_format=_schema_format("bad", {"type": "string", "pattern": "(?<=a)b"})
+        ),
         chat_row("plain", "Say hi", 4),
     ]
     for row in rows:  # one model per file: the one whose chat template renders tools
         row["body"]["model"] = TOOLS_MODEL
     path = write_jsonl(tmp_path_factory.mktemp("structured") / "in.jsonl", rows)
-    batch = client.batches.create(input_file_id=upload(client, path).id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    batch = client.batches.create(
+        input_file_id=upload(client, path).id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     batch = wait_done(client, batch.id, timeout=300)
     assert batch.status == "completed", batch
-    output = {line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"])
-              for line in read_lines(client, batch.output_file_id)}
-    errors = {line["custom_id"]: line["response"]["body"]["error"] for line in read_lines(client, batch.error_file_id)}
+    output = {
+        line["custom_id"]: ChatCompletion.model_validate(line["response"]["body"])
+        for line in read_lines(client, batch.output_file_id)
+    }
+    errors = {
+        line["custom_id"]: line["response"]["body"]["error"]
+        for line in read_lines(client, batch.error_file_id)
+    }
     return batch, output, errors
 
 
@@ -118,4 +186,8 @@ def test_an_uncompilable_schema_is_its_lines_400_and_the_rest_runs(results):
     assert errors["bad-schema"]["param"] == "body.response_format"
     assert "look-around" in errors["bad-schema"]["message"]
     assert output["plain"].choices[0].message.tool_calls is None
-    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (8, 7, 1)
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        8,
+        7,
+        1,
+    )

@@ -80,7 +80,11 @@ def test_keys_are_required_except_for_health(tenants):
     service, key_a, _, _ = tenants
     root = service.base_url.removesuffix("/v1")
     status, body = _get(service.base_url + "/files")
-    assert status == 401 and body["error"]["code"] == "invalid_api_key" and "didn't provide" in body["error"]["message"]
+    assert (
+        status == 401
+        and body["error"]["code"] == "invalid_api_key"
+        and "didn't provide" in body["error"]["message"]
+    )
     with pytest.raises(openai.AuthenticationError):
         service.client(api_key="bg-wrong").files.list()
     assert _get(root + "/health")[0] == 200
@@ -93,15 +97,24 @@ def test_each_tenant_sees_only_its_own(tenants, tmp_path):
     service, key_a, key_b, storage = tenants
     a, b = service.client(api_key=key_a), service.client(api_key=key_b)
     file_a = upload(a, write_jsonl(tmp_path / "a.jsonl", [chat_row("a-1", "hello", max_tokens=3)]))
-    batch = a.batches.create(input_file_id=file_a.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = a.batches.create(
+        input_file_id=file_a.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     done = wait_done(a, batch.id)
-    assert done.status == "completed" and [x["custom_id"] for x in read_lines(a, done.output_file_id)] == ["a-1"]
+    assert done.status == "completed" and [x["custom_id"] for x in read_lines(a, done.output_file_id)] == [
+        "a-1"
+    ]
 
     assert file_a.id in [f.id for f in a.files.list()] and batch.id in [x.id for x in a.batches.list()]
     assert b.files.list().data == [] and b.batches.list().data == []
-    for call in (lambda: b.files.retrieve(file_a.id), lambda: b.files.content(file_a.id),
-                 lambda: b.files.delete(file_a.id), lambda: b.files.content(done.output_file_id),
-                 lambda: b.batches.retrieve(batch.id), lambda: b.batches.cancel(batch.id)):
+    for call in (
+        lambda: b.files.retrieve(file_a.id),
+        lambda: b.files.content(file_a.id),
+        lambda: b.files.delete(file_a.id),
+        lambda: b.files.content(done.output_file_id),
+        lambda: b.batches.retrieve(batch.id),
+        lambda: b.batches.cancel(batch.id),
+    ):
         with pytest.raises(openai.NotFoundError):
             call()
     with pytest.raises(openai.BadRequestError, match="does not exist"):
@@ -114,9 +127,19 @@ def test_each_tenant_sees_only_its_own(tenants, tmp_path):
     assert not (storage / "batches").exists() and not (storage / "tenants" / "team-b" / "batches").exists()
 
 
-@pytest.mark.parametrize("bad_id", ["../batches", "..%2F..%2Fkeys", "%2e%2e", "file-%00x", "a" * 5000,
-                                    "files%2Fmeta%2Fx.json", "%2e%2e%2f%2e%2e%2fetc%2fpasswd"],
-                         ids=["dotdot", "encoded-slash", "encoded-dots", "nul", "long", "key-path", "passwd"])
+@pytest.mark.parametrize(
+    "bad_id",
+    [
+        "../batches",
+        "..%2F..%2Fkeys",
+        "%2e%2e",
+        "file-%00x",
+        "a" * 5000,
+        "files%2Fmeta%2Fx.json",
+        "%2e%2e%2f%2e%2e%2fetc%2fpasswd",
+    ],
+    ids=["dotdot", "encoded-slash", "encoded-dots", "nul", "long", "key-path", "passwd"],
+)
 def test_ids_never_reach_storage_unchecked(tenants, bad_id):
     service, key_a, _, storage = tenants
     before = sorted(str(p) for p in storage.rglob("*"))

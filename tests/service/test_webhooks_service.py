@@ -51,12 +51,18 @@ def notifier(hooked):
 
 def _create(client, tmp_path, name: str, rows: list) -> object:
     file_id = upload(client, write_jsonl(tmp_path / f"{name}.jsonl", rows)).id
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    return client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
 
 
 def _wait_event(receiver: Receiver, batch_id: str, timeout: float = 30.0) -> None:
-    wait_until(lambda: any(e.data.id == batch_id for e in receiver.events), timeout, f"an event for {batch_id}",
-               details=lambda: str(receiver.requests))
+    wait_until(
+        lambda: any(e.data.id == batch_id for e in receiver.events),
+        timeout,
+        f"an event for {batch_id}",
+        details=lambda: str(receiver.requests),
+    )
 
 
 def _events_for(receiver: Receiver, batch_id: str) -> list:
@@ -70,7 +76,9 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path, engin
     client = service.client()
 
     done = wait_done(client, _create(client, tmp_path, "ok", [chat_row("a", "hi", max_tokens=2)]).id)
-    failed = wait_done(client, _create(client, tmp_path, "bad", [chat_row("a", "hi", model="no-such-model")]).id)
+    failed = wait_done(
+        client, _create(client, tmp_path, "bad", [chat_row("a", "hi", model="no-such-model")]).id
+    )
     assert failed.status == "failed"  # at validation: it never runs
     cancelled = _create(client, tmp_path, "cancel", [chat_row("long", f"{HOLD} story", max_tokens=64)])
     expired = _create(client, tmp_path, "expire", [chat_row("long", f"{HOLD} story", max_tokens=64)])
@@ -83,7 +91,9 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path, engin
         return record
 
     service.svc.batches.update(expired.id, expire_now)
-    batches = {b.id: b for b in (done, failed, wait_done(client, cancelled.id), wait_done(client, expired.id))}
+    batches = {
+        b.id: b for b in (done, failed, wait_done(client, cancelled.id), wait_done(client, expired.id))
+    }
     assert [b.status for b in batches.values()] == ["completed", "failed", "cancelled", "expired"]
 
     for batch_id in batches:
@@ -121,8 +131,12 @@ def test_a_receiver_that_never_answers_does_not_delay_batches(hooked, notifier, 
     stuck = notifier(silent, timeout_s=120)  # each try would hang for two minutes
     client = service.client()
     started = time.monotonic()
-    first = wait_done(client, _create(client, tmp_path, "s1", [chat_row("a", "hi", max_tokens=2)]).id, timeout=60)
-    second = wait_done(client, _create(client, tmp_path, "s2", [chat_row("a", "yo", max_tokens=2)]).id, timeout=60)
+    first = wait_done(
+        client, _create(client, tmp_path, "s1", [chat_row("a", "hi", max_tokens=2)]).id, timeout=60
+    )
+    second = wait_done(
+        client, _create(client, tmp_path, "s2", [chat_row("a", "yo", max_tokens=2)]).id, timeout=60
+    )
     assert first.status == second.status == "completed"
     assert time.monotonic() - started < 60  # far less than one webhook try
     assert stuck.delivered == 0 and stuck.dropped == 0  # still on its first try; the second event waits

@@ -76,7 +76,11 @@ def test_inbox_queue_has_a_dead_letter_queue(template):
     queue = template["Resources"]["InboxQueue"]["Properties"]
     redrive = queue["RedrivePolicy"]
     dlq = redrive["deadLetterTargetArn"]["Fn::GetAtt"]
-    assert dlq[1] == "Arn" and template["Resources"][dlq[0]]["Type"] == "AWS::SQS::Queue" and dlq[0] != "InboxQueue"
+    assert (
+        dlq[1] == "Arn"
+        and template["Resources"][dlq[0]]["Type"] == "AWS::SQS::Queue"
+        and dlq[0] != "InboxQueue"
+    )
     assert redrive["maxReceiveCount"] == {"Ref": "MaxReceiveCount"}
     assert 1 <= template["Parameters"]["MaxReceiveCount"]["Default"] <= 10
     # a failed event waits in the dead-letter queue longer than it could have waited in the inbox queue
@@ -121,7 +125,12 @@ STORE_CALLS = {
     "list_objects_v2": "s3:ListBucket",
     "download_file": "s3:GetObject",
 }
-QUEUE_CONSUMER = {"sqs:ReceiveMessage", "sqs:DeleteMessage", "sqs:ChangeMessageVisibility", "sqs:GetQueueAttributes"}
+QUEUE_CONSUMER = {
+    "sqs:ReceiveMessage",
+    "sqs:DeleteMessage",
+    "sqs:ChangeMessageVisibility",
+    "sqs:GetQueueAttributes",
+}
 
 
 def test_service_policy_covers_every_s3_call_the_store_makes(template):
@@ -140,7 +149,9 @@ def test_watcher_policy_covers_the_store_under_the_prefix_and_the_queue(template
     assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= objects
     bucket = json.dumps({"Fn::GetAtt": ["DataBucket", "Arn"]})
     assert "s3:ListBucket" in granted[bucket]
-    listing = next(st for st in policy["Properties"]["PolicyDocument"]["Statement"] if st["Action"] == "s3:ListBucket")
+    listing = next(
+        st for st in policy["Properties"]["PolicyDocument"]["Statement"] if st["Action"] == "s3:ListBucket"
+    )
     assert {"Fn::Sub": "${StoragePrefix}/*"} in listing["Condition"]["StringLike"]["s3:prefix"]
     assert QUEUE_CONSUMER <= granted[json.dumps({"Fn::GetAtt": ["InboxQueue", "Arn"]})]
     assert all(not a.endswith("*") for a in _all_actions(policy))  # no wildcard actions

@@ -98,8 +98,11 @@ def test_a_batch_of_a_tenant_writes_exactly_the_layouts_keys(tmp_path):
     lease = Lease(svc.store, batch_id, "host-1", ttl_s=30)
     assert lease.acquire()
     parts.write_part(
-        svc.store, batch_id, 1, 2,
-        [parts.PartEntry.of(1, True, {"id": "ok"}), parts.PartEntry.of(2, False, {"id": "e"})]
+        svc.store,
+        batch_id,
+        1,
+        2,
+        [parts.PartEntry.of(1, True, {"id": "ok"}), parts.PartEntry.of(2, False, {"id": "e"})],
     )
     tenant = layout.tenant_root("acme") + "/"
     before_finalize = set(root.list(""))

@@ -47,7 +47,7 @@ def _pages(list_page, limit: int) -> list[list[str]]:
 @pytest.mark.parametrize("order", ["desc", "asc"])
 def test_pages_cover_every_file_once_in_order(store, order):
     repo = FileRepo(store)
-    ids = sorted(_files(repo, 8))   # ids sort newest first
+    ids = sorted(_files(repo, 8))  # ids sort newest first
     expected = ids if order == "desc" else ids[::-1]
     pages = _pages(lambda after, limit: repo.list(after, limit, order), 3)
     assert [len(p) for p in pages] == [3, 3, 2]
@@ -56,7 +56,9 @@ def test_pages_cover_every_file_once_in_order(store, order):
 
 def test_batches_page_newest_first(store):
     repo = BatchRepo(store)
-    ids = sorted(repo.create(new_batch_record("file-x", "/v1/completions", "24h", None))["id"] for _ in range(5))
+    ids = sorted(
+        repo.create(new_batch_record("file-x", "/v1/completions", "24h", None))["id"] for _ in range(5)
+    )
     assert sum(_pages(repo.list, 2), []) == ids
 
 
@@ -97,7 +99,7 @@ def test_expired_files_are_gone_before_gc(store):
     (kept,) = _files(repo, 1)
     (old,) = _files(repo, 1, expires_after_s=3600)
     record = json.loads(store.read_bytes(repo.meta_key(old)))
-    record["expires_at"] = int(time.time()) - 1      # as it will be an hour from now
+    record["expires_at"] = int(time.time()) - 1  # as it will be an hour from now
     store.write_bytes(repo.meta_key(old), json.dumps(record).encode())
     with pytest.raises(RecordNotFound, match=f"No such file: '{old}' \\(it expired at"):
         repo.get(old)

@@ -53,14 +53,19 @@ def shell_command(text: str) -> list[str]:
 
 def test_parse_cli_rejects_what_the_cli_rejects():
     assert parse_cli(["bulkgen", "serve", "--port", "8000"])["--port"] == 8000
-    for bad in (["bulkgen", "serve", "--no-such-option"], ["bulkgen", "serve", "--port", "eighty"],
-                ["bulkgen", "serve", "--scheduling", "random"], ["bulkgen", "nope"],
-                ["bulkgen", "watch", "--input"]):
+    for bad in (
+        ["bulkgen", "serve", "--no-such-option"],
+        ["bulkgen", "serve", "--port", "eighty"],
+        ["bulkgen", "serve", "--scheduling", "random"],
+        ["bulkgen", "nope"],
+        ["bulkgen", "watch", "--input"],
+    ):
         with pytest.raises(AssertionError):
             parse_cli(bad)
 
 
 # ---- the image ---------------------------------------------------------------------------------------
+
 
 def _dockerfile() -> list[tuple[str, str]]:
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
@@ -84,7 +89,11 @@ def test_dockerfile_bases_are_pinned_and_gpu_is_the_default():
     text = (ROOT / "Dockerfile").read_text()
     assert "latest" not in text
     # the image's Ray is the cluster's Ray (KubeRay's rayVersion): drivers and workers must match
-    cluster = next(d for d in yaml.safe_load_all((KUBERAY / "bulkgen-raycluster.yaml").read_text()) if d["kind"] == "RayCluster")
+    cluster = next(
+        d
+        for d in yaml.safe_load_all((KUBERAY / "bulkgen-raycluster.yaml").read_text())
+        if d["kind"] == "RayCluster"
+    )
     assert cluster["spec"]["rayVersion"] == args["RAY_VERSION"]
 
 
@@ -123,8 +132,12 @@ def test_the_wheel_ships_the_bundled_model_and_an_installed_copy_finds_it(tmp_pa
         shutil.copy(ROOT / name, src / name)
     shutil.copytree(ROOT / "bulkgen", src / "bulkgen", ignore=shutil.ignore_patterns("__pycache__"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src],
-                   check=True, timeout=300, cwd=tmp_path)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", src],
+        check=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "dist").glob("bulkgen-*.whl")
     bundled = ROOT / "bulkgen" / "models" / "bundled"
     with zipfile.ZipFile(wheel) as z:
@@ -133,16 +146,28 @@ def test_the_wheel_ships_the_bundled_model_and_an_installed_copy_finds_it(tmp_pa
         assert sizes[f"bulkgen/models/bundled/{name}"] == (bundled / name).stat().st_size, name
 
     site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", site, wheel], check=True, timeout=300)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-compile", "--target", site, wheel], check=True, timeout=300
+    )
     probe = "from bulkgen.models.registry import default_model_path; print(default_model_path())"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BULKGEN_DEFAULT_MODEL")}
-    out = subprocess.run([sys.executable, "-c", probe], env={**env, "PYTHONPATH": str(site)}, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "PYTHONPATH": str(site)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.strip()
     assert Path(out) == site / "bulkgen" / "models" / "bundled"
-    assert json.loads((Path(out) / "config.json").read_text()) == json.loads((bundled / "config.json").read_text())
+    assert json.loads((Path(out) / "config.json").read_text()) == json.loads(
+        (bundled / "config.json").read_text()
+    )
 
 
 # ---- docker-compose.yml ----------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
@@ -177,7 +202,9 @@ def test_compose_start_order(compose):
     services = compose["services"]
     assert services["create-bucket"]["depends_on"] == {"s3": {"condition": "service_healthy"}}
     for name in ("bulkgen", "watcher"):
-        assert services[name]["depends_on"] == {"create-bucket": {"condition": "service_completed_successfully"}}
+        assert services[name]["depends_on"] == {
+            "create-bucket": {"condition": "service_completed_successfully"}
+        }
     assert "healthcheck" in services["s3"]
 
 
@@ -188,9 +215,14 @@ def test_compose_commands_are_valid_bulkgen_command_lines(compose):
     bucket = services["create-bucket"]["environment"]["BULKGEN_BUCKET"]
     endpoint = services["bulkgen"]["environment"]["AWS_ENDPOINT_URL"]
     assert (serve["--host"], serve["--port"]) == ("0.0.0.0", 8000)
-    assert serve["--storage"] == watch["--storage"] == f"s3://{bucket}/bulkgen"  # one storage: the API sees them
+    assert (
+        serve["--storage"] == watch["--storage"] == f"s3://{bucket}/bulkgen"
+    )  # one storage: the API sees them
     assert serve["--endpoint-url"] == watch["--endpoint-url"] == endpoint == "http://s3:5000"
-    assert watch["--input"] == f"{watch['--storage']}/inbox/" and watch["--output"] == f"{watch['--storage']}/outbox/"
+    assert (
+        watch["--input"] == f"{watch['--storage']}/inbox/"
+        and watch["--output"] == f"{watch['--storage']}/outbox/"
+    )
     for name in ("bulkgen", "watcher", "create-bucket"):
         assert services[name]["environment"]["AWS_ENDPOINT_URL"] == endpoint
 
@@ -203,8 +235,9 @@ def test_compose_bucket_script_creates_the_bucket_once(compose, s3_server):
     assert service["entrypoint"] == ["python", "-c"]
     env = {**os.environ, **service["environment"], "AWS_ENDPOINT_URL": s3_server}
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", service["command"][0]], env=env, capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-c", service["command"][0]], env=env, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
     bucket = service["environment"]["BULKGEN_BUCKET"]
     names = [b["Name"] for b in boto3.client("s3", endpoint_url=s3_server).list_buckets()["Buckets"]]
@@ -223,6 +256,7 @@ def test_compose_s3_healthcheck_asks_what_moto_serves(compose, s3_server):
 
 
 # ---- KubeRay -------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def kube() -> list[dict]:
@@ -287,10 +321,12 @@ def test_kuberay_commands_are_valid_bulkgen_command_lines(kube):
     (deployment,) = [d for d in kube if d["kind"] == "Deployment"]
     (watcher,) = deployment["spec"]["template"]["spec"]["containers"]
     (line,) = watcher["args"]  # a Ray node without GPUs first: a driver joins only from a Ray node
-    assert line.startswith("ray start --address=\"$RAY_ADDRESS\"") and "--num-gpus=0" in line
+    assert line.startswith('ray start --address="$RAY_ADDRESS"') and "--num-gpus=0" in line
     watch = parse_cli(shell_command(line))
     assert watch["--storage"] == storage  # the API shows the watcher's batches
     assert watch["--input"] == f"{storage}/inbox/" and watch["--output"] == f"{storage}/outbox/"
     assert watch["--sqs-queue-url"].startswith("https://sqs.")
     watcher_env = {e["name"]: e.get("value") for e in watcher["env"]}
-    assert watcher_env["RAY_ADDRESS"] == f"{cluster['metadata']['name']}-head-svc:6379"  # KubeRay's head service
+    assert (
+        watcher_env["RAY_ADDRESS"] == f"{cluster['metadata']['name']}-head-svc:6379"
+    )  # KubeRay's head service

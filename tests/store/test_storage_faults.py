@@ -26,7 +26,9 @@ def test_unreachable_endpoint(s3_server):
     store = open_store("s3://bucket/x", endpoint_url=endpoint, retry_attempts=2, **FAST_RETRY)
     with pytest.raises(StorageUnavailable) as err:
         store.check()
-    assert str(err.value) == f"storage s3://bucket/x is unavailable: unreachable: cannot connect to {endpoint}"
+    assert (
+        str(err.value) == f"storage s3://bucket/x is unavailable: unreachable: cannot connect to {endpoint}"
+    )
     with pytest.raises(StorageUnavailable, match="unreachable"):
         store.read_bytes("batches/a.json")
     with pytest.raises(StorageUnavailable, match="unreachable"):
@@ -35,14 +37,22 @@ def test_unreachable_endpoint(s3_server):
 
 def test_missing_bucket(s3_server):
     store = open_store("s3://no-such-bucket-here/x", endpoint_url=s3_server, **FAST_RETRY)
-    with pytest.raises(StorageUnavailable, match=r"^storage s3://no-such-bucket-here/x is unavailable: no such bucket$"):
+    with pytest.raises(
+        StorageUnavailable, match=r"^storage s3://no-such-bucket-here/x is unavailable: no such bucket$"
+    ):
         store.check()
 
 
-@pytest.mark.parametrize(("mode", "reason"), [
-    ("403", r"access denied \(AccessDenied\)"),
-    ("badkey", r"bad credentials \(InvalidAccessKeyId: The AWS Access Key Id you provided does not exist"),
-])
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("403", r"access denied \(AccessDenied\)"),
+        (
+            "badkey",
+            r"bad credentials \(InvalidAccessKeyId: The AWS Access Key Id you provided does not exist",
+        ),
+    ],
+)
 def test_denied_and_bad_credentials_are_named_and_not_retried(s3_bucket_url, flaky_proxy, mode, reason):
     store = open_store(s3_bucket_url, endpoint_url=flaky_proxy.url, **FAST_RETRY)
     flaky_proxy.down = mode
@@ -66,30 +76,41 @@ def test_lasting_5xx_is_unavailable_after_the_retries(s3_bucket_url, flaky_proxy
 def test_local_folder_that_cannot_be_made(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     store = open_store(str(tmp_path / "file" / "storage"))
-    with pytest.raises(StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot create the folder"):
+    with pytest.raises(
+        StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot create the folder"
+    ):
         store.create()
-    with pytest.raises(StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot look at the folder"):
+    with pytest.raises(
+        StorageUnavailable, match=r"storage .*/file/storage is unavailable: cannot look at the folder"
+    ):
         store.check()
 
 
 def _command(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
 
 
-@pytest.mark.parametrize("command", [
-    ["-m", "bulkgen", "serve"],
-    ["-m", "bulkgen", "run", "samples/completions.jsonl", "-o", "{tmp}/out.jsonl"],
-    ["-m", "bulkgen", "gc"],
-    ["jobs/batch_job.py", "--input", "inbox/x.jsonl"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "bulkgen", "serve"],
+        ["-m", "bulkgen", "run", "samples/completions.jsonl", "-o", "{tmp}/out.jsonl"],
+        ["-m", "bulkgen", "gc"],
+        ["jobs/batch_job.py", "--input", "inbox/x.jsonl"],
+    ],
+)
 def test_every_command_says_which_storage_in_one_line(command, tmp_path):
     endpoint = _refused()
     args = [a.replace("{tmp}", str(tmp_path)) for a in command]
     out = _command(*args, "--storage", "s3://bulkgen-bucket/prefix", "--endpoint-url", endpoint)
     assert out.returncode == 1, out.stderr
-    assert out.stderr == (f"Error: storage s3://bulkgen-bucket/prefix is unavailable: unreachable: cannot connect "
-                          f"to {endpoint}\n")
+    assert out.stderr == (
+        f"Error: storage s3://bulkgen-bucket/prefix is unavailable: unreachable: cannot connect "
+        f"to {endpoint}\n"
+    )
     assert "Traceback" not in out.stdout + out.stderr
 
 

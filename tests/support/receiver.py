@@ -52,8 +52,12 @@ class Receiver:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def wait_events(self, count: int, timeout: float = 30.0) -> list:
-        wait_until(lambda: len(self.events) >= count, timeout, f"{count} events",
-                   details=lambda: f"got {len(self.events)}: {self.requests}")
+        wait_until(
+            lambda: len(self.events) >= count,
+            timeout,
+            f"{count} events",
+            details=lambda: f"got {len(self.events)}: {self.requests}",
+        )
         return self.events
 
     def close(self) -> None:

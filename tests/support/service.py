@@ -38,9 +38,17 @@ def random_model() -> Path:
 
     root = Path(tempfile.mkdtemp(prefix="bulkgen-random-model-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return build_tiny_model(root / "model", arch="llama", seed=1234, hidden_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
-                            max_position_embeddings=4096)
+    return build_tiny_model(
+        root / "model",
+        arch="llama",
+        seed=1234,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=4096,
+    )
 
 
 # A Hermes-style chat template (what Qwen and Hermes models ship): it renders tool definitions, assistant tool
@@ -112,7 +120,9 @@ def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
 class Service:
     """A running service: its base URL, its storage context, and a way to stop it."""
 
-    def __init__(self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None) -> None:
+    def __init__(
+        self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None
+    ) -> None:
         self.svc = BatchService(settings, on_batch_end=on_batch_end)
         self.manager = BatchManager(self.svc)
         self.manager.start()
@@ -131,8 +141,10 @@ class Service:
 
 
 def settings_for(storage: str, **overrides) -> Settings:
-    workers = WorkerSettings(cpu_workers=overrides.pop("cpu_workers", 1),
-                             engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024})
+    workers = WorkerSettings(
+        cpu_workers=overrides.pop("cpu_workers", 1),
+        engine_kwargs={"max_num_seqs": 64, "max_num_batched_tokens": 1024},
+    )
     models = overrides.pop("models", None) or {MODEL: str(random_model()), TOOLS_MODEL: str(tool_model())}
     return Settings(storage=storage, models=models, range_size=16, workers=workers, **overrides)
 
@@ -143,14 +155,27 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def chat_row(custom_id: str, content: str, max_tokens: int = 8, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                     "temperature": 0, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **body,
+        },
+    }
 
 
 def completion_row(custom_id: str, prompt: str, max_tokens: int = 8, **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body}}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **body},
+    }
 
 
 def wait_for(client, batch_id: str, predicate, timeout: float = 120.0):
@@ -161,8 +186,13 @@ def wait_for(client, batch_id: str, predicate, timeout: float = 120.0):
         last[:] = [client.batches.retrieve(batch_id)]
         return last[0] if predicate(last[0]) else None
 
-    return wait_until(reached, timeout, f"{batch_id}", interval=0.1,
-                      details=lambda: f"{last[0].status} {last[0].request_counts}" if last else "")
+    return wait_until(
+        reached,
+        timeout,
+        f"{batch_id}",
+        interval=0.1,
+        details=lambda: f"{last[0].status} {last[0].request_counts}" if last else "",
+    )
 
 
 def validated(client, batch_id: str, timeout: float = 60.0):

@@ -19,7 +19,10 @@ def claims_of(store: Path, key: str) -> list[dict]:
 
 def batches_of(store: Path, key: str) -> list[dict]:
     records = [json.loads(p.read_text()) for p in (store / "batches").glob("*.json")]
-    return sorted((r for r in records if r["metadata"]["watch_input"].endswith("/" + key)), key=lambda r: r["created_at"])
+    return sorted(
+        (r for r in records if r["metadata"]["watch_input"].endswith("/" + key)),
+        key=lambda r: r["created_at"],
+    )
 
 
 def summary(outbox: Path, stem: str) -> dict | None:
@@ -31,14 +34,32 @@ def summary(outbox: Path, stem: str) -> dict | None:
 def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process, engine_gate):
     inbox, outbox, store = tmp_path / "inbox", tmp_path / "outbox", tmp_path / "store"
     inbox.mkdir()
-    (inbox / "a.jsonl").write_bytes(rows_jsonl([chat_row(f"a-{i}", f"hello {i}", max_tokens=4) for i in range(4)]))
+    (inbox / "a.jsonl").write_bytes(
+        rows_jsonl([chat_row(f"a-{i}", f"hello {i}", max_tokens=4) for i in range(4)])
+    )
     (inbox / "notes.txt").write_text("not a batch\n")
     (inbox / "broken.jsonl").write_text("oops, plain text\n")
-    (inbox / "invalid.jsonl").write_bytes(rows_jsonl([chat_row("ok", "x"), chat_row("hot", "x", temperature=9)]))
+    (inbox / "invalid.jsonl").write_bytes(
+        rows_jsonl([chat_row("ok", "x"), chat_row("hot", "x", temperature=9)])
+    )
     (inbox / "summarize.jsonl").write_bytes((ROOT / "samples" / "watch" / "summarize.jsonl").read_bytes())
     # the example job, pointed at this test's folders: its url, model and defaults fill what lines lack
-    args = ("--job", str(ROOT / "jobs" / "summarize-inbox.yaml"), "--input", str(inbox), "--output", str(outbox),
-            "--storage", str(store), "--interval", "1", "--claim-ttl", "4", "--lease-ttl", "3")
+    args = (
+        "--job",
+        str(ROOT / "jobs" / "summarize-inbox.yaml"),
+        "--input",
+        str(inbox),
+        "--output",
+        str(outbox),
+        "--storage",
+        str(store),
+        "--interval",
+        "1",
+        "--claim-ttl",
+        "4",
+        "--lease-ttl",
+        "3",
+    )
     first = watch_process(tmp_path / "first.log", *args)
 
     done = wait_until(lambda: summary(outbox, "a"), 180, "a.summary.json", first)
@@ -47,15 +68,22 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     lines = [json.loads(line) for line in (outbox / "a.output.jsonl").read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == ["a-0", "a-1", "a-2", "a-3"]
     summarized = wait_until(lambda: summary(outbox, "summarize"), 60, "summarize.summary.json", first)
-    used = [json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
-            for line in (outbox / "summarize.output.jsonl").read_text().splitlines()]
+    used = [
+        json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+        for line in (outbox / "summarize.output.jsonl").read_text().splitlines()
+    ]
     assert len(used) == 3 and max(used) == 64 >= min(used)  # the job's max_tokens (this model rarely stops)
-    assert summarized["batch"]["model"] == "bulkgen-tiny" and summarized["batch"]["endpoint"] == "/v1/chat/completions"
+    assert (
+        summarized["batch"]["model"] == "bulkgen-tiny"
+        and summarized["batch"]["endpoint"] == "/v1/chat/completions"
+    )
     # a body error refuses its line alone: the batch completes, the line's 400 in the error file
     invalid = wait_until(lambda: summary(outbox, "invalid"), 120, "invalid.summary.json", first)
     assert invalid["batch"]["status"] == "completed" and not (outbox / "invalid.errors.json").exists()
     errors = [json.loads(line) for line in (outbox / "invalid.errors.jsonl").read_text().splitlines()]
-    assert [(e["custom_id"], e["response"]["body"]["error"]["param"]) for e in errors] == [("hot", "body.temperature")]
+    assert [(e["custom_id"], e["response"]["body"]["error"]["param"]) for e in errors] == [
+        ("hot", "body.temperature")
+    ]
     assert "line 1 is not a JSON object" in json.loads((outbox / "broken.report.json").read_text())["reason"]
     assert "only *.jsonl" in json.loads((outbox / "notes.txt.report.json").read_text())["reason"]
     assert not (outbox / "broken.summary.json").exists() and batches_of(store, "broken.jsonl") == []
@@ -75,24 +103,40 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     engine_gate.wait_held()
     first.kill()
     engine_gate.open()  # the second watcher runs it to its end
-    (inbox / "a.jsonl").write_bytes(rows_jsonl([chat_row(f"a2-{i}", f"again {i}", max_tokens=4) for i in range(3)]))
+    (inbox / "a.jsonl").write_bytes(
+        rows_jsonl([chat_row(f"a2-{i}", f"again {i}", max_tokens=4) for i in range(3)])
+    )
 
     second = watch_process(tmp_path / "second.log", *args)
-    wait_until(lambda: (summary(outbox, "long") or {}).get("batch", {}).get("status") == "completed", 180,
-               "long.summary.json", second)
-    wait_until(lambda: summary(outbox, "a")["batch"]["id"] != done["batch"]["id"], 60, "a.jsonl again", second)
+    wait_until(
+        lambda: (summary(outbox, "long") or {}).get("batch", {}).get("status") == "completed",
+        180,
+        "long.summary.json",
+        second,
+    )
+    wait_until(
+        lambda: summary(outbox, "a")["batch"]["id"] != done["batch"]["id"], 60, "a.jsonl again", second
+    )
 
     assert f"long.jsonl: resuming batch {long_batch}" in second.text()
     assert [b["id"] for b in batches_of(store, "long.jsonl")] == [long_batch]  # resumed, not created twice
     assert summary(outbox, "long")["batch"]["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
     changed = batches_of(store, "a.jsonl")
     assert len(changed) == 2 and changed[0]["id"] == done["batch"]["id"]  # once per version of the object
-    assert [json.loads(line)["custom_id"] for line in (outbox / "a.output.jsonl").read_text().splitlines()] == \
-        ["a2-0", "a2-1", "a2-2"]
+    assert [
+        json.loads(line)["custom_id"] for line in (outbox / "a.output.jsonl").read_text().splitlines()
+    ] == ["a2-0", "a2-1", "a2-2"]
     assert len(batches_of(store, "invalid.jsonl")) == 1
-    for finished in ("broken.jsonl", "notes.txt", "invalid.jsonl", "summarize.jsonl"):  # nothing done twice after the restart
+    for finished in (
+        "broken.jsonl",
+        "notes.txt",
+        "invalid.jsonl",
+        "summarize.jsonl",
+    ):  # nothing done twice after the restart
         assert finished not in second.text()
     claim_files = list((store / "watch" / "claims").glob("*.json"))
     assert len(claim_files) == 7  # one per object version: a (twice), summarize, notes, broken, invalid, long
-    wait_until(lambda: all(json.loads(p.read_text())["state"] == "done" for p in claim_files), 10, "claims done")
+    wait_until(
+        lambda: all(json.loads(p.read_text())["state"] == "done" for p in claim_files), 10, "claims done"
+    )
     assert second.alive() and "Traceback" not in first.text() + second.text()

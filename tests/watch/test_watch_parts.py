@@ -37,7 +37,9 @@ def test_cron_next_after():
     assert Cron("0 0 1 1 *").next_after(friday_evening) == dt.datetime(2027, 1, 1, tzinfo=UTC)
     # both day fields restricted: the 13th OR a Friday, as cron does
     either = Cron("0 12 13 * 5")
-    assert either.next_after(dt.datetime(2026, 11, 28, tzinfo=UTC)) == dt.datetime(2026, 12, 4, 12, tzinfo=UTC)
+    assert either.next_after(dt.datetime(2026, 11, 28, tzinfo=UTC)) == dt.datetime(
+        2026, 12, 4, 12, tzinfo=UTC
+    )
     assert Cron("30 4 * * 7").next_after(friday_evening) == dt.datetime(2026, 11, 29, 4, 30, tzinfo=UTC)
     for bad in ("* * * *", "61 * * * *", "*/0 * * * *", "a * * * *", "0 0 31 2 *"):
         with pytest.raises(CronError):
@@ -54,16 +56,22 @@ def test_example_jobs_load():
     assert labels.check().poll_interval() == 2.0 and labels.schedule is None
 
 
-@pytest.mark.parametrize("text, message", [
-    ("input: a\noutput: b\ncolour: red\n", "unknown field(s) colour"),
-    ("input: a\noutput: b\ndefaults: {temperature: 9}\n", "body.temperature must be a number between 0 and 2"),
-    ("input: a\noutput: b\ndefaults: {stream: true}\n", "streaming is not supported"),
-    ("input: a\noutput: b\noutput_format: csv\n", "output_format must be one of jsonl, parquet"),
-    ("input: a\noutput: b\nschedule: '* * *'\n", "must have 5 fields"),
-    ("input: a\noutput: b\ninterval: 5\nschedule: '* * * * *'\n", "interval or schedule, not both"),
-    ("output: b\n", "input (a folder or s3://bucket/prefix/) is required"),
-    ("- a list\n", "a job is a YAML mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("input: a\noutput: b\ncolour: red\n", "unknown field(s) colour"),
+        (
+            "input: a\noutput: b\ndefaults: {temperature: 9}\n",
+            "body.temperature must be a number between 0 and 2",
+        ),
+        ("input: a\noutput: b\ndefaults: {stream: true}\n", "streaming is not supported"),
+        ("input: a\noutput: b\noutput_format: csv\n", "output_format must be one of jsonl, parquet"),
+        ("input: a\noutput: b\nschedule: '* * *'\n", "must have 5 fields"),
+        ("input: a\noutput: b\ninterval: 5\nschedule: '* * * * *'\n", "interval or schedule, not both"),
+        ("output: b\n", "input (a folder or s3://bucket/prefix/) is required"),
+        ("- a list\n", "a job is a YAML mapping"),
+    ],
+)
 def test_bad_jobs_say_what_and_where(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
@@ -76,18 +84,26 @@ def test_fill_defaults_sets_only_what_a_line_lacks():
     defaults = {"model": "m", "temperature": 0.7, "max_tokens": 64}
     bare = b'{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}'
     filled = json.loads(fill_defaults(bare, defaults, CHAT))
-    assert filled["url"] == CHAT and filled["body"]["temperature"] == 0.7 and filled["body"]["max_tokens"] == 64
+    assert (
+        filled["url"] == CHAT and filled["body"]["temperature"] == 0.7 and filled["body"]["max_tokens"] == 64
+    )
     request = parse_line(json.dumps(filled), 1, CHAT)
     assert request.model == "m" and request.sampling["max_tokens"] == 64
-    own = (b'{"custom_id": "b", "url": "/v1/completions", "body": {"model": "x", "prompt": "p", "temperature": 0, '
-           b'"max_completion_tokens": 5}}')
+    own = (
+        b'{"custom_id": "b", "url": "/v1/completions", "body": {"model": "x", "prompt": "p", "temperature": 0, '
+        b'"max_completion_tokens": 5}}'
+    )
     kept = json.loads(fill_defaults(own, defaults, CHAT))
-    assert kept["url"] == "/v1/completions" and kept["body"]["model"] == "x" and kept["body"]["temperature"] == 0
+    assert (
+        kept["url"] == "/v1/completions" and kept["body"]["model"] == "x" and kept["body"]["temperature"] == 0
+    )
     assert "max_tokens" not in kept["body"]  # max_completion_tokens already says it
     for untouched in (b"not json", b"[1, 2]"):  # validation refuses these as written, on the same line
         assert fill_defaults(untouched, defaults, CHAT) == untouched
-    assert json.loads(fill_defaults(b'{"custom_id": "c", "body": "text"}', defaults)) == {"custom_id": "c",
-                                                                                         "body": "text"}
+    assert json.loads(fill_defaults(b'{"custom_id": "c", "body": "text"}', defaults)) == {
+        "custom_id": "c",
+        "body": "text",
+    }
 
 
 def test_local_list_objects_version_changes_with_the_file(tmp_path):
@@ -106,13 +122,19 @@ def test_scan_pages_past_1000_objects_and_skips_finished_ones(s3_bucket_url, s3_
     bucket = s3_bucket_url.removeprefix("s3://").split("/", 1)[0]
     s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: s3.put_object(Bucket=bucket, Key=f"inbox/n{i:04d}.txt", Body=b"x"), range(1001)))
+        list(
+            pool.map(
+                lambda i: s3.put_object(Bucket=bucket, Key=f"inbox/n{i:04d}.txt", Body=b"x"), range(1001)
+            )
+        )
     inbox = open_store(f"s3://{bucket}/inbox", endpoint_url=s3_server)
     listed = list(inbox.list_objects(""))
     assert len(listed) == 1001 and listed[-1].key == "n1000.txt"
     assert listed[500].etag == s3.head_object(Bucket=bucket, Key="inbox/n0500.txt")["ETag"]
 
-    svc = BatchService(Settings(storage=f"s3://{bucket}/store", endpoint_url=s3_server, models={"m": "unused"}))
+    svc = BatchService(
+        Settings(storage=f"s3://{bucket}/store", endpoint_url=s3_server, models={"m": "unused"})
+    )
     spec = JobSpec(input=f"s3://{bucket}/inbox/", output=f"s3://{bucket}/outbox/", interval=60)
     watcher = Watcher(svc, spec, endpoint_url=s3_server)
     with ThreadPoolExecutor(8) as pool:  # as if an earlier watcher had finished all of them
@@ -124,7 +146,9 @@ def test_scan_pages_past_1000_objects_and_skips_finished_ones(s3_bucket_url, s3_
 
     assert watcher.scan() == 2
     report = json.loads(s3.get_object(Bucket=bucket, Key="outbox/zz-new.txt.report.json")["Body"].read())
-    assert "only *.jsonl objects run as batches" in report["reason"] and report["source"]["key"] == "zz-new.txt"
+    assert (
+        "only *.jsonl objects run as batches" in report["reason"] and report["source"]["key"] == "zz-new.txt"
+    )
     assert "changed" not in json.dumps(report)
     assert s3.head_object(Bucket=bucket, Key="outbox/n0001.txt.report.json")
     assert watcher.scan() == 0 and not watcher.pending and watcher.manager is None  # no workers were needed
@@ -136,8 +160,12 @@ def test_sqs_source_reads_s3_events_with_encoded_keys(s3_bucket_url, s3_server):
     sqs = boto3.client("sqs", endpoint_url=s3_server, region_name="us-east-1")
     queue_url = sqs.create_queue(QueueName=f"q-{bucket}")["QueueUrl"]
     arn = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    s3.put_bucket_notification_configuration(Bucket=bucket, NotificationConfiguration={
-        "QueueConfigurations": [{"QueueArn": arn, "Events": ["s3:ObjectCreated:*"]}]})
+    s3.put_bucket_notification_configuration(
+        Bucket=bucket,
+        NotificationConfiguration={
+            "QueueConfigurations": [{"QueueArn": arn, "Events": ["s3:ObjectCreated:*"]}]
+        },
+    )
     s3.put_object(Bucket=bucket, Key="inbox/day 1+2.jsonl", Body=b"{}\n")
     s3.put_object(Bucket=bucket, Key="elsewhere/x.jsonl", Body=b"{}\n")
 
@@ -155,16 +183,28 @@ def test_sqs_source_reads_s3_events_with_encoded_keys(s3_bucket_url, s3_server):
     for message in got:
         source.delete(message)
     attrs = sqs.get_queue_attributes(QueueUrl=queue_url, AttributeNames=["All"])["Attributes"]
-    assert attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+    assert (
+        attrs["ApproximateNumberOfMessages"] == "0" and attrs["ApproximateNumberOfMessagesNotVisible"] == "0"
+    )
 
 
 def test_parquet_rows_from_every_line_shape():
     request = {"custom_id": "ok", "endpoint": CHAT}
-    result = {"prompt_tokens": 5, "completion_tokens": 2,
-              "completions": [{"index": 0, "text": "hi", "finish_reason": "length"}]}
+    result = {
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "completions": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+    }
     assert parquet_row(success_line(request, result, "m")) == {
-        "custom_id": "ok", "status": "completed", "text": "hi", "finish_reason": "length", "prompt_tokens": 5,
-        "completion_tokens": 2, "error_code": None, "error_message": None}
+        "custom_id": "ok",
+        "status": "completed",
+        "text": "hi",
+        "finish_reason": "length",
+        "prompt_tokens": 5,
+        "completion_tokens": 2,
+        "error_code": None,
+        "error_message": None,
+    }
     refused = parquet_row(refused_line("long", "too long for the context", "context_length_exceeded"))
     assert refused["status"] == "failed" and refused["error_code"] == "context_length_exceeded"
     assert refused["error_message"] == "too long for the context" and refused["text"] is None
@@ -179,7 +219,9 @@ def test_on_batch_end_is_called_once_with_the_final_record(tmp_path):
     (inbox / "bad.jsonl").write_text(json.dumps({"custom_id": "a", "url": CHAT, "body": "m"}) + "\n")
     ended = []
     svc = BatchService(Settings(storage=str(tmp_path / "store"), models={"m": "unused"}))
-    watcher = Watcher(svc, JobSpec(input=str(inbox), output=str(tmp_path / "outbox")), on_batch_end=ended.append)
+    watcher = Watcher(
+        svc, JobSpec(input=str(inbox), output=str(tmp_path / "outbox")), on_batch_end=ended.append
+    )
     assert watcher.scan() == 1
     watcher.check_pending()
     watcher.check_pending()
@@ -188,19 +230,27 @@ def test_on_batch_end_is_called_once_with_the_final_record(tmp_path):
     assert svc.batches.get(ended[0]["id"])["metadata"]["watch_input"] == f"{inbox}/bad.jsonl"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--sqs-queue-url", "http://127.0.0.1:1/q"], "needs an s3:// input"),
-    (["--output", "{inbox}/results"], "is inside the input"),
-    (["--schedule", "every day"], "must have 5 fields"),
-    (["--webhook", "http://127.0.0.1:1/hook"], "--webhook needs --webhook-secret"),
-    (["--tenant", "../x"], "tenant name '../x' is not valid"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--sqs-queue-url", "http://127.0.0.1:1/q"], "needs an s3:// input"),
+        (["--output", "{inbox}/results"], "is inside the input"),
+        (["--schedule", "every day"], "must have 5 fields"),
+        (["--webhook", "http://127.0.0.1:1/hook"], "--webhook needs --webhook-secret"),
+        (["--tenant", "../x"], "tenant name '../x' is not valid"),
+    ],
+)
 def test_watch_refuses_bad_options_in_one_line(tmp_path, args, message):
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     base = ["--input", str(inbox), "--output", str(tmp_path / "out"), "--storage", str(tmp_path / "store")]
-    run = subprocess.run([sys.executable, "-m", "bulkgen", "watch", *base, *[a.format(inbox=inbox) for a in args]],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "bulkgen", "watch", *base, *[a.format(inbox=inbox) for a in args]],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
 
 
@@ -208,9 +258,25 @@ def test_watch_once_reports_and_exits(tmp_path):
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     (inbox / "photo.png").write_bytes(b"\x89PNG")
-    run = subprocess.run([sys.executable, "-m", "bulkgen", "watch", "--once", "--input", str(inbox), "--output",
-                          str(tmp_path / "out"), "--storage", str(tmp_path / "store")],
-                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bulkgen",
+            "watch",
+            "--once",
+            "--input",
+            str(inbox),
+            "--output",
+            str(tmp_path / "out"),
+            "--storage",
+            str(tmp_path / "store"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     assert "photo.png: not run: not a .jsonl object" in run.stderr
     assert json.loads((tmp_path / "out" / "photo.png.report.json").read_text())["status"] == "not_run"
