@@ -3,7 +3,7 @@
 `ray.cluster_utils.Cluster` starts a head and N nodes with one fake GPU each, so the pool makes one
 GPU worker actor per node (Ray schedules on the declared GPUs; the engines run on CPU with one torch
 thread each). A warm-up batch loads the model on every worker; then one batch of short requests
-(the bundled model, small max_tokens) goes through the whole `bulkgen run` path (`run_batch`).
+(the bundled model, small max_tokens) goes through the whole `bulkgen run` path (`Driver.run`).
 
 Measured, from every engine step the workers report (whole steps: this is the only batch):
 - start: the moment the batch's ranges entered the work queue;
@@ -163,10 +163,10 @@ def loaded(svc, count: int) -> None:
 
 
 def run(args) -> dict:
-    from bulkgen.oneshot import run_batch
     from cpu_account import CpuAccount
 
     from bulkgen.batch.service import BatchService
+    from bulkgen.runtime.driver import Driver
     from bulkgen.settings import Settings, WorkerSettings
 
     c = cluster(args.nodes)
@@ -180,13 +180,13 @@ def run(args) -> dict:
             svc = BatchService(Settings(storage=f"{tmp}/store", workers=workers, range_size=args.range_size))
             warm = workload(Path(tmp) / "warm.jsonl", 4 * args.nodes, 2, seed=1)
             with warm.open("rb") as f:  # loads the model on every worker (they outlive a run)
-                run_batch(svc, f, warm.name, "/v1/completions", "24h")
+                Driver(svc).run(f, warm.name, "/v1/completions", "24h")
             loaded(svc, args.nodes)
             path = workload(Path(tmp) / "requests.jsonl", args.requests, args.max_tokens)
             recorder.install()
             load0 = os.getloadavg()
             with CpuAccount() as account, path.open("rb") as f:
-                record = run_batch(svc, f, path.name, "/v1/completions", "24h")
+                record = Driver(svc).run(f, path.name, "/v1/completions", "24h")
             cpu = account.window(recorder.queued_at, recorder.tail_at or time.time())
     finally:
         import ray
