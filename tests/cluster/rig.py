@@ -55,11 +55,12 @@ PORTS = [
     "--max-worker-port=10999",
 ]
 # Ray declares a silent node dead after failure_threshold x (timeout + period); its defaults make that
-# ~64 s, these ~15 s (set on the head, where the GCS runs the checks)
+# ~64 s, these ~30 s (set on the head, where the GCS runs the checks). ~15 s was too short on 2 loaded
+# cores: a node busy loading its model missed its checks and was declared dead while alive.
 HEALTH = {
-    "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "2000",
-    "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_timeout_ms": "3000",
+    "RAY_health_check_failure_threshold": "6",
 }
 # A raylet that loses the GCS lives on (with its engine actors: orphans) for this long, 60 s by default;
 # longer in the rig, so that orphans are certainly alive when the head-death scenario lets them reach S3

@@ -14,6 +14,7 @@ import pytest
 
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import LIMITS
+from tests.support.held_engine import HOLD
 from tests.support.service import MODEL, chat_row, upload, validated, wait_done, write_jsonl
 
 LONG = " ".join(["word"] * 900)  # about a thousand prompt tokens
@@ -33,9 +34,11 @@ def slow_profile(service):
     service.svc.settings.refuse_infeasible = False
 
 
-def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, tmp_path):
+def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, engine_gate, tmp_path):
     client = service.client()
-    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", LONG, max_tokens=8)]))
+    # held at the engine's gate: the test cancels it, and a one-request batch may end before the cancel
+    held = f"{HOLD} {LONG}"
+    f = upload(client, write_jsonl(tmp_path / "long.jsonl", [chat_row("long-0", held, max_tokens=8)]))
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
     batch = validated(client, batch.id)
     client.batches.cancel(batch.id)
@@ -43,7 +46,7 @@ def test_batch_carries_its_estimate_and_a_window_warning(service, slow_profile, 
     metrics = batch.model_extra["metrics"]  # there in the same write that made the batch in_progress
     seconds = metrics["estimated_seconds"]
     # a token is at least a character; earlier batches of MODEL may scale the profile by up to LIMITS[1]
-    assert 3600 < seconds["low"] <= seconds["expected"] <= PER_TOKEN_S * len(LONG) * LIMITS[1] + 1
+    assert 3600 < seconds["low"] <= seconds["expected"] <= PER_TOKEN_S * len(held) * LIMITS[1] + 1
     assert metrics["estimated_completion_at"] >= batch.created_at + seconds["expected"] - 1
     (warning,) = batch.errors.data
     assert warning.code == "completion_window_infeasible_warning" and warning.param == "completion_window"

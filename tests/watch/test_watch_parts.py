@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import boto3
 import pytest
 
-from bulkgen.batch.requests import CHAT, fill_defaults, parse_line
+from bulkgen.batch.requests import CHAT, ParsedRequest, fill_defaults, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line, success_line
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
@@ -189,7 +189,7 @@ def test_sqs_source_reads_s3_events_with_encoded_keys(s3_bucket_url, s3_server):
 
 
 def test_parquet_rows_from_every_line_shape():
-    request = {"custom_id": "ok", "endpoint": CHAT}
+    request = ParsedRequest("ok", 1, "m", CHAT)
     result = {
         "prompt_tokens": 5,
         "completion_tokens": 2,
