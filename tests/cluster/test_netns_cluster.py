@@ -245,6 +245,9 @@ def test_a_driver_on_a_host_that_is_no_ray_node_joins_as_a_node_without_gpus(clu
     assert ids == [r["custom_id"] for r in sent]
 
 
+ORPHAN_WATCH_S = 20.0
+
+
 def test_the_head_dies_mid_batch_and_head_and_service_restart_from_storage(cluster):
     """SIGKILL of the head's Ray (GCS) and the service with it, mid-batch; the S3 server (another machine
     in a real deployment) lives on. The raylets of nodes a and b outlive the GCS (60 s by default, 150 s
@@ -277,12 +280,12 @@ def test_the_head_dies_mid_batch_and_head_and_service_restart_from_storage(clust
     def dropped(node: str) -> bool:
         return "silent for" in cluster.rig.worker_logs(node)
 
-    wait_until(
-        lambda: cluster.parts(batch_id) or (dropped("a") and dropped("b")),
-        60,
-        "both orphans dropped their parts, or one stored a part after the finalize",
-        interval=0.5,
-    )
+    # the orphans' storage retries (at most 10 s apart) get ORPHAN_WATCH_S to land anything they still
+    # hold: watching for something that must not happen is a window, not a condition
+    quiet_until = time.monotonic() + ORPHAN_WATCH_S
+    while not cluster.parts(batch_id) and time.monotonic() < quiet_until:
+        time.sleep(0.5)
+    print(f"orphans that logged a dropped part: {[n for n in 'ab' if dropped(n)]}", flush=True)
     leftover = sorted(cluster.parts(batch_id))
     assert not leftover, f"orphaned workers stored {len(leftover)} parts after the finalize: {leftover[:3]}"
     assert all(cluster.rig.procs[f"ray-{n}"].poll() is None for n in "ab"), "the orphans' raylets ended early"
