@@ -19,7 +19,11 @@ from tests.cluster.conftest import STORAGE, TERMINAL, Cluster
 from tests.cluster.rig import GCS, IP, PORTS
 from tests.support.wait import wait_until
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(600)]  # the first one brings the cluster up
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+]  # the first one brings the cluster up
 
 NODE_IP = {"a": IP["a"], "b": IP["b"]}
 FAULT_REQUESTS = 400  # still running at 10 % on a quiet machine
