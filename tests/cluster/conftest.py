@@ -61,13 +61,13 @@ class Cluster:
         )
         return out.stdout + out.stderr
 
-    def wait_nodes(self, count: int, timeout: float = 120) -> None:
-        def alive() -> bool:
-            status = self.ray_status()
-            active = status.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in status else ""
-            return active.count("node_") >= count
+    def live_nodes(self) -> int:
+        status = self.ray_status()
+        active = status.split("Active:", 1)[-1].split("Pending:", 1)[0] if "Active:" in status else ""
+        return active.count("node_")
 
-        wait_until(alive, timeout, f"{count} live Ray nodes", interval=1.0)
+    def wait_nodes(self, count: int, timeout: float = 120) -> None:
+        wait_until(lambda: self.live_nodes() >= count, timeout, f"{count} live Ray nodes", interval=1.0)
 
     # -- the service on the head ------------------------------------------------------------------------
     def serve(self, *extra: str) -> float:
@@ -159,6 +159,14 @@ class Cluster:
         body = self.cli.run(lambda: urllib.request.urlopen(f"{API}/v1/dashboard/workers", timeout=10).read())
         return {w["index"]: w["node_ip"] for w in json.loads(body)["data"]}
 
+    def in_flight(self, index: int, batch_id: str) -> int:
+        """Requests of `batch_id` that worker `index` holds now, from the dashboard API."""
+        body = self.cli.run(lambda: urllib.request.urlopen(f"{API}/v1/dashboard/workers", timeout=10).read())
+        for w in json.loads(body)["data"]:
+            if w["index"] == index:
+                return sum(b["requests_in_flight"] for b in w["batches"] if b["id"] == batch_id)
+        return 0
+
     def s3(self):
         import boto3
 
@@ -190,6 +198,42 @@ class Cluster:
     def timing(self, name: str, seconds: float) -> None:
         self.timings[name] = round(seconds, 1)
         print(f"cluster timing {name}: {seconds:.1f} s", flush=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "call":
+        item.cluster_failed = outcome.get_result().failed
+
+
+@pytest.fixture(autouse=True)
+def logs_on_failure(request):
+    """A failed scenario prints the tails of the service's and the engine actors' logs (CI shows only the
+    output; the rig's folder goes at teardown), and the rig's logs are kept in CLUSTER_LOGS."""
+    yield
+    if "cluster" not in request.fixturenames or not getattr(request.node, "cluster_failed", False):
+        return
+    c: Cluster = request.getfixturevalue("cluster")
+    print(f"--- {request.node.name}: the service's log, last lines ---\n{_tail(c.serve_log(), 80)}")
+    for node in ("head", "a", "b"):
+        print(f"--- engine actors on {node}, last lines ---\n{_tail(c.rig.worker_logs(node), 30)}")
+    _keep_logs(c.rig)
+
+
+CLUSTER_LOGS = Path(os.environ.get("BULKGEN_CLUSTER_LOGS", "/tmp/bgt-logs"))
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _keep_logs(rig: Rig) -> None:
+    shutil.rmtree(CLUSTER_LOGS, ignore_errors=True)
+    shutil.copytree(rig.logs, CLUSTER_LOGS, dirs_exist_ok=True)
+    for node in ("head", "a", "b"):
+        (CLUSTER_LOGS / f"actors-{node}.log").write_text(rig.worker_logs(node))
+    print(f"cluster logs kept in {CLUSTER_LOGS}", flush=True)
 
 
 @pytest.fixture(scope="module")  # down again before the rest of the suite: idle nodes still cost CPU

@@ -1,7 +1,8 @@
 """A real multi-node Ray cluster on one machine, made of Linux network namespaces (the cluster tests' rig).
 
     bgt-sw    the switch: bridge br0 and one veth end per namespace; no address, no route out
-    bgt-head  10.231.0.1   Ray head (GCS, no GPU), the S3 server (moto) and `bulkgen serve`
+    bgt-head  10.231.0.1   Ray head (GCS, no GPU) and `bulkgen serve`
+              10.231.0.5   the S3 server (moto): an address of its own, as it would be another machine
     bgt-a     10.231.0.2   Ray node with one fake GPU (a Ray resource: the engine runs on CPU)
     bgt-b     10.231.0.3   Ray node with one fake GPU
     bgt-cli   10.231.0.10  no Ray: the test's openai/boto3 client (a thread of pytest entered here)
@@ -40,8 +41,9 @@ IP = {
     "drv": f"{SUBNET}.11",
 }
 HEAD_IP = IP["head"]
+S3_IP = f"{SUBNET}.5"  # in the head's namespace, so that a route can keep a node from one and not the other
 GCS = f"{HEAD_IP}:6379"
-S3_URL = f"http://{HEAD_IP}:5000"
+S3_URL = f"http://{S3_IP}:5000"
 API_PORT = 8000
 # fixed ports: each node has a network namespace of its own, so they never collide
 PORTS = [
@@ -156,6 +158,7 @@ class Rig:
             _ip("-n", ns("sw"), "link", "set", f"p-{name}", "master", "br0", "up")
             _ip("-n", ns(name), "addr", "add", f"{IP[name]}/24", "dev", "eth0")
             _ip("-n", ns(name), "link", "set", "eth0", "up")
+        _ip("-n", ns("head"), "addr", "add", f"{S3_IP}/24", "dev", "eth0")
 
     def _add_ns(self, name: str) -> None:
         _ip("netns", "del", ns(name), check=False)  # a leftover of a run that was killed itself
@@ -182,9 +185,9 @@ class Rig:
         """Take a node's cable out of the switch (a partition), or put it back."""
         _ip("-n", ns("sw"), "link", "set", f"p-{name}", "up" if up else "down")
 
-    def block_head(self, name: str, blocked: bool) -> None:
-        """Node `name` cannot reach the head's address (connections refused at once), or can again."""
-        _ip("-n", ns(name), "route", "add" if blocked else "del", "prohibit", f"{HEAD_IP}/32")
+    def block(self, name: str, address: str, blocked: bool) -> None:
+        """Node `name` cannot reach `address` (the head's or S3's; connections refused at once), or can again."""
+        _ip("-n", ns(name), "route", "add" if blocked else "del", "prohibit", f"{address}/32")
 
     def worker_logs(self, name: str) -> str:
         """The engine actors' stderr on node `name` (Ray writes each worker's under its temp dir)."""
@@ -292,7 +295,7 @@ class Rig:
         )
 
     def s3_up(self) -> None:
-        self.spawn("s3", "head", [sys.executable, "-m", "moto.server", "-H", HEAD_IP, "-p", "5000"])
+        self.spawn("s3", "head", [sys.executable, "-m", "moto.server", "-H", S3_IP, "-p", "5000"])
 
     def up(self) -> dict[str, float]:
         """Network, S3, head and two GPU nodes; -> how long each start took."""
