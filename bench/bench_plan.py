@@ -42,6 +42,9 @@ def synthetic(path: Path, count: int) -> Path:
 
 
 def run(path: Path, storage: Path) -> tuple[dict, list[int]]:
+    """`bulkgen run` in its own process, as a user runs it -> (its metrics, each request's output tokens in
+    input order). Its own process: in a test's, it would join that session's Ray and reuse a worker actor
+    made with other tests' engine settings, which the profile does not model."""
     out = storage / f"{path.stem}.out.jsonl"
     cmd = [
         sys.executable,
@@ -54,7 +57,9 @@ def run(path: Path, storage: Path) -> tuple[dict, list[int]]:
         "--storage",
         str(storage),
     ]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=1800, cwd=ROOT)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"bulkgen run {path} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     lengths = [e["response"]["body"]["usage"].get("completion_tokens", 0) for e in lines]
     return json.loads(out.with_name(f"{path.stem}.out.metrics.json").read_text()), lengths

@@ -109,6 +109,23 @@ def worker_on(cluster: Cluster, node: str) -> int:
     return found[0]
 
 
+def replaced_on(cluster: Cluster, index: int, node: str, mark: int) -> None:
+    """Wait for the service to log worker `index` replaced (after log character `mark`) and for the
+    replacement to report `node`'s address."""
+    wait_until(
+        lambda: cluster.log_line(rf"worker {index} replaced", mark),
+        180,
+        f"worker {index} replaced",
+        interval=0.2,
+    )
+    wait_until(
+        lambda: cluster.workers().get(index) == NODE_IP[node],
+        60,
+        f"the replacement reports node {node}",
+        interval=0.2,
+    )
+
+
 def fault_mid_batch(cluster: Cluster, name: str, index: int, fault, after: float) -> tuple:
     """Run a batch, apply `fault` at >= `after` of it, follow it to its end -> (batch, sent, watch, notice s,
     done s): when the service logged the worker lost, and when the batch was seen completed."""
@@ -171,19 +188,8 @@ def test_the_killed_node_returns_and_its_worker_is_used_again(cluster):
     assert index is not None, "the node-kill scenario did not run"
     mark, t0 = len(cluster.serve_log()), time.monotonic()
     cluster.timing("node_a_restart", cluster.rig.node_up("a"))
-    wait_until(
-        lambda: cluster.log_line(rf"worker {index} replaced", mark),
-        180,
-        f"worker {index} replaced",
-        interval=0.2,
-    )
+    replaced_on(cluster, index, "a", mark)
     cluster.timing("node_start_to_worker_replaced", time.monotonic() - t0)
-    wait_until(
-        lambda: cluster.workers().get(index) == NODE_IP["a"],
-        60,
-        "the replacement reports node a",
-        interval=0.2,
-    )
     sent = rows("back", 150, 48)
     watch = Watch(cluster, cluster.submit(sent, "back").id)
     batch = watch.ended()
@@ -209,19 +215,8 @@ def test_a_partition_mid_batch_then_the_link_back(cluster):
     wait_until(lambda: raylet.poll() is not None, 90, "node b's raylet, declared dead, exits", interval=0.5)
     t0 = time.monotonic()
     cluster.rig.node_up("b")
-    wait_until(
-        lambda: cluster.log_line(rf"worker {index} replaced", mark),
-        180,
-        f"worker {index} replaced",
-        interval=0.2,
-    )
+    replaced_on(cluster, index, "b", mark)
     cluster.timing("partitioned_node_restart_to_worker_replaced", time.monotonic() - t0)
-    wait_until(
-        lambda: cluster.workers().get(index) == NODE_IP["b"],
-        60,
-        "the replacement reports node b",
-        interval=0.2,
-    )
 
 
 def test_a_driver_on_a_host_that_is_no_ray_node_joins_as_a_node_without_gpus(cluster):

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -29,39 +27,12 @@ STEP_TOLERANCE = (
 )
 
 
-def synthetic(path: Path, count: int = 5000) -> Path:
-    """The benchmark's synthetic file (bench/bench_plan.py), so the test and the figures use one workload."""
+def _bench():
+    """bench/bench_plan.py: the test and the figures use one workload and one way to run it."""
     spec = importlib.util.spec_from_file_location("bench_plan", ROOT / "bench" / "bench_plan.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return bench.synthetic(path, count)
-
-
-def run_batch(path: Path, storage: Path) -> dict:
-    """`bulkgen run` in its own process, as a user runs it: in this one it would join the test session's
-    Ray and reuse a worker actor made with other tests' engine settings, which the profile does not model."""
-    out = storage / f"{path.stem}.out.jsonl"
-    cmd = [
-        sys.executable,
-        "-c",
-        "from bulkgen.cli import cli; cli()",
-        "run",
-        str(path),
-        "--output",
-        str(out),
-        "--storage",
-        str(storage),
-    ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return json.loads(out.with_name(f"{path.stem}.out.metrics.json").read_text())
-
-
-def real_lengths(storage: Path, path: Path, requests: int) -> list[int]:
-    """Each request's completion tokens, in input order (the output file keeps it)."""
-    lines = [json.loads(line) for line in (storage / f"{path.stem}.out.jsonl").read_text().splitlines()]
-    assert len(lines) == requests
-    return [e["response"]["body"]["usage"].get("completion_tokens", 0) for e in lines]
+    return bench
 
 
 def simulated_steps(work, outputs: list[int]) -> float:
@@ -80,17 +51,20 @@ def test_plan_counts_tokens_exactly_and_simulates_the_steps_the_engine_took(tmp_
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
     context = _max_model_len(AutoConfig.from_pretrained(default_model_path(), local_files_only=True), None)
-    files = [SAMPLES / "chat.jsonl", SAMPLES / "completions.jsonl", synthetic(tmp_path / "synthetic.jsonl")]
+    bench = _bench()
+    files = [
+        SAMPLES / "chat.jsonl",
+        SAMPLES / "completions.jsonl",
+        bench.synthetic(tmp_path / "synthetic.jsonl", 5000),
+    ]
     report = {}
     for f in files:
-        metrics = run_batch(f, tmp_path / f.stem)  # each on its own storage
+        metrics, lengths = bench.run(f, tmp_path / f.stem)  # each on its own storage
         work = scan_file(f, detect_endpoint(f), DEFAULT_MODEL_NAME, tokenizer, context, 50_000)
         assert sum(work.prompt_tokens) == metrics["input_tokens"]  # exact, as the workers counted
+        assert len(lengths) == work.validation.total
         steps = sum(w["steps"] for w in metrics["per_worker"].values())
-        report[f.name] = {
-            "engine_steps": steps,
-            "simulated": simulated_steps(work, real_lengths(tmp_path / f.stem, f, work.validation.total)),
-        }
+        report[f.name] = {"engine_steps": steps, "simulated": simulated_steps(work, lengths)}
     print(json.dumps(report))
     for name, r in report.items():
         assert abs(r["simulated"] - r["engine_steps"]) <= STEP_TOLERANCE * r["engine_steps"] + 1, (
