@@ -8,7 +8,7 @@ once. Leases are renewed here; a runner whose lease was taken stops without writ
 
 An index entry whose record cannot be read yet is a batch still being created (the record is written
 first, but a slow write may show the entry alone): its runner gives it up and a later scan tries again.
-After ORPHAN_AFTER_S the entry is a leftover of a creator that died between its writes, and is dropped.
+After UNCREATED_AFTER_S the entry is a leftover of a creator that died between its writes, and is dropped.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from bulkgen.store import StorageUnavailable
 log = logging.getLogger(__name__)
 
 SCAN_EVERY_S = 2.0
-ORPHAN_AFTER_S = 600.0
+UNCREATED_AFTER_S = 600.0  # an index entry this old without a record: its creator died
 
 
 class BatchManager:
@@ -188,7 +188,7 @@ class BatchManager:
     def _not_created_yet(self, runner: BatchRunner) -> None:
         runner.lease.release()
         made = id_time(runner.batch_id)
-        if made is None or time.time() - made >= ORPHAN_AFTER_S:
+        if made is None or time.time() - made >= UNCREATED_AFTER_S:
             log.warning(
                 "batch %s: in the active index for %.0f s without a record (its creator stopped between "
                 "writes); dropped from the index",
