@@ -38,6 +38,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_engine import _hf_static_groups, make_workload  # noqa: E402
 
+from bulkgen.engine.attn_backends import SDPA_CHOICES  # noqa: E402
+
 ANCHOR = {
     "requests": 512,
     "prompt": (16, 1024),
@@ -301,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         report["greedy_vs_hf_static"] = divergence(static_tokens, greedy_tokens)
     save()
     rows.append(run_bulkgen(engine, work, sampled=True, device=device)[0])
+    report["sdpa_kernels"] = dict(SDPA_CHOICES)  # which SDPA kernel each call site ran, under the pin
     save()
     if args.profile:
         report["profile"] = profile_steps(engine, work, Path(args.out), device)

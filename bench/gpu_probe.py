@@ -70,7 +70,16 @@ def versions() -> dict:
 
 
 def decode_attention() -> dict:
-    from bulkgen.engine.attn_backends import DecodeMeta, paged_decode
+    from torch.nn.attention import sdpa_kernel
+
+    from bulkgen.engine.attention import SDPA_ORDER
+
+    with sdpa_kernel(SDPA_ORDER, set_priority=True):  # the kernel order the engine's forwards run under
+        return _decode_attention()
+
+
+def _decode_attention() -> dict:
+    from bulkgen.engine.attn_backends import DecodeMeta, paged_decode, sdpa_choice
 
     b, w, bs, hkv, group, d = 512, 96, 16, 8, 4, 64
     kc = torch.randn(b * w + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -80,9 +89,8 @@ def decode_attention() -> dict:
     q = torch.randn(b, hkv * group, d, device="cuda", dtype=torch.bfloat16)
     k = kc[table].view(b, -1, hkv, d).transpose(1, 2)
     mask = (torch.arange(w * bs, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
-    choice = torch._fused_sdp_choice(q.view(b, hkv, group, d), k, k, mask, scale=d**-0.5)
-    out = {
-        "sdpa_choice": {int(x): x.name for x in torch.nn.attention.SDPBackend}.get(int(choice), int(choice)),
+    out = {  # under the engine's pinned kernel order, as its padded decode runs
+        "sdpa_choice": sdpa_choice(q.view(b, hkv, group, d), k, k, attn_mask=mask, scale=d**-0.5),
         "padded_decode_ms_per_layer": cuda_ms(
             lambda: paged_decode(q, kc, vc, DecodeMeta(0, b, table, lengths), d**-0.5)
         ),

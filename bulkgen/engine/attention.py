@@ -8,7 +8,11 @@ rebuilt and transformers builds no [T, T] mask (its mask factory early-exits for
 does not know). How the attention itself is computed is the backend's business (attn_backends).
 
 The implementation is switched on only inside `attention_scope`, around the engine's own forward
-calls; the caller's model keeps its own attention implementation otherwise.
+calls; the caller's model keeps its own attention implementation otherwise. The scope also pins the
+order in which `scaled_dot_product_attention` picks its kernel (flash, memory-efficient, math: never
+cuDNN, which builds an execution plan for every new shape and would do so for each new batch size and
+context width, and each CUDA graph capture); which kernel each call site got is in
+`attn_backends.SDPA_CHOICES`.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 ATTN_IMPLEMENTATION = "bulkgen_paged"
+# SDPA's kernels in the order bulkgen lets it try them; a kernel that cannot take a call (flash with a
+# mask, memory-efficient on CPU) is skipped for the next
+SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -70,7 +78,8 @@ def attention_scope(model: torch.nn.Module) -> Iterator[None]:
     previous = config._attn_implementation
     config._attn_implementation = ATTN_IMPLEMENTATION
     try:
-        yield
+        with sdpa_kernel(SDPA_ORDER, set_priority=True):
+            yield
     finally:
         config._attn_implementation = previous
 

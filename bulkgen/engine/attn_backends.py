@@ -17,6 +17,7 @@ in this torch, checks each against `plain` on a small packed case, and keeps the
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,12 @@ import torch.nn.functional as F
 
 from . import triton_decode
 from .step_plan import HostPack, StepPlan
+
+log = logging.getLogger(__name__)
+# "call site, device dtype" ("prefill, cuda bfloat16"; sites: prefill, prefill continuation, padded
+# decode) -> the SDPA kernel its first call got,
+# under the order attention.attention_scope pins; benchmarks record it beside their timings
+SDPA_CHOICES: dict[str, str] = {}
 
 
 @dataclass
@@ -119,7 +126,9 @@ def _sdpa_segment(q, k, v, k_cache, v_cache, seg: Segment, scale: float) -> torc
         ks = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, seg.rows)
         vs = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, seg.rows)
     ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [Hkv, S, D]
-    out = F.scaled_dot_product_attention(  # 4-D inputs reach the fused CPU kernel; 3-D ones do not
+    site = "prefill" if seg.mask is None else "prefill continuation"
+    out = sdpa(  # 4-D inputs reach the fused CPU kernel; 3-D ones do not
+        site,
         qs[None],
         ks[None],
         vs[None],
@@ -150,8 +159,30 @@ def paged_decode(
     # The query heads sharing a KV head become that head's query rows: no GQA expansion, and the
     # masked bf16 case stays eligible for the memory-efficient kernel (which lacks enable_gqa).
     grouped = q.to(compute).view(num_seqs, hkv, hq // hkv, dim)
-    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    out = sdpa("padded decode", grouped, k, v, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_seqs, hq, dim).to(q.dtype)
+
+
+def sdpa(site: str, q, k, v, **kwargs) -> torch.Tensor:
+    """`F.scaled_dot_product_attention`, logging once per call site which kernel SDPA chose for it."""
+    key = f"{site}, {q.device.type} {str(q.dtype).removeprefix('torch.')}"
+    if key not in SDPA_CHOICES:
+        SDPA_CHOICES[key] = sdpa_choice(q, k, v, **kwargs)
+        log.info("attention: SDPA runs %s with the %s kernel", key, SDPA_CHOICES[key])
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+def sdpa_choice(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False) -> str:
+    """The kernel SDPA picks for these inputs under the current backend settings (`torch._fused_sdp_choice`
+    is private: if it goes away or refuses the call, the answer says so instead of failing the step)."""
+    try:
+        choice = torch._fused_sdp_choice(
+            q, k, v, attn_mask, 0.0, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        return f"unknown ({type(exc).__name__})"
+    names = {int(b): name.lower() for name, b in torch.nn.attention.SDPBackend.__members__.items()}
+    return names.get(int(choice), str(int(choice)))
 
 
 @dataclass

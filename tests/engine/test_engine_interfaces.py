@@ -250,3 +250,26 @@ def test_kv_cache_on_a_big_gpu_is_capped_at_what_the_batch_can_use(monkeypatch):
     reused = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, max_model_len=131072)
     assert reused == int(30 * gib * 0.85) // anchor_block
     assert kv_cache_blocks(EngineConfig(num_kv_blocks=77), cuda, anchor_block, 131072) == 77
+
+
+def test_sdpa_kernel_order_is_pinned_inside_the_engine_and_the_choice_recorded(
+    make_engine, reference, mixed_prompts
+):
+    """cuDNN attention builds a plan per new shape: inside the engine's forward SDPA may not pick it, the
+    caller's settings come back afterwards, and the kernel each call site ran is recorded."""
+    from bulkgen.engine.attention import attention_scope
+    from bulkgen.engine.attn_backends import SDPA_CHOICES
+
+    engine = make_engine("llama", block_size=4, max_num_batched_tokens=16)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_scope(engine.model):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    SDPA_CHOICES.clear()
+    prompts = mixed_prompts(seed=52, count=3, low=6, high=30)  # 16-token chunks: continuations too
+    outs = engine.generate(prompts, _greedy(3))
+    assert [o.token_ids for o in outs] == [reference.greedy("llama", p, 3) for p in prompts]
+    assert set(SDPA_CHOICES) >= {"prefill, cpu float32", "prefill continuation, cpu float32"}
+    assert SDPA_CHOICES["padded decode, cpu float32"] in {"flash_attention", "math"}
+    assert all(choice in {"flash_attention", "math"} for choice in SDPA_CHOICES.values()), SDPA_CHOICES
