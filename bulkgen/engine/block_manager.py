@@ -3,6 +3,8 @@
 A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
 Blocks whose ref count drops to zero stay hashed in an LRU free list and are revived on a hit, so a
 system prompt shared by thousands of rows is computed once while memory allows.
+The pool is lazy: never-used ids come from a counter and a `Block` exists only once its id is handed out,
+because a large GPU holds tens of millions of blocks and one object per block cost seconds and gigabytes.
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.blocks: list[Block] = []  # blocks[i] for every id ever handed out, i.e. i < next_fresh
+        self.next_fresh = 0  # ids from here up were never used; they are taken before any freed id
+        self.freed: OrderedDict[int, None] = OrderedDict()  # ref count zero, oldest first (LRU)
         self.hash_to_block: dict[int, int] = {}
         self._hashed: dict[int, tuple[int, int | None]] = {}  # seq_id -> (num hashed blocks, last hash)
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return self.num_blocks - self.next_fresh + len(self.freed)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so its table covers `num_tokens` tokens."""
@@ -68,7 +71,7 @@ class BlockManager:
         """Give a waiting `seq` its cached prefix blocks plus fresh ones up to `num_tokens`; False if short."""
         revived = sum(1 for b in cached if self.blocks[b].ref_count == 0)
         fresh = max(0, -(-num_tokens // self.block_size) - len(cached))
-        if revived + fresh > len(self.free):
+        if revived + fresh > self.num_free_blocks:
             return False
         for block_id in cached:
             self._ref(block_id)
@@ -82,7 +85,7 @@ class BlockManager:
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Append fresh blocks so `seq` can hold `num_tokens` tokens; False (nothing taken) if short."""
         need = self.blocks_needed(seq, num_tokens)
-        if need > len(self.free):
+        if need > self.num_free_blocks:
             return False
         for _ in range(need):
             seq.block_table.append(self._take_free())
@@ -94,7 +97,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
+                self.freed[block_id] = None
         seq.block_table = []
         self._hashed.pop(seq.seq_id, None)
 
@@ -118,15 +121,21 @@ class BlockManager:
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free[block_id]
+            del self.freed[block_id]
         block.ref_count += 1
 
     def _take_free(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash, block.token_ids = None, None
+        """A never-used id (lowest first) while any is left, else the block freed longest ago."""
+        if self.next_fresh < self.num_blocks:
+            block = Block(self.next_fresh)
+            self.blocks.append(block)
+            self.next_fresh += 1
+        else:
+            block_id, _ = self.freed.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash, block.token_ids = None, None
         block.ref_count = 1
-        return block_id
+        return block.block_id
