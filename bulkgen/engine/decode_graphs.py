@@ -1,15 +1,21 @@
 """Decode-only steps over static buffers, replayed from CUDA graphs captured per shape bucket.
 
-A decode step's shapes depend only on its batch size and the widest block table, so both are rounded
-up to the next of 1, 2, 3, 4, 6, 8, 12, ... (at most 1.5x padding) and each (batch, width) bucket
-gets static device buffers and, on CUDA, one graph, captured on first use or ahead by `capture()`
-(the ~1,000 eager kernel launches of a forward become one replay). Padded rows read block 0 and
-write their K/V to a scratch slot past the last real block; their logits are dropped. The step's
-integers are staged in a pinned host buffer and copied in one non-blocking copy. On CPU the same
-path runs eagerly (`EngineConfig.cuda_graphs=True`), so its padding is tested there. Decode
-attention inside graphs is the engine's probed decode kernel: the triton paged kernel on CUDA (it reads
-only each sequence's real blocks, so a wide bucket costs table entries, not attention work), else the
-padded SDPA (static shapes, float32 score accumulation).
+Each decoding sequence's block table lives in one row of a persistent device tensor (SlotTables), kept
+up to date incrementally: a step uploads only the entries appended since the row was last written
+(one block per sequence every block_size steps), never the B x W table. A step's own inputs are four
+ints per row (token, position, table row, length), staged with any table updates in one HostPack and
+copied in one non-blocking upload; the slots its K/V are written to are computed on the device.
+
+The batch size is rounded up to the next of 1, 2, 3, 4, 6, 8, 12, ... (at most 1.5x padding) and each
+bucket gets static device buffers and, on CUDA, one graph (the ~1,000 eager kernel launches of a
+forward become one replay). With the paged decode kernel (triton, CUDA's default) a bucket depends on
+the batch size only: the kernel reads each sequence's real blocks in place whatever the table's width,
+so every bucket is captured once, at engine start (what vLLM does), and no capture stalls a step. The
+padded-SDPA kernel (CPU, and CUDA without triton) gathers the table's whole width, so there the width
+(blocks, rounded the same way) is a second key and buckets are built on first use or by `capture()`.
+Padded rows use a padding table row whose blocks are the scratch block past the last real one: they
+read and write only it, and their logits are dropped. On CPU the same path runs eagerly
+(`EngineConfig.cuda_graphs=True`), so its padding and table bookkeeping are tested there.
 
 Captures run under inference mode whoever calls them: with autograd on, every captured forward would
 keep its graph (and the gathered K/V it saved) alive, hundreds of GB at a 1B model's shapes. A capture
@@ -24,9 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
+from . import triton_decode
 from .attention import StepContext, attention_scope
 from .attn_backends import DecodeMeta, PlainBackend
-from .step_plan import StepPlan
+from .sequence import Sequence
+from .step_plan import HostPack
 
 log = logging.getLogger(__name__)
 MIN_WIDTH = 4
@@ -48,20 +56,67 @@ def buckets_up_to(limit: int) -> list[int]:
         n = size + 1
 
 
+class SlotTables:
+    """Block tables of the decoding sequences as rows of one persistent [rows + 1, width] device tensor.
+
+    A sequence keeps its row while it decodes; a row is rewritten from scratch when its sequence's
+    table was replaced (a preemption, an engine reset) and otherwise gets only its new entries. When
+    every row is taken, the rows of sequences absent from the current step are reclaimed (finished or
+    waiting sequences: one that comes back is rewritten). The last row is padding: every entry the
+    scratch block."""
+
+    def __init__(self, rows: int, width: int, pad_block: int, device: torch.device) -> None:
+        self.width, self.pad_row = width, rows
+        self.table = torch.full((rows + 1, width), pad_block, dtype=torch.int64, device=device)
+        self.free = list(range(rows - 1, -1, -1))
+        self.row_of: dict[int, int] = {}  # seq_id -> row
+        self.seq_of: list[int | None] = [None] * rows
+        self.owner: list[list[int] | None] = [None] * rows  # the block_table list the row mirrors
+        self.written = [0] * rows  # entries of that list already on the device
+
+    def rows_for(self, seqs: list[Sequence], index: list[int], values: list[int]) -> list[int]:
+        """Each sequence's row, appending (flat index, block id) of entries the device lacks."""
+        rows, width = [], self.width
+        for seq in seqs:
+            table = seq.block_table
+            row = self.row_of.get(seq.seq_id)
+            if row is None:
+                row = self._assign(seq.seq_id, seqs)
+            if self.owner[row] is not table:
+                self.owner[row], self.written[row] = table, 0
+            done = self.written[row]
+            if len(table) > done:
+                base = row * width
+                index.extend(range(base + done, base + len(table)))
+                values.extend(table[done:])
+                self.written[row] = len(table)
+            rows.append(row)
+        return rows
+
+    def _assign(self, seq_id: int, step: list[Sequence]) -> int:
+        if not self.free:  # reclaim every row whose sequence is not in this step, at once
+            present = {s.seq_id for s in step}
+            for row, owner in enumerate(self.seq_of):
+                if owner is not None and owner not in present:
+                    del self.row_of[owner]
+                    self.seq_of[row], self.owner[row] = None, None
+                    self.free.append(row)
+        row = self.free.pop()
+        self.row_of[seq_id], self.seq_of[row], self.owner[row] = row, seq_id, None
+        return row
+
+
 @dataclass
 class _Bucket:
     batch: int
-    width: int
-    buf: torch.Tensor  # device int64 [batch * (4 + width)]: ids, positions, slots, lengths, table
-    staging: torch.Tensor  # host (pinned on CUDA) twin of buf
+    width: int  # table columns the forward reads
+    buf: torch.Tensor  # device int64 [batch * 4]: token ids, positions, table rows, lengths
     graph: object | None = None
     out: torch.Tensor | None = None
-    copied: object | None = None  # CUDA event behind the last staging copy
 
     def views(self):
         b = self.batch
-        ids, pos, slots, lengths = (self.buf[i * b : (i + 1) * b] for i in range(4))
-        return ids, pos, slots, lengths, self.buf[4 * b :].view(b, self.width)
+        return tuple(self.buf[i * b : (i + 1) * b] for i in range(4))
 
 
 class DecodeGraphs:
@@ -71,84 +126,79 @@ class DecodeGraphs:
         k_caches,
         v_caches,
         block_size: int,
-        scratch_slot: int,
+        scratch_block: int,
         max_batch: int,
         max_width: int,
         capture: bool,
         decode_kernel: str | None = None,
     ):
+        """`max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
+        last real one, which padded rows read and write."""
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
-        self.block_size, self.scratch_slot = block_size, scratch_slot
-        self.max_batch, self.max_width = max_batch, max_width
+        self.block_size, self.max_batch, self.max_width = block_size, max_batch, max_width
         self.device = k_caches[0].device
         self.use_graphs = capture
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = None
         self.plain = PlainBackend(decode_kernel)
+        self.paged = (decode_kernel or triton_decode.default_kernel(self.device)) == "triton"
+        self.tables = SlotTables(max_batch, max_width, scratch_block, self.device)
+        self.pack = HostPack(self.device)
 
     @torch.inference_mode()
-    def capture(self, max_context: int) -> int:
-        """Build (and on CUDA capture) every bucket for contexts up to `max_context` tokens, so no
-        capture happens mid-run (what vLLM does at startup); returns the number of buckets."""
-        top = bucket(max(-(-max_context // self.block_size), MIN_WIDTH), self.max_width)
-        widths = [w for w in buckets_up_to(top) if w >= MIN_WIDTH]
+    def capture(self, max_context: int | None = None) -> int:
+        """Build (and on CUDA capture) every bucket for contexts up to `max_context` tokens (default: the
+        longest), so no capture happens mid-run; returns the number of buckets. With the paged kernel
+        that is one bucket per batch size whatever `max_context`."""
+        widths = [self.max_width]
+        if not self.paged:
+            blocks = -(-(max_context or self.max_width * self.block_size) // self.block_size)
+            top = bucket(max(blocks, MIN_WIDTH), self.max_width)
+            widths = [w for w in buckets_up_to(top) if w >= min(MIN_WIDTH, top)]
         for batch in buckets_up_to(self.max_batch):
             for width in widths:
                 self._bucket(batch, width)
         return len(self.buckets)
 
-    def run(self, plan: StepPlan, ids: list[int]) -> torch.Tensor:
-        """Logits [B, vocab] (float32) of a decode-only plan."""
-        num = len(ids)
-        width = max(-(-(s + 1) // self.block_size) for s in plan.starts)
-        b = self._bucket(bucket(num, self.max_batch), bucket(max(width, MIN_WIDTH), self.max_width))
-        if b.copied is not None:
-            b.copied.synchronize()  # the staging buffer's previous copy has left it
-        self._stage(b, plan, ids)
-        b.buf.copy_(b.staging, non_blocking=True)
-        if self.device.type == "cuda":
-            b.copied = torch.cuda.Event()
-            b.copied.record()
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, vocab] (float32) of one new token for each of `seqs` (at position
+        num_computed_tokens, its blocks already allocated)."""
+        num, bs = len(seqs), self.block_size
+        starts = [s.num_computed_tokens for s in seqs]
+        ids = [s.token_ids[p] for s, p in zip(seqs, starts, strict=True)]
+        index: list[int] = []
+        values: list[int] = []
+        rows = self.tables.rows_for(seqs, index, values)
+        width = self.max_width
+        if not self.paged:
+            width = bucket(max(-(-(max(starts) + 1) // bs), MIN_WIDTH), self.max_width)
+        b = self._bucket(bucket(num, self.max_batch), width)
+        pad = b.batch - num
+        pack = self.pack
+        pack.add(ids + [0] * pad)
+        pack.add(starts + [0] * pad)
+        pack.add(rows + [self.tables.pad_row] * pad)
+        pack.add([p + 1 for p in starts] + [1] * pad)
+        updates = pack.add(index)
+        pack.add(values)
+        flat = pack.upload()
+        b.buf.copy_(flat[: 4 * b.batch], non_blocking=True)
+        if index:
+            count = len(index)
+            self.tables.table.view(-1).index_copy_(
+                0, flat[updates], flat[updates.stop : updates.stop + count]
+            )
         if b.graph is not None:
             b.graph.replay()
             return b.out[:num].float()
         return self._forward(b)[:num].float()
 
-    def _stage(self, b: _Bucket, plan: StepPlan, ids: list[int]) -> None:
-        num, bs = len(ids), self.block_size
-        lengths = [s + 1 for s in plan.starts]
-        table = []
-        for t, n in zip(plan.block_tables, lengths, strict=True):
-            used = t[: -(-n // bs)]
-            table.extend(used + [0] * (b.width - len(used)))
-        pad = b.batch - num
-        values = (
-            ids
-            + [0] * pad
-            + plan.starts
-            + [0] * pad
-            + plan.slots()
-            + [self.scratch_slot] * pad
-            + lengths
-            + [1] * pad
-            + table
-            + [0] * (pad * b.width)
-        )
-        b.staging.copy_(torch.tensor(values, dtype=torch.int64))
-
     def _bucket(self, batch: int, width: int) -> _Bucket:
         key = (batch, width)
         if key not in self.buckets:
-            size = batch * (4 + width)
-            pinned = self.device.type == "cuda"
-            b = _Bucket(
-                batch,
-                width,
-                torch.zeros(size, dtype=torch.int64, device=self.device),
-                torch.zeros(size, dtype=torch.int64, pin_memory=pinned),
-            )
-            _, _, slots, lengths, _ = b.views()
-            slots.fill_(self.scratch_slot)  # an all-padding step: safe to run while capturing
+            b = _Bucket(batch, width, torch.zeros(batch * 4, dtype=torch.int64, device=self.device))
+            _, _, rows, lengths = b.views()
+            rows.fill_(self.tables.pad_row)  # an all-padding step: safe to run while capturing
             lengths.fill_(1)
             if self.use_graphs:
                 self._try_capture(b)
@@ -156,7 +206,12 @@ class DecodeGraphs:
         return self.buckets[key]
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
-        ids, pos, slots, lengths, table = b.views()
+        ids, pos, rows, lengths = b.views()
+        table = self.tables.table.index_select(0, rows)
+        if b.width < table.shape[1]:
+            table = table[:, : b.width]
+        bs = self.block_size
+        slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         meta = ([], DecodeMeta(0, b.batch, table, lengths))
         ctx = StepContext(slots, self.k_caches, self.v_caches, self.plain, meta)
         with attention_scope(self.model):

@@ -225,9 +225,11 @@ class Engine:
         scored = self._score_prompts(step)
         if step.pooled:
             add_chunks(step.pooled, step.hidden, step.pool_spans, self.pooling.method)
+        bs = self.config.block_size
         for seq, n in batch.items:
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.num_computed_tokens // bs != (seq.num_computed_tokens - n) // bs:  # a block filled
+                self.block_manager.commit(seq)
         for seq, entries in scored:
             seq.request.prompt_logprobs.extend(entries)
         done += self._append_tokens(sampling, tokens, logprobs)

@@ -93,18 +93,20 @@ class ModelRunner:
         wanted = self.config.cuda_graphs
         if not (wanted or (wanted is None and on_cuda)):
             return None
-        max_width = 1 << (-(-max_model_len // self.block_size) - 1).bit_length()
-        return DecodeGraphs(
+        graphs = DecodeGraphs(
             self.model,
             self.k_caches,
             self.v_caches,
             self.block_size,
-            self.num_blocks * self.block_size,
+            self.num_blocks,
             self.config.max_num_seqs,
-            max_width,
+            -(-max_model_len // self.block_size),
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
         )
+        if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
+            graphs.capture()
+        return graphs
 
     def _num_blocks(self, max_model_len: int) -> int:
         block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
@@ -118,13 +120,13 @@ class ModelRunner:
         prompt-logprob prefills (see StepLogits). Changes no sequence."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
-        tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens :][:n]]
         if self.graphs is not None and not plan.num_prefill and not step.pooled:
-            logits = self.graphs.run(plan, tokens)  # one row per sequence: row index = query offset
+            logits = self.graphs.run([s for s, _ in ordered])  # one row per sequence: row = query offset
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             step.logits = logits
             return step
+        tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens :][:n]]
         pack = self.pack
         ids = pack.add(tokens)
         positions, slots = pack.add(plan.positions()), pack.add(plan.slots())

@@ -1,0 +1,190 @@
+"""Host time per engine step on the anchor workload of bench/gpu.py, with the model's forward stubbed.
+
+On a GPU the forward of a decode step at B = 512 takes a few ms; whatever the host does around it
+(scheduling, block tables, staging the step's integers, sampling bookkeeping, stop checks, stats) is
+time the GPU idles unless it is shorter. This runs the real Engine (scheduler, block manager, the
+attention backend's metadata, DecodeGraphs staging with `cuda_graphs=True`, the sampler, stop checks)
+over the anchor's 512 requests (prompts 16-1,024 tokens, outputs 8-256, Llama-3.2-1B's vocabulary for
+the ids) while every model call returns zero logits of width 8 (a [B, 8] sampler pass: nothing of the
+device's work is left but what the host must do anyway). It reports host ms per decode-only step at
+B >= 480 (median, p90) and the whole run's host seconds, greedy and sampled.
+
+The baseline measured in the same run is the step's own floor: one `torch.tensor` of the B x (4 + W)
+ints a decode step must send (what any per-step rebuild pays); the ratio says how many such floors
+the engine's host work costs.
+
+    OMP_NUM_THREADS=1 python bench/bench_host.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from bench_engine import make_workload  # noqa: E402
+
+LOGIT_WIDTH = 8
+ANCHOR = {"requests": 512, "prompt": (16, 1024), "output": (8, 256), "vocab": 128256, "kv_blocks": 45000}
+QUICK = {"requests": 160, "prompt": (16, 256), "output": (8, 64), "vocab": 128256, "kv_blocks": 6000}
+STEADY = (
+    0.94  # decode steps with at least this share of the requests in the batch: the steady state (480 of 512)
+)
+
+
+def stub_engine(spec: dict):
+    """The real engine over a 1-layer Llama whose forwards return zero logits (the device's work gone)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bulkgen.engine import Engine
+    from bulkgen.lab.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=spec["vocab"],
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    engine = Engine(
+        model,
+        tokenizer,
+        max_num_seqs=512,
+        max_num_batched_tokens=16384,
+        num_kv_blocks=spec["kv_blocks"],
+        cuda_graphs=True,
+    )
+
+    class Out:
+        def __init__(self, rows: int) -> None:
+            self.logits = torch.zeros(1, rows, LOGIT_WIDTH)
+
+    def forward(input_ids=None, logits_to_keep=None, **_):
+        return Out(input_ids.shape[1] if logits_to_keep is None else len(logits_to_keep))
+
+    model.forward = forward
+    model.model.forward = lambda **_: None
+    engine.runner.graphs._forward = lambda b: torch.zeros(b.batch, LOGIT_WIDTH)
+    return engine
+
+
+def run(spec: dict, sampled: bool) -> dict:
+    from bulkgen.engine import SamplingParams
+
+    engine = stub_engine(spec)
+    work = make_workload(spec["requests"], spec["prompt"], spec["output"], spec["vocab"], 0)
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lengths, strict=True)):
+        params = (
+            SamplingParams(max_tokens=n, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)
+            if sampled
+            else SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        )
+        engine.add_request(str(i), prompt, params)
+    kinds: list[tuple[bool, int]] = []
+    run_plan = engine.runner._plan
+
+    def plan(batch):
+        ordered, step_plan = run_plan(batch)
+        kinds.append((step_plan.num_prefill == 0, len(ordered)))
+        return ordered, step_plan
+
+    engine.runner._plan = plan
+    times: list[float] = []
+    pack, uploads = engine.runner.graphs.pack, {}
+    upload = pack.upload
+
+    def counted_upload():
+        uploads[len(times)] = len(pack.values)  # keyed by the step it belongs to
+        return upload()
+
+    pack.upload = counted_upload
+    tokens, started = 0, time.perf_counter()
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        for out in engine.step():
+            tokens += len(out.outputs[0].token_ids)
+        times.append(time.perf_counter() - t0)
+    total = time.perf_counter() - started
+    if tokens != work.useful_tokens:
+        raise AssertionError(f"generated {tokens} tokens, the workload asks for {work.useful_tokens}")
+    full = int(STEADY * spec["requests"])
+    steady_at = [i for i, (decode, size) in enumerate(kinds) if decode and size >= full]
+    steady = [times[i] for i in steady_at]
+    steady_ms = sorted(1e3 * t for t in steady)
+    return {
+        "sampled": sampled,
+        "steps": len(times),
+        "decode_steps": sum(decode for decode, _ in kinds),
+        "steady_batch": full,
+        "steady_steps": len(steady_ms),
+        "host_ms_per_decode_step_median": round(statistics.median(steady_ms), 3) if steady_ms else None,
+        "host_ms_per_decode_step_p90": round(steady_ms[int(0.9 * (len(steady_ms) - 1))], 3)
+        if steady_ms
+        else None,
+        "host_s_total": round(total, 3),
+        # ints a steady decode step sends to the device: 4 per row plus the table entries it appended
+        "steady_upload_ints_median": statistics.median([uploads.get(i, 0) for i in steady_at] or [0]),
+        "steady_upload_ints_max": max((uploads.get(i, 0) for i in steady_at), default=0),
+        "decode_buckets": len(engine.runner.graphs.buckets),
+        "output_tokens": tokens,
+    }
+
+
+def floor_ms(batch: int = 512, width: int = 64, repeats: int = 50) -> float:
+    """The baseline: building one decode step's B x (4 + W) int64 tensor from a Python list."""
+    values = list(range(batch * (4 + width)))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.tensor(values, dtype=torch.int64)
+        best = min(best, time.perf_counter() - t0)
+    return 1e3 * best
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="160 requests, shorter prompts and outputs")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    spec = QUICK if args.quick else ANCHOR
+    report = {"spec": spec, "baseline_floor_ms": round(floor_ms(), 3)}
+    report["greedy"] = run(spec, sampled=False)
+    report["sampled"] = run(spec, sampled=True)
+    for mode in ("greedy", "sampled"):
+        median = report[mode]["host_ms_per_decode_step_median"]
+        report[mode]["ratio_to_floor"] = round(median / report["baseline_floor_ms"], 2) if median else None
+    if args.json:
+        print(json.dumps(report))
+        return report
+    print(f"baseline (one B=512 step's ints into a tensor): {report['baseline_floor_ms']:.2f} ms")
+    for mode in ("greedy", "sampled"):
+        r = report[mode]
+        print(
+            f"{mode:8s} steps {r['steps']:4d} (decode {r['decode_steps']}, at B>={r['steady_batch']}: {r['steady_steps']}); "
+            f"host ms per decode step median {r['host_ms_per_decode_step_median']} "
+            f"p90 {r['host_ms_per_decode_step_p90']} ({r['ratio_to_floor']}x the floor); "
+            f"whole run {r['host_s_total']} s"
+        )
+    return report
+
+
+if __name__ == "__main__":
+    main()
