@@ -7,12 +7,24 @@ Greedy rows take the argmax. Random rows sample by inverse CDF: one counter-base
 (see counter_rng) against the cumulative sum of exp(logits / T) in vocabulary order. top-k masks
 below the k-th weight (ties kept). top-p needs no sort: a drawn token is in the nucleus iff the
 mass of strictly heavier tokens is below top_p, so draws are tested and redrawn with the next
-counter (each round accepts with probability >= top_p); rows still unaccepted after a few rounds
-fall back to an exact sorted nucleus. Everything a row does depends only on its own logits, key,
-position and output tokens, so a seeded request samples the same tokens whatever shares its batch.
+counter (each round accepts with probability >= top_p); rows still unaccepted after REJECTION_ROUNDS
+fall back to an exact sorted nucleus. A row accepted at round r takes draw r; the fallback uses the
+uniform at counter + REJECTION_ROUNDS.
+
+No step waits on the device before the tokens' one copy to the host. Rounds after the first run on a
+fixed number of rows, sized on the host from the top-p values alone (twice the expected misses, plus
+slack), that missed at round 0 (moved to the front by a stable sort), with `where` in place of
+data-dependent indexing; the tokens travel with a per-row status, and only rows that status leaves
+unsettled (round 0 missed but they were not among the redrawn rows, or every round missed; rare)
+are finished after the copy, exactly as the plain loop would have, at the cost of a second round trip.
+Everything a row does depends only on its own logits, key, position and output tokens, so a seeded
+request samples the same tokens whatever shares its batch.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,27 +48,80 @@ def sample(
 
     Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
     penalties.py; then the grammar `masks`: (rows, packed bitmask) of constrained rows, whose logprobs
-    are therefore those of the masked distribution). The sampled tokens cross to the host in one copy."""
+    are therefore those of the masked distribution). The tokens cross to the host in one copy, with
+    each row's top-p status; only rows left unsettled on the device (rare) cost a second round trip."""
     adjust_logits(logits, seqs, adjustments)
     if masks is not None:
         apply_masks(logits, *masks)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    draw = None
     if len(rows) == len(seqs):
-        tokens = sample_random(logits, seqs)
+        draw = sample_random(logits, seqs)
+        tokens, status = draw.tokens, draw.status
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens, status = logits.argmax(dim=-1), None
         if rows:
-            index = torch.tensor(rows, device=logits.device)
-            tokens.index_copy_(
-                0, index, sample_random(logits.index_select(0, index), [seqs[i] for i in rows])
-            )
-    logprobs = _logprobs(logits, seqs, tokens)
-    return tokens.tolist(), logprobs
+            index = torch.tensor(rows).to(logits.device, non_blocking=True)
+            draw = sample_random(logits.index_select(0, index), [seqs[i] for i in rows])
+            tokens.index_copy_(0, index, draw.tokens)
+            if draw.status is not None:
+                status = torch.zeros_like(tokens).index_copy_(0, index, draw.status)
+    if status is None:
+        chosen = tokens.tolist()
+    else:
+        chosen, flags = torch.stack((tokens, status)).tolist()
+        late = [i for i, flag in enumerate(flags) if flag]
+        if late:
+            row_of = {seq_row: row for row, seq_row in enumerate(rows)}
+            settled = draw.settle([row_of[i] for i in late], [flags[i] for i in late])
+            tokens.index_copy_(0, torch.tensor(late, device=tokens.device), settled)
+            for i, token in zip(late, settled.tolist(), strict=True):
+                chosen[i] = token
+    del draw  # its [B, vocab] weights are not needed by the logprobs
+    return chosen, _logprobs(logits, seqs, tokens)
 
 
-def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """One token per row from softmax(logits / T) restricted to each row's top-k and top-p."""
-    device, vocab = logits.device, logits.shape[1]
+SETTLED, SKIPPED, EXHAUSTED = 0, 1, 2  # RandomDraw.status values
+
+
+@dataclass
+class RandomDraw:
+    """One token per row on the device, and (when some row has a top-p) each row's status: SETTLED, or
+    SKIPPED (its round-0 draw missed the nucleus and it was not among the rows redrawn) or EXHAUSTED
+    (every round missed); `settle` finishes those rows as the unbounded rejection loop would have."""
+
+    tokens: torch.Tensor
+    status: torch.Tensor | None = None
+    rows: tuple[torch.Tensor, ...] = ()  # cum, weights, limit, top_p, key_lo, key_hi, counter
+
+    def settle(self, rows: list[int], status: list[int]) -> torch.Tensor:
+        """The tokens of `rows` (with their host-side `status`): the remaining rounds for SKIPPED rows,
+        then the sorted nucleus for rows no round accepted. May synchronise; it is the rare path."""
+        device = self.tokens.device
+        index = torch.tensor(rows).to(device, non_blocking=True)
+        cum, weights, limit, top_p, key_lo, key_hi, counter = (t.index_select(0, index) for t in self.rows)
+        exhausted = torch.tensor(status).to(device, non_blocking=True)[:, None] == EXHAUSTED
+        token, done = _redraw(
+            cum,
+            weights,
+            limit,
+            key_lo,
+            key_hi,
+            counter,
+            self.tokens.index_select(0, index)[:, None],
+            exhausted,
+        )
+        u = uniforms(key_lo, key_hi, counter + REJECTION_ROUNDS)
+        nucleus = _sorted_nucleus(weights, top_p, u)
+        return torch.where((exhausted | ~done).squeeze(1), nucleus, token.squeeze(1))
+
+
+def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> RandomDraw:
+    """One token per row from softmax(logits / T) restricted to each row's top-k and top-p, without a
+    host synchronisation: rows whose round-0 draw misses the nucleus are moved to the front and a
+    fixed number of them (sized on the host from the top-p values) are redrawn for the remaining
+    rounds; any other row is left to RandomDraw.settle."""
+    device, (batch, vocab) = logits.device, logits.shape
     floats = torch.tensor([[1.0 / s.params.temperature, s.params.top_p] for s in seqs], dtype=torch.float32)
     ints = torch.tensor(
         [
@@ -80,21 +145,33 @@ def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     cum = weights.cumsum(dim=-1)
     token = _draw(cum, key_lo, key_hi, counter)
     if all(s.params.top_p >= 1.0 for s in seqs):
-        return token.squeeze(1)
+        return RandomDraw(token.squeeze(1))
     limit = top_p * cum[:, -1:]
     accepted = _in_nucleus(weights, token, limit)
-    pending = (~accepted).squeeze(1).nonzero().squeeze(1)  # usually a few rows: redraw only those
+    rows = (cum, weights, limit, top_p, key_lo, key_hi, counter)
+    # Round 0 misses with probability <= 1 - top_p per row: twice the expected misses, plus slack.
+    redrawn = min(batch, math.ceil(2 * sum(max(0.0, 1.0 - s.params.top_p) for s in seqs)) + 8)
+    if redrawn == batch:
+        token, done = _redraw(cum, weights, limit, key_lo, key_hi, counter, token, accepted)
+        status = torch.where(done, SETTLED, EXHAUSTED).squeeze(1)
+    else:
+        index = torch.argsort(accepted.squeeze(1).to(torch.int8), stable=True)[:redrawn]
+        picked, done = _redraw(*(t.index_select(0, index) for t in (*rows[:3], *rows[4:], token, accepted)))
+        token.index_copy_(0, index, picked)
+        status = torch.where(accepted, SETTLED, SKIPPED).squeeze(1)
+        status.index_copy_(0, index, torch.where(done, SETTLED, EXHAUSTED).squeeze(1))
+    return RandomDraw(token.squeeze(1), status, rows)
+
+
+def _redraw(cum, weights, limit, key_lo, key_hi, counter, token, done) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounds 1.. of the rejection loop over fixed-shape [R, 1] rows: a row not `done` takes the first
+    redraw inside its nucleus. Returns (token, done)."""
     for round_ in range(1, REJECTION_ROUNDS):
-        if not pending.numel():
-            return token.squeeze(1)
-        retry = _draw(cum[pending], key_lo[pending], key_hi[pending], counter[pending] + round_)
-        ok = _in_nucleus(weights[pending], retry, limit[pending])
-        token[pending] = torch.where(ok, retry, token[pending])
-        pending = pending[~ok.squeeze(1)]
-    if pending.numel():
-        u = uniforms(key_lo[pending], key_hi[pending], counter[pending] + REJECTION_ROUNDS)
-        token[pending, 0] = _sorted_nucleus(weights[pending], top_p[pending], u)
-    return token.squeeze(1)
+        retry = _draw(cum, key_lo, key_hi, counter + round_)
+        ok = _in_nucleus(weights, retry, limit)
+        token = torch.where(~done & ok, retry, token)
+        done = done | ok
+    return token, done
 
 
 def _draw(cum: torch.Tensor, key_lo, key_hi, counter) -> torch.Tensor:

@@ -50,7 +50,7 @@ def test_sampled_frequencies_follow_the_truncated_distribution(top_p, top_k):
     the top-k then the top-p nucleus (0.05 forces the sorted fallback: the nucleus is one token)."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
     rows = 4000
-    tokens = sampler.sample_random(logits.repeat(rows, 1), _seqs(rows, top_p=top_p, top_k=top_k))
+    tokens = torch.tensor(sampler.sample(logits.repeat(rows, 1), _seqs(rows, top_p=top_p, top_k=top_k))[0])
     probs = torch.softmax(logits, 0)
     keep = torch.ones_like(probs, dtype=torch.bool)
     if top_k:
@@ -68,12 +68,12 @@ def test_a_row_samples_the_same_token_alone_and_in_any_crowd():
     torch.manual_seed(0)
     logits = torch.randn(16, 1000)
     seqs = _seqs(16, temperature=0.8, top_p=0.95, position=5)
-    crowd = sampler.sample_random(logits, seqs)
+    crowd, _ = sampler.sample(logits.clone(), seqs)
     for i in (0, 7, 15):
-        alone = sampler.sample_random(logits[i : i + 1], [seqs[i]])
-        assert int(alone) == int(crowd[i])
-    shuffled = sampler.sample_random(logits.flip(0), seqs[::-1])
-    assert shuffled.flip(0).tolist() == crowd.tolist()
+        alone, _ = sampler.sample(logits[i : i + 1].clone(), [seqs[i]])
+        assert alone == [crowd[i]]
+    shuffled, _ = sampler.sample(logits.flip(0), seqs[::-1])
+    assert shuffled[::-1] == crowd
 
 
 def test_mixed_greedy_and_random_rows():
