@@ -74,7 +74,7 @@ def sample(
         if late:
             row_of = {seq_row: row for row, seq_row in enumerate(rows)}
             settled = draw.settle([row_of[i] for i in late], [flags[i] for i in late])
-            tokens.index_copy_(0, torch.tensor(late, device=tokens.device), settled)
+            tokens.index_copy_(0, torch.tensor(late).to(tokens.device, non_blocking=True), settled)
             for i, token in zip(late, settled.tolist(), strict=True):
                 chosen[i] = token
     del draw  # its [B, vocab] weights are not needed by the logprobs
@@ -88,29 +88,21 @@ SETTLED, SKIPPED, EXHAUSTED = 0, 1, 2  # RandomDraw.status values
 class RandomDraw:
     """One token per row on the device, and (when some row has a top-p) each row's status: SETTLED, or
     SKIPPED (its round-0 draw missed the nucleus and it was not among the rows redrawn) or EXHAUSTED
-    (every round missed); `settle` finishes those rows as the unbounded rejection loop would have."""
+    (every round missed); `settle` finishes those rows as the plain rejection loop would have."""
 
     tokens: torch.Tensor
     status: torch.Tensor | None = None
-    rows: tuple[torch.Tensor, ...] = ()  # cum, weights, limit, top_p, key_lo, key_hi, counter
+    state: tuple[torch.Tensor, ...] = ()  # cum, weights, limit, top_p, key_lo, key_hi, counter
 
     def settle(self, rows: list[int], status: list[int]) -> torch.Tensor:
         """The tokens of `rows` (with their host-side `status`): the remaining rounds for SKIPPED rows,
         then the sorted nucleus for rows no round accepted. May synchronise; it is the rare path."""
         device = self.tokens.device
         index = torch.tensor(rows).to(device, non_blocking=True)
-        cum, weights, limit, top_p, key_lo, key_hi, counter = (t.index_select(0, index) for t in self.rows)
+        cum, weights, limit, top_p, key_lo, key_hi, counter = (t.index_select(0, index) for t in self.state)
         exhausted = torch.tensor(status).to(device, non_blocking=True)[:, None] == EXHAUSTED
-        token, done = _redraw(
-            cum,
-            weights,
-            limit,
-            key_lo,
-            key_hi,
-            counter,
-            self.tokens.index_select(0, index)[:, None],
-            exhausted,
-        )
+        start = self.tokens.index_select(0, index)[:, None]  # round 0's draw: neither kind replaced it
+        token, done = _redraw(cum, weights, limit, key_lo, key_hi, counter, start, exhausted)
         u = uniforms(key_lo, key_hi, counter + REJECTION_ROUNDS)
         nucleus = _sorted_nucleus(weights, top_p, u)
         return torch.where((exhausted | ~done).squeeze(1), nucleus, token.squeeze(1))
@@ -148,19 +140,24 @@ def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> RandomDraw:
         return RandomDraw(token.squeeze(1))
     limit = top_p * cum[:, -1:]
     accepted = _in_nucleus(weights, token, limit)
-    rows = (cum, weights, limit, top_p, key_lo, key_hi, counter)
-    # Round 0 misses with probability <= 1 - top_p per row: twice the expected misses, plus slack.
-    redrawn = min(batch, math.ceil(2 * sum(max(0.0, 1.0 - s.params.top_p) for s in seqs)) + 8)
+    state = (cum, weights, limit, top_p, key_lo, key_hi, counter)
+    redrawn = min(batch, _redrawn_rows(seqs))
     if redrawn == batch:
         token, done = _redraw(cum, weights, limit, key_lo, key_hi, counter, token, accepted)
         status = torch.where(done, SETTLED, EXHAUSTED).squeeze(1)
     else:
         index = torch.argsort(accepted.squeeze(1).to(torch.int8), stable=True)[:redrawn]
-        picked, done = _redraw(*(t.index_select(0, index) for t in (*rows[:3], *rows[4:], token, accepted)))
+        picked, done = _redraw(*(t.index_select(0, index) for t in (*state[:3], *state[4:], token, accepted)))
         token.index_copy_(0, index, picked)
         status = torch.where(accepted, SETTLED, SKIPPED).squeeze(1)
         status.index_copy_(0, index, torch.where(done, SETTLED, EXHAUSTED).squeeze(1))
-    return RandomDraw(token.squeeze(1), status, rows)
+    return RandomDraw(token.squeeze(1), status, state)
+
+
+def _redrawn_rows(seqs: list[Sequence]) -> int:
+    """How many rows get rounds 1..: a row's round 0 misses with probability <= 1 - top_p, so twice
+    the expected misses plus slack (more misses only cost RandomDraw.settle)."""
+    return math.ceil(2 * sum(max(0.0, 1.0 - s.params.top_p) for s in seqs)) + 8
 
 
 def _redraw(cum, weights, limit, key_lo, key_hi, counter, token, done) -> tuple[torch.Tensor, torch.Tensor]:
