@@ -77,7 +77,7 @@ def sample(
             tokens.index_copy_(0, torch.tensor(late).to(tokens.device, non_blocking=True), settled)
             for i, token in zip(late, settled.tolist(), strict=True):
                 chosen[i] = token
-    del draw  # its [B, vocab] weights are not needed by the logprobs
+    del draw  # frees its [B, vocab] weights and cumulative sums before the logprobs' log_softmax
     return chosen, _logprobs(logits, seqs, tokens)
 
 
@@ -147,7 +147,12 @@ def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> RandomDraw:
         status = torch.where(done, SETTLED, EXHAUSTED).squeeze(1)
     else:
         index = torch.argsort(accepted.squeeze(1).to(torch.int8), stable=True)[:redrawn]
-        picked, done = _redraw(*(t.index_select(0, index) for t in (*state[:3], *state[4:], token, accepted)))
+        picked, done = _redraw(
+            *(
+                t.index_select(0, index)
+                for t in (cum, weights, limit, key_lo, key_hi, counter, token, accepted)
+            )
+        )
         token.index_copy_(0, index, picked)
         status = torch.where(accepted, SETTLED, SKIPPED).squeeze(1)
         status.index_copy_(0, index, torch.where(done, SETTLED, EXHAUSTED).squeeze(1))
