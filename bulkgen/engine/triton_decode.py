@@ -64,8 +64,10 @@ def paged_decode(
     batch, hq, dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group, width = hq // hkv, table.shape[1]
-    splits = num_splits(batch, hkv, width)
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # PER_SPLIT is a constant there only
+    if interpreted:  # its loops run PER_SPLIT times whatever the lengths: only up to the longest (a host read)
+        width = min(width, max(1, -(-int(lengths.max()) // block_size)))
+    splits = num_splits(batch, hkv, width)
     per_split = -(-width // splits)
     acc = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, batch, hq, splits, dtype=torch.float32, device=q.device)  # running max, sum

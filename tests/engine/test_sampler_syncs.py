@@ -116,10 +116,13 @@ def _statuses(logits: torch.Tensor, seqs) -> set[int]:
         (3, {sampler.SETTLED, sampler.SKIPPED, sampler.EXHAUSTED}),
     ],
 )
-def test_tokens_equal_the_plain_rejection_loop(monkeypatch, redrawn, statuses):
+@pytest.mark.parametrize("early_exit", [frozenset({"cpu"}), frozenset()], ids=["cpu-rounds", "gpu-rounds"])
+def test_tokens_equal_the_plain_rejection_loop(monkeypatch, redrawn, statuses, early_exit):
     """Many batches (1-300 rows, mixed temperature, top-k, top-p down to 0.1, keys, positions and
     greedy rows): token for token what the old loop chose. `redrawn` shrinks the rows given rounds
-    1.. on the device (None: as shipped), so SKIPPED rows (settled after the copy) occur too."""
+    1.. on the device (None: as shipped), so SKIPPED rows (settled after the copy) occur too; the
+    rounds stop once all rows settle (CPU) or all run (GPU)."""
+    monkeypatch.setattr(sampler, "EARLY_EXIT", early_exit)
     if redrawn is not None:
         monkeypatch.setattr(sampler, "_redrawn_rows", lambda seqs: redrawn)
     rng = random.Random(2024 + (redrawn or 0))
@@ -190,7 +193,9 @@ def _run_counting_copies(monkeypatch, fn, *args):
 @pytest.mark.parametrize("greedy_share", [0.0, 0.4])
 def test_a_step_copies_once_and_runs_no_data_dependent_op(monkeypatch, greedy_share):
     """64 rows at top_p 0.9 (with and without greedy rows, logprobs off): the one host copy is the
-    tokens', and no op the host must wait on (nonzero, item, a boolean mask) runs."""
+    tokens', and no op the host must wait on (nonzero, item, a boolean mask) runs. The rounds run as on
+    a GPU (on CPU they stop early once every row is settled: a flag read that costs nothing there)."""
+    monkeypatch.setattr(sampler, "EARLY_EXIT", frozenset())
     rng = random.Random(11)
     logits, seqs = _batch(rng, 64, 1000, greedy_share=greedy_share, top_p=0.9)
     greedy = sum(s.params.greedy for s in seqs)

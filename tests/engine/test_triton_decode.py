@@ -16,6 +16,7 @@ import torch
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine import triton_decode as td
 from bulkgen.engine.attn_backends import DecodeMeta, PlainBackend, paged_decode
+from bulkgen.engine.decode_graphs import buckets_up_to
 
 
 @pytest.fixture
@@ -101,3 +102,6 @@ def test_engine_decodes_through_the_kernel_to_the_reference_tokens(
         assert [o.token_ids for o in outs] == [reference.greedy("llama", p, 3) for p in prompts]
         assert calls and max(calls) == len(prompts)  # every decode row went through the kernel
         calls.clear()
+    graphs = engine.runner.graphs  # the paged kernel reads real blocks only: buckets by batch size alone
+    assert graphs.paged and {w for _, w in graphs.buckets} == {graphs.max_width}
+    assert graphs.capture(40) == len(buckets_up_to(engine.config.max_num_seqs)) == len(graphs.buckets)
