@@ -65,7 +65,7 @@ def paged_decode(
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group, width = hq // hkv, table.shape[1]
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # PER_SPLIT is a constant there only
-    if interpreted:  # its loops run PER_SPLIT times whatever the lengths: only up to the longest (a host read)
+    if interpreted:  # its loops run PER_SPLIT times: only up to the longest sequence (a host read)
         width = min(width, max(1, -(-int(lengths.max()) // block_size)))
     splits = num_splits(batch, hkv, width)
     per_split = -(-width // splits)
