@@ -5,7 +5,8 @@ keeps what was measured): the torch/transformers/cuDNN versions; which SDPA back
 attention gets at the anchor's biggest decode bucket (B 512, 96 blocks of 16, 32 query / 8 KV heads,
 head dim 64) and its time per layer against aten's flash varlen kernel reading the same real KV once,
 called with 8 KV heads for 32 query heads (GQA without repeat_interleave); the attention backend the
-engine chooses and why; whether DecodeGraphs.capture() outside inference mode keeps autograd; host
+engine chooses and why; the decode graphs captured at engine start (count, seconds, memory beyond the
+KV cache with parameters that require grad: autograd kept alive would show there); host
 syncs per greedy and sampled decode step; and engine ms per decode step on a 2-layer model of the
 anchor's width at several batch sizes. On a machine without CUDA it records that and stops.
 
@@ -109,30 +110,45 @@ def _decode_attention() -> dict:
     return out
 
 
-def small_anchor_engine(**kwargs):
+def small_anchor_model():
     import gpu as bench
 
+    spec = dict(bench.ANCHOR, model=dict(bench.ANCHOR["model"], num_hidden_layers=2))
+    return bench.build_model(spec, "cuda", 0)
+
+
+def small_anchor_engine(**kwargs):
     from bulkgen.engine import Engine
 
-    spec = dict(bench.ANCHOR, model=dict(bench.ANCHOR["model"], num_hidden_layers=2))
-    model, tokenizer = bench.build_model(spec, "cuda", 0)
-    return Engine(model, tokenizer, num_kv_blocks=16384, **kwargs)
+    return Engine(*small_anchor_model(), num_kv_blocks=16384, **kwargs)
 
 
 def capture_check() -> dict:
-    engine = small_anchor_engine(max_num_seqs=64)
-    for p in engine.model.parameters():
+    """The engine captures its decode graphs at start (one per batch bucket with the paged kernel):
+    time that, and the memory it grew by beyond the KV cache, with parameters that require grad."""
+    from bulkgen.engine import Engine
+
+    model, tokenizer = small_anchor_model()
+    for p in model.parameters():
         p.requires_grad_(True)
     before = torch.cuda.memory_allocated()
     started = time.perf_counter()
-    buckets = engine.runner.graphs.capture(512)
+    engine = Engine(model, tokenizer, num_kv_blocks=16384, max_num_seqs=64)
+    setup_s = time.perf_counter() - started
+    runner = engine.runner
+    cache = sum(t.numel() * t.element_size() for t in (*runner.k_caches, *runner.v_caches))
+    grew = torch.cuda.memory_allocated() - before - cache
+    graphs = runner.graphs
     return {
-        "buckets": buckets,
-        "s": round(time.perf_counter() - started, 2),
-        "grew_gb": round((torch.cuda.memory_allocated() - before) / 1e9, 3),
-        "kv_cache_requires_grad": engine.runner.k_caches[0].requires_grad,
-        "attention_backend": engine.runner.backend.name,
-        "attention_probe": getattr(engine.runner.backend, "probe_report", None),
+        "buckets_at_start": len(graphs.buckets),
+        "captured": sum(b.graph is not None for b in graphs.buckets.values()),
+        "buckets_after_capture_512": graphs.capture(512),  # the paged kernel: nothing new to capture
+        "engine_setup_s": round(setup_s, 2),
+        "grew_beyond_kv_gb": round(grew / 1e9, 3),
+        "kv_cache_requires_grad": runner.k_caches[0].requires_grad,
+        "attention_backend": runner.backend.name,
+        "decode_kernel_paged": graphs.paged,
+        "attention_probe": getattr(runner.backend, "probe_report", None),
     }
 
 
