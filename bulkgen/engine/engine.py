@@ -21,7 +21,7 @@ from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .penalties import LogitAdjustments
 from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
-from .sampler import prompt_logprobs, sample
+from .sampler import SamplingRows, prompt_logprobs, sample
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
@@ -76,6 +76,7 @@ class Engine:
         self._guided: set[str] = set()  # requests under a grammar: steps without any skip the mask work
         self._instant: list[Request] = []  # max_tokens 0 without prompt logprobs: done at the next step
         self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
+        self.constants = SamplingRows()  # random rows' temperature, top_p, top_k and key, on that device
         self.block_manager = BlockManager(
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
@@ -220,7 +221,9 @@ class Engine:
         masks = self._constrained_rows(step.sampling, pending[0], bitmask) if pending else None
         sampling = step.sampling
         tokens, logprobs = (
-            sample(step.logits[: len(sampling)], sampling, self.adjustments, masks) if sampling else ([], [])
+            sample(step.logits[: len(sampling)], sampling, self.adjustments, masks, self.constants)
+            if sampling
+            else ([], [])
         )
         scored = self._score_prompts(step)
         if step.pooled:
@@ -358,6 +361,7 @@ class Engine:
         self._guided.discard(request.request_id)
         for seq in request.seqs:
             self.adjustments.release(seq)
+            self.constants.release(seq)
         metrics = request.metrics
         metrics.finished_time = now
         metrics.num_output_tokens = sum(s.num_output_tokens for s in request.seqs)
@@ -439,6 +443,7 @@ class Engine:
             self.scheduler.abort(seqs)
         for seq in seqs:
             self.adjustments.release(seq)
+            self.constants.release(seq)
 
     def free_capacity(self) -> dict:
         """Room for more work: a worker pulls new requests while free_slots > 0 and blocks remain."""

@@ -48,26 +48,28 @@ def sample(
     seqs: list[Sequence],
     adjustments: LogitAdjustments | None = None,
     masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    constants: SamplingRows | None = None,
 ) -> tuple[list[int], list[tuple | None]]:
     """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs).
 
     Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
     penalties.py; then the grammar `masks`: (rows, packed bitmask) of constrained rows, whose logprobs
     are therefore those of the masked distribution). The tokens cross to the host in one copy, with
-    each row's top-p status; only rows left unsettled on the device (rare) cost a second round trip."""
+    each row's top-p status; only rows left unsettled on the device (rare) cost a second round trip.
+    `constants` keeps random rows' sampling constants on the device across steps (the engine's own)."""
     adjust_logits(logits, seqs, adjustments)
     if masks is not None:
         apply_masks(logits, *masks)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
     draw = None
     if len(rows) == len(seqs):
-        draw = sample_random(logits, seqs)
+        draw = sample_random(logits, seqs, constants)
         tokens, status = draw.tokens, draw.status
     else:
         tokens, status = logits.argmax(dim=-1), None
         if rows:
             index = torch.tensor(rows).to(logits.device, non_blocking=True)
-            draw = sample_random(logits.index_select(0, index), [seqs[i] for i in rows])
+            draw = sample_random(logits.index_select(0, index), [seqs[i] for i in rows], constants)
             tokens.index_copy_(0, index, draw.tokens)
             if draw.status is not None:
                 status = torch.zeros_like(tokens).index_copy_(0, index, draw.status)
@@ -84,6 +86,65 @@ def sample(
                 chosen[i] = token
     del draw  # frees its [B, vocab] weights and cumulative sums before the logprobs' log_softmax
     return chosen, _logprobs(logits, seqs, tokens)
+
+
+class SamplingRows:
+    """Random-sampling sequences' constants on the logits' device: row r of a float pool holds
+    (1 / temperature, top_p) and of an int pool (key low half, key high half, top_k), written once when
+    the sequence first samples. A step then sends one [2, B] int tensor, each row's pool row and draw
+    counter (position * DRAWS_PER_POSITION), and gathers the rest on the device. The engine releases a
+    sequence's row when its request finishes or is aborted and drops the pools on reset."""
+
+    def __init__(self) -> None:
+        self.floats: torch.Tensor | None = None
+        self.ints: torch.Tensor | None = None
+        self.free: list[int] = []
+        self.rows: dict[int, int] = {}  # by seq_id
+
+    def gather(
+        self, seqs: list[Sequence], vocab: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([B, 2] float32 constants, [B, 3] int64 constants, [B, 1] int64 counters) of `seqs`."""
+        rows, counters, fresh = [], [], []
+        for seq in seqs:
+            row = self.rows.get(seq.seq_id)
+            if row is None:
+                row = self.rows[seq.seq_id] = self._take(device)
+                fresh.append((row, seq))
+            rows.append(row)
+            counters.append(seq.num_output_tokens * DRAWS_PER_POSITION)
+        if fresh:
+            self._write(fresh, vocab, device)
+        index = torch.tensor([rows, counters], dtype=torch.int64).to(device, non_blocking=True)
+        return self.floats.index_select(0, index[0]), self.ints.index_select(0, index[0]), index[1][:, None]
+
+    def release(self, seq: Sequence) -> None:
+        row = self.rows.pop(seq.seq_id, None)
+        if row is not None:
+            self.free.append(row)
+
+    def _take(self, device: torch.device) -> int:
+        if not self.free:
+            size = 0 if self.floats is None else self.floats.shape[0]
+            grown = max(64, 2 * size)
+            floats = torch.zeros(grown - size, 2, dtype=torch.float32, device=device)
+            ints = torch.zeros(grown - size, 3, dtype=torch.int64, device=device)
+            self.floats = floats if self.floats is None else torch.cat([self.floats, floats])
+            self.ints = ints if self.ints is None else torch.cat([self.ints, ints])
+            self.free = list(range(grown - 1, size - 1, -1))
+        return self.free.pop()
+
+    def _write(self, fresh: list[tuple[int, Sequence]], vocab: int, device: torch.device) -> None:
+        index = torch.tensor([row for row, _ in fresh], dtype=torch.int64).to(device, non_blocking=True)
+        floats = torch.tensor(
+            [[1.0 / s.params.temperature, s.params.top_p] for _, s in fresh], dtype=torch.float32
+        )
+        ints = torch.tensor(
+            [[s.rng_key & MASK32, s.rng_key >> 32, min(s.params.top_k, vocab)] for _, s in fresh],
+            dtype=torch.int64,
+        )
+        self.floats.index_copy_(0, index, floats.to(device, non_blocking=True))
+        self.ints.index_copy_(0, index, ints.to(device, non_blocking=True))
 
 
 SETTLED, SKIPPED, EXHAUSTED = 0, 1, 2  # RandomDraw.status values
@@ -113,28 +174,17 @@ class RandomDraw:
         return torch.where((exhausted | ~done).squeeze(1), nucleus, token.squeeze(1))
 
 
-def sample_random(logits: torch.Tensor, seqs: list[Sequence]) -> RandomDraw:
+def sample_random(
+    logits: torch.Tensor, seqs: list[Sequence], constants: SamplingRows | None = None
+) -> RandomDraw:
     """One token per row from softmax(logits / T) restricted to each row's top-k and top-p, without a
     host synchronisation: rows whose round-0 draw misses the nucleus are moved to the front and a
     fixed number of them (sized on the host from the top-p values) are redrawn for the remaining
     rounds; any other row is left to RandomDraw.settle."""
-    device, (batch, vocab) = logits.device, logits.shape
-    floats = torch.tensor([[1.0 / s.params.temperature, s.params.top_p] for s in seqs], dtype=torch.float32)
-    ints = torch.tensor(
-        [
-            [
-                s.rng_key & MASK32,
-                s.rng_key >> 32,
-                s.num_output_tokens * DRAWS_PER_POSITION,
-                min(s.params.top_k, vocab),
-            ]
-            for s in seqs
-        ],
-        dtype=torch.int64,
-    )
-    floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+    batch, vocab = logits.shape
+    floats, ints, counter = (constants or SamplingRows()).gather(seqs, vocab, logits.device)
     inv_temp, top_p = floats[:, 0:1], floats[:, 1:2]
-    key_lo, key_hi, counter, top_k = (ints[:, i : i + 1] for i in range(4))
+    key_lo, key_hi, top_k = (ints[:, i : i + 1] for i in range(3))
     weights = torch.softmax(logits * inv_temp, dim=-1)
     max_k = max((s.params.top_k for s in seqs if s.params.top_k < vocab), default=0)
     if max_k > 0:

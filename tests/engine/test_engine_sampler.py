@@ -34,6 +34,7 @@ def _seqs(count, temperature=1.0, top_p=1.0, top_k=0, position=0, seed0=0):
     params = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, greedy=False, logprobs=None)
     return [
         SimpleNamespace(
+            seq_id=i,
             params=params,
             rng_key=stream_key(seed0 + i, 0),
             num_output_tokens=position,

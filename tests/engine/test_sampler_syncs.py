@@ -4,6 +4,7 @@ torch's sync debug mode)."""
 
 from __future__ import annotations
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bulkgen.engine import sampler
+from bulkgen.engine import SamplingParams, sampler
 from bulkgen.engine.counter_rng import MASK32, stream_key, uniforms
 from bulkgen.engine.sampler import (
     DRAWS_PER_POSITION,
@@ -76,6 +77,9 @@ def reference_tokens(logits: torch.Tensor, seqs) -> list[int]:
     return tokens.tolist()
 
 
+SEQ_IDS = itertools.count()
+
+
 def _seq(rng: random.Random, vocab: int, greedy: bool = False, logprobs: bool = False, **params):
     defaults = {
         "temperature": rng.choice([0.3, 0.7, 1.0, 1.5]),
@@ -84,6 +88,7 @@ def _seq(rng: random.Random, vocab: int, greedy: bool = False, logprobs: bool = 
     }
     defaults.update(params)
     return SimpleNamespace(
+        seq_id=next(SEQ_IDS),
         params=SimpleNamespace(greedy=greedy, logprobs=None, **defaults),
         rng_key=stream_key(rng.randrange(-(2**63), 2**64), rng.randrange(4)),
         num_output_tokens=rng.randrange(0, 5000),
@@ -242,3 +247,29 @@ def test_cuda_step_synchronises_only_for_the_token_copy(monkeypatch):
         monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     assert copies == [(2, 64)]
     assert tokens == reference_tokens(logits, seqs)
+
+
+def test_sampling_constants_are_written_once_per_sequence_and_their_rows_reused(make_engine, monkeypatch):
+    """The engine keeps random rows' constants on the device: each sequence's row is written when it
+    first samples (not every step), released when its request ends, and a reused row carries the new
+    sequence's constants: a second batch on the same engine samples what it samples on a fresh one."""
+    writes = []
+    write = sampler.SamplingRows._write
+    monkeypatch.setattr(
+        sampler.SamplingRows, "_write", lambda self, fresh, *a: writes.extend(fresh) or write(self, fresh, *a)
+    )
+
+    def params(seed: int, **kw) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=seed, ignore_eos=True, **kw)
+
+    first = [[1, 2, 3], [4, 5, 6, 7, 8], [9] * 11]
+    second = [[20, 21], [22] * 7, [23, 24, 25, 26], [27] * 3]
+    second_params = [params(100 + i, top_k=5 * i) if i else params(100, n=2) for i in range(4)]
+    engine = make_engine("llama", max_num_seqs=4)
+    engine.generate(first, [params(i) for i in range(3)])
+    assert len(writes) == 3 and len({seq.seq_id for _, seq in writes}) == 3
+    assert engine.constants.rows == {} and len(engine.constants.free) == engine.constants.floats.shape[0]
+    got = [[c.token_ids for c in o.outputs] for o in engine.generate(second, second_params)]
+    assert len(writes) == 3 + 5 and engine.constants.rows == {}  # n=2: two sequences, two rows
+    fresh = make_engine("llama", max_num_seqs=4)
+    assert got == [[c.token_ids for c in o.outputs] for o in fresh.generate(second, second_params)]
