@@ -19,8 +19,10 @@ unsettled (round 0 missed but they were not among the redrawn rows, or every rou
 are finished after the copy, exactly as the plain loop would have, at the cost of a second round trip.
 On CPU, where reading a flag waits on nothing, the rounds stop as soon as every redrawn row is settled
 (same tokens; the fixed rounds cost 1.30x greedy in bench/bench_sampling.py, stopping early 1.15x).
-Everything a row does depends only on its own logits, key, position and output tokens, so a seeded
-request samples the same tokens whatever shares its batch.
+A random row's constants (1 / temperature, top_p, top_k, key) sit in a device pool written once per
+sequence (SamplingRows); a step sends each row's pool row and draw counter. Everything a row does
+depends only on its own logits, key, position and output tokens, so a seeded request samples the same
+tokens whatever shares its batch.
 """
 
 from __future__ import annotations
