@@ -333,8 +333,11 @@ class Engine:
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._logprob_entry(token, lp))
             metrics = seq.request.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            if check_stop(seq, self.tokenizer) or self._grammar_done(seq, token):
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            if check_stop(seq, self.tokenizer) or (
+                seq.matcher is not None and self._grammar_done(seq, token)
+            ):
                 self.scheduler.finish(seq)
                 if seq.request.finished:
                     done.append(self._finish_request(seq.request, now))
@@ -342,8 +345,6 @@ class Engine:
 
     def _grammar_done(self, seq: Sequence, token: int) -> bool:
         """Advance a constrained sequence's matcher; True once its document is complete (a stop)."""
-        if seq.matcher is None:
-            return False
         self.grammars.consume(seq.matcher, token)
         if not seq.matcher.is_stopped():
             return False

@@ -67,8 +67,9 @@ class Scheduler:
         batch.held = self.held()
         batch.held_slots = len(batch.held)
         batch.padding_slots = sum(s.status is SequenceStatus.FINISHED for s in batch.held)
-        for seq, n in batch.items:
-            is_decode = n == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == len(seq) - 1
+        for seq, n in batch.items:  # attributes, not properties: this runs for every row of every step
+            length = len(seq.token_ids)
+            is_decode = n == 1 and length > seq.num_prompt_tokens and seq.num_computed_tokens == length - 1
             batch.is_decode.append(is_decode)
             if is_decode:
                 batch.decode_tokens += 1
@@ -77,17 +78,21 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        order = sorted(self.running, key=lambda s: s.num_uncomputed != 1)
+        order = sorted(self.running, key=lambda s: len(s.token_ids) - s.num_computed_tokens != 1)
         scheduled: set[int] = set()
+        running, bs = SequenceStatus.RUNNING, self.bm.block_size
         for seq in order:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this loop
-            n = self._prompt_rows(seq, min(seq.num_uncomputed, budget))
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.scores_prompt:
+                n = self._prompt_rows(seq, n)
             if not n:
                 continue
-            if not self._make_room(seq, seq.num_computed_tokens + n, scheduled):
+            end = seq.num_computed_tokens + n
+            if end > len(seq.block_table) * bs and not self._make_room(seq, end, scheduled):
                 continue
             batch.items.append((seq, n))
             scheduled.add(seq.seq_id)

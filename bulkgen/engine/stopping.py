@@ -20,7 +20,7 @@ def check_stop(seq: Sequence, tokenizer) -> bool:
             seq.stop_text = text[: min(hits)]
             seq.finish_reason = "stop"
             return True
-    if seq.num_output_tokens >= seq.max_tokens:
+    if len(seq.token_ids) - seq.num_prompt_tokens >= seq.max_tokens:  # num_output_tokens, minus a call
         seq.finish_reason = "length"
         return True
     return False
