@@ -13,12 +13,20 @@ The baseline measured in the same run is the step's own floor: one `torch.tensor
 ints a decode step must send (what any per-step rebuild pays); the ratio says how many such floors
 the engine's host work costs.
 
-    OMP_NUM_THREADS=1 python bench/bench_host.py [--quick] [--json]
+Overlapped steps (`--device-ms D`): the same runs against a modelled device, a serial queue on which
+every forward takes D ms from when it is launched or when the previous one ends, whichever is later;
+reading a step's tokens waits (sleeps) until that step's forward has ended. Step by step, a decode step
+then costs the host's work plus D; overlapped (EngineConfig.async_scheduling), the host's work hides
+behind the device's. Reported: wall ms per steady decode step both ways, and the device's idle ms per
+step (wall minus D), in the same run. A model of a GPU, not one: the H200 run measures the real thing.
+
+    OMP_NUM_THREADS=1 python bench/bench_host.py [--quick] [--json] [--device-ms 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -39,7 +47,7 @@ STEADY = (
 )
 
 
-def stub_engine(spec: dict):
+def stub_engine(spec: dict, overlap: bool = False):
     """The real engine over a 1-layer Llama whose forwards return zero logits (the device's work gone)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -70,6 +78,7 @@ def stub_engine(spec: dict):
         max_num_batched_tokens=16384,
         num_kv_blocks=spec["kv_blocks"],
         cuda_graphs=True,
+        async_scheduling=overlap,
     )
 
     class Out:
@@ -85,10 +94,48 @@ def stub_engine(spec: dict):
     return engine
 
 
-def run(spec: dict, sampled: bool) -> dict:
+class ModelledDevice:
+    """A serial queue whose every forward takes `ms` (see the module docstring): ModelRunner.run enqueues,
+    SampledTokens.result waits for the forward its tokens came from."""
+
+    def __init__(self, engine, ms: float) -> None:
+        from bulkgen.engine import engine as engine_module
+
+        self.seconds, self.free_at, self.last_end = ms / 1e3, 0.0, 0.0
+        run, sample_async = engine.runner.run, engine_module.sample_async
+
+        def launch(*args, **kwargs):
+            self.free_at = self.last_end = max(self.free_at, time.perf_counter()) + self.seconds
+            return run(*args, **kwargs)
+
+        def sample(*args, **kwargs):
+            sampled = sample_async(*args, **kwargs)
+            end, result = self.last_end, sampled.result
+
+            def wait():
+                delay = end - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                return result()
+
+            sampled.result = wait
+            return sampled
+
+        engine.runner.run = launch
+        self._restore = (engine_module, sample_async)
+        engine_module.sample_async = sample
+
+    def close(self) -> None:
+        module, sample_async = self._restore
+        module.sample_async = sample_async
+
+
+def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | None = None) -> dict:
     from bulkgen.engine import SamplingParams
 
-    engine = stub_engine(spec)
+    gc.collect()  # the previous run's engine: its garbage would be swept during this run's steps
+    engine = stub_engine(spec, overlap)
+    device = ModelledDevice(engine, device_ms) if device_ms else None
     work = make_workload(spec["requests"], spec["prompt"], spec["output"], spec["vocab"], 0)
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lengths, strict=True)):
         params = (
@@ -116,11 +163,15 @@ def run(spec: dict, sampled: bool) -> dict:
 
     pack.upload = counted_upload
     tokens, started = 0, time.perf_counter()
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        for out in engine.step():
-            tokens += len(out.outputs[0].token_ids)
-        times.append(time.perf_counter() - t0)
+    try:
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            for out in engine.step():
+                tokens += len(out.outputs[0].token_ids)
+            times.append(time.perf_counter() - t0)
+    finally:
+        if device is not None:
+            device.close()
     total = time.perf_counter() - started
     if tokens != work.useful_tokens:
         raise AssertionError(f"generated {tokens} tokens, the workload asks for {work.useful_tokens}")
@@ -130,6 +181,8 @@ def run(spec: dict, sampled: bool) -> dict:
     steady_ms = sorted(1e3 * t for t in steady)
     return {
         "sampled": sampled,
+        "overlap": overlap,
+        "device_ms": device_ms,
         "steps": len(times),
         "decode_steps": sum(decode for decode, _ in kinds),
         "steady_batch": full,
@@ -144,6 +197,7 @@ def run(spec: dict, sampled: bool) -> dict:
         "steady_upload_ints_max": max((uploads.get(i, 0) for i in steady_at), default=0),
         "decode_buckets": len(engine.runner.graphs.buckets),
         "output_tokens": tokens,
+        "discarded_tokens": engine.stats()["discarded_tokens"],
     }
 
 
@@ -162,6 +216,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="160 requests, shorter prompts and outputs")
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    parser.add_argument(
+        "--device-ms",
+        type=float,
+        default=3.0,
+        help="modelled device ms per forward for the overlap comparison (0: skip it)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     spec = QUICK if args.quick else ANCHOR
@@ -171,6 +231,19 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in ("greedy", "sampled"):
         median = report[mode]["host_ms_per_decode_step_median"]
         report[mode]["ratio_to_floor"] = round(median / report["baseline_floor_ms"], 2) if median else None
+    if args.device_ms:
+        report["device"] = {}
+        for mode, sampled in (("greedy", False), ("sampled", True)):
+            pair = {
+                name: run(spec, sampled, overlap, args.device_ms)
+                for name, overlap in (("step_by_step", False), ("overlapped", True))
+            }
+            for r in pair.values():  # with a modelled device a step's time is wall time, sleeps included
+                r["wall_ms_per_decode_step_median"] = r.pop("host_ms_per_decode_step_median")
+                r["device_idle_ms_per_step"] = round(r["wall_ms_per_decode_step_median"] - args.device_ms, 3)
+            base, over = (pair[k]["wall_ms_per_decode_step_median"] for k in ("step_by_step", "overlapped"))
+            pair["wall_ratio"] = round(over / base, 3)
+            report["device"][mode] = pair
     if args.json:
         print(json.dumps(report))
         return report
@@ -182,6 +255,15 @@ def main(argv: list[str] | None = None) -> dict:
             f"host ms per decode step median {r['host_ms_per_decode_step_median']} "
             f"p90 {r['host_ms_per_decode_step_p90']} ({r['ratio_to_floor']}x the floor); "
             f"whole run {r['host_s_total']} s"
+        )
+    for mode, pair in report.get("device", {}).items():
+        base, over = pair["step_by_step"], pair["overlapped"]
+        print(
+            f"{mode:8s} modelled device {args.device_ms} ms/forward: wall ms per steady decode step "
+            f"step-by-step {base['wall_ms_per_decode_step_median']} (device idle {base['device_idle_ms_per_step']}), "
+            f"overlapped {over['wall_ms_per_decode_step_median']} (device idle {over['device_idle_ms_per_step']}); "
+            f"overlapped / step-by-step {pair['wall_ratio']}x; whole run {base['host_s_total']} s -> "
+            f"{over['host_s_total']} s; discarded tokens {over['discarded_tokens']}"
         )
     return report
 

@@ -31,6 +31,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
     cuda_graphs: bool | None = None  # decode steps over static buffers; None: on CUDA only
+    # launch a step before reading the previous one's tokens (engine.py, "Overlapped steps"); None: on CUDA only
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -49,8 +51,9 @@ class EngineConfig:
             )
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if self.cuda_graphs not in (None, True, False):
-            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_scheduling"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
 
 def _positive_int(name: str, value: object) -> None:

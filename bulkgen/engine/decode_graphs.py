@@ -56,6 +56,12 @@ def buckets_up_to(limit: int) -> list[int]:
         n = size + 1
 
 
+def read_pending(ids: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+    """`ids` with each stand-in (sequence.pending_id(row), negative) replaced by `pending[row]`: the
+    tokens a step consumes before the host has read them, on the device (no wait)."""
+    return torch.where(ids < 0, pending.index_select(0, (-2 - ids).clamp(min=0)), ids)
+
+
 class SlotTables:
     """Block tables of the decoding sequences as rows of one persistent [rows + 1, width] device tensor.
 
@@ -160,9 +166,10 @@ class DecodeGraphs:
                 self._bucket(batch, width)
         return len(self.buckets)
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+    def run(self, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one new token for each of `seqs` (at position
-        num_computed_tokens, its blocks already allocated)."""
+        num_computed_tokens, its blocks already allocated). A token the host has not read yet (a
+        sequence.pending_id stand-in) is read on the device from `pending`, the previous step's tokens."""
         num, bs = len(seqs), self.block_size
         starts = [s.num_computed_tokens for s in seqs]
         ids = [s.token_ids[p] for s, p in zip(seqs, starts, strict=True)]
@@ -183,6 +190,9 @@ class DecodeGraphs:
         pack.add(values)
         flat = pack.upload()
         b.buf.copy_(flat[: 4 * b.batch], non_blocking=True)
+        if pending is not None:
+            ids_view = b.buf[: b.batch]
+            ids_view.copy_(read_pending(ids_view, pending))
         if index:
             count = len(index)
             self.tables.table.view(-1).index_copy_(

@@ -2,6 +2,20 @@
 
 `generate()` is the offline loop (`while unfinished: step()`); a worker uses add_request/step/abort
 directly so its batch stays full across chunk boundaries.
+
+Overlapped steps (`EngineConfig.async_scheduling`, on by default on CUDA; vLLM's async scheduling,
+SGLang's overlap scheduler): a step is launched before the host reads the previous step's tokens. Each
+sequence that sampled holds a stand-in last token (sequence.pending_id: a negative id naming a row of the
+previous step's sampled tensor), which the next forward reads on the device; the host then waits for that previous step's tokens alone (the new
+forward queued behind them keeps the GPU busy), fills them in and runs the stop checks, detokenisation
+and result building while the GPU computes. So a stop is seen one step late: the sequence's token of
+the step already launched is discarded (counted in stats as discarded_tokens), and a request comes
+back from the step after the one that sampled its last token. A sequence whose last token is known in
+advance (max_tokens) leaves the batch as soon as that token is launched. Steps with a row that needs
+its tokens on the host (a grammar's matcher, penalties or logit_bias) first drain the pipeline and run
+as before. Sampling rows settled only after the copy (RandomDraw.settle, rare) had a wrong token on
+the device: the step that read it is discarded for them and recomputed, so the tokens are exactly those
+of a step-by-step run.
 """
 
 from __future__ import annotations
@@ -21,10 +35,10 @@ from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .penalties import LogitAdjustments
 from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
-from .sampler import SamplingRows, prompt_logprobs, sample
+from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Request, Sequence
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
 from .stopping import check_stop, completion_text
 
@@ -55,6 +69,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
+        overlap = self.config.async_scheduling
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
         self.runner = ModelRunner(model, self.config, self.max_model_len)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -74,6 +90,8 @@ class Engine:
         kept (stale contents are never read: a slot is written before it is attended to)."""
         self.requests: dict[str, Request] = {}
         self._guided: set[str] = set()  # requests under a grammar: steps without any skip the mask work
+        self._host_bound: set[str] = set()  # requests whose rows need their tokens on the host (see step)
+        self._inflight: _InFlight | None = None  # a launched step whose tokens the host has not read
         self._instant: list[Request] = []  # max_tokens 0 without prompt logprobs: done at the next step
         self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
         self.constants = SamplingRows()  # random rows' temperature, top_p, top_k and key, on that device
@@ -156,6 +174,8 @@ class Engine:
             for seq in request.seqs:  # one matcher per completion
                 seq.matcher = self.grammars.matcher(params.guide)
             self._guided.add(request_id)
+        if params.guide is not None or params.adjusts_logits:
+            self._host_bound.add(request_id)
         for seq in request.seqs:
             self.scheduler.add(seq)
         if not request.seqs:
@@ -193,14 +213,17 @@ class Engine:
         return ids
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and one forward pass; returns requests that finished in this step.
+        """One scheduling decision and one forward pass; returns requests that finished in this step
+        (with overlapped steps: whose last token the host read in this step, see the module docstring).
 
         The forward pass and sampling change no sequence: if either raises, every sequence still
-        holds its blocks and counts, so the next step recomputes the same tokens (or the caller
-        aborts a request, or calls reset())."""
+        holds its blocks and counts (and a pending token its in-flight step), so the next step
+        recomputes the same tokens (or the caller aborts a request, or calls reset())."""
         done = self._finish_instant()
         batch = self.scheduler.schedule()
         if not batch.items:
+            if self._inflight is not None:
+                return done + self._drain()
             if done:
                 return done
             wait = self.scheduler.idle_wait()
@@ -212,33 +235,102 @@ class Engine:
                 time.sleep(min(wait, 0.01))
             return []
         start = time.time()
+        overlap = self.overlap and not (self._host_bound and self._needs_host_tokens(batch))
+        if self._inflight is not None and not overlap:
+            done += self._drain()
+            if not batch.drop_finished():
+                return done
+        prev = self._inflight
         self._mark_scheduled(batch.items, start)
         pending = self._start_masks(batch.items)  # grammar masks (on a GPU: filled while the forward runs)
         try:
-            step = self.runner.run(batch.items)
+            step = self.runner.run(batch.items, None if prev is None else prev.sampled.tokens)
         finally:
             bitmask = pending[1].result() if pending else None  # never leave a fill running on a matcher
         masks = self._constrained_rows(step.sampling, pending[0], bitmask) if pending else None
         sampling = step.sampling
-        tokens, logprobs = (
-            sample(step.logits[: len(sampling)], sampling, self.adjustments, masks, self.constants)
+        sampled = (
+            sample_async(step.logits[: len(sampling)], sampling, self.adjustments, masks, self.constants)
             if sampling
-            else ([], [])
+            else None
         )
         scored = self._score_prompts(step)
         if step.pooled:
             add_chunks(step.pooled, step.hidden, step.pool_spans, self.pooling.method)
-        bs = self.config.block_size
+        # the waits: this step's tokens (a step-by-step run), or the previous step's while this one runs
+        ours = sampled.result() if sampled is not None and not overlap else None
+        theirs = prev.sampled.result() if prev is not None else None
+        # no sequence changed up to here
+        voided: set[int] = set()
+        if prev is not None:
+            self._inflight = None
+            finished, voided = self._resolve(prev, theirs)
+            done += finished
+        discarded = self._advance(batch, voided)
+        for seq, entries in scored:
+            seq.request.prompt_logprobs.extend(entries)
+        if overlap and sampled is not None:
+            sampled_now = self._hold(sampling, sampled, voided)
+        else:
+            sampled_now = sampling
+            if ours is not None:
+                done += self._take_tokens(sampling, ours[0], ours[1])
+        done += self._finish_prefilled(step.prefilled)
+        self.stats_.record_step(batch, time.time() - start, sampled_now, discarded)
+        return done
+
+    def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
+        """A row whose logits processing reads its tokens on the host: a grammar's matcher, or penalties
+        and logit_bias (their device rows catch up from the host's tokens)."""
+        return any(s.matcher is not None or s.adjusts_logits for s, _ in batch.items)
+
+    def _advance(self, batch: ScheduledBatch, voided: set[int]) -> int:
+        """Count the step's computed tokens into its sequences, committing filled blocks; returns the
+        items discarded: sequences that ended, or whose input token was corrected, after the launch."""
+        bs, finished, discarded = self.config.block_size, SequenceStatus.FINISHED, 0
         for seq, n in batch.items:
+            if seq.status is finished or (voided and seq.seq_id in voided):
+                discarded += 1
+                continue
             seq.num_computed_tokens += n
             if seq.num_computed_tokens // bs != (seq.num_computed_tokens - n) // bs:  # a block filled
                 self.block_manager.commit(seq)
-        for seq, entries in scored:
-            seq.request.prompt_logprobs.extend(entries)
-        done += self._append_tokens(sampling, tokens, logprobs)
-        done += self._finish_prefilled(step.prefilled)
-        self.stats_.record_step(batch, time.time() - start, sampling)
-        return done
+        return discarded
+
+    def _hold(self, sampling: list[Sequence], sampled: SampledTokens, voided: set[int]) -> list[Sequence]:
+        """Give each sequence that sampled in the step just launched a stand-in token (read by the next
+        forward on the device, by the host in the next step); one whose token is its last (max_tokens)
+        leaves the batch now. Returns the sequences that hold one."""
+        finished, kept = SequenceStatus.FINISHED, sampling
+        for row, seq in enumerate(sampling):
+            if seq.status is finished or (voided and seq.seq_id in voided):
+                if kept is sampling:
+                    kept = sampling[:row]
+                continue  # its token is discarded
+            tokens = seq.token_ids
+            tokens.append(pending_id(row))
+            if kept is not sampling:
+                kept.append(seq)
+            if len(tokens) - seq.num_prompt_tokens >= seq.max_tokens:
+                self.scheduler.finish(seq)  # whatever the token, it ends the sequence
+        self._inflight = _InFlight(sampled, sampling)
+        return kept
+
+    def _resolve(self, prev: _InFlight, result: tuple) -> tuple[list[RequestOutput], set[int]]:
+        """Fill the previous step's stand-in tokens with what the host read and run their stop checks.
+        Returns the requests finished and the sequences whose device token was corrected late: the
+        step launched on it computed a wrong token for them."""
+        chosen, logprobs, late = result
+        seqs = prev.seqs
+        voided = {seqs[row].seq_id for row in late if seqs[row].token_ids[-1] == pending_id(row)}
+        return self._take_tokens(seqs, chosen, logprobs, placed=True), voided
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read the in-flight step's tokens before a step that needs every token on the host."""
+        prev = self._inflight
+        result = prev.sampled.result()
+        self._inflight = None
+        return self._resolve(prev, result)[0]
 
     @property
     def grammars(self) -> GrammarRuntime:
@@ -323,11 +415,22 @@ class Engine:
                 metrics.num_cached_tokens = seq.num_cached_tokens
                 self.stats_.add_cached(seq.num_cached_tokens)
 
-    def _append_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+    def _take_tokens(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list, placed: bool = False
+    ) -> list[RequestOutput]:
+        """Append each sequence's new token (or, `placed`, replace its stand-in for row i of the step that
+        sampled it: `seqs` are that step's sampling rows) and run its stop checks; returns the requests
+        that ended, built once all their tokens are in."""
         now = time.time()
-        done: list[RequestOutput] = []
-        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
+        ended: dict[str, Request] = {}
+        for row, seq in enumerate(seqs):
+            token, lp = tokens[row], logprobs[row]
+            if placed:
+                if seq.token_ids[-1] != pending_id(row):
+                    continue  # it holds no token of this step: ended, corrected or aborted since
+                seq.token_ids[-1] = token
+            else:
+                seq.token_ids.append(token)
             if lp is not None:
                 seq.cumulative_logprob += lp[0]
                 if seq.logprobs is not None:
@@ -338,10 +441,11 @@ class Engine:
             if check_stop(seq, self.tokenizer) or (
                 seq.matcher is not None and self._grammar_done(seq, token)
             ):
-                self.scheduler.finish(seq)
+                if seq.status is not SequenceStatus.FINISHED:  # a last token was known: it left already
+                    self.scheduler.finish(seq)
                 if seq.request.finished:
-                    done.append(self._finish_request(seq.request, now))
-        return done
+                    ended[seq.request.request_id] = seq.request
+        return [self._finish_request(request, now) for request in ended.values()]
 
     def _grammar_done(self, seq: Sequence, token: int) -> bool:
         """Advance a constrained sequence's matcher; True once its document is complete (a stop)."""
@@ -360,6 +464,7 @@ class Engine:
     def _finish_request(self, request: Request, now: float) -> RequestOutput:
         del self.requests[request.request_id]
         self._guided.discard(request.request_id)
+        self._host_bound.discard(request.request_id)
         for seq in request.seqs:
             self.adjustments.release(seq)
             self.constants.release(seq)
@@ -438,6 +543,7 @@ class Engine:
         for rid in request_ids:
             request = self.requests.pop(rid, None)
             self._guided.discard(rid)
+            self._host_bound.discard(rid)
             if request is not None:
                 seqs.extend(request.seqs)
         if seqs:
@@ -445,6 +551,8 @@ class Engine:
         for seq in seqs:
             self.adjustments.release(seq)
             self.constants.release(seq)
+            if seq.token_ids[-1] < 0:  # a token in flight: dropped when read
+                seq.token_ids.pop()
 
     def free_capacity(self) -> dict:
         """Room for more work: a worker pulls new requests while free_slots > 0 and blocks remain."""
@@ -462,6 +570,14 @@ class Engine:
 
     def pop_step_records(self) -> list[dict]:
         return self.stats_.pop_records()
+
+
+class _InFlight:
+    """A launched step whose tokens the host has not read: its sampled tokens and its sampling rows.
+    Row i's sequence holds token i while its last token id is the stand-in sequence.pending_id(i)."""
+
+    def __init__(self, sampled: SampledTokens, seqs: list[Sequence]) -> None:
+        self.sampled, self.seqs = sampled, seqs
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:

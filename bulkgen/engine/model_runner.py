@@ -14,7 +14,7 @@ import torch
 from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
-from .decode_graphs import DecodeGraphs
+from .decode_graphs import DecodeGraphs, read_pending
 from .sequence import Sequence
 from .step_plan import HostPack, StepPlan
 
@@ -114,14 +114,18 @@ class ModelRunner:
         return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len)
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> StepLogits:
+    def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), then for the prompt positions of
-        prompt-logprob prefills (see StepLogits). Changes no sequence."""
+        prompt-logprob prefills (see StepLogits). Changes no sequence. `pending`: the previous step's
+        sampled tokens on the device, where stand-ins for tokens the host has not read (sequence.pending_id)
+        are looked up."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         if self.graphs is not None and not plan.num_prefill and not step.pooled:
-            logits = self.graphs.run([s for s, _ in ordered])  # one row per sequence: row = query offset
+            logits = self.graphs.run(
+                [s for s, _ in ordered], pending
+            )  # one row per sequence: row = query offset
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             step.logits = logits
@@ -136,8 +140,9 @@ class ModelRunner:
         ctx = StepContext(
             flat[slots], self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat)
         )
+        input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
         kwargs = dict(
-            input_ids=flat[ids][None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
+            input_ids=input_ids[None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
         )
         with attention_scope(self.model), _capture_hidden(self.model, step):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed

@@ -52,13 +52,28 @@ def sample(
     masks: tuple[torch.Tensor, torch.Tensor] | None = None,
     constants: SamplingRows | None = None,
 ) -> tuple[list[int], list[tuple | None]]:
-    """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs).
+    """Return the next token of each row and, where tracked, (chosen logprob, top-k ids, top-k logprobs):
+    `sample_async` and its result at once."""
+    chosen, logprobs, _ = sample_async(logits, seqs, adjustments, masks, constants).result()
+    return chosen, logprobs
+
+
+@torch.inference_mode()
+def sample_async(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    adjustments: LogitAdjustments | None = None,
+    masks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    constants: SamplingRows | None = None,
+) -> SampledTokens:
+    """Queue the sampling of each row's next token and the tokens' copy to the host; wait for nothing.
 
     Changes `logits` in place (penalties and biases; `adjustments` keeps them across steps, see
     penalties.py; then the grammar `masks`: (rows, packed bitmask) of constrained rows, whose logprobs
     are therefore those of the masked distribution). The tokens cross to the host in one copy, with
-    each row's top-p status; only rows left unsettled on the device (rare) cost a second round trip.
-    `constants` keeps random rows' sampling constants on the device across steps (the engine's own)."""
+    each row's top-p status; only rows left unsettled on the device (rare) cost a second round trip,
+    in `SampledTokens.result`. `constants` keeps random rows' sampling constants on the device across
+    steps (the engine's own)."""
     adjust_logits(logits, seqs, adjustments)
     if masks is not None:
         apply_masks(logits, *masks)
@@ -76,18 +91,68 @@ def sample(
             if draw.status is not None:
                 status = torch.zeros_like(tokens).index_copy_(0, index, draw.status)
     if status is None:
-        chosen = tokens.tolist()
-    else:
-        chosen, flags = torch.stack((tokens, status)).tolist()
-        late = [i for i, flag in enumerate(flags) if flag]
-        if late:
-            row_of = {seq_row: row for row, seq_row in enumerate(rows)}
-            settled = draw.settle([row_of[i] for i in late], [flags[i] for i in late])
-            tokens.index_copy_(0, torch.tensor(late).to(tokens.device, non_blocking=True), settled)
-            for i, token in zip(late, settled.tolist(), strict=True):
-                chosen[i] = token
-    del draw  # frees its [B, vocab] weights and cumulative sums before the logprobs' log_softmax
-    return chosen, _logprobs(logits, seqs, tokens)
+        draw = None  # nothing to settle: free its [B, vocab] weights and cumulative sums now
+    return SampledTokens(tokens, status, draw, rows, _LogprobRows.launch(logits, seqs, tokens))
+
+
+class SampledTokens:
+    """One step's tokens on the device and their copy to the host, started at construction.
+
+    `tokens` is final on the device for every row the status calls settled, so a next step may read it
+    before the host has (the engine's overlapped steps). `result()` waits for the copy alone: on CUDA for
+    an event recorded behind it, not for the stream, so work queued after it (the next step's forward)
+    runs on; then it finishes the rare unsettled rows (RandomDraw.settle, which does wait) and reports
+    their indices, whose device tokens were wrong until then. While a result is pending, the draw
+    of a top-p step and the logprob rows stay alive (what settling and late logprobs need)."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        status: torch.Tensor | None,
+        draw: RandomDraw | None,
+        rows: list[int],
+        logprobs: _LogprobRows,
+    ) -> None:
+        self.tokens, self.draw, self.rows, self.logprobs = tokens, draw, rows, logprobs
+        packed = tokens if status is None else torch.stack((tokens, status))
+        self._host, self._event = _copy_to_host([packed, *logprobs.device_parts()])
+        self._result: tuple[list[int], list[tuple | None], list[int]] | None = None
+
+    @torch.inference_mode()
+    def result(self) -> tuple[list[int], list[tuple | None], list[int]]:
+        """(tokens, logprobs, late): `late` are the rows settled only now (their device token changed)."""
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        packed = self._host[0].tolist()
+        if self.draw is None:
+            chosen, late = packed, []
+        else:
+            chosen, flags = packed
+            late = [i for i, flag in enumerate(flags) if flag]
+            if late:
+                self._settle(chosen, late, [flags[i] for i in late])
+        self._result = chosen, self.logprobs.result(self._host[1:], self.tokens, late), late
+        self.draw = self.logprobs.logp = None
+        return self._result
+
+    def _settle(self, chosen: list[int], late: list[int], flags: list[int]) -> None:
+        row_of = {seq_row: row for row, seq_row in enumerate(self.rows)}
+        settled = self.draw.settle([row_of[i] for i in late], flags)
+        self.tokens.index_copy_(0, torch.tensor(late).to(self.tokens.device, non_blocking=True), settled)
+        for i, token in zip(late, settled.tolist(), strict=True):
+            chosen[i] = token
+
+
+def _copy_to_host(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], object | None]:
+    """Host copies of `parts`, queued without waiting (pinned on CUDA), and an event behind them."""
+    if not parts or parts[0].device.type == "cpu":
+        return parts, None
+    host = [t.to("cpu", non_blocking=True) for t in parts]
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 class SamplingRows:
@@ -265,21 +330,59 @@ def _sorted_nucleus(weights: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor)
     return order.gather(1, pick).squeeze(1)
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> list[tuple | None]:
-    """For rows tracking logprobs (asked for, or best_of ranking): one log_softmax over those rows only,
-    a gather of the chosen tokens, and top-k where asked."""
-    wanted = [i for i, s in enumerate(seqs) if s.cumulative_logprob is not None]
-    result: list[tuple | None] = [None] * len(seqs)
-    if not wanted:
-        return result
-    index = torch.tensor(wanted, device=logits.device)
-    logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
-    chosen = logp.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1).tolist()
-    ks = [seqs[i].params.logprobs or 0 for i in wanted]
-    top_ids, top_vals = top_logprobs(logp, ks)
-    for row, i in enumerate(wanted):
-        result[i] = (chosen[row], top_ids[row], top_vals[row])
-    return result
+class _LogprobRows:
+    """Logprobs of the rows that track them (asked for, or best_of ranking): one log_softmax over those
+    rows only, a gather of the chosen tokens and top-k where asked, queued with the tokens; read with
+    them. A row settled late has its chosen logprob gathered again from the kept log-softmax."""
+
+    def __init__(self, size: int, wanted: list[int], ks: list[int], logp, chosen, top) -> None:
+        self.size, self.wanted, self.ks, self.logp, self.chosen, self.top = (
+            size,
+            wanted,
+            ks,
+            logp,
+            chosen,
+            top,
+        )
+
+    @classmethod
+    def launch(cls, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> _LogprobRows:
+        wanted = [i for i, s in enumerate(seqs) if s.cumulative_logprob is not None]
+        if not wanted:
+            return cls(len(seqs), [], [], None, None, ())
+        index = torch.tensor(wanted).to(logits.device, non_blocking=True)
+        logp = torch.log_softmax(logits.index_select(0, index), dim=-1)
+        chosen = logp.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1)
+        ks = [seqs[i].params.logprobs or 0 for i in wanted]
+        max_k = max(ks)
+        top = logp.topk(max_k, dim=-1) if max_k else ()
+        return cls(len(seqs), wanted, ks, logp, chosen, (top.indices, top.values) if max_k else ())
+
+    def device_parts(self) -> list[torch.Tensor]:
+        return [] if self.chosen is None else [self.chosen, *self.top]
+
+    def result(self, host: list[torch.Tensor], tokens: torch.Tensor, late: list[int]) -> list[tuple | None]:
+        out: list[tuple | None] = [None] * self.size
+        if not self.wanted:
+            return out
+        chosen = host[0].tolist()
+        settled_late = set(late)
+        redo = [(row, i) for row, i in enumerate(self.wanted) if i in settled_late]
+        if redo:  # their tokens changed after the gather
+            where = torch.tensor([row for row, _ in redo]).to(self.logp.device, non_blocking=True)
+            picked = tokens.index_select(0, torch.tensor([i for _, i in redo]).to(tokens.device))
+            fixed = self.logp.index_select(0, where).gather(1, picked[:, None]).squeeze(1).tolist()
+            for (row, _), value in zip(redo, fixed, strict=True):
+                chosen[row] = value
+        if host[1:]:
+            ids, vals = host[1].tolist(), host[2].tolist()
+            ids = [r[:k] for r, k in zip(ids, self.ks, strict=True)]
+            vals = [r[:k] for r, k in zip(vals, self.ks, strict=True)]
+        else:
+            ids = vals = [[] for _ in self.wanted]
+        for row, i in enumerate(self.wanted):
+            out[i] = (chosen[row], ids[row], vals[row])
+        return out
 
 
 def top_logprobs(logp: torch.Tensor, ks: list[int]) -> tuple[list[list[int]], list[list[float]]]:

@@ -40,6 +40,20 @@ class ScheduledBatch:
     prefill_tokens: int = 0
     decode_tokens: int = 0
 
+    def drop_finished(self) -> int:
+        """Drop the items of sequences that ended after this batch was scheduled (a stop the engine read
+        one step late, see Engine.step); returns the number of items left."""
+        kept = [i for i, (seq, _) in enumerate(self.items) if seq.status is not SequenceStatus.FINISHED]
+        if len(kept) < len(self.items):
+            for i in set(range(len(self.items))) - set(kept):
+                if self.is_decode[i]:
+                    self.decode_tokens -= 1
+                else:
+                    self.prefill_tokens -= self.items[i][1]
+            self.items = [self.items[i] for i in kept]
+            self.is_decode = [self.is_decode[i] for i in kept]
+        return len(self.items)
+
 
 class Scheduler:
     """Owns the queues (waiting, preempted, running); the engine calls schedule() per step."""
@@ -183,8 +197,13 @@ class Scheduler:
         return len(self.waiting) + len(self.preempted)
 
     def finish(self, seq: Sequence) -> None:
+        """End `seq`: running, or preempted after sampling a token the host reads only now (a step
+        overlapped with the next one: the engine learns of a stop one step late)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.preempted.remove(seq)
         seq.status = SequenceStatus.FINISHED
-        self.running.remove(seq)
         self.bm.release(seq)
 
     def abort(self, seqs: list[Sequence]) -> None:

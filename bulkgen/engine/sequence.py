@@ -11,6 +11,13 @@ from .outputs import RequestMetrics
 from .sampling_params import SamplingParams
 
 
+def pending_id(row: int) -> int:
+    """The stand-in id of a sampled token the host has not read yet (the engine's overlapped steps):
+    row `row` of the in-flight step's device tokens, as a negative id the next forward decodes on the
+    device (decode_graphs.read_pending). Real ids are never negative."""
+    return -2 - row
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

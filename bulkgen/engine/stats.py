@@ -26,18 +26,24 @@ class EngineStats:
             output_tokens=0,
             cached_prompt_tokens=0,
             padding_slot_steps=0,
+            discarded_tokens=0,
         )
         self.histogram: dict[str, int] = {}
         self.records: list[dict] = []
 
-    def record_step(self, batch: ScheduledBatch, duration_s: float, sampled: list[Sequence]) -> None:
+    def record_step(
+        self, batch: ScheduledBatch, duration_s: float, sampled: list[Sequence], discarded: int = 0
+    ) -> None:
+        """`discarded`: items computed in vain (with overlapped steps: sequences that had ended, or whose
+        input token was corrected, by the time the host read the step before); not useful tokens."""
         output_tokens = len(sampled)
         c = self.counters
         c["steps"] += 1
         c["busy_time_s"] += duration_s
         c["slot_steps"] += batch.held_slots
         c["active_slot_steps"] += len(batch.items)
-        c["useful_tokens"] += batch.prefill_tokens + batch.decode_tokens
+        c["useful_tokens"] += batch.prefill_tokens + batch.decode_tokens - discarded
+        c["discarded_tokens"] += discarded
         c["prefill_tokens"] += batch.prefill_tokens
         c["decode_tokens"] += batch.decode_tokens
         c["output_tokens"] += output_tokens

@@ -26,10 +26,11 @@ def test_gpu_bench_quick_mode_writes_its_table_and_json(tmp_path, capsys):
     written = json.loads(next(tmp_path.glob("gpu-*-quick.json")).read_text())
     assert written == json.loads(json.dumps(report))
     rows = {r["method"]: r for r in report["results"]}
-    assert set(rows) == {"hf_static", "bulkgen_greedy", "bulkgen_sampled"}
+    assert set(rows) == {"hf_static", "bulkgen_greedy", "bulkgen_sampled", "bulkgen_greedy_overlapped"}
     assert all(r["output_tokens"] == report["output_tokens"] and r["wall_s"] > 0 for r in rows.values())
     assert rows["bulkgen_greedy"]["slot_efficiency"] == 1.0 and rows["hf_static"]["slot_efficiency"] < 1.0
     assert report["greedy_vs_hf_static"]["identical_share"] == 1.0  # fp32 on CPU: token for token
+    assert report["greedy_overlapped_vs_step_by_step"]["identical_share"] == 1.0
     assert "x static" in capsys.readouterr().out
 
 
@@ -92,7 +93,7 @@ def test_gpu_bench_runs_from_a_checkout_without_the_package_installed(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(next(tmp_path.glob("gpu-*-quick.json")).read_text())
     rows = {r["method"]: r for r in report["results"]}
-    assert set(rows) == {"bulkgen_greedy", "bulkgen_sampled"}
+    assert set(rows) == {"bulkgen_greedy", "bulkgen_sampled", "bulkgen_greedy_overlapped"}
     # each timed run starts from a cold prefix cache: the warm-up's or the greedy run's prompts are not reused
     assert (
         rows["bulkgen_greedy"]["cached_prompt_tokens"] == rows["bulkgen_sampled"]["cached_prompt_tokens"] == 0

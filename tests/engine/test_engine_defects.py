@@ -35,13 +35,19 @@ def test_logprobs_beyond_vocab_is_refused_and_engine_keeps_working(make_engine, 
     assert len(full[0].outputs[0].logprobs[0]["top_logprobs"]) == engine.vocab_size
 
 
-def test_a_failed_step_leaves_the_engine_consistent(make_engine, reference, mixed_prompts, monkeypatch):
-    """A step whose sampling raises advances nothing: the next steps produce the reference tokens."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failed_step_leaves_the_engine_consistent(
+    make_engine, reference, mixed_prompts, monkeypatch, overlap
+):
+    """A step whose sampling raises advances nothing: the next steps produce the reference tokens (also
+    with overlapped steps, where the failing step's predecessor is still in flight)."""
     prompts = mixed_prompts(seed=41, count=3, low=5, high=30)
-    engine = make_engine("llama", max_num_batched_tokens=32, block_size=4)
+    engine = make_engine(
+        "llama", max_num_batched_tokens=32, block_size=4, async_scheduling=overlap, cuda_graphs=overlap
+    )
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, _greedy(6))
-    real, calls = engine_module.sample, []
+    real, calls = engine_module.sample_async, []
 
     def flaky(logits, seqs, *rest):
         calls.append(1)
@@ -49,7 +55,7 @@ def test_a_failed_step_leaves_the_engine_consistent(make_engine, reference, mixe
             raise RuntimeError("injected sampling failure")
         return real(logits, seqs, *rest)
 
-    monkeypatch.setattr(engine_module, "sample", flaky)
+    monkeypatch.setattr(engine_module, "sample_async", flaky)
     done, failures = {}, 0
     while engine.has_unfinished():
         try:
