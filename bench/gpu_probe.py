@@ -8,7 +8,8 @@ called with 8 KV heads for 32 query heads (GQA without repeat_interleave); the a
 engine chooses and why; the decode graphs captured at engine start (count, seconds, memory beyond the
 KV cache with parameters that require grad: autograd kept alive would show there); host
 syncs per greedy and sampled decode step; and engine ms per decode step on a 2-layer model of the
-anchor's width at several batch sizes. On a machine without CUDA it records that and stops.
+anchor's width at several batch sizes, with overlapped steps and (at B 512) step by step. On a machine
+without CUDA it records that and stops.
 
     PYTHONPATH=. python bench/gpu_probe.py --out "$OUT"
 """
@@ -158,8 +159,10 @@ def syncs_and_step_times() -> dict:
     engine = small_anchor_engine(max_num_seqs=512)
     kinds = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_p=0.95, seed=1)}
     out = {}
+    runs = [(batch, True) for batch in (64, 256, 512)] + [(512, False)]  # overlapped, then step by step
     for name, sampling in kinds.items():
-        for batch in (64, 256, 512):
+        for batch, overlap in runs:
+            engine.overlap = overlap
             engine.reset()
             for i in range(batch):
                 engine.add_request(
@@ -175,7 +178,9 @@ def syncs_and_step_times() -> dict:
             for _ in range(10):
                 engine.step()
             torch.cuda.synchronize()
-            out[f"{name}_decode_ms_per_step_b{batch}"] = round((time.perf_counter() - started) * 100, 3)
+            key = f"{name}_decode_ms_per_step_b{batch}{'' if overlap else '_step_by_step'}"
+            out[key] = round((time.perf_counter() - started) * 100, 3)
+        engine.overlap = True
         torch.cuda.set_sync_debug_mode("warn")
         try:
             with warnings.catch_warnings(record=True) as caught:
