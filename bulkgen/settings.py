@@ -133,15 +133,28 @@ ENGINE_FLAGS = {
         help="Token budget per engine step "
         "(chunked prefill above it); default by device (CPU 2048, GPU 4k-16k).",
     ),
+    "async_scheduling": Flag(
+        "--async-scheduling",
+        type=bool,
+        envvar="BULKGEN_ASYNC_SCHEDULING",
+        metavar="on|off",
+        help="Launch each engine step before reading the previous one's tokens, so the host's work runs while "
+        "the GPU computes (a stop is seen one step late); default on with a GPU, off on CPU.",
+    ),
 }
 
 
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
     for key in ENGINE_FLAGS.keys() & engine_kwargs.keys():
+        value = engine_kwargs[key]
         try:
-            _positive_int(engine_kwargs[key])
+            if key == "async_scheduling":
+                if not isinstance(value, bool):
+                    raise ValueError("must be true or false (on/off)")
+            else:
+                _positive_int(value)
         except ValueError as exc:
-            raise SettingError(key, engine_kwargs[key], str(exc)) from None
+            raise SettingError(key, value, str(exc)) from None
 
 
 def _check_fields(settings: Any) -> None:

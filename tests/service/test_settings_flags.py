@@ -18,7 +18,7 @@ SHARED_FLAGS = {
     "--storage", "--endpoint-url", "--model", "--ray-address", "--workers", "--cpu-workers", "--max-num-seqs",
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
-    "--storage-outage-timeout",
+    "--storage-outage-timeout", "--async-scheduling",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
 NO_FLAG = {"workers", "cpu_threads", "engine_kwargs"}  # nested settings, set by code, or flagged per key
@@ -77,7 +77,13 @@ def _run_settings(tmp_path, *args: str) -> Settings:
 
 
 def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path, monkeypatch):
-    for name in ("BULKGEN_STORAGE", "BULKGEN_TENANT", "AWS_ENDPOINT_URL", "RAY_ADDRESS"):
+    for name in (
+        "BULKGEN_STORAGE",
+        "BULKGEN_TENANT",
+        "AWS_ENDPOINT_URL",
+        "RAY_ADDRESS",
+        "BULKGEN_ASYNC_SCHEDULING",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert _run_settings(tmp_path) == Settings()
     monkeypatch.setenv("BULKGEN_TENANT", "team-x")
@@ -86,11 +92,17 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         tmp_path,
         *("--max-file-mb", "3", "--max-num-seqs", "8", "--workers", "2", "--worker-poll-deadline", "5"),
         *("--tenant-weight", "a=2", "--model", "m=/models/m", "--scheduling", "deadline", "--lease-ttl", "4"),
+        *("--async-scheduling", "off"),
     )
     assert settings.max_file_bytes == 3 * MIB and settings.models == {"m": "/models/m"}
     assert settings.workers == WorkerSettings(
-        ray_address="auto", num_workers=2, engine_kwargs={"max_num_seqs": 8}, poll_deadline_s=5.0
+        ray_address="auto",
+        num_workers=2,
+        engine_kwargs={"max_num_seqs": 8, "async_scheduling": False},
+        poll_deadline_s=5.0,
     )
+    monkeypatch.setenv("BULKGEN_ASYNC_SCHEDULING", "on")
+    assert _run_settings(tmp_path).workers.engine_kwargs == {"async_scheduling": True}
     assert (settings.tenant, settings.tenant_weights) == ("team-x", {"a": 2.0})
     assert (settings.scheduling, settings.lease_ttl_s) == ("deadline", 4.0)
 
@@ -104,6 +116,11 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         ("--workers", "0", "--workers 0: must be a positive int"),
         ("--cpu-workers", "0", "--cpu-workers 0: must be a positive int"),
         ("--max-num-seqs", "0", "--max-num-seqs 0: must be a positive int"),
+        (
+            "--async-scheduling",
+            "maybe",
+            "Invalid value for '--async-scheduling': 'maybe' is not a valid boolean",
+        ),
         (
             "--worker-poll-deadline",
             "0.3",
