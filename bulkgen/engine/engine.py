@@ -5,17 +5,17 @@ directly so its batch stays full across chunk boundaries.
 
 Overlapped steps (`EngineConfig.async_scheduling`, on by default on CUDA; vLLM's async scheduling,
 SGLang's overlap scheduler): a step is launched before the host reads the previous step's tokens. Each
-sequence that sampled holds a stand-in last token (sequence.pending_id: a negative id naming a row of the
-previous step's sampled tensor), which the next forward reads on the device; the host then waits for that previous step's tokens alone (the new
-forward queued behind them keeps the GPU busy), fills them in and runs the stop checks, detokenisation
-and result building while the GPU computes. So a stop is seen one step late: the sequence's token of
-the step already launched is discarded (counted in stats as discarded_tokens), and a request comes
-back from the step after the one that sampled its last token. A sequence whose last token is known in
-advance (max_tokens) leaves the batch as soon as that token is launched. Steps with a row that needs
-its tokens on the host (a grammar's matcher, penalties or logit_bias) first drain the pipeline and run
-as before. Sampling rows settled only after the copy (RandomDraw.settle, rare) had a wrong token on
-the device: the step that read it is discarded for them and recomputed, so the tokens are exactly those
-of a step-by-step run.
+sequence that sampled holds a stand-in last token (sequence.pending_id: a negative id naming a row of
+the previous step's sampled tensor), which the next forward reads on the device; the host then waits
+for that previous step's tokens alone (the new forward queued behind them keeps the GPU busy), fills
+them in and runs the stop checks, detokenisation and result building while the GPU computes. So a stop
+is seen one step late: the sequence's token of the step already launched is discarded (counted in stats
+as discarded_tokens), and a request comes back from the step after the one that sampled its last token.
+A sequence whose last token is known in advance (max_tokens) leaves the batch as soon as that token is
+launched. Steps with a row that needs its tokens on the host (a grammar's matcher, penalties or
+logit_bias) first drain the pipeline and run as before. Sampling rows settled only after the copy
+(RandomDraw.settle, rare) had a wrong token on the device: the step that read it is discarded for them
+and recomputed, so the tokens are exactly those of a step-by-step run.
 """
 
 from __future__ import annotations

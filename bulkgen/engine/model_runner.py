@@ -123,9 +123,8 @@ class ModelRunner:
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         if self.graphs is not None and not plan.num_prefill and not step.pooled:
-            logits = self.graphs.run(
-                [s for s, _ in ordered], pending
-            )  # one row per sequence: row = query offset
+            # one row per sequence: row = query offset
+            logits = self.graphs.run([s for s, _ in ordered], pending)
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             step.logits = logits

@@ -19,6 +19,8 @@ unsettled (round 0 missed but they were not among the redrawn rows, or every rou
 are finished after the copy, exactly as the plain loop would have, at the cost of a second round trip.
 On CPU, where reading a flag waits on nothing, the rounds stop as soon as every redrawn row is settled
 (same tokens; the fixed rounds cost 1.30x greedy in bench/bench_sampling.py, stopping early 1.15x).
+`sample_async` queues all of it, with the copy, and returns (the engine's overlapped steps read the
+tokens one step later, SampledTokens.result); `sample` is both at once.
 A random row's constants (1 / temperature, top_p, top_k, key) sit in a device pool written once per
 sequence (SamplingRows); a step sends each row's pool row and draw counter. Everything a row does
 depends only on its own logits, key, position and output tokens, so a seeded request samples the same
@@ -336,14 +338,8 @@ class _LogprobRows:
     them. A row settled late has its chosen logprob gathered again from the kept log-softmax."""
 
     def __init__(self, size: int, wanted: list[int], ks: list[int], logp, chosen, top) -> None:
-        self.size, self.wanted, self.ks, self.logp, self.chosen, self.top = (
-            size,
-            wanted,
-            ks,
-            logp,
-            chosen,
-            top,
-        )
+        self.size, self.wanted, self.ks = size, wanted, ks  # rows, those tracked, their top-k counts
+        self.logp, self.chosen, self.top = logp, chosen, top  # device: [W, vocab], [W], (ids, values)
 
     @classmethod
     def launch(cls, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> _LogprobRows:
