@@ -14,7 +14,7 @@ ints a decode step must send (what any per-step rebuild pays); the ratio says ho
 the engine's host work costs.
 
 Overlapped steps (`--device-ms D`): the same runs against a modelled device, a serial queue on which
-every forward takes D ms from when it is launched or when the previous one ends, whichever is later;
+every forward takes D ms from when the runner has staged it or when the previous one ends, whichever is later;
 reading a step's tokens waits (sleeps) until that step's forward has ended. Step by step, a decode step
 then costs the host's work plus D; overlapped (EngineConfig.async_scheduling), the host's work hides
 behind the device's. Reported: wall ms per steady decode step both ways, and the device's idle ms per
@@ -40,8 +40,12 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from bench_engine import make_workload  # noqa: E402
 
 LOGIT_WIDTH = 8
+SLOTS = 512  # max_num_seqs, as on an H200
 ANCHOR = {"requests": 512, "prompt": (16, 1024), "output": (8, 256), "vocab": 128256, "kv_blocks": 45000}
 QUICK = {"requests": 160, "prompt": (16, 256), "output": (8, 64), "vocab": 128256, "kv_blocks": 6000}
+# three times the slots' worth of requests: slots refill as sequences finish, so most full steps mix
+# admitted prompts' prefill chunks with the decodes (a bulk job's steady state)
+CONTINUOUS = {**ANCHOR, "requests": 1536, "kv_blocks": 60000}
 STEADY = (
     0.94  # decode steps with at least this share of the requests in the batch: the steady state (480 of 512)
 )
@@ -74,7 +78,7 @@ def stub_engine(spec: dict, overlap: bool = False):
     engine = Engine(
         model,
         tokenizer,
-        max_num_seqs=512,
+        max_num_seqs=SLOTS,
         max_num_batched_tokens=16384,
         num_kv_blocks=spec["kv_blocks"],
         cuda_graphs=True,
@@ -105,8 +109,9 @@ class ModelledDevice:
         run, sample_async = engine.runner.run, engine_module.sample_async
 
         def launch(*args, **kwargs):
+            out = run(*args, **kwargs)  # the forward is queued once the runner has staged the step
             self.free_at = self.last_end = max(self.free_at, time.perf_counter()) + self.seconds
-            return run(*args, **kwargs)
+            return out
 
         def sample(*args, **kwargs):
             sampled = sample_async(*args, **kwargs)
@@ -175,10 +180,11 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
     total = time.perf_counter() - started
     if tokens != work.useful_tokens:
         raise AssertionError(f"generated {tokens} tokens, the workload asks for {work.useful_tokens}")
-    full = int(STEADY * spec["requests"])
+    full = int(STEADY * min(spec["requests"], SLOTS))
     steady_at = [i for i, (decode, size) in enumerate(kinds) if decode and size >= full]
     steady = [times[i] for i in steady_at]
     steady_ms = sorted(1e3 * t for t in steady)
+    mixed_ms = sorted(1e3 * times[i] for i, (decode, size) in enumerate(kinds) if not decode and size >= full)
     return {
         "sampled": sampled,
         "overlap": overlap,
@@ -192,6 +198,8 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
         if steady_ms
         else None,
         "host_s_total": round(total, 3),
+        "mixed_steps": len(mixed_ms),  # prefill chunks beside the decodes, at B >= steady_batch
+        "host_ms_per_mixed_step_median": round(statistics.median(mixed_ms), 3) if mixed_ms else None,
         # ints a steady decode step sends to the device: 4 per row plus the table entries it appended
         "steady_upload_ints_median": statistics.median([uploads.get(i, 0) for i in steady_at] or [0]),
         "steady_upload_ints_max": max((uploads.get(i, 0) for i in steady_at), default=0),
@@ -231,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in ("greedy", "sampled"):
         median = report[mode]["host_ms_per_decode_step_median"]
         report[mode]["ratio_to_floor"] = round(median / report["baseline_floor_ms"], 2) if median else None
+    if not args.quick:
+        report["continuous"] = run(CONTINUOUS, sampled=False)
     if args.device_ms:
         report["device"] = {}
         for mode, sampled in (("greedy", False), ("sampled", True)):
@@ -255,6 +265,14 @@ def main(argv: list[str] | None = None) -> dict:
             f"host ms per decode step median {r['host_ms_per_decode_step_median']} "
             f"p90 {r['host_ms_per_decode_step_p90']} ({r['ratio_to_floor']}x the floor); "
             f"whole run {r['host_s_total']} s"
+        )
+    if "continuous" in report:
+        r = report["continuous"]
+        print(
+            f"continuous ({CONTINUOUS['requests']} requests through 512 slots, greedy): {r['steps']} steps; "
+            f"at B>={r['steady_batch']}: {r['mixed_steps']} mixed (prefill + decodes), host ms median "
+            f"{r['host_ms_per_mixed_step_median']}; {r['steady_steps']} decode-only, host ms median "
+            f"{r['host_ms_per_decode_step_median']}"
         )
     for mode, pair in report.get("device", {}).items():
         base, over = pair["step_by_step"], pair["overlapped"]
