@@ -150,11 +150,13 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
         )
         engine.add_request(str(i), prompt, params)
     kinds: list[tuple[bool, int]] = []
+    prefill_tokens: list[int] = []
     run_plan = engine.runner._plan
 
     def plan(batch):
         ordered, step_plan = run_plan(batch)
         kinds.append((step_plan.num_prefill == 0, len(ordered)))
+        prefill_tokens.append(step_plan.num_prefill_tokens)
         return ordered, step_plan
 
     engine.runner._plan = plan
@@ -167,6 +169,14 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
         return upload()
 
     pack.upload = counted_upload
+    packed, packed_uploads = engine.runner.pack, {}  # the packed path's (prefill and mixed steps)
+    packed_upload = packed.upload
+
+    def counted_packed_upload():
+        packed_uploads[len(times)] = len(packed.values)
+        return packed_upload()
+
+    packed.upload = counted_packed_upload
     tokens, started = 0, time.perf_counter()
     try:
         while engine.has_unfinished():
@@ -184,7 +194,10 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
     steady_at = [i for i, (decode, size) in enumerate(kinds) if decode and size >= full]
     steady = [times[i] for i in steady_at]
     steady_ms = sorted(1e3 * t for t in steady)
-    mixed_ms = sorted(1e3 * times[i] for i, (decode, size) in enumerate(kinds) if not decode and size >= full)
+    mixed_at = [i for i, (decode, size) in enumerate(kinds) if not decode and size >= full]
+    mixed_ms = sorted(1e3 * times[i] for i in mixed_at)
+    # beyond each prefill token's id, position and slot: what the decode rows and the metadata cost
+    beyond = [packed_uploads.get(i, 0) - 3 * prefill_tokens[i] for i in mixed_at]
     return {
         "sampled": sampled,
         "overlap": overlap,
@@ -200,6 +213,7 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
         "host_s_total": round(total, 3),
         "mixed_steps": len(mixed_ms),  # prefill chunks beside the decodes, at B >= steady_batch
         "host_ms_per_mixed_step_median": round(statistics.median(mixed_ms), 3) if mixed_ms else None,
+        "mixed_upload_ints_beyond_prefill_median": statistics.median(beyond) if beyond else None,
         # ints a steady decode step sends to the device: 4 per row plus the table entries it appended
         "steady_upload_ints_median": statistics.median([uploads.get(i, 0) for i in steady_at] or [0]),
         "steady_upload_ints_max": max((uploads.get(i, 0) for i in steady_at), default=0),
@@ -271,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"continuous ({CONTINUOUS['requests']} requests through 512 slots, greedy): {r['steps']} steps; "
             f"at B>={r['steady_batch']}: {r['mixed_steps']} mixed (prefill + decodes), host ms median "
-            f"{r['host_ms_per_mixed_step_median']}; {r['steady_steps']} decode-only, host ms median "
+            f"{r['host_ms_per_mixed_step_median']} (ints sent beyond 3 per prefill token: median "
+            f"{r['mixed_upload_ints_beyond_prefill_median']}); {r['steady_steps']} decode-only, host ms median "
             f"{r['host_ms_per_decode_step_median']}"
         )
     for mode, pair in report.get("device", {}).items():

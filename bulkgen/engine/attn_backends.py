@@ -49,17 +49,25 @@ class DecodeMeta:
 
     start: int
     end: int
-    table: torch.Tensor | slice  # [B, max_blocks] block ids, padded with block 0 (masked out)
+    table: torch.Tensor | slice | None  # [B, max_blocks] block ids, padded (masked out by length)
     lengths: torch.Tensor | slice  # [B] context length including the new token
+    # or the table as `width` columns of rows `rows` of a persistent device table `source` (StepPlan)
+    rows: slice | None = None
+    source: torch.Tensor | None = None
+    width: int = 0
 
     def bind(self, flat: torch.Tensor) -> DecodeMeta:
-        self.table = flat[self.table].view(self.end - self.start, -1)
+        if self.rows is not None:
+            self.table = self.source.index_select(0, flat[self.rows])[:, : self.width]
+        else:
+            self.table = flat[self.table].view(self.end - self.start, -1)
         self.lengths = flat[self.lengths]
         return self
 
 
 class PlainBackend:
     name = "plain"
+    device_decode_tables = True  # its decodes may read their tables from StepPlan.decode_table
 
     def __init__(self, decode_kernel: str | None = None) -> None:
         """`decode_kernel`: "padded" or "triton" for the decode rows; None: the device's default
@@ -110,6 +118,9 @@ def _decode_meta(plan: StepPlan, pack: HostPack, q_off: int) -> DecodeMeta | Non
     rows = range(plan.num_prefill, len(plan.starts))
     lengths = [plan.starts[i] + 1 for i in rows]
     width = -(-max(lengths) // plan.block_size)
+    if plan.decode_rows is not None:  # the tables are on the device already: rows and lengths only
+        end = q_off + plan.num_decode
+        return DecodeMeta(q_off, end, None, pack.add(lengths), plan.decode_rows, plan.decode_table, width)
     table = [
         b
         for i, n in zip(rows, lengths, strict=True)

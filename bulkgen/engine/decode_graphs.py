@@ -137,9 +137,11 @@ class DecodeGraphs:
         max_width: int,
         capture: bool,
         decode_kernel: str | None = None,
+        tables: SlotTables | None = None,
     ):
         """`max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
-        last real one, which padded rows read and write."""
+        last real one, which padded rows read and write; `tables`: the runner's, shared with its packed
+        path (a sequence keeps its row whichever path its steps take)."""
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.block_size, self.max_batch, self.max_width = block_size, max_batch, max_width
         self.device = k_caches[0].device
@@ -148,7 +150,7 @@ class DecodeGraphs:
         self.pool = None
         self.plain = PlainBackend(decode_kernel)
         self.paged = (decode_kernel or triton_decode.default_kernel(self.device)) == "triton"
-        self.tables = SlotTables(max_batch, max_width, scratch_block, self.device)
+        self.tables = tables or SlotTables(max_batch, max_width, scratch_block, self.device)
         self.pack = HostPack(self.device)
 
     @torch.inference_mode()

@@ -14,7 +14,7 @@ import torch
 from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
-from .decode_graphs import DecodeGraphs, read_pending
+from .decode_graphs import DecodeGraphs, SlotTables, read_pending
 from .sequence import Sequence
 from .step_plan import HostPack, StepPlan
 
@@ -86,6 +86,10 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
         ]
         self.pack = HostPack(self.device)
+        # decoding sequences' block tables, one persistent device row each (decode-graph and packed steps)
+        self.tables = SlotTables(
+            config.max_num_seqs, -(-max_model_len // self.block_size), self.num_blocks, self.device
+        )
         self.graphs = self._decode_graphs(max_model_len)
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
@@ -103,6 +107,7 @@ class ModelRunner:
             -(-max_model_len // self.block_size),
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
+            tables=self.tables,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
@@ -132,12 +137,32 @@ class ModelRunner:
         tokens = [t for seq, n in ordered for t in seq.token_ids[seq.num_computed_tokens :][:n]]
         pack = self.pack
         ids = pack.add(tokens)
-        positions, slots = pack.add(plan.positions()), pack.add(plan.slots())
+        positions = pack.add(plan.positions())
+        # decodes read their block tables from the persistent device rows (only new entries travel) and
+        # get their cache slots there; prefill chunks' slots come from the host
+        on_device = plan.num_decode and getattr(self.backend, "device_decode_tables", False)
+        updates: list[int] = []
+        values: list[int] = []
+        if on_device:
+            decoding = [s for s, _ in ordered[plan.num_prefill :]]
+            plan.decode_rows = pack.add(self.tables.rows_for(decoding, updates, values))
+            plan.decode_table = self.tables.table
+        slots = pack.add(plan.slots(plan.num_prefill if on_device else None))
+        at = pack.add(updates)
+        pack.add(values)
         keep = pack.add(rows)
         meta = self.backend.prepare(plan, pack)
         flat = pack.upload()
+        slot_rows = flat[slots]
+        if on_device:
+            if updates:
+                self.tables.table.view(-1).index_copy_(0, flat[at], flat[at.stop : at.stop + len(updates)])
+            pos = flat[positions][plan.num_prefill_tokens :]
+            table_rows = flat[plan.decode_rows]
+            bs = self.block_size
+            slot_rows = torch.cat([slot_rows, self.tables.table[table_rows, pos // bs] * bs + pos % bs])
         ctx = StepContext(
-            flat[slots], self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat)
+            slot_rows, self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat)
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
         kwargs = dict(

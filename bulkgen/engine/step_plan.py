@@ -22,6 +22,10 @@ class StepPlan:
     block_tables: list[list[int]]
     num_prefill: int
     block_size: int
+    # the decodes' block tables as rows of the runner's persistent device table (SlotTables): the pack's
+    # slice of their row numbers and that table; None: backends build the decodes' tables from block_tables
+    decode_rows: slice | None = None
+    decode_table: torch.Tensor | None = None
 
     @property
     def ends(self) -> list[int]:
@@ -35,10 +39,11 @@ class StepPlan:
     def num_prefill_tokens(self) -> int:
         return sum(self.counts[: self.num_prefill])
 
-    def slots(self) -> list[int]:
-        """Cache row (block * block_size + offset) of every token computed now, in step order."""
-        bs, out = self.block_size, []
-        for start, n, table in zip(self.starts, self.counts, self.block_tables, strict=True):
+    def slots(self, num_seqs: int | None = None) -> list[int]:
+        """Cache row (block * block_size + offset) of every token computed now, in step order (of the
+        first `num_seqs` sequences only, if given)."""
+        bs, out, end = self.block_size, [], len(self.starts) if num_seqs is None else num_seqs
+        for start, n, table in zip(self.starts[:end], self.counts[:end], self.block_tables[:end], strict=True):
             out.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         return out
 

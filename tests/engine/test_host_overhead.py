@@ -38,6 +38,22 @@ def test_anchor_decode_steps_upload_four_ints_per_row_and_stay_within_the_host_b
     assert report["host_ms_per_decode_step_median"] < 20, report  # measured 1.6 ms (6.1 ms before)
 
 
+def test_mixed_steps_send_the_decodes_tables_as_new_entries_only():
+    """1,024 requests through 512 slots: full steps mix admitted prompts' chunks with the decodes (a bulk
+    job's steady state). Beside each prefill token's id, position and slot, a mixed step sends about
+    five ints per decode row (token, position, table row, length, logit row) and the table entries
+    appended since its last step; the packed path used to send every decode's padded table (B x W,
+    11,710 ints at the median here)."""
+    torch.set_num_threads(1)
+    spec = {"requests": 1024, "prompt": (16, 256), "output": (8, 64), "vocab": 128256, "kv_blocks": 12000}
+    try:
+        report = bench_host.run(spec, sampled=False)
+    finally:
+        torch.set_num_threads(2)
+    assert report["mixed_steps"] >= 20, report
+    assert report["mixed_upload_ints_beyond_prefill_median"] <= 6 * 512, report  # measured 2,700
+
+
 def _seq(seq_id: int, table: list[int]) -> SimpleNamespace:
     return SimpleNamespace(seq_id=seq_id, block_table=table)
 
