@@ -43,7 +43,9 @@ class StepPlan:
         """Cache row (block * block_size + offset) of every token computed now, in step order (of the
         first `num_seqs` sequences only, if given)."""
         bs, out, end = self.block_size, [], len(self.starts) if num_seqs is None else num_seqs
-        for start, n, table in zip(self.starts[:end], self.counts[:end], self.block_tables[:end], strict=True):
+        for start, n, table in zip(
+            self.starts[:end], self.counts[:end], self.block_tables[:end], strict=True
+        ):
             out.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         return out
 
