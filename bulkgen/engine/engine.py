@@ -12,8 +12,9 @@ them in and runs the stop checks, detokenisation and result building while the G
 is seen one step late: the sequence's token of the step already launched is discarded (counted in stats
 as discarded_tokens), and a request comes back from the step after the one that sampled its last token.
 A sequence whose last token is known in advance (max_tokens) leaves the batch as soon as that token is
-launched. Steps with a row that needs its tokens on the host (a grammar's matcher, penalties or
-logit_bias) first drain the pipeline and run as before. Sampling rows settled only after the copy
+launched. A step with a row whose logits processing needs its tokens on the host (a grammar's matcher,
+penalties, logit_bias) launches its forward the same way but samples once the previous step's tokens
+are read and the matchers and penalty rows have caught up. Sampling rows settled only after the copy
 (RandomDraw.settle, rare) had a wrong token on the device: the step that read it is discarded for them
 and recomputed, so the tokens are exactly those of a step-by-step run.
 """
@@ -235,30 +236,27 @@ class Engine:
                 time.sleep(min(wait, 0.01))
             return []
         start = time.time()
-        overlap = self.overlap and not (self._host_bound and self._needs_host_tokens(batch))
-        if self._inflight is not None and not overlap:
-            done += self._drain()
-            if not batch.drop_finished():
-                return done
         prev = self._inflight
+        # with a step in flight, rows whose logits processing reads their tokens on the host (a grammar's
+        # matcher, penalties, logit_bias) sample after the previous step's tokens are read; the forward
+        # still runs meanwhile
+        late = prev is not None and bool(self._host_bound) and self._needs_host_tokens(batch)
         self._mark_scheduled(batch.items, start)
-        pending = self._start_masks(batch.items)  # grammar masks (on a GPU: filled while the forward runs)
+        pending = None if late else self._start_masks(batch.items)  # (on a GPU: filled during the forward)
         try:
             step = self.runner.run(batch.items, None if prev is None else prev.sampled.tokens)
         finally:
             bitmask = pending[1].result() if pending else None  # never leave a fill running on a matcher
-        masks = self._constrained_rows(step.sampling, pending[0], bitmask) if pending else None
-        sampling = step.sampling
-        sampled = (
-            sample_async(step.logits[: len(sampling)], sampling, self.adjustments, masks, self.constants)
-            if sampling
-            else None
-        )
+        sampling, sampled = step.sampling, None
+        if sampling and not late:
+            masks = self._constrained_rows(sampling, pending[0], bitmask) if pending else None
+            logits = step.logits[: len(sampling)]
+            sampled = sample_async(logits, sampling, self.adjustments, masks, self.constants)
         scored = self._score_prompts(step)
         if step.pooled:
             add_chunks(step.pooled, step.hidden, step.pool_spans, self.pooling.method)
         # the waits: this step's tokens (a step-by-step run), or the previous step's while this one runs
-        ours = sampled.result() if sampled is not None and not overlap else None
+        ours = sampled.result() if sampled is not None and not self.overlap else None
         theirs = prev.sampled.result() if prev is not None else None
         # no sequence changed up to here
         voided: set[int] = set()
@@ -269,8 +267,10 @@ class Engine:
         discarded = self._advance(batch, voided)
         for seq, entries in scored:
             seq.request.prompt_logprobs.extend(entries)
-        if overlap and sampled is not None:
-            sampled_now = self._hold(sampling, sampled, voided)
+        if late and sampling:
+            sampling, sampled = self._sample_late(step, voided)
+        if self.overlap:
+            sampled_now = self._hold(sampling, sampled, voided) if sampled is not None else []
         else:
             sampled_now = sampling
             if ours is not None:
@@ -278,6 +278,24 @@ class Engine:
         done += self._finish_prefilled(step.prefilled)
         self.stats_.record_step(batch, time.time() - start, sampled_now, discarded)
         return done
+
+    def _sample_late(self, step: StepLogits, voided: set[int]) -> tuple[list[Sequence], SampledTokens | None]:
+        """Sample the step's rows whose sequences still run, once the previous step's tokens are in
+        (matchers advanced, penalty counts caught up); returns those sequences and their tokens."""
+        finished = SequenceStatus.FINISHED
+        rows = [i for i, s in enumerate(step.sampling) if s.status is not finished and s.seq_id not in voided]
+        live = [step.sampling[i] for i in rows]
+        if not live:
+            return [], None
+        logits = step.logits[: len(step.sampling)]
+        if len(live) < len(step.sampling):
+            logits = logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
+        guided = [s for s in live if s.matcher is not None]
+        masks = None
+        if guided:
+            bitmask = self.grammars.masks([s.matcher for s in guided], unpacked=self.device.type == "cpu")
+            masks = self._constrained_rows(live, guided, bitmask)
+        return live, sample_async(logits, live, self.adjustments, masks, self.constants)
 
     def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
         """A row whose logits processing reads its tokens on the host: a grammar's matcher, or penalties
@@ -326,7 +344,7 @@ class Engine:
         return self._take_tokens(seqs, chosen, logprobs, placed=True), voided
 
     def _drain(self) -> list[RequestOutput]:
-        """Read the in-flight step's tokens before a step that needs every token on the host."""
+        """Read the in-flight step's tokens when there is no step to launch."""
         prev = self._inflight
         result = prev.sampled.result()
         self._inflight = None

@@ -40,20 +40,6 @@ class ScheduledBatch:
     prefill_tokens: int = 0
     decode_tokens: int = 0
 
-    def drop_finished(self) -> int:
-        """Drop the items of sequences that ended after this batch was scheduled (a stop the engine read
-        one step late, see Engine.step); returns the number of items left."""
-        kept = [i for i, (seq, _) in enumerate(self.items) if seq.status is not SequenceStatus.FINISHED]
-        if len(kept) < len(self.items):
-            for i in set(range(len(self.items))) - set(kept):
-                if self.is_decode[i]:
-                    self.decode_tokens -= 1
-                else:
-                    self.prefill_tokens -= self.items[i][1]
-            self.items = [self.items[i] for i in kept]
-            self.is_decode = [self.is_decode[i] for i in kept]
-        return len(self.items)
-
 
 class Scheduler:
     """Owns the queues (waiting, preempted, running); the engine calls schedule() per step."""

@@ -31,7 +31,7 @@ def _params() -> list[SamplingParams | EmbedParams]:
         SamplingParams(max_tokens=1, temperature=0),  # its first token is its last
         SamplingParams(max_tokens=5, temperature=0, prompt_logprobs=2),
         EmbedParams(),
-        SamplingParams(max_tokens=10, frequency_penalty=0.7, **sampled),  # steps with it drain the pipeline
+        SamplingParams(max_tokens=10, frequency_penalty=0.7, **sampled),  # samples after the previous read
         SamplingParams(max_tokens=16, temperature=0, guide=Guide.json_object()),
     ]
 
@@ -117,6 +117,31 @@ def test_every_late_settled_row_is_recomputed(make_engine, mixed_prompts, monkey
     got, stats = _run(make_engine, prompts, params, async_scheduling=True, **common)
     _assert_same(got, want)
     assert stats["discarded_tokens"] > len(prompts)
+
+
+def test_grammar_and_penalty_rows_sample_after_the_previous_read(make_engine, mixed_prompts, monkeypatch):
+    """Every request under a JSON grammar or penalties: their steps still overlap the forward with the
+    previous step's read, and sample once the matchers and penalty rows have seen its tokens."""
+    late = []
+    sample_late = engine_module.Engine._sample_late
+    monkeypatch.setattr(
+        engine_module.Engine, "_sample_late", lambda self, *a: late.append(1) or sample_late(self, *a)
+    )
+    prompts = mixed_prompts(seed=95, count=10, low=3, high=30)
+    sampled = dict(temperature=0.9, seed=4, max_tokens=24)
+    params = [
+        SamplingParams(guide=Guide.json_object(), **sampled)
+        if i % 3 == 0
+        else SamplingParams(presence_penalty=0.8, logit_bias={65: 3.0, 66: -2.0}, **sampled)
+        if i % 3 == 1
+        else SamplingParams(frequency_penalty=1.1, top_p=0.8, **sampled)
+        for i in range(len(prompts))
+    ]
+    common = dict(block_size=4, cuda_graphs=True)
+    want, _ = _run(make_engine, prompts, params, async_scheduling=False, **common)
+    got, stats = _run(make_engine, prompts, params, async_scheduling=True, **common)
+    _assert_same(got, want)
+    assert len(late) >= 20 and stats["steps"] - len(late) <= 2  # all but the first step (and the last)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
