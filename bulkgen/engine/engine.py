@@ -293,8 +293,8 @@ class Engine:
         guided = [s for s in live if s.matcher is not None]
         masks = None
         if guided:
-            bitmask = self.grammars.masks([s.matcher for s in guided], unpacked=self.device.type == "cpu")
-            masks = self._constrained_rows(live, guided, bitmask)
+            _, fill = self._fill_masks(guided)
+            masks = self._constrained_rows(live, guided, fill.result())
         return live, sample_async(logits, live, self.adjustments, masks, self.constants)
 
     def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
@@ -365,8 +365,10 @@ class Engine:
         guided = [
             s for s, n in items if s.matcher is not None and s.num_computed_tokens + n >= len(s.token_ids)
         ]
-        if not guided:
-            return None
+        return self._fill_masks(guided) if guided else None
+
+    def _fill_masks(self, guided: list[Sequence]) -> tuple[list[Sequence], Future]:
+        """`guided` and the fill of their masks: in a thread on a GPU, at once on a CPU."""
         matchers = [s.matcher for s in guided]
         if self.device.type == "cpu":
             done: Future = Future()
