@@ -195,7 +195,8 @@ def test_abort_and_reset_with_a_step_in_flight(make_engine, mixed_prompts):
         len(s) > s.num_prompt_tokens + 2 for s in engine.requests["1"].seqs
     ):
         done.update((o.request_id, o) for o in engine.step())
-    engine.abort(["1", "2"])  # both hold tokens in flight
+    assert all(s.token_ids[-1] < 0 for r in ("1", "2") for s in engine.requests[r].seqs)  # in flight
+    engine.abort(["1", "2"])
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step())
     assert sorted(done) == ["0", "3", "4", "5"]
