@@ -7,7 +7,10 @@ through the block table, and never touches padding: a program per (sequence, KV 
 share of the sequence's blocks with an online softmax for all the query heads that share that KV head
 (GQA without expanding K/V), and a short torch reduction merges the splits (flash-decoding). Splits
 give a small batch enough programs to fill the GPU; their number depends only on the shapes, so the
-launch is the same on every replay of a CUDA graph. Scores and the softmax run in float32.
+launch is the same on every replay of a CUDA graph. Blocks are dealt to the splits in turn (split s
+takes blocks s, s + splits, ...): the table is as wide as the longest context the engine allows (8,192
+columns in the decode graphs), so contiguous shares of it would leave every real block in split 0.
+Scores and the softmax run in float32.
 
 Used on CUDA when triton imports (the engine probes it against the padded path at startup like any
 attention kernel); `BULKGEN_DECODE_KERNEL=padded|triton` forces one. On CPU the tests run it under
@@ -61,14 +64,21 @@ def paged_decode(
 ) -> torch.Tensor:
     """q [B, Hq, D]; caches [blocks, block_size, Hkv, D]; table [B, W] block ids (padding unread);
     lengths [B] context lengths including the new token -> [B, Hq, D] in q's dtype."""
+    splits = num_splits(q.shape[0], k_cache.shape[2], table.shape[1])
+    acc, stats = _launch(q, k_cache, v_cache, table, lengths, scale, splits)
+    return _merge(acc, stats[0], stats[1]).to(q.dtype)
+
+
+def _launch(q, k_cache, v_cache, table, lengths, scale: float, splits: int):
+    """Run the split kernel: per-split partial results acc [B, Hq, splits, D] and stats [2, B, Hq, splits]
+    (running max, running sum; a split that held no block keeps -inf and 0)."""
     batch, hq, dim = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group, width = hq // hkv, table.shape[1]
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # PER_SPLIT is a constant there only
-    if interpreted:  # its loops run PER_SPLIT times: only up to the longest sequence (a host read)
-        width = min(width, max(1, -(-int(lengths.max()) // block_size)))
-    splits = num_splits(batch, hkv, width)
-    per_split = -(-width // splits)
+    group = hq // hkv
+    # the interpreter cannot loop to a tensor bound: each split walks a fixed count of its blocks, enough
+    # for the longest sequence (a host read; the compiled kernel reads each sequence's own length)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    longest = -(-int(lengths.max()) // block_size) if interpreted else 0
     acc = torch.empty(batch, hq, splits, dim, dtype=torch.float32, device=q.device)
     stats = torch.empty(2, batch, hq, splits, dtype=torch.float32, device=q.device)  # running max, sum
     _decode_split[(batch, hkv, splits)](
@@ -92,21 +102,21 @@ def paged_decode(
         stats.stride(1),
         stats.stride(2),
         scale,
-        per_split,
+        splits,
         GROUP=group,
         GROUP_P=triton.next_power_of_2(group),
         DIM=dim,
         DIM_P=triton.next_power_of_2(dim),
         BLOCK_SIZE=block_size,
-        PER_SPLIT=per_split if interpreted else 1,
+        PER_SPLIT=max(1, -(-longest // splits)),
         DYNAMIC_LOOP=not interpreted,
     )
-    return _merge(acc, stats[0], stats[1]).to(q.dtype)
+    return acc, stats
 
 
 def _merge(acc: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
     """Combine the splits' partial softmaxes; a split with no block has max -inf and weight 0."""
-    top = maxes.amax(dim=-1, keepdim=True)  # finite: split 0 always holds the first block
+    top = maxes.amax(dim=-1, keepdim=True)  # finite: split 0 always holds block 0
     weights = torch.exp(maxes - top)
     total = (sums * weights).sum(dim=-1)
     return (acc * weights[..., None]).sum(dim=-2) / total[..., None]
@@ -177,7 +187,7 @@ if triton is not None:
         ss_b,
         ss_h,
         scale,
-        per_split,
+        splits,
         GROUP: tl.constexpr,
         GROUP_P: tl.constexpr,
         DIM: tl.constexpr,
@@ -188,7 +198,6 @@ if triton is not None:
     ):
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(lengths_ptr + seq)
-        first = split * per_split
         g, d = tl.arange(0, GROUP_P), tl.arange(0, DIM_P)
         heads = kv_head * GROUP + g
         q_mask = (g[:, None] < GROUP) & (d[None, :] < DIM)
@@ -197,9 +206,8 @@ if triton is not None:
         running_max = tl.full([GROUP_P], float("-inf"), tl.float32)
         running_sum = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, DIM_P], tl.float32)
-        if DYNAMIC_LOOP:  # compiled: only the sequence's own blocks
-            last = tl.minimum(first + per_split, tl.cdiv(length, BLOCK_SIZE))
-            for block in range(first, last):
+        if DYNAMIC_LOOP:  # compiled: only the sequence's own blocks, every splits-th from this split's
+            for block in range(split, tl.cdiv(length, BLOCK_SIZE), splits):
                 running_max, running_sum, acc = _attend_block(
                     q,
                     running_max,
@@ -232,7 +240,7 @@ if triton is not None:
                     table_ptr,
                     seq,
                     kv_head,
-                    first + i,
+                    split + i * splits,
                     length,
                     sk_blk,
                     sk_tok,

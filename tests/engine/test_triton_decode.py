@@ -82,6 +82,22 @@ def test_splits_depend_on_shapes_only_and_never_exceed_the_blocks():
     )
 
 
+def test_every_split_gets_blocks_of_a_short_context_in_a_wide_table(interpreted):
+    """The decode graphs pass a table as wide as the longest allowed context (8,192 columns at the anchor):
+    a 10-block context must still spread over the splits (dealt in turn), not all land in split 0."""
+    q, k_cache, v_cache, _, lens = _case(5, [10 * 16, 3 * 16 + 5], 8, 2, 16, 16)
+    table = torch.zeros(2, 512, dtype=torch.long)  # wide: only the first columns are real
+    table[0, :10], table[1, :4] = torch.arange(10), torch.arange(10, 14)
+    splits = td.num_splits(2, 2, table.shape[1])
+    assert splits == 16
+    acc, stats = td._launch(q, k_cache, v_cache, table, lens, 0.25, splits)
+    holding = (stats[1] > 0).sum(dim=-1)  # splits whose running sum saw a block, per (sequence, head)
+    assert holding[0].tolist() == [10] * 8 and holding[1].tolist() == [4] * 8
+    want = paged_decode(q, k_cache, v_cache, DecodeMeta(0, 2, table, lens), 0.25, "padded")
+    got = td._merge(acc, stats[0], stats[1]).to(q.dtype)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
 def test_engine_decodes_through_the_kernel_to_the_reference_tokens(
     interpreted, monkeypatch, model_dirs, reference, mixed_prompts
 ):
