@@ -18,15 +18,17 @@ The JSON is rewritten after every phase, so a crash late in the run keeps what w
 with hf_static (first-divergence statistics: bf16 on both sides, so late divergences are expected).
 Installs nothing; `--quick` runs a tiny fp32 model on CPU in seconds (a smoke test of the script).
 
-    python bench/gpu.py --out bench/results            # on the GPU, < 8 minutes on an H200
-    python bench/gpu.py --quick --out /tmp/gpu-smoke   # anywhere
+    python3 bench/gpu.py --out bench/results            # on the GPU, < 8 minutes on an H200
+    python3 bench/gpu.py --quick --out /tmp/gpu-smoke   # anywhere
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -188,6 +190,52 @@ def run_bulkgen(engine, work, sampled: bool, device: str) -> tuple[dict, list[li
     }, tokens
 
 
+def warm_up(engine, work) -> dict:
+    """Untimed, before the timed runs: a prefill, then a mixed step (new prompts' prefill beside running
+    decodes), graph decodes, greedy and sampled rows, so every kernel specialisation the timed runs use is
+    compiled here (a prefill-only warm-up left the mixed step's packed-path kernels to the timed greedy
+    run). Returns its step counts."""
+    from bulkgen.engine import SamplingParams
+
+    def params(i: int) -> SamplingParams:
+        sampled = dict(temperature=0.8, top_p=0.95, seed=i) if i % 2 else dict(temperature=0.0)
+        return SamplingParams(max_tokens=8, ignore_eos=True, **sampled)
+
+    prompts = work.prompts[:16]
+    engine.pop_step_records()
+    for i, prompt in enumerate(prompts[:8]):
+        engine.add_request(f"warm{i}", prompt, params(i))
+    while engine.scheduler.num_waiting or any(s.num_uncomputed > 1 for s in engine.scheduler.running):
+        engine.step()  # through the first half's prefill: from here on they decode
+    for i, prompt in enumerate(prompts[8:], start=8):
+        engine.add_request(f"warm{i}", prompt, params(i))
+    while engine.has_unfinished():
+        engine.step()
+    records = engine.pop_step_records()
+    mixed = sum(bool(r["prefill_tokens"] and r["decode_tokens"]) for r in records)
+    return {"steps": len(records), "mixed_steps": mixed}
+
+
+class Phases:
+    """Wall seconds of each phase, in the report and, as each ends, a line of the device run's phases.txt
+    (GPU_CHECK_PHASES, set by gpu_check.sh): a run cut off by its timeout still shows where the time went."""
+
+    def __init__(self, report: dict) -> None:
+        self.report = report.setdefault("phases_s", {})
+        self.path = os.environ.get("GPU_CHECK_PHASES")
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report[name] = round(time.perf_counter() - started, 2)
+            if self.path:
+                with open(self.path, "a") as f:
+                    f.write(f"  gpu.py {name} wall_s={self.report[name]}\n")
+
+
 def divergence(reference: list[list[int]], candidate: list[list[int]]) -> dict:
     """First position where each request's tokens differ (its length when they never do)."""
     firsts = [
@@ -270,24 +318,29 @@ def main(argv: list[str] | None = None) -> dict:
         },
     )
     report["results"] = rows
+    phases = Phases(report)
     save = _saver(
         Path(args.out), f"gpu-{report['date'][:10]}{'-quick' if args.quick else ''}.json", report, floor_s
     )
     static_tokens = None
     if not args.skip_static:
-        row, static_tokens = run_hf_static(model, work, spec["static_batch"], tokenizer.pad_token_id, device)
+        with phases("hf_static"):
+            row, static_tokens = run_hf_static(
+                model, work, spec["static_batch"], tokenizer.pad_token_id, device
+            )
         rows.append(row)
         save()
     if device == "cuda":
         torch.cuda.empty_cache()
     started = time.perf_counter()
-    engine = Engine(model, tokenizer)
-    engine.generate(work.prompts[:4], None)  # warm-up (and the backend's self-check ran in Engine())
+    with phases("engine setup"):
+        engine = Engine(model, tokenizer)  # the backend's self-check and the decode graphs' capture
+    with phases("warm-up"):
+        report["warm_up"] = warm_up(engine, work)
     graphs = engine.runner.graphs
     max_context = max(len(p) + n for p, n in zip(work.prompts, work.output_lengths, strict=True))
-    report["decode_buckets"] = (
-        graphs.capture(max_context) if graphs is not None else 0
-    )  # untimed, as at startup
+    with phases("capture"):  # untimed, as at startup (with the paged kernel: nothing new to capture)
+        report["decode_buckets"] = graphs.capture(max_context) if graphs is not None else 0
     report["engine"] = {
         "setup_s": round(time.perf_counter() - started, 2),
         "attention": engine.runner.backend.name,
@@ -297,17 +350,20 @@ def main(argv: list[str] | None = None) -> dict:
         "attention_probe": getattr(engine.runner.backend, "probe_report", None),
     }
     save()
-    row, greedy_tokens = run_bulkgen(engine, work, sampled=False, device=device)
+    with phases("bulkgen greedy"):
+        row, greedy_tokens = run_bulkgen(engine, work, sampled=False, device=device)
     rows.append(row)
     if static_tokens is not None:
         report["greedy_vs_hf_static"] = divergence(static_tokens, greedy_tokens)
     save()
-    rows.append(run_bulkgen(engine, work, sampled=True, device=device)[0])
+    with phases("bulkgen sampled"):
+        rows.append(run_bulkgen(engine, work, sampled=True, device=device)[0])
     save()
     # the same greedy run with overlapped steps flipped (off on CUDA, where they are the default; on, on
     # CPU): what overlapping the host's work with the device's gains, and that it changes no token
     default, engine.overlap = engine.overlap, not engine.overlap
-    other, other_tokens = run_bulkgen(engine, work, sampled=False, device=device)
+    with phases("bulkgen greedy, overlap flipped"):
+        other, other_tokens = run_bulkgen(engine, work, sampled=False, device=device)
     engine.overlap = default
     other["method"] = "bulkgen_greedy_overlapped" if default is False else "bulkgen_greedy_step_by_step"
     rows.append(other)

@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # The device run for a session lent a GPU: one call, under 9 minutes, every phase writing under $1
-# (default $OUT) as it goes, so a crash or a timeout keeps what ran before it.
+# (default $OUT) as it goes, so a crash or a timeout keeps what ran before it; phases.txt gets one line per
+# phase (and per bench/gpu.py step) with its wall seconds, so a timeout shows where the time went.
 #   run: bash bench/gpu_check.sh "$OUT"        (from the repo root; installs nothing)
 # Then copy $OUT/gpu-*.json and gpu-probe.json into bench/results/ with the date, and commit them.
+# GPU_CHECK_QUICK=1 runs bench/gpu.py --quick (the CPU test of this script); PYTHON picks the interpreter.
 set -u
 out="${1:-${OUT:?give the output folder}}"
+PY="${PYTHON:-python3}"  # the device image names python3 only
+echo "device call: run(command='bash bench/gpu_check.sh \"\$OUT\"', timeout_s=540) - no carry; phases time out at 150/170/200 s"
 mkdir -p "$out"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK_PHASES="$out/phases.txt"
+: > "$out/phases.txt"
+phase() {  # phase NAME LOG TIMEOUT CMD...: run it, tee its output to LOG, append "NAME rc wall_s" to phases.txt
+    local name=$1 log=$2 limit=$3 started=$SECONDS rc
+    shift 3
+    timeout "$limit" "$@" 2>&1 | tee "$out/$log"
+    rc=${PIPESTATUS[0]}
+    echo "$name rc=$rc wall_s=$((SECONDS - started))" | tee -a "$out/phases.txt"
+}
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$out/nvidia-smi.csv" 2>&1
-timeout 150 python bench/gpu_probe.py --out "$out" 2>&1 | tee "$out/probe.log"
-timeout 170 python -m pytest -q -x -p no:cacheprovider -s tests/engine/test_engine_cuda.py 2>&1 | tee "$out/cuda-tests.log"
-timeout 200 python bench/gpu.py --out "$out" 2>&1 | tee "$out/gpu-bench.log"
+phase probe probe.log 150 "$PY" bench/gpu_probe.py --out "$out"
+# no -x: one failing test must not cost the ones after it
+phase cuda-tests cuda-tests.log 170 "$PY" -m pytest -q -p no:cacheprovider -s tests/engine/test_engine_cuda.py
+phase gpu-bench gpu-bench.log 200 "$PY" bench/gpu.py --out "$out" ${GPU_CHECK_QUICK:+--quick}
 ls -l "$out"

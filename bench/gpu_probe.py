@@ -3,15 +3,15 @@
 Answers in about 2 minutes on an H200, writing `gpu-probe.json` under --out after every phase (a crash
 keeps what was measured): the torch/transformers/cuDNN versions; which SDPA backend the padded decode
 attention gets at the anchor's biggest decode bucket (B 512, 96 blocks of 16, 32 query / 8 KV heads,
-head dim 64) and its time per layer against aten's flash varlen kernel reading the same real KV once,
-called with 8 KV heads for 32 query heads (GQA without repeat_interleave); the attention backend the
+head dim 64), the padded and triton decode kernels' times per layer there, against aten's flash varlen
+kernel reading the same real KV once, called with 8 KV heads for 32 query heads (GQA without repeat_interleave); the attention backend the
 engine chooses and why; the decode graphs captured at engine start (count, seconds, memory beyond the
 KV cache with parameters that require grad: autograd kept alive would show there); host
 syncs per greedy and sampled decode step; and engine ms per decode step on a 2-layer model of the
 anchor's width at several batch sizes, with overlapped steps and (at B 512) step by step. On a machine
 without CUDA it records that and stops.
 
-    PYTHONPATH=. python bench/gpu_probe.py --out "$OUT"
+    PYTHONPATH=. python3 bench/gpu_probe.py --out "$OUT"
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def decode_attention() -> dict:
 
 
 def _decode_attention() -> dict:
-    from bulkgen.engine.attn_backends import DecodeMeta, paged_decode, sdpa_choice
+    from bulkgen.engine.attn_backends import DecodeMeta, sdpa_choice
 
     b, w, bs, hkv, group, d = 512, 96, 16, 8, 4, 64
     kc = torch.randn(b * w + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -92,11 +92,10 @@ def _decode_attention() -> dict:
     k = kc[table].view(b, -1, hkv, d).transpose(1, 2)
     mask = (torch.arange(w * bs, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
     out = {  # under the engine's pinned kernel order, as its padded decode runs
-        "sdpa_choice": sdpa_choice(q.view(b, hkv, group, d), k, k, attn_mask=mask, scale=d**-0.5),
-        "padded_decode_ms_per_layer": cuda_ms(
-            lambda: paged_decode(q, kc, vc, DecodeMeta(0, b, table, lengths), d**-0.5)
-        ),
+        "sdpa_choice": sdpa_choice(q.view(b, hkv, group, d), k, k, attn_mask=mask, scale=d**-0.5)
     }
+    for name, call in decode_kernels(q, kc, vc, DecodeMeta(0, b, table, lengths), d**-0.5).items():
+        out[name] = cuda_ms(call)
     real = int(lengths.sum())
     cu_k = torch.zeros(b + 1, dtype=torch.int32, device="cuda")
     cu_k[1:] = lengths.cumsum(0)
@@ -109,6 +108,21 @@ def _decode_attention() -> dict:
     )
     out["real_kv_gb_per_layer"] = round(real * hkv * d * 2 * 2 / 1e9, 3)
     return out
+
+
+def decode_kernels(q, k_cache, v_cache, meta, scale: float) -> dict:
+    """Each decode kernel the engine can run, under the name its time is reported as; each is named
+    explicitly (on CUDA the default is triton, so an unnamed call would time triton as "padded")."""
+    from bulkgen.engine import triton_decode
+    from bulkgen.engine.attn_backends import paged_decode
+
+    kernels = {"padded_decode_ms_per_layer": "padded"}
+    if triton_decode.available():
+        kernels["triton_decode_ms_per_layer"] = "triton"
+    return {
+        name: (lambda kernel=kernel: paged_decode(q, k_cache, v_cache, meta, scale, kernel))
+        for name, kernel in kernels.items()
+    }
 
 
 def small_anchor_model():

@@ -31,6 +31,7 @@ def test_gpu_bench_quick_mode_writes_its_table_and_json(tmp_path, capsys):
     assert rows["bulkgen_greedy"]["slot_efficiency"] == 1.0 and rows["hf_static"]["slot_efficiency"] < 1.0
     assert report["greedy_vs_hf_static"]["identical_share"] == 1.0  # fp32 on CPU: token for token
     assert report["greedy_overlapped_vs_step_by_step"]["identical_share"] == 1.0
+    assert report["warm_up"]["mixed_steps"] >= 1  # the timed runs' mixed-step kernels are compiled before
     assert "x static" in capsys.readouterr().out
 
 
@@ -107,9 +108,68 @@ def test_gpu_probe_records_what_it_found_on_a_machine_without_cuda(tmp_path):
     assert set(written) == {"cuda_available", "cuda_available_s"}  # the GPU phases need CUDA; none ran
 
 
-def test_the_device_script_runs_the_probe_the_cuda_tests_and_the_bench():
+def test_the_device_script_runs_each_phase_with_python3_alone(tmp_path):
+    """bench/gpu_check.sh as the device runs it (no GPU here: the probe stops, the CUDA tests skip, the bench
+    runs --quick), on a PATH with `python3` and no `python` (the device image names python3 only): each
+    phase runs, the CUDA tests without -x, and phases.txt gets a line per phase and per bench step."""
+    import shutil
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    for tool in ("bash", "timeout", "tee", "ls", "mkdir", "env"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PATH")}
+    env.update(PATH=str(bin_dir), GPU_CHECK_QUICK="1")
+    out = tmp_path / "out"
+    run = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), str(out)],
+        cwd=BENCH.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "timeout_s=540" in run.stdout.splitlines()[0]  # the device call to make, printed first
+    phases = (out / "phases.txt").read_text().splitlines()
+    top = [line.split()[:2] for line in phases if not line.startswith(" ")]
+    assert top == [["probe", "rc=0"], ["cuda-tests", "rc=0"], ["gpu-bench", "rc=0"]], phases
+    steps = [line.split("wall_s=")[0].split("gpu.py ")[1].strip() for line in phases if line.startswith(" ")]
+    assert steps == [
+        "hf_static",
+        "engine setup",
+        "warm-up",
+        "capture",
+        "bulkgen greedy",
+        "bulkgen sampled",
+        "bulkgen greedy, overlap flipped",
+    ]
+    assert "skipped" in (out / "cuda-tests.log").read_text()
+    assert json.loads(next(out.glob("gpu-*-quick.json")).read_text())["warm_up"]["mixed_steps"] >= 1
     script = (BENCH / "gpu_check.sh").read_text()
-    steps = [line.split()[2:4] for line in script.splitlines() if line.startswith("timeout ")]
-    assert steps == [["python", "bench/gpu_probe.py"], ["python", "-m"], ["python", "bench/gpu.py"]]
-    budget = sum(int(line.split()[1]) for line in script.splitlines() if line.startswith("timeout "))
-    assert budget <= 540  # 9 minutes of one 10-minute device call
+    assert " -x " not in script and "$PY" in script
+    limits = [int(line.split()[3]) for line in script.splitlines() if line.startswith("phase ")]
+    assert len(limits) == 3 and sum(limits) <= 540  # 9 minutes of one 10-minute device call
+
+
+def test_the_probe_times_each_decode_kernel_under_its_own_name(monkeypatch):
+    """On CUDA the default decode kernel is triton: the padded figure must call the padded path by name."""
+    import torch
+
+    from bulkgen.engine import triton_decode
+    from bulkgen.engine.attn_backends import DecodeMeta
+
+    probe = _load("gpu_probe")
+    called = []
+    monkeypatch.setattr(triton_decode, "default_kernel", lambda device: "triton")  # as on CUDA
+    monkeypatch.setattr(triton_decode, "paged_decode", lambda q, *a: called.append("triton") or q)
+    q, cache = torch.randn(2, 4, 8), torch.randn(5, 4, 2, 8)
+    meta = DecodeMeta(0, 2, torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 7]))
+    kernels = probe.decode_kernels(q, cache, cache, meta, 0.3)
+    assert set(kernels) == {"padded_decode_ms_per_layer", "triton_decode_ms_per_layer"}
+    kernels["padded_decode_ms_per_layer"]()
+    assert called == []
+    kernels["triton_decode_ms_per_layer"]()
+    assert called == ["triton"]

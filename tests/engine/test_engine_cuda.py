@@ -2,20 +2,20 @@
 
 Tolerances: fp32 on CUDA must equal the CPU reference token for token (the plain backend runs in
 fp32; TF32 is off by default). bf16 is compared with transformers' own bf16 `generate` on the same
-GPU by first divergence: with 16 new tokens per prompt, at least half the prompts identical and no
-divergence before position 2 (a wrong mask or cache layout diverges at position 0 or 1).
+GPU by first divergence (tests/support/divergence.py): with 16 new tokens per prompt, at least half the
+prompts identical, a median first divergence of 8 or later, and any divergence before position 2 at a
+near-tie of the reference's logits (a wrong mask or cache layout parts early on most prompts, at wide
+margins; the same judge runs on CPU in test_bf16_divergence.py).
 """
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams, attn_select
 from bulkgen.engine.attn_backends import BACKENDS, cuda_candidates
+from tests.support.divergence import bf16_greedy_against_hf
 
 # Sized from free memory, a tiny model's cache would be ~30 M blocks (a Python object each: a minute of
 # CPU and ~10 GB per engine); only test_cuda_defaults_fill_the_gpu keeps the default sizing.
@@ -40,11 +40,17 @@ def test_cuda_fp32_greedy_matches_cpu_reference(arch, model_dirs, reference, mix
         assert out.token_ids == reference.greedy(arch, prompt, 8)
 
 
+def self_check_block_sizes(backend: str) -> tuple[int, ...]:
+    """Block 256 exists for varlen_paged (its kernel's paged layout); elsewhere it only compiles three
+    spilling triton decode variants (8.5 KB of stack per thread, 6-30 s each) that nothing runs."""
+    return (16, 256) if backend == "varlen_paged" else (16,)
+
+
 def test_every_fused_candidate_matches_plain_in_bf16():
     names = cuda_candidates()
     assert names, "this torch offers no fused varlen attention on CUDA"
     for name in names:
-        for block_size in (16, 256):
+        for block_size in self_check_block_sizes(name):
             error = attn_select.self_check(
                 BACKENDS[name](), torch.device("cuda"), torch.bfloat16, 8, 2, 64, block_size
             )
@@ -56,33 +62,11 @@ def test_every_fused_candidate_matches_plain_in_bf16():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_bf16_greedy_follows_hf_generate(arch, model_dirs, mixed_prompts):
     prompts = mixed_prompts(seed=31, count=12, low=1, high=300)
-    engine = Engine.from_pretrained(
-        str(model_dirs[arch]),
-        device="cuda",
-        dtype=torch.bfloat16,
-        max_num_batched_tokens=256,
-        block_size=16,
-        num_kv_blocks=NUM_KV_BLOCKS,
+    firsts, margins, problems, backend = bf16_greedy_against_hf(model_dirs[arch], prompts, "cuda")
+    print(
+        f"{arch} bf16 first divergence per prompt: {firsts}, reference margins {margins}, backend {backend}"
     )
-    outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    model = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.bfloat16).cuda().eval()
-    firsts = []
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = model.generate(
-                torch.tensor([prompt], device="cuda"),
-                max_new_tokens=16,
-                min_new_tokens=16,
-                do_sample=False,
-                eos_token_id=None,
-            )[0, len(prompt) :].tolist()
-        firsts.append(
-            next((i for i, (a, b) in enumerate(zip(ref, out.token_ids, strict=True)) if a != b), 16)
-        )
-    print(f"{arch} bf16 first divergence per prompt: {firsts}, backend {engine.runner.backend.name}")
-    assert sum(f == 16 for f in firsts) >= len(firsts) / 2, firsts
-    assert min(firsts) >= 2, firsts
-    assert statistics.median(firsts) >= 8, firsts
+    assert not problems, (problems, firsts, margins)
 
 
 def test_cuda_seeded_sampling_is_the_same_alone_and_in_a_crowd(model_dirs, mixed_prompts):
