@@ -34,6 +34,7 @@ from .config import EngineConfig, resolve_limits
 from .grammar import GrammarRuntime
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
+from .overlap import OverlappedSteps, _InFlight
 from .penalties import LogitAdjustments
 from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
 from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 SchedulerFactory = Callable[[EngineConfig, BlockManager], Scheduler]
 
 
-class Engine:
+class Engine(OverlappedSteps):
     """Continuous-batching generation over any HF decoder-only model.
 
     The model's attention is switched to bulkgen's paged implementation only inside the engine's
@@ -147,23 +148,7 @@ class Engine:
             )
         self._check_vocab(request_id, params)
         ids = self._tokenize(request_id, prompt)
-        if len(ids) >= self.max_model_len + (embed is not None):  # a prompt to embed may fill the context
-            raise ValueError(
-                f"request {request_id!r}: prompt of {len(ids)} tokens exceeds the context length "
-                f"({self.max_model_len}); it must be shorter"
-            )
-        max_tokens = min(params.max_tokens, self.max_model_len - len(ids))  # Python ints: no overflow
-        count = (
-            params.num_sequences
-            if max_tokens
-            else int(params.prompt_logprobs is not None or embed is not None)
-        )
-        blocks = -(-(len(ids) + max_tokens) // self.config.block_size)
-        if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
-            raise ValueError(
-                f"request {request_id!r}: each of its {count} sequences needs {blocks} KV blocks but the cache "
-                f"has {self.runner.num_blocks}"
-            )
+        max_tokens, count = self._fit(request_id, len(ids), params, embed is not None)
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
@@ -182,6 +167,24 @@ class Engine:
         if not request.seqs:
             self._instant.append(request)
         self.requests[request_id] = request
+
+    def _fit(self, request_id: str, prompt_len: int, params: SamplingParams, embed: bool) -> tuple[int, int]:
+        """(max_tokens within the context, sequences to run) of a request whose prompt fits the context
+        and whose every sequence fits the KV cache alone; ValueError naming the limit otherwise."""
+        if prompt_len >= self.max_model_len + embed:  # a prompt to embed may fill the context
+            raise ValueError(
+                f"request {request_id!r}: prompt of {prompt_len} tokens exceeds the context length "
+                f"({self.max_model_len}); it must be shorter"
+            )
+        max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)  # Python ints: no overflow
+        count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None or embed)
+        blocks = -(-(prompt_len + max_tokens) // self.config.block_size)
+        if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
+            raise ValueError(
+                f"request {request_id!r}: each of its {count} sequences needs {blocks} KV blocks but the cache "
+                f"has {self.runner.num_blocks}"
+            )
+        return max_tokens, count
 
     def _check_vocab(self, request_id: str, params: SamplingParams) -> None:
         """The limits that need the model: top-k counts and token ids within the vocabulary."""
@@ -225,82 +228,57 @@ class Engine:
         if not batch.items:
             if self._inflight is not None:
                 return done + self._drain()
-            if done:
-                return done
-            wait = self.scheduler.idle_wait()
-            if wait is None and self.requests:
-                raise RuntimeError(
-                    f"scheduler made no progress with {len(self.requests)} requests unfinished"
-                )
-            if wait:
-                time.sleep(min(wait, 0.01))
-            return []
+            return done or self._idle()
+        if self.overlap:
+            return done + self._step_overlapped(batch)
+        if self._inflight is not None:  # overlap was switched off with a step in flight: read it first
+            done += self._drain()
+        return done + self._step_in_order(batch)
+
+    def _idle(self) -> list[RequestOutput]:
+        """Nothing to schedule: wait a moment for a request the scheduler holds back (fair admission)."""
+        wait = self.scheduler.idle_wait()
+        if wait is None and self.requests:
+            raise RuntimeError(f"scheduler made no progress with {len(self.requests)} requests unfinished")
+        if wait:
+            time.sleep(min(wait, 0.01))
+        return []
+
+    def _step_in_order(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Step by step: launch, wait for this step's tokens, then apply them."""
         start = time.time()
-        prev = self._inflight
-        # with a step in flight, rows whose logits processing reads their tokens on the host (a grammar's
-        # matcher, penalties, logit_bias) sample after the previous step's tokens are read; the forward
-        # still runs meanwhile
-        late = prev is not None and bool(self._host_bound) and self._needs_host_tokens(batch)
-        self._mark_scheduled(batch.items, start)
-        pending = None if late else self._start_masks(batch.items)  # (on a GPU: filled during the forward)
+        step, sampled, scored = self._launch(batch, None, sample=True, now=start)
+        tokens = sampled.result() if sampled is not None else None
+        # no sequence changed up to here
+        discarded = self._advance(batch, set())
+        for seq, entries in scored:
+            seq.request.prompt_logprobs.extend(entries)
+        done = self._take_tokens(step.sampling, tokens[0], tokens[1]) if tokens is not None else []
+        done += self._finish_prefilled(step.prefilled)
+        self.stats_.record_step(batch, time.time() - start, step.sampling, discarded)
+        return done
+
+    def _launch(
+        self, batch: ScheduledBatch, pending: torch.Tensor | None, sample: bool, now: float
+    ) -> tuple[StepLogits, SampledTokens | None, list[tuple[Sequence, list[dict]]]]:
+        """The step's forward (reading stand-in tokens from `pending`, the previous step's sampled tensor),
+        its sampling queued on the device when `sample`, its prompt logprobs and pooled chunks. Changes no
+        sequence but the pooled ones' running sums."""
+        self._mark_scheduled(batch.items, now)
+        masks = self._start_masks(batch.items) if sample else None  # on a GPU: filled during the forward
         try:
-            step = self.runner.run(batch.items, None if prev is None else prev.sampled.tokens)
+            step = self.runner.run(batch.items, pending)
         finally:
-            bitmask = pending[1].result() if pending else None  # never leave a fill running on a matcher
-        sampling, sampled = step.sampling, None
-        if sampling and not late:
-            masks = self._constrained_rows(sampling, pending[0], bitmask) if pending else None
-            logits = step.logits[: len(sampling)]
-            sampled = sample_async(logits, sampling, self.adjustments, masks, self.constants)
+            bitmask = masks[1].result() if masks else None  # never leave a fill running on a matcher
+        sampled = None
+        if sample and step.sampling:
+            rows = self._constrained_rows(step.sampling, masks[0], bitmask) if masks else None
+            logits = step.logits[: len(step.sampling)]
+            sampled = sample_async(logits, step.sampling, self.adjustments, rows, self.constants)
         scored = self._score_prompts(step)
         if step.pooled:
             add_chunks(step.pooled, step.hidden, step.pool_spans, self.pooling.method)
-        # the waits: this step's tokens (a step-by-step run), or the previous step's while this one runs
-        ours = sampled.result() if sampled is not None and not self.overlap else None
-        theirs = prev.sampled.result() if prev is not None else None
-        # no sequence changed up to here
-        voided: set[int] = set()
-        if prev is not None:
-            self._inflight = None
-            finished, voided = self._resolve(prev, theirs)
-            done += finished
-        discarded = self._advance(batch, voided)
-        for seq, entries in scored:
-            seq.request.prompt_logprobs.extend(entries)
-        if late and sampling:
-            sampling, sampled = self._sample_late(step, voided)
-        if self.overlap:
-            sampled_now = self._hold(sampling, sampled, voided) if sampled is not None else []
-        else:
-            sampled_now = sampling
-            if ours is not None:
-                done += self._take_tokens(sampling, ours[0], ours[1])
-        done += self._finish_prefilled(step.prefilled)
-        self.stats_.record_step(batch, time.time() - start, sampled_now, discarded)
-        return done
-
-    def _sample_late(self, step: StepLogits, voided: set[int]) -> tuple[list[Sequence], SampledTokens | None]:
-        """Sample the step's rows whose sequences still run, once the previous step's tokens are in
-        (matchers advanced, penalty counts caught up); returns those sequences and their tokens."""
-        finished = SequenceStatus.FINISHED
-        rows = [i for i, s in enumerate(step.sampling) if s.status is not finished and s.seq_id not in voided]
-        live = [step.sampling[i] for i in rows]
-        if not live:
-            return [], None
-        logits = step.logits[: len(step.sampling)]
-        if len(live) < len(step.sampling):
-            logits = logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
-        guided = [s for s in live if s.matcher is not None]
-        masks = None
-        if guided:
-            _, fill = self._fill_masks(guided)
-            masks = self._constrained_rows(live, guided, fill.result())
-        return live, sample_async(logits, live, self.adjustments, masks, self.constants)
-
-    def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
-        """A row whose logits processing reads its tokens on the host: a grammar's matcher, or penalties
-        and logit_bias (their device rows catch up from the host's tokens)."""
-        return any(s.matcher is not None or s.adjusts_logits for s, _ in batch.items)
+        return step, sampled, scored
 
     def _advance(self, batch: ScheduledBatch, voided: set[int]) -> int:
         """Count the step's computed tokens into its sequences, committing filled blocks; returns the
@@ -314,41 +292,6 @@ class Engine:
             if seq.num_computed_tokens // bs != (seq.num_computed_tokens - n) // bs:  # a block filled
                 self.block_manager.commit(seq)
         return discarded
-
-    def _hold(self, sampling: list[Sequence], sampled: SampledTokens, voided: set[int]) -> list[Sequence]:
-        """Give each sequence that sampled in the step just launched a stand-in token (read by the next
-        forward on the device, by the host in the next step); one whose token is its last (max_tokens)
-        leaves the batch now. Returns the sequences that hold one."""
-        finished, kept = SequenceStatus.FINISHED, sampling
-        for row, seq in enumerate(sampling):
-            if seq.status is finished or (voided and seq.seq_id in voided):
-                if kept is sampling:
-                    kept = sampling[:row]
-                continue  # its token is discarded
-            tokens = seq.token_ids
-            tokens.append(pending_id(row))
-            if kept is not sampling:
-                kept.append(seq)
-            if len(tokens) - seq.num_prompt_tokens >= seq.max_tokens:
-                self.scheduler.finish(seq)  # whatever the token, it ends the sequence
-        self._inflight = _InFlight(sampled, sampling)
-        return kept
-
-    def _resolve(self, prev: _InFlight, result: tuple) -> tuple[list[RequestOutput], set[int]]:
-        """Fill the previous step's stand-in tokens with what the host read and run their stop checks.
-        Returns the requests finished and the sequences whose device token was corrected late: the
-        step launched on it computed a wrong token for them."""
-        chosen, logprobs, late = result
-        seqs = prev.seqs
-        voided = {seqs[row].seq_id for row in late if seqs[row].token_ids[-1] == pending_id(row)}
-        return self._take_tokens(seqs, chosen, logprobs, placed=True), voided
-
-    def _drain(self) -> list[RequestOutput]:
-        """Read the in-flight step's tokens when there is no step to launch."""
-        prev = self._inflight
-        result = prev.sampled.result()
-        self._inflight = None
-        return self._resolve(prev, result)[0]
 
     @property
     def grammars(self) -> GrammarRuntime:
@@ -590,14 +533,6 @@ class Engine:
 
     def pop_step_records(self) -> list[dict]:
         return self.stats_.pop_records()
-
-
-class _InFlight:
-    """A launched step whose tokens the host has not read: its sampled tokens and its sampling rows.
-    Row i's sequence holds token i while its last token id is the stand-in sequence.pending_id(i)."""
-
-    def __init__(self, sampled: SampledTokens, seqs: list[Sequence]) -> None:
-        self.sampled, self.seqs = sampled, seqs
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:
