@@ -58,10 +58,6 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
-
-    @property
     def num_sequences(self) -> int:
         """Completions generated (best_of when set, else n)."""
         return self.n if self.best_of is None else self.best_of

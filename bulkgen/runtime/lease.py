@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from bulkgen.runtime.worker import ORPHAN_AFTER_S
+from bulkgen.runtime.part_writer import ORPHAN_AFTER_S
 from bulkgen.store import Store, layout
 from bulkgen.store.conditional import TtlLease
 

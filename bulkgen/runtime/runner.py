@@ -84,7 +84,6 @@ class BatchRunner:
         self._done_here = 0
         self._live: dict[str, dict] = {}  # per worker: requests settled in ranges not yet written
         self._outage_since: float | None = None
-        self.outage: str | None = None  # why the runner stopped with storage down (the batch stays active)
 
     # -- the runner's thread ---------------------------------------------------------------------------
     def run(self) -> dict:
@@ -97,7 +96,6 @@ class BatchRunner:
         except BatchFailed as exc:
             return self.fail(str(exc))
         except (StorageOutage, StorageUnavailable) as exc:
-            self.outage = str(exc)
             log.error(
                 "batch %s: runner stopped: %s; the batch stays active and resumes from its stored parts "
                 "once storage answers",

@@ -23,16 +23,17 @@ import queue
 import threading
 import time
 from collections import defaultdict, deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
-from bulkgen.batch.responses import json_line, merge_results, not_run_line, refused_line, success_line
+from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.registry import resolve_model_path
+from bulkgen.runtime.engine_loop import EngineLoop
+from bulkgen.runtime.held import HeldRange, Prepared
 from bulkgen.runtime.lineindex import read_lines
-from bulkgen.runtime.parts import PartEntry, Tally, write_part
+from bulkgen.runtime.part_writer import PartWriter
+from bulkgen.runtime.parts import PartEntry
 from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.workqueue import QueuedBatch, model_key
@@ -40,53 +41,11 @@ from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
 
-# A driver that has not polled for this long is gone (its process or its head died): parts of its ranges
-# are no longer stored, so a service restarted on the same storage can finalize without this worker
-# writing after it (the runner that takes the batch over waits this out: bulkgen.runtime.lease).
-ORPHAN_AFTER_S = 10.0
 
+class EngineWorker(EngineLoop, PartWriter):
+    """The actor: the driver's calls, range preparation (RPC threads) and capacity; the engine thread's
+    loop is EngineLoop's (runtime/engine_loop.py), the writer thread's PartWriter's (runtime/part_writer.py)."""
 
-@dataclass
-class Prepared:
-    request_id: str
-    range_key: tuple
-    request: ParsedRequest
-    prompt_ids: list[int]
-    params: dict[str, Any]
-    part: int = 0  # a completions line with several prompts runs one engine request per prompt:
-    parts: int = 1  # this is prompt `part` of `parts`
-
-
-@dataclass
-class HeldRange:
-    """A range assigned to this worker: what of it is still running, and the entries of what finished."""
-
-    bounds: RangeBounds
-    model: str
-    store: Any
-    remaining: dict[int, str] = field(default_factory=dict)  # line -> custom_id
-    entries: list[PartEntry] = field(default_factory=list)
-    # successes whose output line the writer thread encodes, off the step loop: entry, request, engine result
-    answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)
-    metrics: list[dict] = field(default_factory=list)
-    partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
-
-    @property
-    def batch_id(self) -> str:
-        return self.bounds.batch_id
-
-    @property
-    def key(self) -> tuple:
-        return self.bounds.key
-
-    def outcome(self) -> RangeOutcome:
-        tally = Tally()
-        for e in self.entries:
-            tally.add(e)
-        return RangeOutcome(self.bounds, tally, self.metrics)
-
-
-class EngineWorker:
     def __init__(
         self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None
     ):
@@ -287,229 +246,11 @@ class EngineWorker:
             request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count
         )
 
-    # -- the engine thread ------------------------------------------------------------------------------
-    def _on_engine_thread(self, fn):
-        """Run `fn` on the engine thread and return its result. Torch work happens on that thread alone: a
-        second thread running parallel ops (a model load on an RPC thread) makes a second OpenMP team, and
-        libgomp, seeing more threads than cores, stops spinning between parallel regions, so every op of
-        every step waits for its threads to wake (steps were ~30% slower in the worker than alone)."""
-        task: Future = Future()
-        with self._cond:
-            self._tasks.append((fn, task))
-            self._cond.notify_all()
-        return task.result()
-
-    def _engine_loop(self) -> None:
-        os_thread_name(f"bg-engine-{self.index}")
-        import torch
-
-        if self.cpu_threads:  # OpenMP's thread count is per calling thread: set it where forward runs
-            torch.set_num_threads(self.cpu_threads)
-        self.torch_threads = torch.get_num_threads()  # what the forward really uses, shown to operators
-        while True:
-            with self._cond:
-                while not (self._aborts or self._tasks or self._has_work()):
-                    self._cond.wait(0.5)
-                aborts, self._aborts = self._aborts, []
-                tasks, self._tasks = list(self._tasks), deque()
-            for fn, task in tasks:
-                try:
-                    task.set_result(fn())
-                except BaseException as exc:  # the caller (load) raises it
-                    task.set_exception(exc)
-            if self.engine is None:
-                continue
-            try:
-                if aborts and self.engine is not None:
-                    self.engine.abort(aborts)
-                    with self._cond:
-                        for rid in aborts:
-                            self._live.pop(rid, None)
-                self._admit()
-                if self.engine.has_unfinished():
-                    self._step()
-            except Exception as exc:
-                self._recover(f"{type(exc).__name__}: {exc}")
-
-    def _has_work(self) -> bool:
-        return self.engine is not None and bool(
-            self.engine.has_unfinished() or self._inbox or self._quarantine
-        )
-
-    def _admit(self) -> None:
-        with self._cond:
-            if self._group is not None and not self._live:
-                self._group = None  # every suspect of the group settled
-            if self._group is not None:
-                return  # isolating: nothing new joins the suspects
-            if self._quarantine:
-                if self._live:
-                    return
-                self._group = batch = self._quarantine.popleft()
-            else:
-                batch, self._inbox = list(self._inbox), deque()
-            for p in batch:
-                self._live[p.request_id] = p
-        for p in batch:
-            self._add(p)
-
-    def _add(self, p: Prepared) -> None:
-        from bulkgen.engine import EmbedParams, SamplingParams
-
-        try:
-            params = (
-                EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
-            )
-            self.engine.add_request(p.request_id, p.prompt_ids, params, tag=p.range_key[0])
-        except Exception as exc:  # one request's bad parameters never touch the others
-            self.engine.abort([p.request_id])
-            code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
-            field = getattr(exc, "field", None)  # SamplingError names the field
-            self._fail(p, str(exc), code, f"body.{field}" if isinstance(field, str) else None)
-
-    def _step(self) -> None:
-        finished = self.engine.step()
-        records = self.engine.pop_step_records()
-        with self._cond:
-            for out in finished:
-                p = self._live.pop(out.request_id, None)
-                if p is not None:
-                    self._finish(p, out)
-            for record in records:
-                self._step_times.add(record["duration_s"])
-                for batch_id, share in split_step(record).items():
-                    owner = self._owner_of.get(batch_id, "")
-                    self._steps[owner].setdefault(batch_id, []).append(share)
-            if finished:
-                self._cond.notify_all()
-
-    def _finish(self, p: Prepared, out) -> None:
-        work = self._ranges.get(p.range_key)
-        if work is None:
-            return  # aborted meanwhile
-        result = result_dict(out)
-        if p.request.echo:
-            echo = echo_of(p.request, p.prompt_ids, self.engine.tokenizer)
-            for c in result["completions"]:
-                c.update(echo=echo, prompt_logprobs=result["prompt_logprobs"])
-        work.metrics.append(result["metrics"])
-        if p.parts > 1:  # one prompt of several: the line is done when every prompt is
-            done = work.partials.setdefault(p.request.line, {})
-            done[p.part] = result
-            if len(done) < p.parts:
-                return
-            result = merge_results([done.pop(k) for k in range(p.parts)], p.params.get("n", 1))
-        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
-        entry = PartEntry(p.request.line, True, b"", usage)
-        work.answers.append((entry, p.request, result))
-        self._settle(work, p.request.line, entry)
-
-    def _fail(self, p: Prepared, message: str, code: str, param: str | None = None) -> None:
-        with self._cond:
-            self._live.pop(p.request_id, None)
-            work = self._ranges.get(p.range_key)
-            if work is not None:
-                envelope = refused_line(p.request.custom_id, message, code, param)
-                self._settle(work, p.request.line, PartEntry.of(p.request.line, False, envelope))
-
-    def _settle(self, work: HeldRange, line: int, entry: PartEntry) -> None:
-        """Record one request's entry; a range whose every request settled goes to the writer."""
-        if work.remaining.pop(line, None) is None:
-            return
-        work.entries.append(entry)
-        if not work.remaining and work.key in self._ranges:
-            self._complete(work.key)
-
-    def _complete(self, key: tuple) -> None:
-        self._writes.put(self._ranges.pop(key))
-
-    def _recover(self, message: str) -> None:
-        """A failed step: reset the engine, then bisect the requests it held until the culprit is alone."""
-        log.exception("worker %d: engine step failed", self.index)
-        with self._cond:
-            suspects, self._live = list(self._live.values()), {}
-            self._group = None
-        self._reset_engine()
-        if len(suspects) == 1:
-            self._fail(suspects[0], f"the engine failed on this request: {message}", "engine_error")
-            return
-        half = len(suspects) // 2
-        with self._cond:
-            self._quarantine.extendleft([suspects[half:], suspects[:half]])
-
-    def _reset_engine(self) -> None:
-        try:
-            self.engine.reset()
-        except Exception:
-            log.exception("worker %d: engine reset failed; rebuilding it", self.index)
-            self.engine = type(self.engine)(self.engine.model, self.engine.tokenizer, **self.engine_kwargs)
-
-    # -- the writer thread ----------------------------------------------------------------------------
-    def _write_loop(self) -> None:
-        os_thread_name(f"bg-writer-{self.index}")
-        while True:
-            work = self._writes.get()
-            try:
-                if self._store_until_done(work):
-                    with self._cond:
-                        self._done[self._owner_of.get(work.batch_id, "")].append(work.outcome())
-                        self._cond.notify_all()
-            except Exception:  # the range is not reported done, so the driver will hand it out again
-                log.exception("worker %d: could not store a part of %s", self.index, work.batch_id)
-            finally:
-                self._writes.task_done()
-
-    def _store_until_done(self, work: HeldRange) -> bool:
-        """Storage down: keep the results and try again (the part write is idempotent) until it answers
-        or the batch is withdrawn from this worker (its runner gave up; a resumed one redoes the range)."""
-        delay = 0.5
-        while True:
-            if self._orphaned(work):
-                return False
-            try:
-                self._store_part(work)
-                return True
-            except StorageUnavailable as exc:
-                log.warning("worker %d: part of %s not stored yet: %s", self.index, work.batch_id, exc)
-            with self._cond:
-                if work.batch_id in self._stopped:
-                    return False
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-    def _orphaned(self, work: HeldRange) -> bool:
-        """True when the driver of `work` stopped polling ORPHAN_AFTER_S ago: its part is not stored. The
-        range is handed back (no attempt used) in case that driver was only slow and polls again."""
-        with self._cond:
-            owner = self._owner_of.get(work.batch_id, "")
-            last = self._polled.get(owner)
-            if last is None or time.monotonic() - last < ORPHAN_AFTER_S:
-                return False
-            self._done[owner].append(
-                RangeOutcome(work.bounds, error="its driver stopped polling", storage_down=True)
-            )
-        log.warning(
-            "worker %d: driver %s silent for %.0f s; part %s-%s of %s not stored",
-            self.index,
-            owner or "-",
-            time.monotonic() - last,
-            work.bounds.first_line,
-            work.bounds.last_line,
-            work.batch_id,
-        )
-        return True
-
     def _store(self, spec: dict[str, Any]):
         key = json.dumps(spec, sort_keys=True)
         if key not in self._stores:
             self._stores[key] = open_store(**spec)
         return self._stores[key]
-
-    def _store_part(self, work: HeldRange) -> None:
-        for entry, request, result in work.answers:
-            entry.envelope = json_line(success_line(request, result, work.model))
-        work.answers.clear()
-        write_part(work.store, work.batch_id, work.bounds.first_line, work.bounds.last_line, work.entries)
 
     def _progress(self, owner: str) -> dict[str, dict[str, int]]:
         """Requests settled in ranges not yet written, per batch: so counts move with every request."""
@@ -561,66 +302,3 @@ def _node_ip() -> str | None:
         )
     except Exception:
         return None
-
-
-def os_thread_name(name: str) -> None:
-    """Name the calling thread for the OS (Linux, 15 bytes), so top, py-spy and /proc tell the engine
-    thread from OpenMP's and Ray's; Python 3.11 names its threads only for itself."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
-def split_step(record: dict) -> dict[str, dict]:
-    """One engine step record as each batch's share: its own slots and tokens, and the step time in
-    proportion to its tokens, so batches sharing a worker never count each other's work."""
-    by_tag = record.get("by_tag") or {}
-    total = sum(t["prefill_tokens"] + t["decode_tokens"] for t in by_tag.values()) or 1
-    held_all = record.get("num_seqs") or 1
-    out = {}
-    for tag, t in by_tag.items():
-        out[tag] = {
-            "t": record["t"],
-            "duration_s": record["duration_s"] * (t["prefill_tokens"] + t["decode_tokens"]) / total,
-            "num_seqs": t["held"],
-            "active_seqs": t["active"],
-            "prefill_tokens": t["prefill_tokens"],
-            "decode_tokens": t["decode_tokens"],
-            "output_tokens": t.get("output_tokens", 0),
-            "padding_slots": round(record.get("padding_slots", 0) * t["held"] / held_all),
-            "max_num_seqs": record.get("max_num_seqs"),
-            "batch_size": record.get("num_seqs", t["held"]),
-        }
-    return out
-
-
-def result_dict(output) -> dict[str, Any]:
-    """A finished RequestOutput as plain data (no tensors cross the actor boundary). Usage counts every
-    generated token, those of best_of candidates that were not returned included (the engine's metrics)."""
-    metrics = output.metrics
-    returned = sum(len(c.token_ids) for c in output.outputs)
-    return {
-        "request_id": output.request_id,
-        "prompt_tokens": len(output.prompt_token_ids),
-        "completion_tokens": max(returned, metrics.num_output_tokens),
-        "cached_tokens": metrics.num_cached_tokens,
-        "completions": [
-            {"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": c.logprobs}
-            for c in output.outputs
-        ]
-        if output.embedding is None
-        else [{"index": 0, "embedding": output.embedding}],
-        "prompt_logprobs": getattr(output, "prompt_logprobs", None),
-        "metrics": metrics.as_dict(),
-        "finished_at": time.time(),
-    }
-
-
-def echo_of(request: ParsedRequest, prompt_ids: list[int], tokenizer) -> dict[str, str]:
-    """What `echo` puts before a completion: the prompt as written (token prompts decoded) and its first
-    token, which the prompt logprobs do not cover."""
-    text = request.prompt if isinstance(request.prompt, str) else tokenizer.decode(prompt_ids)
-    return {"text": text, "first_token": tokenizer.decode(prompt_ids[:1])}

@@ -10,7 +10,7 @@ import pytest
 
 from bulkgen.runtime import lease as lease_module
 from bulkgen.runtime import parts
-from bulkgen.runtime import worker as worker_module
+from bulkgen.runtime import part_writer as writer_module
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.store import LocalStore
 from tests.runtime.test_worker import _stored_batch, _worker
@@ -18,7 +18,7 @@ from tests.support.service import completion_row
 
 
 def test_a_worker_stores_no_part_for_a_driver_that_stopped_polling(tmp_path, monkeypatch):
-    monkeypatch.setattr(worker_module, "ORPHAN_AFTER_S", 1.0, raising=False)
+    monkeypatch.setattr(writer_module, "ORPHAN_AFTER_S", 1.0)
     store = LocalStore(tmp_path)
     worker = _worker(store)
     rows = [completion_row(f"r{i}", "hello " * (i + 1), max_tokens=3) for i in range(4)]
