@@ -126,3 +126,44 @@ def service(tmp_path_factory, aws_test_credentials):
 @pytest.fixture
 def client(service):
     return service.client()
+
+
+# ---- the fast tier: `python -m pytest -m "not slow"` runs without Ray, servers or subprocesses ------------
+# These folders start them in nearly every test; elsewhere a test is slow by its fixtures, its store
+# parameter, or the mark written on it. A test left in the fast tier that starts Ray or a uvicorn server
+# fails (`_fast_tier_guard`), so the tier stays what it says whatever a later test does.
+SLOW_FOLDERS = {"runtime", "service", "watch", "dashboard", "cluster", "notify", "plan"}
+SLOW_FIXTURES = {"s3_server", "s3_bucket_url", "flaky_proxy", "service", "client", "seaweedfs_bucket_url"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").parts
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            parts[0] in SLOW_FOLDERS
+            or SLOW_FIXTURES & set(item.fixturenames)
+            or params.get("store_url") in ("s3", "seaweedfs")
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tier_guard(request, monkeypatch):
+    """Fail a fast-tier test that starts Ray or a uvicorn server: it belongs in the slow tier."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+
+    def refuse(what):
+        def start(*args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} starts {what}: mark it @pytest.mark.slow")
+
+        return start
+
+    import ray
+    import uvicorn
+
+    monkeypatch.setattr(ray, "init", refuse("Ray"))
+    monkeypatch.setattr(uvicorn.Server, "serve", refuse("a uvicorn server"))
+    yield
