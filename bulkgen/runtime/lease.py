@@ -30,9 +30,17 @@ class LeaseLost(Exception):
 
 class Lease(TtlLease):
     def __init__(
-        self, store: Store, batch_id: str, owner: str, ttl_s: float, clock: Callable[[], float] = time.time
+        self,
+        store: Store,
+        batch_id: str,
+        owner: str,
+        ttl_s: float,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """`clock` and `sleep` are time.time and time.sleep; a test passes a fake clock and its advance."""
         super().__init__(store, layout.lease(batch_id), owner, ttl_s, clock)
+        self.sleep = sleep
         self.batch_id = batch_id
         self.taken_from: dict | None = None  # the lapsed lease of another owner we took the batch from
 
@@ -52,9 +60,9 @@ class Lease(TtlLease):
 
     def wait_for_orphans(self, stopped) -> None:
         """Block until `orphans_done_at()`; `stopped()` is checked each second (it raises to give up)."""
-        while (left := self.orphans_done_at() - time.time()) > 0:
+        while (left := self.orphans_done_at() - self.clock()) > 0:
             stopped()
-            time.sleep(min(1.0, left))
+            self.sleep(min(1.0, left))
 
     def renew(self) -> None:
         """Extend our lease; LeaseLost if someone took it meanwhile (we were presumed dead)."""

@@ -62,7 +62,7 @@ class PartWriter:
         with self._cond:
             owner = self._owner_of.get(work.batch_id, "")
             last = self._polled.get(owner)
-            if last is None or time.monotonic() - last < ORPHAN_AFTER_S:
+            if last is None or self.clock() - last < ORPHAN_AFTER_S:
                 return False
             self._done[owner].append(
                 RangeOutcome(work.bounds, error="its driver stopped polling", storage_down=True)
@@ -71,7 +71,7 @@ class PartWriter:
             "worker %d: driver %s silent for %.0f s; part %s-%s of %s not stored",
             self.index,
             owner or "-",
-            time.monotonic() - last,
+            self.clock() - last,
             work.bounds.first_line,
             work.bounds.last_line,
             work.batch_id,

@@ -65,7 +65,8 @@ class EngineWorker(EngineLoop, PartWriter):
         self._preparing = 0
         self._stopped: set[str] = set()
         self._owner_of: dict[str, str] = {}  # batch id -> the driver that assigned it
-        self._polled: dict[str, float] = {}  # driver -> when it last polled (monotonic)
+        self._polled: dict[str, float] = {}  # driver -> when it last polled (self.clock)
+        self.clock = time.monotonic  # when drivers polled, for the writer's orphan rule (tests move it)
         self._done: dict[str, list[dict]] = defaultdict(list)  # per driver
         self._steps: dict[str, dict[str, list[dict]]] = defaultdict(dict)  # per driver, per batch
         self._quarantine: deque[list[Prepared]] = deque()
@@ -137,7 +138,7 @@ class EngineWorker(EngineLoop, PartWriter):
         its model loaded (count, mean, p50, p90 wall ms), to compare with the engine alone."""
         deadline = time.monotonic() + timeout
         with self._cond:  # woken by every step that finishes a request: wait on, unless there is news
-            self._polled[owner] = time.monotonic()
+            self._polled[owner] = self.clock()
             while not self._done.get(owner) and not (for_work and self._want() > 0):
                 left = deadline - time.monotonic()
                 if left <= 0:

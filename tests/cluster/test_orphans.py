@@ -9,24 +9,25 @@ import time
 import pytest
 
 from bulkgen.runtime import lease as lease_module
-from bulkgen.runtime import parts
 from bulkgen.runtime import part_writer as writer_module
+from bulkgen.runtime import parts
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.store import LocalStore
 from tests.runtime.test_worker import _stored_batch, _worker
+from tests.support.clock import FakeClock
 from tests.support.service import completion_row
 
 
-def test_a_worker_stores_no_part_for_a_driver_that_stopped_polling(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_module, "ORPHAN_AFTER_S", 1.0)
+def test_a_worker_stores_no_part_for_a_driver_that_stopped_polling(tmp_path):
     store = LocalStore(tmp_path)
     worker = _worker(store)
+    worker.clock = clock = FakeClock()
     rows = [completion_row(f"r{i}", "hello " * (i + 1), max_tokens=3) for i in range(4)]
     job, specs = _stored_batch(store, "batch_orphan", rows)
     worker.poll("gone", 0)  # a driver's last poll; then it dies (its head did) and never polls again
-    silent_since = time.monotonic()
-    while time.monotonic() - silent_since < 1.0:  # its range finishes after the driver has been silent 1 s
-        time.sleep(0.05)
+    clock.advance(
+        writer_module.ORPHAN_AFTER_S
+    )  # its range finishes after the driver has been silent that long
     worker.assign(job, specs, owner="gone")
     live_job, live_specs = _stored_batch(store, "batch_live", rows)
     worker.assign(live_job, live_specs, owner="alive")
@@ -43,29 +44,31 @@ def test_a_worker_stores_no_part_for_a_driver_that_stopped_polling(tmp_path, mon
     assert [(r.bounds.lo, r.bounds.hi, r.storage_down) for r in handed_back] == [(0, 4, True)]
 
 
-def test_a_runner_taking_a_batch_over_waits_until_the_old_owners_workers_stopped(tmp_path, monkeypatch):
-    monkeypatch.setattr(lease_module, "ORPHAN_AFTER_S", 0.3)
-    monkeypatch.setattr(lease_module, "PART_WRITE_S", 0.2)
+def test_a_runner_taking_a_batch_over_waits_until_the_old_owners_workers_stopped(tmp_path):
+    clock = FakeClock()
     store = LocalStore(tmp_path)
-    dead = Lease(store, "batch_t", "replica-dead", ttl_s=0.2)
+    dead = Lease(store, "batch_t", "replica-dead", ttl_s=20, clock=clock)
     assert dead.acquire() and dead.orphans_done_at() == 0.0  # a fresh batch: nobody to wait for
     lapsed_at = dead.body["expires_at"]
-    heir = Lease(store, "batch_t", "replica-heir", ttl_s=30)
-    while not heir.acquire():  # until the dead owner's lease lapses
-        time.sleep(0.05)
-    assert heir.orphans_done_at() == pytest.approx(lapsed_at + 0.5)
-    heir.wait_for_orphans(lambda: None)
-    assert time.time() >= lapsed_at + 0.5
-    again = Lease(store, "batch_t", "replica-heir", ttl_s=30)
+    heir = Lease(store, "batch_t", "replica-heir", ttl_s=30, clock=clock, sleep=clock.advance)
+    assert not heir.acquire()  # the dead owner's lease has not lapsed yet
+    clock.advance(20.5)
+    assert heir.acquire()
+    done_at = lapsed_at + lease_module.ORPHAN_AFTER_S + lease_module.PART_WRITE_S
+    assert heir.orphans_done_at() == pytest.approx(done_at)
+    checks: list[float] = []
+    heir.wait_for_orphans(lambda: checks.append(clock()))
+    assert clock() >= done_at and len(checks) >= lease_module.ORPHAN_AFTER_S  # a check each second
+    again = Lease(store, "batch_t", "replica-heir", ttl_s=30, clock=clock)
     assert again.acquire() and again.orphans_done_at() == 0.0  # our own lease: no one else's workers
 
     def lost() -> None:
         raise LeaseLost("batch_t")
 
-    other = Lease(store, "batch_u", "x", ttl_s=0.01)
+    other = Lease(store, "batch_u", "x", ttl_s=1, clock=clock)
     other.acquire()
-    time.sleep(0.02)
-    late = Lease(store, "batch_u", "y", ttl_s=30)
+    clock.advance(2)
+    late = Lease(store, "batch_u", "y", ttl_s=30, clock=clock, sleep=clock.advance)
     assert late.acquire()
     with pytest.raises(LeaseLost):
         late.wait_for_orphans(lost)
