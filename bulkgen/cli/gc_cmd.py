@@ -5,20 +5,12 @@ from __future__ import annotations
 import click
 
 from bulkgen.cli.server_cmds import check_storage, runtime_errors
-from bulkgen.settings import DEFAULT_STORAGE
+from bulkgen.cli.settings_options import setting_option
 
 
 @click.command()
-@click.option(
-    "--storage",
-    envvar="BULKGEN_STORAGE",
-    default=DEFAULT_STORAGE,
-    show_default=True,
-    help="The storage to clean: a folder, file:///…, or s3://bucket/prefix (env BULKGEN_STORAGE).",
-)
-@click.option(
-    "--endpoint-url", envvar="AWS_ENDPOINT_URL", help="S3-compatible endpoint (env AWS_ENDPOINT_URL)."
-)
+@setting_option("storage")
+@setting_option("endpoint_url")
 @click.option("--dry-run", is_flag=True, help="Say what would be removed; remove nothing.")
 def gc(storage: str, endpoint_url: str | None, dry_run: bool) -> None:
     """Remove expired files (data, record, refs), parts of ended batches and leases of ended batches.
