@@ -29,7 +29,7 @@ async def create_file(request: Request) -> dict:
         if purpose != "batch":
             raise InvalidRequest(f"purpose must be 'batch'; got {quote(purpose)}", param="purpose")
         expires = check_expires_after(
-            fields.get("expires_after[seconds]"), fields.get("expires_after[anchor]") or "created_at"
+            fields.get("expires_after[seconds]"), fields.get("expires_after[anchor]")
         )
         return await run_in_threadpool(files.write_meta, file_id, size, name, purpose, expires)
     except BaseException:
