@@ -27,7 +27,8 @@ from bulkgen.store import NotFound, Store, layout
 from bulkgen.store.conditional import update_json
 
 log = logging.getLogger(__name__)
-_ID = re.compile(r"[A-Za-z0-9_\-]{1,128}")  # fullmatch: `$` would let a trailing newline through
+ID_PATTERN = r"^[A-Za-z0-9_\-]{1,128}$"  # every file and batch id (the OpenAPI description says so too)
+_ID = re.compile(ID_PATTERN)  # used with fullmatch: `$` alone lets a trailing newline through
 FILE_PURPOSES = ("batch", "batch_output")
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # the hosted API's bounds for expires_after[seconds]
 

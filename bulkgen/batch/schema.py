@@ -39,9 +39,9 @@ ACTIVE_STATUSES = frozenset(
 TERMINAL_STATUSES = frozenset(
     {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
 )
-_WINDOW = re.compile(
-    r"[0-9]{1,6}h"
-)  # ASCII digits, no spaces: "24h" as the API writes it, never "٢٤h" or " 24 h"
+# ASCII digits, no spaces: "24h" as the API writes it, never "٢٤h" or " 24 h" (the OpenAPI says so too).
+WINDOW_PATTERN = r"^[0-9]{1,6}h$"
+_WINDOW = re.compile(WINDOW_PATTERN)  # used with fullmatch: `$` alone lets a trailing newline through
 MAX_WINDOW_HOURS = 24 * 365
 INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
 PRIORITY_KEY = "bulkgen_priority"  # metadata extension: the batch's turn among its tenant's batches
