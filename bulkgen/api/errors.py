@@ -41,15 +41,7 @@ def install(app: FastAPI) -> None:
     async def not_found(_: Request, exc: RecordNotFound) -> JSONResponse:
         return JSONResponse(error_body(str(exc), code="not_found"), status_code=404)
 
-    @app.exception_handler(StorageUnavailable)
-    async def storage_down(request: Request, exc: StorageUnavailable) -> JSONResponse:
-        # The details (the storage's path or URL, its endpoint, the library's words) are the operator's:
-        # one log line here; clients learn only that storage is down, never where it is.
-        log.warning("%s %s: %s", request.method, request.url.path, exc)
-        body = error_body(
-            "storage unavailable; try again later", code="storage_unavailable", error_type="server_error"
-        )
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    app.add_exception_handler(StorageUnavailable, storage_down)
 
     @app.exception_handler(RequestValidationError)
     async def bad_shape(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -69,21 +61,7 @@ def install(app: FastAPI) -> None:
         )
         return JSONResponse(error_body(message, where or None, "invalid_request"), status_code=400)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        """The router's own answers, in OpenAI's words: an unknown path is "Invalid URL (METHOD /path)";
-        a known path asked with another method is a 405 whose `Allow` names every method of that path
-        (Starlette's names only the first route's, and /v1/files has two)."""
-        where = f"{request.method} {quote(request.url.path, 200).strip(chr(39))}"
-        if exc.status_code == 404:
-            return JSONResponse(error_body(f"Invalid URL ({where})"), status_code=404)
-        if exc.status_code == 405:
-            allow = ", ".join(_methods_of(request))
-            message = f"Method not allowed ({where}); this path takes {allow}"
-            body = error_body(message, code="method_not_allowed")
-            return JSONResponse(body, status_code=405, headers={"Allow": allow})
-        body = error_body(str(exc.detail), code=str(exc.status_code))
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    app.add_exception_handler(HTTPException, router_answer)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -91,6 +69,31 @@ def install(app: FastAPI) -> None:
         return JSONResponse(
             error_body(f"internal error: {type(exc).__name__}", error_type="server_error"), status_code=500
         )
+
+
+async def storage_down(request: Request, exc: StorageUnavailable) -> JSONResponse:
+    """503 while storage is down. The details (the storage's path or URL, its endpoint, the library's
+    words) are the operator's: one log line here; clients learn only that storage is down, never where."""
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    body = error_body(
+        "storage unavailable; try again later", code="storage_unavailable", error_type="server_error"
+    )
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+
+
+async def router_answer(request: Request, exc: HTTPException) -> JSONResponse:
+    """The router's own answers, in OpenAI's words: an unknown path is "Invalid URL (METHOD /path)"; a
+    known path asked with another method is a 405 whose `Allow` names every method of that path
+    (Starlette's names only the first route's, and /v1/files has two)."""
+    where = f"{request.method} {request.url.path[:200]}"
+    if exc.status_code == 404:
+        return JSONResponse(error_body(f"Invalid URL ({where})"), status_code=404)
+    if exc.status_code == 405:
+        allow = ", ".join(_methods_of(request))
+        body = error_body(f"Method not allowed ({where}); this path takes {allow}", code="method_not_allowed")
+        return JSONResponse(body, status_code=405, headers={"Allow": allow})
+    body = error_body(str(exc.detail), code=str(exc.status_code))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 _METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")

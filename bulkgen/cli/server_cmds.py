@@ -14,7 +14,7 @@ from bulkgen.settings import BODY_TIMEOUT_S, Settings
 
 # How long `serve` lets running requests finish once told to stop; the local runtime's own stop (a few
 # seconds) comes after it, and the two stay within the 10 s docs/service.md promises.
-SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_GRACE_S = 3.0
 
 
 def runtime_options(fn):
