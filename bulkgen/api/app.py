@@ -8,16 +8,22 @@ from collections.abc import Iterable
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from bulkgen import __version__
-from bulkgen.api import auth, batches, dashboard, errors, files
+from bulkgen.api import auth, batches, dashboard, errors, files, openapi
 from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
+from bulkgen.api.protocol import Health, Model, ModelList, answers
 from bulkgen.batch.schema import ENDPOINTS
 from bulkgen.settings import BODY_TIMEOUT_S
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
+
+_PROMETHEUS = {
+    "description": "Prometheus' text format",
+    "content": {"text/plain": {"schema": {"type": "string"}}},
+}
 
 
 class StorageProbe:
@@ -66,30 +72,12 @@ def create_app(
         app
     )  # the page shell at / and its assets under /ui/ (open); its data comes from /v1/...
     app.add_middleware(Guard, allowed_hosts=allowed_hosts)  # added last: outermost, before the key check
+    openapi.install(app, keyed=keyring is not None)
 
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        # every served model answers every endpoint: embeddings pool its final hidden states (bulkgen.engine.pooling)
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
-            for name in svc.settings.models
-        ]
-        return {"object": "list", "data": data}
-
-    @app.get("/v1/models/{model:path}", response_model=None)
-    async def retrieve_model(model: str):
-        """One served model (the SDK's models.retrieve); an unknown one is a 404 in OpenAI's shape."""
-        from fastapi.responses import JSONResponse
-
-        found = [entry for entry in (await list_models())["data"] if entry["id"] == model]
-        if found:
-            return found[0]
-        body = errors.error_body(f"The model {model[:64]!r} does not exist", "model", "model_not_found")
-        return JSONResponse(body, status_code=404)
-
+    _install_models(app, svc)
     probe = app.state.storage_probe = StorageProbe(svc.root)
 
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses=answers(Health))
     async def health() -> dict:
         """Always 200 while the process answers (restarting it would not bring storage back);
         `status` is "degraded" and `storage` says why while the storage cannot be used."""
@@ -98,9 +86,34 @@ def create_app(
 
     records = app.state.metrics_cache = RecordCache(svc)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: _PROMETHEUS})
     async def metrics() -> Response:
+        """Prometheus' text format: totals of every tenant's batches, the queue and the workers."""
         body, content_type = await run_in_threadpool(render_metrics, records, manager)
         return Response(body, media_type=content_type)
 
     return app
+
+
+def _install_models(app: FastAPI, svc) -> None:
+    """/v1/models: every served model answers every endpoint (embeddings pool its final hidden states:
+    bulkgen.engine.pooling)."""
+
+    def served() -> list[dict]:
+        return [
+            {"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
+            for name in svc.settings.models
+        ]
+
+    @app.get("/v1/models", response_model=None, responses=answers(ModelList))
+    async def list_models() -> dict:
+        return {"object": "list", "data": served()}
+
+    @app.get("/v1/models/{model:path}", response_model=None, responses=answers(Model, 404))
+    async def retrieve_model(model: str):
+        """One served model (the SDK's models.retrieve); an unknown one is a 404 in OpenAI's shape."""
+        found = [entry for entry in served() if entry["id"] == model]
+        if found:
+            return found[0]
+        body = errors.error_body(f"The model {model[:64]!r} does not exist", "model", "model_not_found")
+        return JSONResponse(body, status_code=404)

@@ -3,16 +3,15 @@ bulkgen's retry of an ended batch's failed lines (bulkgen.batch.retry)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from bulkgen.api.auth import service_of
 from bulkgen.api.body import read_json_body
 from bulkgen.api.files import page
+from bulkgen.api.protocol import ID, Batch, BatchList, CreateBatch, answers
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import public_view
 from bulkgen.plan.admission import raise_if_refused
@@ -22,29 +21,19 @@ router = APIRouter(prefix="/v1/batches")
 
 
 JSON_BODY_LIMIT = 1024 * 1024  # a create request is a few hundred bytes; metadata at most ~10 KB
+BATCH_ID = Path(json_schema_extra=ID)
+_CREATE = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/CreateBatch"}}},
+    }
+}
 
 
-class ExpiresAfter(BaseModel):
-    """OpenAI's `output_expires_after`: both keys required, no other (a typo is refused, not ignored)."""
-
-    model_config = ConfigDict(extra="forbid")
-    anchor: Any
-    seconds: Any  # range and type are checked by check_expires_after, with the files API's own message
-
-
-class CreateBatch(BaseModel):
-    """The fields of the openai SDK's `BatchCreateParams`; any other is refused by name (unknown_parameter)."""
-
-    model_config = ConfigDict(extra="forbid")
-    input_file_id: str
-    endpoint: str
-    completion_window: str = "24h"
-    metadata: dict[str, Any] | None = None
-    output_expires_after: ExpiresAfter | None = None  # {anchor: "created_at", seconds} for the result files
-
-
-@router.post("")
+@router.post("", response_model=None, responses=answers(Batch, 408, 413, 415), openapi_extra=_CREATE)
 async def create_batch(request: Request) -> dict:
+    """The body is read here (under a byte limit and a stall timeout, as JSON only) and parsed with
+    CreateBatch, whose schema /openapi.json shows (bulkgen.api.openapi adds it to the components)."""
     raw = await read_json_body(request, JSON_BODY_LIMIT)
     try:
         body = CreateBatch.model_validate_json(raw)
@@ -76,28 +65,30 @@ def _create(svc, manager, body: CreateBatch) -> dict:
     return record
 
 
-@router.get("/{batch_id}")
-async def retrieve_batch(request: Request, batch_id: str) -> dict:
+@router.get("/{batch_id}", response_model=None, responses=answers(Batch, 404))
+async def retrieve_batch(request: Request, batch_id: str = BATCH_ID) -> dict:
     return public_view(await run_in_threadpool(service_of(request).batches.get, batch_id))
 
 
-@router.get("")
+@router.get("", response_model=None, responses=answers(BatchList))
 async def list_batches(
-    request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    request: Request,
+    after: str = Query(None, json_schema_extra=ID),  # a string if given: never null in a query
+    limit: int = Query(20, ge=1, le=100),
 ) -> dict:
     items, has_more = await run_in_threadpool(service_of(request).batches.list, after, limit)
     return page([public_view(r) for r in items], has_more)
 
 
-@router.post("/{batch_id}/cancel")
-async def cancel_batch(request: Request, batch_id: str) -> dict:
+@router.post("/{batch_id}/cancel", response_model=None, responses=answers(Batch, 404, 409))
+async def cancel_batch(request: Request, batch_id: str = BATCH_ID) -> dict:
     record = await run_in_threadpool(service_of(request).cancel, batch_id)
     request.app.state.manager.wake(batch_id)
     return public_view(record)
 
 
-@router.post("/{batch_id}/retry")
-async def retry_batch(request: Request, batch_id: str) -> dict:
+@router.post("/{batch_id}/retry", response_model=None, responses=answers(Batch, 404, 409))
+async def retry_batch(request: Request, batch_id: str = BATCH_ID) -> dict:
     """An extension: a new batch of the lines of `batch_id` that did not succeed and are worth retrying."""
     record = await run_in_threadpool(service_of(request).retry, batch_id)
     request.app.state.manager.wake()

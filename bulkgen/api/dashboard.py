@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import fastapi
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
 from bulkgen.api.auth import service_of, tenant_of
+from bulkgen.api.protocol import ID, errors
 from bulkgen.metrics import BatchMetrics
 from bulkgen.metrics.batch import LATENCY_KEYS
 from bulkgen.store import NotFound, layout
@@ -59,8 +61,8 @@ def _tenant_of_batch(manager, batch_id: str) -> str | None:
     return runner.svc.tenant if runner is not None else None
 
 
-@router.get("/v1/dashboard/batches/{batch_id}/timeline")
-async def batch_timeline(request: Request, batch_id: str) -> dict:
+@router.get("/v1/dashboard/batches/{batch_id}/timeline", responses=errors(404))
+async def batch_timeline(request: Request, batch_id: str = fastapi.Path(json_schema_extra=ID)) -> dict:
     """The batch's metrics over time and its latency distributions, from the runner's stored state."""
     return await run_in_threadpool(_timeline, service_of(request), batch_id)
 

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import Conflict, InvalidRequest, quote
@@ -40,11 +41,7 @@ def install(app: FastAPI) -> None:
     async def not_found(_: Request, exc: RecordNotFound) -> JSONResponse:
         return JSONResponse(error_body(str(exc), code="not_found"), status_code=404)
 
-    @app.exception_handler(StorageUnavailable)
-    async def storage_down(_: Request, exc: StorageUnavailable) -> JSONResponse:
-        log.warning("%s", exc)  # one line: the service keeps answering while storage is down
-        body = error_body(f"{exc}; try again later", code="storage_unavailable", error_type="server_error")
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+    app.add_exception_handler(StorageUnavailable, storage_down)
 
     @app.exception_handler(RequestValidationError)
     async def bad_shape(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -64,11 +61,7 @@ def install(app: FastAPI) -> None:
         )
         return JSONResponse(error_body(message, where or None, "invalid_request"), status_code=400)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(
-            error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code
-        )
+    app.add_exception_handler(HTTPException, router_answer)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -76,3 +69,42 @@ def install(app: FastAPI) -> None:
         return JSONResponse(
             error_body(f"internal error: {type(exc).__name__}", error_type="server_error"), status_code=500
         )
+
+
+async def storage_down(request: Request, exc: StorageUnavailable) -> JSONResponse:
+    """503 while storage is down. The details (the storage's path or URL, its endpoint, the library's
+    words) are the operator's: one log line here; clients learn only that storage is down, never where."""
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    body = error_body(
+        "storage unavailable; try again later", code="storage_unavailable", error_type="server_error"
+    )
+    return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+
+
+async def router_answer(request: Request, exc: HTTPException) -> JSONResponse:
+    """The router's own answers, in OpenAI's words: an unknown path is "Invalid URL (METHOD /path)"; a
+    known path asked with another method is a 405 whose `Allow` names every method of that path
+    (Starlette's names only the first route's, and /v1/files has two)."""
+    where = f"{request.method} {request.url.path[:200]}"
+    if exc.status_code == 404:
+        return JSONResponse(error_body(f"Invalid URL ({where})"), status_code=404)
+    if exc.status_code == 405:
+        allow = ", ".join(_methods_of(request))
+        body = error_body(f"Method not allowed ({where}); this path takes {allow}", code="method_not_allowed")
+        return JSONResponse(body, status_code=405, headers={"Allow": allow})
+    body = error_body(str(exc.detail), code=str(exc.status_code))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
+
+
+def _methods_of(request: Request) -> list[str]:
+    """Every method some route takes on the request's path: each asked of the router as it routes (FastAPI
+    keeps included routers as routes of their own, so the routes' `methods` cannot simply be read)."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _METHODS
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    ]

@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from bulkgen.api.auth import service_of
+from bulkgen.api.protocol import ID, UPLOAD_FORM, FileDeleted, FileList, FileObject, answers, errors
 from bulkgen.api.upload import receive_upload
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import InvalidRequest, quote
 
 router = APIRouter(prefix="/v1/files")
+FILE_ID = Path(json_schema_extra=ID)
 
 
-@router.post("")
+_UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": UPLOAD_FORM}}}}
+
+
+@router.post("", response_model=None, responses=answers(FileObject, 408, 413), openapi_extra=_UPLOAD)
 async def create_file(request: Request) -> dict:
     """Multipart `file` + `purpose=batch` (+ `expires_after[anchor]`, `expires_after[seconds]`): the file
     streams to storage as it arrives and is refused (413 file_too_large) once past the limit; any other
@@ -29,7 +34,7 @@ async def create_file(request: Request) -> dict:
         if purpose != "batch":
             raise InvalidRequest(f"purpose must be 'batch'; got {quote(purpose)}", param="purpose")
         expires = check_expires_after(
-            fields.get("expires_after[seconds]"), fields.get("expires_after[anchor]") or "created_at"
+            fields.get("expires_after[seconds]"), fields.get("expires_after[anchor]")
         )
         return await run_in_threadpool(files.write_meta, file_id, size, name, purpose, expires)
     except BaseException:
@@ -37,10 +42,10 @@ async def create_file(request: Request) -> dict:
         raise
 
 
-@router.get("")
+@router.get("", response_model=None, responses=answers(FileList))
 async def list_files(
     request: Request,
-    after: str | None = None,
+    after: str = Query(None, json_schema_extra=ID),  # a string if given: never null in a query
     limit: int = Query(10000, ge=1, le=10000),
     order: Literal["asc", "desc"] = "desc",
     purpose: str | None = None,
@@ -50,13 +55,16 @@ async def list_files(
     return page(items, has_more)
 
 
-@router.get("/{file_id}")
-async def retrieve_file(request: Request, file_id: str) -> dict:
+@router.get("/{file_id}", response_model=None, responses=answers(FileObject, 404))
+async def retrieve_file(request: Request, file_id: str = FILE_ID) -> dict:
     return await run_in_threadpool(service_of(request).files.get, file_id)
 
 
-@router.get("/{file_id}/content")
-async def file_content(request: Request, file_id: str) -> StreamingResponse:
+_JSONL = {"description": "The file's bytes", "content": {"application/jsonl": {"schema": {"type": "string"}}}}
+
+
+@router.get("/{file_id}/content", response_class=StreamingResponse, responses={200: _JSONL, **errors(404)})
+async def file_content(request: Request, file_id: str = FILE_ID) -> StreamingResponse:
     files = service_of(request).files
     stream = await run_in_threadpool(files.open, file_id)
 
@@ -68,8 +76,8 @@ async def file_content(request: Request, file_id: str) -> StreamingResponse:
     return StreamingResponse(chunks(), media_type="application/jsonl")
 
 
-@router.delete("/{file_id}")
-async def delete_file(request: Request, file_id: str) -> dict:
+@router.delete("/{file_id}", response_model=None, responses=answers(FileDeleted, 404, 409))
+async def delete_file(request: Request, file_id: str = FILE_ID) -> dict:
     await run_in_threadpool(service_of(request).delete_file, file_id)
     return {"id": file_id, "object": "file", "deleted": True}
 

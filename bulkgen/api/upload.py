@@ -3,7 +3,9 @@
 The multipart stream is parsed here (python-multipart's streaming parser) and its file part flows straight
 into storage through a bounded pipe, so a 200 MB upload never sits whole in memory or on local disk. The
 body is read through bulkgen.api.body (every byte counted, stalls timed out); once it is refused, or the
-client goes away, the upload is aborted: the store publishes nothing partial and the thread ends.
+client goes away, or the body ends before the form's closing boundary (every declared byte came, but not
+the whole form: 400 incomplete_upload), the upload is aborted: the store publishes nothing partial and the
+thread ends.
 Form fields other than KNOWN_FIELDS are refused by name.
 """
 
@@ -20,7 +22,7 @@ from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
 from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import parse_options_header
+from python_multipart.multipart import MultipartState, parse_options_header
 
 from bulkgen.api.body import TooLarge, body_chunks
 from bulkgen.batch.schema import InvalidRequest, quote
@@ -121,6 +123,13 @@ async def receive_upload(
             form.events.clear()
         parser.finalize()
         await upload.handle(form.events, limit)
+        if parser.state != MultipartState.END:  # the parser's finalize does not check this itself
+            raise InvalidRequest(
+                "the multipart body ended before its closing boundary (--BOUNDARY--): the upload is "
+                "incomplete and nothing was stored. Send the whole form",
+                param="file",
+                code="incomplete_upload",
+            )
         if upload.task is None:
             raise InvalidRequest("the upload has no `file` part", param="file")
         _refuse_unknown(upload.fields)

@@ -23,6 +23,17 @@ _ROLES = {
     "function": "function",
 }
 _MEDIA_PARTS = {"image_url", "input_audio", "file"}
+_PLAIN = frozenset({"role", "content", "name"})
+# The fields of each role's message in OpenAI's spec; any other is refused by name, as the hosted API does
+# (dropping it would run a request other than the one written).
+_FIELDS = {
+    "system": _PLAIN,
+    "developer": _PLAIN,
+    "user": _PLAIN,
+    "assistant": _PLAIN | {"refusal", "tool_calls", "function_call", "audio"},
+    "tool": frozenset({"role", "content", "tool_call_id"}),
+    "function": _PLAIN,
+}
 
 
 def messages(value: Any) -> list[dict[str, Any]]:
@@ -33,8 +44,9 @@ def messages(value: Any) -> list[dict[str, Any]]:
 
 def _message(message: Any, param: str) -> dict[str, Any]:
     role = message.get("role") if isinstance(message, dict) else None
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise LineError("invalid_messages", f"{param}.role must be one of {sorted(_ROLES)}", param)
+    _check_fields(message, role, param)
     out: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), param, role)}
     name = message.get("name")
     if name is not None:
@@ -48,6 +60,24 @@ def _message(message: Any, param: str) -> dict[str, Any]:
             "invalid_messages", f"{param}.name is required for a function message", f"{param}.name"
         )
     return out
+
+
+def _check_fields(message: dict, role: str, param: str) -> None:
+    unknown = [key for key in message if key not in _FIELDS[role]]
+    if unknown:
+        name = quote(unknown[0], 40).strip("'\"")
+        raise LineError(
+            "unknown_parameter",
+            f"{param}.{name} is not a field of a {role} message ({', '.join(sorted(_FIELDS[role]))}); "
+            "remove it",
+            f"{param}.{unknown[0][:64]}",
+        )
+    if message.get("audio") is not None:
+        raise LineError(
+            "unsupported_parameter",
+            f"{param}.audio refers to an earlier audio answer; this model is text-only",
+            f"{param}.audio",
+        )
 
 
 def _assistant(message: dict, out: dict, param: str) -> None:
@@ -112,7 +142,7 @@ def text_parts(content: Any, param: str, parts: dict[str, str], media: set[str],
         if kind in media:
             raise LineError(
                 "unsupported_parameter",
-                f"{where} is a {kind} part; this model takes text only",
+                f"{where} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} part; this model takes text only",
                 f"{where}.type",
             )
         text = part.get(parts[kind]) if kind in parts else None

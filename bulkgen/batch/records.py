@@ -27,7 +27,8 @@ from bulkgen.store import NotFound, Store, layout
 from bulkgen.store.conditional import update_json
 
 log = logging.getLogger(__name__)
-_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
+ID_PATTERN = r"^[A-Za-z0-9_\-]{1,128}$"  # every file and batch id (the OpenAPI description says so too)
+_ID = re.compile(ID_PATTERN)  # used with fullmatch: `$` alone lets a trailing newline through
 FILE_PURPOSES = ("batch", "batch_output")
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # the hosted API's bounds for expires_after[seconds]
 
@@ -38,20 +39,37 @@ class RecordNotFound(LookupError):
 
 def _check_id(kind: str, object_id: str) -> str:
     """Ids are checked against their pattern before they name a storage key; a bad one is just not found."""
-    if not isinstance(object_id, str) or not _ID.match(object_id):
+    if not isinstance(object_id, str) or not _ID.fullmatch(object_id):
         raise RecordNotFound(f"No such {kind}: {quote(object_id)}")
     return object_id
 
 
-def check_expires_after(seconds: Any, anchor: Any = "created_at", param: str = "expires_after") -> int | None:
-    """`expires_after` (files) or `output_expires_after` (batches): anchor created_at, 1 hour to 30 days."""
-    if seconds is None and anchor in (None, "created_at"):
+def _cursor(kind: str, after: str | None, key: Callable[[str], str]) -> str | None:
+    """The storage key a page starts after. A cursor is a position, so a well-formed id of an object
+    since deleted is fine; one that no id could be is the caller's mistake (400 naming `after`), not an
+    object that is missing."""
+    if after is None:
+        return None
+    if not _ID.fullmatch(after):
+        raise InvalidRequest(
+            f"after must be the id of a {kind}, as the last page's last_id; got {quote(after, 64)}",
+            param="after",
+            code="invalid_cursor",
+        )
+    return key(after)
+
+
+def check_expires_after(seconds: Any, anchor: Any, param: str = "expires_after") -> int | None:
+    """`expires_after` (files) or `output_expires_after` (batches): both parts or neither (as OpenAI's
+    spec requires them), anchor created_at, 1 hour to 30 days. A form sends seconds as text: ASCII digits
+    only, as the API reads them (no spaces, no other scripts' digits)."""
+    if seconds is None and anchor is None:
         return None
     if anchor != "created_at":
         raise InvalidRequest(
-            f"{param}[anchor] must be 'created_at'; got {anchor!r}", param=f"{param}[anchor]"
+            f"{param}[anchor] must be 'created_at'; got {quote(anchor, 64)}", param=f"{param}[anchor]"
         )
-    if isinstance(seconds, str) and seconds.strip().lstrip("-").isdigit():
+    if isinstance(seconds, str) and re.fullmatch(r"-?[0-9]{1,12}", seconds):
         seconds = int(seconds)
     if (
         isinstance(seconds, bool)
@@ -142,16 +160,15 @@ class FileRepo:
         return record
 
     def get(self, file_id: str, *, include_expired: bool = False) -> dict:
-        try:
-            record = json.loads(self.store.read_bytes(self.meta_key(file_id)))
-        except NotFound:
-            raise RecordNotFound(f"No such file: {file_id!r}") from None
-        if expired(record) and not include_expired:
-            raise RecordNotFound(f"No such file: {file_id!r} (it expired at {record['expires_at']})")
+        record = _load_json(self.store, self.meta_key(file_id))
+        # An expired file is answered exactly as an id that never existed: when it expired is not news
+        # to give whoever holds the id.
+        if record is None or (expired(record) and not include_expired):
+            raise RecordNotFound(f"No such file: {file_id!r}")
         return record
 
     def list(self, after: str | None, limit: int, order: str = "desc", purpose: str | None = None):
-        marker = self.meta_key(after) if after else None
+        marker = _cursor("file", after, self.meta_key)
         if order == "asc":
             keys = _before(lambda: self.store.list(layout.FILES_META), marker, limit + 1)
         else:
@@ -261,7 +278,7 @@ class BatchRepo:
             log.exception("batch %s: on_end hook failed", record["id"])
 
     def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        keys = self.store.list(layout.BATCHES, start_after=self.key(after) if after else None)
+        keys = self.store.list(layout.BATCHES, start_after=_cursor("batch", after, self.key))
         return _page(keys, limit, lambda r: True, lambda key: _load_json(self.store, key))
 
     def ids(self) -> Iterator[str]:

@@ -22,7 +22,7 @@ from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.resp_api import RESPONSES, responses_request
 from bulkgen.batch.sampling import prompts, sampling
-from bulkgen.batch.schema import quote
+from bulkgen.batch.schema import quote, versioned
 from bulkgen.batch.structured import forced_tool, response_guide
 
 __all__ = [
@@ -40,15 +40,18 @@ __all__ = [
 
 # Every field a line may carry; anything else makes the line (so the file) invalid.
 _LINE_FIELDS = {"custom_id", "method", "url", "body"}
-MAX_CUSTOM_ID = 64
+# OpenAI sets no length on custom_id (64 characters is Anthropic's rule); ids built from paths, URLs or
+# document ids run long. This bound only keeps a line's id from being a megabyte of text: nothing stores or
+# indexes it by length (validation keeps a digest per id, result files carry it as it came).
+MAX_CUSTOM_ID_BYTES = 1024
 
 
 @dataclass(frozen=True)
 class RequestLine:
     """One line of a batch input file: the Batch API's request input object."""
 
-    custom_id: str  # the client's name for the request: 1-64 characters, unique in the file (validation
-    # checks that across lines); the request's output or error line carries it back
+    custom_id: str  # the client's name for the request: 1 to MAX_CUSTOM_ID_BYTES bytes of UTF-8, unique in
+    # the file (validation checks that across lines); the request's output or error line carries it back
     method: str  # the HTTP method of the request: POST, the only one the Batch API takes
     url: str  # the endpoint the body is for; it picks the body's parser, and must be the batch's
     body: dict[str, Any]  # the request body as `url` takes it; read checks only that it names a model
@@ -72,17 +75,18 @@ class RequestLine:
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.strip():
             raise LineError("missing_custom_id", "custom_id must be a non-empty string", "custom_id")
-        if len(custom_id) > MAX_CUSTOM_ID:
+        size = len(custom_id.encode("utf-8", "surrogatepass"))
+        if size > MAX_CUSTOM_ID_BYTES:
             raise LineError(
                 "invalid_custom_id",
-                f"custom_id is {len(custom_id)} characters; at most "
-                f"{MAX_CUSTOM_ID} are allowed ({quote(custom_id, 40)})",
+                f"custom_id is {size} bytes of UTF-8; at most {MAX_CUSTOM_ID_BYTES} are allowed "
+                f"({quote(custom_id, 40)})",
                 "custom_id",
             )
         method = obj.get("method", "POST")
         if method != "POST":
             raise LineError("invalid_method", f"method must be POST, got {quote(method)}", "method")
-        if obj.get("url") != endpoint:
+        if versioned(obj.get("url")) != endpoint:
             raise LineError(
                 "url_mismatch",
                 f"url {quote(obj.get('url'))} does not match the batch endpoint {endpoint!r}",
@@ -154,15 +158,15 @@ def custom_id_of(raw: bytes | str) -> str:
 
 
 def url_of(raw: bytes | str) -> str | None:
-    """The `url` of a line, to tell a file's endpoint from its first line (None where it names none);
-    LineError("invalid_json_line") where the line is not a JSON object."""
+    """The `url` of a line in its '/v1/' form, to tell a file's endpoint from its first line (None where it
+    names none); LineError("invalid_json_line") where the line is not a JSON object."""
     try:
         obj = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         obj = None
     if not isinstance(obj, dict):
         raise LineError("invalid_json_line", "not a JSON object")
-    url = obj.get("url")
+    url = versioned(obj.get("url"))
     return url if isinstance(url, str) else None
 
 

@@ -42,6 +42,7 @@ _PARTS = {"input_text": "text"}  # part type -> its text key
 _ASSISTANT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 _EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
 _SAMPLING = ("max_output_tokens", "temperature", "top_p")
+MIN_OUTPUT_TOKENS = 16  # CreateResponse.max_output_tokens: `minimum: 16` in OpenAI's spec
 HISTORY = "send the whole conversation in body.input"
 # Refused unless null or one of the values that leave the result alone: field -> (those values, why not more).
 _REFUSED: dict[str, tuple[tuple, str]] = {
@@ -74,6 +75,7 @@ def responses_request(body: dict, request: ParsedRequest) -> ParsedRequest:
     request.messages = _messages(body.get("input"), body.get("instructions"))
     effort = _effort(body.get("reasoning"))
     request.template_kwargs = template_kwargs({"reasoning_effort": effort})
+    _check_output_limit(body.get("max_output_tokens"))
     request.sampling = sampling({name: body.get(name) for name in _SAMPLING}, RESPONSES)
     fmt, guide = _text_format(body.get("text"))
     if guide is not None:
@@ -81,6 +83,12 @@ def responses_request(body: dict, request: ParsedRequest) -> ParsedRequest:
     request.limit_field = "max_output_tokens"
     request.response_fields = _echoed(body, request.sampling, fmt, effort)
     return request
+
+
+def _check_output_limit(limit: Any) -> None:
+    """The spec's minimum (the hosted API refuses less); the type and the upper end are sampling's rules."""
+    if type(limit) is int and limit < MIN_OUTPUT_TOKENS:
+        raise invalid("max_output_tokens", f"must be an integer >= {MIN_OUTPUT_TOKENS}", limit)
 
 
 def _check_refused(body: dict) -> None:

@@ -16,21 +16,29 @@ Output and error files list their lines in input order, and a custom_id is uniqu
 streamed pass over the input beside both files (bulkgen.batch.merged.ResultCursor) finds the lines to
 retry in bounded memory.
 
-The new batch keeps the original's endpoint, completion window and output_expires_after. Links: the new
-batch's metadata gets `bulkgen_retry_of: <original>` (the original's other pairs are
-copied, so a priority or a job name carries over) and the original gains `bulkgen_retried_by: <new>`
-through the conditional record update. A batch is retried at most once; its retry is retried in turn, so
-the retries of one input form a chain (`bulkgen results --merged` follows it).
+The new batch keeps the original's endpoint, completion window, metadata and output_expires_after. Links
+are fields of the records, not metadata (which stays the client's 16 pairs): the new batch's `retry_of`
+names the original and the original's `retried_by` the new batch. A batch is retried at most once; its
+retry is retried in turn, so the retries of one input form a chain (`bulkgen results --merged` follows it).
+
+Concurrent retries of one batch: the winner is decided before anything is made. Each picks its new
+batch's id, then claims the original with one conditional update that sets `retried_by` to it; the
+others' updates find it set and answer 409 having made nothing. The winner then stores the input file
+and creates the batch under that id (a failure there releases the claim). A claim whose batch never
+appeared (its retry died in between) is taken over once CLAIM_GRACE_S has passed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
+from bulkgen.batch.ids import id_time, new_id
 from bulkgen.batch.merged import ResultCursor, check_all_taken, requests
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import ACTIVE_STATUSES, INTERNAL, BatchStatus, Conflict, InvalidRequest
@@ -38,7 +46,8 @@ from bulkgen.batch.schema import ACTIVE_STATUSES, INTERNAL, BatchStatus, Conflic
 if TYPE_CHECKING:
     from bulkgen.batch.service import BatchService
 
-RETRY_OF, RETRIED_BY = "bulkgen_retry_of", "bulkgen_retried_by"
+RETRY_OF, RETRIED_BY = "retry_of", "retried_by"  # fields of the batch record (bulkgen extras)
+CLAIM_GRACE_S = 600.0
 RETRYABLE_CODES = frozenset({"engine_error", "batch_expired", "batch_cancelled"})
 _SPOOL_BYTES = 8 * 2**20  # the new input file stays in memory up to this size, then spills to disk
 
@@ -82,7 +91,7 @@ def select_lines(
 def retry_batch(svc: BatchService, batch_id: str) -> dict:
     """POST /v1/batches/{id}/retry: the new batch (validating), linked both ways with `batch_id`."""
     record = svc.batches.get(batch_id)  # another tenant's batch is not found here: 404
-    _check_can_retry(record)
+    _check_can_retry(svc, record)
     selection = Selection()
     with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as spool:
         for raw in select_lines(*_result_streams(svc, record), selection):
@@ -95,28 +104,38 @@ def retry_batch(svc: BatchService, batch_id: str) -> dict:
                 param="batch_id",
                 code="nothing_to_retry",
             )
-        spool.seek(0)
-        new_file = svc.files.create(spool, f"{batch_id}_retry.jsonl", "batch")
-    metadata = {k: v for k, v in (record["metadata"] or {}).items() if k not in (RETRY_OF, RETRIED_BY)}
-    new = svc.create_batch(
-        new_file["id"],
-        record["endpoint"],
-        record["completion_window"],
-        metadata or None,
-        output_expires_after_s=(record.get(INTERNAL) or {}).get(
-            "output_expires_after_s"
-        ),  # as the original's
-        links={RETRY_OF: batch_id},
-    )
+        retry_id = new_id("batch_")
+        svc.batches.update(batch_id, lambda r: _claim(svc, r, retry_id))  # Conflict: another retry won
+        try:
+            spool.seek(0)
+            return _create(svc, record, retry_id, spool)
+        except BaseException:
+            with contextlib.suppress(Exception):  # else the claim lapses after CLAIM_GRACE_S
+                svc.batches.update(batch_id, lambda r: _release(r, retry_id))
+            raise
+
+
+def _create(svc: BatchService, record: dict, retry_id: str, lines: BinaryIO) -> dict:
+    """The retry batch `retry_id` of the lines in `lines`, as the original (its input file goes again if
+    the batch cannot be made)."""
+    new_file = svc.files.create(lines, f"{record['id']}_retry.jsonl", "batch")
     try:
-        svc.batches.update(batch_id, lambda r: _link(r, new["id"]))
-    except Conflict:  # a concurrent retry linked its batch first: this one must not run as well
-        svc.cancel(new["id"])
+        return svc.create_batch(
+            new_file["id"],
+            record["endpoint"],
+            record["completion_window"],
+            record["metadata"],
+            output_expires_after_s=(record.get(INTERNAL) or {}).get("output_expires_after_s"),
+            retry_of=record["id"],
+            batch_id=retry_id,
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):  # else `bulkgen gc` never knows it: best effort
+            svc.files.delete(new_file["id"])
         raise
-    return new
 
 
-def _check_can_retry(record: dict) -> None:
+def _check_can_retry(svc: BatchService, record: dict) -> None:
     batch_id, status = record["id"], record["status"]
     if status in ACTIVE_STATUSES:
         raise Conflict(
@@ -124,7 +143,7 @@ def _check_can_retry(record: dict) -> None:
             param="batch_id",
             code="batch_not_ended",
         )
-    _check_not_retried(record)
+    _check_not_retried(svc, record)
     if status == BatchStatus.FAILED and record["model"] is None:
         raise InvalidRequest(
             f"batch {batch_id} failed validation, so none of its requests ran and a retry "
@@ -135,9 +154,9 @@ def _check_can_retry(record: dict) -> None:
         )
 
 
-def _check_not_retried(record: dict) -> None:
-    retried_by = (record["metadata"] or {}).get(RETRIED_BY)
-    if retried_by:
+def _check_not_retried(svc: BatchService, record: dict) -> None:
+    retried_by = record.get(RETRIED_BY)
+    if retried_by and not _abandoned(svc, retried_by):
         raise Conflict(
             f"batch {record['id']} was already retried by {retried_by}; retry that batch to go on",
             param="batch_id",
@@ -145,9 +164,25 @@ def _check_not_retried(record: dict) -> None:
         )
 
 
-def _link(record: dict, new_id: str) -> dict:
-    _check_not_retried(record)
-    record["metadata"] = {**(record["metadata"] or {}), RETRIED_BY: new_id}
+def _abandoned(svc: BatchService, retry_id: str) -> bool:
+    """A claim whose batch does not exist CLAIM_GRACE_S after its id was made: its retry died midway."""
+    try:
+        svc.batches.get(retry_id)
+    except RecordNotFound:
+        return time.time() - (id_time(retry_id) or 0.0) > CLAIM_GRACE_S
+    return False
+
+
+def _claim(svc: BatchService, record: dict, retry_id: str) -> dict:
+    _check_not_retried(svc, record)
+    record[RETRIED_BY] = retry_id
+    return record
+
+
+def _release(record: dict, retry_id: str) -> dict | None:
+    if record.get(RETRIED_BY) != retry_id:  # not ours (any more): leave it
+        return None
+    record[RETRIED_BY] = None
     return record
 
 

@@ -39,7 +39,9 @@ ACTIVE_STATUSES = frozenset(
 TERMINAL_STATUSES = frozenset(
     {BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
 )
-_WINDOW = re.compile(r"^\s*(\d+)\s*h\s*$")
+# ASCII digits, no spaces: "24h" as the API writes it, never "٢٤h" or " 24 h" (the OpenAPI says so too).
+WINDOW_PATTERN = r"^[0-9]{1,6}h$"
+_WINDOW = re.compile(WINDOW_PATTERN)  # used with fullmatch: `$` alone lets a trailing newline through
 MAX_WINDOW_HOURS = 24 * 365
 INTERNAL = "x_bulkgen"  # key of the fields the service keeps for itself; never shown to clients
 PRIORITY_KEY = "bulkgen_priority"  # metadata extension: the batch's turn among its tenant's batches
@@ -69,8 +71,8 @@ class Conflict(InvalidRequest):
 
 def parse_completion_window(window: str) -> int:
     """'24h' (or any whole number of hours, 1h to a year) to seconds."""
-    match = _WINDOW.match(window) if isinstance(window, str) else None
-    hours = int(match.group(1)) if match else 0
+    match = _WINDOW.fullmatch(window) if isinstance(window, str) else None
+    hours = int(window[:-1]) if match else 0
     if not match or not 1 <= hours <= MAX_WINDOW_HOURS:
         raise InvalidRequest(
             f"completion_window must be a whole number of hours such as '24h' (1h to {MAX_WINDOW_HOURS}h); "
@@ -111,24 +113,42 @@ def batch_priority(metadata: dict | None) -> int:
     return PRIORITIES[value]
 
 
+def versioned(url: Any) -> Any:
+    """Azure OpenAI's unversioned paths ('/chat/completions', as its docs and samples write batch lines and
+    `batches.create`) name the same endpoints as OpenAI's '/v1/...': -> the '/v1/' form, which is what
+    records and lines carry from here on; anything else comes back as it is (to be refused, quoted)."""
+    if isinstance(url, str) and f"/v1{url}" in ENDPOINTS:
+        return f"/v1{url}"
+    return url
+
+
 def check_endpoint(endpoint: Any) -> str:
+    """The batch's endpoint in its '/v1/' form (the unversioned form is taken too: `versioned`)."""
+    endpoint = versioned(endpoint)
     if endpoint not in ENDPOINTS:
         raise InvalidRequest(
-            f"endpoint must be one of {', '.join(ENDPOINTS)}; got {quote(endpoint)}", param="endpoint"
+            f"endpoint must be one of {', '.join(ENDPOINTS)} (or the same without '/v1'); got "
+            f"{quote(endpoint)}",
+            param="endpoint",
         )
     return endpoint
 
 
 def new_batch_record(
-    input_file_id: str, endpoint: str, completion_window: str, metadata: dict | None
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str,
+    metadata: dict | None,
+    batch_id: str | None = None,
 ) -> dict[str, Any]:
-    """A fresh batch in `validating`, with every field the hosted API returns."""
+    """A fresh batch in `validating`, with every field the hosted API returns, and bulkgen's own (`model`,
+    `metrics`, the retry links `retry_of` and `retried_by`: bulkgen.batch.retry)."""
     window_s = parse_completion_window(completion_window)
     metadata = check_metadata(metadata)
     batch_priority(metadata)
     now = int(time.time())
     return {
-        "id": new_id("batch_"),
+        "id": batch_id or new_id("batch_"),
         "object": "batch",
         "endpoint": check_endpoint(endpoint),
         "errors": None,
@@ -151,6 +171,8 @@ def new_batch_record(
         "usage": empty_usage(),
         "model": None,
         "metrics": None,
+        "retry_of": None,
+        "retried_by": None,
         INTERNAL: {},
     }
 

@@ -85,17 +85,18 @@ class BatchService:
         window: str,
         metadata: dict | None,
         output_expires_after_s: int | None = None,
-        links: dict[str, str] | None = None,
+        retry_of: str | None = None,
+        batch_id: str | None = None,
     ) -> dict:
         """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
         the runtime validates it (`validate`), so validation survives a restart like any other work.
         Writes in order: the file's ref (fileuse.pin: a delete of the file either wins before it, and this
         refuses, or answers 409), the record, then the active entry that makes runners look for it.
-        `links`: metadata pairs the service sets itself (bulkgen.batch.retry), beyond the client's 16."""
+        `retry_of`, `batch_id`: a retry's original and the id its claim on the original chose
+        (bulkgen.batch.retry)."""
         meta = self._input_file(input_file_id)
-        record = new_batch_record(meta["id"], endpoint, window, metadata)
-        if links:
-            record["metadata"] = {**(record["metadata"] or {}), **links}
+        record = new_batch_record(meta["id"], endpoint, window, metadata, batch_id=batch_id)
+        record["retry_of"] = retry_of
         if output_expires_after_s:
             record[INTERNAL]["output_expires_after_s"] = output_expires_after_s
         try:

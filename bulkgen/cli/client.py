@@ -88,16 +88,21 @@ def download(client, batch, output: Path) -> list[str]:
 
 
 def retry_chain(get_batch: Callable[[str], object], batch_id: str) -> list:
-    """The batches of `batch_id`'s retry chain (bulkgen.batch.retry's metadata links), the original first."""
+    """The batches of `batch_id`'s retry chain (bulkgen.batch.retry's links: fields the openai package
+    keeps as extras), the original first."""
     batch, seen = get_batch(batch_id), {batch_id}
-    while (parent := (batch.metadata or {}).get("bulkgen_retry_of")) and parent not in seen:
+    while (parent := _link(batch, "retry_of")) and parent not in seen:
         seen.add(parent)
         batch = get_batch(parent)
     chain = [batch]
-    while (child := (batch.metadata or {}).get("bulkgen_retried_by")) and child not in {b.id for b in chain}:
+    while (child := _link(batch, "retried_by")) and child not in {b.id for b in chain}:
         batch = get_batch(child)
         chain.append(batch)
     return chain
+
+
+def _link(batch, name: str) -> str | None:
+    return (batch.model_extra or {}).get(name)
 
 
 def download_merged(client, chain: list, output: Path) -> list[str]:

@@ -5,7 +5,7 @@ and, for each request it accepts, through the worker's own preparation (bulkgen.
 model's chat template and tokenizer, `fit_context` resolving max_tokens as the runtime does). What a
 worker would refuse (a prompt longer than the context, say) is counted as refused here too.
 
-Memory: a read buffer, the validator's custom_ids, three small ints per request (the simulator needs
+Memory: a read buffer, the validator's custom_id digests, three small ints per request (the simulator needs
 every request's lengths), and the hashes of prompt blocks seen (for the prefix-cache share; at most
 MAX_BLOCK_HASHES, after which new blocks are assumed uncached).
 """

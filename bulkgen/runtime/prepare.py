@@ -101,18 +101,27 @@ def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> 
         return {"dimensions": request.embedding["dimensions"]}
     params = {k: v for k, v in request.sampling.items() if v is not None}
     budget = max_model_len - prompt_len
-    max_tokens = params.get("max_tokens")
-    max_tokens = budget if max_tokens is None else max_tokens
-    if budget < 1 or max_tokens > budget:
-        where = _input(request)
-        if budget >= 1:  # the prompt fits; the completion asked for is what does not
-            where = f"body.{request.limit_field}"
-        raise LineError(
-            "context_length_exceeded",
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion). "
-            "Please reduce the length of the messages or completion.",
-            where,
-        )
-    params["max_tokens"] = max_tokens
+    asked = params.get("max_tokens")
+    if budget < 1 or (asked is not None and asked > budget):
+        raise _too_long(request, prompt_len, max_model_len, asked)
+    params["max_tokens"] = budget if asked is None else asked
     return params
+
+
+def _too_long(request: ParsedRequest, prompt_len: int, max_model_len: int, asked: int | None) -> LineError:
+    """OpenAI's two wordings: with a token limit, the sum asked for; without one, the prompt alone (the
+    completion would get whatever is left, and nothing is)."""
+    where, what = _input(request), _input(request).removeprefix("body.")
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if asked is None:
+        message = (
+            f"{head}your {what} resulted in {prompt_len} tokens. Please reduce the length of the {what}."
+        )
+        return LineError("context_length_exceeded", message, where)
+    if prompt_len < max_model_len:  # the prompt fits; the completion asked for is what does not
+        where = f"body.{request.limit_field}"
+    message = (
+        f"{head}you requested {prompt_len + asked} tokens ({prompt_len} in the {what}, {asked} in the "
+        f"completion). Please reduce the length of the {what} or completion."
+    )
+    return LineError("context_length_exceeded", message, where)

@@ -121,6 +121,40 @@ def test_api_errors_are_4xx_with_openai_shape(service, client, tmp_path):
     assert ok.expires_at - ok.created_at == 72 * 3600  # any whole number of hours
 
 
+@pytest.mark.parametrize("window", ["٢٤h", "24 h", " 24h ", "24h\n", "24H", "+24h"])
+def test_completion_window_is_ascii_digits_and_h(client, tmp_path, window):
+    file_id = upload(client, write_jsonl(tmp_path / "ok.jsonl", [chat_row("a", "hi", max_tokens=1)])).id
+    with pytest.raises(openai.BadRequestError) as info:
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window=window
+        )
+    assert info.value.body["param"] == "completion_window"
+
+
+@pytest.mark.parametrize(
+    ("expires_after", "param"),
+    [
+        ({"anchor": "", "seconds": 3600}, "expires_after[anchor]"),
+        ({"anchor": "created_at"}, "expires_after[seconds]"),
+        ({"anchor": "created_at", "seconds": "٣٦٠٠"}, "expires_after[seconds]"),
+        ({"anchor": "created_at", "seconds": " 3600"}, "expires_after[seconds]"),
+    ],
+)
+def test_expires_after_parts_are_both_given_and_exact(client, expires_after, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.files.create(file=("x.jsonl", b"{}\n"), purpose="batch", expires_after=expires_after)
+    assert info.value.body["param"] == param
+
+
+@pytest.mark.parametrize("after", ["not an id", "../x", "file-1\n", "é"])
+def test_a_malformed_after_cursor_is_a_400_naming_it(client, after):
+    for listing in (client.files.list, client.batches.list):
+        with pytest.raises(openai.BadRequestError) as info:
+            listing(after=after)
+        assert (info.value.body["param"], info.value.body["code"]) == ("after", "invalid_cursor")
+    assert client.files.list(after="file-" + "f" * 24).data == []  # well formed: a position, even if unknown
+
+
 def test_cancel_a_finished_batch_is_a_conflict(client, tmp_path):
     from tests.support.service import wait_done
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from urllib.request import urlopen
 
 import openai
@@ -107,6 +108,7 @@ def test_request_options_logprobs_n_and_context_limit(client, tmp_path):
         chat_row("logprobs", "hello", max_tokens=4, logprobs=True, top_logprobs=2),
         chat_row("n2", "abc", max_tokens=3, n=2, temperature=0.8, seed=5),
         chat_row("too-long", "x", max_tokens=100_000),
+        chat_row("no-limit", "word " * 5000, max_tokens=None),  # the prompt alone is past the context
     ]
     batch = client.batches.create(
         input_file_id=upload(client, write_jsonl(tmp_path / "o.jsonl", rows)).id,
@@ -115,15 +117,26 @@ def test_request_options_logprobs_n_and_context_limit(client, tmp_path):
     )
     batch = wait_done(client, batch.id)
     assert batch.status == "completed"
-    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 2)
     out = {line["custom_id"]: line["response"]["body"] for line in read_lines(client, batch.output_file_id)}
     content = out["logprobs"]["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
     assert [c["index"] for c in out["n2"]["choices"]] == [0, 1]
     assert out["n2"]["usage"]["completion_tokens"] == 6
-    (error,) = read_lines(client, batch.error_file_id)
-    assert error["custom_id"] == "too-long" and error["response"]["status_code"] == 400
-    assert error["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    error, no_limit = (line["response"]["body"]["error"] for line in read_lines(client, batch.error_file_id))
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "body.max_tokens")
+    assert re.fullmatch(
+        r"This model's maximum context length is 4096 tokens\. However, you requested 100\d{3} tokens "
+        r"\(\d+ in the messages, 100000 in the completion\)\. Please reduce the length of the messages "
+        r"or completion\.",
+        error["message"],
+    ), error["message"]
+    assert (no_limit["code"], no_limit["param"]) == ("context_length_exceeded", "body.messages")
+    assert re.fullmatch(  # no max_tokens: no completion to count (never a negative one)
+        r"This model's maximum context length is 4096 tokens\. However, your messages resulted in "
+        r"\d{4,} tokens\. Please reduce the length of the messages\.",
+        no_limit["message"],
+    ), no_limit["message"]
 
 
 def test_files_api_list_retrieve_content_delete(client, tmp_path):

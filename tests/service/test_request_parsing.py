@@ -172,10 +172,13 @@ def test_the_parser_refuses_what_the_engine_refuses(field, value):
 
 
 def test_custom_id_length_and_unknown_fields():
-    assert parse_line(_line(chat_row("x" * 64, "hi")), 1, "/v1/chat/completions").custom_id == "x" * 64
-    with pytest.raises(LineError) as info:
-        parse_line(_line(chat_row("x" * 65, "hi")), 1, "/v1/chat/completions")
-    assert (info.value.code, info.value.param) == ("invalid_custom_id", "custom_id")
+    for custom_id in ("x" * 65, "x" * 1024, "é" * 512):  # no 64-character rule: 1,024 bytes of UTF-8
+        assert parse_line(_line(chat_row(custom_id, "hi")), 1, "/v1/chat/completions").custom_id == custom_id
+    for custom_id in ("x" * 1025, "é" * 512 + "x"):
+        with pytest.raises(LineError) as info:
+            parse_line(_line(chat_row(custom_id, "hi")), 1, "/v1/chat/completions")
+        assert (info.value.code, info.value.param) == ("invalid_custom_id", "custom_id")
+        assert "custom_id is 1025 bytes of UTF-8; at most 1024 are allowed" in info.value.message
     with pytest.raises(LineError) as info:
         parse_line(_line(chat_row("a", "hi", foo=1, bar=2)), 1, "/v1/chat/completions")
     assert info.value.param == "body.foo" and "body.foo, body.bar" in info.value.message

@@ -34,10 +34,10 @@ def _row(custom_id: str, **body) -> dict:
 
 
 ROWS = [
-    _row("string", input="Say hi", max_output_tokens=6),
+    _row("string", input="Say hi", max_output_tokens=16),
     _row(
         "messages",
-        max_output_tokens=6,
+        max_output_tokens=16,
         input=[
             {"role": "developer", "content": "Answer briefly."},
             {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]},
@@ -49,10 +49,11 @@ ROWS = [
         "instructions",
         instructions="You label reviews.",
         input="The soup was cold.",
-        max_output_tokens=6,
+        max_output_tokens=16,
         metadata={"team": "support", "run": "7"},
     ),
-    _row("cut", input="Tell me a long story.", max_output_tokens=3),
+    _row("cut", input="Tell me a long story.", max_output_tokens=16),
+    _row("short", input="Hi.", max_output_tokens=15),  # under the spec's minimum: refused
     _row(
         "schema",
         input="Label: the soup was cold.",
@@ -103,9 +104,9 @@ def test_the_batch_completes_with_a_line_per_request(results):
     batch, output, errors = results
     assert batch.status == "completed" and batch.endpoint == "/v1/responses"
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
-        9,
+        10,
         6,
-        3,
+        4,
     )
     assert set(output) | set(errors) == {row["custom_id"] for row in ROWS}
 
@@ -126,7 +127,7 @@ def test_max_output_tokens_cuts_to_incomplete(results):
     _, output, _ = results
     cut = output["cut"]
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
-    assert cut.usage.output_tokens == 3 and cut.max_output_tokens == 3
+    assert cut.usage.output_tokens == 16 and cut.max_output_tokens == 16
     assert cut.completed_at is None
 
 
@@ -163,7 +164,9 @@ def test_refused_fields_are_named_400_lines(results):
         "tools": ("unsupported_parameter", "body.tools"),
         "previous": ("unsupported_parameter", "body.previous_response_id"),
         "bad-schema": ("invalid_parameter", "body.text.format"),
+        "short": ("invalid_parameter", "body.max_output_tokens"),
     }
+    assert errors["short"]["message"] == "body.max_output_tokens must be an integer >= 16; got 15"
 
 
 def test_batch_usage_counts_the_response_lines(results):

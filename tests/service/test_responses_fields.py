@@ -67,12 +67,12 @@ def test_a_responses_line_is_the_chat_request():
                 "content": [{"type": "input_text", "text": "h"}, {"type": "input_text", "text": "i"}],
             },
         ],
-        max_output_tokens=7,
+        max_output_tokens=17,
         temperature=0.5,
         top_p=0.9,
         reasoning={"effort": "low"},
     )
-    row = chat_row("r", "hi", max_tokens=7, temperature=0.5, top_p=0.9, reasoning_effort="low")
+    row = chat_row("r", "hi", max_tokens=17, temperature=0.5, top_p=0.9, reasoning_effort="low")
     row["body"]["messages"].insert(0, {"role": "developer", "content": "be brief"})
     chat = parse_line(json.dumps(row), 1, CHAT)
     assert (got.messages, got.sampling, got.template_kwargs) == (
@@ -265,6 +265,7 @@ def test_hints_are_accepted_and_change_nothing(name):
         ({"input": ["hi"]}, "invalid_input", "body.input[0]"),
         ({"instructions": ["x"]}, "invalid_parameter", "body.instructions"),
         ({"max_output_tokens": -1}, "invalid_parameter", "body.max_output_tokens"),
+        ({"max_output_tokens": 15}, "invalid_parameter", "body.max_output_tokens"),  # the spec's minimum: 16
         ({"max_output_tokens": 1.5}, "invalid_parameter", "body.max_output_tokens"),
         ({"temperature": 3}, "invalid_parameter", "body.temperature"),
         ({"top_p": "1"}, "invalid_parameter", "body.top_p"),
@@ -311,7 +312,7 @@ def _result(text: str, finish: str) -> dict:
     [("stop", "completed", None), ("length", "incomplete", "max_output_tokens")],
 )
 def test_the_output_body_is_an_sdk_response(finish, status, details):
-    request = _parse(instructions="be brief", metadata={"team": "a"}, max_output_tokens=3, temperature=0)
+    request = _parse(instructions="be brief", metadata={"team": "a"}, max_output_tokens=16, temperature=0)
     line = success_line(request, _result("Hello there", finish), MODEL)
     response = Response.model_validate(line["response"]["body"])
     assert response.output_text == "Hello there"
@@ -321,7 +322,7 @@ def test_the_output_body_is_an_sdk_response(finish, status, details):
     assert (response.instructions, response.metadata, response.max_output_tokens, response.temperature) == (
         "be brief",
         {"team": "a"},
-        3,
+        16,
         0.0,
     )
     usage = response.usage
@@ -371,7 +372,7 @@ def test_any_json_value_in_any_field(finish, data):
     the openai package parses (every echoed field included)."""
     field = data.draw(st.sampled_from(sorted(BODY_FIELDS[RESPONSES] - {"model"})), label="field")
     value = data.draw(EDGES | JSON | RESPONSE_JSON, label="value")
-    row = _row(max_output_tokens=8)
+    row = _row(max_output_tokens=16)
     row["body"][field] = value
     raw = json.dumps(row)
     run_like_a_worker(raw, RESPONSES, field)
@@ -384,7 +385,7 @@ def test_any_json_value_in_any_field(finish, data):
 
 
 def test_a_response_line_is_a_parquet_row():
-    line = success_line(_parse(max_output_tokens=3), _result("Hello", "length"), MODEL)
+    line = success_line(_parse(max_output_tokens=16), _result("Hello", "length"), MODEL)
     row = parquet_row(line)
     assert (
         row["status"],

@@ -40,7 +40,7 @@ def test_run_the_responses_sample(tmp_path):
         >= 4
     )
     assert output["ask-001"].metadata == {"team": "support", "batch": "demo"}
-    assert output["ask-004"].status == "incomplete" and output["ask-004"].usage.output_tokens == 12
+    assert output["ask-004"].status == "incomplete" and output["ask-004"].usage.output_tokens == 16
     for cid in ("ask-005", "ask-006"):
         schema = rows[cid]["body"]["text"]["format"]["schema"]
         jsonschema.validate(json.loads(output[cid].output_text), schema)

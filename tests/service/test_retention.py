@@ -75,10 +75,16 @@ def test_expired_file_is_404_and_unlisted_before_gc(api):
     assert brief.expires_at == brief.created_at + 3600
     assert client.files.retrieve(brief.id).id == brief.id
     _age(api.svc.store, brief.id, 1)
-    with pytest.raises(openai.NotFoundError, match="expired"):
-        client.files.retrieve(brief.id)
-    with pytest.raises(openai.NotFoundError):
-        client.files.content(brief.id)
+    never = "file-" + "0" * 24
+    for call in (client.files.retrieve, client.files.content):  # answered as an id that never existed
+        with pytest.raises(openai.NotFoundError) as gone:
+            call(brief.id)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            call(never)
+        assert gone.value.response.text == unknown.value.response.text.replace(never, brief.id)
+        assert (
+            "expire" not in gone.value.response.text and str(brief.expires_at) not in gone.value.response.text
+        )
     for order in ("asc", "desc"):
         assert [f.id for f in client.files.list(order=order)] == [forever.id]
     assert api.svc.store.exists(FileRepo.data_key(brief.id))  # the bytes stay until gc

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -47,11 +49,13 @@ def _jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _expired_before_it_ran(service, client, tmp_path, rows: list[dict]) -> Batch:
+def _expired_before_it_ran(
+    service, client, tmp_path, rows: list[dict], metadata: dict | None = None
+) -> Batch:
     """A batch whose completion window passed before any runner took it: created as the service creates
     one, with its expires_at already behind (the record is the source of truth), then indexed."""
     file_id = upload(client, write_jsonl(tmp_path / "expired.jsonl", rows)).id
-    record = new_batch_record(file_id, "/v1/chat/completions", "24h", {"job": "nightly"})
+    record = new_batch_record(file_id, "/v1/chat/completions", "24h", metadata or {"job": "nightly"})
     record["expires_at"] = record["created_at"] - 1
     record[INTERNAL]["output_expires_after_s"] = 7200  # what output_expires_after={seconds: 7200} stores
     service.svc.batches.create(record)
@@ -75,8 +79,9 @@ def test_an_expired_batch_is_retried_and_merged_with_its_retry(service, client, 
         and "completed: 4 completed, 1 failed" in made.output
     )
     assert len(_jsonl(tmp_path / "retry.jsonl")) == 4 and len(_jsonl(tmp_path / "retry.errors.jsonl")) == 1
-    assert second.metadata == {"job": "nightly", "bulkgen_retry_of": first.id}
-    assert client.batches.retrieve(first.id).metadata == {"job": "nightly", "bulkgen_retried_by": second.id}
+    assert second.metadata == {"job": "nightly"} and second.model_extra["retry_of"] == first.id
+    linked = client.batches.retrieve(first.id)
+    assert linked.metadata == {"job": "nightly"} and linked.model_extra["retried_by"] == second.id
     assert (second.endpoint, second.completion_window) == (first.endpoint, first.completion_window)
     retried = client.files.content(second.input_file_id).text.splitlines()
     assert [json.loads(line) for line in retried] == rows  # never run, so every line, the 400-to-be too
@@ -108,6 +113,38 @@ def test_an_expired_batch_is_retried_and_merged_with_its_retry(service, client, 
         assert error["response"]["body"]["error"]["code"] == "context_length_exceeded"
 
 
+def test_concurrent_retries_make_one_batch_and_keep_the_metadata_to_16_pairs(service, client, tmp_path):
+    """Ten retries of one batch at once: one wins before anything is made; the nine others answer 409 and
+    leave no batch or file behind. The links are fields, so a batch with OpenAI's 16 metadata pairs is
+    retried with the same 16."""
+    metadata = {f"k{i:02d}": f"v{i}" for i in range(16)}
+    first = _expired_before_it_ran(
+        service, client, tmp_path, [chat_row(f"c{i}", "hi", max_tokens=2) for i in range(3)], metadata
+    )
+    start = threading.Barrier(10)
+
+    def retry(_):
+        start.wait()
+        try:
+            return _retry(client, first.id)
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(retry, range(10)))
+    made = [a for a in answers if isinstance(a, Batch)]
+    refused = [a for a in answers if not isinstance(a, Batch)]
+    assert len(made) == 1, answers
+    assert [(e.status_code, e.body["code"]) for e in refused] == [(409, "already_retried")] * 9
+    (second,) = made
+    retry_files = [f.id for f in client.files.list() if f.filename == f"{first.id}_retry.jsonl"]
+    assert retry_files == [second.input_file_id]
+    assert [b.id for b in client.batches.list(limit=100) if b.input_file_id in retry_files] == [second.id]
+    assert client.batches.retrieve(first.id).model_extra["retried_by"] == second.id
+    assert second.metadata == metadata and second.model_extra["retry_of"] == first.id
+    assert wait_done(client, second.id).status == "completed"
+
+
 def test_a_cancelled_batch_retries_only_what_did_not_run(service, client, tmp_path, engine_gate):
     rows = [chat_row(f"ok-{i}", f"label {i}", max_tokens=2) for i in range(3)]
     rows.insert(1, chat_row("too-long", "x", max_tokens=100_000))
@@ -125,12 +162,16 @@ def test_a_cancelled_batch_retries_only_what_did_not_run(service, client, tmp_pa
 
     second = _retry(client, first.id)
     second_id = second.id
-    assert second.status == "validating" and second.metadata == {"bulkgen_retry_of": first.id}
+    assert (
+        second.status == "validating"
+        and second.metadata is None
+        and second.model_extra["retry_of"] == first.id
+    )
     retried = [
         json.loads(line)["custom_id"] for line in client.files.content(second.input_file_id).text.splitlines()
     ]
     assert retried == ["slow-0", "slow-1"]  # not the successes, not the 400
-    assert client.batches.retrieve(first.id).metadata == {"bulkgen_retried_by": second_id}
+    assert client.batches.retrieve(first.id).model_extra["retried_by"] == second_id
 
     with pytest.raises(
         openai.ConflictError, match=f"batch {second_id} is (validating|in_progress); retry it once"
@@ -175,7 +216,7 @@ def test_another_tenant_cannot_retry_and_a_failed_validation_is_not_retried(keye
         _retry(team_b, batch.id)
     with pytest.raises(openai.BadRequestError, match="failed validation, so none of its requests ran"):
         _retry(team_a, batch.id)
-    assert team_a.batches.retrieve(batch.id).metadata is None  # nothing linked
+    assert team_a.batches.retrieve(batch.id).model_extra["retried_by"] is None  # nothing linked
 
 
 def test_retryable_codes_follow_what_the_runtime_writes():

@@ -141,6 +141,38 @@ def test_media_parts_are_refused_naming_the_part():
         "unsupported_parameter",
         "body.messages[0].content[1].type",
     )
+    assert info.value.message.startswith("body.messages[0].content[1] is an image_url part;")
+    row["body"]["messages"][0]["content"][1] = {"type": "file", "file": {"file_id": "file-1"}}
+    with pytest.raises(LineError, match=r"content\[1\] is a file part;"):
+        parse_line(json.dumps(row), 1, CHAT)
+
+
+def test_message_fields_are_the_spec_role_by_role():
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    conversation = [
+        {"role": "developer", "content": "d", "name": "ops"},
+        {"role": "user", "content": "u", "name": "ann"},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call], "audio": None},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+    ]
+    assert len(_chat(messages=conversation).messages) == 4
+    for message, key in [
+        ({"role": "user", "content": "u", "tool_call_id": "c1"}, "tool_call_id"),
+        ({"role": "tool", "content": "r", "tool_call_id": "c1", "name": "f"}, "name"),
+        ({"role": "system", "content": "s", "refusal": "no"}, "refusal"),
+        ({"role": "assistant", "content": "a", "reasoning_content": "hmm"}, "reasoning_content"),
+        ({"role": "user", "content": "u", "cache_control": {"type": "ephemeral"}}, "cache_control"),
+    ]:
+        with pytest.raises(LineError) as info:
+            _chat(messages=[message])
+        assert (info.value.code, info.value.param) == ("unknown_parameter", f"body.messages[0].{key}")
+        assert f"body.messages[0].{key} is not a field of a {message['role']} message" in info.value.message
+    audio = {"role": "assistant", "content": None, "audio": {"id": "audio_1"}}
+    assert _refused(_chat, messages=[audio]) == ("unsupported_parameter", "body.messages[0].audio")
+    assert _refused(_chat, messages=[{"role": ["user"], "content": "u"}]) == (
+        "invalid_messages",
+        "body.messages[0]",
+    )
 
 
 def test_completion_refusals_and_prompt_forms():
