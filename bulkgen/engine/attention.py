@@ -1,8 +1,8 @@
 """Packed, paged attention plugged into transformers through `AttentionInterface`.
 
 The model sees one flat row of T tokens (batch dimension 1). Each layer writes its new K/V into the
-paged cache (per layer [num_blocks, block_size, kv_heads, head_dim], the flash-attention paged layout)
-and every sequence attends only to its own tokens. The step's metadata is built once by the model
+paged cache (per layer [num_blocks, block_size, kv_heads, head_dim], the flash-attention paged layout,
+through its KV group's block table: kv_layout) and every sequence attends only to its own tokens. The step's metadata is built once by the model
 runner (see step_plan) and arrives in the `bulkgen_ctx` forward kwarg, so nothing per layer is
 rebuilt and transformers builds no [T, T] mask (its mask factory early-exits for implementations it
 does not know). How the attention itself is computed is the backend's business (attn_backends).
@@ -32,14 +32,26 @@ SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 
 
 @dataclass
-class StepContext:
-    """Per-step attention state, shared by every layer of one forward pass."""
+class LayerCaches:
+    """The model's KV cache as its layers see it (kv_layout): each layer's K and V tensor (its slot's,
+    shared with the same slot of the other groups), its group, and its attention as kernels take it."""
 
-    slots: torch.Tensor  # [T] cache row (block * block_size + offset) of each new token
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
+    k: list[torch.Tensor]  # per layer [blocks + 1, block_size, kv_heads, k_dim]
+    v: list[torch.Tensor]  # per layer [blocks + 1, block_size, kv_heads, v_dim]
+    group: list[int]  # per layer
+    layers: list  # per layer: layer_attention.LayerAttention
+
+
+@dataclass
+class StepContext:
+    """Per-step attention state, shared by every layer of one forward pass; per KV group where the
+    group's block table matters (cache rows and the backend's metadata)."""
+
+    slots: list[torch.Tensor]  # per group: [T] cache row (block * block_size + offset) of each new token
+    caches: LayerCaches
     backend: object  # attn_backends.Backend
-    meta: object  # that backend's per-step metadata
+    metas: list  # per group: that backend's per-step metadata
+    positions: torch.Tensor | None = None  # [T] each token's position (for position-scaled queries)
 
 
 def paged_attention_forward(
@@ -51,24 +63,46 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     bulkgen_ctx: StepContext | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> output [1, T, Hq, D]."""
+    """query [1, Hq, T, Dk], key/value [1, Hkv, T, Dk/Dv] -> output [1, T, Hq, Dv]. The layer's window,
+    chunk and soft-cap were learned at load (layer_attention.probe_layers); its sinks (`s_aux`) are
+    the layer's own parameter, passed on as they come."""
     if bulkgen_ctx is None:
         raise RuntimeError(
             f"attention implementation {ATTN_IMPLEMENTATION!r} got no step context: it only runs inside "
             f"bulkgen.engine, on models whose layers pass forward kwargs down to attention"
         )
-    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
-        raise NotImplementedError("bulkgen's paged attention has no logit soft-capping or attention sinks")
-    ctx = bulkgen_ctx
-    k_cache, v_cache = ctx.k_caches[module.layer_idx], ctx.v_caches[module.layer_idx]
+    ctx, idx = bulkgen_ctx, module.layer_idx
+    caches = ctx.caches
+    k_cache, v_cache, layer = caches.k[idx], caches.v[idx], caches.layers[idx]
+    group = caches.group[idx]
+    q = query[0].transpose(0, 1)  # [T, Hq, Dk]
+    if layer.temperature is not None:
+        q = _at_positions(q, ctx.positions, *layer.temperature)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, ctx.slots, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, ctx.slots, v)
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, ctx.slots[group], k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, ctx.slots[group], v)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ctx.backend.attend(query[0].transpose(0, 1), k, v, k_cache, v_cache, ctx.meta, scale)
+    out = ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.metas[group], scale, layer.softcap, s_aux)
     return out.unsqueeze(0), None
+
+
+def temperature_scale(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's query scale at each position (as transformers' Llama4TextAttention computes it)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def _at_positions(q: torch.Tensor, positions: torch.Tensor, floor_scale: float, attn_scale: float):
+    """q scaled by the layer for row indices 0..T-1 (it counts positions along the row, one sequence
+    per row) -> q scaled for each token's own position. Exact wherever both scales are 1 (positions
+    below floor_scale - 1, every position of most prompts)."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    factor = temperature_scale(positions, floor_scale, attn_scale) / temperature_scale(
+        rows, floor_scale, attn_scale
+    )
+    return (q.float() * factor[:, None, None]).to(q.dtype)
 
 
 @contextmanager

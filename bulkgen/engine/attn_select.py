@@ -7,49 +7,61 @@ both mixed, so a rejection names the part that failed (the prefill kernel or the
 
 On CUDA in bf16/fp16 the `plain` path (a per-sequence SDPA loop) is many times slower than a fused
 kernel, so a GPU where no fused candidate passes is an error, not a warning, unless the user forces
-`BULKGEN_ATTENTION=plain`. The chosen backend carries `probe_report` (candidate -> "ok" or why it was
-rejected) for benchmarks and logs.
+`BULKGEN_ATTENTION=plain`, or every fused candidate was refused for a feature of the model it lacks
+(`supports`: soft-capping, which no kernel here takes): then plain prefills (with the triton decode
+kernel) are the only way to run the model, and the log says so. Each distinct layer attention of the
+model (window, chunk, soft-cap, sinks, K/V head sizes) is probed (`probe_layer`). The chosen backend
+carries `probe_report` (candidate -> "ok" or why it was rejected) for benchmarks and logs.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 import torch
 
 from . import triton_decode
 from .attn_backends import BACKENDS, PlainBackend, cuda_candidates
+from .layer_attention import AttnKind, LayerAttention
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 
-def select_backend(
-    device: torch.device,
-    dtype: torch.dtype,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-):
+def select_backend(device: torch.device, dtype: torch.dtype, layers: list[LayerAttention], block_size: int):
+    """The backend for a model whose layers attend as `layers` say (layer_attention.probe_layers)."""
+    kinds = distinct(layers)
     forced = os.environ.get("BULKGEN_ATTENTION")
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"BULKGEN_ATTENTION={forced!r}: choose one of {sorted(BACKENDS)}")
-        return _with_report(BACKENDS[forced](), {forced: "forced by BULKGEN_ATTENTION"})
+        backend = BACKENDS[forced]()
+        missing = _unsupported(backend, kinds)
+        if missing:
+            raise ValueError(f"BULKGEN_ATTENTION={forced!r} cannot run this model: {missing}")
+        return _with_report(backend, {forced: "forced by BULKGEN_ATTENTION"})
     if device.type != "cuda":
         return _with_report(PlainBackend(), {})
     half = dtype in (torch.float16, torch.bfloat16)
     report: dict[str, str] = {}
-    for backend in _cuda_variants(with_plain=not half):
-        error = self_check(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+    for backend in _cuda_variants(with_plain=True):
+        missing = _unsupported(backend, kinds)
+        error = missing or next(
+            (e for layer in kinds if (e := self_check(backend, device, dtype, layer, block_size))), None
+        )
         report[_label(backend)] = error or "ok"
-        if error is None:
+        if error is None and (backend.name != "plain" or not half or _all_fused_refused(report)):
+            if backend.name == "plain" and half:
+                log.warning(
+                    "attention: no fused kernel takes this model (%s); prefills run per sequence", report
+                )
             log.info("attention backend: %s", _label(backend))
             return _with_report(backend, report)
-        log.warning("attention backend %s rejected: %s", _label(backend), error)
+        if error is not None:
+            log.warning("attention backend %s rejected: %s", _label(backend), error)
     if half:
         found = report or "this torch offers none"
         raise RuntimeError(
@@ -57,6 +69,25 @@ def select_backend(
             "fallback would be many times slower. Set BULKGEN_ATTENTION=plain to run it anyway"
         )
     raise RuntimeError(f"no attention backend passed its check on {device} in {dtype}: {report}")
+
+
+def distinct(layers: list[LayerAttention]) -> list[LayerAttention]:
+    """One layer of each distinct attention (what kernels see; the query-position scale is not theirs)."""
+    return list(dict.fromkeys(replace(layer, temperature=None) for layer in layers))
+
+
+def _unsupported(backend, layers: list[LayerAttention]) -> str | None:
+    return next((reason for layer in layers if (reason := backend.supports(layer))), None)
+
+
+def _all_fused_refused(report: dict[str, str]) -> bool:
+    """True when every fused candidate was refused for a feature it lacks (not for failing its check):
+    then the plain prefill is the only way to run the model, and taking it is no silent slowdown."""
+    fused = {label: why for label, why in report.items() if not label.startswith("plain")}
+    return bool(fused) and all(why.startswith(_FEATURE_REASONS) for why in fused.values())
+
+
+_FEATURE_REASONS = ("logit soft-capping", "sliding windows", "chunked attention", "K and V heads")
 
 
 def _cuda_variants(with_plain: bool):
@@ -103,49 +134,58 @@ def probe_plans(block_size: int) -> dict[str, list[StepPlan]]:
     }
 
 
-def run_backend(backend, plan: StepPlan, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+def probe_layer(layer: LayerAttention) -> LayerAttention:
+    """`layer` as the probes test it: a window of 3 and chunks of 4 (the probes' sequences cross them)
+    and a soft-cap of 1 (random scores of about 1 are bent by it)."""
+    kind = AttnKind(
+        window=min(layer.kind.window, 3) if layer.kind.window else None,
+        chunk=min(layer.kind.chunk, 4) if layer.kind.chunk else None,
+    )
+    return replace(layer, kind=kind, softcap=1.0 if layer.softcap else None)
+
+
+def run_backend(backend, plan: StepPlan, layer: LayerAttention, q, k, v, k_cache, v_cache, scale, sinks=None):
     """Write this step's K/V into copies of the caches and attend, as one layer of a forward would."""
     pack = HostPack(q.device)
-    meta = backend.prepare(plan, pack)
+    meta = backend.prepare(plan, pack, layer.kind)
     slots = pack.add(plan.slots())
     flat = pack.upload()
     meta = backend.bind(meta, flat)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     k_cache.view(-1, *k.shape[1:]).index_copy_(0, flat[slots], k)
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, flat[slots], v)
-    return backend.attend(q, k, v, k_cache, v_cache, meta, scale)
+    return backend.attend(q, k, v, k_cache, v_cache, meta, scale, layer.softcap, sinks)
 
 
-def self_check(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size) -> str | None:
-    """None if `backend` matches `plain` in float32 on every probe step, else why not (naming the part)."""
+def self_check(backend, device, dtype, layer: LayerAttention, block_size: int) -> str | None:
+    """None if `backend` matches `plain` in float32 on every probe step for `layer` (its window, chunk,
+    soft-cap, sinks and head shapes: see probe_layer), else why not (naming the part)."""
+    layer = probe_layer(layer)
     for part, plans in probe_plans(block_size).items():
         for plan in plans:
-            error = _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+            error = _check_plan(backend, plan, device, dtype, layer, block_size)
             if error is not None:
                 return f"{part}: {error}"
     return None
 
 
-def _check_plan(backend, plan, device, dtype, num_heads, num_kv_heads, head_dim, block_size) -> str | None:
+def _check_plan(backend, plan, device, dtype, layer: LayerAttention, block_size: int) -> str | None:
     gen = torch.Generator().manual_seed(0)
     tokens, blocks = sum(plan.counts), sum(len(t) for t in plan.block_tables)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device)
 
-    q, k, v = (
-        rand(tokens, num_heads, head_dim),
-        rand(tokens, num_kv_heads, head_dim),
-        rand(tokens, num_kv_heads, head_dim),
-    )
-    k_cache, v_cache = (
-        rand(blocks, block_size, num_kv_heads, head_dim),
-        rand(blocks, block_size, num_kv_heads, head_dim),
-    )
-    scale = head_dim**-0.5
+    hkv, dk, dv = layer.kv_heads, layer.k_dim, layer.v_dim
+    q, k, v = rand(tokens, layer.q_heads, dk), rand(tokens, hkv, dk), rand(tokens, hkv, dv)
+    k_cache, v_cache = rand(blocks, block_size, hkv, dk), rand(blocks, block_size, hkv, dv)
+    sinks = rand(layer.q_heads) if layer.sinks else None
+    scale = dk**-0.5
     try:
-        want = run_backend(PlainBackend(decode_kernel="padded"), plan, q, k, v, k_cache, v_cache, scale)
-        got = run_backend(backend, plan, *(t.to(dtype) for t in (q, k, v, k_cache, v_cache)), scale)
+        reference = PlainBackend(decode_kernel="padded")
+        want = run_backend(reference, plan, layer, q, k, v, k_cache, v_cache, scale, sinks)
+        args = (t.to(dtype) for t in (q, k, v, k_cache, v_cache))
+        got = run_backend(backend, plan, layer, *args, scale, sinks)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this backend

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from . import triton_decode
-from .attention import StepContext, attention_scope
-from .attn_backends import DecodeMeta, PlainBackend
+from .attention import LayerCaches, StepContext, attention_scope
+from .attn_plain import DecodeMeta, PlainBackend
+from .layer_attention import AttnKind
 from .sequence import Sequence
 from .step_plan import HostPack
 
@@ -63,39 +64,44 @@ def read_pending(ids: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
 
 
 class SlotTables:
-    """Block tables of the decoding sequences as rows of one persistent [rows + 1, width] device tensor.
+    """Block tables of the decoding sequences as rows of one persistent [groups, rows + 1, width] device
+    tensor: a row per sequence, in each KV group's table (kv_layout; the groups' tables of a sequence
+    always have one length, so a row's entries are sent for every group at once).
 
     A sequence keeps its row while it decodes; a row is rewritten from scratch when its sequence's
-    table was replaced (a preemption, an engine reset) and otherwise gets only its new entries. When
+    tables were replaced (a preemption, an engine reset) and otherwise gets only its new entries (an entry
+    a sliding group gave back keeps its old id on the device: no query reads behind its window). When
     every row is taken, the rows of sequences absent from the current step are reclaimed (finished or
     waiting sequences: one that comes back is rewritten). The last row is padding: every entry the
     scratch block."""
 
-    def __init__(self, rows: int, width: int, pad_block: int, device: torch.device) -> None:
+    def __init__(self, rows: int, width: int, pad_block: int, device: torch.device, groups: int = 1) -> None:
         self.width, self.pad_row = width, rows
-        self.table = torch.full((rows + 1, width), pad_block, dtype=torch.int64, device=device)
+        self.all = torch.full((groups, rows + 1, width), pad_block, dtype=torch.int64, device=device)
+        self.table = self.all[0]  # the first group's (a model with one kind of attention has only it)
         self.free = list(range(rows - 1, -1, -1))
         self.row_of: dict[int, int] = {}  # seq_id -> row
         self.seq_of: list[int | None] = [None] * rows
-        self.owner: list[list[int] | None] = [None] * rows  # the block_table list the row mirrors
-        self.written = [0] * rows  # entries of that list already on the device
+        self.owner: list[list[list[int]] | None] = [None] * rows  # the block_tables list the row mirrors
+        self.written = [0] * rows  # entries of those tables already on the device
 
     def rows_for(self, seqs: list[Sequence], index: list[int], values: list[int]) -> list[int]:
-        """Each sequence's row, appending (flat index, block id) of entries the device lacks."""
-        rows, width = [], self.width
+        """Each sequence's row, appending (flat index into `all`, block id) of entries the device lacks."""
+        rows, width, group_stride = [], self.width, self.all.stride(0)
         for seq in seqs:
-            table = seq.block_table
+            tables = seq.block_tables
             row = self.row_of.get(seq.seq_id)
             if row is None:
                 row = self._assign(seq.seq_id, seqs)
-            if self.owner[row] is not table:
-                self.owner[row], self.written[row] = table, 0
-            done = self.written[row]
-            if len(table) > done:
-                base = row * width
-                index.extend(range(base + done, base + len(table)))
-                values.extend(table[done:])
-                self.written[row] = len(table)
+            if self.owner[row] is not tables:
+                self.owner[row], self.written[row] = tables, 0
+            done, length = self.written[row], len(tables[0])
+            if length > done:
+                for g, table in enumerate(tables):
+                    base = g * group_stride + row * width
+                    index.extend(range(base + done, base + length))
+                    values.extend(table[done:])
+                self.written[row] = length
             rows.append(row)
         return rows
 
@@ -129,8 +135,8 @@ class DecodeGraphs:
     def __init__(
         self,
         model,
-        k_caches,
-        v_caches,
+        caches: LayerCaches,
+        kinds: list[AttnKind],
         block_size: int,
         scratch_block: int,
         max_batch: int,
@@ -139,18 +145,19 @@ class DecodeGraphs:
         decode_kernel: str | None = None,
         tables: SlotTables | None = None,
     ):
-        """`max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
+        """`caches`: the model's KV cache as its layers see it; `kinds`: each KV group's attention kind;
+        `max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
         last real one, which padded rows read and write; `tables`: the runner's, shared with its packed
         path (a sequence keeps its row whichever path its steps take)."""
-        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.model, self.caches, self.kinds = model, caches, kinds
         self.block_size, self.max_batch, self.max_width = block_size, max_batch, max_width
-        self.device = k_caches[0].device
+        self.device = caches.k[0].device
         self.use_graphs = capture
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self.pool = None
         self.plain = PlainBackend(decode_kernel)
         self.paged = (decode_kernel or triton_decode.default_kernel(self.device)) == "triton"
-        self.tables = tables or SlotTables(max_batch, max_width, scratch_block, self.device)
+        self.tables = tables or SlotTables(max_batch, max_width, scratch_block, self.device, len(kinds))
         self.pack = HostPack(self.device)
 
     @torch.inference_mode()
@@ -197,9 +204,7 @@ class DecodeGraphs:
             ids_view.copy_(read_pending(ids_view, pending))
         if index:
             count = len(index)
-            self.tables.table.view(-1).index_copy_(
-                0, flat[updates], flat[updates.stop : updates.stop + count]
-            )
+            self.tables.all.view(-1).index_copy_(0, flat[updates], flat[updates.stop : updates.stop + count])
         if b.graph is not None:
             b.graph.replay()
             return b.out[:num].float()
@@ -219,13 +224,14 @@ class DecodeGraphs:
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
         ids, pos, rows, lengths = b.views()
-        table = self.tables.table.index_select(0, rows)
-        if b.width < table.shape[1]:
-            table = table[:, : b.width]
-        bs = self.block_size
-        slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
-        meta = ([], DecodeMeta(0, b.batch, table, lengths))
-        ctx = StepContext(slots, self.k_caches, self.v_caches, self.plain, meta)
+        bs, slots, metas = self.block_size, [], []
+        for group, kind in zip(self.tables.all, self.kinds, strict=True):
+            table = group.index_select(0, rows)
+            if b.width < table.shape[1]:
+                table = table[:, : b.width]
+            slots.append(table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs)
+            metas.append(([], DecodeMeta(0, b.batch, table, lengths, kind=kind)))
+        ctx = StepContext(slots, self.caches, self.plain, metas, pos)
         with attention_scope(self.model):
             out = self.model(
                 input_ids=ids[None],

@@ -98,7 +98,10 @@ class Engine(OverlappedSteps):
         self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
         self.constants = SamplingRows()  # random rows' temperature, top_p, top_k and key, on that device
         self.block_manager = BlockManager(
-            self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.runner.num_blocks,
+            self.config.block_size,
+            self.config.enable_prefix_caching,
+            self.runner.layout.kinds,
         )
         self.scheduler = self._make_scheduler(self.config, self.block_manager)
 
@@ -178,7 +181,7 @@ class Engine(OverlappedSteps):
             )
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)  # Python ints: no overflow
         count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None or embed)
-        blocks = -(-(prompt_len + max_tokens) // self.config.block_size)
+        blocks = self.runner.peak_blocks(prompt_len + max_tokens)  # over every KV group
         if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
             raise ValueError(
                 f"request {request_id!r}: each of its {count} sequences needs {blocks} KV blocks but the cache "
@@ -536,12 +539,9 @@ class Engine(OverlappedSteps):
 
 
 def _max_model_len(hf_config, requested: int | None) -> int:
-    """Context length; clipped to a sliding window, inside which full attention is exact."""
+    """Context length: the model's positions (a sliding window limits what a layer reads, not how long
+    a sequence may grow), or less if asked."""
     limit = getattr(hf_config, "max_position_embeddings", None) or requested or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < limit:
-        log.warning("clipping max_model_len to the sliding window (%d)", window)
-        limit = window
     return min(requested, limit) if requested else limit
 
 

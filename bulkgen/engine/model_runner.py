@@ -6,31 +6,36 @@ cached prefix blocks until they are all scored, since a cached prefix is never c
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
+from .attention import LayerCaches, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
+from .kv_layout import KVLayout
+from .layer_attention import describe, probe_layers
 from .sequence import Sequence
 from .step_plan import HostPack, StepPlan
+
+log = logging.getLogger(__name__)
 
 CPU_KV_CAP_BYTES = 2 << 30
 KV_HEADROOM = 1.25  # blocks beyond what max_num_seqs full contexts use: kept prefixes of finished requests
 
 
-def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
-    """Blocks of the paged KV cache: what `max_num_seqs` full-length sequences can ever use (plus
-    headroom for cached prefixes), within the budget. On CUDA the budget is a fraction of the memory
+def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, blocks_per_seq: int) -> int:
+    """Blocks of the paged KV cache: what `max_num_seqs` full-length sequences can ever use
+    (`blocks_per_seq` each, over all KV groups; plus headroom for cached prefixes), within the budget. On CUDA the budget is a fraction of the memory
     free to this process: the device's free memory plus what torch's allocator holds unused (an earlier
     engine's freed cache stays reserved there). A tiny model on a big GPU gets the blocks it can use,
     not millions it never touches."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
-    full = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # every slot at full context
+    full = cfg.max_num_seqs * blocks_per_seq  # every slot at full context
     if cfg.kv_cache_bytes is not None:  # the user's budget, as given
         usable, budget = None, cfg.kv_cache_bytes
     elif device.type == "cuda":
@@ -68,29 +73,32 @@ class ModelRunner:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        _check_supported(model)
-        hf = model.config
-        self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.block_size = config.block_size
-        self.backend = select_backend(
-            self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads, self.head_dim, self.block_size
+        self.layers = probe_layers(model)
+        self.layout = layout = KVLayout(self.layers)
+        log.info(
+            "attention: %s; %d KV groups of %d layers",
+            describe(self.layers),
+            len(layout.groups),
+            layout.slots,
         )
+        self.block_size = config.block_size
+        self.backend = select_backend(self.device, self.dtype, self.layers, self.block_size)
         self.num_blocks = self._num_blocks(max_model_len)
-        shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)  # + a scratch block
-        self.k_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        self.v_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
+        k_slots = [self._zeros(*rows, layout.k_dim) for _ in range(layout.slots)]
+        v_slots = [self._zeros(*rows, layout.v_dim) for _ in range(layout.slots)]
+        self.k_caches = [k_slots[slot] for slot in layout.layer_slot]  # per layer; groups share slots
+        self.v_caches = [v_slots[slot] for slot in layout.layer_slot]
+        self.caches = LayerCaches(self.k_caches, self.v_caches, layout.layer_group, self.layers)
+        self.cache_bytes = sum(t.numel() * t.element_size() for t in (*k_slots, *v_slots))
         self.pack = HostPack(self.device)
         # decoding sequences' block tables, one persistent device row each (decode-graph and packed steps)
-        self.tables = SlotTables(
-            config.max_num_seqs, -(-max_model_len // self.block_size), self.num_blocks, self.device
-        )
+        width = -(-max_model_len // self.block_size)
+        self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
@@ -99,8 +107,8 @@ class ModelRunner:
             return None
         graphs = DecodeGraphs(
             self.model,
-            self.k_caches,
-            self.v_caches,
+            self.caches,
+            self.layout.kinds,
             self.block_size,
             self.num_blocks,
             self.config.max_num_seqs,
@@ -114,9 +122,15 @@ class ModelRunner:
         return graphs
 
     def _num_blocks(self, max_model_len: int) -> int:
-        block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-        block_bytes *= torch.empty((), dtype=self.dtype).element_size()
-        return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len)
+        block_bytes = self.layout.block_bytes(
+            self.block_size, torch.empty((), dtype=self.dtype).element_size()
+        )
+        per_seq = self.peak_blocks(max_model_len)
+        return kv_cache_blocks(self.config, self.device, block_bytes, per_seq)
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout)."""
+        return self.layout.peak_blocks(num_tokens, self.config.max_num_batched_tokens, self.block_size)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
@@ -146,23 +160,33 @@ class ModelRunner:
         if on_device:
             decoding = [s for s, _ in ordered[plan.num_prefill :]]
             plan.decode_rows = pack.add(self.tables.rows_for(decoding, updates, values))
-            plan.decode_table = self.tables.table
-        slots = pack.add(plan.slots(plan.num_prefill if on_device else None))
+        plans = [  # each KV group's view of the step: its block tables
+            replace(
+                plan,
+                block_tables=[s.block_tables[g] for s, _ in ordered],
+                decode_table=self.tables.all[g] if on_device else None,
+            )
+            for g in range(len(self.layout.groups))
+        ]
+        slots = [pack.add(p.slots(plan.num_prefill if on_device else None)) for p in plans]
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
-        meta = self.backend.prepare(plan, pack)
+        metas = [
+            self.backend.prepare(p, pack, kind) for p, kind in zip(plans, self.layout.kinds, strict=True)
+        ]
         flat = pack.upload()
-        slot_rows = flat[slots]
+        slot_rows = [flat[s] for s in slots]
         if on_device:
             if updates:
-                self.tables.table.view(-1).index_copy_(0, flat[at], flat[at.stop : at.stop + len(updates)])
+                self.tables.all.view(-1).index_copy_(0, flat[at], flat[at.stop : at.stop + len(updates)])
             pos = flat[positions][plan.num_prefill_tokens :]
             table_rows = flat[plan.decode_rows]
             bs = self.block_size
-            slot_rows = torch.cat([slot_rows, self.tables.table[table_rows, pos // bs] * bs + pos % bs])
+            for g, table in enumerate(self.tables.all):
+                slot_rows[g] = torch.cat([slot_rows[g], table[table_rows, pos // bs] * bs + pos % bs])
         ctx = StepContext(
-            slot_rows, self.k_caches, self.v_caches, self.backend, self.backend.bind(meta, flat)
+            slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
         kwargs = dict(
@@ -232,29 +256,3 @@ def _capture_hidden(model: torch.nn.Module, step: StepLogits):
         yield
     finally:
         handle.remove()
-
-
-def check_attention_routing(model: torch.nn.Module) -> None:
-    """Refuse models whose attention cannot be routed to bulkgen; leave the model's setting as it was."""
-    previous = model.config._attn_implementation
-    try:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        routed = model.config._attn_implementation == ATTN_IMPLEMENTATION
-    finally:
-        model.config._attn_implementation = previous
-    if not routed:
-        raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
-            "bulkgen cannot run it"
-        )
-
-
-def _check_supported(model: torch.nn.Module) -> None:
-    """Refuse hybrid models: their recurrent/conv layers would mix the sequences of a packed row."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if other:
-        raise ValueError(
-            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
-        )
-    check_attention_routing(model)

@@ -91,6 +91,7 @@ class Scheduler:
                 n = self._prompt_rows(seq, n)
             if not n:
                 continue
+            self.bm.slide(seq)  # blocks behind a window are free for the growth below
             end = seq.num_computed_tokens + n
             if end > len(seq.block_table) * bs and not self._make_room(seq, end, scheduled):
                 continue
@@ -135,12 +136,13 @@ class Scheduler:
             if seq is None:
                 return
             scoring = seq.computes_whole_prompt  # a cache hit would skip prompt logits or pooled rows
-            cached = [] if scoring else self.bm.match_prefix(seq)
+            cached = None if scoring else self.bm.match_prefix(seq)
             first = None if cached else self.bm.first_block_hash(seq)
             if first is not None and first in computing and not scoring:
                 return  # its prefix is being computed now: admit it next step, as a cache hit
-            n = self._prompt_rows(seq, min(len(seq) - len(cached) * self.bm.block_size, budget))
-            if not n or not self.bm.admit(seq, cached, len(cached) * self.bm.block_size + n):
+            skipped = len(cached) * self.bm.block_size if cached else 0
+            n = self._prompt_rows(seq, min(len(seq) - skipped, budget))
+            if not n or not self.bm.admit(seq, cached, skipped + n):
                 return
             self._pop_candidate(seq)
             if first is not None:
@@ -195,7 +197,7 @@ class Scheduler:
     def abort(self, seqs: list[Sequence]) -> None:
         doomed = {s.seq_id for s in seqs}
         for seq in seqs:
-            if seq.block_table:
+            if seq.block_tables:
                 self.bm.release(seq)
             seq.status = SequenceStatus.FINISHED
         self.waiting.remove(doomed)

@@ -66,7 +66,7 @@ class Sequence:
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
+        self.block_tables: list[list[int]] = []  # one per KV group (block_manager), all of one length
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_text: str | None = None
@@ -86,6 +86,16 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (a model with one kind of attention has only that one); its length is
+        every group's."""
+        return self.block_tables[0] if self.block_tables else []
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables = [table]
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -17,11 +17,132 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+WINDOW = 32  # sliding windows and attention chunks of the tiny models: prompts of 100-300 tokens span several
+_SLIDE_FULL = ["sliding_attention", "full_attention"]
+_THREE_TO_ONE = ["sliding_attention"] * 3 + ["full_attention"]
+_MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+_GLM_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
+
+# name -> (config class, model class, what the name means beyond the defaults: windows, MoE, MLA...).
+# Layers of hybrid models follow their family's pattern, cut to 2 or 4 layers.
+ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # sliding windows on every layer or on some (layer_types), soft-capping, sinks, chunked attention
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    "ministral": ("MinistralConfig", "MinistralForCausalLM", {"sliding_window": WINDOW, "head_dim": 16}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": WINDOW}),
+    "qwen2-window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"sliding_window": WINDOW, "head_dim": 16, "layer_types": _SLIDE_FULL, "num_hidden_layers": 2},
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"sliding_window": WINDOW, "head_dim": 16, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            "sliding_window": WINDOW,
+            "head_dim": 16,
+            "layer_types": _SLIDE_FULL,
+            "num_hidden_layers": 2,
+            **_MOE,
+        },
+    ),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        {"sliding_window": WINDOW, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
+    ),
+    "cohere2": (
+        "Cohere2Config",
+        "Cohere2ForCausalLM",
+        {"sliding_window": WINDOW, "head_dim": 16, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
+    ),
+    "exaone4": (
+        "Exaone4Config",
+        "Exaone4ForCausalLM",
+        {"sliding_window": WINDOW, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
+    ),
+    "llama4": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        {
+            "attention_chunk_size": WINDOW,
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 128,
+            "interleave_moe_layer_step": 2,
+        },
+    ),
+    # multi-head latent attention (K and V heads of different sizes) and mixtures of experts
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "first_k_dense_replace": 1,
+            **_GLM_MOE,
+        },
+    ),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_MOE)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", {"first_k_dense_replace": 1, **_GLM_MOE}),
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    # families the engine has run since before per-layer attention (no windows in these configs)
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"num_hidden_layers": 4}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "olmo": ("OlmoConfig", "OlmoForCausalLM", {}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "phi": ("PhiConfig", "PhiForCausalLM", {}),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {}),
+    "glm": ("GlmConfig", "GlmForCausalLM", {"head_dim": 16}),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {"head_dim": 16}),
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", {}),
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", {}),
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", {"head_dim": 16}),
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8}),
+    "codegen": (
+        "CodeGenConfig",
+        "CodeGenForCausalLM",
+        {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8},
+    ),
 }
 
 
@@ -49,7 +170,7 @@ def build_tiny_model(
     *,
     seed: int = 0,
     hidden_size: int = 64,
-    num_hidden_layers: int = 2,
+    num_hidden_layers: int | None = None,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
     intermediate_size: int = 128,
@@ -57,19 +178,21 @@ def build_tiny_model(
     vocab_size: int | None = None,
     **overrides,
 ) -> Path:
-    """Write a randomly initialised (fixed seed) decoder-only model and its tokenizer to `path`."""
+    """Write a randomly initialised (fixed seed) decoder-only model and its tokenizer to `path`.
+    `num_hidden_layers`: the architecture's own tiny count (2, or 4 for a 3:1 layer pattern) unless given."""
     import torch
     import transformers
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
-    config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[arch])
+    config_name, model_name, family = ARCHITECTURES[arch]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
     tok = build_tokenizer()
-    config = config_cls(
+    settings = dict(
         vocab_size=vocab_size or len(tok),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
+        num_hidden_layers=2,
         num_attention_heads=num_attention_heads,
         num_key_value_heads=num_key_value_heads,
         max_position_embeddings=max_position_embeddings,
@@ -77,8 +200,11 @@ def build_tiny_model(
         pad_token_id=tok.pad_token_id,
         bos_token_id=None,
         tie_word_embeddings=False,
-        **overrides,
     )
+    settings.update(family)
+    if num_hidden_layers is not None:
+        settings["num_hidden_layers"] = num_hidden_layers
+    config = config_cls(**settings, **overrides)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     path = Path(path)

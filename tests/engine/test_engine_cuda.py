@@ -15,6 +15,7 @@ import torch
 
 from bulkgen.engine import Engine, SamplingParams, attn_select
 from bulkgen.engine.attn_backends import BACKENDS, cuda_candidates
+from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
 from tests.support.divergence import bf16_greedy_against_hf
 
 # Sized from free memory, a tiny model's cache would be ~30 M blocks (a Python object each: a minute of
@@ -46,17 +47,33 @@ def self_check_block_sizes(backend: str) -> tuple[int, ...]:
     return (16, 256) if backend == "varlen_paged" else (16,)
 
 
-def test_every_fused_candidate_matches_plain_in_bf16():
-    names = cuda_candidates()
+LAYERS = {  # each kind of layer the fused kernels take, at real head sizes
+    "dense": LayerAttention(FULL, 2, 64, 64, q_heads=8),
+    "sliding window": LayerAttention(AttnKind(window=128), 8, 64, 64, q_heads=64),
+    "window and sinks (gpt-oss)": LayerAttention(AttnKind(window=128), 8, 64, 64, sinks=True, q_heads=64),
+    "sinks": LayerAttention(FULL, 8, 64, 64, sinks=True, q_heads=64),
+    "chunked (Llama 4)": LayerAttention(AttnKind(chunk=8192), 8, 128, 128, q_heads=40),
+    "MLA (DeepSeek-V3)": LayerAttention(FULL, 16, 192, 128, q_heads=16),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_every_fused_candidate_matches_plain_in_bf16(name):
+    layer, names = LAYERS[name], cuda_candidates()
     assert names, "this torch offers no fused varlen attention on CUDA"
-    for name in names:
-        for block_size in self_check_block_sizes(name):
-            error = attn_select.self_check(
-                BACKENDS[name](), torch.device("cuda"), torch.bfloat16, 8, 2, 64, block_size
+    taken = 0
+    for candidate in names:
+        backend = BACKENDS[candidate]()
+        why = backend.supports(layer)
+        for block_size in self_check_block_sizes(candidate):
+            error = why or attn_select.self_check(
+                backend, torch.device("cuda"), torch.bfloat16, layer, block_size
             )
-            print(f"{name} block_size={block_size}: {error or 'ok'}")
-    chosen = attn_select.select_backend(torch.device("cuda"), torch.bfloat16, 8, 2, 64, 16)
-    assert chosen.name != "plain", "no fused backend passed its self-check"
+            print(f"{name}: {candidate} block_size={block_size}: {error or 'ok'}")
+        taken += why is None
+    chosen = attn_select.select_backend(torch.device("cuda"), torch.bfloat16, [layer], 16)
+    print(f"{name}: chose {chosen.name}, {chosen.probe_report}")
+    assert taken and chosen.name != "plain", "no fused backend passed its self-check"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -11,6 +11,7 @@ from bulkgen.engine import SamplingParams
 from bulkgen.engine import engine as engine_module
 from bulkgen.engine.attn_backends import PlainBackend
 from bulkgen.engine.attn_select import run_backend
+from bulkgen.engine.layer_attention import FULL, LayerAttention
 from bulkgen.engine.step_plan import StepPlan
 
 
@@ -121,7 +122,17 @@ def test_bf16_decode_keeps_scores_in_float32():
     k_cache = torch.randn(blocks, 16, kv_heads, dim).bfloat16()
     v_cache = torch.randn(blocks, 16, kv_heads, dim).bfloat16()
     scale = dim**-0.5
-    got = run_backend(PlainBackend(), plan, q, k, v, k_cache, v_cache, scale).double()
+    got = run_backend(
+        PlainBackend(),
+        plan,
+        LayerAttention(FULL, kv_heads, dim, dim, q_heads=heads),
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        scale,
+    ).double()
     want = _reference_attention(plan, q, k, v, k_cache, v_cache, scale)
     for rows in (slice(plan.num_prefill_tokens, None), slice(0, plan.num_prefill_tokens)):
         rel = float((got[rows] - want[rows]).norm() / want[rows].norm())

@@ -9,6 +9,12 @@ import torch
 from bulkgen.engine import SamplingParams, attn_select
 from bulkgen.engine.attn_backends import PlainBackend
 from bulkgen.engine.config import EngineConfig, resolve_limits
+from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
+
+
+def dense(q_heads: int, kv_heads: int, dim: int) -> LayerAttention:
+    """A plain full-attention layer as the probe would find it."""
+    return LayerAttention(FULL, kv_heads, dim, dim, q_heads=q_heads)
 
 
 def _greedy(n):
@@ -87,18 +93,20 @@ def test_defaults_are_modest_on_cpu_and_fill_a_large_gpu(monkeypatch):
 class _Broken(PlainBackend):
     name = "broken"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None, sinks=None):
         return super().attend(q, k, v, k_cache, v_cache, meta, scale) * 1.01
 
 
 def test_backend_choice_keeps_only_candidates_that_match_plain(monkeypatch):
-    assert attn_select.select_backend(torch.device("cpu"), torch.float32, 4, 2, 16, 8).name == "plain"
-    args = (torch.device("cpu"), torch.float32, 4, 2, 16, 8)
+    assert (
+        attn_select.select_backend(torch.device("cpu"), torch.float32, [dense(4, 2, 16)], 8).name == "plain"
+    )
+    args = (torch.device("cpu"), torch.float32, dense(4, 2, 16), 8)
     assert attn_select.self_check(PlainBackend(), *args) is None
     assert "error" in attn_select.self_check(_Broken(), *args)
     monkeypatch.setenv("BULKGEN_ATTENTION", "nope")
     with pytest.raises(ValueError, match="BULKGEN_ATTENTION"):
-        attn_select.select_backend(*args)
+        attn_select.select_backend(torch.device("cpu"), torch.float32, [dense(4, 2, 16)], 8)
 
 
 def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference, mixed_prompts):
@@ -130,9 +138,11 @@ def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference,
     assert engine.runner.k_caches[0].shape[0] == engine.runner.num_blocks + 1
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, scale):
-    """float64 causal varlen attention, bottom-right aligned, the flash-attention semantics."""
-    out = torch.empty(q.shape, dtype=torch.float64)
+def _reference_varlen(q, k, v, cu_q, cu_k, scale, window_left=-1):
+    """float64 causal varlen attention, bottom-right aligned, each query reading at most `window_left`
+    keys before its own (-1: all): the flash-attention semantics -> (out, lse [Hq, T])."""
+    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=torch.float64)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float64)
     group = q.shape[1] // k.shape[1]
     for i in range(len(cu_q) - 1):
         qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
@@ -142,22 +152,38 @@ def _reference_varlen(q, k, v, cu_q, cu_k, scale):
             v[ks].double().repeat_interleave(group, 1),
         )
         offset = ki.shape[0] - qi.shape[0]
-        allowed = torch.arange(ki.shape[0])[None, :] <= torch.arange(qi.shape[0])[:, None] + offset
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        out[qs] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vi)
-    return out.to(q.dtype)
+        key, query = torch.arange(ki.shape[0])[None, :], torch.arange(qi.shape[0])[:, None] + offset
+        allowed = (key <= query) & ((key >= query - window_left) | (window_left < 0))
+        scores = (torch.einsum("qhd,khd->hqk", qi, ki) * scale).masked_fill(~allowed, float("-inf"))
+        out[qs] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi)
+        lse[:, qs] = scores.logsumexp(-1)
+    return out.to(q.dtype), lse.float()
 
 
-def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch):
-    """The CUDA backends' packing (cumulative lengths, gathered context rows, block tables) checked on CPU
-    by putting float64 reference kernels where the CUDA-only ones would run."""
+PROBED_LAYERS = {
+    "dense": dense(8, 2, 16),
+    "sliding window": LayerAttention(AttnKind(window=32), 2, 16, 16, q_heads=8),
+    "chunked": LayerAttention(AttnKind(chunk=32), 2, 16, 16, q_heads=8),
+    "sinks": LayerAttention(FULL, 2, 16, 16, sinks=True, q_heads=8),
+    "window and sinks": LayerAttention(AttnKind(window=128), 2, 16, 16, sinks=True, q_heads=8),
+    "MLA (K 24, V 16)": LayerAttention(FULL, 4, 24, 16, q_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", list(PROBED_LAYERS))
+def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch, name):
+    """The CUDA backends' packing (cumulative lengths, gathered context rows, block tables, window sizes,
+    chunk pieces, the sink correction from the log-sum-exp, V padding) checked on CPU by putting float64
+    reference kernels with flash's semantics where the CUDA-only ones would run; a backend that says it
+    cannot take a layer is not checked on it."""
     from bulkgen.engine import attn_backends
 
-    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
         assert k.shape[1] == q.shape[1] and max_q == int((cu_q[1:] - cu_q[:-1]).max())
-        return _reference_varlen(q, k, v, cu_q, cu_k, scale)
+        assert v.shape[-1] == q.shape[-1], "flash takes V heads as wide as K heads"
+        return _reference_varlen(q, k, v, cu_q, cu_k, scale, window_left)
 
-    def fake_paged(q, k_cache, v_cache, meta, scale):
+    def fake_paged(q, k_cache, v_cache, meta, scale, lse=False):
         bs, rows, k_parts, v_parts, cu_k = k_cache.shape[1], [], [], [], [0]
         for i, used in enumerate(meta.seqused_k.tolist()):
             table = meta.block_table[i]
@@ -166,22 +192,50 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch):
             v_parts.append(v_cache.view(-1, *v_cache.shape[2:])[rows])
             cu_k.append(cu_k[-1] + used)
         assert cu_k == meta.cu_k.tolist()
-        return _reference_varlen(q, torch.cat(k_parts), torch.cat(v_parts), meta.cu_q, cu_k, scale)
+        k, v = torch.cat(k_parts), torch.cat(v_parts)
+        out, logsumexp = _reference_varlen(q, k, v, meta.cu_q, cu_k, scale, meta.window_left)
+        return out, logsumexp if lse else None
 
     monkeypatch.setattr(attn_backends, "flash_varlen", fake_flash)
     monkeypatch.setattr(attn_backends, "varlen_paged", fake_paged)
+    layer, checked = PROBED_LAYERS[name], 0
     for backend in (attn_backends.FlashVarlenBackend(), attn_backends.VarlenPagedBackend()):
+        if backend.supports(layer) is not None:
+            continue
+        checked += 1
         for block_size in (4, 16):
             assert (
-                attn_select.self_check(backend, torch.device("cpu"), torch.float32, 8, 2, 16, block_size)
-                is None
+                attn_select.self_check(backend, torch.device("cpu"), torch.float32, layer, block_size) is None
             )
+    assert checked >= 1, "no fused backend takes this layer"
+
+
+def test_a_fused_backend_that_gets_windows_or_sinks_wrong_is_rejected(monkeypatch):
+    """The probe runs each layer's own window and sinks: a flash kernel that ignored either would pass a
+    dense probe and still be caught."""
+    from bulkgen.engine import attn_backends
+
+    def ignores_window(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
+        return _reference_varlen(q, k, v, cu_q, cu_k, scale)
+
+    def forgets_lse(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
+        out, lse = _reference_varlen(q, k, v, cu_q, cu_k, scale, window_left)
+        return out, torch.zeros_like(lse)
+
+    cpu, backend = torch.device("cpu"), attn_backends.FlashVarlenBackend(decode_kernel="padded")
+    monkeypatch.setattr(attn_backends, "flash_varlen", ignores_window)
+    assert attn_select.self_check(backend, cpu, torch.float32, PROBED_LAYERS["dense"], 4) is None
+    assert "prefill kernel" in attn_select.self_check(
+        backend, cpu, torch.float32, PROBED_LAYERS["sliding window"], 4
+    )
+    monkeypatch.setattr(attn_backends, "flash_varlen", forgets_lse)
+    assert "prefill kernel" in attn_select.self_check(backend, cpu, torch.float32, PROBED_LAYERS["sinks"], 4)
 
 
 class _BrokenDecode(PlainBackend):
     name = "broken_decode"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None, sinks=None):
         out = super().attend(q, k, v, k_cache, v_cache, meta, scale)
         decode = meta[1]
         if decode is not None:
@@ -192,7 +246,7 @@ class _BrokenDecode(PlainBackend):
 class _BrokenPrefill(PlainBackend):
     name = "broken_prefill"
 
-    def attend(self, q, k, v, k_cache, v_cache, meta, scale):
+    def attend(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None, sinks=None):
         out = super().attend(q, k, v, k_cache, v_cache, meta, scale)
         for seg in meta[0]:
             out[seg.q_start : seg.q_end] *= 1.01
@@ -200,7 +254,7 @@ class _BrokenPrefill(PlainBackend):
 
 
 def test_a_rejected_backend_names_the_part_that_failed():
-    args = (torch.device("cpu"), torch.float32, 4, 2, 16, 8)
+    args = (torch.device("cpu"), torch.float32, dense(4, 2, 16), 8)
     assert attn_select.self_check(_BrokenDecode(), *args).startswith("decode path: max abs error")
     assert attn_select.self_check(_BrokenPrefill(), *args).startswith("prefill kernel: max abs error")
 
@@ -215,15 +269,13 @@ def test_on_cuda_in_bf16_no_fused_backend_is_an_error_unless_plain_is_forced(mon
     monkeypatch.setattr(attn_select, "self_check", lambda backend, *a: reasons.get(backend.name, None))
     cuda = torch.device("cuda")
     with pytest.raises(RuntimeError, match="BULKGEN_ATTENTION=plain") as err:
-        attn_select.select_backend(cuda, torch.bfloat16, 8, 2, 64, 16)
+        attn_select.select_backend(cuda, torch.bfloat16, [dense(8, 2, 64)], 16)
     assert all(reason in str(err.value) for reason in reasons.values())
-    fp32 = attn_select.select_backend(
-        cuda, torch.float32, 8, 2, 64, 16
-    )  # flash has no fp32: plain is expected
+    fp32 = attn_select.select_backend(cuda, torch.float32, [dense(8, 2, 64)], 16)  # flash has no fp32: plain
     assert fp32.name == "plain" and fp32.probe_report["varlen_paged"] == reasons["varlen_paged"]
     assert fp32.probe_report["flash_varlen+padded_decode"] == reasons["flash_varlen"]
     monkeypatch.setenv("BULKGEN_ATTENTION", "plain")
-    forced = attn_select.select_backend(cuda, torch.bfloat16, 8, 2, 64, 16)
+    forced = attn_select.select_backend(cuda, torch.bfloat16, [dense(8, 2, 64)], 16)
     assert forced.name == "plain" and "forced" in forced.probe_report["plain"]
 
 
@@ -239,17 +291,17 @@ def test_kv_cache_on_a_big_gpu_is_capped_at_what_the_batch_can_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     cuda = torch.device("cuda")
     cfg = EngineConfig(max_num_seqs=512, block_size=16)
-    tiny = kv_cache_blocks(cfg, cuda, block_bytes=2 * 2 * 16 * 2 * 16 * 4, max_model_len=2048)
+    tiny = kv_cache_blocks(cfg, cuda, block_bytes=2 * 2 * 16 * 2 * 16 * 4, blocks_per_seq=2048 // 16)
     assert tiny == 512 * 128 * 5 // 4  # every slot at full context, plus a quarter for cached prefixes
     anchor_block = 2 * 16 * 16 * 8 * 64 * 2  # Llama-3.2-1B shape, bf16: 512 KiB a block
-    anchor = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, max_model_len=131072)
+    anchor = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, blocks_per_seq=131072 // 16)
     assert anchor == int(137 * gib * 0.85) // anchor_block  # memory-bound: ~239k blocks
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 139 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 * gib)
-    reused = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, max_model_len=131072)
+    reused = kv_cache_blocks(cfg, cuda, block_bytes=anchor_block, blocks_per_seq=131072 // 16)
     assert reused == int(30 * gib * 0.85) // anchor_block
-    assert kv_cache_blocks(EngineConfig(num_kv_blocks=77), cuda, anchor_block, 131072) == 77
+    assert kv_cache_blocks(EngineConfig(num_kv_blocks=77), cuda, anchor_block, 131072 // 16) == 77
 
 
 def test_sdpa_kernel_order_is_pinned_inside_the_engine_and_the_choice_recorded(

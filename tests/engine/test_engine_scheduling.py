@@ -127,16 +127,16 @@ def test_block_manager_shares_prefix_blocks_and_recycles_them():
     bm.commit(a)
     b = _seq(list(range(8)) + [99, 98, 97], 1)
     cached = bm.match_prefix(b)
-    assert cached == a.block_table[:2]
+    assert cached.tables == [a.block_table[:2]]
     assert bm.admit(b, cached, 11) and b.num_computed_tokens == 8
-    assert bm.blocks[cached[0]].ref_count == 2 and bm.num_free_blocks == 2
+    assert bm.blocks[cached.tables[0][0]].ref_count == 2 and bm.num_free_blocks == 2
     bm.release(a)
     bm.release(b)
     assert bm.num_free_blocks == 6
     c = _seq(list(range(8)) + [5], 2)
-    assert bm.match_prefix(c) == cached  # freed but still hashed: revived on a hit
+    assert bm.match_prefix(c).tables == cached.tables  # freed but still hashed: revived on a hit
     d = _seq([7] * 24, 3)
-    assert bm.admit(d, [], 24) and not bm.match_prefix(c)  # evicted once the pool was needed
+    assert bm.admit(d, None, 24) and not bm.match_prefix(c)  # evicted once the pool was needed
     assert not bm.grow(d, 28)
 
 

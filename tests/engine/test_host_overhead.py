@@ -55,7 +55,7 @@ def test_mixed_steps_send_the_decodes_tables_as_new_entries_only():
 
 
 def _seq(seq_id: int, table: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(seq_id=seq_id, block_table=table)
+    return SimpleNamespace(seq_id=seq_id, block_tables=[table])
 
 
 def test_slot_tables_send_new_entries_only_and_rewrite_a_replaced_or_reclaimed_row():
@@ -70,10 +70,10 @@ def test_slot_tables_send_new_entries_only_and_rewrite_a_replaced_or_reclaimed_r
     a, b, c = _seq(0, [5, 6]), _seq(1, [7]), _seq(2, [8, 9, 10])
     rows, sent = step(a, b)
     assert rows == [0, 1] and sent == [(0, 5), (1, 6), (4, 7)]
-    a.block_table.append(11)
+    a.block_tables[0].append(11)
     rows, sent = step(a, b)
     assert rows == [0, 1] and sent == [(2, 11)]  # one new entry, nothing for b
-    a.block_table = [3]  # preempted and readmitted: a new table, the row is rewritten
+    a.block_tables = [[3]]  # preempted and readmitted: a new table, the row is rewritten
     assert step(a)[1] == [(0, 3)]
     rows, sent = step(c, a)  # no row is free and b is absent from this step: its row goes to c
     assert rows == [1, 0] and sent == [(4, 8), (5, 9), (6, 10)]

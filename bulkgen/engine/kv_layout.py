@@ -1,0 +1,79 @@
+"""How the paged KV cache is laid out over a model's layers: groups of layers that share block tables,
+and the cache tensors the groups share (vLLM's hybrid KV-cache manager, `kv_cache_coordinator.py`).
+
+Layers of one attention kind (full, one sliding window, one chunk size) read the same tokens of a
+sequence, so they keep the same blocks and share one block table; a windowed or chunked kind's table
+drops the blocks wholly before what its next query reads, as the sequence runs (block_manager). So that
+the memory those blocks held serves any layer, every group has the same number of layers, `slots`: a
+block id names one [block_size, kv_heads, head_dim] row in each of the `slots` K and V tensors, and
+whichever group holds the id keeps its layers' K/V there, layer i of the group in tensor i. A kind with
+more layers than the smallest kind is split into several groups (Gemma 3 27B, 10 full and 52 sliding
+layers: one full group and six sliding groups of 10, 10, 10, 10, 10 and 2 layers; a block of the last
+one leaves 8 slots unused). One kind (a dense model) is one group of all layers: the layout bulkgen
+always had.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layer_attention import FULL, AttnKind, LayerAttention
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    kind: AttnKind
+    layers: tuple[int, ...]
+
+
+class KVLayout:
+    """Groups, slots and sizes of a model's KV cache; pure arithmetic (benchmarks use it without a GPU)."""
+
+    def __init__(self, layers: list[LayerAttention], by_kind: bool = True) -> None:
+        """`by_kind=False`: every layer in one full group, as if no layer had a window (what the cache
+        cost before windows freed blocks; bench_kv_memory compares the two)."""
+        shapes = {layer.kv_shape for layer in layers}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"layers with different KV head shapes {sorted(shapes)} (kv heads, K dim, V dim): "
+                "bulkgen's paged cache needs one shape for every layer"
+            )
+        self.layers = layers
+        self.kv_heads, self.k_dim, self.v_dim = shapes.pop()
+        members: dict[AttnKind, list[int]] = {}
+        for i, layer in enumerate(layers):
+            members.setdefault(layer.kind if by_kind else FULL, []).append(i)
+        self.slots = min(len(ids) for ids in members.values())
+        self.groups = [
+            KVGroup(kind, tuple(ids[i : i + self.slots]))
+            for kind, ids in members.items()
+            for i in range(0, len(ids), self.slots)
+        ]
+        self.layer_group = [0] * len(layers)
+        self.layer_slot = [0] * len(layers)
+        for g, group in enumerate(self.groups):
+            for slot, layer in enumerate(group.layers):
+                self.layer_group[layer], self.layer_slot[layer] = g, slot
+
+    @property
+    def kinds(self) -> list[AttnKind]:
+        """Each group's kind, in group order (what the block manager keeps tables for)."""
+        return [g.kind for g in self.groups]
+
+    def block_bytes(self, block_size: int, element_size: int) -> int:
+        """Bytes of one block id: a row of every slot's K and V tensor."""
+        return self.slots * block_size * self.kv_heads * (self.k_dim + self.v_dim) * element_size
+
+    def peak_blocks(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
+        """The most block ids one sequence of `num_tokens` tokens holds at once, over all groups, when a
+        step computes at most `step_tokens` of its tokens (a windowed group needs its window behind the
+        step's first token plus the step's own tokens)."""
+        return sum(group_peak(kind, num_tokens, step_tokens, block_size) for kind in self.kinds)
+
+
+def group_peak(kind: AttnKind, num_tokens: int, step_tokens: int, block_size: int) -> int:
+    whole = -(-num_tokens // block_size)
+    if kind.is_full:
+        return whole
+    reach = kind.window if kind.window is not None else kind.chunk
+    return min(whole, -(-(reach - 1 + step_tokens) // block_size) + 1)

@@ -1,0 +1,174 @@
+"""What each attention layer of a model reads and how it scores, learned by running the model once.
+
+The engine does not read a model's attention from its config: configs name the same thing differently,
+and some carry fields the model ignores (a GPT-NeoX config may hold a `num_key_value_heads` its layers
+never use, and a cache shaped by it mixes up heads). `probe_layers` runs a two-token forward through a
+recording attention implementation and keeps what each layer hands transformers' attention interface:
+its K and V shapes (MLA layers have K heads wider than V heads) and the `sliding_window`, `softcap` and
+`s_aux` (attention sinks) keywords transformers passes for Mistral, Gemma 2/3, gpt-oss and the rest.
+Chunked attention (Llama 4) passes no keyword: it comes from the config's `layer_types`
+("chunked_attention") and `attention_chunk_size`, which is where transformers' own mask takes it from.
+
+Kernels take these as parameters (`LayerAttention`), never model names; what a model needs that no
+kernel here can do is refused at load with one line naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from .attention import ATTN_IMPLEMENTATION
+
+PROBE_IMPLEMENTATION = "bulkgen_probe"
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+@dataclass(frozen=True)
+class AttnKind:
+    """Which earlier tokens a query reads: all (full), the last `window` including itself (sliding
+    window), or those of its own `chunk`-aligned chunk (chunked attention). It decides which KV blocks
+    a sequence must keep, so layers of one kind share block tables (kv_layout)."""
+
+    window: int | None = None
+    chunk: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.window is None and self.chunk is None
+
+    def first_visible(self, pos: int) -> int:
+        """The first position a query at `pos` reads."""
+        if self.window is not None:
+            return max(0, pos - self.window + 1)
+        if self.chunk is not None:
+            return pos - pos % self.chunk
+        return 0
+
+    def first_visible_t(self, pos: torch.Tensor) -> torch.Tensor:
+        """`first_visible` of each position in a tensor (on its device, no sync)."""
+        if self.window is not None:
+            return (pos - (self.window - 1)).clamp(min=0)
+        if self.chunk is not None:
+            return pos - pos % self.chunk
+        return torch.zeros_like(pos)
+
+    def __str__(self) -> str:
+        if self.window is not None:
+            return f"sliding window {self.window}"
+        return f"chunked {self.chunk}" if self.chunk is not None else "full"
+
+
+FULL = AttnKind()
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention as its kernels need it."""
+
+    kind: AttnKind
+    kv_heads: int
+    k_dim: int  # K head size (and Q's)
+    v_dim: int  # V head size: smaller than k_dim under MLA (DeepSeek-V3: 192 against 128)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
+    sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss `s_aux`)
+    # queries scaled by log(position) (Llama 4's NoPE layers): (floor_scale, attn_scale)
+    temperature: tuple[float, float] | None = None
+    q_heads: int = 0
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        return self.kv_heads, self.k_dim, self.v_dim
+
+
+def probe_layers(model: torch.nn.Module) -> list[LayerAttention]:
+    """Every layer's attention, in layer order; ValueError naming what bulkgen cannot run."""
+    check_attention_routing(model)
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise ValueError(
+            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
+        )
+    seen: dict[int, LayerAttention] = {}
+
+    def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int):
+            raise ValueError(f"{type(module).__name__} has no layer_idx; bulkgen cannot give it a KV cache")
+        chunked = idx < len(layer_types) and layer_types[idx] == "chunked_attention"
+        window = kwargs.get("sliding_window") or None
+        kind = AttnKind(window=window, chunk=config.attention_chunk_size if chunked else None)
+        seen[idx] = LayerAttention(
+            kind,
+            kv_heads=key.shape[1],
+            k_dim=key.shape[-1],
+            v_dim=value.shape[-1],
+            softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux") is not None,
+            temperature=_temperature(module),
+            q_heads=query.shape[1],
+        )
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
+
+    AttentionInterface.register(PROBE_IMPLEMENTATION, record)
+    previous = config._attn_implementation
+    config._attn_implementation = PROBE_IMPLEMENTATION
+    device = next(model.parameters()).device
+    try:
+        with torch.inference_mode():
+            ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+            model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False)
+    finally:
+        config._attn_implementation = previous
+    return _in_layer_order(model, seen)
+
+
+def _in_layer_order(model: torch.nn.Module, seen: dict[int, LayerAttention]) -> list[LayerAttention]:
+    count = getattr(model.config, "num_hidden_layers", None) or (max(seen) + 1 if seen else 0)
+    missing = [i for i in range(count) if i not in seen]
+    if not seen or missing:
+        raise ValueError(
+            f"{type(model).__name__}: layers {missing or 'all'} never reached transformers' attention "
+            "interface; bulkgen cannot run them"
+        )
+    return [seen[i] for i in range(count)]
+
+
+def _temperature(module: torch.nn.Module) -> tuple[float, float] | None:
+    """Llama 4's NoPE layers scale queries by log(position), counting positions along the row they get:
+    in a packed row that is not the token's position, so the attention function rescales them."""
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        return float(module.floor_scale), float(module.attn_scale)
+    return None
+
+
+def check_attention_routing(model: torch.nn.Module) -> None:
+    """Refuse models whose attention cannot be routed to bulkgen; leave the model's setting as it was."""
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        routed = model.config._attn_implementation == ATTN_IMPLEMENTATION
+    finally:
+        model.config._attn_implementation = previous
+    if not routed:
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+            "bulkgen cannot run it"
+        )
+
+
+def describe(layers: list[LayerAttention]) -> str:
+    """One line for logs: each distinct layer kind and how many layers have it."""
+    counts: dict[str, int] = {}
+    for layer in layers:
+        extras = [f"softcap {layer.softcap:g}"] if layer.softcap else []
+        extras += ["sinks"] if layer.sinks else []
+        if layer.k_dim != layer.v_dim:
+            extras.append(f"K/V heads {layer.k_dim}/{layer.v_dim}")
+        key = ", ".join([str(layer.kind), *extras])
+        counts[key] = counts.get(key, 0) + 1
+    return "; ".join(f"{n} x {key}" for key, n in counts.items())

@@ -1,0 +1,117 @@
+"""Every architecture bulkgen claims, token for token against transformers' greedy `generate`.
+
+Each tiny model (random weights, fixed seed, fp32 CPU: bulkgen.lab.tiny.ARCHITECTURES) keeps its family's
+attention: sliding windows and attention chunks of 32 tokens where the family has them (on every layer,
+or on some as its `layer_types` say), Gemma 2's soft-capping, gpt-oss's sinks, DeepSeek-V3's latent
+attention (K heads of 24 against V heads of 16), mixtures of experts. The prompts (7, 32, 100 and 300
+tokens, and two sharing a 96-token prefix) are shorter than, as long as and several times longer than
+the window. Each model runs twice, all prompts packed into one engine:
+
+- chunked prefill (a 64-token step budget, below the longer prompts) with prefix caching: the prompts
+  after a shared prefix start from its cached blocks, where every window that reads them still holds
+  them;
+- a KV cache too small for all of them at once, so sequences are preempted and recomputed, with the
+  decode steps through the static decode buffers (the CUDA-graph path, run eagerly here).
+
+The reference is transformers' own `generate` on each prompt alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.lab.tiny import ARCHITECTURES, WINDOW, build_tiny_model
+
+MAX_TOKENS = 12
+BLOCK_SIZE = 8
+STEP_TOKENS = 64
+# name -> (family, extra config): Llama 4 with its NoPE layers' query temperature (log of the position)
+# growing from position 7 and strong enough to change tokens (real models: from position 8,191)
+VARIANTS = {"llama4-temperature": ("llama4", {"floor_scale": 8, "attn_scale": 4.0})}
+ALL = [*ARCHITECTURES, *VARIANTS]
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(tmp_path_factory):
+    root, built = tmp_path_factory.mktemp("archs"), {}
+
+    def path(name: str):
+        if name not in built:
+            family, extra = VARIANTS.get(name, (name, {}))
+            built[name] = build_tiny_model(root / name, family, seed=3, **extra)
+        return built[name]
+
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(34)
+    lengths = [7, WINDOW, 100, 300]
+    own = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+    shared = own[3][:96]  # three blocks past the window: sliding groups must still hold the last ones
+    return own + [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 21)]
+
+
+@pytest.fixture(scope="module")
+def expected(arch_dirs, prompts):
+    cache: dict[str, list[list[int]]] = {}
+
+    def tokens(name: str) -> list[list[int]]:
+        if name not in cache:
+            model = AutoModelForCausalLM.from_pretrained(arch_dirs(name)).eval()
+            model.generation_config.eos_token_id = None  # every prompt runs to MAX_TOKENS, as ignore_eos does
+            with torch.no_grad():
+                cache[name] = [
+                    model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[
+                        0, len(p) :
+                    ].tolist()
+                    for p in prompts
+                ]
+        return cache[name]
+
+    return tokens
+
+
+def _generate(engine: Engine, prompts: list[list[int]]) -> list:
+    return engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_chunked_prefill_and_prefix_caching_give_transformers_tokens(name, arch_dirs, prompts, expected):
+    engine = Engine.from_pretrained(
+        str(arch_dirs(name)),
+        device="cpu",
+        max_num_batched_tokens=STEP_TOKENS,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=4,
+        admission="fifo",
+    )
+    outs = _generate(engine, prompts)
+    for i, (out, want) in enumerate(zip(outs, expected(name), strict=True)):
+        assert out.token_ids == want, f"{name}: prompt {i} ({len(prompts[i])} tokens)"
+    assert outs[-1].metrics.num_cached_tokens >= 88, "the shared prefix's blocks were not reused"
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_preemption_and_static_decode_buffers_give_transformers_tokens(name, arch_dirs, prompts, expected):
+    path = str(arch_dirs(name))
+    kw = dict(device="cpu", max_num_batched_tokens=STEP_TOKENS, block_size=BLOCK_SIZE)
+    probe = Engine.from_pretrained(path, num_kv_blocks=1024, **kw)
+    longest = probe.runner.peak_blocks(max(map(len, prompts)) + MAX_TOKENS)
+    engine = Engine.from_pretrained(
+        path,
+        **kw,
+        num_kv_blocks=longest,  # the longest prompt fits alone: admitted after the short ones, it evicts them
+        admission="shortest_first",
+        cuda_graphs=True,
+    )
+    outs = _generate(engine, prompts)
+    for i, (out, want) in enumerate(zip(outs, expected(name), strict=True)):
+        assert out.token_ids == want, f"{name}: prompt {i} ({len(prompts[i])} tokens)"
+    assert engine.stats()["preemptions"] > 0
+    assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
