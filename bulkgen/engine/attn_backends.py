@@ -30,18 +30,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attn_plain import SDPA_CHOICES, DecodeMeta, PlainBackend, decode_meta, paged_decode, sdpa
+from .attn_plain import SDPA_CHOICES, DecodeMeta, PlainBackend, decode_meta, paged_decode, sdpa, sdpa_choice
 from .layer_attention import FULL, AttnKind
 from .step_plan import HostPack, StepPlan
 
-__all__ = [
-    "SDPA_CHOICES",
+__all__ = [  # the plain backend's parts, for the callers that take every backend from here
     "BACKENDS",
+    "SDPA_CHOICES",
     "DecodeMeta",
     "PlainBackend",
     "cuda_candidates",
     "paged_decode",
     "sdpa",
+    "sdpa_choice",
 ]
 
 

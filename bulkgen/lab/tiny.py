@@ -204,7 +204,7 @@ def build_tiny_model(
     settings.update(family)
     if num_hidden_layers is not None:
         settings["num_hidden_layers"] = num_hidden_layers
-    config = config_cls(**settings, **overrides)
+    config = config_cls(**{**settings, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     path = Path(path)

@@ -17,6 +17,7 @@ from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine import triton_decode as td
 from bulkgen.engine.attn_backends import DecodeMeta, PlainBackend, paged_decode
 from bulkgen.engine.decode_graphs import buckets_up_to
+from bulkgen.engine.layer_attention import FULL, AttnKind
 
 
 @pytest.fixture
@@ -27,14 +28,23 @@ def interpreted():
     return td
 
 
-def _case(seed: int, lengths: list[int], hq: int, hkv: int, dim: int, block_size: int, dtype=torch.float32):
+def _case(
+    seed: int,
+    lengths: list[int],
+    hq: int,
+    hkv: int,
+    dim: int,
+    block_size: int,
+    dtype=torch.float32,
+    dim_v=None,
+):
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     width = max(-(-n // block_size) for n in lengths) + 1  # one padding column: must never be read
     blocks = batch * width + 2
     table = torch.randperm(blocks, generator=gen)[: batch * width].view(batch, width)
     k_cache = torch.randn(blocks, block_size, hkv, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(blocks, block_size, hkv, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, block_size, hkv, dim_v or dim, generator=gen).to(dtype)
     q = torch.randn(batch, hq, dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, table, torch.tensor(lengths)
 
@@ -53,6 +63,49 @@ def test_kernel_matches_the_padded_reference(interpreted, lengths, hq, hkv, dim,
     want = paged_decode(q, k_cache, v_cache, DecodeMeta(0, len(lengths), table, lens), dim**-0.5, "padded")
     assert got.shape == want.shape and got.dtype == q.dtype
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+
+
+LAYER_CASES = {  # kind, soft-cap, sinks, V head size
+    "sliding window 5": (AttnKind(window=5), None, False, None),
+    "window of a block": (AttnKind(window=4), None, False, None),
+    "chunked 8": (AttnKind(chunk=8), None, False, None),
+    "soft-cap": (FULL, 1.5, False, None),
+    "sinks": (FULL, None, True, None),
+    "window, soft-cap and sinks": (AttnKind(window=6), 2.0, True, None),
+    "MLA: V heads 8 of K heads 24": (FULL, None, False, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_kernel_takes_windows_chunks_softcap_sinks_and_narrow_v(interpreted, name):
+    kind, softcap, sinks, dim_v = LAYER_CASES[name]
+    lengths, hq, hkv, dim, bs = [1, 5, 9, 16, 23, 40], 8, 2, 24 if dim_v else 16, 4
+    q, k_cache, v_cache, table, lens = _case(11, lengths, hq, hkv, dim, bs, dim_v=dim_v)
+    sink = torch.randn(hq, generator=torch.Generator().manual_seed(5)) if sinks else None
+    got = interpreted.paged_decode(
+        q, k_cache, v_cache, table, lens, dim**-0.5, kind.window, kind.chunk, softcap, sink
+    )
+    meta = DecodeMeta(0, len(lengths), table, lens, kind=kind)
+    want = paged_decode(q, k_cache, v_cache, meta, dim**-0.5, "padded", softcap, sink)
+    assert got.shape == (len(lengths), hq, dim_v or dim)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if not kind.is_full:  # the reference itself: each query reads exactly its window or chunk
+        dense = paged_decode(
+            q, k_cache, v_cache, DecodeMeta(0, len(lengths), table, lens), dim**-0.5, "padded"
+        )
+        far = [i for i, n in enumerate(lengths) if kind.first_visible(n - 1) > 0]
+        assert not torch.allclose(dense[far], want[far])
+
+
+def test_blocks_wholly_before_the_window_are_never_read(interpreted):
+    """A sliding group's table still names the blocks it gave back (other sequences may own them now):
+    filled with NaN here, they must not reach the output."""
+    q, k_cache, v_cache, table, lens = _case(8, [30, 17], 4, 2, 16, 4)
+    want = interpreted.paged_decode(q, k_cache, v_cache, table, lens, 0.25, 6)
+    behind = [int(table[i, j]) for i, n in enumerate(lens.tolist()) for j in range((n - 6) // 4)]
+    assert behind
+    k_cache[behind], v_cache[behind] = float("nan"), float("nan")
+    torch.testing.assert_close(interpreted.paged_decode(q, k_cache, v_cache, table, lens, 0.25, 6), want)
 
 
 def test_padding_and_other_sequences_blocks_are_never_read(interpreted):
@@ -121,3 +174,26 @@ def test_engine_decodes_through_the_kernel_to_the_reference_tokens(
     graphs = engine.runner.graphs  # the paged kernel reads real blocks only: buckets by batch size alone
     assert graphs.paged and {w for _, w in graphs.buckets} == {graphs.max_width}
     assert graphs.capture(40) == len(buckets_up_to(engine.config.max_num_seqs)) == len(graphs.buckets)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
+def test_engine_decodes_windowed_sink_and_softcapped_layers_through_the_kernel(
+    interpreted, monkeypatch, tmp_path, arch
+):
+    """gpt-oss (sinks, a window on every other layer) and Gemma 2 (soft-capping, the same windows): the
+    decode rows of contexts longer than the window go through the kernel and give transformers' tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from bulkgen.lab.tiny import WINDOW, build_tiny_model
+
+    monkeypatch.setenv("BULKGEN_DECODE_KERNEL", "triton")
+    path = build_tiny_model(tmp_path / arch, arch, seed=2)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (WINDOW + 9, 5)]
+    engine = Engine.from_pretrained(str(path), block_size=4, num_kv_blocks=64)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt) :]
+        assert out.token_ids == want.tolist()

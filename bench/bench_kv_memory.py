@@ -1,0 +1,144 @@
+"""KV-cache bytes per running sequence, computed from the engine's own accounting (no GPU, no weights).
+
+For each model shape (the values of its public config.json), every layer's attention as the engine's
+probe finds it (`LayerAttention`: KV heads, K/V head sizes, sliding window) is laid out by the engine's
+`KVLayout`, and a `BlockManager` over that layout runs one sequence as the scheduler would: an
+8,192-token prompt in one step (a GPU's default step budget is 16,384 tokens), then the window slide
+the scheduler makes before the sequence's next step. Reported: the blocks it holds between steps times
+the bytes of a block, with every layer kept whole ("before": one full group, what the cache held when
+a window limited reading only) and with windowed groups giving back what is behind their window
+("after"), and how many such sequences one KV budget (64 GiB of bf16) holds each way. For MLA
+(DeepSeek-V3), the bytes per token the cache holds now (K and V of every head, expanded from the
+latent) against the compressed latent (kv_lora_rank + the rope part per token and layer, as vLLM and
+SGLang cache it; bulkgen does not yet).
+
+    python bench/bench_kv_memory.py [--context 8192] [--budget-gib 64] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bulkgen.engine.block_manager import BlockManager  # noqa: E402
+from bulkgen.engine.kv_layout import KVLayout  # noqa: E402
+from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention  # noqa: E402
+from bulkgen.engine.sampling_params import SamplingParams  # noqa: E402
+from bulkgen.engine.sequence import Request, Sequence  # noqa: E402
+
+BLOCK_SIZE = 16
+BF16 = 2
+
+
+def gpt_oss_20b() -> list[LayerAttention]:
+    """openai/gpt-oss-20b: 24 layers alternating sliding (128 tokens) and full, 8 KV heads of 64."""
+    window = AttnKind(window=128)
+    return [LayerAttention(window if i % 2 == 0 else FULL, 8, 64, 64, sinks=True) for i in range(24)]
+
+
+def gemma_3_27b() -> list[LayerAttention]:
+    """google/gemma-3-27b: 62 layers, five sliding (1,024 tokens) to one full, 16 KV heads of 128."""
+    window = AttnKind(window=1024)
+    return [LayerAttention(FULL if (i + 1) % 6 == 0 else window, 16, 128, 128) for i in range(62)]
+
+
+def deepseek_v3() -> list[LayerAttention]:
+    """deepseek-ai/DeepSeek-V3: 61 layers of MLA, 128 heads, K heads 192 (128 + 64 rope), V heads 128."""
+    return [LayerAttention(FULL, 128, 192, 128) for _ in range(61)]
+
+
+DEEPSEEK_V3_LATENT = 61 * (512 + 64)  # layers x (kv_lora_rank + qk_rope_head_dim) values per token
+
+
+def held_bytes(layout: KVLayout, context: int, step_tokens: int = 16384) -> tuple[int, int]:
+    """(blocks, bytes) one sequence of `context` tokens holds between steps, from the block manager."""
+    bm = BlockManager(1 << 24, BLOCK_SIZE, enable_prefix_caching=False, kinds=layout.kinds)
+    request = Request("r", list(range(context)), SamplingParams(max_tokens=1), order=0)
+    seq = Sequence(0, request, 0, max_tokens=1)
+    while seq.num_computed_tokens < context:
+        bm.slide(seq)
+        end = min(seq.num_computed_tokens + step_tokens, context)
+        if not (bm.grow(seq, end) if seq.block_tables else bm.admit(seq, None, end)):
+            raise RuntimeError("the block pool is too small for one sequence")
+        seq.num_computed_tokens = end
+    bm.slide(seq)  # what the scheduler does before the sequence's next step
+    blocks = sum(b != bm.null_block for table in seq.block_tables for b in table)
+    return blocks, blocks * layout.block_bytes(BLOCK_SIZE, BF16)
+
+
+def windows_row(name: str, layers: list[LayerAttention], context: int, budget: int) -> dict:
+    before, after = KVLayout(layers, by_kind=False), KVLayout(layers)
+    (blocks_b, bytes_b), (blocks_a, bytes_a) = held_bytes(before, context), held_bytes(after, context)
+    return {
+        "model": name,
+        "context": context,
+        "groups": _groups(after),
+        "before_blocks": blocks_b,
+        "before_bytes": bytes_b,
+        "after_blocks": blocks_a,
+        "after_bytes": bytes_a,
+        "ratio": round(bytes_b / bytes_a, 2),
+        "budget_gib": budget >> 30,
+        "seqs_before": budget // bytes_b,
+        "seqs_after": budget // bytes_a,
+    }
+
+
+def _groups(layout: KVLayout) -> str:
+    """'12 full layers in 1 group, 52 sliding window 1024 layers in 6 groups' and so on."""
+    kinds: dict[str, list[int]] = {}
+    for group in layout.groups:
+        kinds.setdefault(str(group.kind), []).append(len(group.layers))
+    return ", ".join(f"{sum(n)} x {kind} in {len(n)} group{'s' * (len(n) > 1)}" for kind, n in kinds.items())
+
+
+def mla_row() -> dict:
+    layout = KVLayout(deepseek_v3())
+    expanded = layout.block_bytes(BLOCK_SIZE, BF16) // BLOCK_SIZE
+    latent = DEEPSEEK_V3_LATENT * BF16
+    return {
+        "model": "DeepSeek-V3 (MLA)",
+        "bytes_per_token_cached": expanded,
+        "bytes_per_token_latent": latent,
+        "ratio": round(expanded / latent, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--budget-gib", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    budget = args.budget_gib << 30
+    rows = [
+        windows_row("gpt-oss-20b", gpt_oss_20b(), args.context, budget),
+        windows_row("Gemma-3-27B", gemma_3_27b(), args.context, budget),
+    ]
+    mla = mla_row()
+    if args.json:
+        print(json.dumps({"windows": rows, "mla": mla}, indent=2))
+        return
+    mib = 1 << 20
+    print(f"KV bytes per running sequence at {args.context:,} tokens (bf16, {BLOCK_SIZE}-token blocks)")
+    print(
+        f"{'model':14} {'all layers full':>16} {'window freeing':>16} {'ratio':>6}  sequences in {args.budget_gib} GiB"
+    )
+    for r in rows:
+        print(
+            f"{r['model']:14} {r['before_bytes'] / mib:>12.1f} MiB {r['after_bytes'] / mib:>12.1f} MiB "
+            f"{r['ratio']:>5}x  {r['seqs_before']:,} -> {r['seqs_after']:,}   ({r['groups']})"
+        )
+    print(
+        f"{mla['model']}: {mla['bytes_per_token_cached']:,} bytes per token cached (K and V expanded), "
+        f"{mla['bytes_per_token_latent']:,} as the latent ({mla['ratio']}x less)"
+    )
+
+
+if __name__ == "__main__":
+    main()
