@@ -94,11 +94,17 @@ def probe_layers(model: torch.nn.Module) -> list[LayerAttention]:
             f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
         )
     seen: dict[int, LayerAttention] = {}
+    mark = object()  # passed as the step context is: a layer that drops forward kwargs never sees it
 
     def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         idx = getattr(module, "layer_idx", None)
         if not isinstance(idx, int):
             raise ValueError(f"{type(module).__name__} has no layer_idx; bulkgen cannot give it a KV cache")
+        if kwargs.get("bulkgen_ctx") is not mark:
+            raise ValueError(
+                f"{type(model).__name__} drops forward kwargs before its attention (layer {idx}); bulkgen "
+                "cannot pass it the step's cache"
+            )
         chunked = idx < len(layer_types) and layer_types[idx] == "chunked_attention"
         window = kwargs.get("sliding_window") or None
         kind = AttnKind(window=window, chunk=config.attention_chunk_size if chunked else None)
@@ -121,7 +127,8 @@ def probe_layers(model: torch.nn.Module) -> list[LayerAttention]:
     try:
         with torch.inference_mode():
             ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-            model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False)
+            positions = torch.arange(2, device=device)[None]
+            model(input_ids=ids, position_ids=positions, use_cache=False, bulkgen_ctx=mark)
     finally:
         config._attn_implementation = previous
     return _in_layer_order(model, seen)

@@ -21,6 +21,7 @@ WINDOW = 32  # sliding windows and attention chunks of the tiny models: prompts 
 _SLIDE_FULL = ["sliding_attention", "full_attention"]
 _THREE_TO_ONE = ["sliding_attention"] * 3 + ["full_attention"]
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+VOCAB = "vocab"  # a setting that must equal the tokenizer's vocabulary size
 _GLM_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
 
 # name -> (config class, model class, what the name means beyond the defaults: windows, MoE, MLA...).
@@ -87,6 +88,21 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
             "num_experts_per_tok": 1,
             "intermediate_size_mlp": 128,
             "interleave_moe_layer_step": 2,
+        },
+    ),
+    # KV shared by the last layers (they read an earlier layer's K/V), AltUp and per-layer inputs
+    "gemma3n": (
+        "Gemma3nTextConfig",
+        "Gemma3nForCausalLM",
+        {
+            "sliding_window": WINDOW,
+            "head_dim": 16,
+            "num_hidden_layers": 4,
+            "layer_types": _SLIDE_FULL * 2,
+            "num_kv_shared_layers": 2,
+            "laurel_rank": 8,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": VOCAB,
         },
     ),
     # multi-head latent attention (K and V heads of different sizes) and mixtures of experts
@@ -204,7 +220,9 @@ def build_tiny_model(
     settings.update(family)
     if num_hidden_layers is not None:
         settings["num_hidden_layers"] = num_hidden_layers
-    config = config_cls(**{**settings, **overrides})
+    settings.update(overrides)
+    settings = {k: settings["vocab_size"] if v == VOCAB else v for k, v in settings.items()}
+    config = config_cls(**settings)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32).eval()
     path = Path(path)

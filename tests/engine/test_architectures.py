@@ -115,3 +115,52 @@ def test_preemption_and_static_decode_buffers_give_transformers_tokens(name, arc
         assert out.token_ids == want, f"{name}: prompt {i} ({len(prompts[i])} tokens)"
     assert engine.stats()["preemptions"] > 0
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+REFUSED = {  # family -> (config class, model class, config, the one line naming what bulkgen lacks)
+    "bloom": (
+        "BloomConfig",
+        "BloomForCausalLM",
+        {"n_embed": 64, "n_layer": 2, "n_head": 4},
+        "does not route",
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128},
+        "drops forward kwargs",
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "layer_types": ["conv", "full_attention"],
+        },
+        r"non-attention layers \['conv'\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(REFUSED))
+def test_what_bulkgen_cannot_run_is_refused_at_load_naming_it(family, tmp_path):
+    """Bloom computes attention itself, StableLM's layers drop the forward kwargs that carry the step's
+    cache, LFM2 has convolution layers: each is refused by Engine construction with one line naming it
+    (StableLM used to fail at its first step)."""
+    import transformers
+
+    from bulkgen.lab.tiny import build_tokenizer
+
+    config_name, model_name, settings, reason = REFUSED[family]
+    tok = build_tokenizer()
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tok), eos_token_id=tok.eos_token_id, **settings
+    )
+    torch.manual_seed(0)
+    getattr(transformers, model_name)(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=reason) as refused:
+        Engine.from_pretrained(str(tmp_path), device="cpu")
+    assert "\n" not in str(refused.value)
