@@ -9,13 +9,19 @@ position). On CUDA, attention uses the fastest fused varlen kernel this torch of
 self-check against the plain path, and decode steps replay CUDA graphs; none of the CUDA path has
 run on a GPU in development (its tests are marked `gpu`).
 
-Greedy output is checked token for token against transformers' `generate` (fp32, CPU) for Llama,
-Qwen2, Qwen3 and Mistral. The same check also passed, once, for tiny random Gemma, Olmo, Olmo2,
-Granite, Phi, Phi3, Mixtral, Starcoder2, Cohere, Qwen2-MoE, Qwen3-MoE, Exaone4, Ministral, Apertus,
-Ernie4.5, Arcee, Helium, SmolLM3, GLM, GPT-NeoX, OPT, GPT-J and CodeGen models. Refused with a clear
-error: attention soft-capping or sinks (Gemma2, gpt-oss), models whose attention bypasses
-transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (StableLM), and hybrid
-recurrent/conv models. Sliding-window models run with max_model_len clipped to the window.
+Each layer's attention is learned at load by running the model once (layer_attention): its K/V head
+shapes, sliding window, chunked attention, soft-cap and sinks, which every kernel takes as parameters;
+layers of one kind share KV block tables, and windowed or chunked ones give back the blocks behind what
+they read (kv_layout, block_manager). Greedy output equals transformers' `generate` token for token
+(fp32, CPU; tests/engine/test_architectures.py, with chunked prefill, prefix caching and preemption) for
+Llama, Qwen2, Qwen3, Mistral (with and without its window), Ministral, Phi-3, Starcoder2, Gemma, Gemma 2
+(soft-capping), Gemma 3, Gemma 3n, OLMo, OLMo 2, OLMo 3, Cohere, Cohere 2, EXAONE 4, gpt-oss (sinks),
+Llama 4 (chunked attention), DeepSeek-V3 (MLA: K and V heads of different sizes, cached expanded),
+Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4 MoE, MiniMax-M2, SmolLM3, Granite, Phi, GPT-NeoX, GLM, Helium,
+Apertus, Arcee, ERNIE 4.5, OPT, GPT-J and CodeGen. Refused at load with one line naming the feature:
+models whose attention bypasses transformers' AttentionInterface (Bloom, Falcon) or whose layers drop
+forward kwargs (StableLM), hybrid recurrent, linear-attention or convolution layers, and layers with
+different KV head shapes.
 """
 
 import os

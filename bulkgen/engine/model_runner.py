@@ -90,7 +90,6 @@ class ModelRunner:
         self.k_caches = [k_slots[slot] for slot in layout.layer_slot]  # per layer; groups share slots
         self.v_caches = [v_slots[slot] for slot in layout.layer_slot]
         self.caches = LayerCaches(self.k_caches, self.v_caches, layout.layer_group, self.layers)
-        self.cache_bytes = sum(t.numel() * t.element_size() for t in (*k_slots, *v_slots))
         self.pack = HostPack(self.device)
         # decoding sequences' block tables, one persistent device row each (decode-graph and packed steps)
         width = -(-max_model_len // self.block_size)
@@ -160,14 +159,7 @@ class ModelRunner:
         if on_device:
             decoding = [s for s, _ in ordered[plan.num_prefill :]]
             plan.decode_rows = pack.add(self.tables.rows_for(decoding, updates, values))
-        plans = [  # each KV group's view of the step: its block tables
-            replace(
-                plan,
-                block_tables=[s.block_tables[g] for s, _ in ordered],
-                decode_table=self.tables.all[g] if on_device else None,
-            )
-            for g in range(len(self.layout.groups))
-        ]
+        plans = self._group_plans(plan, ordered, on_device)
         slots = [pack.add(p.slots(plan.num_prefill if on_device else None)) for p in plans]
         at = pack.add(updates)
         pack.add(values)
@@ -180,11 +172,7 @@ class ModelRunner:
         if on_device:
             if updates:
                 self.tables.all.view(-1).index_copy_(0, flat[at], flat[at.stop : at.stop + len(updates)])
-            pos = flat[positions][plan.num_prefill_tokens :]
-            table_rows = flat[plan.decode_rows]
-            bs = self.block_size
-            for g, table in enumerate(self.tables.all):
-                slot_rows[g] = torch.cat([slot_rows[g], table[table_rows, pos // bs] * bs + pos % bs])
+            self._decode_slots(slot_rows, flat[positions][plan.num_prefill_tokens :], flat[plan.decode_rows])
         ctx = StepContext(
             slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
@@ -199,6 +187,25 @@ class ModelRunner:
             out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
         step.logits = out.logits[0].float()
         return step
+
+    def _group_plans(self, plan: StepPlan, ordered: list[tuple[Sequence, int]], on_device) -> list[StepPlan]:
+        """Each KV group's view of the step: the plan with that group's block tables."""
+        return [
+            replace(
+                plan,
+                block_tables=[s.block_tables[g] for s, _ in ordered],
+                decode_table=self.tables.all[g] if on_device else None,
+            )
+            for g in range(len(self.layout.groups))
+        ]
+
+    def _decode_slots(
+        self, slot_rows: list[torch.Tensor], pos: torch.Tensor, table_rows: torch.Tensor
+    ) -> None:
+        """Append each group's cache rows of the decode tokens, read from the device tables."""
+        bs = self.block_size
+        for g, table in enumerate(self.tables.all):
+            slot_rows[g] = torch.cat([slot_rows[g], table[table_rows, pos // bs] * bs + pos % bs])
 
     def _rows(self, ordered: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[int]]:
         """Which query rows need logits: sampling rows first, then prompt-logprob rows."""

@@ -5,6 +5,9 @@ decodes), each bounded by the per-step token budget; then waiting sequences are 
 budget and KV blocks allow, in the order of the waiting queue (waiting.py: fair between tags, so
 between batches, then longest first). When a running sequence needs a block and none is free, the most recently
 admitted sequence is preempted: its blocks are freed and it is recomputed later (nothing is lost).
+Before a running sequence grows, its sliding-window and chunked KV groups give back the blocks its next
+tokens no longer read (block_manager.slide), so a long context in a windowed model holds little more
+than its full-attention layers' blocks.
 
 This is continuous batching: admit whenever there is room. Another admission rule (the static and
 dynamic batching that `bulkgen bench` compares against it, bulkgen/lab/grouped.py) subclasses Scheduler

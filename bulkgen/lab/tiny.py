@@ -24,6 +24,17 @@ _MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
 VOCAB = "vocab"  # a setting that must equal the tokenizer's vocabulary size
 _GLM_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
 
+
+def _windowed(layer_types: list[str], **settings) -> dict:
+    """A hybrid family's settings: WINDOW-token sliding layers where `layer_types` say, one layer each."""
+    return {
+        "sliding_window": WINDOW,
+        "layer_types": layer_types,
+        "num_hidden_layers": len(layer_types),
+        **settings,
+    }
+
+
 # name -> (config class, model class, what the name means beyond the defaults: windows, MoE, MLA...).
 # Layers of hybrid models follow their family's pattern, cut to 2 or 4 layers.
 ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
@@ -41,42 +52,12 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         "Qwen2ForCausalLM",
         {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
     ),
-    "gemma2": (
-        "Gemma2Config",
-        "Gemma2ForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16, "layer_types": _SLIDE_FULL, "num_hidden_layers": 2},
-    ),
-    "gemma3": (
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
-    ),
-    "gpt_oss": (
-        "GptOssConfig",
-        "GptOssForCausalLM",
-        {
-            "sliding_window": WINDOW,
-            "head_dim": 16,
-            "layer_types": _SLIDE_FULL,
-            "num_hidden_layers": 2,
-            **_MOE,
-        },
-    ),
-    "olmo3": (
-        "Olmo3Config",
-        "Olmo3ForCausalLM",
-        {"sliding_window": WINDOW, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
-    ),
-    "cohere2": (
-        "Cohere2Config",
-        "Cohere2ForCausalLM",
-        {"sliding_window": WINDOW, "head_dim": 16, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
-    ),
-    "exaone4": (
-        "Exaone4Config",
-        "Exaone4ForCausalLM",
-        {"sliding_window": WINDOW, "layer_types": _THREE_TO_ONE, "num_hidden_layers": 4},
-    ),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", _windowed(_SLIDE_FULL, head_dim=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", _windowed(_THREE_TO_ONE, head_dim=16)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", _windowed(_SLIDE_FULL, head_dim=16, **_MOE)),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", _windowed(_THREE_TO_ONE)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", _windowed(_THREE_TO_ONE, head_dim=16)),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", _windowed(_THREE_TO_ONE)),
     "llama4": (
         "Llama4TextConfig",
         "Llama4ForCausalLM",

@@ -193,3 +193,38 @@ def test_cuda_overlapped_steps_give_the_step_by_step_tokens(model_dirs, mixed_pr
         runs[overlap] = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)]
         assert engine.overlap is overlap
     assert runs[True] == runs[False]
+
+
+PER_LAYER_ARCHS = ["mistral-window", "gemma2", "gemma3", "gpt_oss", "llama4", "deepseek_v3"]
+
+
+@pytest.mark.parametrize("arch", PER_LAYER_ARCHS)
+def test_cuda_windows_chunks_softcap_sinks_and_mla_follow_transformers(arch, tmp_path, mixed_prompts):
+    """The tiny models of test_architectures.py (32-token windows and chunks) on the GPU: fp32 (the plain
+    prefill and the compiled triton decode kernel with its window, soft-cap and sinks) token for token
+    against transformers on CPU; bf16 (the fused prefill kernels with windows, chunk pieces, sinks from
+    the log-sum-exp and padded V; Gemma 2's soft-cap on plain prefills) judged by first divergence."""
+    from transformers import AutoModelForCausalLM
+
+    from bulkgen.lab.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / arch, arch, seed=3)
+    prompts = mixed_prompts(seed=34, count=6, low=1, high=300)
+    engine = Engine.from_pretrained(
+        str(path),
+        device="cuda",
+        dtype=torch.float32,
+        max_num_batched_tokens=64,
+        block_size=8,
+        num_kv_blocks=NUM_KV_BLOCKS,
+    )
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
+        assert out.token_ids == want.tolist(), (arch, len(prompt), engine.runner.backend.probe_report)
+    firsts, margins, problems, backend = bf16_greedy_against_hf(path, prompts, "cuda")
+    print(f"{arch} bf16 first divergence per prompt: {firsts}, margins {margins}, backend {backend}")
+    assert not problems, (problems, firsts, margins)
