@@ -57,7 +57,8 @@ def attention_layers(model: torch.nn.Module) -> set[int]:
 
 
 def _cache_arg(module: torch.nn.Module) -> str | None:
-    params = inspect.signature(module.forward).parameters
+    forward = getattr(module, "_bulkgen_original_forward", module.forward)  # seen through wrap_mixers
+    params = inspect.signature(forward).parameters
     return next((name for name in CACHE_ARGS if name in params), None)
 
 

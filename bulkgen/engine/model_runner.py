@@ -6,7 +6,6 @@ cached prefix blocks until they are all scored, since a cached prefix is never c
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -21,7 +20,6 @@ from .sequence import Sequence
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
 
-log = logging.getLogger(__name__)
 CPU_KV_CAP_BYTES = 2 << 30
 KV_HEADROOM = 1.25  # blocks beyond what max_num_seqs full contexts use: kept prefixes of finished requests
 
@@ -101,9 +99,6 @@ class ModelRunner:
         wanted = self.config.cuda_graphs
         if not (wanted or (wanted is None and on_cuda)):
             return None
-        if self.states is not None:
-            log.info("decode CUDA graphs are off for this hybrid model: its state slots are not in them yet")
-            return None
         graphs = DecodeGraphs(
             self.model,
             self.k_caches,
@@ -115,6 +110,7 @@ class ModelRunner:
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
+            states=self.states,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()

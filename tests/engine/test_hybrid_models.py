@@ -155,3 +155,18 @@ def test_model_still_generates_outside_the_engine(hybrid_dirs, prompts):
     engine = _engine(hybrid_dirs["falcon_h1"])
     reference = AutoModelForCausalLM.from_pretrained(hybrid_dirs["falcon_h1"]).eval()
     assert _greedy(engine.model, prompts[1], 4) == _greedy(reference, prompts[1], 4)
+
+
+def test_overlapped_steps_and_decode_graphs_keep_tokens_exact(hybrid_dirs, prompts):
+    """Steps launched before the previous step's tokens are read (stand-in tokens read on the device)
+    and decode steps through the graph path (run eagerly on CPU) leave each slot's state exact."""
+    engine = _engine(
+        hybrid_dirs["qwen3_next"], async_scheduling=True, cuda_graphs=True, max_num_batched_tokens=64
+    )
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, n=2 if i == 1 else 1) for i in range(6)]
+    results = _run_staggered(engine, prompts, params)
+    reference = AutoModelForCausalLM.from_pretrained(hybrid_dirs["qwen3_next"]).eval()
+    for i, prompt in enumerate(prompts):
+        want = _greedy(reference, prompt, MAX_TOKENS)
+        assert [c.token_ids for c in results[str(i)].outputs] == [want] * params[i].n, f"prompt {i}"
+    assert engine.runner.graphs is not None and engine.runner.graphs.buckets
