@@ -50,6 +50,11 @@ def kv_cache_blocks(
     return int(num)
 
 
+def kv_block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across the layers that have attention (K and V)."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass
 class StepLogits:
     """One forward's logits and what each row is for."""
@@ -117,8 +122,9 @@ class ModelRunner:
         return graphs
 
     def _num_blocks(self, max_model_len: int) -> int:
-        block_bytes = 2 * len(self.kv_layers) * self.block_size * self.num_kv_heads * self.head_dim
-        block_bytes *= torch.empty((), dtype=self.dtype).element_size()
+        block_bytes = kv_block_bytes(
+            len(self.kv_layers), self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
         reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
         return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len, reserved)
 
