@@ -35,7 +35,7 @@ import torch
 from . import triton_decode
 from .attention import StepContext, attention_scope
 from .attn_backends import DecodeMeta, PlainBackend
-from .hybrid_layers import StateStep
+from .hybrid_layers import StateStep, state_scope
 from .sequence import Sequence
 from .step_plan import HostPack
 
@@ -241,15 +241,14 @@ class DecodeGraphs:
         cache_rows = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         meta = ([], DecodeMeta(0, b.batch, table, lengths))
         ctx = StepContext(cache_rows, self.k_caches, self.v_caches, self.plain, meta)
-        extra = {"bulkgen_states": StateStep(decode_slots=slots[0])} if slots else {}
-        with attention_scope(self.model):
+        states = StateStep(decode_slots=slots[0]) if slots else None
+        with attention_scope(self.model), state_scope(self.states, states):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=pos[None],
                 use_cache=False,
                 bulkgen_ctx=ctx,
                 logits_to_keep=0,
-                **extra,
             )
         return out.logits[0]
 

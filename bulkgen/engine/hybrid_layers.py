@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,20 @@ class StateStep:
     prefill: list[tuple[int, int, int, bool]] = field(default_factory=list)
     decode_start: int = 0  # row of the first decode (one token each, to the end of the row)
     decode_slots: torch.Tensor | None = None  # int64 [decodes] on the device
+
+
+@contextmanager
+def state_scope(pool: StatePool | None, step: StateStep | None) -> Iterator[None]:
+    """Hand `step` to the wrapped mixers for one engine forward. The pool carries it, not a forward
+    kwarg: some decoder layers call their mixer without passing kwargs on (LFM2 in transformers 5.17)."""
+    if pool is None:
+        yield
+        return
+    pool.step = step
+    try:
+        yield
+    finally:
+        pool.step = None
 
 
 def find_mixers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -113,10 +129,20 @@ def probe_states(mixers: dict[int, torch.nn.Module], hidden_size: int) -> dict[i
 
 class _SlotView:
     """The cache API over state tensors: rows of the slot tensors (one prefill chunk, written in place)
-    or copies gathered for the step's decodes (scattered back by the wrapper)."""
+    or copies gathered for the step's decodes (scattered back by the wrapper).
+
+    Earlier transformers 5 releases (5.17) read the states as `cache.layers[i].conv_states[0]`,
+    `.recurrent_states[0]` and `.record_past` after `has_previous_state(i)`: the view answers those too."""
+
+    record_past = False
 
     def __init__(self, conv: list[torch.Tensor], recurrent: list[torch.Tensor], has_state: bool) -> None:
         self.conv, self.recurrent, self.has_state = conv, recurrent, has_state
+        self.conv_states, self.recurrent_states = conv, recurrent
+
+    @property
+    def layers(self) -> _EveryLayer:
+        return _EveryLayer(self)
 
     def get_conv_state(self, layer_idx, state_idx=0):
         return self.conv[state_idx] if self.has_state else None
@@ -147,6 +173,16 @@ class _SlotView:
         return False
 
 
+class _EveryLayer:
+    """`cache.layers[i]` of a view: the view itself, whichever layer asks (a view serves one mixer)."""
+
+    def __init__(self, view: _SlotView) -> None:
+        self.view = view
+
+    def __getitem__(self, layer_idx: int) -> _SlotView:
+        return self.view
+
+
 def wrap_mixers(mixers: dict[int, torch.nn.Module], pool: StatePool) -> None:
     """Route each mixer's forward through `_packed_forward` (once: a second engine on the same model
     rewraps the original forward, so the newest pool is the one used)."""
@@ -158,7 +194,7 @@ def wrap_mixers(mixers: dict[int, torch.nn.Module], pool: StatePool) -> None:
 
 def _packed_forward(original, cache_arg: str, pool: StatePool, layer: int, hidden_states, *args, **kwargs):
     """hidden_states [1, T, H] of a packed step -> the mixer's output [1, T, H], sequence by sequence."""
-    step: StateStep | None = kwargs.get("bulkgen_states")
+    step: StateStep | None = pool.step
     if step is None:  # a call outside the engine (generate, a user's forward): the mixer as it was
         return original(hidden_states, *args, **kwargs)
     conv, recurrent = pool.conv[layer], pool.recurrent[layer]

@@ -15,7 +15,14 @@ from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
-from .hybrid_layers import StateStep, attention_layers, find_mixers, probe_states, wrap_mixers
+from .hybrid_layers import (
+    StateStep,
+    attention_layers,
+    find_mixers,
+    probe_states,
+    state_scope,
+    wrap_mixers,
+)
 from .sequence import Sequence
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
@@ -212,8 +219,7 @@ class ModelRunner:
         )
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
-            kwargs["bulkgen_states"] = states
-        with attention_scope(self.model), _capture_hidden(self.model, step):
+        with attention_scope(self.model), _capture_hidden(self.model, step), state_scope(self.states, states):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
                 return step

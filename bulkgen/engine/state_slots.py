@@ -71,6 +71,7 @@ class StatePool:
             self.conv[idx] = [self._zeros(s, device) for s in spec.conv]
             self.recurrent[idx] = [self._zeros(s, device) for s in spec.recurrent]
         self.bytes_per_slot = slot_bytes(layers)
+        self.step = None  # the forward in progress' hybrid_layers.StateStep (hybrid_layers.state_scope)
         self.reset()
 
     def _zeros(self, state: StateShape, device: torch.device) -> torch.Tensor:
