@@ -17,8 +17,9 @@ Ernie4.5, Arcee, Helium, SmolLM3, GLM, GPT-NeoX, OPT, GPT-J and CodeGen models. 
 GraniteMoeHybrid, Falcon-H1, LFM2) are checked the same way; their recurrent state lives in per-sequence
 state slots (state_slots.py, hybrid_layers.py) and prefix caching is off for them. Refused with a clear
 error: attention soft-capping or sinks (Gemma2, gpt-oss), models whose attention bypasses
-transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (StableLM), and models with
-layers that are neither attention nor a recurrent mixer bulkgen finds. Sliding-window models run with
+transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (StableLM), models with
+layers that are neither attention nor a recurrent mixer bulkgen finds, and recurrent mixers not yet
+checked against transformers (Bamba, LFM2-MoE, ...: hybrid_layers.CHECKED_MIXERS). Sliding-window models run with
 max_model_len clipped to the window.
 """
 

@@ -27,6 +27,18 @@ import torch.nn.functional as F
 from .state_slots import LayerStates, StatePool, StateShape
 
 MIXER_NAMES = ("linear_attn", "mamba", "conv")  # decoder-layer attributes holding a recurrent mixer
+# the mixers checked token for token against transformers (tests/engine/test_hybrid_models.py); another
+# (Bamba, LFM2-MoE, ...) may well work the same way, but is refused until it is checked
+CHECKED_MIXERS = frozenset(
+    {
+        "Qwen3NextGatedDeltaNet",
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5MoeGatedDeltaNet",
+        "GraniteMoeHybridMambaLayer",
+        "FalconH1Mixer",
+        "Lfm2ShortConv",
+    }
+)
 CACHE_ARGS = ("cache", "cache_params", "past_key_values")  # the mixer's cache argument, by release
 
 

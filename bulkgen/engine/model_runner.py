@@ -16,6 +16,7 @@ from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
 from .hybrid_layers import (
+    CHECKED_MIXERS,
     StateStep,
     attention_layers,
     find_mixers,
@@ -319,8 +320,14 @@ def _check_supported(model: torch.nn.Module) -> None:
     state slot (hybrid_layers.find_mixers): they would mix the sequences of a packed row."""
     layer_types = getattr(model.config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    covered = set(find_mixers(model)) | attention_layers(model)
-    if other and not covered >= set(range(len(layer_types))):
+    mixers = find_mixers(model)
+    unchecked = sorted({type(m).__name__ for m in mixers.values()} - CHECKED_MIXERS)
+    if unchecked:
+        raise ValueError(
+            f"{type(model).__name__} has recurrent layers {unchecked} that bulkgen has not checked against "
+            f"transformers; it runs {sorted(CHECKED_MIXERS)}"
+        )
+    if other and not set(mixers) | attention_layers(model) >= set(range(len(layer_types))):
         raise ValueError(
             f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
         )

@@ -170,3 +170,27 @@ def test_overlapped_steps_and_decode_graphs_keep_tokens_exact(hybrid_dirs, promp
         want = _greedy(reference, prompt, MAX_TOKENS)
         assert [c.token_ids for c in results[str(i)].outputs] == [want] * params[i].n, f"prompt {i}"
     assert engine.runner.graphs is not None and engine.runner.graphs.buckets
+
+
+def test_an_unchecked_recurrent_layer_is_refused_by_name():
+    """Bamba's Mamba mixer has the same cache API but no equality check here: refused at load, named."""
+    import transformers
+
+    from bulkgen.lab.tiny import build_tokenizer
+
+    config = transformers.BambaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1],
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=8,
+        mamba_expand=1,
+    )
+    model = transformers.BambaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=r"recurrent layers \['BambaMixer'\] that bulkgen has not checked"):
+        Engine(model, build_tokenizer())
