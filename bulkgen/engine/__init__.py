@@ -12,10 +12,15 @@ run on a GPU in development (its tests are marked `gpu`).
 Greedy output is checked token for token against transformers' `generate` (fp32, CPU) for Llama,
 Qwen2, Qwen3 and Mistral. The same check also passed, once, for tiny random Gemma, Olmo, Olmo2,
 Granite, Phi, Phi3, Mixtral, Starcoder2, Cohere, Qwen2-MoE, Qwen3-MoE, Exaone4, Ministral, Apertus,
-Ernie4.5, Arcee, Helium, SmolLM3, GLM, GPT-NeoX, OPT, GPT-J and CodeGen models. Refused with a clear
+Ernie4.5, Arcee, Helium, SmolLM3, GLM, GPT-NeoX, OPT, GPT-J and CodeGen models. Hybrid models
+(linear-attention, Mamba-2 or short-conv layers beside attention: Qwen3-Next, Qwen3.5 dense and MoE,
+GraniteMoeHybrid, Falcon-H1, LFM2) are checked the same way; their recurrent state lives in per-sequence
+state slots (state_slots.py, hybrid_layers.py) and prefix caching is off for them. Refused with a clear
 error: attention soft-capping or sinks (Gemma2, gpt-oss), models whose attention bypasses
-transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (StableLM), and hybrid
-recurrent/conv models. Sliding-window models run with max_model_len clipped to the window.
+transformers' AttentionInterface (Bloom, Falcon) or drops forward kwargs (StableLM), models with
+layers that are neither attention nor a recurrent mixer bulkgen finds, and recurrent mixers not yet
+checked against transformers (Bamba, LFM2-MoE, ...: hybrid_layers.CHECKED_MIXERS). Sliding-window models run with
+max_model_len clipped to the window.
 """
 
 import os

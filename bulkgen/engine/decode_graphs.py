@@ -14,7 +14,9 @@ so every bucket is captured once, at engine start (what vLLM does), and no captu
 padded-SDPA kernel (CPU, and CUDA without triton) gathers the table's whole width, so there the width
 (blocks, rounded the same way) is a second key and buckets are built on first use or by `capture()`.
 Padded rows use a padding table row whose blocks are the scratch block past the last real one: they
-read and write only it, and their logits are dropped. On CPU the same path runs eagerly
+read and write only it, and their logits are dropped. A hybrid model's rows also carry their state
+slot (state_slots.py), a fifth int per row: its recurrent layers gather and scatter the slots by that
+device index inside the graph, and padded rows use the scratch slot. On CPU the same path runs eagerly
 (`EngineConfig.cuda_graphs=True`), so its padding and table bookkeeping are tested there.
 
 Captures run under inference mode whoever calls them: with autograd on, every captured forward would
@@ -33,6 +35,7 @@ import torch
 from . import triton_decode
 from .attention import StepContext, attention_scope
 from .attn_backends import DecodeMeta, PlainBackend
+from .hybrid_layers import StateStep, state_scope
 from .sequence import Sequence
 from .step_plan import HostPack
 
@@ -116,13 +119,15 @@ class SlotTables:
 class _Bucket:
     batch: int
     width: int  # table columns the forward reads
-    buf: torch.Tensor  # device int64 [batch * 4]: token ids, positions, table rows, lengths
+    buf: (
+        torch.Tensor
+    )  # device int64 [batch * fields]: token ids, positions, table rows, lengths[, state slots]
     graph: object | None = None
     out: torch.Tensor | None = None
 
     def views(self):
         b = self.batch
-        return tuple(self.buf[i * b : (i + 1) * b] for i in range(4))
+        return tuple(self.buf[i * b : (i + 1) * b] for i in range(self.buf.numel() // b))
 
 
 class DecodeGraphs:
@@ -138,10 +143,12 @@ class DecodeGraphs:
         capture: bool,
         decode_kernel: str | None = None,
         tables: SlotTables | None = None,
+        states=None,
     ):
         """`max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
         last real one, which padded rows read and write; `tables`: the runner's, shared with its packed
-        path (a sequence keeps its row whichever path its steps take)."""
+        path (a sequence keeps its row whichever path its steps take); `states`: a hybrid model's
+        state_slots.StatePool."""
         self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
         self.block_size, self.max_batch, self.max_width = block_size, max_batch, max_width
         self.device = k_caches[0].device
@@ -152,6 +159,8 @@ class DecodeGraphs:
         self.paged = (decode_kernel or triton_decode.default_kernel(self.device)) == "triton"
         self.tables = tables or SlotTables(max_batch, max_width, scratch_block, self.device)
         self.pack = HostPack(self.device)
+        self.states = states
+        self.fields = 4 if states is None else 5
 
     @torch.inference_mode()
     def capture(self, max_context: int | None = None) -> int:
@@ -188,10 +197,13 @@ class DecodeGraphs:
         pack.add(starts + [0] * pad)
         pack.add(rows + [self.tables.pad_row] * pad)
         pack.add([p + 1 for p in starts] + [1] * pad)
+        if self.states is not None:
+            slot_of = self.states.slot_of
+            pack.add([slot_of[s.seq_id] for s in seqs] + [self.states.scratch] * pad)
         updates = pack.add(index)
         pack.add(values)
         flat = pack.upload()
-        b.buf.copy_(flat[: 4 * b.batch], non_blocking=True)
+        b.buf.copy_(flat[: self.fields * b.batch], non_blocking=True)
         if pending is not None:
             ids_view = b.buf[: b.batch]
             ids_view.copy_(read_pending(ids_view, pending))
@@ -208,25 +220,29 @@ class DecodeGraphs:
     def _bucket(self, batch: int, width: int) -> _Bucket:
         key = (batch, width)
         if key not in self.buckets:
-            b = _Bucket(batch, width, torch.zeros(batch * 4, dtype=torch.int64, device=self.device))
-            _, _, rows, lengths = b.views()
+            buf = torch.zeros(batch * self.fields, dtype=torch.int64, device=self.device)
+            b = _Bucket(batch, width, buf)
+            _, _, rows, lengths, *slots = b.views()
             rows.fill_(self.tables.pad_row)  # an all-padding step: safe to run while capturing
             lengths.fill_(1)
+            if slots:
+                slots[0].fill_(self.states.scratch)
             if self.use_graphs:
                 self._try_capture(b)
             self.buckets[key] = b
         return self.buckets[key]
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
-        ids, pos, rows, lengths = b.views()
+        ids, pos, rows, lengths, *slots = b.views()
         table = self.tables.table.index_select(0, rows)
         if b.width < table.shape[1]:
             table = table[:, : b.width]
         bs = self.block_size
-        slots = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        cache_rows = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         meta = ([], DecodeMeta(0, b.batch, table, lengths))
-        ctx = StepContext(slots, self.k_caches, self.v_caches, self.plain, meta)
-        with attention_scope(self.model):
+        ctx = StepContext(cache_rows, self.k_caches, self.v_caches, self.plain, meta)
+        states = StateStep(decode_slots=slots[0]) if slots else None
+        with attention_scope(self.model), state_scope(self.states, states):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=pos[None],

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -75,6 +76,11 @@ class Engine(OverlappedSteps):
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
         self.runner = ModelRunner(model, self.config, self.max_model_len)
+        if self.runner.states is not None and self.config.enable_prefix_caching:
+            log.info(
+                "prefix caching is off: a hybrid model's recurrent state cannot be rebuilt from cached blocks"
+            )
+            self.config = replace(self.config, enable_prefix_caching=False)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.pooling = pooling or model_pooling(getattr(model, "name_or_path", None))
@@ -101,6 +107,9 @@ class Engine(OverlappedSteps):
             self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         self.scheduler = self._make_scheduler(self.config, self.block_manager)
+        if self.runner.states is not None:
+            self.runner.states.reset()
+            self.scheduler.states = self.runner.states
 
     @classmethod
     def from_pretrained(

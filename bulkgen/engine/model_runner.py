@@ -15,19 +15,31 @@ from .attention import ATTN_IMPLEMENTATION, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
+from .hybrid_layers import (
+    CHECKED_MIXERS,
+    StateStep,
+    attention_layers,
+    find_mixers,
+    probe_states,
+    state_scope,
+    wrap_mixers,
+)
 from .sequence import Sequence
+from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
 
 CPU_KV_CAP_BYTES = 2 << 30
 KV_HEADROOM = 1.25  # blocks beyond what max_num_seqs full contexts use: kept prefixes of finished requests
 
 
-def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int) -> int:
+def kv_cache_blocks(
+    cfg: EngineConfig, device: torch.device, block_bytes: int, max_model_len: int, reserved: int = 0
+) -> int:
     """Blocks of the paged KV cache: what `max_num_seqs` full-length sequences can ever use (plus
     headroom for cached prefixes), within the budget. On CUDA the budget is a fraction of the memory
     free to this process: the device's free memory plus what torch's allocator holds unused (an earlier
     engine's freed cache stays reserved there). A tiny model on a big GPU gets the blocks it can use,
-    not millions it never touches."""
+    not millions it never touches. `reserved`: bytes of the budget already taken (hybrid state slots)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     full = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)  # every slot at full context
@@ -39,10 +51,16 @@ def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, m
         usable, budget = int(full * KV_HEADROOM), int((free + idle) * cfg.kv_cache_memory_fraction)
     else:
         usable, budget = full, CPU_KV_CAP_BYTES
+    budget -= reserved
     num = budget // block_bytes if usable is None else min(usable, budget // block_bytes)
     if num < 1:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
     return int(num)
+
+
+def kv_block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across the layers that have attention (K and V)."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -74,17 +92,14 @@ class ModelRunner:
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
+        self.states = self._state_pool()  # hybrid models' recurrent state: None otherwise
         self.backend = select_backend(
             self.device, self.dtype, hf.num_attention_heads, self.num_kv_heads, self.head_dim, self.block_size
         )
         self.num_blocks = self._num_blocks(max_model_len)
         shape = (self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)  # + a scratch block
-        self.k_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
-        self.v_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
-        ]
+        self.k_caches = [self._kv_cache(i, shape) for i in range(self.num_layers)]
+        self.v_caches = [self._kv_cache(i, shape) for i in range(self.num_layers)]
         self.pack = HostPack(self.device)
         # decoding sequences' block tables, one persistent device row each (decode-graph and packed steps)
         self.tables = SlotTables(
@@ -108,23 +123,56 @@ class ModelRunner:
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
+            states=self.states,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
         return graphs
 
     def _num_blocks(self, max_model_len: int) -> int:
-        block_bytes = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim
-        block_bytes *= torch.empty((), dtype=self.dtype).element_size()
-        return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len)
+        block_bytes = kv_block_bytes(
+            len(self.kv_layers), self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
+        return kv_cache_blocks(self.config, self.device, block_bytes, max_model_len, reserved)
+
+    def _kv_cache(self, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A layer's paged K or V cache; an empty tensor for a layer without attention (a hybrid's
+        recurrent layers keep their state in slots instead)."""
+        if layer not in self.kv_layers:
+            return torch.empty(0, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _state_pool(self) -> StatePool | None:
+        """Hybrid models: one state slot per running sequence (`num_state_slots`, default `max_num_seqs`),
+        reserved from the cache budget before KV blocks; every layer with attention gets KV blocks."""
+        mixers = find_mixers(self.model)
+        self.kv_layers = attention_layers(self.model) if mixers else set(range(self.num_layers))
+        if not mixers:
+            return None
+        pool = StatePool(
+            probe_states(mixers, self.model.config.hidden_size),
+            self.config.num_state_slots or self.config.max_num_seqs,
+            self.device,
+        )
+        wrap_mixers(mixers, pool)
+        return pool
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), then for the prompt positions of
-        prompt-logprob prefills (see StepLogits). Changes no sequence. `pending`: the previous step's
-        sampled tokens on the device, where stand-ins for tokens the host has not read (sequence.pending_id)
-        are looked up."""
+        prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
+        advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
+        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        if self.states is None:
+            return self._run(batch, pending)
+        self.states.begin(batch)
+        step = self._run(batch, pending)
+        self.states.commit(batch)
+        return step
+
+    def _run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None) -> StepLogits:
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         if self.graphs is not None and not plan.num_prefill and not step.pooled:
@@ -151,6 +199,8 @@ class ModelRunner:
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
+        states, state_slots = self._state_step(ordered, plan.num_prefill)
+        decode_slots = pack.add(state_slots)
         meta = self.backend.prepare(plan, pack)
         flat = pack.upload()
         slot_rows = flat[slots]
@@ -168,13 +218,29 @@ class ModelRunner:
         kwargs = dict(
             input_ids=input_ids[None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
         )
-        with attention_scope(self.model), _capture_hidden(self.model, step):
+        if states is not None:
+            states.decode_slots = flat[decode_slots] if state_slots else None
+        with attention_scope(self.model), _capture_hidden(self.model, step), state_scope(self.states, states):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
                 return step
             out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
         step.logits = out.logits[0].float()
         return step
+
+    def _state_step(
+        self, ordered: list[tuple[Sequence, int]], num_prefill: int
+    ) -> tuple[StateStep | None, list[int]]:
+        """A hybrid model's StateStep for the packed row (its decode slots still to be read from the
+        upload) and the decodes' slots to upload; (None, []) for a pure transformer."""
+        if self.states is None:
+            return None, []
+        slot_of, step, q_off = self.states.slot_of, StateStep(), 0
+        for seq, n in ordered[:num_prefill]:
+            step.prefill.append((q_off, n, slot_of[seq.seq_id], seq.num_computed_tokens > 0))
+            q_off += n
+        step.decode_start = q_off
+        return step, [slot_of[seq.seq_id] for seq, _ in ordered[num_prefill:]]
 
     def _rows(self, ordered: list[tuple[Sequence, int]]) -> tuple[StepLogits, list[int]]:
         """Which query rows need logits: sampling rows first, then prompt-logprob rows."""
@@ -250,10 +316,18 @@ def check_attention_routing(model: torch.nn.Module) -> None:
 
 
 def _check_supported(model: torch.nn.Module) -> None:
-    """Refuse hybrid models: their recurrent/conv layers would mix the sequences of a packed row."""
+    """Refuse models with layers that are neither attention nor a recurrent mixer bulkgen can give a
+    state slot (hybrid_layers.find_mixers): they would mix the sequences of a packed row."""
     layer_types = getattr(model.config, "layer_types", None) or []
     other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-    if other:
+    mixers = find_mixers(model)
+    unchecked = sorted({type(m).__name__ for m in mixers.values()} - CHECKED_MIXERS)
+    if unchecked:
+        raise ValueError(
+            f"{type(model).__name__} has recurrent layers {unchecked} that bulkgen has not checked against "
+            f"transformers; it runs {sorted(CHECKED_MIXERS)}"
+        )
+    if other and not set(mixers) | attention_layers(model) >= set(range(len(layer_types))):
         raise ValueError(
             f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
         )

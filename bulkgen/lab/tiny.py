@@ -22,6 +22,13 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    # hybrid models: their recurrent layers' config values are in tiny_hybrid.py
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM"),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM"),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM"),
 }
 
 

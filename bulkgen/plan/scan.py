@@ -34,12 +34,16 @@ class FileWork:
         default_factory=list
     )  # what prefill computes (prefix-cache hits removed)
     max_tokens: list[int] = field(default_factory=list)  # as fit_context resolves it (0: embeddings)
+    # what prefill computes without a prefix cache (hybrid models): every sequence its whole prompt
+    sequence_prompts: list[int] = field(default_factory=list)
     refused: int = 0  # lines their worker would answer with a 400
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def arrays(self, prefix_caching: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt tokens, tokens prefill computes, max tokens) per sequence; `prefix_caching` off: the
+        engine shares no prompt block, between requests or between the `n` sequences of one."""
         return (
             np.array(self.prompt_tokens, np.int64),
-            np.array(self.uncached_tokens, np.int64),
+            np.array(self.uncached_tokens if prefix_caching else self.sequence_prompts, np.int64),
             np.array(self.max_tokens, np.int64),
         )
 
@@ -103,4 +107,5 @@ def _add(work: FileWork, cache: _PrefixCache, request: ParsedRequest, tokenizer,
     for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
         work.prompt_tokens.append(len(ids) if k == 0 else 0)
         work.uncached_tokens.append(uncached if k == 0 else 0)
+        work.sequence_prompts.append(len(ids))
         work.max_tokens.append(max_tokens)
