@@ -24,7 +24,7 @@ from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
 from bulkgen.batch.resp_api import RESPONSES, responses_request
 from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote, versioned
-from bulkgen.batch.structured import forced_tool, response_guide
+from bulkgen.batch.structured import forced_param, forced_tool, response_guide
 
 __all__ = [
     "CHAT",
@@ -146,6 +146,8 @@ class ParsedRequest:
     tool_format: str | None = None  # set by prepare.tokenize from the chat template: parse calls
     forced_tool: str | None = None  # a forced call: "*" (tool_choice required) or the function's
     # name; its grammar is sampling["guide"]
+    guide_param: str | None = None  # the body field sampling["guide"] came from: a grammar that fails as
+    # the request runs is that line's 400 naming it
     limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)
     response_fields: dict[str, Any] | None = None  # /v1/responses: the request fields its Response repeats
     embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
@@ -213,6 +215,7 @@ def _parse_body(line: RequestLine) -> ParsedRequest:
                 "body.response_format cannot constrain a forced tool call's output; drop one of them",
                 "body.response_format",
             )
+        request.guide_param = f"body.{forced_param(body)}" if guide is not None else "body.response_format"
         guide = guide or response_guide(body)
     else:
         all_prompts = prompts(body.get("prompt"))

@@ -68,10 +68,10 @@ def json_schema_guide(spec: Any, param: str, compiled_as: str) -> Guide:
 def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide | None]:
     """(REQUIRED or the forced function's name, the grammar of its output), or (None, None) when the
     model is free to call or not."""
-    choice = body.get("tool_choice")
-    param = "tool_choice"
-    if choice is None and isinstance(body.get("function_call"), dict):
-        choice, param = {"type": "function", "function": body["function_call"]}, "function_call"
+    param = forced_param(body)
+    choice = body.get(param)
+    if param == "function_call":
+        choice = {"type": "function", "function": choice}
     if choice == "required":
         if not tools:
             raise invalid("tool_choice", "is 'required' but the request has no tools", choice)
@@ -86,6 +86,13 @@ def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide
     if not match:
         raise invalid(param, f"names function {quote(name)}, which is not among the request's tools", choice)
     return name, _compiled(Guide.json_schema(match[0].get("parameters") or ANY_ARGUMENTS), param)
+
+
+def forced_param(body: dict) -> str:
+    """The field that forces a call: `tool_choice`, or the legacy `function_call: {"name"}` without it."""
+    if body.get("tool_choice") is None and isinstance(body.get("function_call"), dict):
+        return "function_call"
+    return "tool_choice"
 
 
 def _call_schema(function: dict) -> dict[str, Any]:

@@ -194,3 +194,38 @@ def test_a_seeded_constrained_request_samples_the_same_alone_and_in_a_crowd(mode
         for n, g in ((12, None), (30, Guide.json_schema(LABEL)), (7, None), (25, Guide.json_object()))
     ]
     assert engine.generate(prompts, [seeded, *others])[0].token_ids == alone
+
+
+# A schema whose grammar fails only as a document is written: its pattern (past llguidance's lexer limits)
+# sits behind a `$ref`, after a property whose long name takes the first steps, so it passes the compiler's
+# first steps (bulkgen/engine/schema_compiler.py) and fails in the engine, where the value begins.
+LATE_FAILURE = {
+    "$defs": {"bad": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
+    "type": "object",
+    "properties": {
+        "a_flag_whose_long_name_takes_the_first_steps_of_the_document_x": {"type": "boolean"},
+        "z": {"$ref": "#/$defs/bad"},
+    },
+    "required": ["a_flag_whose_long_name_takes_the_first_steps_of_the_document_x", "z"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_that_fails_as_it_runs_fails_its_request_never_a_stop(model_dirs, mixed_prompts, overlap):
+    """The failing request (both of its n completions) comes back with `error` and no text; the requests
+    beside it, constrained or not, finish as they would alone, and every KV block is freed."""
+    engine = Engine.from_pretrained(str(model_dirs["llama"]), async_scheduling=overlap)
+    prompts = mixed_prompts(seed=5, count=3, low=3, high=20)
+    params = [
+        SamplingParams(max_tokens=150, temperature=1.0, n=2, seed=3, guide=Guide.json_schema(LATE_FAILURE)),
+        SamplingParams(max_tokens=60, temperature=0, guide=Guide.json_schema(LABEL)),
+        SamplingParams(max_tokens=9, temperature=0),
+    ]
+    failed, label, plain = engine.generate(prompts, params)
+    assert failed.outputs == [] and "the schema's grammar failed during decoding" in failed.error
+    assert "too many expressions" in failed.error and "\n" not in failed.error
+    assert label.error is None and label.outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(label.text), LABEL)
+    assert plain.token_ids == engine.generate([prompts[2]], params[2])[0].token_ids
+    assert engine.requests == {} and engine.block_manager.num_free_blocks == engine.runner.num_blocks
