@@ -19,6 +19,7 @@ from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.grammar import GrammarRuntime, Guide, apply_masks
 from bulkgen.engine.sampling_params import SamplingError
 from bulkgen.models.registry import BUNDLED_MODEL
+from tests.support.schemas import LATE_FAILURE
 
 LABEL = {
     "type": "object",
@@ -194,21 +195,6 @@ def test_a_seeded_constrained_request_samples_the_same_alone_and_in_a_crowd(mode
         for n, g in ((12, None), (30, Guide.json_schema(LABEL)), (7, None), (25, Guide.json_object()))
     ]
     assert engine.generate(prompts, [seeded, *others])[0].token_ids == alone
-
-
-# A schema whose grammar fails only as a document is written: its pattern (past llguidance's lexer limits)
-# sits behind a `$ref`, after a property whose long name takes the first steps, so it passes the compiler's
-# first steps (bulkgen/engine/schema_compiler.py) and fails in the engine, where the value begins.
-LATE_FAILURE = {
-    "$defs": {"bad": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
-    "type": "object",
-    "properties": {
-        "a_flag_whose_long_name_takes_the_first_steps_of_the_document_x": {"type": "boolean"},
-        "z": {"$ref": "#/$defs/bad"},
-    },
-    "required": ["a_flag_whose_long_name_takes_the_first_steps_of_the_document_x", "z"],
-    "additionalProperties": False,
-}
 
 
 @pytest.mark.parametrize("overlap", [False, True])

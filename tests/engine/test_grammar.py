@@ -25,6 +25,7 @@ from bulkgen.engine.grammar import (
     unpack,
 )
 from bulkgen.models.registry import BUNDLED_MODEL
+from tests.support.schemas import SLOW_TO_COMPILE, ref_chain
 
 PERSON = {
     "type": "object",
@@ -153,13 +154,6 @@ def test_a_schema_that_cannot_compile_is_a_grammar_error_naming_why(schema, reas
     assert "\n" not in str(err.value)  # one line: it becomes a per-line 400 message
 
 
-def _ref_chain(length: int) -> dict:
-    defs = {
-        f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(length)
-    }
-    return {"$defs": {**defs, f"d{length}": {"type": "string"}}, "$ref": "#/$defs/d0"}
-
-
 @pytest.mark.parametrize(
     "schema",
     [{"$ref": "#"}, {"type": "string", "pattern": "^(a{1000}){1000}$"}],
@@ -174,7 +168,7 @@ def test_a_schema_that_admits_no_document_is_refused_at_check(schema):
 
 @pytest.mark.parametrize(
     "schema",
-    [_ref_chain(1000), {"type": "object", "required": [f"r{i}" for i in range(30_000)]}],
+    [ref_chain(1000), {"type": "object", "required": [f"r{i}" for i in range(30_000)]}],
     ids=["1000-refs-deep", "30000-required-names"],
 )
 def test_a_schema_that_crashes_the_compiler_costs_that_schema_alone(schema):
@@ -182,7 +176,7 @@ def test_a_schema_that_crashes_the_compiler_costs_that_schema_alone(schema):
     assert len(json.dumps(schema)) < schema_compiler.MAX_SCHEMA_BYTES
     with pytest.raises(GrammarError, match=r"the grammar compiler crashed on the schema \(SIGSEGV\)"):
         check(Guide.json_schema(schema))
-    check(Guide.json_schema(_ref_chain(3)))  # the next schema gets a fresh compiler
+    check(Guide.json_schema(ref_chain(3)))  # the next schema gets a fresh compiler
 
 
 def test_a_schema_over_the_size_limit_is_refused_before_compiling():
@@ -194,16 +188,10 @@ def test_a_schema_over_the_size_limit_is_refused_before_compiling():
 def test_a_compile_past_the_time_limit_is_stopped(monkeypatch):
     """7,000 patterned properties (480 KB) take seconds to compile; a limit below that stops the compiler,
     and the next schema compiles in a fresh one."""
-    slow = {
-        "type": "object",
-        "properties": {
-            f"p{i}": {"type": "string", "pattern": f"^(a|b|c)*{i}[a-z]{{0,20}}$"} for i in range(7000)
-        },
-    }
     monkeypatch.setattr(schema_compiler, "COMPILE_TIMEOUT_S", 0.5)
     with pytest.raises(GrammarError, match=r"the schema took longer than 0.5 s to compile"):
-        check(Guide.json_schema(slow))
-    check(Guide.json_schema(_ref_chain(4)))
+        check(Guide.json_schema(SLOW_TO_COMPILE))
+    check(Guide.json_schema(ref_chain(4)))
 
 
 def test_compiler_messages_become_one_short_line():
