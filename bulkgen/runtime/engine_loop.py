@@ -108,7 +108,8 @@ class EngineLoop:
             for out in finished:
                 p = self._live.pop(out.request_id, None)
                 if p is not None and out.error is not None:  # its grammar failed as it ran
-                    self._fail(p, out.error, "invalid_parameter", p.request.guide_param)
+                    param = p.request.guide_param
+                    self._fail(p, f"{param}: {out.error}", "invalid_parameter", param)
                 elif p is not None:
                     self._finish(p, out)
             for record in records:
