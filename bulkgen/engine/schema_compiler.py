@@ -19,6 +19,7 @@ grammar.grammar). Run as a script, this module is the child: one JSON line in an
 from __future__ import annotations
 
 import json
+import os
 import re
 import select
 import signal
@@ -79,10 +80,12 @@ class _Child:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
+        self._parent = 0  # the process that started it: a forked copy of this object starts its own
 
     def ask(self, schema: str | None) -> dict:
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
+            if self._parent != os.getpid() or self._proc is None or self._proc.poll() is not None:
+                self._parent = os.getpid()
                 self._proc = subprocess.Popen(
                     [sys.executable, __file__],
                     stdin=subprocess.PIPE,
