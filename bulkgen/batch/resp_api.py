@@ -79,7 +79,7 @@ def responses_request(body: dict, request: ParsedRequest) -> ParsedRequest:
     request.sampling = sampling({name: body.get(name) for name in _SAMPLING}, RESPONSES)
     fmt, guide = _text_format(body.get("text"))
     if guide is not None:
-        request.sampling["guide"] = guide
+        request.sampling["guide"], request.guide_param = guide, "body.text.format"
     request.limit_field = "max_output_tokens"
     request.response_fields = _echoed(body, request.sampling, fmt, effort)
     return request
