@@ -27,7 +27,8 @@ def test_a_hybrid_models_plan_shares_no_prompt_tokens(tmp_path):
     profile = profiles.measure("hybrid", str(path), {"max_num_seqs": 1, "device": "cpu"}, threads=1)
     assert profile.prefix_caching is False
     file = tmp_path / "f.jsonl"
-    file.write_text("\n".join([_line("a"), _line("b", n=2)]) + "\n")
+    lines = [_line("a"), _line("b", n=2)] + [_line(f"c{i}") for i in range(40)]  # enough to show in seconds
+    file.write_text("\n".join(lines) + "\n")
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = len(tokenizer(PROMPT).input_ids)
 
@@ -37,7 +38,8 @@ def test_a_hybrid_models_plan_shares_no_prompt_tokens(tmp_path):
         )
 
     hybrid = planned(profile)
-    assert hybrid["prompt_tokens"] == 2 * prompt and hybrid["prefix_cache_share"] == 0.0
+    assert hybrid["prompt_tokens"] == 42 * prompt and hybrid["prefix_cache_share"] == 0.0
     cached = planned(dataclasses.replace(profile, prefix_caching=True))
     assert cached["prefix_cache_share"] > 0.4  # the second request's full blocks
+    print(hybrid["estimated_seconds"], cached["estimated_seconds"])
     assert hybrid["estimated_seconds"]["expected"] > cached["estimated_seconds"]["expected"]
