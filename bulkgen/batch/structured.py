@@ -23,7 +23,7 @@ from typing import Any
 from bulkgen.batch.bodyfields import LineError, invalid
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.schema import quote
-from bulkgen.engine.grammar import GrammarError, Guide, check
+from bulkgen.engine.guide import GrammarError, Guide, check
 
 REQUIRED = "*"  # forced_tool of tool_choice "required": any of the tools
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

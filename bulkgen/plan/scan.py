@@ -1,7 +1,7 @@
 """A batch file as work: validated as a batch is, tokenized as its workers tokenize it, in one streamed pass.
 
 Every line goes through the batch validator (bulkgen.batch.validate: the same errors, with their lines)
-and, for each request it accepts, through the worker's own preparation (bulkgen.runtime.prepare: the
+and, for each request it accepts, through the worker's own preparation (bulkgen.batch.prepare: the
 model's chat template and tokenizer, `fit_context` resolving max_tokens as the runtime does). What a
 worker would refuse (a prompt longer than the context, say) is counted as refused here too.
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest
 from bulkgen.batch.validate import ValidationResult, Validator, validate_stream
-from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 
 MAX_BLOCK_HASHES = 4_000_000
 

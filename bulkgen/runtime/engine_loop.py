@@ -85,7 +85,7 @@ class EngineLoop:
 
     def _add(self, p: Prepared) -> None:
         from bulkgen.engine import EmbedParams, SamplingParams
-        from bulkgen.engine.grammar import GrammarError
+        from bulkgen.engine.guide import GrammarError
 
         try:
             params = (

@@ -14,16 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 from bulkgen.engine import schema_compiler
-from bulkgen.engine.grammar import (
-    GrammarError,
-    GrammarRuntime,
-    Guide,
-    apply_masks,
-    check,
-    compile_guide,
-    grammar,
-    unpack,
-)
+from bulkgen.engine.grammar import GrammarRuntime, apply_masks, unpack
+from bulkgen.engine.guide import GrammarError, Guide, check, compile_guide, grammar
 from bulkgen.models.registry import BUNDLED_MODEL
 from tests.support.schemas import SLOW_TO_COMPILE, ref_chain
 
