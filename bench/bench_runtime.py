@@ -56,11 +56,11 @@ def workload(path: Path, count: int, seed: int = 0) -> Path:
 
 
 def run_engine(path: Path, engine_kwargs: dict) -> dict:
+    from bulkgen.batch.prepare import fit_context, tokenize
     from bulkgen.batch.requests import parse_line
     from bulkgen.engine import Engine, SamplingParams
     from bulkgen.engine.stats import StepTimes
     from bulkgen.models.registry import default_model_path
-    from bulkgen.runtime.prepare import fit_context, tokenize
 
     engine = Engine.from_pretrained(default_model_path(), **engine_kwargs)
     engine.generate(

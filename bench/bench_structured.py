@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu", action="store_true", help="random Llama-3.2-1B shape on CUDA")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    from bulkgen.engine.grammar import Guide
+    from bulkgen.engine.guide import Guide
 
     engine = build(args)
     requests = prompts(engine, args.requests)

@@ -30,10 +30,10 @@ def _child(path: Path, threads: int, part: int, parts: int, start_at: float, arg
     import torch
 
     torch.set_num_threads(threads)
+    from bulkgen.batch.prepare import fit_context, tokenize
     from bulkgen.batch.requests import parse_line
     from bulkgen.engine import Engine, SamplingParams
     from bulkgen.models.registry import default_model_path
-    from bulkgen.runtime.prepare import fit_context, tokenize
 
     engine = Engine.from_pretrained(
         default_model_path(),

@@ -20,10 +20,11 @@ from typing import Any
 from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
 from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
+from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
 from bulkgen.batch.resp_api import RESPONSES, responses_request
 from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import quote, versioned
-from bulkgen.batch.structured import forced_tool, response_guide
+from bulkgen.batch.structured import forced_param, forced_tool, response_guide
 
 __all__ = [
     "CHAT",
@@ -56,6 +57,8 @@ class RequestLine:
     url: str  # the endpoint the body is for; it picks the body's parser, and must be the batch's
     body: dict[str, Any]  # the request body as `url` takes it; read checks only that it names a model
     line: int  # the line's number in its file (from 1): every error about it names it
+    too_deep: str | None = None  # the body field that nests deeper than MAX_NESTING (cut out of `body`
+    # as the line was read): `request` refuses the line for it
 
     @property
     def model(self) -> str:
@@ -66,8 +69,8 @@ class RequestLine:
         """The line of a batch whose endpoint is `endpoint`; LineError says what makes it (so its file)
         invalid."""
         try:
-            obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            obj, cut = load(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
             raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
@@ -98,10 +101,17 @@ class RequestLine:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise LineError("missing_model", "body.model must be a non-empty string", "body.model")
-        return cls(custom_id, method, endpoint, body, line)
+        return cls(custom_id, method, endpoint, body, line, _too_deep(body) if cut else None)
 
     def request(self) -> ParsedRequest:
         """The body as the engine runs it, parsed as its `url` says; LineError refuses this request alone."""
+        if self.too_deep is not None:
+            name = "body." + quote(self.too_deep, 40).strip("'\"")
+            raise LineError(
+                "invalid_parameter",
+                f"{name} nests arrays and objects deeper than {MAX_NESTING} levels (counting from the line)",
+                f"body.{self.too_deep[:64]}",
+            )
         return _parse_body(self)
 
     def placeholder(self) -> ParsedRequest:
@@ -136,6 +146,8 @@ class ParsedRequest:
     tool_format: str | None = None  # set by prepare.tokenize from the chat template: parse calls
     forced_tool: str | None = None  # a forced call: "*" (tool_choice required) or the function's
     # name; its grammar is sampling["guide"]
+    guide_param: str | None = None  # the body field sampling["guide"] came from: a grammar that fails as
+    # the request runs is that line's 400 naming it
     limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)
     response_fields: dict[str, Any] | None = None  # /v1/responses: the request fields its Response repeats
     embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
@@ -150,8 +162,8 @@ def custom_id_of(raw: bytes | str) -> str:
     """The custom_id of a line, nothing else checked: of an input line validation passed, or of a result
     line (the same field of the output and error files); "" where the line names none."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        obj, _ = load(raw)
+    except ValueError:
         return ""
     custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
     return custom_id if isinstance(custom_id, str) else ""
@@ -161,13 +173,24 @@ def url_of(raw: bytes | str) -> str | None:
     """The `url` of a line in its '/v1/' form, to tell a file's endpoint from its first line (None where it
     names none); LineError("invalid_json_line") where the line is not a JSON object."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        obj, _ = load(raw)
+    except ValueError:
         obj = None
     if not isinstance(obj, dict):
         raise LineError("invalid_json_line", "not a JSON object")
     url = versioned(obj.get("url"))
     return url if isinstance(url, str) else None
+
+
+def _too_deep(body: dict[str, Any]) -> str:
+    """The body field that held a value cut out for its nesting (LineError if none did: the cut was
+    elsewhere in the line, which its own checks did not refuse)."""
+    for key, value in body.items():
+        if holds_marker(value):
+            return key
+    raise LineError(
+        "invalid_json_line", f"the line nests arrays and objects deeper than {MAX_NESTING} levels"
+    )
 
 
 def _parse_body(line: RequestLine) -> ParsedRequest:
@@ -192,6 +215,7 @@ def _parse_body(line: RequestLine) -> ParsedRequest:
                 "body.response_format cannot constrain a forced tool call's output; drop one of them",
                 "body.response_format",
             )
+        request.guide_param = f"body.{forced_param(body)}" if guide is not None else "body.response_format"
         guide = guide or response_guide(body)
     else:
         all_prompts = prompts(body.get("prompt"))
@@ -227,12 +251,13 @@ _ALIASES = {
 def fill_defaults(raw: bytes, body_defaults: dict[str, Any], url: str | None = None) -> bytes:
     """The line with `body_defaults` set in its body where it sets none (max_tokens and
     max_completion_tokens count as one), and `url` where it has none. A line that is not a JSON object
-    with an object body is returned as it is, so validation refuses it as written, on the same line."""
+    with an object body, or nests too deep, is returned as it is, so validation refuses it as written, on
+    the same line."""
     try:
-        obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        obj, cut = load(raw)
+    except ValueError:
         return raw
-    if not isinstance(obj, dict):
+    if not isinstance(obj, dict) or cut:
         return raw
     if url is not None and "url" not in obj:
         obj["url"] = url

@@ -25,7 +25,7 @@ from bulkgen.batch.messages import template_kwargs, text_parts
 from bulkgen.batch.sampling import sampling
 from bulkgen.batch.schema import InvalidRequest, check_metadata, quote
 from bulkgen.batch.structured import json_schema_guide
-from bulkgen.engine.grammar import Guide
+from bulkgen.engine.guide import Guide
 
 if TYPE_CHECKING:
     from bulkgen.batch.requests import ParsedRequest
@@ -79,7 +79,7 @@ def responses_request(body: dict, request: ParsedRequest) -> ParsedRequest:
     request.sampling = sampling({name: body.get(name) for name in _SAMPLING}, RESPONSES)
     fmt, guide = _text_format(body.get("text"))
     if guide is not None:
-        request.sampling["guide"] = guide
+        request.sampling["guide"], request.guide_param = guide, "body.text.format"
     request.limit_field = "max_output_tokens"
     request.response_fields = _echoed(body, request.sampling, fmt, effort)
     return request

@@ -2,9 +2,11 @@
 
 - `response_format: {"type": "json_object"}`: any JSON object. `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}`: a document of that schema (strict or not: the engine
-  always enforces the schema). A schema the grammar compiler cannot take is this line's 400 naming
-  `body.response_format`, found at validation (compiled once per distinct schema, then cached). The
-  Responses API's `text.format` takes the same spec, flat (`json_schema_guide`, from bulkgen.batch.resp_api).
+  always enforces the schema). A schema the grammar compiler cannot take (refused, too large, too slow,
+  admitting no document: bulkgen.engine.schema_compiler) is this line's 400 naming `body.response_format`,
+  found at validation (compiled once per distinct schema, then cached); one whose grammar fails only while
+  decoding is the same 400 at run time (`ParsedRequest.guide_param` names the field). The Responses API's
+  `text.format` takes the same spec, flat (`json_schema_guide`, from bulkgen.batch.resp_api).
 - `tool_choice: "required"`: the output is one call of one of the request's tools, `{"name": ...,
   "arguments": {...}}` with the arguments valid for that function's `parameters`; a named function
   (`tool_choice: {"type": "function", "function": {"name"}}`, or the legacy `function_call: {"name"}`):
@@ -21,7 +23,7 @@ from typing import Any
 from bulkgen.batch.bodyfields import LineError, invalid
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.schema import quote
-from bulkgen.engine.grammar import GrammarError, Guide, check
+from bulkgen.engine.guide import GrammarError, Guide, check
 
 REQUIRED = "*"  # forced_tool of tool_choice "required": any of the tools
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -68,10 +70,10 @@ def json_schema_guide(spec: Any, param: str, compiled_as: str) -> Guide:
 def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide | None]:
     """(REQUIRED or the forced function's name, the grammar of its output), or (None, None) when the
     model is free to call or not."""
-    choice = body.get("tool_choice")
-    param = "tool_choice"
-    if choice is None and isinstance(body.get("function_call"), dict):
-        choice, param = {"type": "function", "function": body["function_call"]}, "function_call"
+    param = forced_param(body)
+    choice = body.get(param)
+    if param == "function_call":
+        choice = {"type": "function", "function": choice}
     if choice == "required":
         if not tools:
             raise invalid("tool_choice", "is 'required' but the request has no tools", choice)
@@ -86,6 +88,13 @@ def forced_tool(body: dict, tools: list[dict] | None) -> tuple[str | None, Guide
     if not match:
         raise invalid(param, f"names function {quote(name)}, which is not among the request's tools", choice)
     return name, _compiled(Guide.json_schema(match[0].get("parameters") or ANY_ARGUMENTS), param)
+
+
+def forced_param(body: dict) -> str:
+    """The field that forces a call: `tool_choice`, or the legacy `function_call: {"name"}` without it."""
+    if body.get("tool_choice") is None and isinstance(body.get("function_call"), dict):
+        return "function_call"
+    return "tool_choice"
 
 
 def _call_schema(function: dict) -> dict[str, Any]:

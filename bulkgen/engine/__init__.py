@@ -18,10 +18,15 @@ Llama, Qwen2, Qwen3, Mistral (with and without its window), Ministral, Phi-3, St
 (soft-capping), Gemma 3, Gemma 3n, OLMo, OLMo 2, OLMo 3, Cohere, Cohere 2, EXAONE 4, gpt-oss (sinks),
 Llama 4 (chunked attention), DeepSeek-V3 (MLA: K and V heads of different sizes, cached expanded),
 Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4 MoE, MiniMax-M2, SmolLM3, Granite, Phi, GPT-NeoX, GLM, Helium,
-Apertus, Arcee, ERNIE 4.5, OPT, GPT-J and CodeGen. Refused at load with one line naming the feature:
-models whose attention bypasses transformers' AttentionInterface (Bloom, Falcon) or whose layers drop
-forward kwargs (StableLM), hybrid recurrent, linear-attention or convolution layers, and layers with
-different KV head shapes.
+Apertus, Arcee, ERNIE 4.5, OPT, GPT-J and CodeGen. Hybrid models (linear-attention, Mamba-2 or
+short-conv layers beside attention: Qwen3-Next, Qwen3.5 dense and MoE, GraniteMoeHybrid, Falcon-H1,
+LFM2) are checked the same way (tests/engine/test_hybrid_models.py); their recurrent state lives in
+per-sequence state slots (state_slots.py, hybrid_layers.py) and prefix caching is off for them.
+Refused at load with one line naming the feature: models whose attention bypasses transformers'
+AttentionInterface (Bloom, Falcon) or whose layers drop forward kwargs (StableLM), layers that are
+neither attention nor a recurrent mixer bulkgen finds, recurrent mixers not yet checked against
+transformers (Bamba, LFM2-MoE, ...: hybrid_layers.CHECKED_MIXERS), and layers with different KV head
+shapes.
 """
 
 import os

@@ -33,6 +33,8 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # decode steps over static buffers; None: on CUDA only
     # launch a step before reading the previous one's tokens (engine.py, "Overlapped steps"); None: on CUDA only
     async_scheduling: bool | None = None
+    # hybrid models (state_slots.py): sequences that can hold recurrent state at once; None: max_num_seqs
+    num_state_slots: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -42,6 +44,7 @@ class EngineConfig:
             "num_kv_blocks",
             "kv_cache_bytes",
             "max_model_len",
+            "num_state_slots",
         ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))

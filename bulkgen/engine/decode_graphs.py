@@ -14,7 +14,9 @@ so every bucket is captured once, at engine start (what vLLM does), and no captu
 padded-SDPA kernel (CPU, and CUDA without triton) gathers the table's whole width, so there the width
 (blocks, rounded the same way) is a second key and buckets are built on first use or by `capture()`.
 Padded rows use a padding table row whose blocks are the scratch block past the last real one: they
-read and write only it, and their logits are dropped. On CPU the same path runs eagerly
+read and write only it, and their logits are dropped. A hybrid model's rows also carry their state
+slot (state_slots.py), a fifth int per row: its recurrent layers gather and scatter the slots by that
+device index inside the graph, and padded rows use the scratch slot. On CPU the same path runs eagerly
 (`EngineConfig.cuda_graphs=True`), so its padding and table bookkeeping are tested there.
 
 Captures run under inference mode whoever calls them: with autograd on, every captured forward would
@@ -33,6 +35,7 @@ import torch
 from . import triton_decode
 from .attention import LayerCaches, StepContext, attention_scope
 from .attn_plain import DecodeMeta, PlainBackend
+from .hybrid_layers import StateStep, state_scope
 from .layer_attention import AttnKind
 from .sequence import Sequence
 from .step_plan import HostPack
@@ -122,13 +125,15 @@ class SlotTables:
 class _Bucket:
     batch: int
     width: int  # table columns the forward reads
-    buf: torch.Tensor  # device int64 [batch * 4]: token ids, positions, table rows, lengths
+    buf: (
+        torch.Tensor
+    )  # device int64 [batch * fields]: token ids, positions, table rows, lengths[, state slots]
     graph: object | None = None
     out: torch.Tensor | None = None
 
     def views(self):
         b = self.batch
-        return tuple(self.buf[i * b : (i + 1) * b] for i in range(4))
+        return tuple(self.buf[i * b : (i + 1) * b] for i in range(self.buf.numel() // b))
 
 
 class DecodeGraphs:
@@ -144,11 +149,13 @@ class DecodeGraphs:
         capture: bool,
         decode_kernel: str | None = None,
         tables: SlotTables | None = None,
+        states=None,
     ):
         """`caches`: the model's KV cache as its layers see it; `kinds`: each KV group's attention kind;
         `max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
         last real one, which padded rows read and write; `tables`: the runner's, shared with its packed
-        path (a sequence keeps its row whichever path its steps take)."""
+        path (a sequence keeps its row whichever path its steps take); `states`: a hybrid model's
+        state_slots.StatePool."""
         self.model, self.caches, self.kinds = model, caches, kinds
         self.block_size, self.max_batch, self.max_width = block_size, max_batch, max_width
         self.device = caches.k[0].device
@@ -159,6 +166,8 @@ class DecodeGraphs:
         self.paged = (decode_kernel or triton_decode.default_kernel(self.device)) == "triton"
         self.tables = tables or SlotTables(max_batch, max_width, scratch_block, self.device, len(kinds))
         self.pack = HostPack(self.device)
+        self.states = states
+        self.fields = 4 if states is None else 5
 
     @torch.inference_mode()
     def capture(self, max_context: int | None = None) -> int:
@@ -195,10 +204,13 @@ class DecodeGraphs:
         pack.add(starts + [0] * pad)
         pack.add(rows + [self.tables.pad_row] * pad)
         pack.add([p + 1 for p in starts] + [1] * pad)
+        if self.states is not None:
+            slot_of = self.states.slot_of
+            pack.add([slot_of[s.seq_id] for s in seqs] + [self.states.scratch] * pad)
         updates = pack.add(index)
         pack.add(values)
         flat = pack.upload()
-        b.buf.copy_(flat[: 4 * b.batch], non_blocking=True)
+        b.buf.copy_(flat[: self.fields * b.batch], non_blocking=True)
         if pending is not None:
             ids_view = b.buf[: b.batch]
             ids_view.copy_(read_pending(ids_view, pending))
@@ -213,17 +225,20 @@ class DecodeGraphs:
     def _bucket(self, batch: int, width: int) -> _Bucket:
         key = (batch, width)
         if key not in self.buckets:
-            b = _Bucket(batch, width, torch.zeros(batch * 4, dtype=torch.int64, device=self.device))
-            _, _, rows, lengths = b.views()
+            buf = torch.zeros(batch * self.fields, dtype=torch.int64, device=self.device)
+            b = _Bucket(batch, width, buf)
+            _, _, rows, lengths, *slots = b.views()
             rows.fill_(self.tables.pad_row)  # an all-padding step: safe to run while capturing
             lengths.fill_(1)
+            if slots:
+                slots[0].fill_(self.states.scratch)
             if self.use_graphs:
                 self._try_capture(b)
             self.buckets[key] = b
         return self.buckets[key]
 
     def _forward(self, b: _Bucket) -> torch.Tensor:
-        ids, pos, rows, lengths = b.views()
+        ids, pos, rows, lengths, *state_slots = b.views()
         bs, slots, metas = self.block_size, [], []
         for group, kind in zip(self.tables.all, self.kinds, strict=True):
             table = group.index_select(0, rows)
@@ -232,7 +247,8 @@ class DecodeGraphs:
             slots.append(table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs)
             metas.append(([], DecodeMeta(0, b.batch, table, lengths, kind=kind)))
         ctx = StepContext(slots, self.caches, self.plain, metas, pos)
-        with attention_scope(self.model):
+        states = StateStep(decode_slots=state_slots[0]) if state_slots else None
+        with attention_scope(self.model), state_scope(self.states, states):
             out = self.model(
                 input_ids=ids[None],
                 position_ids=pos[None],

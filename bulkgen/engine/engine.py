@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -75,6 +76,11 @@ class Engine(OverlappedSteps):
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
         self.runner = ModelRunner(model, self.config, self.max_model_len)
+        if self.runner.states is not None and self.config.enable_prefix_caching:
+            log.info(
+                "prefix caching is off: a hybrid model's recurrent state cannot be rebuilt from cached blocks"
+            )
+            self.config = replace(self.config, enable_prefix_caching=False)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.pooling = pooling or model_pooling(getattr(model, "name_or_path", None))
@@ -104,6 +110,9 @@ class Engine(OverlappedSteps):
             self.runner.layout.kinds,
         )
         self.scheduler = self._make_scheduler(self.config, self.block_manager)
+        if self.runner.states is not None:
+            self.runner.states.reset()
+            self.scheduler.states = self.runner.states
 
     @classmethod
     def from_pretrained(
@@ -390,6 +399,8 @@ class Engine(OverlappedSteps):
         now = time.time()
         ended: dict[str, Request] = {}
         for row, seq in enumerate(seqs):
+            if seq.request.error is not None:
+                continue  # another sequence of its request failed it in this loop
             token, lp = tokens[row], logprobs[row]
             if placed:
                 if seq.token_ids[-1] != pending_id(row):
@@ -404,22 +415,45 @@ class Engine(OverlappedSteps):
             metrics = seq.request.metrics
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
-            if check_stop(seq, self.tokenizer) or (
-                seq.matcher is not None and self._grammar_done(seq, token)
-            ):
+            if self._ends(seq, token):
                 if seq.status is not SequenceStatus.FINISHED:  # a last token was known: it left already
                     self.scheduler.finish(seq)
                 if seq.request.finished:
                     ended[seq.request.request_id] = seq.request
         return [self._finish_request(request, now) for request in ended.values()]
 
-    def _grammar_done(self, seq: Sequence, token: int) -> bool:
-        """Advance a constrained sequence's matcher; True once its document is complete (a stop)."""
-        self.grammars.consume(seq.matcher, token)
-        if not seq.matcher.is_stopped():
+    def _ends(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` ends `seq`: a stop or its length (check_stop), a complete document (its matcher
+        stopped: a stop), or a grammar that failed, which fails the whole request (never a stop)."""
+        matcher = seq.matcher
+        if matcher is not None and matcher.is_error():  # failed filling the mask `token` was drawn under
+            self._fail_guided(seq.request, matcher)
+            return True
+        if check_stop(seq, self.tokenizer):
+            return True
+        if matcher is None:
+            return False
+        if not self.grammars.consume(matcher, token):
+            self._fail_guided(seq.request, matcher)
+            return True
+        if not matcher.is_stopped():
             return False
         seq.finish_reason = "stop"
         return True
+
+    def _fail_guided(self, request: Request, matcher) -> None:
+        """End every sequence of `request`, whose grammar failed, wherever it is (as abort does); it comes
+        back with `error` and no completions."""
+        request.error = self.grammars.failure(matcher)
+        self._drop([s for s in request.seqs if s.status is not SequenceStatus.FINISHED])
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        """End `seqs` wherever they are and free their KV blocks."""
+        if seqs:
+            self.scheduler.abort(seqs)
+        for seq in seqs:
+            if seq.token_ids[-1] < 0:  # a token in flight: dropped when read
+                seq.token_ids.pop()
 
     def _logprob_entry(self, token: int, lp: tuple) -> dict:
         chosen, ids, vals = lp
@@ -439,6 +473,10 @@ class Engine(OverlappedSteps):
         metrics.num_output_tokens = sum(s.num_output_tokens for s in request.seqs)
         metrics.num_preemptions = sum(s.num_preemptions for s in request.seqs)
         params = request.params
+        if request.error is not None:
+            return RequestOutput(
+                request.request_id, request.prompt_token_ids, [], metrics, error=request.error
+            )
         if request.embed is not None:
             vector = finish(
                 request.seqs[0].pool_state, len(request.prompt_token_ids), self.pooling, request.embed
@@ -512,13 +550,10 @@ class Engine(OverlappedSteps):
             self._host_bound.discard(rid)
             if request is not None:
                 seqs.extend(request.seqs)
-        if seqs:
-            self.scheduler.abort(seqs)
+        self._drop(seqs)
         for seq in seqs:
             self.adjustments.release(seq)
             self.constants.release(seq)
-            if seq.token_ids[-1] < 0:  # a token in flight: dropped when read
-                seq.token_ids.pop()
 
     def free_capacity(self) -> dict:
         """Room for more work: a worker pulls new requests while free_slots > 0 and blocks remain."""

@@ -1,12 +1,14 @@
 """Constrained decoding: a JSON schema (or plain JSON mode) as a mask over the next token.
 
-llguidance compiles a schema into a grammar once (cached by the schema's canonical text, never once per
-request) and gives each sequence a matcher: before a step samples, each constrained row's matcher fills
+llguidance compiles a schema into a grammar once per process (cached by the schema's canonical text, never
+once per request; in a helper process bounded in size and time, schema_compiler.py) and gives each sequence
+a matcher: before a step samples, each constrained row's matcher fills
 one row of a packed bitmask (32 tokens per int32 word) with the tokens that keep the output a prefix of
 some valid document (on a GPU while the forward runs, see Engine._start_masks); the sampler sets every other logit to -inf on the logits' device; after sampling,
 the matcher consumes the chosen token. The end-of-sequence token is allowed exactly when the document
 is complete, so a request that finishes with `stop` holds valid JSON, and one cut by max_tokens ends
-with `length`, as the hosted API does.
+with `length`, as the hosted API does. A matcher that fails (a grammar past llguidance's limits at some
+step) fails its request with the reason (Engine: `RequestOutput.error`), never a `stop`.
 
 Why llguidance (bench/grammar_libs.py compares it with xgrammar on the bundled tokenizer): both compile
 every schema feature of the corpus ($defs/$ref recursion, anyOf, enum, const, pattern, min/maxItems,
@@ -20,61 +22,13 @@ separators, no free whitespace), which keeps small models from wandering in whit
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import torch
 
-KINDS = ("json_schema", "json_object")
-
-
-class GrammarError(ValueError):
-    """A schema the grammar compiler cannot turn into a grammar (unsupported or unsatisfiable)."""
-
-
-@dataclass(frozen=True)
-class Guide:
-    """What a request's output must be: `kind` "json_object" (any JSON object) or "json_schema"
-    (`schema`: the schema as compact JSON text, so equal schemas share one compiled grammar; keys keep
-    their order, which is the order properties are written in)."""
-
-    kind: str
-    schema: str = ""
-
-    @classmethod
-    def json_schema(cls, schema: dict | bool) -> Guide:
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
-
-    @classmethod
-    def json_object(cls) -> Guide:
-        return cls("json_object")
-
-
-def check(guide: Guide) -> None:
-    """Raise GrammarError (with the compiler's reason) if `guide` cannot be compiled; needs no model."""
-    grammar(guide)
-
-
-@lru_cache(maxsize=1024)
-def grammar(guide: Guide) -> str:
-    """The compiled grammar of `guide`, once per distinct schema per process."""
-    import llguidance
-
-    if guide.kind not in KINDS:
-        raise GrammarError(f"unknown constraint kind {guide.kind!r}; expected one of {KINDS}")
-    schema = guide.schema if guide.kind == "json_schema" else '{"type": "object"}'
-    compiler = llguidance.JsonCompiler(separators=(", ", ": "), whitespace_flexible=False)
-    try:
-        compiled = compiler.compile(schema)
-    except ValueError as exc:
-        raise GrammarError(" ".join(str(exc).split())) from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
-    if is_error:
-        raise GrammarError("; ".join(" ".join(m.split()) for m in messages))
-    return compiled
+from .guide import GrammarError, Guide, grammar
+from .schema_compiler import LIMITS, reason
 
 
 class GrammarRuntime:
@@ -88,6 +42,7 @@ class GrammarRuntime:
         self._ll, self._llt = llguidance, llguidance.torch
         self.vocab_size = vocab_size  # the model's (may exceed the tokenizer's: padded embeddings)
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self._limits = llguidance.LLParserLimits(**LIMITS)
         self._pristine: dict[Guide, object] = {}  # a never-advanced matcher per guide, to copy from
         # A few threads fill a step's masks; llguidance's default (a thread per core) spends more time
         # waking threads than filling on small batches, and competes with the forward's own threads.
@@ -98,9 +53,9 @@ class GrammarRuntime:
         of the guide's pristine matcher (100x cheaper than parsing the grammar again)."""
         pristine = self._pristine.get(guide)
         if pristine is None:
-            pristine = self._ll.LLMatcher(self.tokenizer, grammar(guide))
+            pristine = self._ll.LLMatcher(self.tokenizer, grammar(guide), limits=self._limits, log_level=0)
             if pristine.is_error():
-                raise GrammarError(pristine.get_error())
+                raise GrammarError(reason(pristine.get_error()))
             if len(self._pristine) >= 1024:
                 self._pristine.clear()
             self._pristine[guide] = pristine
@@ -117,10 +72,18 @@ class GrammarRuntime:
         return unpack(bitmask, self.vocab_size) if unpacked else bitmask
 
     @staticmethod
-    def consume(matcher, token: int) -> None:
-        """Advance past a sampled token; a token the mask forbade means a bug upstream: say which."""
-        if not matcher.consume_token(token):
-            raise RuntimeError(f"constrained decoding: token {token} was not allowed ({matcher.get_error()})")
+    def consume(matcher, token: int) -> bool:
+        """Advance past a sampled token; False if the matcher failed doing so (`failure` says why)."""
+        return matcher.consume_token(token)
+
+    @staticmethod
+    def failure(matcher) -> str:
+        """Why `matcher` failed, "" if it has not: filling its mask or consuming a token, the grammar hit
+        one of llguidance's limits (a lexer out of fuel, say). Its mask then let only the end through, and
+        that must not read as a finished document."""
+        if not matcher.is_error():
+            return ""
+        return f"the schema's grammar failed during decoding: {reason(matcher.get_error())}"
 
 
 _POW2: dict[torch.device, torch.Tensor] = {}

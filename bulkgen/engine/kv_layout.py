@@ -29,10 +29,11 @@ class KVGroup:
 class KVLayout:
     """Groups, slots and sizes of a model's KV cache; pure arithmetic (benchmarks use it without a GPU)."""
 
-    def __init__(self, layers: list[LayerAttention], by_kind: bool = True) -> None:
-        """`by_kind=False`: every layer in one full group, as if no layer had a window (what the cache
-        cost before windows freed blocks; bench_kv_memory compares the two)."""
-        shapes = {layer.kv_shape for layer in layers}
+    def __init__(self, layers: list[LayerAttention | None], by_kind: bool = True) -> None:
+        """`layers`: each layer's attention, None for a hybrid model's recurrent layer (no KV: its group
+        and slot are -1). `by_kind=False`: every layer in one full group, as if no layer had a window
+        (what the cache cost before windows freed blocks; bench_kv_memory compares the two)."""
+        shapes = {layer.kv_shape for layer in layers if layer is not None}
         if len(shapes) != 1:
             raise ValueError(
                 f"layers with different KV head shapes {sorted(shapes)} (kv heads, K dim, V dim): "
@@ -42,15 +43,16 @@ class KVLayout:
         self.kv_heads, self.k_dim, self.v_dim = shapes.pop()
         members: dict[AttnKind, list[int]] = {}
         for i, layer in enumerate(layers):
-            members.setdefault(layer.kind if by_kind else FULL, []).append(i)
+            if layer is not None:
+                members.setdefault(layer.kind if by_kind else FULL, []).append(i)
         self.slots = min(len(ids) for ids in members.values())
         self.groups = [
             KVGroup(kind, tuple(ids[i : i + self.slots]))
             for kind, ids in members.items()
             for i in range(0, len(ids), self.slots)
         ]
-        self.layer_group = [0] * len(layers)
-        self.layer_slot = [0] * len(layers)
+        self.layer_group = [-1] * len(layers)
+        self.layer_slot = [-1] * len(layers)
         for g, group in enumerate(self.groups):
             for slot, layer in enumerate(group.layers):
                 self.layer_group[layer], self.layer_slot[layer] = g, slot

@@ -83,16 +83,12 @@ class LayerAttention:
         return self.kv_heads, self.k_dim, self.v_dim
 
 
-def probe_layers(model: torch.nn.Module) -> list[LayerAttention]:
-    """Every layer's attention, in layer order; ValueError naming what bulkgen cannot run."""
+def probe_layers(model: torch.nn.Module, recurrent: set[int] = frozenset()) -> list[LayerAttention | None]:
+    """Every layer's attention, in layer order (None for a layer of `recurrent`, a hybrid model's
+    recurrent layers, that has none); ValueError naming what bulkgen cannot run."""
     check_attention_routing(model)
     config = model.config
     layer_types = getattr(config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
-    if other:
-        raise ValueError(
-            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
-        )
     seen: dict[int, LayerAttention] = {}
     mark = object()  # passed as the step context is: a layer that drops forward kwargs never sees it
 
@@ -131,18 +127,20 @@ def probe_layers(model: torch.nn.Module) -> list[LayerAttention]:
             model(input_ids=ids, position_ids=positions, use_cache=False, bulkgen_ctx=mark)
     finally:
         config._attn_implementation = previous
-    return _in_layer_order(model, seen)
+    return _in_layer_order(model, seen, recurrent)
 
 
-def _in_layer_order(model: torch.nn.Module, seen: dict[int, LayerAttention]) -> list[LayerAttention]:
+def _in_layer_order(
+    model, seen: dict[int, LayerAttention], recurrent: set[int]
+) -> list[LayerAttention | None]:
     count = getattr(model.config, "num_hidden_layers", None) or (max(seen) + 1 if seen else 0)
-    missing = [i for i in range(count) if i not in seen]
+    missing = [i for i in range(count) if i not in seen and i not in recurrent]
     if not seen or missing:
         raise ValueError(
             f"{type(model).__name__}: layers {missing or 'all'} never reached transformers' attention "
             "interface; bulkgen cannot run them"
         )
-    return [seen[i] for i in range(count)]
+    return [seen.get(i) for i in range(count)]
 
 
 def _temperature(module: torch.nn.Module) -> tuple[float, float] | None:
@@ -168,10 +166,13 @@ def check_attention_routing(model: torch.nn.Module) -> None:
         )
 
 
-def describe(layers: list[LayerAttention]) -> str:
+def describe(layers: list[LayerAttention | None]) -> str:
     """One line for logs: each distinct layer kind and how many layers have it."""
     counts: dict[str, int] = {}
     for layer in layers:
+        if layer is None:
+            counts["recurrent"] = counts.get("recurrent", 0) + 1
+            continue
         extras = [f"softcap {layer.softcap:g}"] if layer.softcap else []
         extras += ["sinks"] if layer.sinks else []
         if layer.k_dim != layer.v_dim:

@@ -16,9 +16,19 @@ from .attention import LayerCaches, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
+from .hybrid_layers import (
+    CHECKED_MIXERS,
+    StateStep,
+    attention_layers,
+    find_mixers,
+    probe_states,
+    state_scope,
+    wrap_mixers,
+)
 from .kv_layout import KVLayout
-from .layer_attention import describe, probe_layers
+from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
 from .sequence import Sequence
+from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -27,12 +37,14 @@ CPU_KV_CAP_BYTES = 2 << 30
 KV_HEADROOM = 1.25  # blocks beyond what max_num_seqs full contexts use: kept prefixes of finished requests
 
 
-def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, blocks_per_seq: int) -> int:
+def kv_cache_blocks(
+    cfg: EngineConfig, device: torch.device, block_bytes: int, blocks_per_seq: int, reserved: int = 0
+) -> int:
     """Blocks of the paged KV cache: what `max_num_seqs` full-length sequences can ever use
     (`blocks_per_seq` each, over all KV groups; plus headroom for cached prefixes), within the budget. On CUDA the budget is a fraction of the memory
     free to this process: the device's free memory plus what torch's allocator holds unused (an earlier
     engine's freed cache stays reserved there). A tiny model on a big GPU gets the blocks it can use,
-    not millions it never touches."""
+    not millions it never touches. `reserved`: bytes of the budget already taken (hybrid state slots)."""
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
     full = cfg.max_num_seqs * blocks_per_seq  # every slot at full context
@@ -44,10 +56,17 @@ def kv_cache_blocks(cfg: EngineConfig, device: torch.device, block_bytes: int, b
         usable, budget = int(full * KV_HEADROOM), int((free + idle) * cfg.kv_cache_memory_fraction)
     else:
         usable, budget = full, CPU_KV_CAP_BYTES
+    budget -= reserved
     num = budget // block_bytes if usable is None else min(usable, budget // block_bytes)
     if num < 1:
         raise ValueError(f"KV cache budget of {budget} bytes holds no block of {block_bytes} bytes")
     return int(num)
+
+
+def kv_block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block across `num_layers` layers of one K/V head shape (K and V): what
+    bench_hybrid_memory.py sizes a cache with; the engine's own layouts are kv_layout.KVLayout's."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass
@@ -73,7 +92,8 @@ class ModelRunner:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.layers = probe_layers(model)
+        mixers = _check_supported(model)
+        self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
         log.info(
             "attention: %s; %d KV groups of %d layers",
@@ -82,13 +102,17 @@ class ModelRunner:
             layout.slots,
         )
         self.block_size = config.block_size
-        self.backend = select_backend(self.device, self.dtype, self.layers, self.block_size)
+        self.states = self._state_pool(mixers)  # hybrid models' recurrent state: None otherwise
+        attending = [layer for layer in self.layers if layer is not None]
+        self.backend = select_backend(self.device, self.dtype, attending, self.block_size)
         self.num_blocks = self._num_blocks(max_model_len)
         rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
         k_slots = [self._zeros(*rows, layout.k_dim) for _ in range(layout.slots)]
         v_slots = [self._zeros(*rows, layout.v_dim) for _ in range(layout.slots)]
-        self.k_caches = [k_slots[slot] for slot in layout.layer_slot]  # per layer; groups share slots
-        self.v_caches = [v_slots[slot] for slot in layout.layer_slot]
+        # per layer, groups sharing slots; an empty tensor for a recurrent layer (its state is in a slot)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.k_caches = [empty if slot < 0 else k_slots[slot] for slot in layout.layer_slot]
+        self.v_caches = [empty if slot < 0 else v_slots[slot] for slot in layout.layer_slot]
         self.caches = LayerCaches(self.k_caches, self.v_caches, layout.layer_group, self.layers)
         self.pack = HostPack(self.device)
         # decoding sequences' block tables, one persistent device row each (decode-graph and packed steps)
@@ -115,6 +139,7 @@ class ModelRunner:
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
+            states=self.states,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
@@ -125,7 +150,21 @@ class ModelRunner:
             self.block_size, torch.empty((), dtype=self.dtype).element_size()
         )
         per_seq = self.peak_blocks(max_model_len)
-        return kv_cache_blocks(self.config, self.device, block_bytes, per_seq)
+        reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
+        return kv_cache_blocks(self.config, self.device, block_bytes, per_seq, reserved)
+
+    def _state_pool(self, mixers: dict) -> StatePool | None:
+        """Hybrid models: one state slot per running sequence (`num_state_slots`, default `max_num_seqs`),
+        reserved from the cache budget before KV blocks; every layer with attention gets KV blocks."""
+        if not mixers:
+            return None
+        pool = StatePool(
+            probe_states(mixers, self.model.config.hidden_size),
+            self.config.num_state_slots or self.config.max_num_seqs,
+            self.device,
+        )
+        wrap_mixers(mixers, pool)
+        return pool
 
     def peak_blocks(self, num_tokens: int) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout)."""
@@ -135,9 +174,17 @@ class ModelRunner:
     def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), then for the prompt positions of
-        prompt-logprob prefills (see StepLogits). Changes no sequence. `pending`: the previous step's
-        sampled tokens on the device, where stand-ins for tokens the host has not read (sequence.pending_id)
-        are looked up."""
+        prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
+        advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
+        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        if self.states is None:
+            return self._run(batch, pending)
+        self.states.begin(batch)
+        step = self._run(batch, pending)
+        self.states.commit(batch)
+        return step
+
+    def _run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None) -> StepLogits:
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         if self.graphs is not None and not plan.num_prefill and not step.pooled:
@@ -164,6 +211,8 @@ class ModelRunner:
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
+        states, state_slots = self._state_step(ordered, plan.num_prefill)
+        decode_slots = pack.add(state_slots)
         metas = [
             self.backend.prepare(p, pack, kind) for p, kind in zip(plans, self.layout.kinds, strict=True)
         ]
@@ -180,13 +229,33 @@ class ModelRunner:
         kwargs = dict(
             input_ids=input_ids[None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
         )
-        with attention_scope(self.model), _capture_hidden(self.model, step):
+        if states is not None:
+            states.decode_slots = flat[decode_slots] if state_slots else None
+        with (
+            attention_scope(self.model),
+            _capture_hidden(self.model, step),
+            state_scope(self.states, states),
+        ):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
                 return step
             out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
         step.logits = out.logits[0].float()
         return step
+
+    def _state_step(
+        self, ordered: list[tuple[Sequence, int]], num_prefill: int
+    ) -> tuple[StateStep | None, list[int]]:
+        """A hybrid model's StateStep for the packed row (its decode slots still to be read from the
+        upload) and the decodes' slots to upload; (None, []) for a pure transformer."""
+        if self.states is None:
+            return None, []
+        slot_of, step, q_off = self.states.slot_of, StateStep(), 0
+        for seq, n in ordered[:num_prefill]:
+            step.prefill.append((q_off, n, slot_of[seq.seq_id], seq.num_computed_tokens > 0))
+            q_off += n
+        step.decode_start = q_off
+        return step, [slot_of[seq.seq_id] for seq, _ in ordered[num_prefill:]]
 
     def _group_plans(self, plan: StepPlan, ordered: list[tuple[Sequence, int]], on_device) -> list[StepPlan]:
         """Each KV group's view of the step: the plan with that group's block tables."""
@@ -263,3 +332,23 @@ def _capture_hidden(model: torch.nn.Module, step: StepLogits):
         yield
     finally:
         handle.remove()
+
+
+def _check_supported(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The model's recurrent mixers (hybrid_layers.find_mixers; empty for a transformer); refuse models
+    with layers that are neither attention nor a mixer bulkgen has checked: they would mix the sequences
+    of a packed row."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    mixers = find_mixers(model)
+    unchecked = sorted({type(m).__name__ for m in mixers.values()} - CHECKED_MIXERS)
+    if unchecked:
+        raise ValueError(
+            f"{type(model).__name__} has recurrent layers {unchecked} that bulkgen has not checked against "
+            f"transformers; it runs {sorted(CHECKED_MIXERS)}"
+        )
+    if other and not set(mixers) | attention_layers(model) >= set(range(len(layer_types))):
+        raise ValueError(
+            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
+        )
+    return mixers

@@ -62,7 +62,8 @@ class RequestOutput:
 
     `prompt_logprobs` (when asked for): one entry per prompt token after the first, shaped like
     CompletionOutput.logprobs entries, from the raw model distribution. An embedding request
-    (pooling.EmbedParams) has no completions and its `embedding`."""
+    (pooling.EmbedParams) has no completions and its `embedding`. A request that failed on its own (its
+    output's grammar failed during decoding, see grammar.py) has no completions and its `error`."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -70,6 +71,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict] | None = None
     embedding: list[float] | None = None  # an embedding request's vector (no completions)
+    error: str | None = None  # why the request failed (no completions)
 
     @property
     def token_ids(self) -> list[int]:

@@ -50,6 +50,10 @@ class OverlappedSteps:
             self._inflight = None
             done, voided = self._resolve(prev, theirs)
         discarded = self._advance(batch, voided)
+        if voided and self.runner.states is not None:  # their state absorbed the wrong token: start over
+            for seq, _ in batch.items:
+                if seq.seq_id in voided:
+                    self.scheduler.recompute(seq)
         for seq, entries in scored:
             seq.request.prompt_logprobs.extend(entries)
         sampling = step.sampling

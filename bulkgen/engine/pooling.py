@@ -1,8 +1,13 @@
 """Sentence embeddings from a decoder's final hidden states: the pooling rule and the pooled vector.
 
-The rule is the model's, read once from a sentence-transformers folder (`modules.json` naming a Pooling
-module, whose `config.json` holds `pooling_mode` or the legacy `pooling_mode_*` flags, and an optional
-Normalize module); a folder without one pools the last token and L2-normalises (Qwen3-Embedding style).
+The rule is the model's, read once from a sentence-transformers folder (`modules.json` naming the
+Transformer, a Pooling module, whose `config.json` holds `pooling_mode` or the legacy `pooling_mode_*`
+flags, and an optional Normalize module); a folder without one pools the last token and L2-normalises
+(Qwen3-Embedding style). Modules are known by their class name within sentence_transformers, so both
+spellings of a type work (`sentence_transformers.models.Pooling` up to version 5,
+`sentence_transformers.sentence_transformer.modules.pooling.Pooling` from 6). A module bulkgen does not
+compute (Dense, Router, a Transformer that renders text through the chat template, ...) refuses
+embedding for that model, with the module named: its vectors would otherwise differ from the model's own.
 
 Embedding requests are prefill-only sequences in the ordinary packed steps, so a long input arrives in
 chunks. Each chunk contributes a partial pool (`chunk_pools`): the sum of its rows for mean pooling (the
@@ -15,6 +20,7 @@ never counts a chunk twice.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,8 +33,12 @@ _LEGACY_FLAGS = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",
 }
-_POOLING_TYPE = "sentence_transformers.models.Pooling"
-_NORMALIZE_TYPE = "sentence_transformers.models.Normalize"
+# the modules bulkgen computes, in the order sentence-transformers runs them (Normalize is optional)
+_MODULES = ("Transformer", "Pooling", "Normalize")
+_PIPELINES = (_MODULES[:2], _MODULES)
+_TRANSFORMER_CONFIG = "sentence_bert_config.json"
+_TEXT_MODALITY = {"method": "forward", "method_output_name": "last_hidden_state"}
+log = logging.getLogger(__name__)
 
 
 class EmbedError(ValueError):
@@ -72,34 +82,101 @@ class EmbedParams:
 
 def model_pooling(path: str | Path | None) -> PoolingConfig:
     """The engine's rule for the model at `path`: a folder whose pooling bulkgen cannot compute still serves
-    generation, and refuses embedding requests with the reason."""
+    generation, and refuses embedding requests with the reason (also logged once, at load)."""
     try:
         return load_pooling(path)
     except (ValueError, OSError) as exc:
+        log.warning("embedding requests will be refused: %s", exc)
         return PoolingConfig(refusal=str(exc))
 
 
 def load_pooling(path: str | Path | None) -> PoolingConfig:
     """The pooling rule of the model folder at `path` (the default rule when it is no sentence-transformers
-    folder). ValueError for a pooling bulkgen does not compute (max, weighted mean, several modes, a prompt
-    excluded from pooling), so a model is never served with a rule other than its own."""
+    folder). ValueError for a pipeline bulkgen does not compute (a module other than Transformer, Pooling
+    and Normalize; max, weighted mean or several pooling modes; a prompt excluded from pooling; text
+    rendered through a chat template), so a model is never served with a rule other than its own."""
     root = Path(path or ".")
     modules_file = root / "modules.json"
     if not path or not modules_file.is_file():
         return PoolingConfig()
-    modules = json.loads(modules_file.read_text())
-    types = {m.get("type"): m.get("path", "") for m in modules}
-    method = "last"
-    if _POOLING_TYPE in types:
-        method = _st_method(json.loads((root / types[_POOLING_TYPE] / "config.json").read_text()), root)
+    folders = _pipeline(root, json.loads(modules_file.read_text()))
+    _check_transformer(root, _read_json(root / folders["Transformer"] / _TRANSFORMER_CONFIG))
+    method = _st_method(json.loads((root / folders["Pooling"] / "config.json").read_text()), root)
+    if "Normalize" in folders:
+        _check_normalize(root, _read_json(root / folders["Normalize"] / "config.json"))
     st_config = _read_json(root / "config_sentence_transformers.json")
+    _check_prompt(root, st_config)
     truncate = st_config.get("truncate_dim")
     return PoolingConfig(
         method,
-        _NORMALIZE_TYPE in types,
+        "Normalize" in folders,
         truncate,
         truncate is not None or st_config.get("matryoshka") is True,
     )
+
+
+def _pipeline(root: Path, modules: list) -> dict[str, str]:
+    """{class name: module folder} of a pipeline bulkgen computes; ValueError naming what it does not."""
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{root}/modules.json: not a list of module objects")
+    kinds, folders = [], {}
+    for module in modules:
+        kind = _module_class(root, module.get("type"))
+        kinds.append(kind)
+        folders[kind] = module.get("path") or ""
+    if tuple(kinds) not in _PIPELINES:
+        raise ValueError(
+            f"{root}/modules.json: modules {kinds} are not a pipeline bulkgen computes "
+            "(Transformer, Pooling, then optionally Normalize)"
+        )
+    if folders["Transformer"] not in ("", "."):
+        raise ValueError(f"{root}/modules.json: the Transformer must be the model folder itself")
+    return folders
+
+
+def _module_class(root: Path, type_name: object) -> str:
+    """A module type's class name: the same whichever sentence-transformers version spelled the type."""
+    package, _, name = type_name.rpartition(".") if isinstance(type_name, str) else ("", "", "")
+    if package.split(".")[0] != "sentence_transformers" or name not in _MODULES:
+        raise ValueError(
+            f"{root}/modules.json: module type {type_name!r} is not supported; bulkgen computes "
+            "sentence-transformers' Transformer, Pooling and Normalize modules"
+        )
+    return name
+
+
+def _check_transformer(root: Path, config: dict) -> None:
+    """The Transformer module must feed the text itself to the model and take its last hidden state;
+    sentence-transformers 6 renders text through the chat template instead when `modality_config` names
+    "message" (what it writes for a tokenizer with a chat template)."""
+    modalities = config.get("modality_config") or {}
+    reasons = []
+    if "message" in modalities:
+        reasons.append("it renders text through the chat template ('message' modality)")
+    if modalities.get("text", _TEXT_MODALITY) != _TEXT_MODALITY:
+        reasons.append(f"its text modality is {modalities.get('text')}")
+    if config.get("transformer_task", "feature-extraction") != "feature-extraction":
+        reasons.append(f"its transformer_task is {config['transformer_task']!r}")
+    if config.get("do_lower_case") is True:
+        reasons.append("it lowercases the text (do_lower_case)")
+    if reasons:
+        raise ValueError(
+            f"{root}/{_TRANSFORMER_CONFIG}: the Transformer module is not supported: {'; '.join(reasons)}"
+        )
+
+
+def _check_normalize(root: Path, config: dict) -> None:
+    if config.get("module_input_name", "sentence_embedding") != "sentence_embedding":
+        raise ValueError(f"{root}: a Normalize module of {config['module_input_name']!r} is not supported")
+
+
+def _check_prompt(root: Path, st_config: dict) -> None:
+    """A default prompt is text sentence-transformers adds to every input; bulkgen embeds the input as sent."""
+    name = st_config.get("default_prompt_name")
+    if name is not None and (st_config.get("prompts") or {}).get(name):
+        raise ValueError(
+            f"{root}: its default prompt {name!r} would be added to every input; bulkgen embeds inputs as sent"
+        )
 
 
 def _st_method(config: dict, root: Path) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .grammar import GrammarError, Guide, check
+from .guide import GrammarError, Guide, check
 
 GREEDY_TEMPERATURE = (
     1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN

@@ -47,6 +47,10 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the queues (waiting, preempted, running); the engine calls schedule() per step."""
 
+    # a hybrid model's state slots (state_slots.StatePool), set by the engine: a running sequence holds
+    # one, so admission stops when slots or blocks run out, whichever first
+    states = None
+
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.config = config
         self.bm = block_manager
@@ -123,7 +127,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.bm.release(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -145,8 +149,12 @@ class Scheduler:
                 return  # its prefix is being computed now: admit it next step, as a cache hit
             skipped = len(cached) * self.bm.block_size if cached else 0
             n = self._prompt_rows(seq, min(len(seq) - skipped, budget))
+            if self.states is not None and not self.states.num_free:
+                return
             if not n or not self.bm.admit(seq, cached, skipped + n):
                 return
+            if self.states is not None:
+                self.states.take(seq)
             self._pop_candidate(seq)
             if first is not None:
                 computing.add(first)
@@ -195,13 +203,25 @@ class Scheduler:
         else:
             self.preempted.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back what `seq` holds: its KV blocks and, in a hybrid model, its state slot."""
         self.bm.release(seq)
+        if self.states is not None:
+            self.states.release(seq)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Send a running `seq` back to be recomputed from its tokens (a hybrid model's state absorbed a
+        token that was corrected after the step launched: engine.py, overlapped steps)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._preempt(seq)
 
     def abort(self, seqs: list[Sequence]) -> None:
         doomed = {s.seq_id for s in seqs}
         for seq in seqs:
             if seq.block_tables:
-                self.bm.release(seq)
+                self._release(seq)
             seq.status = SequenceStatus.FINISHED
         self.waiting.remove(doomed)
         self.preempted = deque(s for s in self.preempted if s.seq_id not in doomed)

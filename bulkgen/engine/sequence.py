@@ -48,6 +48,7 @@ class Request:
         self.seqs: list[Sequence] = []
         # one entry per prompt token after the first, filled by completion 0's prefill when asked for
         self.prompt_logprobs: list[dict] | None = [] if params.prompt_logprobs is not None else None
+        self.error: str | None = None  # why it failed on its own (its grammar), set when it ends
 
     @property
     def finished(self) -> bool:

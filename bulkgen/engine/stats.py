@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-from bulkgen.metrics.sketch import LogHistogram
-
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+from .sketch import LogHistogram
 
 
 class EngineStats:

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bulkgen.batch.prepare import split_prompts, tokenize
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, ParsedRequest, fill_defaults, parse_line
 from bulkgen.metrics.batch import BatchMetrics
 from bulkgen.metrics.table import text_table
-from bulkgen.runtime.prepare import split_prompts, tokenize
 
 ENDPOINTS = (CHAT, COMPLETIONS)
 # The bench runs every line on the model it is given, so a line may leave body.model out; a line without a

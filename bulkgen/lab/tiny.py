@@ -140,6 +140,13 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         "CodeGenForCausalLM",
         {"n_embd": 64, "n_layer": 2, "n_head": 4, "rotary_dim": 8},
     ),
+    # hybrid models: their recurrent layers' config values are in tiny_hybrid.py
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {}),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", {}),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", {}),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", {}),
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {}),
 }
 
 

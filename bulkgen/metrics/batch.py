@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from bulkgen.metrics.sketch import LogHistogram
+from bulkgen.engine.sketch import LogHistogram
 from bulkgen.metrics.timeline import DEFAULT_MAX_BUCKETS, Timeline
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "queue_wait_s")

@@ -2,7 +2,7 @@
 
 Validation streams the input once (bulkgen.batch.lifecycle); `WorkTally.add` rides on that same pass as
 one more `on_request` callback, so the estimate costs no second read. The driver has no tokenizer, so
-prompt tokens are the line index's estimate (bulkgen.runtime.lineindex.prompt_estimate) and a missing
+prompt tokens are the line index's estimate (bulkgen.batch.budget.prompt_estimate) and a missing
 max_tokens counts as UNKNOWN_MAX_TOKENS; `bulkgen plan` gives the exact figures.
 
 The service uses the newest profile stored for the batch's model (`bulkgen profile` on its storage), the
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bulkgen.batch.budget import output_budget, prompt_estimate
 from bulkgen.batch.requests import ParsedRequest
 from bulkgen.batch.schema import INTERNAL, BatchStatus, InvalidRequest, set_status
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import runtime_factor
 from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
 from bulkgen.plan.planner import estimate
-from bulkgen.runtime.lineindex import output_budget, prompt_estimate
 
 INFEASIBLE = "completion_window_infeasible"
 

@@ -132,7 +132,7 @@ def summarize(
     workers: int,
     runtime: Runtime | None = None,
 ) -> dict[str, Any]:
-    prompts, uncached, max_tokens = work.arrays()
+    prompts, uncached, max_tokens = work.arrays(profile.prefix_caching)
     expected = lengths.expected(max_tokens)
     prompt_total = int(prompts.sum())
     return {
@@ -142,7 +142,10 @@ def summarize(
         "requests": work.validation.total,
         "refused_lines": work.refused,
         "prompt_tokens": prompt_total,
-        "prefix_cache_share": round(1 - int(uncached.sum()) / prompt_total, 4) if prompt_total else 0.0,
+        # at least 0: without a prefix cache each of `n` completions computes the prompt again
+        "prefix_cache_share": round(max(0.0, 1 - int(uncached.sum()) / prompt_total), 4)
+        if prompt_total
+        else 0.0,
         "max_output_tokens": int(max_tokens.sum()),
         "expected_output_tokens": int(expected.sum()),
         "length_model": lengths.source,

@@ -55,6 +55,9 @@ class Profile:
     host: str = field(default_factory=platform.node)
     points: list[dict] = field(default_factory=list)
     version: int = PROFILE_VERSION
+    # the engine's prefix cache: off for hybrid models (engine/state_slots.py), so plans count every
+    # sequence's whole prompt
+    prefix_caching: bool = True
 
     def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int, new_seqs: int = 0) -> float:
         return (
@@ -158,6 +161,7 @@ def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: i
         per_new_seq,
         _spread(cells),
         points=points,
+        prefix_caching=cfg.enable_prefix_caching,
     )
 
 

@@ -1,7 +1,7 @@
 """A batch file as work: validated as a batch is, tokenized as its workers tokenize it, in one streamed pass.
 
 Every line goes through the batch validator (bulkgen.batch.validate: the same errors, with their lines)
-and, for each request it accepts, through the worker's own preparation (bulkgen.runtime.prepare: the
+and, for each request it accepts, through the worker's own preparation (bulkgen.batch.prepare: the
 model's chat template and tokenizer, `fit_context` resolving max_tokens as the runtime does). What a
 worker would refuse (a prompt longer than the context, say) is counted as refused here too.
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest
 from bulkgen.batch.validate import ValidationResult, Validator, validate_stream
-from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 
 MAX_BLOCK_HASHES = 4_000_000
 
@@ -34,12 +34,16 @@ class FileWork:
         default_factory=list
     )  # what prefill computes (prefix-cache hits removed)
     max_tokens: list[int] = field(default_factory=list)  # as fit_context resolves it (0: embeddings)
+    # what prefill computes without a prefix cache (hybrid models): every sequence its whole prompt
+    sequence_prompts: list[int] = field(default_factory=list)
     refused: int = 0  # lines their worker would answer with a 400
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def arrays(self, prefix_caching: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(prompt tokens, tokens prefill computes, max tokens) per sequence; `prefix_caching` off: the
+        engine shares no prompt block, between requests or between the `n` sequences of one."""
         return (
             np.array(self.prompt_tokens, np.int64),
-            np.array(self.uncached_tokens, np.int64),
+            np.array(self.uncached_tokens if prefix_caching else self.sequence_prompts, np.int64),
             np.array(self.max_tokens, np.int64),
         )
 
@@ -103,4 +107,5 @@ def _add(work: FileWork, cache: _PrefixCache, request: ParsedRequest, tokenizer,
     for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
         work.prompt_tokens.append(len(ids) if k == 0 else 0)
         work.uncached_tokens.append(uncached if k == 0 else 0)
+        work.sequence_prompts.append(len(ids))
         work.max_tokens.append(max_tokens)

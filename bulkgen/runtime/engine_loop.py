@@ -85,6 +85,7 @@ class EngineLoop:
 
     def _add(self, p: Prepared) -> None:
         from bulkgen.engine import EmbedParams, SamplingParams
+        from bulkgen.engine.guide import GrammarError
 
         try:
             params = (
@@ -95,7 +96,10 @@ class EngineLoop:
             self.engine.abort([p.request_id])
             code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
             field = getattr(exc, "field", None)  # SamplingError names the field
-            self._fail(p, str(exc), code, f"body.{field}" if isinstance(field, str) else None)
+            param = f"body.{field}" if isinstance(field, str) else None
+            if isinstance(exc, GrammarError) or field == "guide":
+                param = p.request.guide_param
+            self._fail(p, str(exc), code, param)
 
     def _step(self) -> None:
         finished = self.engine.step()
@@ -103,7 +107,10 @@ class EngineLoop:
         with self._cond:
             for out in finished:
                 p = self._live.pop(out.request_id, None)
-                if p is not None:
+                if p is not None and out.error is not None:  # its grammar failed as it ran
+                    param = p.request.guide_param
+                    self._fail(p, f"{param}: {out.error}", "invalid_parameter", param)
+                elif p is not None:
                     self._finish(p, out)
             for record in records:
                 self._step_times.add(record["duration_s"])

@@ -15,12 +15,11 @@ from typing import BinaryIO
 
 import numpy as np
 
+from bulkgen.batch.budget import MAX_WORK_TOKENS, output_budget, prompt_estimate
 from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
 from bulkgen.batch.validate import lines_with_offsets
 
-UNKNOWN_MAX_TOKENS = 512  # a request without max_tokens runs to the context end: guess it is long
 PREFIX_CHARS = 256
-MAX_WORK_TOKENS = 1 << 24  # more than any context: a longer max_tokens is refused by its worker anyway
 
 
 @dataclass
@@ -84,22 +83,6 @@ def _work(request) -> int:
     """Clipped to the context a model could have (MAX_WORK_TOKENS), so a max_tokens of 2**63 still fits int64."""
     max_tokens, sequences = output_budget(request)
     return min(prompt_estimate(request) + max_tokens * sequences, MAX_WORK_TOKENS * 256)
-
-
-def prompt_estimate(request) -> int:
-    """Prompt tokens without the tokenizer (the driver has none): about 4 characters a token."""
-    if request.messages is not None:
-        return sum(len(m["content"] or "") for m in request.messages) // 4
-    if isinstance(request.prompt, list):
-        return len(request.prompt)
-    return len(request.prompt or "") // 4
-
-
-def output_budget(request) -> tuple[int, int]:
-    """(max_tokens, sequences): max_tokens clipped to MAX_WORK_TOKENS, UNKNOWN_MAX_TOKENS when not given."""
-    max_tokens = request.sampling.get("max_tokens")
-    max_tokens = UNKNOWN_MAX_TOKENS if max_tokens is None else min(max_tokens, MAX_WORK_TOKENS)
-    return max_tokens, max(request.sampling.get("n") or 1, request.sampling.get("best_of") or 1)
 
 
 def _prefix_key(request) -> int:

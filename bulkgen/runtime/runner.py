@@ -31,11 +31,11 @@ from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority,
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
-from bulkgen.runtime.driver import validate_and_index
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
 from bulkgen.runtime.ranges import RangeOutcome
+from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
 from bulkgen.store import NotFound, StorageUnavailable, layout
 

@@ -25,6 +25,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.engine.stats import StepTimes
@@ -34,7 +35,6 @@ from bulkgen.runtime.held import HeldRange, Prepared
 from bulkgen.runtime.lineindex import read_lines
 from bulkgen.runtime.part_writer import PartWriter
 from bulkgen.runtime.parts import PartEntry
-from bulkgen.runtime.prepare import fit_context, split_prompts, tokenize
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.workqueue import QueuedBatch, model_key
 from bulkgen.store import StorageUnavailable, open_store

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.lab.tiny import ARCHITECTURES, WINDOW, build_tiny_model
+from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES
 
 MAX_TOKENS = 12
 BLOCK_SIZE = 8
@@ -37,7 +38,8 @@ STEP_TOKENS = 64
 # name -> (family, extra config): Llama 4 with its NoPE layers' query temperature (log of the position)
 # growing from position 7 and strong enough to change tokens (real models: from position 8,191)
 VARIANTS = {"llama4-temperature": ("llama4", {"floor_scale": 8, "attn_scale": 4.0})}
-ALL = [*ARCHITECTURES, *VARIANTS]
+# hybrid recurrent models keep no prefix cache and have their own tests (test_hybrid_models.py)
+ALL = [*(a for a in ARCHITECTURES if a not in HYBRID_ARCHITECTURES), *VARIANTS]
 
 
 @pytest.fixture(scope="module")
@@ -136,24 +138,13 @@ REFUSED = {  # family -> (config class, model class, config, the one line naming
         {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128},
         "drops forward kwargs",
     ),
-    "lfm2": (
-        "Lfm2Config",
-        "Lfm2ForCausalLM",
-        {
-            "hidden_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "layer_types": ["conv", "full_attention"],
-        },
-        r"non-attention layers \['conv'\]",
-    ),
 }
 
 
 @pytest.mark.parametrize("family", list(REFUSED))
 def test_what_bulkgen_cannot_run_is_refused_at_load_naming_it(family, tmp_path):
     """Bloom computes attention itself, StableLM's layers drop the forward kwargs that carry the step's
-    cache, LFM2 has convolution layers: each is refused by Engine construction with one line naming it
+    cache: each is refused by Engine construction with one line naming it
     (StableLM used to fail at its first step)."""
     import transformers
 

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
+from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
 
 PROMPTS = [[1, 2, 3, 4, 5], [7] * 13, [9, 8, 7], [5] * 30]
 PARAMS = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (9, 3, 14, 6)]
@@ -128,3 +129,18 @@ def test_a_failed_capture_is_logged_with_its_cause_and_decoding_goes_on(
     assert len(errors) == 1 and "CUDA out of memory while capturing (injected)" in errors[0], errors
     assert not engine.runner.graphs.use_graphs
     assert all(b.graph is None for b in engine.runner.graphs.buckets.values())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid"])
+def test_replayed_graphs_carry_hybrid_state_slots(arch, fake_cuda, tmp_path, tokenizer):
+    """A hybrid model's decode graphs gather and scatter the rows' state slots by device index: replays
+    (five sequences in a bucket of six: a padded row on the scratch slot) give the eager tokens."""
+    path = build_tiny_hybrid(tmp_path / arch, arch, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    engine = _graph_engine(model, tokenizer)
+    prompts, params = PROMPTS + [[3] * 21], PARAMS + [PARAMS[0]]
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert any(b.graph is not None and b.batch == 6 for b in engine.runner.graphs.buckets.values())
+    eager = Engine(model, tokenizer, cuda_graphs=False, **ENGINE_KW)
+    assert got == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+    assert engine.runner.states.num_free == ENGINE_KW["max_num_seqs"]

@@ -1,8 +1,12 @@
 """The engine's prefill-only path: pooled vectors equal sentence-transformers' own `encode` (fp32, CPU)
-for a tiny random decoder saved with a sentence-transformers pooling config, chunked or not, alone or
-packed with generation; `dimensions` only for matryoshka models; KV blocks freed at once."""
+for a tiny random decoder saved with a sentence-transformers pooling config (the layout of
+sentence-transformers < 6, and folders saved by the installed sentence-transformers itself), chunked or
+not, alone or packed with generation; `dimensions` only for matryoshka models; KV blocks freed at once;
+a module bulkgen does not compute refuses embedding, named."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -56,6 +60,84 @@ def test_vectors_equal_sentence_transformers(st_folder, pooling, normalize):
         assert cosine.min() >= 0.9999, (budget, cosine)
         assert torch.allclose(got.norm(dim=1), reference.norm(dim=1), rtol=1e-4), budget  # magnitudes too
         assert engine.block_manager.num_free_blocks == engine.runner.num_blocks  # every block freed
+
+
+def _st_saved(folder, target):
+    """The folder loaded and saved again by the installed sentence-transformers: its own module types
+    (`sentence_transformers.sentence_transformer.modules.pooling.Pooling`, ...) and module configs."""
+    from sentence_transformers import SentenceTransformer
+
+    SentenceTransformer(str(folder), device="cpu").save(str(target))
+    return target
+
+
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean", "cls"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_folders_saved_by_the_installed_sentence_transformers(st_folder, tmp_path, pooling, normalize):
+    path = _st_saved(st_folder(pooling, normalize), tmp_path / "saved")
+    types = [m["type"] for m in json.loads((path / "modules.json").read_text())]
+    assert "sentence_transformers.models.Pooling" not in types  # the new spelling, not the old one
+    reference = st_encode(path, TEXTS)
+    got = torch.tensor(Engine.from_pretrained(str(path), max_num_batched_tokens=32).embed(TEXTS))
+    assert torch.nn.functional.cosine_similarity(got, reference).min() >= 0.9999
+    assert torch.allclose(got.norm(dim=1), reference.norm(dim=1), rtol=1e-4)  # normalised exactly when ST is
+
+
+def test_a_model_built_with_sentence_transformers_modules(tmp_path):
+    """Built from the installed package's own module classes, text-only, as its docs build a decoder embedder."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    hf = build_tiny_model(tmp_path / "hf", seed=5)
+    text_only = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+    backbone = Transformer(str(hf), modality_config=text_only, module_output_name="token_embeddings")
+    model = SentenceTransformer(modules=[backbone, Pooling(64, "lasttoken"), Normalize()], device="cpu")
+    model.save(str(tmp_path / "st"))
+    reference = torch.tensor(model.encode(TEXTS))
+    got = torch.tensor(Engine.from_pretrained(str(tmp_path / "st")).embed(TEXTS))
+    assert torch.nn.functional.cosine_similarity(got, reference).min() >= 0.9999
+    assert torch.allclose(got.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
+
+
+def test_a_chat_rendering_transformer_is_refused(tmp_path):
+    """sentence-transformers 6 renders text through a tokenizer's chat template ('message' modality);
+    bulkgen embeds the text as sent, so it refuses the model rather than return other vectors."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    hf = build_tiny_model(tmp_path / "hf", seed=5)
+    SentenceTransformer(modules=[Transformer(str(hf)), Pooling(64, "mean")], device="cpu").save(
+        str(tmp_path / "st")
+    )
+    with pytest.raises(ValueError, match="renders text through the chat template") as err:
+        load_pooling(tmp_path / "st")
+    assert "\n" not in str(err.value)
+    with pytest.raises(EmbedError, match="chat template"):
+        Engine.from_pretrained(str(tmp_path / "st")).add_request("r", "hi", EmbedParams())
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "sentence_transformers.base.modules.dense.Dense",
+        "sentence_transformers.models.Dense",
+        "sentence_transformers.base.modules.router.Router",
+        "my_package.modules.Normalize",  # a class named Normalize, but not sentence-transformers' own
+    ],
+)
+def test_an_unknown_module_type_is_refused_at_load_by_name(st_folder, tmp_path, caplog, module):
+    path = _st_saved(st_folder("mean", False), tmp_path / "saved")
+    modules = json.loads((path / "modules.json").read_text())
+    modules.append({"idx": 2, "name": "2", "path": "2_Extra", "type": module})
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ValueError, match=f"module type '{module}' is not supported"):
+        load_pooling(path)
+    engine = Engine.from_pretrained(str(path))
+    assert module in caplog.text  # said once at load
+    with pytest.raises(EmbedError, match=module):
+        engine.add_request("r", "hi", EmbedParams())
 
 
 def test_the_default_rule_is_last_token_normalised(tmp_path, st_folder):
@@ -135,8 +217,6 @@ def test_an_input_may_fill_the_context(tmp_path):
     ],
 )
 def test_unsupported_pooling_is_refused_at_load(tmp_path, config):
-    import json
-
     path = add_sentence_transformers_config(build_tiny_model(tmp_path / "m", seed=5), "mean", False)
     (path / "1_Pooling" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pooling .* is not supported"):
@@ -149,8 +229,6 @@ def test_unsupported_pooling_is_refused_at_load(tmp_path, config):
 
 
 def test_legacy_pooling_flags(tmp_path):
-    import json
-
     path = add_sentence_transformers_config(build_tiny_model(tmp_path / "m", seed=5), "mean", True)
     (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
     assert load_pooling(path) == PoolingConfig("last", True)

@@ -16,9 +16,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.grammar import GrammarRuntime, Guide, apply_masks
+from bulkgen.engine.grammar import GrammarRuntime, apply_masks
+from bulkgen.engine.guide import Guide
 from bulkgen.engine.sampling_params import SamplingError
 from bulkgen.models.registry import BUNDLED_MODEL
+from tests.support.schemas import LATE_FAILURE
 
 LABEL = {
     "type": "object",
@@ -194,3 +196,23 @@ def test_a_seeded_constrained_request_samples_the_same_alone_and_in_a_crowd(mode
         for n, g in ((12, None), (30, Guide.json_schema(LABEL)), (7, None), (25, Guide.json_object()))
     ]
     assert engine.generate(prompts, [seeded, *others])[0].token_ids == alone
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_that_fails_as_it_runs_fails_its_request_never_a_stop(model_dirs, mixed_prompts, overlap):
+    """The failing request (both of its n completions) comes back with `error` and no text; the requests
+    beside it, constrained or not, finish as they would alone, and every KV block is freed."""
+    engine = Engine.from_pretrained(str(model_dirs["llama"]), async_scheduling=overlap)
+    prompts = mixed_prompts(seed=5, count=3, low=3, high=20)
+    params = [
+        SamplingParams(max_tokens=150, temperature=1.0, n=2, seed=3, guide=Guide.json_schema(LATE_FAILURE)),
+        SamplingParams(max_tokens=60, temperature=0, guide=Guide.json_schema(LABEL)),
+        SamplingParams(max_tokens=9, temperature=0),
+    ]
+    failed, label, plain = engine.generate(prompts, params)
+    assert failed.outputs == [] and "the schema's grammar failed during decoding" in failed.error
+    assert "too many expressions" in failed.error and "\n" not in failed.error
+    assert label.error is None and label.outputs[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(label.text), LABEL)
+    assert plain.token_ids == engine.generate([prompts[2]], params[2])[0].token_ids
+    assert engine.requests == {} and engine.block_manager.num_free_blocks == engine.runner.num_blocks

@@ -13,8 +13,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bulkgen.engine.grammar import GrammarError, GrammarRuntime, Guide, apply_masks, check, grammar, unpack
+from bulkgen.engine import schema_compiler
+from bulkgen.engine.grammar import GrammarRuntime, apply_masks, unpack
+from bulkgen.engine.guide import GrammarError, Guide, check, compile_guide, grammar
 from bulkgen.models.registry import BUNDLED_MODEL
+from tests.support.schemas import SLOW_TO_COMPILE, ref_chain
 
 PERSON = {
     "type": "object",
@@ -106,7 +109,7 @@ def test_json_mode_gives_an_object(runtime):
 
 
 def test_one_compile_per_distinct_schema():
-    grammar.cache_clear()
+    compile_guide.cache_clear()
     a = Guide.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
     b = Guide.json_schema(
         json.loads(
@@ -119,7 +122,13 @@ def test_one_compile_per_distinct_schema():
     for _ in range(5):
         check(a)
         check(b)
-    assert grammar.cache_info().misses == 1
+    assert compile_guide.cache_info().misses == 1
+    refused = Guide.json_schema({"$ref": "#"})  # a refusal is kept too: compiled once, refused each time
+    for _ in range(3):
+        with pytest.raises(GrammarError):
+            check(refused)
+    assert compile_guide.cache_info().misses == 2
+    assert grammar(a) == grammar(b)
 
 
 @pytest.mark.parametrize(
@@ -135,6 +144,54 @@ def test_a_schema_that_cannot_compile_is_a_grammar_error_naming_why(schema, reas
     with pytest.raises(GrammarError, match=reason) as err:
         check(Guide.json_schema(schema))
     assert "\n" not in str(err.value)  # one line: it becomes a per-line 400 message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [{"$ref": "#"}, {"type": "string", "pattern": "^(a{1000}){1000}$"}],
+    ids=["refers-to-itself", "pattern-past-the-lexer-limits"],
+)
+def test_a_schema_that_admits_no_document_is_refused_at_check(schema):
+    """Its matcher fails on the first steps: refused at validation, not "completed" as an empty output."""
+    with pytest.raises(GrammarError, match="the schema admits no document") as err:
+        check(Guide.json_schema(schema))
+    assert "\n" not in str(err.value) and "<non-verbose/>" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [ref_chain(1000), {"type": "object", "required": [f"r{i}" for i in range(30_000)]}],
+    ids=["1000-refs-deep", "30000-required-names"],
+)
+def test_a_schema_that_crashes_the_compiler_costs_that_schema_alone(schema):
+    """llguidance overflows its stack on these (SIGSEGV): in its helper process, this one survives."""
+    assert len(json.dumps(schema)) < schema_compiler.MAX_SCHEMA_BYTES
+    with pytest.raises(GrammarError, match=r"the grammar compiler crashed on the schema \(SIGSEGV\)"):
+        check(Guide.json_schema(schema))
+    check(Guide.json_schema(ref_chain(3)))  # the next schema gets a fresh compiler
+
+
+def test_a_schema_over_the_size_limit_is_refused_before_compiling():
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(40_000)}}
+    with pytest.raises(GrammarError, match=r"the schema is 1,068,922 bytes of JSON; at most 524,288"):
+        check(Guide.json_schema(schema))
+
+
+def test_a_compile_past_the_time_limit_is_stopped(monkeypatch):
+    """7,000 patterned properties (480 KB) take seconds to compile; a limit below that stops the compiler,
+    and the next schema compiles in a fresh one."""
+    monkeypatch.setattr(schema_compiler, "COMPILE_TIMEOUT_S", 0.5)
+    with pytest.raises(GrammarError, match=r"the schema took longer than 0.5 s to compile"):
+        check(Guide.json_schema(SLOW_TO_COMPILE))
+    check(Guide.json_schema(ref_chain(4)))
+
+
+def test_compiler_messages_become_one_short_line():
+    panic = "panic: index out of bounds\nstack backtrace:\n   0: llguidance::x\n   1: std::rt"
+    assert schema_compiler.reason(panic) == "panic: index out of bounds"
+    long = "regex parse error: " + "(" * 5000 + "\n" + "^" * 5000 + "\nerror: too many parentheses"
+    short = schema_compiler.reason(long)
+    assert len(short) <= schema_compiler.MAX_REASON_CHARS and short.endswith("^ error: too many parentheses")
 
 
 def test_batched_masks_equal_masks_one_by_one(runtime):

@@ -10,7 +10,7 @@ import pytest
 
 from bulkgen.engine import SamplingParams, sampler
 from bulkgen.engine import engine as engine_module
-from bulkgen.engine.grammar import Guide
+from bulkgen.engine.guide import Guide
 from bulkgen.engine.model_runner import ModelRunner
 from bulkgen.engine.pooling import EmbedParams
 

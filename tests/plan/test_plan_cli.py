@@ -34,3 +34,23 @@ def test_plan_for_a_device_without_a_profile_says_so(tmp_path):
     )
     assert result.exit_code == 1
     assert "no profile of bulkgen-tiny exists for device 'h200' (stored: none)" in result.output
+
+
+def test_plan_names_a_deeply_nested_line_like_any_other(tmp_path):
+    """A message nested 990 levels is its line's error (no traceback), listed with the file's own errors."""
+
+    def row(custom_id: str, content: str) -> str:
+        body = {"model": "bulkgen-tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+        return json.dumps(
+            {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
+
+    deep = row("deep", "TEXT").replace('"TEXT"', "[" * 990 + "]" * 990)
+    path = tmp_path / "deep.jsonl"
+    path.write_text("\n".join([row("a", "hi"), deep, row("a", "again")]) + "\n")
+    result = CliRunner().invoke(
+        cli, ["plan", str(path), "--storage", str(tmp_path / "storage"), "--gpu", "cpu", "--json"]
+    )
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    errors = [(e["line"], e["code"], e["param"]) for e in json.loads(result.output)["errors"]]
+    assert errors == [(2, "invalid_parameter", "body.messages"), (3, "duplicate_custom_id", "custom_id")]

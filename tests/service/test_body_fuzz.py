@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bulkgen.batch.bodyfields import BODY_FIELDS
+from bulkgen.batch.prepare import fit_context, tokenize
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
 from bulkgen.batch.validate import Validator, validate_stream
 from bulkgen.engine.sampling_params import SamplingParams
 from bulkgen.lab.tiny import build_tokenizer
 from bulkgen.runtime.lineindex import IndexBuilder
-from bulkgen.runtime.prepare import fit_context, tokenize
 from tests.support.service import HERMES_TEMPLATE, MODEL, chat_row, completion_row
 
 TOKENIZER = build_tokenizer()

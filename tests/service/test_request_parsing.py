@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import COMPLETIONS, LineError, RequestLine, custom_id_of, parse_line
 from bulkgen.batch.responses import completion_body
-from bulkgen.runtime.prepare import fit_context
-from tests.support.service import chat_row, completion_row
+from tests.support.service import MODEL, chat_row, completion_row
 
 
 def _line(row: dict) -> bytes:
@@ -223,3 +223,57 @@ def test_a_files_endpoint_is_told_from_its_first_request_line():
         endpoint_of([b"{}\n"], "f.jsonl")
     with pytest.raises(ClientError, match="has no request lines"):
         endpoint_of([b"\n"], "f.jsonl")
+
+
+def _nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _deep_lines() -> dict[str, bytes]:
+    """A 2 KB message content nested 990 levels, and a json_schema 500 objects deep (both spliced in as
+    text: json.dumps itself would recurse that deep)."""
+    chain = b'{"type": "string"}'
+    for _ in range(500):
+        chain = b'{"type": "object", "properties": {"a": ' + chain + b"}}"
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": "SCHEMA"}}
+    return {
+        "body.messages": _line(chat_row("deep-message", "TEXT")).replace(b'"TEXT"', _nested(990)),
+        "body.response_format": _line(chat_row("deep-schema", "x", response_format=fmt)).replace(
+            b'"SCHEMA"', chain
+        ),
+    }
+
+
+def test_deep_nesting_refuses_its_line_naming_the_field():
+    """Each its own line's 400, never a RecursionError; brackets inside strings do not count, and content
+    nested right up to the limit is taken."""
+    from bulkgen.batch.nesting import MAX_NESTING
+
+    for param, raw in _deep_lines().items():
+        with pytest.raises(LineError) as info:
+            parse_line(raw, 4, "/v1/chat/completions")
+        assert (info.value.code, info.value.param) == ("invalid_parameter", param)
+        assert f"deeper than {MAX_NESTING} levels" in info.value.message and len(info.value.message) < 200
+        assert custom_id_of(raw).startswith("deep-")
+    # the line's object, body, messages and the message are 4 levels: content may take the rest
+    at_limit = _line(chat_row("fits", "TEXT")).replace(b'"TEXT"', _nested(MAX_NESTING - 4))
+    assert RequestLine.read(at_limit, 1, "/v1/chat/completions").too_deep is None
+    over = _line(chat_row("over", "TEXT")).replace(b'"TEXT"', _nested(MAX_NESTING - 3))
+    assert RequestLine.read(over, 1, "/v1/chat/completions").too_deep == "messages"
+    in_text = chat_row("text", "[" * 5000 + "{" * 5000)  # brackets in a string are text
+    assert parse_line(_line(in_text), 1, "/v1/chat/completions").messages[0]["content"].startswith("[[[")
+
+
+def test_a_file_with_deep_lines_refuses_them_alone_by_number():
+    import io
+
+    from bulkgen.batch.validate import Validator, validate_stream
+
+    deep = _deep_lines()
+    rows = [deep["body.messages"], _line(chat_row("ok", "hi")), deep["body.response_format"]]
+    result = validate_stream(io.BytesIO(b"\n".join(rows)), Validator("/v1/chat/completions", [MODEL], 10))
+    assert result.ok and result.total == 3
+    assert [(r["line"], r["param"]) for r in result.refused] == [
+        (1, "body.messages"),
+        (3, "body.response_format"),
+    ]

@@ -14,10 +14,10 @@ from openai.types.responses import Response
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
 from bulkgen.batch.bodyfields import BODY_FIELDS
+from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
 from bulkgen.batch.responses import success_line
-from bulkgen.engine.grammar import Guide
-from bulkgen.runtime.prepare import fit_context
+from bulkgen.engine.guide import Guide
 from bulkgen.watch.jobspec import JobError, JobSpec
 from bulkgen.watch.outputs import parquet_row
 from tests.service.test_body_fuzz import EDGES, JSON

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from bulkgen.batch.prepare import render_chat, tokenize
 from bulkgen.batch.requests import CHAT, LineError, parse_line
 from bulkgen.batch.responses import chat_body
 from bulkgen.batch.tools import parse_tool_calls, tool_format
 from bulkgen.lab.tiny import build_tokenizer
-from bulkgen.runtime.prepare import render_chat, tokenize
 from tests.support.service import HERMES_TEMPLATE, chat_row
 
 WEATHER = {
