@@ -292,7 +292,7 @@ def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_ru
     dead = Watcher(svc, spec, owner="dead")
     dead.claims.clock = clock
     claim = dead.claims.take(dead.inbox.stat("bad.jsonl"))
-    dead._upload(claim, CHAT)
+    dead._upload(claim)
     record = svc.create_batch(claim.file_id, CHAT, "24h", None)  # ... and it died before writing the claim
     assert dead.claims.take(dead.inbox.stat("bad.jsonl")) is not None  # its own claim, while it is alive
     alive = Watcher(svc, spec, owner="alive")
