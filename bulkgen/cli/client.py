@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bulkgen.batch.requests import LineError, url_of
+from bulkgen.batch.resultfiles import ResultNames
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus
 
 
@@ -69,9 +70,9 @@ def validated(get_batch: Callable[[], object], interval: float = 0.5):
 
 
 def output_paths(output: Path) -> tuple[Path, Path]:
-    """`results.jsonl` -> (results.jsonl, results.errors.jsonl)."""
-    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
-    return output, output.with_name(f"{stem}.errors.jsonl")
+    """`results.jsonl` -> (results.jsonl, results.errors.jsonl), named by bulkgen.batch.resultfiles."""
+    names = ResultNames.of_output(output.name)
+    return output.with_name(names.output), output.with_name(names.of("errors.jsonl"))
 
 
 def download(client, batch, output: Path) -> list[str]:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.requests import LineError, url_of
+from bulkgen.batch.resultfiles import stem_of, write_report, write_results
 from bulkgen.batch.schema import InvalidRequest, public_view
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.driver import Driver
@@ -30,7 +31,6 @@ from bulkgen.store import NotFound, ObjectInfo, S3Store, layout, open_store
 from bulkgen.watch.claims import Claim, ClaimLost, Claims
 from bulkgen.watch.cron import Cron
 from bulkgen.watch.jobspec import JobError, JobSpec
-from bulkgen.watch.outputs import stem_of, write_report, write_results
 from bulkgen.watch.sources import Message, PollTimer, SqsSource
 
 if TYPE_CHECKING:  # Ray is imported once a batch needs workers

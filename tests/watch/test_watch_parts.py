@@ -15,12 +15,12 @@ import pytest
 
 from bulkgen.batch.requests import CHAT, ParsedRequest, fill_defaults, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line, success_line
+from bulkgen.batch.resultfiles import parquet_row
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
 from bulkgen.store import LocalStore, layout, open_store
 from bulkgen.watch.cron import Cron, CronError
 from bulkgen.watch.jobspec import JobError, JobSpec
-from bulkgen.watch.outputs import parquet_row
 from bulkgen.watch.sources import SqsSource
 from bulkgen.watch.watcher import Watcher
 from tests.support.clock import FakeClock
