@@ -70,14 +70,23 @@ class LocalFolder:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def upload_fileobj(self, name: str, src: BinaryIO) -> None:
+    def open(self, name: str) -> BinaryIO:
+        """A result file to write as a stream (a merge writes its lines as it goes)."""
         path = self.folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("wb") as dst:
+        return path.open("wb")
+
+    def upload_fileobj(self, name: str, src: BinaryIO) -> None:
+        with self.open(name) as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         self.upload_fileobj(name, io.BytesIO(data))
+
+
+def local_results(output: Path) -> tuple[LocalFolder, ResultNames]:
+    """Where and under which names the results of a user-named output file go (beside it)."""
+    return LocalFolder(output.parent), ResultNames.of_output(output.name)
 
 
 def write_results(

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from bulkgen.batch.responses import answer_summary
-from bulkgen.batch.resultfiles import LocalFolder, ResultNames, stem_of, write_results
+from bulkgen.batch.resultfiles import local_results, stem_of, write_results
 from bulkgen.batch.service import BatchService
 from bulkgen.cli.client import ClientError, detect_endpoint, endpoint_of
 from bulkgen.metrics.table import describe_summary
@@ -122,8 +122,8 @@ class _Progress:
 def _write_results(svc: BatchService, record: dict, output: Path, echo: Callable[[str], None]) -> list[str]:
     counts = record["request_counts"]
     echo(f"{record['id']} {record['status']}: {counts['completed']} completed, {counts['failed']} failed")
-    names = ResultNames.of_output(output.name)
-    written = write_results(svc, record, LocalFolder(output.parent), names, summarize=False)
+    folder, names = local_results(output)
+    written = write_results(svc, record, folder, names, summarize=False)
     for name in written:
         echo(f"wrote {output.parent / name}")
         if name == names.output:

@@ -9,10 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from bulkgen.batch.resultfiles import ResultNames
+from bulkgen.batch.resultfiles import ResultNames, local_results
 from bulkgen.batch.service import BatchService
 from bulkgen.cli import cli
-from bulkgen.cli.client import output_paths
 from bulkgen.watch.jobspec import JobSpec
 from bulkgen.watch.watcher import Watcher
 from tests.support.service import MODEL, chat_row, random_model, settings_for, write_jsonl
@@ -44,7 +43,12 @@ def test_names_of_a_stored_batch_and_of_a_chosen_output_follow_one_rule():
     chosen = ResultNames.of_output("res.jsonl")
     assert (chosen.output, chosen.of("errors.jsonl")) == ("res.jsonl", "res.errors.jsonl")
     assert ResultNames.of_output("res").of("metrics.json") == "res.metrics.json"
-    assert output_paths(Path("o/res.jsonl")) == (Path("o/res.jsonl"), Path("o/res.errors.jsonl"))
+    folder, names = local_results(Path("o/res.jsonl"))
+    assert (folder.folder, names.output, names.of("errors.jsonl")) == (
+        Path("o"),
+        "res.jsonl",
+        "res.errors.jsonl",
+    )
 
 
 def test_run_and_watcher_name_their_files_through_the_one_writer(service, named, tmp_path):
