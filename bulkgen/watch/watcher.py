@@ -1,9 +1,9 @@
 """The watcher: every JSONL object under an input prefix becomes a batch; its results go to an output prefix.
 
 Each object version is claimed first (claims.py), so it is processed once across restarts and beside
-other watchers on the same service storage; the batch is stored and created through the driver, visible through
-the API like any other. Each batch goes the driver's way (bulkgen.runtime.driver: accept, validate with its
-line index, hand over, finish), with many batches at once: the driver's runtime runs only the batches
+other watchers on the same service storage; the batch is visible through the API like any other. Each
+batch goes the driver's way (bulkgen.runtime.driver: store with the job's defaults, accept, validate with
+its line index, hand over, finish), with many batches at once: the driver's runtime runs only the batches
 handed to it, so a watcher adds workers for what it finds and never takes on the API's batches, while a
 `bulkgen serve` on the same storage may run the watcher's batches as well (leases keep one runner per
 batch). The watcher itself polls the batch *records*, so it writes the results whoever ran the batch.
