@@ -130,7 +130,9 @@ def test_the_simulator_counts_the_context_the_engines_decode_attention_reads(mon
         lengths.update({o.request_id: len(o.token_ids) for o in engine.step()})  # finished ones only
     outputs = [lengths[f"r{i}"] for i in range(1, len(prompts) + 1)]
     limits = EngineLimits(16, 512, engine.config.block_size, profiles.decode_padded(engine))
-    simulated = batch_seconds([len(p) for p in prompts], outputs, lambda seqs, pf, context, new: context, limits)
+    simulated = batch_seconds(
+        [len(p) for p in prompts], outputs, lambda seqs, pf, context, new: context, limits
+    )
     assert limits.decode_padded
     assert abs(simulated - sum(read)) <= 0.1 * sum(read), (simulated, sum(read))
 
