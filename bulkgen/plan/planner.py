@@ -122,6 +122,7 @@ def plan_file(
     result["profile"] = {
         "stored_at": profiles.profile_key(model, profile.device),
         "measured_now": measured_now,
+        "busy": profile.busy,
     }
     return result
 
@@ -192,10 +193,20 @@ def describe(result: dict[str, Any]) -> str:
         ),
         (
             "start-up",
-            f"~{_duration(result['startup_seconds'])} more for a fresh `bulkgen run` (Ray, its worker, the "
-            f"model load of {_duration(result['model_load_seconds'])}, the results); not in the time above",
+            f"~{_duration(result['startup_seconds'])} more for a fresh `bulkgen run` (Ray, worker, model "
+            f"load {_duration(result['model_load_seconds'])}); not in the time above",
         ),
         ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
+        *(
+            [
+                (
+                    "",
+                    f"measured while the CPU was busy ({prof['busy']}): `bulkgen profile` again when it is not",
+                )
+            ]
+            if prof["busy"]
+            else []
+        ),
         ("runtime factor", result["runtime_factor"]),
     ]
     return "\n".join(f"{label:<20} {value}" for label, value in rows)

@@ -57,14 +57,12 @@ class Profile:
     max_model_len: int
     block_size: int
     model_load_s: float
-    startup_s: float = (
-        0.0  # a fresh `bulkgen run` beyond its generation: Ray, its worker, model load, results
-    )
-    decode_padded: bool = False  # decodes attend over the longest one's blocks, each (bulkgen.plan.timed)
     per_new_seq_s: float = 0.0  # admitting a sequence (and, later, finishing it): per request, not per token
-    spread: float = (
-        0.15  # relative spread of step times (half the interquartile range / median): the ± of plans
-    )
+    # relative spread of step times (half the interquartile range / median): the ± of plans
+    spread: float = 0.15
+    decode_padded: bool = False  # decodes attend over the longest one's blocks, each (bulkgen.plan.timed)
+    startup_s: float = 0.0  # a fresh `bulkgen run` beyond its generation (Ray, worker, model load)
+    busy: str = ""  # what else kept the cores busy when it was measured ("" when they were free)
     measured_at: float = field(default_factory=time.time)
     host: str = field(default_factory=platform.node)
     points: list[dict] = field(default_factory=list)
@@ -146,6 +144,7 @@ def measure(
     `threads`: the worker's torch threads (a CPU worker's share of the cores; default all of them: one
     worker). A fresh process, not this one: whatever torch work this process did before (on its main
     thread, say) would change the step times it measures."""
+    busy = _busy()
     spec = {"model": model, "path": path, "engine_kwargs": engine_kwargs or {}, "threads": threads}
     threads = threads or os.cpu_count() or 1
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # as the pool sets
@@ -159,11 +158,20 @@ def measure(
     if done.returncode != 0:
         raise RuntimeError(f"profiling {model} failed: {done.stderr.strip()[-2000:]}")
     profile = Profile.from_json(done.stdout.strip().splitlines()[-1].encode())
+    profile.busy = busy
     if startup:
         from bulkgen.plan.startup import run_startup_seconds
 
         profile.startup_s = run_startup_seconds(model, path)
     return profile
+
+
+def _busy() -> str:
+    """The load on the cores, in words, when it would slow the measurement: a profile measured on a busy
+    CPU times steps that wait for the cores (on 2 shared cores, 2-5x the idle machine's) and is kept."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return f"load average {load:.1f} on {cores} cores" if load > cores / 2 else ""
 
 
 def measure_here(
