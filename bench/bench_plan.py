@@ -132,7 +132,10 @@ def time_model(path: Path, storage: Path, lengths: list[int]) -> float:
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
     work = scan_file(path, detect_endpoint(path), DEFAULT_MODEL_NAME, tokenizer, profile.max_model_len, 10**6)
     return batch_seconds(
-        work.arrays()[1].tolist(), lengths, profile.step_seconds, profiles.limits_of(profile)
+        work.arrays(profile.prefix_caching)[1].tolist(),
+        lengths,
+        profile.step_seconds,
+        profiles.limits_of(profile),
     )
 
 

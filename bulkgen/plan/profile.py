@@ -8,11 +8,11 @@ step records:
                    + per_context_token × context tokens the decoding sequences attend to
 
 It runs in a fresh process in the state of a worker's: one thread loads the model and runs every step
-(bulkgen.runtime.worker does all torch work on its engine thread). Torch work on a second thread of the
-same process (a model loaded on the main thread and stepped on another, as here before) makes a second
-OpenMP team; libgomp, seeing more threads than cores, then stops spinning between parallel regions, and
-on an idle 2-core machine every step ran 1.3-1.5x slower than the worker's: plans of a quiet machine came
-out that much too long. It also times the model load and the start-up of a fresh `bulkgen run`
+(bulkgen.runtime.engine_loop does all torch work on its engine thread). Torch work on a second thread
+of one process (a model loaded on one thread and stepped on another) makes a second OpenMP team;
+libgomp, seeing more threads than cores, then stops spinning between parallel regions, and on an idle
+2-core machine every step ran 1.3-1.5x slower than the worker's: plans of a quiet machine came out that
+much too long. It also times the model load and the start-up of a fresh `bulkgen run`
 (bulkgen.plan.startup). The profile is stored as JSON under the storage root, one object per model and
 device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the estimate at create) and every replica
 on the same storage read the same figures.

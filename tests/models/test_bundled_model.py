@@ -103,6 +103,7 @@ def test_bundled_template_is_the_one_the_model_was_trained_with_and_renders_tool
     )
 
 
+@pytest.mark.slow  # `bulkgen run` in its own process: Ray, a worker
 def test_tool_sample_runs_with_every_forced_call_valid_for_its_schema(tmp_path):
     """samples/tools.jsonl through `bulkgen run` (its own process, as a user runs it): every line answers
     a call of an allowed function whose arguments parse and validate against that function's schema."""

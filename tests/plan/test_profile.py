@@ -38,7 +38,7 @@ def test_the_profile_is_measured_in_a_fresh_process_not_the_callers():
 
 
 def test_one_thread_loads_the_model_and_runs_every_step(monkeypatch):
-    """As the worker's engine thread does (bulkgen.runtime.worker._on_engine_thread)."""
+    """As the worker's engine thread does (bulkgen.runtime.engine_loop._on_engine_thread)."""
     from bulkgen.engine import Engine
 
     threads: set[int] = set()
