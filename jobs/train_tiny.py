@@ -322,7 +322,10 @@ prose, often untrue. Serve a real model with `--model NAME=PATH`.
   {len(summary["packages"])} installed packages under MIT, BSD, Apache, PSF or ISC licences (listed in
   training_summary.json); {summary["train_tokens"]:,} training and {summary["heldout_tokens"]:,} held-out tokens
   (held-out = {summary["heldout_fraction"]:.0%} of paragraphs, seed {summary["seed"]}).
-- Tokenizer: byte-level BPE, {summary["vocab_size"]:,} tokens, chat template `<|role|>\\ntext<|end|>\\n`.
+- Tokenizer: byte-level BPE, {summary["vocab_size"]:,} tokens, chat template `<|role|>\\ntext<|end|>\\n`;
+  tools Hermes-style (their JSON schemas in a system block inside `<tools></tools>`, calls as
+  `<tool_call>{{"name": ..., "arguments": ...}}</tool_call>`, results as a `tool` turn), never trained on:
+  forced calls (`tool_choice`) come out valid through constrained decoding, free ones rarely.
 - Training: {summary["steps"]} AdamW steps of {summary["batch"]} x {summary["context"]} tokens,
   {summary["seconds"] / 60:.1f} min on {summary["threads"]} CPU threads.
 - Held-out loss {summary["heldout_loss"]:.3f} nats/token (shipped bf16 weights: {summary["heldout_loss_bf16"]:.3f})

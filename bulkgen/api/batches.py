@@ -14,7 +14,6 @@ from bulkgen.api.files import page
 from bulkgen.api.protocol import ID, Batch, BatchList, CreateBatch, answers
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import public_view
-from bulkgen.plan.admission import raise_if_refused
 from bulkgen.runtime.driver import Driver
 
 router = APIRouter(prefix="/v1/batches")
@@ -47,22 +46,10 @@ def _create(svc, manager, body: CreateBatch) -> dict:
     seconds = (
         None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
     )
-    record = svc.create_batch(
-        body.input_file_id,
-        body.endpoint,
-        body.completion_window,
-        body.metadata,
-        output_expires_after_s=seconds,
+    driver = Driver(svc, manager)
+    return driver.admit(
+        driver.accept(body.input_file_id, body.endpoint, body.completion_window, body.metadata, seconds)
     )
-    if (
-        svc.settings.refuse_infeasible
-    ):  # validated, indexed and estimated now, so an infeasible batch is a 400
-        driver = Driver(svc, manager)
-        record, index = driver.validate(record["id"])
-        raise_if_refused(record)
-        driver.hand_over(record["id"], index)
-    manager.wake()  # a runner validates it (unless done above): validating -> in_progress or failed
-    return record
 
 
 @router.get("/{batch_id}", response_model=None, responses=answers(Batch, 404))

@@ -211,11 +211,21 @@ def answer_summary(body: dict) -> dict[str, Any]:
         }
     choice = body["choices"][0]
     return {
-        "text": choice["message"]["content"] if "message" in choice else choice["text"],
+        "text": _message_text(choice["message"]) if "message" in choice else choice["text"],
         "finish_reason": choice["finish_reason"],
         "prompt_tokens": body["usage"]["prompt_tokens"],
         "completion_tokens": body["usage"]["completion_tokens"],
     }
+
+
+def _message_text(message: dict) -> str:
+    """A chat answer as one text: its content, or, for an answer that is tool calls (content null), each
+    call as `name(arguments)`."""
+    if message.get("content") is not None:
+        return message["content"]
+    calls = [c["function"] for c in message.get("tool_calls") or ()]
+    calls += [message["function_call"]] if message.get("function_call") else []
+    return "; ".join(f"{c['name']}({c['arguments']})" for c in calls) or (message.get("refusal") or "")
 
 
 _LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from bulkgen.batch.requests import LineError, url_of
+from bulkgen.batch.resultfiles import local_results
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus
 
 
@@ -68,22 +69,18 @@ def validated(get_batch: Callable[[], object], interval: float = 0.5):
     return batch
 
 
-def output_paths(output: Path) -> tuple[Path, Path]:
-    """`results.jsonl` -> (results.jsonl, results.errors.jsonl)."""
-    stem = output.name[: -len(".jsonl")] if output.name.endswith(".jsonl") else output.name
-    return output, output.with_name(f"{stem}.errors.jsonl")
-
-
 def download(client, batch, output: Path) -> list[str]:
     """Write the output and error files; returns one line per file written."""
-    out_path, err_path = output_paths(output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    folder, names = local_results(output)
     written = []
-    for file_id, path in ((batch.output_file_id, out_path), (batch.error_file_id, err_path)):
+    for file_id, name in (
+        (batch.output_file_id, names.output),
+        (batch.error_file_id, names.of("errors.jsonl")),
+    ):
         if file_id:
-            path.write_bytes(client.files.content(file_id).content)
-            lines = sum(1 for _ in path.open("rb"))
-            written.append(f"{path} ({lines} lines)")
+            data = client.files.content(file_id).content
+            folder.write_bytes(name, data)
+            written.append(f"{folder.folder / name} ({len(data.splitlines())} lines)")
     return written
 
 
@@ -116,8 +113,8 @@ def download_merged(client, chain: list, output: Path) -> list[str]:
     running = [b.id for b in chain if b.status not in TERMINAL_STATUSES]
     if running:
         raise ClientError(f"batch {running[0]} of the retry chain is still running; merge once it has ended")
-    out_path, err_path = output_paths(output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    folder, names = local_results(output)
+    out_path, err_path = folder.folder / names.output, folder.folder / names.of("errors.jsonl")
     with tempfile.TemporaryDirectory(prefix="bulkgen-merge-") as tmp, contextlib.ExitStack() as files:
 
         def fetch(file_id: str | None):
@@ -131,7 +128,7 @@ def download_merged(client, chain: list, output: Path) -> list[str]:
 
         source = fetch(chain[0].input_file_id)
         results = [(fetch(b.output_file_id), fetch(b.error_file_id)) for b in chain]
-        with out_path.open("wb") as out, err_path.open("wb") as err:
+        with folder.open(names.output) as out, folder.open(names.of("errors.jsonl")) as err:
             try:
                 counts = merge_chain(source, results, out, err)
             except ValueError as exc:

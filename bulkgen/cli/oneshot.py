@@ -14,13 +14,13 @@ from pathlib import Path
 import click
 
 from bulkgen.batch.responses import answer_summary
+from bulkgen.batch.resultfiles import local_results, stem_of, write_results
 from bulkgen.batch.service import BatchService
-from bulkgen.cli.client import ClientError, detect_endpoint, endpoint_of, output_paths
+from bulkgen.cli.client import ClientError, detect_endpoint, endpoint_of
 from bulkgen.metrics.table import describe_summary
 from bulkgen.runtime.driver import Driver, DriverError
 from bulkgen.settings import Settings
 from bulkgen.store import NotFound
-from bulkgen.watch.outputs import stem_of, write_results
 
 
 class OneShotError(Exception):
@@ -74,7 +74,7 @@ def run_stored(
 ) -> dict:
     """A JSONL file already in storage (e.g. dropped under inbox/) run as a batch; results copied beside
     it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.summary.json (the
-    writer `bulkgen watch` uses too: bulkgen/watch/outputs.py)."""
+    writer `bulkgen watch` uses too: bulkgen/batch/resultfiles.py)."""
     svc = BatchService(settings)
     stem = f"{output_prefix.rstrip('/')}/{stem_of(input_key.rsplit('/', 1)[-1])}"
 
@@ -120,30 +120,19 @@ class _Progress:
 
 
 def _write_results(svc: BatchService, record: dict, output: Path, echo: Callable[[str], None]) -> list[str]:
-    out_path, err_path = output_paths(output)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    written = []
     counts = record["request_counts"]
     echo(f"{record['id']} {record['status']}: {counts['completed']} completed, {counts['failed']} failed")
-    for file_id, path in ((record["output_file_id"], out_path), (record["error_file_id"], err_path)):
-        if file_id:
-            with svc.files.open(file_id) as src, path.open("wb") as dst:
-                while block := src.read(1 << 20):
-                    dst.write(block)
-            written.append(str(path))
-            echo(f"wrote {path}")
-    if record["output_file_id"]:
-        echo(_preview(out_path))
-    metrics = record.get("metrics")
-    if metrics:
-        metrics_path = out_path.with_name(out_path.name.removesuffix(".jsonl") + ".metrics.json")
-        metrics_path.write_text(json.dumps(metrics, indent=2))
-        written.append(str(metrics_path))
-        echo(f"wrote {metrics_path}")
-        echo(describe_summary(metrics))
+    folder, names = local_results(output)
+    written = write_results(svc, record, folder, names, summarize=False)
+    for name in written:
+        echo(f"wrote {output.parent / name}")
+        if name == names.output:
+            echo(_preview(output))
+    if record.get("metrics"):
+        echo(describe_summary(record["metrics"]))
     if record["errors"]:
         echo(json.dumps(record["errors"]))
-    return written
+    return [str(output.parent / name) for name in written]
 
 
 def _preview(path: Path, count: int = 3) -> str:

@@ -52,8 +52,9 @@ def _model(spec: str | None) -> tuple[str, str]:
 @_store_options
 @click.option("--json", "as_json", is_flag=True, help="Print the stored profile.")
 def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, as_json: bool) -> None:
-    """Measure prefill and decode speed of the model on this machine (a small grid, ~10-40 s on CPU) and
-    store it for `bulkgen plan` and the service's estimate at batch create."""
+    """Measure prefill and decode speed of the model on this machine (a small grid in a fresh process,
+    ~10-40 s on CPU) and the start-up of a fresh `bulkgen run` (~10-30 s), and store them for `bulkgen
+    plan` and the service's estimate at batch create."""
     from bulkgen.cli.server_cmds import check_storage
     from bulkgen.plan import profile as profiles
 
@@ -69,7 +70,7 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
         f"ms/sequence + {measured.per_prefill_token_s * 1e6:.1f} us/prefill token + "
         f"{measured.per_context_token_s * 1e9:.1f} ns/context token + {measured.per_new_seq_s * 1000:.3f} "
         f"ms/admitted sequence (spread ±{measured.spread:.0%}); "
-        f"model load {measured.model_load_s:.1f} s"
+        f"model load {measured.model_load_s:.1f} s; start-up of `bulkgen run` {measured.startup_s:.1f} s"
     )
     for p in measured.points:
         click.echo(

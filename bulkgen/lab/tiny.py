@@ -12,8 +12,24 @@ from __future__ import annotations
 from pathlib import Path
 
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+# `<|role|>\ntext<|end|>\n` per message; with tools, Hermes-style (as Qwen and Hermes models render them):
+# a system block listing each tool's JSON schema inside <tools></tools>, an assistant's calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, a tool result as a `tool` turn. Without tools
+# or calls it renders exactly as before tools were added (the bundled model was trained on that).
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<|system|>\n"
+    "You may call these tools, each given as a JSON schema:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    'To call one, answer <tool_call>{"name": <its name>, "arguments": <its arguments as a JSON object>}'
+    "</tool_call><|end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] %}<tool_call>"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

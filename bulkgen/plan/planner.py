@@ -7,8 +7,9 @@ device (bulkgen.plan.profile), measured on the spot when there is none for the d
 
 What the estimate covers: `estimated_seconds` is the batch's generation wall time on N warm workers,
 from its first request entering an engine to its last finishing: what `metrics.wall_time_s` of the
-finished batch measures, and what a user of a running service waits for. A fresh `bulkgen run` pays the
-start-up on top (Ray, workers, model load): `startup_seconds` gives the part measured here (model load).
+finished batch measures, and what a user of a running service waits for. A fresh `bulkgen run` pays its
+start-up on top (Ray, its worker, the model load, the results): `startup_seconds`, measured with the
+profile (bulkgen.plan.startup), printed apart because a running service does not pay it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import Runtime, runtime_factor
 from bulkgen.plan.lengths import LengthModel
 from bulkgen.plan.scan import FileWork, scan_file
-from bulkgen.plan.timed import EngineLimits, batch_seconds
+from bulkgen.plan.timed import batch_seconds
 
 
 class NoProfile(Exception):
@@ -42,7 +43,7 @@ def estimate(
     """Seconds as {low, expected, high} (the profile's step-time spread around the expected lengths) and
     the upper bound (every sequence runs to max_tokens). `runtime`: the service's measured runtime factor."""
     runtime = runtime or Runtime()
-    limits = EngineLimits(profile.max_num_seqs, profile.max_num_batched_tokens)
+    limits = profiles.limits_of(profile)
 
     def seconds(outputs: np.ndarray) -> float:
         return runtime.seconds(
@@ -121,6 +122,7 @@ def plan_file(
     result["profile"] = {
         "stored_at": profiles.profile_key(model, profile.device),
         "measured_now": measured_now,
+        "busy": profile.busy,
     }
     return result
 
@@ -150,7 +152,8 @@ def summarize(
         "expected_output_tokens": int(expected.sum()),
         "length_model": lengths.source,
         **estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime),
-        "startup_seconds": profile.model_load_s,
+        "startup_seconds": profile.startup_s,
+        "model_load_seconds": profile.model_load_s,
     }
 
 
@@ -188,8 +191,22 @@ def describe(result: dict[str, Any]) -> str:
             f"{_duration(s['low'])} - {_duration(s['high'])} (expected {_duration(s['expected'])}; "
             f"at most {_duration(result['upper_bound_seconds'])} if every request runs to max_tokens)",
         ),
-        ("start-up", f"+{_duration(result['startup_seconds'])} model load for a fresh worker (bulkgen run)"),
+        (
+            "start-up",
+            f"~{_duration(result['startup_seconds'])} more for a fresh `bulkgen run` (Ray, worker, model "
+            f"load {_duration(result['model_load_seconds'])}); not in the time above",
+        ),
         ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
+        *(
+            [
+                (
+                    "",
+                    f"measured while the CPU was busy ({prof['busy']}): `bulkgen profile` again when it is not",
+                )
+            ]
+            if prof["busy"]
+            else []
+        ),
         ("runtime factor", result["runtime_factor"]),
     ]
     return "\n".join(f"{label:<20} {value}" for label, value in rows)

@@ -7,9 +7,15 @@ step records:
     step seconds = base + per_seq × sequences in the step + per_prefill_token × prefill tokens
                    + per_context_token × context tokens the decoding sequences attend to
 
-It also times the model load (the fixed cost a fresh worker pays). The profile is stored as JSON under the
-storage root, one object per model and device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the
-estimate at create) and every replica on the same storage read the same figures.
+It runs in a fresh process in the state of a worker's: one thread loads the model and runs every step
+(bulkgen.runtime.engine_loop does all torch work on its engine thread). Torch work on a second thread
+of one process (a model loaded on one thread and stepped on another) makes a second OpenMP team;
+libgomp, seeing more threads than cores, then stops spinning between parallel regions, and on an idle
+2-core machine every step ran 1.3-1.5x slower than the worker's: plans of a quiet machine came out that
+much too long. It also times the model load and the start-up of a fresh `bulkgen run`
+(bulkgen.plan.startup). The profile is stored as JSON under the storage root, one object per model and
+device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the estimate at create) and every replica
+on the same storage read the same figures.
 """
 
 from __future__ import annotations
@@ -17,19 +23,23 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from bulkgen.plan.timed import EngineLimits, attended
 from bulkgen.store import NotFound, Store, layout
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: measured in a worker's process state, with the start-up of `bulkgen run`
 BATCH_SIZES = (1, 16, 64)
 CONTEXTS = (32, 256)
 DECODE_STEPS = 8
 CHURN_ROUNDS = 3
+MEASURE_TIMEOUT_S = 1800
 
 
 @dataclass
@@ -48,9 +58,11 @@ class Profile:
     block_size: int
     model_load_s: float
     per_new_seq_s: float = 0.0  # admitting a sequence (and, later, finishing it): per request, not per token
-    spread: float = (
-        0.15  # relative spread of step times (half the interquartile range / median): the ± of plans
-    )
+    # relative spread of step times (half the interquartile range / median): the ± of plans
+    spread: float = 0.15
+    decode_padded: bool = False  # decodes attend over the longest one's blocks, each (bulkgen.plan.timed)
+    startup_s: float = 0.0  # a fresh `bulkgen run` beyond its generation (Ray, worker, model load)
+    busy: str = ""  # what else kept the cores busy when it was measured ("" when they were free)
     measured_at: float = field(default_factory=time.time)
     host: str = field(default_factory=platform.node)
     points: list[dict] = field(default_factory=list)
@@ -79,6 +91,13 @@ class Profile:
                 f"profile version {fields.get('version')} is not {PROFILE_VERSION}; measure it again"
             )
         return cls(**fields)
+
+
+def limits_of(profile: Profile) -> EngineLimits:
+    """The engine's limits and decode layout a profile was measured under, for the simulator."""
+    return EngineLimits(
+        profile.max_num_seqs, profile.max_num_batched_tokens, profile.block_size, profile.decode_padded
+    )
 
 
 def device_name(device: str | None = None) -> str:
@@ -112,40 +131,75 @@ def stored_devices(store: Store, model: str) -> list[str]:
     return sorted(layout.profile_device(k) for k in store.list(layout.model_profiles(model)))
 
 
-def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: int | None = None) -> Profile:
-    """Load the model, run the grid, fit the step cost. About 5-15 s on CPU with the bundled model.
+def measure(
+    model: str,
+    path: str,
+    engine_kwargs: dict | None = None,
+    threads: int | None = None,
+    startup: bool = True,
+) -> Profile:
+    """Measure the grid in a fresh process (about 5-15 s on CPU with the bundled model), then, with
+    `startup`, the start-up of a fresh `bulkgen run` of this model (one more model load, and Ray).
 
-    The grid runs as a worker runs its engine: in a thread of its own with `threads` torch threads (a CPU
-    worker's share of the cores; default all of them, one worker). Measured from the main thread instead,
-    steps on a busy 2-core machine came out 15x slower than the same steps in a worker."""
-    from bulkgen.engine import Engine
-
-    started = time.perf_counter()
-    engine = Engine.from_pretrained(path, **(engine_kwargs or {}))
-    load_s = time.perf_counter() - started
-    result: list = []
-    worker = threading.Thread(
-        target=lambda: result.append(_measure_grid(engine, threads or os.cpu_count() or 1)),
-        name="bulkgen-profile",
+    `threads`: the worker's torch threads (a CPU worker's share of the cores; default all of them: one
+    worker). A fresh process, not this one: whatever torch work this process did before (on its main
+    thread, say) would change the step times it measures."""
+    busy = _busy()
+    spec = {"model": model, "path": path, "engine_kwargs": engine_kwargs or {}, "threads": threads}
+    threads = threads or os.cpu_count() or 1
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # as the pool sets
+    done = subprocess.run(
+        [sys.executable, "-m", "bulkgen.plan.profile", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=MEASURE_TIMEOUT_S,
     )
+    if done.returncode != 0:
+        raise RuntimeError(f"profiling {model} failed: {done.stderr.strip()[-2000:]}")
+    profile = Profile.from_json(done.stdout.strip().splitlines()[-1].encode())
+    profile.busy = busy
+    if startup:
+        from bulkgen.plan.startup import run_startup_seconds
+
+        profile.startup_s = run_startup_seconds(model, path)
+    return profile
+
+
+def _busy() -> str:
+    """The load on the cores, in words, when it would slow the measurement: a profile measured on a busy
+    CPU times steps that wait for the cores (on 2 shared cores, 2-5x the idle machine's) and is kept."""
+    cores = os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return f"load average {load:.1f} on {cores} cores" if load > cores / 2 else ""
+
+
+def measure_here(
+    model: str, path: str, engine_kwargs: dict | None = None, threads: int | None = None
+) -> Profile:
+    """The grid in this process, on one thread that loads the model and runs every step, as a worker's
+    engine thread does. Meant for a fresh process (`measure`)."""
+    result: list = []
+
+    def run() -> None:
+        import torch
+
+        from bulkgen.engine import Engine
+
+        torch.set_num_threads(threads or os.cpu_count() or 1)  # per thread, as the worker's loop sets it
+        started = time.perf_counter()
+        engine = Engine.from_pretrained(path, **(engine_kwargs or {}))
+        load_s = time.perf_counter() - started
+        result.append((engine, load_s, _measure_grid(engine)))
+
+    worker = threading.Thread(target=run, name="bulkgen-profile")
     worker.start()
     worker.join()
     if not result:
         raise RuntimeError("profiling failed; see the error above")
-    cells, churn = result[0]
+    engine, load_s, (cells, churn) = result[0]
+    base, per_seq, per_prefill, per_context, per_new_seq = fit_steps(cells, churn)
     cfg = engine.config
-    base, per_seq, per_context = _fit_decode(cells)
-    per_prefill = _fit_prefill(cells, base, per_seq)
-    per_new_seq = _fit_churn(churn, (base, per_seq, per_prefill, per_context))
-    points = [
-        {
-            "batch": b,
-            "context": c,
-            "decode_step_s": round(_mean_decode(rows)[1], 6),
-            "prefill_tokens_per_s": round(_prefill_rate(rows), 1),
-        }
-        for b, c, rows in cells
-    ]
     return Profile(
         model,
         device_name(str(engine.device.type)),
@@ -158,17 +212,43 @@ def measure(model: str, path: str, engine_kwargs: dict | None = None, threads: i
         engine.max_model_len,
         cfg.block_size,
         round(load_s, 3),
-        per_new_seq,
-        _spread(cells),
-        points=points,
+        decode_padded=decode_padded(engine),
+        per_new_seq_s=per_new_seq,
+        spread=_spread(cells),
+        points=[
+            {
+                "batch": b,
+                "context": c,
+                "decode_step_s": round(_mean_decode(rows)[1], 6),
+                "prefill_tokens_per_s": round(_prefill_rate(rows), 1),
+            }
+            for b, c, rows in cells
+        ],
         prefix_caching=cfg.enable_prefix_caching,
     )
 
 
-def _measure_grid(engine, threads: int) -> list:
-    import torch
+def fit_steps(cells: list, churn: list) -> tuple[float, float, float, float, float]:
+    """(base, per_seq, per_prefill_token, per_context_token, per_new_seq) seconds, fitted to the grid's
+    step rows (`_run_cell`'s) and the churn cell's."""
+    base, per_seq, per_context = _fit_decode(cells)
+    prefill_rows = [r for _, _, rows in cells for r in rows] + churn
+    per_prefill, per_new_seq = _fit_admission(prefill_rows, (base, per_seq, per_context))
+    return base, per_seq, per_prefill, per_context, per_new_seq
 
-    torch.set_num_threads(threads)  # per thread, as the worker's engine loop sets it
+
+def decode_padded(engine) -> bool:
+    """Whether the engine's decode attention pads every decoding sequence to the longest one (the plain
+    backend's SDPA path: CPU, and CUDA without triton) rather than reading each one's own blocks."""
+    from bulkgen.engine import triton_decode
+    from bulkgen.engine.attn_backends import PlainBackend
+
+    backend = engine.runner.backend
+    kernel = getattr(backend, "decode_kernel", None) or triton_decode.default_kernel(engine.device)
+    return isinstance(backend, PlainBackend) and kernel != "triton"
+
+
+def _measure_grid(engine) -> tuple[list, list]:
     _run_cell(engine, 4, 16, 4)  # warm-up: the first forward passes are slower than the rest
     cells = [
         (batch, context, _run_cell(engine, batch, context, DECODE_STEPS))
@@ -192,16 +272,15 @@ def _run_cell(engine, batch: int, context: int, steps: int) -> list[tuple]:
         engine.add_request(f"p{batch}-{context}-{i}", rng.integers(3, vocab, context).tolist(), params)
     while engine.has_unfinished():
         engine.step()
-    rows, decoded = [], 0
+    rows, decoded, padded = [], 0, decode_padded(engine)
     for record in engine.pop_step_records():
         decoding = record["decode_tokens"]
         decoded += bool(decoding)
-        context_tokens = decoding * (context + decoded)
         rows.append(
             (
                 record["active_seqs"],
                 record["prefill_tokens"],
-                context_tokens,
+                attended([context + decoded] * decoding, engine.config.block_size, padded),
                 record["duration_s"],
                 record["active_seqs"] - decoding,
             )
@@ -242,19 +321,21 @@ def _fit_decode(cells) -> tuple[float, float, float]:
     return tuple(_nonnegative_lstsq(np.array(x), np.array(y)))
 
 
-def _fit_prefill(cells, base: float, per_seq: float) -> float:
-    """Seconds per prefill token: what a prefill step costs beyond a decode step of as many sequences."""
-    per_token = [(r[3] - base - per_seq * r[0]) / r[1] for _, _, rows in cells for r in rows if r[1] >= 64]
-    return max(float(np.mean(per_token)), 0.0) if per_token else 0.0
-
-
-def _fit_churn(rows: list[tuple], coef: tuple[float, float, float, float]) -> float:
-    """Seconds per request admitted (and finished) beyond its tokens: from full batches of 4-token prompts
-    that generate 2 tokens, where requests come and go every step (a file of short requests is that)."""
-    base, per_seq, per_prefill, per_context = coef
-    admitted = sum(r[4] for r in rows if r[1])
-    predicted = sum(base + per_seq * r[0] + per_prefill * r[1] + per_context * r[2] for r in rows)
-    return max(0.0, (sum(r[3] for r in rows) - predicted) / admitted) if admitted else 0.0
+def _fit_admission(rows: list[tuple], coef: tuple[float, float, float]) -> tuple[float, float]:
+    """(seconds per prefill token, seconds per sequence admitted): what steps that prefill cost beyond
+    decode steps of as many sequences over as much context, fitted together over the grid's prompts (32
+    and 256 tokens) and the churn cell's (4 tokens, a full batch admitted every other step), each step
+    weighed by its own length. Fitted apart, as before, the per-token cost took the admissions' share and
+    the context of the sequences decoding beside the prompts: 5-20% high for a file of short prompts."""
+    base, per_seq, per_context = coef
+    steps = [r for r in rows if r[1]]
+    if not steps:
+        return 0.0, 0.0
+    weight = np.array([1 / max(r[3], 1e-9) for r in steps])
+    x = np.array([[r[1], r[4]] for r in steps]) * weight[:, None]
+    y = np.array([r[3] - base - per_seq * r[0] - per_context * r[2] for r in steps]) * weight
+    per_prefill, per_new_seq = _nonnegative_lstsq(x, y)
+    return per_prefill, per_new_seq
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
@@ -266,3 +347,8 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
         if (coef >= 0).all():
             return [float(c) for c in coef]
         keep &= coef > 0
+
+
+if __name__ == "__main__":  # `measure`'s fresh process: a spec as JSON in, the profile as JSON out
+    _spec = json.loads(sys.argv[1])
+    print(json.dumps(asdict(measure_here(**_spec))))

@@ -1,6 +1,8 @@
 """The driver: one batch's way from an input file to its results, through this process's runtime.
 
-    accept     store the input and create the batch (`validating`), as POST /v1/files and /v1/batches do
+    store      store the input as POST /v1/files does (a watcher's job defaults filled into each line)
+    accept     create the batch (`validating`) of a stored file
+    admit      POST /v1/batches after accept: validate at once under --refuse-infeasible, wake the runtime
     validate   validating -> in_progress or failed; the line index and the plan's estimate are built in the
                same streamed pass (`validate_and_index`), so the file is read and parsed once
     hand_over  give the validated batch and its index to this process's BatchManager; returns at once
@@ -9,21 +11,25 @@
 
 `bulkgen run` and `jobs/batch_job.py` call `run()`, which does all of it and blocks. The watcher, a
 long-lived service with many batches at once and claims to renew, calls the steps itself and polls `ended`.
-The API creates the batch and the runtime validates it: its runner calls `validate_and_index` too, so every
-door validates and indexes a file the same way.
+The API creates each batch with `accept` and `admit` (a driver over the server's runtime) and the runtime validates it:
+its runner calls `validate_and_index` too, so every door creates, validates and indexes a file the same way.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
+from bulkgen.batch.requests import fill_defaults
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, InvalidRequest
 from bulkgen.batch.service import BatchService
+from bulkgen.plan.admission import raise_if_refused
 from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.runtime.validation import validate_and_index
+from bulkgen.store.base import split_lines
 
 if TYPE_CHECKING:  # the manager imports Ray: only a driver that runs batches needs it
     from bulkgen.runtime.manager import BatchManager
@@ -61,13 +67,54 @@ class Driver:
         self._stopped = threading.Event()
 
     # -- the steps -------------------------------------------------------------------------------------
-    def accept(self, file_id: str, endpoint: str, window: str, metadata: dict | None = None) -> dict:
+    def accept(
+        self,
+        file_id: str,
+        endpoint: str,
+        window: str,
+        metadata: dict | None = None,
+        output_expires_after_s: int | None = None,
+    ) -> dict:
         """Create the batch of a stored input file, in `validating`; raises InvalidRequest."""
-        return self.svc.create_batch(file_id, endpoint, window, metadata)
+        return self.svc.create_batch(
+            file_id, endpoint, window, metadata, output_expires_after_s=output_expires_after_s
+        )
 
-    def store(self, fileobj: BinaryIO, name: str) -> str:
-        """Store an input file as POST /v1/files does; -> its file id."""
-        return self.svc.files.create(fileobj, name, "batch")["id"]
+    def admit(self, record: dict) -> dict:
+        """POST /v1/batches' step after `accept`, over a running runtime: wake it, and its runner validates
+        the batch. Under --refuse-infeasible the batch is validated, indexed and estimated here first, so an
+        infeasible one is refused in the answer (InvalidRequest, a 400) and a feasible one handed over with
+        its index."""
+        if self.svc.settings.refuse_infeasible:
+            record, index = self.validate(record["id"])
+            raise_if_refused(record)
+            self.hand_over(record["id"], index)
+        self.manager.wake()
+        return record
+
+    def store(
+        self,
+        fileobj: BinaryIO,
+        name: str,
+        file_id: str | None = None,
+        body_defaults: dict[str, Any] | None = None,
+        url: str | None = None,
+    ) -> str:
+        """Store an input file as POST /v1/files does; -> its file id (`file_id`: an id chosen before, as
+        a watcher's claim does, so a retaken claim rewrites the same file). `body_defaults` and `url` (a
+        watcher's job) are filled into each line where it sets none, one parse per line
+        (batch.requests.fill_defaults); the file as stored is what the batch runs, as if the user wrote it."""
+        if body_defaults or url:
+            with tempfile.TemporaryFile() as filled:
+                for raw in split_lines(fileobj):
+                    filled.write(
+                        (fill_defaults(raw, body_defaults or {}, url) if raw.strip() else raw) + b"\n"
+                    )
+                filled.seek(0)
+                return self.store(filled, name, file_id)
+        if file_id is None:
+            return self.svc.files.create(fileobj, name, "batch")["id"]
+        return self.svc.files.put(file_id, fileobj, name, "batch")["id"]
 
     def validate(self, batch_id: str) -> tuple[dict, LineIndex | None]:
         """Validate, index and estimate with the runtime's own step (no-op for a batch already validated)."""

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
+from bulkgen.batch.resultfiles import FORMATS
 from bulkgen.batch.schema import ENDPOINTS, InvalidRequest, parse_completion_window
 from bulkgen.watch.cron import Cron, CronError
-from bulkgen.watch.outputs import FORMATS
 
 DEFAULT_INTERVAL_S = 10.0  # polling alone
 DEFAULT_BACKSTOP_S = 300.0  # the slow poll beside SQS events

@@ -1,9 +1,9 @@
 """The watcher: every JSONL object under an input prefix becomes a batch; its results go to an output prefix.
 
 Each object version is claimed first (claims.py), so it is processed once across restarts and beside
-other watchers on the same service storage; the batch is created through BatchService, visible through
-the API like any other. Each batch goes the driver's way (bulkgen.runtime.driver: accept, validate with its
-line index, hand over, finish), with many batches at once: the driver's runtime runs only the batches
+other watchers on the same service storage; the batch is visible through the API like any other. Each
+batch goes the driver's way (bulkgen.runtime.driver: store with the job's defaults, accept, validate with
+its line index, hand over, finish), with many batches at once: the driver's runtime runs only the batches
 handed to it, so a watcher adds workers for what it finds and never takes on the API's batches, while a
 `bulkgen serve` on the same storage may run the watcher's batches as well (leases keep one runner per
 batch). The watcher itself polls the batch *records*, so it writes the results whoever ran the batch.
@@ -16,13 +16,13 @@ import logging
 import os
 import secrets
 import socket
-import tempfile
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.requests import LineError, fill_defaults, url_of
+from bulkgen.batch.requests import LineError, url_of
+from bulkgen.batch.resultfiles import stem_of, write_report, write_results
 from bulkgen.batch.schema import InvalidRequest, public_view
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.driver import Driver
@@ -31,7 +31,6 @@ from bulkgen.store import NotFound, ObjectInfo, S3Store, layout, open_store
 from bulkgen.watch.claims import Claim, ClaimLost, Claims
 from bulkgen.watch.cron import Cron
 from bulkgen.watch.jobspec import JobError, JobSpec
-from bulkgen.watch.outputs import stem_of, write_report, write_results
 from bulkgen.watch.sources import Message, PollTimer, SqsSource
 
 if TYPE_CHECKING:  # Ray is imported once a batch needs workers
@@ -197,7 +196,7 @@ class Watcher:
             return self._track(claim, index)
         try:
             endpoint = self._check_object(claim.info)
-            self._upload(claim, endpoint)
+            self._upload(claim)
             self.claims.update(claim, state="uploaded")  # still ours? (else the new owner creates the batch)
             record = self.driver.accept(
                 claim.file_id,
@@ -244,19 +243,16 @@ class Watcher:
             return endpoint
         raise NotABatchFile("the object has no request lines")
 
-    def _upload(self, claim: Claim, endpoint: str) -> None:
+    def _upload(self, claim: Claim) -> None:
         """The input file the batch reads: the object as it is, or with the job's defaults filled in."""
-        defaults, url = self.spec.body_defaults(), self.spec.endpoint
-        name = claim.info.key.rsplit("/", 1)[-1]
-        if not defaults and not url:
-            with self.inbox.open_read(claim.info.key) as src:
-                self.svc.files.put(claim.file_id, src, name, "batch")
-            return
-        with tempfile.TemporaryFile() as tmp:
-            for raw in self.inbox.iter_lines(claim.info.key):
-                tmp.write((fill_defaults(raw, defaults, url) if raw.strip() else raw) + b"\n")
-            tmp.seek(0)
-            self.svc.files.put(claim.file_id, tmp, name, "batch")
+        with self.inbox.open_read(claim.info.key) as src:
+            self.driver.store(
+                src,
+                claim.info.key.rsplit("/", 1)[-1],
+                claim.file_id,
+                self.spec.body_defaults(),
+                self.spec.endpoint,
+            )
 
     def _batch_of_file(self, file_id: str) -> str | None:
         """A batch an earlier owner created from this claim's file before it could record it."""

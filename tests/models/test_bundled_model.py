@@ -84,3 +84,58 @@ def test_plain_completion_reads_as_english(engine):
         ["The list is", "A function is"], [SamplingParams(max_tokens=30, temperature=0)] * 2
     )
     assert all(looks_like_english(o.text) for o in out), [o.text for o in out]
+
+
+def test_bundled_template_is_the_one_the_model_was_trained_with_and_renders_tools():
+    """jobs/train_tiny.py writes bulkgen.lab.tiny.CHAT_TEMPLATE; the shipped copy must be that one, and
+    without tools it must render as the template the weights were trained on (no tools block)."""
+    from transformers import AutoTokenizer
+
+    from bulkgen.batch.tools import tool_format
+    from bulkgen.lab.tiny import CHAT_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(BUNDLED_MODEL, local_files_only=True)
+    assert tok.chat_template == CHAT_TEMPLATE and tool_format(CHAT_TEMPLATE) == "hermes"
+    turns = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi\nthere"}]
+    assert (
+        tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        == "<|system|>\nbe brief<|end|>\n<|user|>\nhi\nthere<|end|>\n<|assistant|>\n"
+    )
+
+
+@pytest.mark.slow  # `bulkgen run` in its own process: Ray, a worker
+def test_tool_sample_runs_with_every_forced_call_valid_for_its_schema(tmp_path):
+    """samples/tools.jsonl through `bulkgen run` (its own process, as a user runs it): every line answers
+    a call of an allowed function whose arguments parse and validate against that function's schema."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import jsonschema
+
+    sample = Path(__file__).resolve().parents[2] / "samples" / "tools.jsonl"
+    out = tmp_path / "tools.out.jsonl"
+    command = [sys.executable, "-m", "bulkgen", "run", str(sample), "-o", str(out)]
+    done = subprocess.run(
+        command + ["--storage", str(tmp_path / "storage")], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    requests = {r["custom_id"]: r["body"] for r in map(json.loads, sample.read_text().splitlines())}
+    answers = {a["custom_id"]: a["response"] for a in map(json.loads, out.read_text().splitlines())}
+    assert set(answers) == set(requests)
+    for custom_id, body in requests.items():
+        assert answers[custom_id]["status_code"] == 200, answers[custom_id]
+        choice = answers[custom_id]["body"]["choices"][0]
+        if "tools" in body:  # tool_choice "required" or {"type": "function", "function": {"name"}}
+            functions = [t["function"] for t in body["tools"]]
+            forced = body["tool_choice"]
+            named = None if forced == "required" else forced["function"]["name"]
+            (call,) = [c["function"] for c in choice["message"]["tool_calls"]]
+        else:  # the legacy functions with function_call {"name"}
+            functions, named = body["functions"], body["function_call"]["name"]
+            call = choice["message"]["function_call"]
+        assert call["name"] == named if named else call["name"] in [f["name"] for f in functions]
+        schema = next(f["parameters"] for f in functions if f["name"] == call["name"])
+        jsonschema.validate(json.loads(call["arguments"]), schema)
+        assert choice["message"]["content"] is None
+        assert choice["finish_reason"] == ("stop" if named else "tool_calls"), (custom_id, choice)

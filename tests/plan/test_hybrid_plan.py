@@ -24,7 +24,8 @@ def _line(custom_id: str, **body) -> str:
 
 def test_a_hybrid_models_plan_shares_no_prompt_tokens(tmp_path):
     path = build_tiny_hybrid(tmp_path / "model", "lfm2", seed=1)
-    profile = profiles.measure("hybrid", str(path), {"max_num_seqs": 1, "device": "cpu"}, threads=1)
+    engine = {"max_num_seqs": 1, "device": "cpu"}
+    profile = profiles.measure("hybrid", str(path), engine, threads=1, startup=False)
     assert profile.prefix_caching is False
     file = tmp_path / "f.jsonl"
     lines = [_line("a"), _line("b", n=2)] + [_line(f"c{i}") for i in range(40)]  # enough to show in seconds

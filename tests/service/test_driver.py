@@ -9,12 +9,14 @@ the watcher, all on the session's Ray workers.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 from click.testing import CliRunner
 
 import bulkgen.batch.requests as requests
+import bulkgen.runtime.driver as driver
 import bulkgen.runtime.manager  # noqa: F401  (loaded before the parser is wrapped: the runner and its index)
 from bulkgen.batch.service import BatchService
 from bulkgen.cli import cli
@@ -106,3 +108,56 @@ def test_watcher_parses_each_line_once(service, parses, tmp_path):
     watcher.run(once=True)
     assert (tmp_path / "outbox" / "watch.output.jsonl").read_text().count("\n") == LINES
     assert parsed_once(parses, "watch"), parses
+
+
+@pytest.mark.parametrize("at_create", [False, True], ids=["runner-validates", "refuse-infeasible"])
+def test_api_creates_through_the_driver(service, tmp_path, monkeypatch, at_create):
+    """POST /v1/batches is Driver.create over the server's runtime: its accept creates the record."""
+    monkeypatch.setattr(service.svc.settings, "refuse_infeasible", at_create)
+    accepted = []
+    original = driver.Driver.accept
+
+    def counting(self, file_id, *args, **kwargs):
+        accepted.append(file_id)
+        return original(self, file_id, *args, **kwargs)
+
+    monkeypatch.setattr(driver.Driver, "accept", counting)
+    client = service.client()
+    file_id = upload(client, batch_file(tmp_path, f"create{int(at_create)}")).id
+    batch = client.batches.create(
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert accepted == [file_id]
+    assert wait_done(client, batch.id).request_counts.completed == LINES
+
+
+def test_watcher_fills_job_defaults_once_per_line_as_it_stores(service, parses, tmp_path, monkeypatch):
+    """A job's url and body defaults are filled by Driver.store, one fill (one JSON parse) per line, and
+    validation parses the filled line once."""
+    filled: Counter = Counter()
+    original = driver.fill_defaults
+
+    def counting(raw, body_defaults, url=None):
+        filled[json.loads(raw)["custom_id"]] += 1
+        return original(raw, body_defaults, url)
+
+    monkeypatch.setattr(driver, "fill_defaults", counting)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    rows = [chat_row(f"fill-{i}", f"hello {i}") for i in range(LINES)]
+    for row in rows:  # what the job fills in: the url, the model and max_tokens
+        del row["url"], row["body"]["model"], row["body"]["max_tokens"]
+    write_jsonl(inbox / "fill.jsonl", rows)
+    spec = JobSpec(
+        input=str(inbox),
+        output=str(tmp_path / "outbox"),
+        model=MODEL,
+        endpoint="/v1/chat/completions",
+        defaults={"max_tokens": 1},
+    )
+    Watcher(BatchService(settings_for(str(tmp_path / "store"))), spec).run(once=True)
+    outputs = [json.loads(line) for line in (tmp_path / "outbox" / "fill.output.jsonl").open()]
+    assert sorted(o["custom_id"] for o in outputs) == [f"fill-{i}" for i in range(LINES)]
+    assert all(o["response"]["body"]["usage"]["completion_tokens"] == 1 for o in outputs)
+    assert filled == {f"fill-{i}": 1 for i in range(LINES)}, filled
+    assert parsed_once(parses, "fill"), parses

@@ -216,8 +216,8 @@ def test_bulkgen_run_embeds_a_file_on_the_defaults(tmp_path):
     normalised), through the Ray workers this session already runs."""
     from click.testing import CliRunner
 
+    from bulkgen.batch.resultfiles import parquet_row
     from bulkgen.cli import cli
-    from bulkgen.watch.outputs import parquet_row
     from tests.support.service import SAMPLES
 
     out = tmp_path / "emb.jsonl"

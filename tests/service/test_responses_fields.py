@@ -17,9 +17,9 @@ from bulkgen.batch.bodyfields import BODY_FIELDS
 from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
 from bulkgen.batch.responses import success_line
+from bulkgen.batch.resultfiles import parquet_row
 from bulkgen.engine.guide import Guide
 from bulkgen.watch.jobspec import JobError, JobSpec
-from bulkgen.watch.outputs import parquet_row
 from tests.service.test_body_fuzz import EDGES, JSON
 from tests.service.test_body_fuzz import _run_like_a_worker as run_like_a_worker
 from tests.support.service import MODEL, chat_row

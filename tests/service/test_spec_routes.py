@@ -13,9 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from bulkgen.batch.resultfiles import write_results
 from bulkgen.cli import cli
 from bulkgen.store import LocalStore
-from bulkgen.watch.outputs import write_results
 from tests.support.service import MODEL, chat_row, random_model, read_lines, upload, wait_done, write_jsonl
 
 

@@ -198,3 +198,19 @@ def test_a_template_that_ignores_tools_refuses_them_rather_than_drop_them():
 def test_reasoning_effort_goes_only_to_templates_that_take_it():
     plain = _tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     assert render_chat(_request(reasoning_effort="high"), plain) == "What is the weather in Paris?"
+
+
+def test_an_answer_of_tool_calls_summarises_as_its_calls():
+    """Previews (`bulkgen run`) and Parquet rows show a call answer (content null) as its calls."""
+    from bulkgen.batch.responses import answer_summary
+
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    result = {
+        "prompt_tokens": 3,
+        "completion_tokens": 9,
+        "cached_tokens": 0,
+        "completions": [{"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}],
+    }
+    assert answer_summary(chat_body(result, "m", "hermes"))["text"] == 'get_weather({"city": "Paris"})'
+    legacy = answer_summary(chat_body(result, "m", "hermes", legacy=True))
+    assert legacy["text"] == 'get_weather({"city": "Paris"})' and legacy["finish_reason"] == "function_call"

@@ -15,12 +15,12 @@ import pytest
 
 from bulkgen.batch.requests import CHAT, ParsedRequest, fill_defaults, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line, success_line
+from bulkgen.batch.resultfiles import parquet_row
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
 from bulkgen.store import LocalStore, layout, open_store
 from bulkgen.watch.cron import Cron, CronError
 from bulkgen.watch.jobspec import JobError, JobSpec
-from bulkgen.watch.outputs import parquet_row
 from bulkgen.watch.sources import SqsSource
 from bulkgen.watch.watcher import Watcher
 from tests.support.clock import FakeClock
@@ -292,7 +292,7 @@ def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_ru
     dead = Watcher(svc, spec, owner="dead")
     dead.claims.clock = clock
     claim = dead.claims.take(dead.inbox.stat("bad.jsonl"))
-    dead._upload(claim, CHAT)
+    dead._upload(claim)
     record = svc.create_batch(claim.file_id, CHAT, "24h", None)  # ... and it died before writing the claim
     assert dead.claims.take(dead.inbox.stat("bad.jsonl")) is not None  # its own claim, while it is alive
     alive = Watcher(svc, spec, owner="alive")
