@@ -8,7 +8,7 @@ takes over once the lease lapses (after at most `ttl_s`).
 A batch taken over from another owner may still get parts from that owner's workers: when a head dies,
 the engine actors on the other nodes outlive it (their raylets wait up to 60 s for the GCS) and store
 the ranges they hold. Those stop storing once their driver has been silent for ORPHAN_AFTER_S
-(bulkgen.runtime.worker), so the new runner finalizes only after `orphans_done_at()`: nothing of
+(bulkgen.runtime.part_writer), so the new runner finalizes only after `orphans_done_at()`: nothing of
 theirs lands after the merge or is left behind by it.
 """
 
