@@ -236,6 +236,8 @@ class Engine(OverlappedSteps):
         holds its blocks and counts (and a pending token its in-flight step), so the next step
         recomputes the same tokens (or the caller aborts a request, or calls reset())."""
         done = self._finish_instant()
+        if not self.overlap and self._inflight is not None:  # switched off with a step in flight: read it
+            done += self._drain()  # first, so what it finishes is not scheduled again
         batch = self.scheduler.schedule()
         if not batch.items:
             if self._inflight is not None:
@@ -243,8 +245,6 @@ class Engine(OverlappedSteps):
             return done or self._idle()
         if self.overlap:
             return done + self._step_overlapped(batch)
-        if self._inflight is not None:  # overlap was switched off with a step in flight: read it first
-            done += self._drain()
         return done + self._step_in_order(batch)
 
     def _idle(self) -> list[RequestOutput]:

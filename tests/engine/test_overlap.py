@@ -218,6 +218,38 @@ def test_abort_and_reset_with_a_step_in_flight(make_engine, mixed_prompts):
     assert [o.token_ids for o in again] == [w.token_ids for w in alone.generate(prompts[:2], greedy)]
 
 
+def test_switching_overlap_off_with_a_step_in_flight(make_engine, mixed_prompts):
+    """The in-flight step is read before the next schedule: what it finishes (a stop seen a step late) is
+    never scheduled again, and every request comes back once with the step-by-step tokens."""
+    prompts = mixed_prompts(seed=95, count=12, low=4, high=16)
+    params = SamplingParams(max_tokens=40, temperature=0, stop_token_ids=list(range(0, 512, 5)))
+    want = make_engine(ARCH, async_scheduling=False, block_size=4).generate(prompts, params)
+    stops_at = sorted(len(w.token_ids) for w in want if w.outputs[0].finish_reason == "stop")
+    assert len(stops_at) >= 3 and stops_at[-1] >= 2, stops_at  # stops, some after decoding
+    engine = make_engine(ARCH, cuda_graphs=True, async_scheduling=True, block_size=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict = {}
+    # switch while the step in flight holds the stop token of a request (its host read finishes it)
+    while not any(
+        s.token_ids[-1] < 0 and len(s) - s.num_prompt_tokens == len(want[int(r)].token_ids)
+        for r, req in engine.requests.items()
+        for s in req.seqs
+    ):
+        done.update((o.request_id, o) for o in engine.step())
+    engine.overlap = False
+    first = engine.step()
+    assert first, "the in-flight step's read finished a request"
+    for out in first:
+        done[out.request_id] = out
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id not in done
+            done[out.request_id] = out
+    assert engine._inflight is None and engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    assert [done[str(i)].token_ids for i in range(len(prompts))] == [w.token_ids for w in want]
+
+
 def test_a_config_value_other_than_a_bool_or_none_is_refused(make_engine):
     with pytest.raises(ValueError, match="async_scheduling"):
         make_engine(ARCH, async_scheduling="yes")
