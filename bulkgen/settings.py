@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from bulkgen.models.loras import LoraSpec, parse_lora_specs
 from bulkgen.models.registry import parse_model_specs
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
@@ -141,6 +142,11 @@ ENGINE_FLAGS = {
         help="Launch each engine step before reading the previous one's tokens, so the host's work runs while "
         "the GPU computes (a stop is seen one step late); default on with a GPU, off on CPU.",
     ),
+    "max_loras": Flag(
+        "--max-loras",
+        type=int,
+        help="LoRA adapters one engine step may mix (device slots; more are kept on the host); default 4.",
+    ),
 }
 
 
@@ -236,6 +242,26 @@ class Settings:
             metavar="NAME=PATH",
             parse=parse_model_specs,
             help="Served model (local folder or s3://…), repeatable; default: the bundled sample model.",
+        ),
+    )
+    loras: dict[str, LoraSpec] = setting(
+        factory=dict,
+        flag=Flag(
+            "--lora",
+            metavar="NAME=PATH[@BASE]",
+            parse=parse_lora_specs,
+            help="Serve a PEFT LoRA adapter (local folder or s3://…) as model NAME on the served model BASE "
+            "(default: the one its adapter_config.json names, else the only one), repeatable (docs/lora.md).",
+        ),
+    )
+    lora_file: str | None = setting(
+        None,
+        flag=Flag(
+            "--lora-file",
+            envvar="BULKGEN_LORA_FILE",
+            metavar="PATH",
+            help="More adapters, NAME=PATH[@BASE] per line; read again whenever it changes, so adapters are "
+            "added without a restart (env BULKGEN_LORA_FILE).",
         ),
     )
     workers: WorkerSettings = setting(factory=WorkerSettings)

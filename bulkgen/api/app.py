@@ -97,13 +97,21 @@ def create_app(
 
 def _install_models(app: FastAPI, svc) -> None:
     """/v1/models: every served model answers every endpoint (embeddings pool its final hidden states:
-    bulkgen.engine.pooling)."""
+    bulkgen.engine.pooling), and so does each LoRA adapter, with its model as `parent` (vLLM's field)."""
 
     def served() -> list[dict]:
-        return [
-            {"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
-            for name in svc.settings.models
-        ]
+        def entry(name: str, parent: str | None) -> dict:
+            return {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "bulkgen",
+                "endpoints": list(ENDPOINTS),
+                "parent": parent,
+            }
+
+        adapters = sorted(svc.catalog.adapters().values(), key=lambda a: a.name)
+        return [entry(name, None) for name in svc.settings.models] + [entry(a.name, a.base) for a in adapters]
 
     @app.get("/v1/models", response_model=None, responses=answers(ModelList))
     async def list_models() -> dict:

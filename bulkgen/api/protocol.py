@@ -222,6 +222,7 @@ class Model(BaseModel):
     created: int
     owned_by: str
     endpoints: list[str]
+    parent: str | None = Field(None, description="bulkgen: a LoRA adapter's base model; null for a model")
 
 
 class ModelList(BaseModel):

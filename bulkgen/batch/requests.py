@@ -14,6 +14,7 @@ Validation and execution share this parser, so whatever passes validation is exa
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "url_of",
     "parse_line",
     "fill_defaults",
+    "pick_adapter",
     "RESPONSES",
 ]
 
@@ -151,11 +153,28 @@ class ParsedRequest:
     limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)
     response_fields: dict[str, Any] | None = None  # /v1/responses: the request fields its Response repeats
     embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
+    lora: str | None = None  # the LoRA adapter `model` picks (pick_adapter); None: the base model itself
 
 
 def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
     """Both halves: the request as the worker runs it (any LineError refuses the line)."""
     return RequestLine.read(raw, line, endpoint).request()
+
+
+def pick_adapter(model: str, base: str, adapters: Collection[str]) -> str | None:
+    """The adapter a line's `body.model` picks in a batch of the served model `base` (None: the base
+    itself), given the base's adapters. Any other name (an unknown adapter, another base's adapter) is
+    that line's 400: one batch mixes the base and its adapters, and one typo never fails the rest."""
+    if model == base:
+        return None
+    if model in adapters:
+        return model
+    known = ", ".join(sorted(adapters)[:20]) or "none"
+    raise LineError(
+        "model_not_found",
+        f"body.model {quote(model)} is neither the batch's model {base!r} nor one of its adapters ({known})",
+        "body.model",
+    )
 
 
 def custom_id_of(raw: bytes | str) -> str:

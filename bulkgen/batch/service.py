@@ -38,6 +38,7 @@ from bulkgen.batch.schema import (
     quote,
     set_status,
 )
+from bulkgen.models.loras import AdapterCatalog
 from bulkgen.settings import Settings
 from bulkgen.store import Store, layout, open_store
 from bulkgen.tenants import DEFAULT_TENANT, tenant_prefix
@@ -51,12 +52,17 @@ class BatchService:
         tenant: str | None = None,
         on_batch_end: Callable[[dict], None] | None = None,
         _family: dict | None = None,
+        catalog: AdapterCatalog | None = None,
     ) -> None:
         """`store`: the storage root (default: settings.storage); `tenant`: default settings.tenant.
         `on_batch_end(record)`: called once per batch end (completed, failed, expired, cancelled), of any
         tenant, with the final record, by whichever door ended it here: validation at create, the runner,
-        finalize."""
+        finalize. `catalog`: the served adapters (default: built from settings, which checks the `--lora`
+        flags: AdapterError)."""
         self.settings = settings
+        self.catalog = catalog or AdapterCatalog(
+            settings.loras, settings.models, settings.lora_file, settings.endpoint_url
+        )
         if store is None:  # opened here, at the start of a process: a local folder is made now, never later
             store = open_store(settings.storage, endpoint_url=settings.endpoint_url)
             store.create()
@@ -74,7 +80,12 @@ class BatchService:
         """The service of `tenant` on the same storage (one object per tenant, shared)."""
         if tenant not in self._family:
             BatchService(
-                self.settings, self.root, tenant, on_batch_end=self._on_batch_end, _family=self._family
+                self.settings,
+                self.root,
+                tenant,
+                on_batch_end=self._on_batch_end,
+                _family=self._family,
+                catalog=self.catalog,
             )
         return self._family[tenant]
 
@@ -138,6 +149,7 @@ class BatchService:
             s.max_file_bytes,
             on_request,
             amend,
+            {name: adapter.base for name, adapter in self.catalog.adapters().items()},
         )
         if record["status"] == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)

@@ -12,11 +12,11 @@ at most MAX_LISTED_ERRORS errors); the runtime feeds the same pass into its line
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from bulkgen.batch.requests import LineError, ParsedRequest, RequestLine
+from bulkgen.batch.requests import LineError, ParsedRequest, RequestLine, pick_adapter
 from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
@@ -69,10 +69,22 @@ class Validator:
     """Checks lines as they stream by: each line alone (the request parser), then across lines (one model,
     unique custom_ids, the request limit)."""
 
-    def __init__(self, endpoint: str, served_models: Iterable[str], max_requests: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        served_models: Iterable[str],
+        max_requests: int,
+        adapters: Mapping[str, str] | None = None,
+    ) -> None:
+        """`adapters`: the served LoRA adapters, name -> the served model they run on."""
         self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
+        self.adapters = dict(adapters or {})
         self.result = ValidationResult()
         self._first_line: dict[bytes, int] = {}  # custom_id digest -> its first line
+        # lines naming an unknown model before any line named a served one: decided once one does
+        self._undecided: list[tuple[int, str]] = []
+        self._first_unknown: tuple[int, str] | None = None
+        self._base_adapters: set[str] = set()
 
     def feed(self, number: int, raw: bytes) -> ParsedRequest | None:
         """-> the request to index (a refused body's placeholder included); None for a blank line or a
@@ -88,13 +100,21 @@ class Validator:
         if not self._check_identity(line, number):
             return None
         try:
-            return line.request()
+            request = line.request()
+            if self.result.model is not None:
+                request.lora = pick_adapter(line.model, self.result.model, self._base_adapters)
+            elif len(self._undecided) < MAX_LISTED_ERRORS:
+                self._undecided.append((number, line.model))
+            return request
         except LineError as err:
             self.result.refuse(err, number)
             return line.placeholder()
 
     def finish(self) -> ValidationResult:
         result = self.result
+        if result.model is None and self._first_unknown is not None:
+            number, model = self._first_unknown
+            result.add("model_not_found", _not_served(model, self.served), number, "body.model")
         if result.total == 0:
             result.add("empty_file", "the input file has no requests")
         elif result.total > self.max_requests:
@@ -118,25 +138,45 @@ class Validator:
             ok = False
         else:
             self._first_line[key] = number
+        return self._check_model(request.model, number) and ok
+
+    def _check_model(self, model: str, number: int) -> bool:
+        """One served model per file, its base: the first served model or adapter a line names. A line
+        naming another served model fails the file; a line naming an unknown name or another base's adapter
+        is that line's 400 (`pick_adapter`), except where the base has no adapters: then an unknown name is
+        a second model, which fails the file as before adapters were served."""
+        result = self.result
+        base = model if model in self.served else self.adapters.get(model)
         if result.model is None:
-            result.model = request.model
-            if request.model not in self.served:
-                result.add(
-                    "model_not_found",
-                    f"model {quote(request.model)} is not served here; available: {sorted(self.served)}",
-                    number,
-                    "body.model",
-                )
-                ok = False
-        elif request.model != result.model:
+            if base is None:
+                self._first_unknown = self._first_unknown or (number, model)
+                return True
+            result.model = base
+            self._base_adapters = {name for name, of in self.adapters.items() if of == base}
+            for earlier, name in self._undecided:
+                if self._check_model(name, earlier):
+                    self._refuse_model(name, earlier)
+            self._undecided = []
+            return True
+        if (model in self.served and model != result.model) or (base is None and not self._base_adapters):
             result.add(
                 "model_mismatch",
-                f"model {quote(request.model)} differs from {quote(result.model)}; one model per file",
+                f"model {quote(model)} differs from {quote(result.model)}; one model per file",
                 number,
                 "body.model",
             )
-            ok = False
-        return ok
+            return False
+        return True
+
+    def _refuse_model(self, model: str, number: int) -> None:
+        try:
+            pick_adapter(model, self.result.model, self._base_adapters)
+        except LineError as err:
+            self.result.refuse(err, number)
+
+
+def _not_served(model: str, served: set[str]) -> str:
+    return f"model {quote(model)} is not served here; available: {sorted(served)}"
 
 
 def _digest(custom_id: str) -> bytes:

@@ -26,6 +26,7 @@ def runtime_options(fn):
         settings = settings_from(pop_settings(kwargs))
         with runtime_errors():
             check_storage(settings.storage, settings.endpoint_url, create=True)
+            check_adapters(settings)
             return fn(settings=settings, **kwargs)
 
     return wrapper
@@ -57,6 +58,17 @@ def check_storage(url: str, endpoint_url: str | None, create: bool = False):
         store.create()
     store.check(attempts=3)
     return store
+
+
+def check_adapters(settings: Settings) -> None:
+    """Every `--lora` adapter and the adapters file, before anything starts: one line naming the flag and
+    why it cannot be served (its folder, its config, no base for it), exit status 1."""
+    from bulkgen.models.loras import AdapterCatalog, AdapterError
+
+    try:
+        AdapterCatalog(settings.loras, settings.models, settings.lora_file, settings.endpoint_url)
+    except AdapterError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def webhook_options(fn):

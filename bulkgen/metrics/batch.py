@@ -29,6 +29,7 @@ STEP_SUMS = (
     "padding_slot_steps",
 )
 SPAN = ("first_step_start", "last_step_end")
+ADAPTER_KEYS = ("requests", "input_tokens", "output_tokens")
 STATE_VERSION = 2
 
 
@@ -43,6 +44,9 @@ class BatchMetrics:
         self.prefill_padding_tokens = 0
         self.workers: dict[str, dict] = {}
         self.batch_sizes: dict[str, int] = {}
+        self.adapters: dict[
+            str, dict[str, int]
+        ] = {}  # per LoRA adapter its lines named (bounded: served ones)
         self.timeline = Timeline(max_timeline_buckets)
 
     def add_request(self, metrics: dict) -> None:
@@ -56,6 +60,11 @@ class BatchMetrics:
         for key in TOKEN_KEYS:
             self.totals[key] += int(_number(metrics, key) or 0)
         self.totals["requests"] += 1
+        if isinstance(metrics.get("lora"), str):
+            counts = self.adapters.setdefault(metrics["lora"], dict.fromkeys(ADAPTER_KEYS, 0))
+            counts["requests"] += 1
+            counts["input_tokens"] += int(_number(metrics, "num_prompt_tokens") or 0)
+            counts["output_tokens"] += int(_number(metrics, "num_output_tokens") or 0)
         arrival = _number(metrics, "arrival_time")
         finished = _number(metrics, "finished_time")
         if arrival is not None:
@@ -117,6 +126,8 @@ class BatchMetrics:
             "batch_size_histogram": dict(sorted(self.batch_sizes.items(), key=lambda item: int(item[0]))),
             "per_worker": self._per_worker(),
             "preemptions": self.totals["num_preemptions"],
+            # the requests and tokens of each LoRA adapter (the rest ran on the base model)
+            "adapters": {name: dict(counts) for name, counts in sorted(self.adapters.items())},
         }
 
     def report(self, wall_time_s: float | None = None, bins: int = 40) -> dict:
@@ -160,6 +171,7 @@ class BatchMetrics:
             "prefill_padding_tokens": self.prefill_padding_tokens,
             "workers": self.workers,
             "batch_sizes": self.batch_sizes,
+            "adapters": self.adapters,
             "timeline": self.timeline.to_state(),
         }
 
@@ -178,6 +190,7 @@ class BatchMetrics:
         metrics.prefill_padding_tokens = int(state["prefill_padding_tokens"])
         metrics.workers = {k: dict(v) for k, v in state["workers"].items()}
         metrics.batch_sizes = {k: int(v) for k, v in state["batch_sizes"].items()}
+        metrics.adapters = {k: dict(v) for k, v in state.get("adapters", {}).items()}  # none before adapters
         metrics.timeline = Timeline.from_state(state["timeline"])
         return metrics
 

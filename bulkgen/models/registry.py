@@ -1,4 +1,5 @@
-"""Served models: names clients put in `body.model`, mapped to a local folder or an object-store URL."""
+"""Served models: names clients put in `body.model`, mapped to a local folder or an object-store URL
+(adapters: bulkgen.models.loras)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,18 @@ def parse_model_specs(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
 
 def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: str | None = None) -> str:
     """A local folder as is; `s3://…` or `file://…` copied once into a local cache, never from a hub."""
+    return fetch_folder(path, "config.json", "model", cache_dir, endpoint_url)
+
+
+def fetch_folder(
+    path: str, marker: str, what: str, cache_dir: str | None = None, endpoint_url: str | None = None
+) -> str:
+    """A model or adapter folder (`marker` is the file it must hold) as a local path: a local folder as
+    is, an object-store URL copied once into this node's cache (BULKGEN_MODEL_CACHE)."""
     if "://" not in path or path.startswith("file://"):
         local = Path(path.removeprefix("file://"))
-        if not (local / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {local} has no config.json")
+        if not (local / marker).is_file():
+            raise FileNotFoundError(f"{what} folder {local} has no {marker}")
         return str(local)
     from bulkgen.store import open_store
 
@@ -45,8 +54,8 @@ def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: st
         cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models")
     )
     dest = cache / hashlib.sha256(path.encode()).hexdigest()[:16]
-    if not (dest / "config.json").is_file():
+    if not (dest / marker).is_file():
         open_store(path, endpoint_url=endpoint_url).download_dir("", dest)
-    if not (dest / "config.json").is_file():
-        raise FileNotFoundError(f"model at {path} has no config.json")
+    if not (dest / marker).is_file():
+        raise FileNotFoundError(f"{what} at {path} has no {marker}")
     return str(dest)

@@ -91,7 +91,8 @@ class EngineLoop:
             params = (
                 EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
             )
-            self.engine.add_request(p.request_id, p.prompt_ids, params, tag=p.range_key[0])
+            lora = {"lora": p.request.lora} if p.request.lora else {}  # TEMP until the engine takes lora=
+            self.engine.add_request(p.request_id, p.prompt_ids, params, tag=p.range_key[0], **lora)
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])
             code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"
@@ -125,6 +126,8 @@ class EngineLoop:
         if work is None:
             return  # aborted meanwhile
         result = result_dict(out)
+        if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)
+            result["metrics"]["lora"] = p.request.lora
         if p.request.echo:
             echo = echo_of(p.request, p.prompt_ids, self.engine.tokenizer)
             for c in result["completions"]:
@@ -180,6 +183,7 @@ class EngineLoop:
         except Exception:
             log.exception("worker %d: engine reset failed; rebuilding it", self.index)
             self.engine = type(self.engine)(self.engine.model, self.engine.tokenizer, **self.engine_kwargs)
+            self._loras = {}  # a new engine holds no adapters: lines load theirs again
 
 
 def os_thread_name(name: str) -> None:

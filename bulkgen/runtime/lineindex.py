@@ -3,7 +3,8 @@
 The runner never holds the input file: it holds this index (about 30 bytes a request) and cuts line
 ranges from it; a worker then fetches exactly its range's bytes with a ranged read. The work estimate
 (prompt bytes / 4 + max_tokens × n) orders ranges longest first; the prefix key groups requests that
-share a leading prompt (the system message), so one worker's prefix cache serves them all.
+share a leading prompt (the system message) on one model or adapter, so one worker's prefix cache serves
+them all.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def _work(request) -> int:
 
 
 def _prefix_key(request) -> int:
-    """The system message (or a lone message's start; a text prompt's start): what a prefix cache shares."""
+    """The system message (or a lone message's start; a text prompt's start): what a prefix cache shares.
+    The model the line names is part of it: KV is never shared across LoRA adapters, and the dispatcher's
+    affinity for a key then also keeps one adapter's lines on the worker that already holds it."""
     if request.messages is not None:
         first = request.messages[0]
         content = first["content"] or ""
@@ -95,7 +98,8 @@ def _prefix_key(request) -> int:
         text = request.prompt[:PREFIX_CHARS] if isinstance(request.prompt, str) else ""
     if not text:
         return 0
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") or 1
+    keyed = f"{request.model}\0{text}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(keyed, digest_size=8).digest(), "little") or 1
 
 
 def read_lines(store, input_key: str, first_line: int, start: int, end: int) -> Iterator[tuple[int, bytes]]:

@@ -80,6 +80,6 @@ class PartWriter:
 
     def _store_part(self, work: HeldRange) -> None:
         for entry, request, result in work.answers:
-            entry.envelope = json_line(success_line(request, result, work.model))
+            entry.envelope = json_line(success_line(request, result, request.lora or work.model))
         work.answers.clear()
         write_part(work.store, work.batch_id, work.bounds.first_line, work.bounds.last_line, work.entries)

@@ -140,6 +140,7 @@ class BatchRunner:
             self.svc.store.spec(),
             self.svc.tenant,
             batch_priority(record["metadata"]),
+            self.svc.catalog.of_base(record["model"]),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)

@@ -26,10 +26,11 @@ from collections import defaultdict, deque
 from typing import Any
 
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
-from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
+from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.engine.stats import StepTimes
-from bulkgen.models.registry import resolve_model_path
+from bulkgen.models.loras import ADAPTER_CONFIG
+from bulkgen.models.registry import fetch_folder, resolve_model_path
 from bulkgen.runtime.engine_loop import EngineLoop
 from bulkgen.runtime.held import HeldRange, Prepared
 from bulkgen.runtime.lineindex import read_lines
@@ -56,6 +57,9 @@ class EngineWorker(EngineLoop, PartWriter):
         self.engine = None
         self.model_name: str | None = None
         self.model_key: str | None = None
+        self.endpoint_url: str | None = None  # the storage's S3 endpoint, for s3:// models and adapters
+        self._loras: dict[str, str] = {}  # LoRA adapters in the loaded engine: name -> the path it came from
+        self._lora_failed: dict[tuple[str, str], str] = {}  # (name, path) -> why it could not be loaded
         self._cond = threading.Condition()
         self._prepare_lock = threading.Lock()
         self._ranges: dict[tuple, HeldRange] = {}
@@ -87,6 +91,7 @@ class EngineWorker(EngineLoop, PartWriter):
         An `s3://` model is copied to this node's cache by the worker itself, so workers on other
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         with self._load_lock:
+            self.endpoint_url = endpoint_url
             if self.model_key != model_key(model_name, model_path) or self.engine is None:
                 from bulkgen.engine import engine_class
 
@@ -98,6 +103,7 @@ class EngineWorker(EngineLoop, PartWriter):
                 )
                 with self._cond:
                     self.engine, self.model_name = engine, model_name
+                    self._loras, self._lora_failed = {}, {}
                     self._step_times = StepTimes()
                     self.model_key = model_key(model_name, model_path)
                     self._cond.notify_all()
@@ -211,6 +217,9 @@ class EngineWorker(EngineLoop, PartWriter):
         for line, raw in lines:
             try:
                 request = parse_line(raw, line, batch.endpoint)
+                request.lora = pick_adapter(request.model, batch.model, batch.loras)
+                if request.lora is not None:
+                    self._load_lora(request.lora, batch.loras[request.lora])
             except LineError as err:  # a body error (validation counted the line and indexed it), or a line
                 # validated under looser rules: refuse the line alone
                 custom_id = custom_id_of(raw)
@@ -246,6 +255,31 @@ class EngineWorker(EngineLoop, PartWriter):
         return Prepared(
             request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count
         )
+
+    def _load_lora(self, name: str, path: str) -> None:
+        """Have the adapter in the engine before the first line that names it is queued (its host copy stays
+        there, the engine moves it into a device slot when a step needs it); LineError, that line's 400,
+        if it cannot be loaded. An adapter renamed to another path is loaded anew."""
+        if self._loras.get(name) == path:
+            return
+        if (name, path) not in self._lora_failed:
+            try:
+                local = fetch_folder(path, ADAPTER_CONFIG, "adapter", endpoint_url=self.endpoint_url)
+                self._on_engine_thread(lambda: self._swap_lora(name, local))
+                self._loras[name] = path
+                return
+            except (OSError, ValueError) as exc:  # the engine's LoraError (a refused feature) is a ValueError
+                self._lora_failed[(name, path)] = f"{type(exc).__name__}: {exc}"
+        raise LineError(
+            "model_not_loaded",
+            f"body.model {name!r}: the LoRA adapter cannot be loaded: {self._lora_failed[(name, path)]}",
+            "body.model",
+        )
+
+    def _swap_lora(self, name: str, local: str) -> None:
+        if name in self._loras:
+            self.engine.remove_lora(name)
+        self.engine.add_lora(name, local)
 
     def _store(self, spec: dict[str, Any]):
         key = json.dumps(spec, sort_keys=True)

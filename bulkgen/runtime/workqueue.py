@@ -50,6 +50,8 @@ class QueuedBatch:
     store: dict  # the batch's storage (`Store.spec()`): workers may serve several services
     tenant: str = "default"  # whose share of the workers the batch's work counts against
     priority: int = 1  # among the tenant's batches, lower goes first (0 high, 1 normal, 2 low)
+    loras: dict[str, str] = field(default_factory=dict)  # the model's LoRA adapters its lines may name:
+    # name -> folder or URL (workers load one when a line first names it)
 
     @property
     def model_key(self) -> str:

@@ -1,0 +1,118 @@
+"""LoRA adapters through the real service (uvicorn on 127.0.0.1, local Ray, the openai client): the bundled
+model served with the four sample adapters (samples/lora/, written by bulkgen.lab.tiny_lora), one more on
+another base, and an adapters file edited while the service runs.
+
+`samples/lora.jsonl` names the base and four adapters on the same prompts; with a line naming an unknown
+adapter and one naming the other base's adapter, those two are 400s naming `body.model` and the rest
+complete, each adapter's greedy tokens differing from the base's and equal to the engine's for that
+adapter alone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bulkgen.lab.tiny_lora import SAMPLE_ADAPTERS, SAMPLES_DIR, save_random_adapter
+from bulkgen.models.loras import parse_lora_specs
+from bulkgen.models.registry import default_model_path
+from tests.support.service import (
+    SAMPLES,
+    Service,
+    random_model,
+    read_lines,
+    settings_for,
+    upload,
+    wait_done,
+    write_jsonl,
+)
+
+BASE, OTHER = "bulkgen-tiny", "random"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    stranger = save_random_adapter(random_model(), root / "stranger", 5, 4, 8, ("q_proj",), base_name=OTHER)
+    flags = [f"{name}={SAMPLES_DIR / name}" for name in SAMPLE_ADAPTERS if name != "pirate"]
+    flags += [f"pirate={SAMPLES_DIR / 'pirate'}@{BASE}", f"stranger={stranger}"]
+    adapters_file = root / "adapters.txt"
+    adapters_file.write_text("")
+    settings = settings_for(
+        str(root / "storage"),
+        models={BASE: default_model_path(), OTHER: str(random_model())},
+        loras=parse_lora_specs(flags),
+        lora_file=str(adapters_file),
+    )
+    service = Service(settings)
+    service.adapters_file = adapters_file
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    return service.client()
+
+
+def run(client, path):
+    batch = client.batches.create(
+        input_file_id=upload(client, path).id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    batch = wait_done(client, batch.id, timeout=300)
+    assert batch.status == "completed", batch
+    done = {line["custom_id"]: line["response"]["body"] for line in read_lines(client, batch.output_file_id)}
+    failed = {line["custom_id"]: line["response"] for line in read_lines(client, batch.error_file_id)}
+    return batch, done, failed
+
+
+def test_models_lists_each_adapter_with_its_base(client):
+    listed = {m.id: getattr(m, "parent", None) for m in client.models.list()}
+    assert listed == {
+        BASE: None,
+        OTHER: None,
+        **dict.fromkeys(SAMPLE_ADAPTERS, BASE),
+        "stranger": OTHER,
+    }
+    model = client.models.retrieve("chatty")
+    assert (model.id, model.object, model.parent) == ("chatty", "model", BASE)
+
+
+def test_one_batch_mixes_the_base_and_four_adapters(client, tmp_path):
+    rows = [json.loads(line) for line in (SAMPLES / "lora.jsonl").read_text().splitlines()]
+    extra = [dict(rows[0], custom_id=cid, body=dict(rows[0]["body"], model=m)) for cid, m in BAD_LINES]
+    batch, done, failed = run(client, write_jsonl(tmp_path / "in.jsonl", rows + extra))
+    assert sorted(failed) == sorted(cid for cid, _ in BAD_LINES)
+    for response in failed.values():
+        error = response["body"]["error"]
+        assert response["status_code"] == 400 and error["param"] == "body.model", error
+        assert error["code"] == "model_not_found" and "nor one of its adapters" in error["message"]
+    assert len(done) == len(rows) and batch.request_counts.completed == len(rows)
+    texts = {cid: body["choices"][0]["message"]["content"] for cid, body in done.items()}
+    for row in rows:
+        model, question = row["body"]["model"], row["custom_id"].split("-")[0]
+        assert done[row["custom_id"]]["model"] == model  # each answer names the adapter that wrote it
+        if model != BASE:
+            assert texts[row["custom_id"]] != texts[f"{question}-{BASE}"], row["custom_id"]
+    adapters = batch.metrics["adapters"]
+    assert {name: counts["requests"] for name, counts in adapters.items()} == dict.fromkeys(
+        SAMPLE_ADAPTERS, 3
+    )
+    assert all(counts["output_tokens"] > 0 for counts in adapters.values())
+
+
+BAD_LINES = [("unknown", "no-such-adapter"), ("other-base", "stranger")]
+
+
+def test_an_adapter_added_to_the_file_is_served_without_a_restart(service, client, tmp_path):
+    copy = shutil.copytree(SAMPLES_DIR / "terse", tmp_path / "terse-copy")
+    service.adapters_file.write_text(f"terse-again={copy}\n")
+    assert client.models.retrieve("terse-again").parent == BASE
+    rows = [json.loads(line) for line in (SAMPLES / "lora.jsonl").read_text().splitlines()][:2]
+    rows.append(dict(rows[1], custom_id="again", body=dict(rows[1]["body"], model="terse-again")))
+    _, done, failed = run(client, write_jsonl(tmp_path / "in.jsonl", rows))
+    assert not failed and rows[1]["body"]["model"] == "terse"
+    text = {cid: body["choices"][0]["message"]["content"] for cid, body in done.items()}
+    assert text["again"] == text[rows[1]["custom_id"]] != text[rows[0]["custom_id"]]
