@@ -2,6 +2,8 @@
 one block table per group of layers (kv_layout), each keeping only the blocks its layers still read.
 
 A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
+The chain's root is the sequence's `hash_root` (its LoRA adapter, None for the base model): the same
+tokens under different weights give different K/V, so they never share blocks.
 Blocks whose ref count drops to zero stay hashed in an LRU free list and are revived on a hit, so a
 system prompt shared by thousands of rows is computed once while memory allows.
 The pool is lazy: never-used ids come from a counter and a `Block` exists only once its id is handed out,
@@ -84,7 +86,7 @@ class BlockManager:
         as every group holds what the following queries read; None without a hit."""
         if not self.enable_prefix_caching:
             return None
-        chain = _Chain(seq.token_ids, self.block_size)
+        chain = _Chain(seq.token_ids, self.block_size, seq.hash_root)
         top = (len(seq) - 1) // self.block_size
         for g, kind in enumerate(self.kinds):
             if kind.is_full:
@@ -120,7 +122,7 @@ class BlockManager:
         """Hash of the first full block (None without prefix caching or a full block to share)."""
         if not self.enable_prefix_caching or len(seq) <= self.block_size:
             return None
-        return hash((None, tuple(seq.token_ids[: self.block_size])))
+        return hash((seq.hash_root, tuple(seq.token_ids[: self.block_size])))
 
     def admit(self, seq: Sequence, cached: PrefixHit | None, num_tokens: int) -> bool:
         """Give a waiting `seq` its cached prefix blocks plus fresh ones up to `num_tokens`; False if short."""
@@ -180,7 +182,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        done, parent = self._hashed.get(seq.seq_id, (0, None))
+        done, parent = self._hashed.get(seq.seq_id, (0, seq.hash_root))
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(done, full):
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
@@ -230,8 +232,8 @@ class BlockManager:
 class _Chain:
     """The chained (hash, tokens) of a sequence's full blocks, computed as far as they are asked for."""
 
-    def __init__(self, token_ids: list[int], block_size: int) -> None:
-        self.token_ids, self.block_size = token_ids, block_size
+    def __init__(self, token_ids: list[int], block_size: int, root: object = None) -> None:
+        self.token_ids, self.block_size, self.root = token_ids, block_size, root
         self.keys: list[tuple[int, tuple[int, ...]]] = []
 
     def __getitem__(self, index: int) -> tuple[int, tuple[int, ...]]:
@@ -239,5 +241,5 @@ class _Chain:
         while len(keys) <= index:
             i = len(keys)
             tokens = tuple(self.token_ids[i * bs : (i + 1) * bs])
-            keys.append((hash((keys[-1][0] if keys else None, tokens)), tokens))
+            keys.append((hash((keys[-1][0] if keys else self.root, tokens)), tokens))
         return keys[index]

@@ -35,9 +35,12 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # hybrid models (state_slots.py): sequences that can hold recurrent state at once; None: max_num_seqs
     num_state_slots: int | None = None
+    max_loras: int = 4  # LoRA adapters resident on the device at once (lora_slots.py), so per step
+    max_lora_rank: int = 64  # adapters of a higher rank are refused at load
 
     def __post_init__(self) -> None:
-        _positive_int("block_size", self.block_size)
+        for name in ("block_size", "max_loras", "max_lora_rank"):
+            _positive_int(name, getattr(self, name))
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",

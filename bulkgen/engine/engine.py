@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
 from .grammar import GrammarRuntime
+from .lora import LoraError, load_adapter
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .overlap import OverlappedSteps, _InFlight
@@ -138,6 +140,7 @@ class Engine(OverlappedSteps):
         prompt: str | list[int],
         params: SamplingParams | EmbedParams,
         tag: str | None = None,
+        lora: str | None = None,
     ) -> None:
         """Queue a request; ValueError if the id is in use or the prompt or params do not fit this engine.
 
@@ -147,9 +150,11 @@ class Engine(OverlappedSteps):
         `tag` is opaque (the runtime passes a batch id); step records count work per tag.
         EmbedParams make an embedding request: a prefill-only sequence in the same packed steps, whose KV
         blocks are allocated like any prompt's (later chunks attend to earlier ones) and freed as soon as
-        its last chunk is computed; it finishes with `RequestOutput.embedding`."""
+        its last chunk is computed; it finishes with `RequestOutput.embedding`.
+        `lora`: the name of an adapter added with add_lora (LoraError if unknown); None runs the base model."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        adapter = None if lora is None else self.runner.loras.get(lora)
         embed = params if isinstance(params, EmbedParams) else None
         if embed is not None:
             check_embed(self.pooling, embed, self.model.config.hidden_size)
@@ -164,7 +169,7 @@ class Engine(OverlappedSteps):
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
-        request = Request(request_id, ids, params, next(self._order), tag, stop_ids, embed)
+        request = Request(request_id, ids, params, next(self._order), tag, stop_ids, embed, adapter)
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
         for seq in request.seqs:
             seq.pools_every_position = seq.pools and self.pooling.method != "last"
@@ -179,6 +184,27 @@ class Engine(OverlappedSteps):
         if not request.seqs:
             self._instant.append(request)
         self.requests[request_id] = request
+
+    def add_lora(self, name: str, path: str | os.PathLike) -> None:
+        """Load the PEFT adapter folder at `path` (local) into the host cache as `name`, for requests
+        that name it; LoraError naming what is refused (lora.py). Its device slot is filled when a step
+        first schedules one of its requests."""
+        loras = self.runner.loras
+        if name in loras.adapters:
+            raise LoraError(f"adapter {name!r} is already loaded; remove it first")
+        loras.add(load_adapter(name, path, self.model, self.config.max_lora_rank))
+
+    def remove_lora(self, name: str) -> None:
+        """Drop adapter `name`; LoraError if unknown or if requests in the engine still run with it."""
+        adapter = self.runner.loras.get(name)
+        users = sum(r.lora is adapter for r in self.requests.values())
+        if users:
+            raise LoraError(f"adapter {name!r} is in use by {users} requests; abort or finish them first")
+        self.runner.loras.remove(name)
+
+    def loras(self) -> list[str]:
+        """Names of the adapters loaded, sorted."""
+        return sorted(self.runner.loras.adapters)
 
     def _fit(self, request_id: str, prompt_len: int, params: SamplingParams, embed: bool) -> tuple[int, int]:
         """(max_tokens within the context, sequences to run) of a request whose prompt fits the context
@@ -277,6 +303,9 @@ class Engine(OverlappedSteps):
         its sampling queued on the device when `sample`, its prompt logprobs and pooled chunks. Changes no
         sequence but the pooled ones' running sums."""
         self._mark_scheduled(batch.items, now)
+        adapters = {seq.lora for seq, _ in batch.items if seq.lora is not None}
+        if adapters:  # slots are filled before the forward is launched, never inside it
+            self.runner.loras.activate(adapters)
         masks = self._start_masks(batch.items) if sample else None  # on a GPU: filled during the forward
         try:
             step = self.runner.run(batch.items, pending)

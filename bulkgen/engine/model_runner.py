@@ -27,6 +27,7 @@ from .hybrid_layers import (
 )
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
+from .lora_slots import LoraSlots
 from .sequence import Sequence
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
@@ -119,6 +120,7 @@ class ModelRunner:
         width = -(-max_model_len // self.block_size)
         self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
+        self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank)
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -187,7 +189,9 @@ class ModelRunner:
     def _run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None) -> StepLogits:
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
-        if self.graphs is not None and not plan.num_prefill and not step.pooled:
+        lora_rows = self._lora_rows(ordered)
+        # decode graphs hold no LoRA ops: a step with adapter rows runs eagerly
+        if self.graphs is not None and not plan.num_prefill and not step.pooled and not lora_rows:
             # one row per sequence: row = query offset
             logits = self.graphs.run([s for s, _ in ordered], pending)
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
@@ -211,6 +215,7 @@ class ModelRunner:
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
+        lora_slices = [(slot, pack.add(lora_rows[slot])) for slot in sorted(lora_rows)]
         states, state_slots = self._state_step(ordered, plan.num_prefill)
         decode_slots = pack.add(state_slots)
         metas = [
@@ -232,6 +237,7 @@ class ModelRunner:
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
         with (
+            self.loras.scope([(slot, flat[rows_at]) for slot, rows_at in lora_slices]),
             attention_scope(self.model),
             _capture_hidden(self.model, step),
             state_scope(self.states, states),
@@ -242,6 +248,17 @@ class ModelRunner:
             out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
         step.logits = out.logits[0].float()
         return step
+
+    def _lora_rows(self, ordered: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
+        """{slot: packed rows of its adapter's sequences}; the slots were filled when the step was
+        scheduled (LoraSlots.activate)."""
+        out: dict[int, list[int]] = {}
+        q_off, resident = 0, self.loras.resident
+        for seq, n in ordered:
+            if seq.lora is not None:
+                out.setdefault(resident[seq.lora.uid], []).extend(range(q_off, q_off + n))
+            q_off += n
+        return out
 
     def _state_step(
         self, ordered: list[tuple[Sequence, int]], num_prefill: int

@@ -138,8 +138,11 @@ class Scheduler:
         if not self._admission_open():
             return
         computing: set[int] = set()  # first-block hashes that sequences admitted now compute from scratch
+        adapters = {s.lora.uid for s in self.running if s.lora is not None}
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_candidate()
+            if seq is not None and not self._adapter_fits(seq, adapters):
+                seq = self._other_candidate(lambda s: self._adapter_fits(s, adapters))
             if seq is None:
                 return
             scoring = seq.computes_whole_prompt  # a cache hit would skip prompt logits or pooled rows
@@ -164,6 +167,19 @@ class Scheduler:
             self.running.append(seq)
             batch.items.append((seq, n))
             budget -= n
+            if seq.lora is not None:
+                adapters.add(seq.lora.uid)
+
+    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
+        """Whether `seq` can run beside sequences of `adapters` (LoRA uids): a step holds rows of at most
+        `max_loras` distinct adapters, the device slots (lora_slots.py); base-model rows always fit."""
+        lora = seq.lora
+        return lora is None or lora.uid in adapters or len(adapters) < self.config.max_loras
+
+    def _other_candidate(self, accept) -> Sequence | None:
+        """A waiting sequence `accept` takes, when the next in line cannot run yet: its adapter waits for a
+        free slot while sequences of running adapters (or the base model) go ahead."""
+        return self.waiting.peek(accept)
 
     def _admission_open(self) -> bool:
         """Whether this step may admit at all (continuous: always; room is checked per sequence)."""

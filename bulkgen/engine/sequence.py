@@ -36,8 +36,10 @@ class Request:
         tag: str | None = None,
         stop_ids: frozenset[int] = frozenset(),
         embed=None,
+        lora=None,
     ):
         self.request_id = request_id
+        self.lora = lora  # lora.LoraAdapter the request runs with; None: the base model
         self.embed = embed  # pooling.EmbedParams: a prefill-only request answered with its pooled vector
         self.tag = tag or ""
         self.stop_ids = stop_ids  # EOS (unless ignored) plus stop_token_ids: one set lookup per token
@@ -84,6 +86,10 @@ class Sequence:
         self.pools = request.embed is not None
         self.pool_state = None  # the partial pool of the chunks computed so far (pooling.accumulate)
         self.pools_every_position = False  # mean/CLS pooling: every prompt position must be computed
+        self.lora = request.lora  # a plain attribute: the runner and scheduler read it per row
+        # the root of its prefix-cache hash chain (block_manager): KV computed under one adapter is never
+        # shared with another or with the base model
+        self.hash_root = None if self.lora is None else ("lora", self.lora.uid)
 
     def __len__(self) -> int:
         return len(self.token_ids)

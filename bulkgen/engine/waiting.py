@@ -14,7 +14,7 @@ Bounded: only tags with waiting sequences are remembered.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .sequence import Sequence
 
@@ -44,21 +44,36 @@ class WaitingQueue:
         self._unsorted.add(tag)
         self._count += 1
 
-    def peek(self) -> Sequence | None:
-        """The next sequence to admit: of the tag with the least work admitted, its first in admission order."""
+    def peek(self, accept: Callable[[Sequence], bool] | None = None) -> Sequence | None:
+        """The next sequence to admit: of the tag with the least work admitted, its first in admission order.
+        With `accept`, the first sequence it accepts in that order (tags by fairness, then admission order
+        within each), None if there is none: a scan, which the scheduler needs only when the sequence next
+        in line cannot run yet (its LoRA adapter would exceed the step's adapters)."""
         if not self._tags:
             return None
-        tag = min(self._tags, key=lambda t: (self._served[t], self._turn.get(t, -1)))
-        if tag in self._unsorted:
-            self._tags[tag].sort(key=self._order_key)
-            self._unsorted.discard(tag)
-        return self._tags[tag][-1]
+        fair = sorted(self._tags, key=self._fairness) if accept else [min(self._tags, key=self._fairness)]
+        for tag in fair:
+            if tag in self._unsorted:
+                self._tags[tag].sort(key=self._order_key)
+                self._unsorted.discard(tag)
+            if accept is None:
+                return self._tags[tag][-1]
+            found = next((s for s in reversed(self._tags[tag]) if accept(s)), None)
+            if found is not None:
+                return found
+        return None
+
+    def _fairness(self, tag: str) -> tuple[float, int]:
+        return self._served[tag], self._turn.get(tag, -1)
 
     def pop(self, seq: Sequence) -> None:
         """Admit `seq`, the sequence `peek` returned: its tag is charged its work."""
         tag = seq.request.tag
         queue = self._tags[tag]
-        queue.pop()
+        if queue[-1] is seq:
+            queue.pop()
+        else:  # one `peek(accept)` chose from further back
+            queue.remove(seq)
         self._count -= 1
         self._served[tag] += seq.total_work
         self._turn[tag] = self._clock

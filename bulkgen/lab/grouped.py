@@ -66,6 +66,10 @@ class StaticScheduler(Scheduler):
         else:
             self.group_pending.popleft()
 
+    def _other_candidate(self, accept) -> Sequence | None:
+        """A group runs in its order: a member whose adapter has no slot yet waits for one."""
+        return None
+
     def held(self) -> list[Sequence]:
         return list(self.group)
 

@@ -1,0 +1,158 @@
+"""PEFT LoRA adapters read from a local folder and checked against the model before anything runs.
+
+An adapter is refused at load, with the feature named, when the engine could not apply it exactly:
+DoRA (`use_dora`), `modules_to_save` (whole trained copies of modules), LoRA on embeddings or the output
+head, LoRA biases, LoRA on bare parameters (`target_parameters`, how
+peft reaches fused MoE experts), a rank above `EngineConfig.max_lora_rank`, and a target module the
+model lacks or that is not a plain linear layer. What passes is a host copy of each targeted linear's
+(A, B) with its scale folded into B, so a slot load (lora_slots.py) is a plain copy. The scale is
+peft's: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from
+its weights and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+# config keys whose feature the engine does not implement: refused when set to anything but "off"
+REFUSED_SETTINGS = {
+    "use_dora": "DoRA (use_dora)",
+    "modules_to_save": "modules_to_save",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "target_parameters": "LoRA on parameters (target_parameters, e.g. fused MoE experts)",
+    "fan_in_fan_out": "fan_in_fan_out (Conv1D layers)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+}
+_uids = itertools.count(1)
+
+
+class LoraError(ValueError):
+    """An adapter the engine refuses (its message names the feature), or a request naming an unknown one."""
+
+
+@dataclass(eq=False)
+class LoraAdapter:
+    """One adapter in the host cache: `weights[module] = (A [r, in], B·scale [out, r])` on the CPU.
+
+    `uid` is unique per load, so an adapter removed and added again under the same name never shares
+    cached KV blocks with its earlier weights (block_manager salts the hash chain with it)."""
+
+    name: str
+    path: str
+    rank: int  # the highest of its modules' ranks
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    uid: int = field(default_factory=lambda: next(_uids))
+
+
+def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max_rank: int) -> LoraAdapter:
+    """Read and check the PEFT folder at `path` against `model`; LoraError naming what is refused."""
+    folder = Path(path)
+    config = _read_config(folder)
+    for key, feature in REFUSED_SETTINGS.items():
+        if config.get(key) not in (None, False, "none", [], {}):
+            raise LoraError(f"adapter {name!r}: {feature} is not supported ({folder / CONFIG_FILE})")
+    if config.get("bias", "none") != "none":
+        raise LoraError(f"adapter {name!r}: LoRA bias {config['bias']!r} is not supported; use 'none'")
+    weights = {}
+    for module, (a, b) in _read_pairs(name, folder).items():
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise LoraError(f"adapter {name!r}: rank {rank} ({module}) is above max_lora_rank {max_rank}")
+        alpha = float(_pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
+        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        weights[module] = _checked(name, model, module, a, b, scale)
+    return LoraAdapter(name, str(folder), max(a.shape[0] for a, _ in weights.values()), weights)
+
+
+def _pattern(patterns: dict | None, module: str, default: object) -> object:
+    """The value of the first pattern matching `module` (peft's get_pattern_key), else `default`."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _read_config(folder: Path) -> dict:
+    file = folder / CONFIG_FILE
+    if not file.is_file():
+        raise LoraError(f"{folder} is not a PEFT adapter folder: {CONFIG_FILE} is missing")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoraError(f"{file}: not readable JSON ({exc})") from None
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise LoraError(f"{file}: peft_type {peft_type!r} is not LoRA")
+    return config
+
+
+def _read_pairs(name: str, folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module path in the model: (A, B)} from the safetensors file, refusing keys that are not a
+    linear layer's lora_A / lora_B (embeddings' lora_embedding_*, DoRA magnitudes, saved modules)."""
+    from safetensors.torch import load_file
+
+    file = folder / WEIGHTS_FILE
+    if not file.is_file():
+        raise LoraError(f"{folder} is not a PEFT adapter folder: {WEIGHTS_FILE} is missing")
+    tensors = load_file(str(file))
+    embedding = next((key for key in tensors if ".lora_embedding_" in key), None)
+    if embedding is not None:
+        raise LoraError(f"adapter {name!r}: LoRA on an embedding layer ({embedding}) is not supported")
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, _, rest = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+        if not module or rest not in ("A.weight", "B.weight"):
+            raise LoraError(f"adapter {name!r}: weight {key!r} is not a linear layer's lora_A / lora_B")
+        halves.setdefault(module, {})[rest[0]] = tensor
+    if not halves:
+        raise LoraError(f"adapter {name!r}: {file} holds no LoRA weights")
+    for module, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise LoraError(f"adapter {name!r}: module {module!r} has lora_A or lora_B but not both")
+    return {module: (pair["A"], pair["B"]) for module, pair in halves.items()}
+
+
+def _checked(
+    name: str,
+    model: torch.nn.Module,
+    module: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B·scale) in float32 for `module`, after checking it is a linear layer of matching shape."""
+    from .lora_slots import LoraLinear  # that module wraps what this one checks
+
+    try:
+        target = model.get_submodule(module)
+    except AttributeError:
+        raise LoraError(f"adapter {name!r}: target module {module!r} is not in the model") from None
+    if isinstance(target, LoraLinear):  # another adapter targets it too
+        target = target.base
+    head = model.get_output_embeddings()
+    if isinstance(target, torch.nn.Embedding) or target is head:
+        raise LoraError(f"adapter {name!r}: LoRA on the embedding or lm_head ({module}) is not supported")
+    if not isinstance(target, torch.nn.Linear):
+        raise LoraError(
+            f"adapter {name!r}: target module {module!r} is a {type(target).__name__}, not a linear layer"
+        )
+    rank = a.shape[0]
+    if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
+        raise LoraError(f"adapter {name!r}: {module} has LoRA shapes A {list(a.shape)}, B {list(b.shape)}")
+    if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
+        raise LoraError(
+            f"adapter {name!r}: {module} is {target.in_features} -> {target.out_features} in the model, "
+            f"but its LoRA is {a.shape[1]} -> {b.shape[0]} (an adapter of another base model?)"
+        )
+    return a.float().contiguous(), (b.float() * scale).contiguous()

@@ -1,0 +1,140 @@
+"""Mixed LoRA adapters in one packed step: a fixed pool of device slots and the linear layers that read them.
+
+Every linear layer some adapter targets is wrapped once (LoraLinear) with two slot-stacked buffers,
+A [max_loras, max_rank, in] and B [max_loras, out, max_rank] (B already scaled); an adapter of rank r
+fills the first r rows / columns of its slot, so adapters of different ranks share a step. The base
+GEMM runs once over the whole packed row; then, for each slot used in the step, the rows of its
+sequences are gathered, shrunk (x Aᵀ, r columns) and expanded (· Bᵀ) and added back in place: vLLM's
+torch punica reference (`sgmv_shrink` / `sgmv_expand` over segments) with the segments being a gather
+index per adapter, since a packed step orders sequences by prefill / decode, not by adapter. Base rows
+are in no index and pay nothing; a step without adapters runs the plain layer.
+
+Slots are filled (`activate`) when a step is scheduled, before its forward launches, from the host
+cache (lora.LoraAdapter), least recently used slot first among those the step does not use. The
+scheduler admits sequences of at most `max_loras` distinct adapters at once, so a step's adapters always fit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from contextlib import contextmanager
+
+import torch
+
+from .lora import LoraAdapter, LoraError
+
+
+class LoraLinear(torch.nn.Module):
+    """A linear layer plus the LoRA slots of its module; the base layer's output when no step is active."""
+
+    def __init__(self, base: torch.nn.Linear, pool: LoraSlots) -> None:
+        super().__init__()
+        self.base = base
+        self.pool = pool  # not a submodule: the pool owns every wrapped layer
+        w = base.weight
+        self.register_buffer("lora_a", w.new_zeros(pool.max_loras, pool.max_rank, base.in_features))
+        self.register_buffer("lora_b", w.new_zeros(pool.max_loras, base.out_features, pool.max_rank))
+        self.ranks = [0] * pool.max_loras  # rank loaded in each slot: 0 when its adapter skips this layer
+
+    @property
+    def weight(self) -> torch.Tensor:  # code that reads a linear's weight (dtype, device) still finds it
+        return self.base.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        groups = self.pool.step
+        if not groups:
+            return out
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        for slot, rows in groups:
+            r = self.ranks[slot]
+            if r:
+                shrunk = flat_x.index_select(0, rows) @ self.lora_a[slot, :r].T
+                flat_out.index_add_(0, rows, shrunk @ self.lora_b[slot, :, :r].T)
+        return out
+
+    def load(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Copy an adapter's (A, B·scale) into `slot` (None: the adapter leaves this layer alone)."""
+        if pair is None:
+            self.ranks[slot] = 0
+            return
+        a, b = pair
+        r = a.shape[0]
+        self.lora_a[slot, :r].copy_(a, non_blocking=True)
+        self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
+        self.ranks[slot] = r
+
+
+class LoraSlots:
+    """The host cache of adapters (by name) and the `max_loras` device slots they are loaded into."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+        self.model = model
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.layers: dict[str, LoraLinear] = {}  # wrapped module path -> its layer
+        self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
+        self.step: list[tuple[int, torch.Tensor]] | None = (
+            None  # (slot, its packed rows) while a forward runs
+        )
+        self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Cache `adapter` on the host and wrap the layers it targets (each layer is wrapped once)."""
+        if adapter.name in self.adapters:
+            raise LoraError(f"adapter {adapter.name!r} is already loaded; remove it first")
+        for module in adapter.weights:
+            if module not in self.layers:
+                parent, _, child = module.rpartition(".")
+                owner = self.model.get_submodule(parent)
+                self.layers[module] = LoraLinear(getattr(owner, child), self)
+                setattr(owner, child, self.layers[module])
+        self.adapters[adapter.name] = adapter
+
+    def remove(self, name: str) -> LoraAdapter:
+        adapter = self.get(name)
+        del self.adapters[name]
+        self.resident.pop(adapter.uid, None)  # its slot is reused first: no longer in the LRU order
+        return adapter
+
+    def get(self, name: str) -> LoraAdapter:
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise LoraError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters) or 'none'}")
+        return adapter
+
+    def activate(self, adapters: set[LoraAdapter]) -> dict[int, int]:
+        """Slots for `adapters` (at most max_loras: the scheduler's rule), loading those not resident into
+        free or least recently used slots; {uid: slot}."""
+        for adapter in adapters:
+            if adapter.uid in self.resident:
+                self.resident.move_to_end(adapter.uid)
+        wanted = {a.uid for a in adapters}
+        for adapter in adapters:
+            if adapter.uid not in self.resident:
+                self._load(adapter, self._free_slot(wanted))
+        return {uid: self.resident[uid] for uid in wanted}
+
+    def _free_slot(self, wanted: set[int]) -> int:
+        taken = set(self.resident.values())
+        free = [s for s in range(self.max_loras) if s not in taken]
+        if free:
+            return free[0]
+        victim = next(uid for uid in self.resident if uid not in wanted)
+        return self.resident.pop(victim)
+
+    def _load(self, adapter: LoraAdapter, slot: int) -> None:
+        for module, layer in self.layers.items():
+            layer.load(slot, adapter.weights.get(module))
+        self.resident[adapter.uid] = slot
+        self.loads += 1
+
+    @contextmanager
+    def scope(self, groups: list[tuple[int, torch.Tensor]]):
+        """The wrapped layers add these (slot, rows) deltas inside the block (the engine's forward only)."""
+        self.step = groups
+        try:
+            yield
+        finally:
+            self.step = None
