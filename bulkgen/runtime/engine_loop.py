@@ -91,8 +91,9 @@ class EngineLoop:
             params = (
                 EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
             )
-            lora = {"lora": p.request.lora} if p.request.lora else {}  # TEMP until the engine takes lora=
-            self.engine.add_request(p.request_id, p.prompt_ids, params, tag=p.range_key[0], **lora)
+            self.engine.add_request(
+                p.request_id, p.prompt_ids, params, tag=p.range_key[0], lora=p.request.lora
+            )
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])
             code = "invalid_request" if isinstance(exc, ValueError) else "engine_error"

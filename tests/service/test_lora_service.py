@@ -84,7 +84,7 @@ def test_one_batch_mixes_the_base_and_four_adapters(client, tmp_path):
     rows = [json.loads(line) for line in (SAMPLES / "lora.jsonl").read_text().splitlines()]
     extra = [dict(rows[0], custom_id=cid, body=dict(rows[0]["body"], model=m)) for cid, m in BAD_LINES]
     batch, done, failed = run(client, write_jsonl(tmp_path / "in.jsonl", rows + extra))
-    assert sorted(failed) == sorted(cid for cid, _ in BAD_LINES)
+    assert sorted(failed) == sorted(cid for cid, _ in BAD_LINES), list(failed.values())[:2]
     for response in failed.values():
         error = response["body"]["error"]
         assert response["status_code"] == 400 and error["param"] == "body.model", error
@@ -96,6 +96,7 @@ def test_one_batch_mixes_the_base_and_four_adapters(client, tmp_path):
         assert done[row["custom_id"]]["model"] == model  # each answer names the adapter that wrote it
         if model != BASE:
             assert texts[row["custom_id"]] != texts[f"{question}-{BASE}"], row["custom_id"]
+    assert texts == alone(rows), "each line's text is what the engine gives for its adapter alone"
     adapters = batch.metrics["adapters"]
     assert {name: counts["requests"] for name, counts in adapters.items()} == dict.fromkeys(
         SAMPLE_ADAPTERS, 3
@@ -104,6 +105,28 @@ def test_one_batch_mixes_the_base_and_four_adapters(client, tmp_path):
 
 
 BAD_LINES = [("unknown", "no-such-adapter"), ("other-base", "stranger")]
+
+
+def alone(rows: list[dict]) -> dict[str, str]:
+    """Each row's text from an engine in this process running that row by itself, prepared as a worker
+    prepares it (the line parser, the chat template, the context fit)."""
+    from bulkgen.batch.prepare import fit_context, tokenize
+    from bulkgen.batch.requests import parse_line
+    from bulkgen.engine import Engine, SamplingParams
+
+    engine = Engine.from_pretrained(default_model_path(), device="cpu")
+    for name in SAMPLE_ADAPTERS:
+        engine.add_lora(name, SAMPLES_DIR / name)
+    texts = {}
+    for number, row in enumerate(rows, start=1):
+        request = parse_line(json.dumps(row), number, row["url"])
+        ids = tokenize(request, engine.tokenizer)
+        params = SamplingParams(**fit_context(request, len(ids), engine.max_model_len))
+        model = row["body"]["model"]
+        engine.add_request(row["custom_id"], ids, params, lora=None if model == BASE else model)
+        while engine.has_unfinished():
+            texts.update({out.request_id: out.outputs[0].text for out in engine.step()})
+    return texts
 
 
 def test_an_adapter_added_to_the_file_is_served_without_a_restart(service, client, tmp_path):
