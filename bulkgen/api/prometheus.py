@@ -77,6 +77,27 @@ def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
         tokens.labels(kind).set(value)
     for worker, seconds in total["worker_busy_s"].items():
         busy.labels(worker).set(seconds)
+    _adapters(registry, total.get("adapters", {}))
     pending.set(waiting)
     queued.set(manager.queue_depth())
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _adapters(registry: CollectorRegistry, adapters: dict[str, dict]) -> None:
+    """Each LoRA adapter's requests and tokens (labelled by its name: one series per served adapter)."""
+    requests = Gauge(
+        "bulkgen_adapter_requests",
+        "Requests each LoRA adapter ran, over all stored batches",
+        ["adapter"],
+        registry=registry,
+    )
+    tokens = Gauge(
+        "bulkgen_adapter_tokens",
+        "Tokens each LoRA adapter processed, over all stored batches",
+        ["adapter", "kind"],
+        registry=registry,
+    )
+    for name, counts in adapters.items():
+        requests.labels(name).set(counts["requests"])
+        tokens.labels(name, "input").set(counts["input_tokens"])
+        tokens.labels(name, "output").set(counts["output_tokens"])

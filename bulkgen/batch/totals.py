@@ -1,7 +1,7 @@
 """Running totals of ended batches, so /metrics costs the same with 10 or 10,000 stored batches.
 
 `layout.TOTALS` holds the sums over every ended batch: batches by final status, request counts,
-tokens and worker busy time. A batch is added once, when it ends (`BatchService.mark_ended`), by a
+tokens, worker busy time, and each LoRA adapter's requests and tokens. A batch is added once, when it ends (`BatchService.mark_ended`), by a
 conditional read-modify-write; the last ids added are kept in it, so an ending that is retried (its
 runner died after adding, before clearing the active index) is not added twice. Live batches are
 read from the active index instead, so they are never in the totals.
@@ -25,6 +25,7 @@ def empty() -> dict:
         "requests": {"completed": 0, "failed": 0},
         "tokens": {"input": 0, "output": 0, "cached": 0},
         "worker_busy_s": {},
+        "adapters": {},  # LoRA adapter -> its requests and tokens
         "recent": [],
     }
 
@@ -48,6 +49,10 @@ def add(totals: dict, record: dict) -> None:
     for worker, stats in ((record.get("metrics") or {}).get("per_worker") or {}).items():
         busy = totals["worker_busy_s"]
         busy[worker] = busy.get(worker, 0.0) + (stats.get("busy_time_s") or 0)
+    for name, counts in ((record.get("metrics") or {}).get("adapters") or {}).items():
+        mine = totals.setdefault("adapters", {}).setdefault(name, dict.fromkeys(counts, 0))
+        for key, value in counts.items():
+            mine[key] = mine.get(key, 0) + value
 
 
 def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:

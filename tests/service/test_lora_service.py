@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import uuid
+from urllib.request import urlopen
 
 import pytest
 
@@ -33,7 +35,20 @@ BASE, OTHER = "bulkgen-tiny", "random"
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def bucket(s3_server):
+    """The sample adapter `terse` under a moto bucket: an adapter served from the object store."""
+    import boto3
+
+    name = f"lora-{uuid.uuid4().hex[:12]}"
+    s3 = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+    s3.create_bucket(Bucket=name)
+    for path in (SAMPLES_DIR / "terse").iterdir():
+        s3.upload_file(str(path), name, f"adapters/terse/{path.name}")
+    return name
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, s3_server):
     root = tmp_path_factory.mktemp("lora")
     stranger = save_random_adapter(random_model(), root / "stranger", 5, 4, 8, ("q_proj",), base_name=OTHER)
     flags = [f"{name}={SAMPLES_DIR / name}" for name in SAMPLE_ADAPTERS if name != "pirate"]
@@ -45,6 +60,7 @@ def service(tmp_path_factory):
         models={BASE: default_model_path(), OTHER: str(random_model())},
         loras=parse_lora_specs(flags),
         lora_file=str(adapters_file),
+        endpoint_url=s3_server,
     )
     service = Service(settings)
     service.adapters_file = adapters_file
@@ -80,7 +96,7 @@ def test_models_lists_each_adapter_with_its_base(client):
     assert (model.id, model.object, model.parent) == ("chatty", "model", BASE)
 
 
-def test_one_batch_mixes_the_base_and_four_adapters(client, tmp_path):
+def test_one_batch_mixes_the_base_and_four_adapters(service, client, tmp_path):
     rows = [json.loads(line) for line in (SAMPLES / "lora.jsonl").read_text().splitlines()]
     extra = [dict(rows[0], custom_id=cid, body=dict(rows[0]["body"], model=m)) for cid, m in BAD_LINES]
     batch, done, failed = run(client, write_jsonl(tmp_path / "in.jsonl", rows + extra))
@@ -96,20 +112,28 @@ def test_one_batch_mixes_the_base_and_four_adapters(client, tmp_path):
         assert done[row["custom_id"]]["model"] == model  # each answer names the adapter that wrote it
         if model != BASE:
             assert texts[row["custom_id"]] != texts[f"{question}-{BASE}"], row["custom_id"]
-    assert texts == alone(rows), "each line's text is what the engine gives for its adapter alone"
+    reference = alone([row for row in rows if row["body"]["model"] != BASE])
+    assert {cid: texts[cid] for cid in reference} == reference  # the engine's text for that adapter alone
     adapters = batch.metrics["adapters"]
     assert {name: counts["requests"] for name, counts in adapters.items()} == dict.fromkeys(
         SAMPLE_ADAPTERS, 3
     )
     assert all(counts["output_tokens"] > 0 for counts in adapters.values())
+    scraped = urlopen(service.base_url.removesuffix("/v1") + "/metrics").read().decode()
+    for name, counts in adapters.items():
+        assert f'bulkgen_adapter_requests{{adapter="{name}"}} 3.0' in scraped
+        assert (
+            f'bulkgen_adapter_tokens{{adapter="{name}",kind="output"}} {counts["output_tokens"]:.1f}'
+            in scraped
+        )
 
 
 BAD_LINES = [("unknown", "no-such-adapter"), ("other-base", "stranger")]
 
 
 def alone(rows: list[dict]) -> dict[str, str]:
-    """Each row's text from an engine in this process running that row by itself, prepared as a worker
-    prepares it (the line parser, the chat template, the context fit)."""
+    """Each row's text from an engine in this process running that row's adapter by itself,
+    the row prepared as a worker prepares it (the line parser, the chat template, the context fit)."""
     from bulkgen.batch.prepare import fit_context, tokenize
     from bulkgen.batch.requests import parse_line
     from bulkgen.engine import Engine, SamplingParams
@@ -118,24 +142,28 @@ def alone(rows: list[dict]) -> dict[str, str]:
     for name in SAMPLE_ADAPTERS:
         engine.add_lora(name, SAMPLES_DIR / name)
     texts = {}
-    for number, row in enumerate(rows, start=1):
-        request = parse_line(json.dumps(row), number, row["url"])
-        ids = tokenize(request, engine.tokenizer)
-        params = SamplingParams(**fit_context(request, len(ids), engine.max_model_len))
-        model = row["body"]["model"]
-        engine.add_request(row["custom_id"], ids, params, lora=None if model == BASE else model)
+    for model in sorted({row["body"]["model"] for row in rows}):
+        for number, row in enumerate(rows, start=1):
+            if row["body"]["model"] == model:
+                request = parse_line(json.dumps(row), number, row["url"])
+                ids = tokenize(request, engine.tokenizer)
+                params = SamplingParams(**fit_context(request, len(ids), engine.max_model_len))
+                engine.add_request(row["custom_id"], ids, params, lora=model)
         while engine.has_unfinished():
             texts.update({out.request_id: out.outputs[0].text for out in engine.step()})
     return texts
 
 
-def test_an_adapter_added_to_the_file_is_served_without_a_restart(service, client, tmp_path):
+def test_adapters_added_to_the_file_are_served_without_a_restart(service, client, bucket, tmp_path):
     copy = shutil.copytree(SAMPLES_DIR / "terse", tmp_path / "terse-copy")
-    service.adapters_file.write_text(f"terse-again={copy}\n")
+    service.adapters_file.write_text(f"terse-again={copy}\nterse-s3=s3://{bucket}/adapters/terse/\n")
     assert client.models.retrieve("terse-again").parent == BASE
+    assert client.models.retrieve("terse-s3").parent == BASE  # its config read from the bucket
     rows = [json.loads(line) for line in (SAMPLES / "lora.jsonl").read_text().splitlines()][:2]
-    rows.append(dict(rows[1], custom_id="again", body=dict(rows[1]["body"], model="terse-again")))
+    assert rows[1]["body"]["model"] == "terse"
+    for name in ("terse-again", "terse-s3"):
+        rows.append(dict(rows[1], custom_id=name, body=dict(rows[1]["body"], model=name)))
     _, done, failed = run(client, write_jsonl(tmp_path / "in.jsonl", rows))
-    assert not failed and rows[1]["body"]["model"] == "terse"
+    assert not failed, failed
     text = {cid: body["choices"][0]["message"]["content"] for cid, body in done.items()}
-    assert text["again"] == text[rows[1]["custom_id"]] != text[rows[0]["custom_id"]]
+    assert text["terse-again"] == text["terse-s3"] == text[rows[1]["custom_id"]] != text[rows[0]["custom_id"]]

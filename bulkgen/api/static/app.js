@@ -315,7 +315,9 @@ async function batchView(id) {
         ["Cached tokens", fmtNum((u.input_tokens_details || {}).cached_tokens, 0)],
         ["Output tokens", fmtNum(u.output_tokens, 0)], ["Total tokens", fmtNum(u.total_tokens, 0)]])),
       el("section", { class: "card", "aria-label": "Details" }, el("h2", {}, "Details"), dl([
-        ["Model", b.model || "—"], ["Endpoint", b.endpoint], ["Window", b.completion_window],
+        ["Model", b.model || "—"],
+        ["LoRA adapters", Object.entries(m.adapters || {}).map(([k, v]) => `${k}: ${fmtNum(v.requests, 0)} requests, ${fmtNum(v.output_tokens, 0)} output tokens`).join("; ") || "—"],
+        ["Endpoint", b.endpoint], ["Window", b.completion_window],
         ["Input file", b.input_file_id], ["Output file", b.output_file_id || "—"], ["Error file", b.error_file_id || "—"],
         ["Metadata", Object.entries(b.metadata || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "—"]])));
     errs.replaceChildren(el("div", {}, errorsTable(b.errors), b.error_file_id ? el("p", { class: "muted" },
