@@ -47,4 +47,8 @@ def describe_summary(summary: dict) -> str:
                 ),
             ]
         )
+    for name, counts in (summary.get("adapters") or {}).items():  # the rest ran on the base model
+        rows.append(
+            [f"adapter {name}", f"{counts['requests']} requests, {counts['output_tokens']} output tokens"]
+        )
     return text_table(rows)

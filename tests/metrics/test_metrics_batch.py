@@ -155,3 +155,36 @@ def test_bad_inputs_are_named():
         metrics.add_steps("w", [{"t": 1.0}, {"duration_s": 1.0}])
     with pytest.raises(ValueError, match="version"):
         BatchMetrics.from_state({"version": 99})
+
+
+def test_each_adapter_is_counted_and_kept_across_a_resume():
+    from bulkgen.batch import totals
+    from bulkgen.metrics.table import describe_summary
+
+    metrics = BatchMetrics()
+    metrics.add_request(request(1))  # the base model's: in the totals only
+    for i, lora in enumerate(["a", "b", "a"]):
+        metrics.add_request(request(i, lora=lora, num_output_tokens=i + 1))
+    want = {
+        "a": {"requests": 2, "input_tokens": 20, "output_tokens": 4},
+        "b": {"requests": 1, "input_tokens": 10, "output_tokens": 2},
+    }
+    assert metrics.summary()["adapters"] == want
+    restored = BatchMetrics.from_state(json.loads(json.dumps(metrics.to_state())))
+    assert restored.summary()["adapters"] == want
+    table = [line.split(None, 2) for line in describe_summary(metrics.summary()).splitlines()]
+    assert ["adapter", "a", "2 requests, 4 output tokens"] in table
+    sums = totals.empty()
+    for _ in range(2):  # two ended batches
+        record = {
+            "status": "completed",
+            "request_counts": {"completed": 4, "failed": 0},
+            "metrics": metrics.summary(),
+        }
+        record["usage"] = {
+            "input_tokens": 40,
+            "output_tokens": 11,
+            "input_tokens_details": {"cached_tokens": 0},
+        }
+        totals.add(sums, record)
+    assert sums["adapters"]["a"] == {"requests": 4, "input_tokens": 40, "output_tokens": 8}

@@ -128,3 +128,21 @@ def test_one_model_per_file_still_holds():
     assert [(e["line"], e["code"]) for e in result.errors] == [(2, "model_mismatch")]
     result, _ = validate(["typo", "typo"], adapters)  # no line names a served model
     assert [(e["line"], e["code"]) for e in result.errors] == [(1, "model_not_found")]
+
+
+def test_lines_of_one_adapter_share_a_prefix_key_and_other_adapters_do_not():
+    """The runtime's prefix affinity (workqueue) then keeps one adapter's lines on one worker, and never
+    expects another adapter's lines to hit that worker's prefix cache."""
+    from bulkgen.runtime.lineindex import IndexBuilder
+
+    builder = IndexBuilder()
+    for number, model in enumerate(["a1", "a1", "a2", "base"], start=1):
+        raw = line(f"r{number}", model).encode()
+        builder.add(
+            number,
+            0,
+            raw,
+            Validator("/v1/completions", MODELS, 9, {"a1": "base", "a2": "base"}).feed(number, raw),
+        )
+    keys = builder.build().prefix.tolist()
+    assert keys[0] == keys[1] and len({keys[1], keys[2], keys[3]}) == 3
