@@ -48,6 +48,18 @@ def _model(spec: str | None) -> tuple[str, str]:
         raise click.UsageError(str(exc)) from None
 
 
+def _adapters(specs: tuple[str, ...], name: str, path: str, endpoint_url: str | None) -> list[str]:
+    """The adapters' names, each checked as `serve` checks it (its config, its base: this model)."""
+    from bulkgen.models.loras import AdapterCatalog, AdapterError, parse_lora_specs
+
+    try:
+        return list(
+            AdapterCatalog(parse_lora_specs(specs), {name: path}, endpoint_url=endpoint_url).adapters()
+        )
+    except AdapterError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @click.command("profile")
 @_store_options
 @click.option("--json", "as_json", is_flag=True, help="Print the stored profile.")
@@ -91,6 +103,13 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
     help="Estimate for this device's stored profile; default: this machine's (profiled now if none).",
 )
 @click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True)
+@click.option(
+    "--lora",
+    "loras",
+    multiple=True,
+    metavar="NAME=PATH[@BASE]",
+    help="A LoRA adapter of the model that lines may name, as `serve --lora` takes it (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(
     file: Path,
@@ -100,6 +119,7 @@ def plan(
     workers: int,
     device: str | None,
     max_requests_per_batch: int,
+    loras: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Validate FILE as a batch would, count its tokens with the model's tokenizer, and estimate its time."""
@@ -112,6 +132,7 @@ def plan(
 
     store = check_storage(storage, endpoint_url, create=True)
     name, path = _model(model_spec)
+    adapters = _adapters(loras, name, path, endpoint_url)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     batches = BatchRepo(store)
     try:
@@ -127,6 +148,7 @@ def plan(
             device,
             store,
             batches=batches,
+            adapters=adapters,
         )
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None

@@ -15,6 +15,7 @@ profile (bulkgen.plan.startup), printed apart because a running service does not
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +99,17 @@ def plan_file(
     store=None,
     profile: profiles.Profile | None = None,
     batches=None,
+    adapters: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
-    `profile`, or the one `find_profile` gives for `device` on `store`."""
+    `profile`, or the one `find_profile` gives for `device` on `store`. `adapters`: the model's LoRA
+    adapters its lines may name (estimated as the base model: an adapter's low-rank work is not modelled)."""
     from transformers import AutoConfig
 
     from bulkgen.engine.engine import _max_model_len  # the engine's own context rule
 
     max_model_len = _max_model_len(AutoConfig.from_pretrained(model_path, local_files_only=True), None)
-    work = scan_file(path, endpoint, model, tokenizer, max_model_len, max_requests)
+    work = scan_file(path, endpoint, model, tokenizer, max_model_len, max_requests, adapters=adapters)
     if not work.validation.ok:
         return {"file": str(path), "valid": False, "errors": work.validation.error_list()["data"]}
     measured_now = False

@@ -12,6 +12,7 @@ MAX_BLOCK_HASHES, after which new blocks are assumed uncached).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,9 +55,10 @@ class _PrefixCache:
     def __init__(self, block_size: int) -> None:
         self.block_size, self.seen = block_size, set()
 
-    def cached(self, ids: list[int]) -> int:
-        """Leading tokens of `ids` an earlier prompt already computed (never the last token: it must run)."""
-        bs, parent, hits = self.block_size, 0, 0
+    def cached(self, ids: list[int], lora: str | None = None) -> int:
+        """Leading tokens of `ids` an earlier prompt already computed (never the last token: it must run);
+        one LoRA adapter's KV is never another's, so the chain starts from the adapter."""
+        bs, parent, hits = self.block_size, hash(lora) if lora else 0, 0
         for start in range(0, (len(ids) - 1) // bs * bs, bs):
             parent = hash((parent, tuple(ids[start : start + bs])))
             if parent in self.seen:
@@ -75,9 +77,11 @@ def scan_file(
     max_model_len: int,
     max_requests: int,
     block_size: int = 16,
+    adapters: Iterable[str] = (),
 ) -> FileWork:
-    """Validate and tokenize `path`; the validation result says whether a batch of it would be accepted."""
-    validator = Validator(endpoint, [served_model], max_requests)
+    """Validate and tokenize `path`; the validation result says whether a batch of it would be accepted.
+    `adapters`: the names of the served model's LoRA adapters, which its lines may name."""
+    validator = Validator(endpoint, [served_model], max_requests, dict.fromkeys(adapters, served_model))
     cache = _PrefixCache(block_size)
     work = FileWork(validator.result)
     refused_before = [0]
@@ -103,7 +107,7 @@ def _add(work: FileWork, cache: _PrefixCache, request: ParsedRequest, tokenizer,
     params = fit_context(request, len(ids), max_model_len)
     max_tokens = int(params.get("max_tokens") or 0)
     sequences = max(params.get("n") or 1, params.get("best_of") or 1)
-    uncached = len(ids) - cache.cached(ids)
+    uncached = len(ids) - cache.cached(ids, request.lora)
     for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
         work.prompt_tokens.append(len(ids) if k == 0 else 0)
         work.uncached_tokens.append(uncached if k == 0 else 0)

@@ -146,3 +146,16 @@ def test_lines_of_one_adapter_share_a_prefix_key_and_other_adapters_do_not():
         )
     keys = builder.build().prefix.tolist()
     assert keys[0] == keys[1] and len({keys[1], keys[2], keys[3]}) == 3
+
+
+def test_plan_takes_the_adapters_a_file_names(tmp_path):
+    """Without --lora the sample's adapter lines are other models; with them the file is valid, so plan
+    goes on to look for a profile of the device (none is stored for h200 here)."""
+    from bulkgen.lab.tiny_lora import SAMPLE_ADAPTERS, SAMPLES_DIR
+
+    args = ["plan", str(SAMPLES_DIR.parent / "lora.jsonl"), "--storage", str(tmp_path), "--gpu", "h200"]
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 1 and "model_mismatch" in result.output, result.output
+    flags = [f"--lora={name}={SAMPLES_DIR / name}@bulkgen-tiny" for name in SAMPLE_ADAPTERS]
+    result = CliRunner().invoke(cli, [*args, *flags])
+    assert result.exit_code == 1 and "no profile of bulkgen-tiny exists" in result.output, result.output
