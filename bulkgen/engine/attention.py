@@ -85,8 +85,8 @@ def paged_attention_forward(
     if layer.temperature is not None:
         q = _at_positions(q, ctx.positions, *layer.temperature)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    kv_cache.write(k_cache, ctx.slots[group], k)
-    kv_cache.write(v_cache, ctx.slots[group], v)
+    k = kv_cache.write(k_cache, ctx.slots[group], k)  # as stored: FP8-rounded in an FP8 cache
+    v = kv_cache.write(v_cache, ctx.slots[group], v)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.metas[group], scale, layer.softcap, s_aux)
     return out.unsqueeze(0), None

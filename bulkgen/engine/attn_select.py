@@ -168,8 +168,7 @@ def run_backend(backend, plan: StepPlan, layer: LayerAttention, q, k, v, k_cache
     flat = pack.upload()
     meta = backend.bind(meta, flat)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    kv_cache.write(k_cache, flat[slots], k)
-    kv_cache.write(v_cache, flat[slots], v)
+    k, v = kv_cache.write(k_cache, flat[slots], k), kv_cache.write(v_cache, flat[slots], v)
     return backend.attend(q, k, v, k_cache, v_cache, meta, scale, layer.softcap, sinks)
 
 

@@ -17,9 +17,11 @@ checkpoint scale is needed. The price is 4 bytes per token and head beside the h
 at head dim 128 a block holds 1.94x the tokens of a bf16 block (1.88x at head dim 64) instead of 2x.
 A row is written once and never rescaled, so appending a token never touches the rows before it.
 
-A fresh prefill chunk attends to its own K/V as computed (in the model's dtype); what is read back from
-the cache (continuation chunks, prefix-cached context, every decode) is the FP8 row. The recurrent state
-of hybrid models (state_slots) is not KV and stays in the model's dtype.
+Every attention reads K/V as stored: a fresh prefill chunk attends to its own K/V rounded to FP8 too
+(`write` returns them), so a sequence's tokens do not depend on whether its context was computed in this
+step, an earlier chunk, came from the prefix cache or was recomputed after a preemption. MLA layers
+(cached expanded, K and V heads of different sizes) and windowed or chunked groups go through the same
+calls. The recurrent state of hybrid models (state_slots) is not KV and stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -95,15 +97,17 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (data.float() * scale[..., None]).to(dtype)
 
 
-def write(cache: KVCache, slots: torch.Tensor, x: torch.Tensor) -> None:
-    """Store this step's x [T, kv_heads, dim] at cache rows `slots` [T] (block * block_size + offset)."""
+def write(cache: KVCache, slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Store this step's x [T, kv_heads, dim] at cache rows `slots` [T] (block * block_size + offset);
+    return x as the cache holds it (in x's dtype), which is what this step attends to."""
     if not isinstance(cache, Fp8Cache):
         cache.view(-1, *x.shape[1:]).index_copy_(0, slots, x)
-        return
+        return x
     data, scale = quantize(x)
     # CPU's index_copy_ has no FP8 kernel: the bytes are copied as bytes
     cache.data.view(torch.uint8).view(-1, *x.shape[1:]).index_copy_(0, slots, data.view(torch.uint8))
     cache.scale.view(-1, x.shape[1]).index_copy_(0, slots, scale)
+    return dequantize(data, scale, x.dtype)
 
 
 def read_rows(cache: KVCache, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
