@@ -90,8 +90,7 @@ def dtype_row(name: str, layers: list[LayerAttention], context: int) -> dict:
     layout, row = KVLayout(layers), {"model": name, "context": context}
     for label, dtype in (("bf16", BF16), ("fp8", FP8)):
         held = held_bytes(layout, context, dtype=dtype)[1]
-        per_layer = layout.block_bytes(BLOCK_SIZE, dtype) // (BLOCK_SIZE * layout.slots)
-        row[f"{label}_bytes_per_token"] = per_layer * len(layers)
+        row[f"{label}_bytes_per_token"] = layout.token_bytes(dtype)
         row[f"{label}_seq_bytes"], row[f"{label}_seqs_per_gib"] = held, round(GIB / held, 2)
     row["ratio"] = round(row["bf16_seq_bytes"] / row["fp8_seq_bytes"], 3)
     return row

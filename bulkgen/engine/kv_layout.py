@@ -71,6 +71,12 @@ class KVLayout:
         per_head = row_bytes(self.k_dim, dtype) + row_bytes(self.v_dim, dtype)
         return self.slots * block_size * self.kv_heads * per_head
 
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take over every layer with attention, stored in `dtype` (what a
+        token costs where no window has freed its blocks)."""
+        layers = sum(layer is not None for layer in self.layers)
+        return layers * self.kv_heads * (row_bytes(self.k_dim, dtype) + row_bytes(self.v_dim, dtype))
+
     def peak_blocks(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once, over all groups, when a
         step computes at most `step_tokens` of its tokens (a windowed group needs its window behind the
