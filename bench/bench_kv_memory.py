@@ -10,7 +10,9 @@ a window limited reading only) and with windowed groups giving back what is behi
 ("after"), and how many such sequences one KV budget (64 GiB of bf16) holds each way. For MLA
 (DeepSeek-V3), the bytes per token the cache holds now (K and V of every head, expanded from the
 latent) against the compressed latent (kv_lora_rank + the rope part per token and layer, as vLLM and
-SGLang cache it; bulkgen does not yet).
+SGLang cache it; bulkgen does not yet). And for each cache dtype (`--kv-cache-dtype`: bf16, or FP8
+e4m3 with its float32 scale per token and KV head, engine/kv_cache.py): the bytes a token takes over all
+layers and how many sequences of `--context` tokens one GiB holds (windows freed, as the engine runs).
 
     python bench/bench_kv_memory.py [--context 8192] [--budget-gib 64] [--json]
 """
@@ -22,17 +24,26 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bulkgen.engine.block_manager import BlockManager  # noqa: E402
+from bulkgen.engine.kv_cache import FP8  # noqa: E402
 from bulkgen.engine.kv_layout import KVLayout  # noqa: E402
 from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention  # noqa: E402
 from bulkgen.engine.sampling_params import SamplingParams  # noqa: E402
 from bulkgen.engine.sequence import Request, Sequence  # noqa: E402
 
 BLOCK_SIZE = 16
-BF16 = 2
+BF16 = torch.bfloat16
+GIB = 1 << 30
+
+
+def llama_3_8b() -> list[LayerAttention]:
+    """meta-llama/Meta-Llama-3-8B: 32 full layers, 8 KV heads of 128."""
+    return [LayerAttention(FULL, 8, 128, 128, q_heads=32) for _ in range(32)]
 
 
 def gpt_oss_20b() -> list[LayerAttention]:
@@ -55,8 +66,11 @@ def deepseek_v3() -> list[LayerAttention]:
 DEEPSEEK_V3_LATENT = 61 * (512 + 64)  # layers x (kv_lora_rank + qk_rope_head_dim) values per token
 
 
-def held_bytes(layout: KVLayout, context: int, step_tokens: int = 16384) -> tuple[int, int]:
-    """(blocks, bytes) one sequence of `context` tokens holds between steps, from the block manager."""
+def held_bytes(
+    layout: KVLayout, context: int, step_tokens: int = 16384, dtype: torch.dtype = BF16
+) -> tuple[int, int]:
+    """(blocks, bytes) one sequence of `context` tokens holds between steps, from the block manager, in a
+    cache of `dtype`."""
     bm = BlockManager(1 << 24, BLOCK_SIZE, enable_prefix_caching=False, kinds=layout.kinds)
     request = Request("r", list(range(context)), SamplingParams(max_tokens=1), order=0)
     seq = Sequence(0, request, 0, max_tokens=1)
@@ -68,7 +82,18 @@ def held_bytes(layout: KVLayout, context: int, step_tokens: int = 16384) -> tupl
         seq.num_computed_tokens = end
     bm.slide(seq)  # what the scheduler does before the sequence's next step
     blocks = sum(b != bm.null_block for table in seq.block_tables for b in table)
-    return blocks, blocks * layout.block_bytes(BLOCK_SIZE, BF16)
+    return blocks, blocks * layout.block_bytes(BLOCK_SIZE, dtype)
+
+
+def dtype_row(name: str, layers: list[LayerAttention], context: int) -> dict:
+    """Bytes per token (every layer) and sequences of `context` tokens per GiB, bf16 against FP8."""
+    layout, row = KVLayout(layers), {"model": name, "context": context}
+    for label, dtype in (("bf16", BF16), ("fp8", FP8)):
+        held = held_bytes(layout, context, dtype=dtype)[1]
+        row[f"{label}_bytes_per_token"] = layout.token_bytes(dtype)
+        row[f"{label}_seq_bytes"], row[f"{label}_seqs_per_gib"] = held, round(GIB / held, 2)
+    row["ratio"] = round(row["bf16_seq_bytes"] / row["fp8_seq_bytes"], 3)
+    return row
 
 
 def windows_row(name: str, layers: list[LayerAttention], context: int, budget: int) -> dict:
@@ -100,7 +125,7 @@ def _groups(layout: KVLayout) -> str:
 def mla_row() -> dict:
     layout = KVLayout(deepseek_v3())
     expanded = layout.block_bytes(BLOCK_SIZE, BF16) // BLOCK_SIZE
-    latent = DEEPSEEK_V3_LATENT * BF16
+    latent = DEEPSEEK_V3_LATENT * BF16.itemsize
     return {
         "model": "DeepSeek-V3 (MLA)",
         "bytes_per_token_cached": expanded,
@@ -121,8 +146,10 @@ def main() -> None:
         windows_row("Gemma-3-27B", gemma_3_27b(), args.context, budget),
     ]
     mla = mla_row()
+    shapes = [("Llama-3-8B", llama_3_8b()), ("gpt-oss-20b", gpt_oss_20b()), ("Gemma-3-27B", gemma_3_27b())]
+    dtypes = [dtype_row(name, layers, args.context) for name, layers in shapes]
     if args.json:
-        print(json.dumps({"windows": rows, "mla": mla}, indent=2))
+        print(json.dumps({"windows": rows, "mla": mla, "kv_dtypes": dtypes}, indent=2))
         return
     mib = 1 << 20
     print(f"KV bytes per running sequence at {args.context:,} tokens (bf16, {BLOCK_SIZE}-token blocks)")
@@ -138,6 +165,15 @@ def main() -> None:
         f"{mla['model']}: {mla['bytes_per_token_cached']:,} bytes per token cached (K and V expanded), "
         f"{mla['bytes_per_token_latent']:,} as the latent ({mla['ratio']}x less)"
     )
+    print(f"\nKV cache dtype: bytes per token (all layers) and sequences of {args.context:,} tokens per GiB")
+    print(
+        f"{'model':14} {'bf16 B/token':>13} {'fp8 B/token':>12} {'bf16 seq/GiB':>13} {'fp8 seq/GiB':>12} ratio"
+    )
+    for r in dtypes:
+        print(
+            f"{r['model']:14} {r['bf16_bytes_per_token']:>13,} {r['fp8_bytes_per_token']:>12,} "
+            f"{r['bf16_seqs_per_gib']:>13} {r['fp8_seqs_per_gib']:>12} {r['ratio']}x"
+        )
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
 BODY_TIMEOUT_S = 60.0  # seconds a request body may stall before the API refuses it (`serve --body-timeout`)
 MIB = 1024 * 1024
+# engine.kv_cache.KV_CACHE_DTYPES, spelled here so that settings import no torch (a test keeps them equal)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 class SettingError(ValueError):
@@ -147,6 +149,12 @@ ENGINE_FLAGS = {
         type=int,
         help="LoRA adapters one engine step may mix (device slots; more are kept on the host); default 4.",
     ),
+    "kv_cache_dtype": Flag(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        help="What the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a scale per token and "
+        "head: about twice the sequences in the same memory; fp8_e4m3 is the same).",
+    ),
 }
 
 
@@ -157,6 +165,8 @@ def _check_engine(engine_kwargs: dict[str, Any]) -> None:
             if key == "async_scheduling":
                 if not isinstance(value, bool):
                     raise ValueError("must be true or false (on/off)")
+            elif key == "kv_cache_dtype":
+                _one_of(KV_CACHE_DTYPES)(value)
             else:
                 _positive_int(value)
         except ValueError as exc:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from bulkgen.cli.settings_options import setting_option
 from bulkgen.models.registry import parse_model_specs
 from bulkgen.settings import DEFAULT_STORAGE
 
@@ -62,8 +63,11 @@ def _adapters(specs: tuple[str, ...], name: str, path: str, endpoint_url: str | 
 
 @click.command("profile")
 @_store_options
+@setting_option("kv_cache_dtype")
 @click.option("--json", "as_json", is_flag=True, help="Print the stored profile.")
-def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, as_json: bool) -> None:
+def profile_cmd(
+    storage: str, endpoint_url: str | None, model_spec: str | None, kv_cache_dtype: str | None, as_json: bool
+) -> None:
     """Measure prefill and decode speed of the model on this machine (a small grid in a fresh process,
     ~10-40 s on CPU) and the start-up of a fresh `bulkgen run` (~10-30 s), and store them for `bulkgen
     plan` and the service's estimate at batch create."""
@@ -72,7 +76,7 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
 
     store = check_storage(storage, endpoint_url, create=True)
     name, path = _model(model_spec)
-    measured = profiles.measure(name, path)
+    measured = profiles.measure(name, path, {"kv_cache_dtype": kv_cache_dtype or "auto"})
     key = profiles.save(store, measured)
     if as_json:
         click.echo(measured.to_json().decode())
@@ -110,6 +114,7 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
     metavar="NAME=PATH[@BASE]",
     help="A LoRA adapter of the model that lines may name, as `serve --lora` takes it (repeatable).",
 )
+@setting_option("kv_cache_dtype")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(
     file: Path,
@@ -120,6 +125,7 @@ def plan(
     device: str | None,
     max_requests_per_batch: int,
     loras: tuple[str, ...],
+    kv_cache_dtype: str | None,
     as_json: bool,
 ) -> None:
     """Validate FILE as a batch would, count its tokens with the model's tokenizer, and estimate its time."""
@@ -149,6 +155,7 @@ def plan(
             store,
             batches=batches,
             adapters=adapters,
+            kv_cache_dtype=kv_cache_dtype or "auto",
         )
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None

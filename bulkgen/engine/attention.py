@@ -25,6 +25,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+from . import kv_cache
+from .kv_cache import KVCache
+
 ATTN_IMPLEMENTATION = "bulkgen_paged"
 # SDPA's kernels in the order bulkgen lets it try them; a kernel that cannot take a call (flash with a
 # mask, memory-efficient on CPU) is skipped for the next
@@ -36,8 +39,8 @@ class LayerCaches:
     """The model's KV cache as its layers see it (kv_layout): each layer's K and V tensor (its slot's,
     shared with the same slot of the other groups), its group, and its attention as kernels take it."""
 
-    k: list[torch.Tensor]  # per layer [blocks + 1, block_size, kv_heads, k_dim]
-    v: list[torch.Tensor]  # per layer [blocks + 1, block_size, kv_heads, v_dim]
+    k: list[KVCache]  # per layer [blocks + 1, block_size, kv_heads, k_dim] (kv_cache: float or FP8)
+    v: list[KVCache]  # per layer [blocks + 1, block_size, kv_heads, v_dim]
     group: list[int]  # per layer
     layers: list  # per layer: layer_attention.LayerAttention
 
@@ -82,8 +85,8 @@ def paged_attention_forward(
     if layer.temperature is not None:
         q = _at_positions(q, ctx.positions, *layer.temperature)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, ctx.slots[group], k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, ctx.slots[group], v)
+    k = kv_cache.write(k_cache, ctx.slots[group], k)  # as stored: FP8-rounded in an FP8 cache
+    v = kv_cache.write(v_cache, ctx.slots[group], v)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.metas[group], scale, layer.softcap, s_aux)
     return out.unsqueeze(0), None

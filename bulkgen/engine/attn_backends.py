@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import kv_cache
 from .attn_plain import SDPA_CHOICES, DecodeMeta, PlainBackend, decode_meta, paged_decode, sdpa, sdpa_choice
 from .layer_attention import FULL, AttnKind
 from .step_plan import HostPack, StepPlan
@@ -130,8 +131,8 @@ class FlashVarlenBackend(PlainBackend):
     @staticmethod
     def _prefill(q, k, v, k_cache, v_cache, meta: VarlenMeta, scale: float, sinks) -> torch.Tensor:
         if meta.rows is not None:
-            k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, meta.rows)
-            v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, meta.rows)
+            k = kv_cache.read_rows(k_cache, meta.rows, q.dtype)
+            v = kv_cache.read_rows(v_cache, meta.rows, q.dtype)
         else:
             k, v = k[: q.shape[0]], v[: q.shape[0]]
         if k.shape[1] != q.shape[1]:  # this kernel wants as many KV heads as query heads
@@ -148,6 +149,7 @@ class FlashVarlenBackend(PlainBackend):
 
 class VarlenPagedBackend:
     name = "varlen_paged"
+    reads_fp8_kv = False  # varlen_attn reads the cache through its block table, with no per-row scales
 
     def supports(self, layer) -> str | None:
         if layer.softcap is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import triton_decode
+from . import kv_cache, triton_decode
 from .layer_attention import FULL, AttnKind
 from .step_plan import HostPack, StepPlan
 
@@ -159,8 +159,8 @@ def _segment(q, k, v, k_cache, v_cache, seg: Segment, scale: float, softcap, sin
     if seg.rows is None:
         ks, vs = k[seg.q_start : seg.q_end], v[seg.q_start : seg.q_end]
     else:
-        ks = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, seg.rows)
-        vs = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, seg.rows)
+        ks = kv_cache.read_rows(k_cache, seg.rows, q.dtype)
+        vs = kv_cache.read_rows(v_cache, seg.rows, q.dtype)
     ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)  # [Hkv, S, D]
     if softcap is not None or sinks is not None:
         mask = seg.mask if seg.mask is not None else visible(FULL, 0, qs.shape[1], 0, q.device)
@@ -214,8 +214,8 @@ def paged_decode(
     num_seqs, hq, dim = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     compute = torch.float32 if q.device.type == "cpu" else q.dtype
-    k = k_cache[dec.table].view(num_seqs, -1, hkv, dim).transpose(1, 2).to(compute)  # [B, Hkv, L, D]
-    v = v_cache[dec.table].view(num_seqs, -1, hkv, dv).transpose(1, 2).to(compute)
+    k = kv_cache.read_blocks(k_cache, dec.table, compute).view(num_seqs, -1, hkv, dim).transpose(1, 2)
+    v = kv_cache.read_blocks(v_cache, dec.table, compute).view(num_seqs, -1, hkv, dv).transpose(1, 2)
     pos = torch.arange(k.shape[2], device=q.device)[None, :]
     mask = (pos < dec.lengths[:, None]) & (pos >= kind.first_visible_t(dec.lengths - 1)[:, None])  # [B, L]
     if softcap is not None or sinks is not None:

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 import torch
 
-from . import triton_decode
+from . import kv_cache, triton_decode
 from .attn_backends import BACKENDS, PlainBackend, cuda_candidates
 from .layer_attention import AttnKind, LayerAttention
 from .step_plan import HostPack, StepPlan
@@ -31,15 +31,22 @@ log = logging.getLogger(__name__)
 TOLERANCE = {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 4e-2}
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, layers: list[LayerAttention], block_size: int):
-    """The backend for a model whose layers attend as `layers` say (layer_attention.probe_layers)."""
-    kinds = distinct(layers)
+def select_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    layers: list[LayerAttention],
+    block_size: int,
+    kv_dtype: torch.dtype | None = None,
+):
+    """The backend for a model whose layers attend as `layers` say (layer_attention.probe_layers), over
+    a cache stored in `kv_dtype` (kv_cache; None: the model's dtype)."""
+    kinds, kv_dtype = distinct(layers), kv_dtype or dtype
     forced = os.environ.get("BULKGEN_ATTENTION")
     if forced:
         if forced not in BACKENDS:
             raise ValueError(f"BULKGEN_ATTENTION={forced!r}: choose one of {sorted(BACKENDS)}")
         backend = BACKENDS[forced]()
-        missing = _unsupported(backend, kinds)
+        missing = _unsupported(backend, kinds, kv_dtype)
         if missing:
             raise ValueError(f"BULKGEN_ATTENTION={forced!r} cannot run this model: {missing}")
         return _with_report(backend, {forced: "forced by BULKGEN_ATTENTION"})
@@ -48,9 +55,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, layers: list[LayerA
     half = dtype in (torch.float16, torch.bfloat16)
     report: dict[str, str] = {}
     for backend in _cuda_variants(with_plain=True):
-        missing = _unsupported(backend, kinds)
+        missing = _unsupported(backend, kinds, kv_dtype)
         error = missing or next(
-            (e for layer in kinds if (e := self_check(backend, device, dtype, layer, block_size))), None
+            (e for layer in kinds if (e := self_check(backend, device, dtype, layer, block_size, kv_dtype))),
+            None,
         )
         report[_label(backend)] = error or "ok"
         if error is None and (backend.name != "plain" or not half or _all_fused_refused(report)):
@@ -76,7 +84,9 @@ def distinct(layers: list[LayerAttention]) -> list[LayerAttention]:
     return list(dict.fromkeys(replace(layer, temperature=None) for layer in layers))
 
 
-def _unsupported(backend, layers: list[LayerAttention]) -> str | None:
+def _unsupported(backend, layers: list[LayerAttention], kv_dtype: torch.dtype) -> str | None:
+    if kv_dtype == kv_cache.FP8 and not getattr(backend, "reads_fp8_kv", True):
+        return "an FP8 KV cache: this kernel reads the cache itself and takes no per-row scales"
     return next((reason for layer in layers if (reason := backend.supports(layer))), None)
 
 
@@ -87,7 +97,13 @@ def _all_fused_refused(report: dict[str, str]) -> bool:
     return bool(fused) and all(why.startswith(_FEATURE_REASONS) for why in fused.values())
 
 
-_FEATURE_REASONS = ("logit soft-capping", "sliding windows", "chunked attention", "K and V heads")
+_FEATURE_REASONS = (
+    "logit soft-capping",
+    "sliding windows",
+    "chunked attention",
+    "K and V heads",
+    "an FP8 KV",
+)
 
 
 def _cuda_variants(with_plain: bool):
@@ -152,24 +168,26 @@ def run_backend(backend, plan: StepPlan, layer: LayerAttention, q, k, v, k_cache
     flat = pack.upload()
     meta = backend.bind(meta, flat)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, flat[slots], k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, flat[slots], v)
+    k, v = kv_cache.write(k_cache, flat[slots], k), kv_cache.write(v_cache, flat[slots], v)
     return backend.attend(q, k, v, k_cache, v_cache, meta, scale, layer.softcap, sinks)
 
 
-def self_check(backend, device, dtype, layer: LayerAttention, block_size: int) -> str | None:
+def self_check(backend, device, dtype, layer: LayerAttention, block_size: int, kv_dtype=None) -> str | None:
     """None if `backend` matches `plain` in float32 on every probe step for `layer` (its window, chunk,
-    soft-cap, sinks and head shapes: see probe_layer), else why not (naming the part)."""
+    soft-cap, sinks and head shapes: see probe_layer), else why not (naming the part). With an FP8
+    `kv_dtype` both read the same FP8 cache (the reference dequantizes it to float32)."""
     layer = probe_layer(layer)
     for part, plans in probe_plans(block_size).items():
         for plan in plans:
-            error = _check_plan(backend, plan, device, dtype, layer, block_size)
+            error = _check_plan(backend, plan, device, dtype, layer, block_size, kv_dtype == kv_cache.FP8)
             if error is not None:
                 return f"{part}: {error}"
     return None
 
 
-def _check_plan(backend, plan, device, dtype, layer: LayerAttention, block_size: int) -> str | None:
+def _check_plan(
+    backend, plan, device, dtype, layer: LayerAttention, block_size: int, fp8: bool
+) -> str | None:
     gen = torch.Generator().manual_seed(0)
     tokens, blocks = sum(plan.counts), sum(len(t) for t in plan.block_tables)
 
@@ -179,13 +197,18 @@ def _check_plan(backend, plan, device, dtype, layer: LayerAttention, block_size:
     hkv, dk, dv = layer.kv_heads, layer.k_dim, layer.v_dim
     q, k, v = rand(tokens, layer.q_heads, dk), rand(tokens, hkv, dk), rand(tokens, hkv, dv)
     k_cache, v_cache = rand(blocks, block_size, hkv, dk), rand(blocks, block_size, hkv, dv)
+    if fp8:  # both read one FP8 cache and write the same rows (this step's K/V rounded to `dtype` first)
+        k_cache, v_cache = (kv_cache.Fp8Cache(*kv_cache.quantize(c)) for c in (k_cache, v_cache))
+        k, v = k.to(dtype).float(), v.to(dtype).float()
     sinks = rand(layer.q_heads) if layer.sinks else None
     scale = dk**-0.5
     try:
         reference = PlainBackend(decode_kernel="padded")
         want = run_backend(reference, plan, layer, q, k, v, k_cache, v_cache, scale, sinks)
-        args = (t.to(dtype) for t in (q, k, v, k_cache, v_cache))
-        got = run_backend(backend, plan, layer, *args, scale, sinks)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        if not fp8:
+            k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+        got = run_backend(backend, plan, layer, q, k, v, k_cache, v_cache, scale, sinks)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # noqa: BLE001 - any failure means: do not use this backend

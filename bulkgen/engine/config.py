@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .kv_cache import KV_CACHE_DTYPES
+
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
 
 
@@ -37,6 +39,9 @@ class EngineConfig:
     num_state_slots: int | None = None
     max_loras: int = 4  # LoRA adapters resident on the device at once (lora_slots.py), so per step
     max_lora_rank: int = 64  # adapters of a higher rank are refused at load
+    # what K/V rows are stored in (kv_cache.py): "auto" the model's dtype, "fp8" / "fp8_e4m3" e4m3 with a
+    # scale per token and head (about twice the blocks for the same bytes)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_loras", "max_lora_rank"):
@@ -57,6 +62,8 @@ class EngineConfig:
             )
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

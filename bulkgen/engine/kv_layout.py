@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from .kv_cache import row_bytes
 from .layer_attention import FULL, AttnKind, LayerAttention
 
 
@@ -62,9 +65,17 @@ class KVLayout:
         """Each group's kind, in group order (what the block manager keeps tables for)."""
         return [g.kind for g in self.groups]
 
-    def block_bytes(self, block_size: int, element_size: int) -> int:
-        """Bytes of one block id: a row of every slot's K and V tensor."""
-        return self.slots * block_size * self.kv_heads * (self.k_dim + self.v_dim) * element_size
+    def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block id: a row of every slot's K and V tensor stored in `dtype` (an FP8 cache's
+        per-row scales included: kv_cache.row_bytes)."""
+        per_head = row_bytes(self.k_dim, dtype) + row_bytes(self.v_dim, dtype)
+        return self.slots * block_size * self.kv_heads * per_head
+
+    def token_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one token's K and V take over every layer with attention, stored in `dtype` (what a
+        token costs where no window has freed its blocks)."""
+        layers = sum(layer is not None for layer in self.layers)
+        return layers * self.kv_heads * (row_bytes(self.k_dim, dtype) + row_bytes(self.v_dim, dtype))
 
     def peak_blocks(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once, over all groups, when a

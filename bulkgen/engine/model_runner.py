@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import kv_cache
 from .attention import LayerCaches, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
@@ -65,9 +66,9 @@ def kv_cache_blocks(
 
 
 def kv_block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block across `num_layers` layers of one K/V head shape (K and V): what
-    bench_hybrid_memory.py sizes a cache with; the engine's own layouts are kv_layout.KVLayout's."""
-    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    """Bytes of one KV block across `num_layers` layers of one K/V head shape (K and V) stored in `dtype`:
+    what bench_hybrid_memory.py sizes a cache with; the engine's own layouts are kv_layout.KVLayout's."""
+    return 2 * num_layers * block_size * kv_heads * kv_cache.row_bytes(head_dim, dtype)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class ModelRunner:
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         mixers = _check_supported(model)
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
@@ -105,11 +107,15 @@ class ModelRunner:
         self.block_size = config.block_size
         self.states = self._state_pool(mixers)  # hybrid models' recurrent state: None otherwise
         attending = [layer for layer in self.layers if layer is not None]
-        self.backend = select_backend(self.device, self.dtype, attending, self.block_size)
+        self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
         self.num_blocks = self._num_blocks(max_model_len)
         rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
-        k_slots = [self._zeros(*rows, layout.k_dim) for _ in range(layout.slots)]
-        v_slots = [self._zeros(*rows, layout.v_dim) for _ in range(layout.slots)]
+        k_slots = [
+            kv_cache.allocate(rows, layout.k_dim, self.kv_dtype, self.device) for _ in range(layout.slots)
+        ]
+        v_slots = [
+            kv_cache.allocate(rows, layout.v_dim, self.kv_dtype, self.device) for _ in range(layout.slots)
+        ]
         # per layer, groups sharing slots; an empty tensor for a recurrent layer (its state is in a slot)
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         self.k_caches = [empty if slot < 0 else k_slots[slot] for slot in layout.layer_slot]
@@ -121,9 +127,6 @@ class ModelRunner:
         self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
         self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank)
-
-    def _zeros(self, *shape: int) -> torch.Tensor:
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
@@ -148,9 +151,7 @@ class ModelRunner:
         return graphs
 
     def _num_blocks(self, max_model_len: int) -> int:
-        block_bytes = self.layout.block_bytes(
-            self.block_size, torch.empty((), dtype=self.dtype).element_size()
-        )
+        block_bytes = self.layout.block_bytes(self.block_size, self.kv_dtype)
         per_seq = self.peak_blocks(max_model_len)
         reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
         return kv_cache_blocks(self.config, self.device, block_bytes, per_seq, reserved)

@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from .kv_cache import Fp8Cache
+
 try:
     import triton
     import triton.language as tl
@@ -92,6 +94,11 @@ def _launch(
     (running max, running sum; a split that held no block keeps -inf and 0)."""
     batch, hq, dim = q.shape
     block_size, hkv, dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    fp8 = isinstance(k_cache, Fp8Cache)
+    # an FP8 cache's rows and their scales (kv_cache); a float cache passes its rows as dummy scales
+    k_scale, v_scale = (k_cache.scale, v_cache.scale) if fp8 else (k_cache, v_cache)
+    if fp8:
+        k_cache, v_cache = k_cache.data, v_cache.data
     group = hq // hkv
     # the interpreter cannot loop to a tensor bound: each split walks a fixed count of its blocks, enough
     # for the longest sequence (a host read; the compiled kernel reads each sequence's own length)
@@ -103,6 +110,8 @@ def _launch(
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         table,
         lengths,
         acc,
@@ -115,6 +124,9 @@ def _launch(
         v_cache.stride(0),
         v_cache.stride(1),
         v_cache.stride(2),
+        k_scale.stride(0),
+        k_scale.stride(1),
+        k_scale.stride(2),
         table.stride(0),
         acc.stride(0),
         acc.stride(1),
@@ -135,6 +147,7 @@ def _launch(
         DIM_V_P=triton.next_power_of_2(dim_v),
         BLOCK_SIZE=block_size,
         SOFTCAP=softcap is not None,
+        FP8=fp8,
         PER_SPLIT=max(1, -(-longest // splits)),
         DYNAMIC_LOOP=not interpreted,
     )
@@ -164,6 +177,8 @@ if triton is not None:
         acc,
         k_ptr,
         v_ptr,
+        ks_ptr,
+        vs_ptr,
         table_ptr,
         seq,
         kv_head,
@@ -176,6 +191,9 @@ if triton is not None:
         sv_blk,
         sv_tok,
         sv_h,
+        sc_blk,
+        sc_tok,
+        sc_h,
         st_b,
         softcap,
         DIM: tl.constexpr,
@@ -184,6 +202,7 @@ if triton is not None:
         DIM_V_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        FP8: tl.constexpr,
     ):
         """One K/V block into the online softmax of the group's query heads; rows before `lo` (outside
         the window or chunk) or past the sequence count for nothing. A block past the sequence (the
@@ -196,6 +215,9 @@ if triton is not None:
         )
         k_rows = physical * sk_blk + t[:, None] * sk_tok + kv_head * sk_h + d[None, :]
         k = tl.load(k_ptr + k_rows, mask=valid[:, None] & (d[None, :] < DIM), other=0.0).to(tl.float32)
+        if FP8:  # each row times its own scale (kv_cache.Fp8Cache)
+            scale_rows = physical * sc_blk + t * sc_tok + kv_head * sc_h
+            k = k * tl.load(ks_ptr + scale_rows, mask=valid, other=0.0)[:, None]
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_P, BLOCK_SIZE]
         if SOFTCAP:  # softcap * tanh(scores / softcap), tanh from exp (saturates to +-1, never NaN)
             scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
@@ -206,6 +228,8 @@ if triton is not None:
         alpha = tl.exp(running_max - safe_max)
         v_rows = physical * sv_blk + t[:, None] * sv_tok + kv_head * sv_h + e[None, :]
         v = tl.load(v_ptr + v_rows, mask=valid[:, None] & (e[None, :] < DIM_V), other=0.0).to(tl.float32)
+        if FP8:
+            v = v * tl.load(vs_ptr + scale_rows, mask=valid, other=0.0)[:, None]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         return new_max, running_sum * alpha + tl.sum(p, axis=1), acc
 
@@ -214,6 +238,8 @@ if triton is not None:
         q_ptr,
         k_ptr,
         v_ptr,
+        ks_ptr,
+        vs_ptr,
         table_ptr,
         lengths_ptr,
         acc_ptr,
@@ -226,6 +252,9 @@ if triton is not None:
         sv_blk,
         sv_tok,
         sv_h,
+        sc_blk,
+        sc_tok,
+        sc_h,
         st_b,
         sa_b,
         sa_h,
@@ -246,6 +275,7 @@ if triton is not None:
         DIM_V_P: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         SOFTCAP: tl.constexpr,
+        FP8: tl.constexpr,
         PER_SPLIT: tl.constexpr,
         DYNAMIC_LOOP: tl.constexpr,
     ):
@@ -272,6 +302,8 @@ if triton is not None:
                     acc,
                     k_ptr,
                     v_ptr,
+                    ks_ptr,
+                    vs_ptr,
                     table_ptr,
                     seq,
                     kv_head,
@@ -284,6 +316,9 @@ if triton is not None:
                     sv_blk,
                     sv_tok,
                     sv_h,
+                    sc_blk,
+                    sc_tok,
+                    sc_h,
                     st_b,
                     softcap,
                     DIM,
@@ -292,6 +327,7 @@ if triton is not None:
                     DIM_V_P,
                     BLOCK_SIZE,
                     SOFTCAP,
+                    FP8,
                 )
         else:  # the CPU interpreter cannot loop to a tensor bound: a fixed count, blocks past the end masked
             for i in range(PER_SPLIT):
@@ -302,6 +338,8 @@ if triton is not None:
                     acc,
                     k_ptr,
                     v_ptr,
+                    ks_ptr,
+                    vs_ptr,
                     table_ptr,
                     seq,
                     kv_head,
@@ -314,6 +352,9 @@ if triton is not None:
                     sv_blk,
                     sv_tok,
                     sv_h,
+                    sc_blk,
+                    sc_tok,
+                    sc_h,
                     st_b,
                     softcap,
                     DIM,
@@ -322,6 +363,7 @@ if triton is not None:
                     DIM_V_P,
                     BLOCK_SIZE,
                     SOFTCAP,
+                    FP8,
                 )
         head_mask = g < GROUP
         base = seq * sa_b + heads * sa_h + split * sa_s

@@ -65,12 +65,15 @@ def estimate(
     }
 
 
-def find_profile(store, model: str, path: str, device: str | None) -> tuple[profiles.Profile, bool]:
+def find_profile(
+    store, model: str, path: str, device: str | None, kv_cache_dtype: str = "auto"
+) -> tuple[profiles.Profile, bool]:
     """(profile, measured now?). `device`: None for this machine's, else a name as `profile` stores it or
-    its tail ('h200' finds 'nvidia-h200'). Another device without a stored profile: NoProfile."""
-    here = profiles.device_name()
+    its tail ('h200' finds 'nvidia-h200'); with an FP8 KV cache, that device's FP8 profile. Another
+    device without a stored profile: NoProfile."""
+    here = profiles.device_key(profiles.device_name(), kv_cache_dtype)
     stored = profiles.stored_devices(store, model)
-    wanted = here if device in (None, "", "auto") else device.lower()
+    wanted = here if device in (None, "", "auto") else profiles.device_key(device.lower(), kv_cache_dtype)
     match = [d for d in stored if d == wanted or d.endswith("-" + wanted)]
     if match:
         found = profiles.load(store, model, match[0])
@@ -81,7 +84,7 @@ def find_profile(store, model: str, path: str, device: str | None) -> tuple[prof
             f"no profile of {model} exists for device {wanted!r} (stored: {', '.join(stored) or 'none'}); "
             f"run `bulkgen profile` for this model on a machine with that device, on this storage"
         )
-    profile = profiles.measure(model, path)
+    profile = profiles.measure(model, path, {"kv_cache_dtype": kv_cache_dtype})
     profiles.save(store, profile)
     return profile, True
 
@@ -100,10 +103,12 @@ def plan_file(
     profile: profiles.Profile | None = None,
     batches=None,
     adapters: Iterable[str] = (),
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
-    `profile`, or the one `find_profile` gives for `device` on `store`. `adapters`: the model's LoRA
-    adapters its lines may name (estimated as the base model: an adapter's low-rank work is not modelled)."""
+    `profile`, or the one `find_profile` gives for `device` and `kv_cache_dtype` on `store`. `adapters`: the
+    model's LoRA adapters its lines may name (estimated as the base model: an adapter's low-rank work is not
+    modelled)."""
     from transformers import AutoConfig
 
     from bulkgen.engine.engine import _max_model_len  # the engine's own context rule
@@ -114,7 +119,7 @@ def plan_file(
         return {"file": str(path), "valid": False, "errors": work.validation.error_list()["data"]}
     measured_now = False
     if profile is None:
-        profile, measured_now = find_profile(store, model, model_path, device)
+        profile, measured_now = find_profile(store, model, model_path, device, kv_cache_dtype)
     runtime = Runtime() if batches is None else runtime_factor(batches, model, profile)
     result = {
         "file": str(path),
@@ -157,6 +162,11 @@ def summarize(
         **estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime),
         "startup_seconds": profile.startup_s,
         "model_load_seconds": profile.model_load_s,
+        "kv_cache": {
+            "dtype": profile.kv_cache_dtype,
+            "bytes_per_token": profile.kv_bytes_per_token,
+            "tokens": profile.kv_cache_tokens,
+        },
     }
 
 
@@ -199,6 +209,7 @@ def describe(result: dict[str, Any]) -> str:
             f"~{_duration(result['startup_seconds'])} more for a fresh `bulkgen run` (Ray, worker, model "
             f"load {_duration(result['model_load_seconds'])}); not in the time above",
         ),
+        ("KV cache", _kv_line(result["kv_cache"])),
         ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
         *(
             [
@@ -213,6 +224,16 @@ def describe(result: dict[str, Any]) -> str:
         ("runtime factor", result["runtime_factor"]),
     ]
     return "\n".join(f"{label:<20} {value}" for label, value in rows)
+
+
+def _kv_line(kv: dict[str, Any]) -> str:
+    if not kv["bytes_per_token"]:  # a profile measured before profiles recorded the cache
+        return f"{kv['dtype']} (bytes per token not recorded: `bulkgen profile` again)"
+    what = "fp8 (e4m3 + a scale per token and head)" if kv["dtype"] == "fp8" else "the model's dtype"
+    return (
+        f"{what}: {kv['bytes_per_token']:,} bytes per token; the profiled engine's cache held "
+        f"{kv['tokens']:,} tokens ({kv['bytes_per_token'] * kv['tokens'] / (1 << 20):,.1f} MiB)"
+    )
 
 
 def _duration(seconds: float) -> str:

@@ -70,6 +70,11 @@ class Profile:
     # the engine's prefix cache: off for hybrid models (engine/state_slots.py), so plans count every
     # sequence's whole prompt
     prefix_caching: bool = True
+    # the measured engine's KV cache (engine/kv_cache.py): what it stores, the bytes one token's K/V take
+    # over all layers (an FP8 cache's scales counted), and how many tokens its blocks held
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_token: int = 0
+    kv_cache_tokens: int = 0
 
     def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int, new_seqs: int = 0) -> float:
         return (
@@ -202,7 +207,7 @@ def measure_here(
     cfg = engine.config
     return Profile(
         model,
-        device_name(str(engine.device.type)),
+        device_key(device_name(str(engine.device.type)), cfg.kv_cache_dtype),
         base,
         per_seq,
         per_prefill,
@@ -225,7 +230,22 @@ def measure_here(
             for b, c, rows in cells
         ],
         prefix_caching=cfg.enable_prefix_caching,
+        kv_cache_dtype=kv_label(cfg.kv_cache_dtype),
+        kv_bytes_per_token=engine.runner.layout.token_bytes(engine.runner.kv_dtype),
+        kv_cache_tokens=engine.runner.num_blocks * cfg.block_size,
     )
+
+
+def kv_label(kv_cache_dtype: str | None) -> str:
+    """The name a profile records for a `kv_cache_dtype` ("fp8_e4m3" is "fp8")."""
+    return "fp8" if (kv_cache_dtype or "auto").startswith("fp8") else "auto"
+
+
+def device_key(device: str, kv_cache_dtype: str | None) -> str:
+    """Where a device's profile is stored: one per device and KV cache dtype ("nvidia-h200", "nvidia-h200-kv-fp8"),
+    as an FP8 cache changes both the step costs and the blocks."""
+    label = kv_label(kv_cache_dtype)
+    return device if label == "auto" else f"{device}-kv-{label}"
 
 
 def fit_steps(cells: list, churn: list) -> tuple[float, float, float, float, float]:

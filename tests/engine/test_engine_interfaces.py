@@ -10,6 +10,7 @@ from bulkgen.engine import SamplingParams, attn_select
 from bulkgen.engine.attn_backends import PlainBackend
 from bulkgen.engine.config import EngineConfig, resolve_limits
 from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
+from tests.support.attention import reference_varlen
 
 
 def dense(q_heads: int, kv_heads: int, dim: int) -> LayerAttention:
@@ -138,28 +139,6 @@ def test_static_decode_buffers_give_the_reference_tokens(make_engine, reference,
     assert engine.runner.k_caches[0].shape[0] == engine.runner.num_blocks + 1
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, scale, window_left=-1):
-    """float64 causal varlen attention, bottom-right aligned, each query reading at most `window_left`
-    keys before its own (-1: all): the flash-attention semantics -> (out, lse [Hq, T])."""
-    out = torch.empty(*q.shape[:2], v.shape[-1], dtype=torch.float64)
-    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float64)
-    group = q.shape[1] // k.shape[1]
-    for i in range(len(cu_q) - 1):
-        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
-        qi, ki, vi = (
-            q[qs].double(),
-            k[ks].double().repeat_interleave(group, 1),
-            v[ks].double().repeat_interleave(group, 1),
-        )
-        offset = ki.shape[0] - qi.shape[0]
-        key, query = torch.arange(ki.shape[0])[None, :], torch.arange(qi.shape[0])[:, None] + offset
-        allowed = (key <= query) & ((key >= query - window_left) | (window_left < 0))
-        scores = (torch.einsum("qhd,khd->hqk", qi, ki) * scale).masked_fill(~allowed, float("-inf"))
-        out[qs] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vi)
-        lse[:, qs] = scores.logsumexp(-1)
-    return out.to(q.dtype), lse.float()
-
-
 PROBED_LAYERS = {
     "dense": dense(8, 2, 16),
     "sliding window": LayerAttention(AttnKind(window=32), 2, 16, 16, q_heads=8),
@@ -181,7 +160,7 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch, name)
     def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
         assert k.shape[1] == q.shape[1] and max_q == int((cu_q[1:] - cu_q[:-1]).max())
         assert v.shape[-1] == q.shape[-1], "flash takes V heads as wide as K heads"
-        return _reference_varlen(q, k, v, cu_q, cu_k, scale, window_left)
+        return reference_varlen(q, k, v, cu_q, cu_k, scale, window_left)
 
     def fake_paged(q, k_cache, v_cache, meta, scale, lse=False):
         bs, rows, k_parts, v_parts, cu_k = k_cache.shape[1], [], [], [], [0]
@@ -193,7 +172,7 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch, name)
             cu_k.append(cu_k[-1] + used)
         assert cu_k == meta.cu_k.tolist()
         k, v = torch.cat(k_parts), torch.cat(v_parts)
-        out, logsumexp = _reference_varlen(q, k, v, meta.cu_q, cu_k, scale, meta.window_left)
+        out, logsumexp = reference_varlen(q, k, v, meta.cu_q, cu_k, scale, meta.window_left)
         return out, logsumexp if lse else None
 
     monkeypatch.setattr(attn_backends, "flash_varlen", fake_flash)
@@ -216,10 +195,10 @@ def test_a_fused_backend_that_gets_windows_or_sinks_wrong_is_rejected(monkeypatc
     from bulkgen.engine import attn_backends
 
     def ignores_window(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
-        return _reference_varlen(q, k, v, cu_q, cu_k, scale)
+        return reference_varlen(q, k, v, cu_q, cu_k, scale)
 
     def forgets_lse(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
-        out, lse = _reference_varlen(q, k, v, cu_q, cu_k, scale, window_left)
+        out, lse = reference_varlen(q, k, v, cu_q, cu_k, scale, window_left)
         return out, torch.zeros_like(lse)
 
     cpu, backend = torch.device("cpu"), attn_backends.FlashVarlenBackend(decode_kernel="padded")

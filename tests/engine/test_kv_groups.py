@@ -38,7 +38,7 @@ def test_layers_group_by_kind_with_as_many_layers_per_group():
     )
     oss = KVLayout(_layers([AttnKind(window=128) if i % 2 == 0 else FULL for i in range(24)]))
     assert oss.slots == 12 and len(oss.groups) == 2
-    assert oss.block_bytes(16, 2) == 12 * 16 * 8 * (64 + 64) * 2
+    assert oss.block_bytes(16, torch.bfloat16) == 12 * 16 * 8 * (64 + 64) * 2
     dense = KVLayout(_layers([FULL] * 4))
     assert dense.slots == 4 and len(dense.groups) == 1
     with pytest.raises(ValueError, match="different KV head shapes"):
@@ -154,3 +154,9 @@ def test_kv_memory_bench_counts_what_the_block_manager_holds():
     gemma = bench.windows_row("Gemma-3-27B", bench.gemma_3_27b(), 8192, 64 << 30)
     assert gemma["after_blocks"] == 512 + 6 * 64 and gemma["seqs_after"] > 3 * gemma["seqs_before"]
     assert bench.mla_row()["bytes_per_token_cached"] == 61 * 128 * (192 + 128) * 2
+    # an FP8 cache: one byte an element plus a 4-byte scale per token and KV head, for K and for V
+    llama = bench.dtype_row("Llama-3-8B", bench.llama_3_8b(), 8192)
+    assert llama["bf16_bytes_per_token"] == 32 * 8 * 2 * 128 * 2 and llama["bf16_seqs_per_gib"] == 1.0
+    assert llama["fp8_bytes_per_token"] == 32 * 8 * 2 * (128 + 4) and llama["ratio"] == round(256 / 132, 3)
+    oss_fp8 = bench.dtype_row("gpt-oss-20b", bench.gpt_oss_20b(), 8192)
+    assert oss_fp8["fp8_seqs_per_gib"] == round((1 << 30) / (520 * 12 * 16 * 8 * 2 * (64 + 4)), 2)
