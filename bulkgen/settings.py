@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from bulkgen.engine import QUANTIZE_MODES
 from bulkgen.models.registry import parse_model_specs
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
@@ -141,6 +142,13 @@ ENGINE_FLAGS = {
         help="Launch each engine step before reading the previous one's tokens, so the host's work runs while "
         "the GPU computes (a stop is seen one step late); default on with a GPU, off on CPU.",
     ),
+    "quantize": Flag(
+        "--quantize",
+        type=str,
+        choices=QUANTIZE_MODES,
+        help="Quantize a float checkpoint's decoder-layer weights at load: fp8 (e4m3, per-channel weight and "
+        "per-token activation scales, torch._scaled_mm); default none (a quantized checkpoint keeps its own).",
+    ),
 }
 
 
@@ -151,6 +159,9 @@ def _check_engine(engine_kwargs: dict[str, Any]) -> None:
             if key == "async_scheduling":
                 if not isinstance(value, bool):
                     raise ValueError("must be true or false (on/off)")
+            elif key == "quantize":
+                if value is not None and value not in QUANTIZE_MODES:
+                    raise ValueError(f"must be one of {', '.join(QUANTIZE_MODES)}")
             else:
                 _positive_int(value)
         except ValueError as exc:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import QUANTIZE_MODES
+
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
 
 
@@ -35,6 +37,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # hybrid models (state_slots.py): sequences that can hold recurrent state at once; None: max_num_seqs
     num_state_slots: int | None = None
+    # weights quantized at load (quantize.py): "fp8" for a float checkpoint; None keeps the checkpoint's own
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -54,6 +58,8 @@ class EngineConfig:
             )
         if self.admission not in ADMISSIONS:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        if self.quantize not in (None, *QUANTIZE_MODES):
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {self.quantize!r}")
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
