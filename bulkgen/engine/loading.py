@@ -13,8 +13,10 @@ process before transformers loads anything.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -81,12 +83,30 @@ def load_model(
     check_method_packages(method)
     # a quantizer places its modules where they run; a float checkpoint moves there after loading, a
     # layer at a time when quantized online
-    placed = {"device_map": str(device)} if method else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, use_kernels=False, **placed
-    )
+    options = {"device_map": str(device), **_kernel_options(method, torch.device(device))} if method else {}
+    with (
+        warnings.catch_warnings()
+    ):  # the loading attributes given below are meant to override the checkpoint's
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, use_kernels=False, **options
+        )
     if quantize:
         quantize_layers(model, device, quantize)
     else:
         model.to(device)
     return model.eval()
+
+
+def _kernel_options(method: str, device: torch.device) -> dict:
+    """Loading attributes that keep a quantized checkpoint quantized on the device. transformers
+    decompresses a compressed-tensors FP8 checkpoint to the load dtype at its first forward unless
+    `use_optimized_inference` keeps its weights in FP8 for the row-wise FP8 GEMM (CUDA sm89+ only;
+    on CPU the weights are dequantized, and activations still quantized per token)."""
+    if method != "compressed-tensors" or device.type != "cuda":
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    if "use_optimized_inference" not in inspect.signature(CompressedTensorsConfig).parameters:
+        return {}  # an older transformers: the decompressing route
+    return {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}

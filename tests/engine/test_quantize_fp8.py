@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.quantize import FP8, Fp8Linear, quantize_layers, quantize_rows, weight_bytes
+from tests.support.logprobs import chosen_logprobs
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by at most 2^-4 of itself; a
 # subnormal (below 2^-6 in scaled units) by at most half its step, 2^-10 of the row's scale
@@ -82,12 +83,6 @@ def test_embedding_and_lm_head_stay_float(float_and_fp8):
     assert weight_bytes(float_model) - weight_bytes(quantized) == linear * 3 - scales * 4  # 4 -> 1 byte each
 
 
-def _chosen_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, model_dirs, mixed_prompts):
     """Mixed packed steps (chunked prefill beside decodes) over the online-FP8 model give transformers'
@@ -116,9 +111,9 @@ def test_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, model_dir
             want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
         assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
         got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
-        assert torch.allclose(got, _chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
+        assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
         off_float = max(
-            off_float, (got - _chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
+            off_float, (got - chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
         )
     assert off_float > 1e-3  # FP8 rounding shows in the logprobs
 
@@ -126,6 +121,7 @@ def test_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, model_dir
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
+from tests.support.logprobs import chosen_logprobs
 from bulkgen.engine.quantize import quantize_layers, quantize_rows
 
 def rss(field):

@@ -1,0 +1,79 @@
+"""Quantized copies of a local float checkpoint, written with the quantization package itself: fixtures for
+the tests that load them through transformers' quantizers, and for bench/bench_quant.py.
+
+FP8 needs no calibration data: each weight scale is the weight's own absolute maximum over its scale's
+group (the whole tensor, an output channel, or a block) mapped to e4m3's 448, and activations are
+quantized dynamically at run time, as llm-compressor's FP8_DYNAMIC and FP8_BLOCK presets do.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+STRATEGIES = ("tensor", "channel", "block")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def write_compressed_fp8(
+    src: str | Path, out: str | Path, strategy: str = "channel", block: int = 128
+) -> Path:
+    """Save `src` as a compressed-tensors FP8 checkpoint ("float-quantized") in `out`: every Linear but
+    the lm_head in e4m3 with `strategy` weight scales (block: `block` x `block` tiles, activations
+    quantized in groups of `block`; else per token)."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from transformers import AutoModelForCausalLM
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    fp8 = dict(num_bits=8, type="float", symmetric=True)
+    if strategy == "block":
+        weights = QuantizationArgs(**fp8, dynamic=False, strategy="block", block_structure=[block, block])
+        activations = QuantizationArgs(**fp8, dynamic=True, strategy="group", group_size=block)
+    else:
+        weights = QuantizationArgs(**fp8, dynamic=False, strategy=strategy)
+        activations = QuantizationArgs(**fp8, dynamic=True, strategy="token")
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True)
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            scale = _weight_scale(module.weight.detach().float(), strategy, block)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, "float-quantized")
+    compressor.compress_model(model)
+    out = Path(out)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    _copy_tokenizer(Path(src), out)
+    return out
+
+
+def _weight_scale(weight, strategy: str, block: int):
+    """The absolute maximum of each scale group over e4m3's largest value (448)."""
+    import torch
+
+    if strategy == "tensor":
+        amax = weight.abs().amax()
+    elif strategy == "channel":
+        amax = weight.abs().amax(dim=1, keepdim=True)
+    else:
+        rows, cols = weight.shape
+        if rows % block or cols % block:
+            raise ValueError(f"a {rows}x{cols} weight does not split into {block}x{block} blocks")
+        amax = weight.abs().reshape(rows // block, block, cols // block, block).amax(dim=(1, 3))
+    return amax.clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)

@@ -1,0 +1,106 @@
+"""Quantized checkpoints load through transformers' quantizers into the engine: compressed-tensors FP8
+(written with the compressed-tensors package: per-tensor, per-channel and block scales) gives
+transformers' greedy tokens and logprobs; a method whose package is missing is one clear error; nothing
+can fetch kernels from the hub."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.loading import load_model
+from bulkgen.lab.quantized import write_compressed_fp8
+from tests.support.logprobs import chosen_logprobs
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(model_dirs, tmp_path_factory):
+    """The tiny llama (hidden 64, MLP 128) as compressed-tensors FP8 with each scale layout."""
+    root = tmp_path_factory.mktemp("ct-fp8")
+    return {
+        strategy: write_compressed_fp8(model_dirs["llama"], root / strategy, strategy, block=32)
+        for strategy in ("tensor", "channel", "block")
+    }
+
+
+def _stored_dtypes(path) -> dict[str, torch.dtype]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {name: f.get_slice(name).get_dtype() for name in f.keys()}
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_greedy_equals_generate(strategy, fp8_checkpoints, model_dirs, mixed_prompts):
+    path = fp8_checkpoints[strategy]
+    stored = _stored_dtypes(path)
+    assert stored["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    assert "model.layers.1.mlp.down_proj.weight_scale" in stored and stored["lm_head.weight"] != "F8_E4M3"
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    float_model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
+    engine = Engine.from_pretrained(
+        str(path), device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=8
+    )
+    prompts = mixed_prompts(seed=21, count=6, low=1, high=70)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=0))
+    assert any(r["prefill_tokens"] and r["decode_tokens"] for r in engine.pop_step_records())
+    off_float = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+        assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
+        got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
+        assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
+        off_float = max(
+            off_float, (got - chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
+        )
+    assert off_float > 1e-3  # the FP8 weights, not the float checkpoint, made these logprobs
+
+
+def _with_quant_config(src, dst, quant: dict):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return dst
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [("awq", "awq"), ("gptq", "gptq")],
+)
+def test_a_missing_quantizer_package_names_the_extra(method, extra, model_dirs, tmp_path):
+    path = _with_quant_config(model_dirs["llama"], tmp_path / method, {"quant_method": method, "bits": 4})
+    with pytest.raises(
+        ImportError, match=rf"quantized with '{method}', which needs .*pip install 'bulkgen\[{extra}\]'"
+    ):
+        Engine.from_pretrained(str(path), device="cpu")
+
+
+def test_online_fp8_refuses_an_already_quantized_checkpoint(fp8_checkpoints):
+    with pytest.raises(ValueError, match="already quantized \\(compressed-tensors\\)"):
+        load_model(fp8_checkpoints["channel"], "cpu", torch.float32, quantize="fp8")
+
+
+def test_loading_switches_hub_kernels_off(model_dirs, monkeypatch):
+    """With the `kernels` package installed transformers starts with hub kernels on and its lazy loader
+    fetches from the hub; after a load it never does."""
+    from transformers.integrations import hub_kernels
+
+    for name in ("USE_HUB_KERNELS", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test: load_model sets both
+    fetched = []
+    monkeypatch.setattr(hub_kernels, "_kernels_enabled", True)
+    monkeypatch.setattr(hub_kernels, "is_kernels_available", lambda *a, **k: True)
+    monkeypatch.setattr(hub_kernels, "get_kernel", lambda *a, **k: fetched.append(a))
+    hub_kernels.lazy_load_kernel("finegrained-fp8", mapping={})
+    assert fetched, "without the switch a hub fetch happens (this test could not see one otherwise)"
+    fetched.clear()
+    load_model(model_dirs["llama"], "cpu", torch.float32)
+    assert hub_kernels.lazy_load_kernel("finegrained-fp8", mapping={}) is None
+    assert fetched == []
+    assert os.environ["USE_HUB_KERNELS"] == "NO" and os.environ["HF_HUB_OFFLINE"] == "1"
