@@ -16,6 +16,7 @@ from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
 from bulkgen.api.protocol import Health, Model, ModelList, answers
 from bulkgen.batch.schema import ENDPOINTS
+from bulkgen.engine.weight_format import served_weights
 from bulkgen.settings import BODY_TIMEOUT_S
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
@@ -97,13 +98,23 @@ def create_app(
 
 def _install_models(app: FastAPI, svc) -> None:
     """/v1/models: every served model answers every endpoint (embeddings pool its final hidden states:
-    bulkgen.engine.pooling)."""
+    bulkgen.engine.pooling), and says how the workers hold it: its quantization, weight and KV-cache
+    dtypes (bulkgen.engine.weight_format), read once from its config.json and the engine settings."""
+    engine = svc.settings.workers.engine_kwargs
+    models = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "bulkgen",
+            "endpoints": list(ENDPOINTS),
+            **served_weights(path, engine.get("quantize"), engine.get("kv_cache_dtype", "auto")),
+        }
+        for name, path in svc.settings.models.items()
+    ]
 
     def served() -> list[dict]:
-        return [
-            {"id": name, "object": "model", "created": 0, "owned_by": "bulkgen", "endpoints": list(ENDPOINTS)}
-            for name in svc.settings.models
-        ]
+        return models
 
     @app.get("/v1/models", response_model=None, responses=answers(ModelList))
     async def list_models() -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 from .quantize import quantize_layers
+from .weight_format import checkpoint_quantization
+
+log = logging.getLogger(__name__)
 
 # quantization_config.quant_method -> (the Python packages its transformers quantizer needs, the extra)
 METHOD_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -45,15 +48,6 @@ def no_hub_kernels() -> None:
     hub_kernels._kernels_enabled = False
 
 
-def checkpoint_quantization(path: str | Path) -> str | None:
-    """The checkpoint's quantization method from its config.json (None: a float checkpoint)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    quant = json.loads(config.read_text()).get("quantization_config") or {}
-    return quant.get("quant_method")
-
-
 def check_method_packages(method: str | None) -> None:
     """ImportError naming `pip install 'bulkgen[EXTRA]'` when the method's quantizer lacks a package."""
     if method is None or method not in METHOD_PACKAGES:
@@ -71,15 +65,21 @@ def load_model(
     path: str | Path, device: torch.device | str, dtype: torch.dtype, quantize: str | None = None
 ) -> torch.nn.Module:
     """The checkpoint's causal LM on `device`, in eval mode. `quantize="fp8"` quantizes a float
-    checkpoint's decoder layers as they move to the device (quantize.quantize_layers)."""
+    checkpoint's decoder layers as they move to the device (quantize.quantize_layers); a quantized
+    checkpoint keeps its own format."""
     no_hub_kernels()
     from transformers import AutoModelForCausalLM
 
     method = checkpoint_quantization(path)
     if quantize is not None and method is not None:
-        raise ValueError(
-            f"quantize={quantize!r} quantizes a float checkpoint, but {path} is already quantized ({method})"
+        # one service setting for every model: a quantized checkpoint beside float ones keeps its own format
+        log.info(
+            "%s is already quantized (%s): quantize=%r applies to float checkpoints only",
+            path,
+            method,
+            quantize,
         )
+        quantize = None
     check_method_packages(method)
     # a quantizer places its modules where they run; a float checkpoint moves there after loading, a
     # layer at a time when quantized online

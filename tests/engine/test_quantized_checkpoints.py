@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.loading import load_model
+from bulkgen.engine.quantize import Fp8Linear
 from bulkgen.lab.quantized import write_compressed_fp8
 from tests.support.logprobs import chosen_logprobs
 
@@ -81,9 +82,12 @@ def test_a_missing_quantizer_package_names_the_extra(method, extra, model_dirs, 
         Engine.from_pretrained(str(path), device="cpu")
 
 
-def test_online_fp8_refuses_an_already_quantized_checkpoint(fp8_checkpoints):
-    with pytest.raises(ValueError, match="already quantized \\(compressed-tensors\\)"):
-        load_model(fp8_checkpoints["channel"], "cpu", torch.float32, quantize="fp8")
+def test_online_fp8_leaves_a_quantized_checkpoint_its_own_format(fp8_checkpoints):
+    """`--quantize fp8` is one setting for every served model: a checkpoint already quantized loads as
+    its quantizer makes it (no Fp8Linear), so it can be served beside float models quantized online."""
+    model = load_model(fp8_checkpoints["channel"], "cpu", torch.float32, quantize="fp8")
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert getattr(model, "hf_quantizer", None) is not None
 
 
 def test_loading_switches_hub_kernels_off(model_dirs, monkeypatch):
