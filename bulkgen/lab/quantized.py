@@ -1,5 +1,6 @@
-"""Quantized copies of a local float checkpoint, written with the quantization package itself: fixtures for
-the tests that load them through transformers' quantizers, and for bench/bench_quant.py.
+"""Quantized copies of a local float checkpoint, written with the quantization package itself
+(compressed-tensors, bitsandbytes): fixtures for the tests that load them through transformers'
+quantizers, and for bench/bench_quant.py.
 
 FP8 needs no calibration data: each weight scale is the weight's own absolute maximum over its scale's
 group (the whole tensor, an output channel, or a block) mapped to e4m3's 448, and activations are
@@ -53,6 +54,30 @@ def write_compressed_fp8(
     out = Path(out)
     model.save_pretrained(out)
     compressor.update_config(str(out))
+    _copy_tokenizer(Path(src), out)
+    return out
+
+
+def write_bitsandbytes(src: str | Path, out: str | Path, bits: int = 8) -> Path:
+    """Save `src` quantized by bitsandbytes at load (LLM.int8() for 8 bits, NF4 for 4), as
+    transformers writes a bitsandbytes checkpoint; runs on CPU with bitsandbytes >= 0.46."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if bits not in (4, 8):
+        raise ValueError(f"bitsandbytes quantizes to 4 or 8 bits, not {bits}")
+    config = (
+        BitsAndBytesConfig(load_in_8bit=True)
+        if bits == 8
+        else BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+        )
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=config, device_map="cpu", dtype=torch.float32, local_files_only=True
+    )
+    out = Path(out)
+    model.save_pretrained(out)
     _copy_tokenizer(Path(src), out)
     return out
 

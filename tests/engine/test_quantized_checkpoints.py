@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.loading import load_model
 from bulkgen.engine.quantize import Fp8Linear
-from bulkgen.lab.quantized import write_compressed_fp8
+from bulkgen.lab.quantized import write_bitsandbytes, write_compressed_fp8
 from tests.support.logprobs import chosen_logprobs
 
 
@@ -36,18 +36,14 @@ def _stored_dtypes(path) -> dict[str, torch.dtype]:
         return {name: f.get_slice(name).get_dtype() for name in f.keys()}
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
-def test_compressed_tensors_fp8_greedy_equals_generate(strategy, fp8_checkpoints, model_dirs, mixed_prompts):
-    path = fp8_checkpoints[strategy]
-    stored = _stored_dtypes(path)
-    assert stored["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
-    assert "model.layers.1.mlp.down_proj.weight_scale" in stored and stored["lm_head.weight"] != "F8_E4M3"
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    float_model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
+def _greedy_equals_generate(path, float_dir, prompts, device_map: dict | None = None):
+    """The engine's greedy tokens and their logprobs are transformers' on the same checkpoint (mixed
+    packed steps), and the logprobs are not the float model's: the quantized weights made them."""
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **(device_map or {})).eval()
+    float_model = AutoModelForCausalLM.from_pretrained(float_dir).eval()
     engine = Engine.from_pretrained(
         str(path), device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=8
     )
-    prompts = mixed_prompts(seed=21, count=6, low=1, high=70)
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=0))
     assert any(r["prefill_tokens"] and r["decode_tokens"] for r in engine.pop_step_records())
     off_float = 0.0
@@ -60,7 +56,26 @@ def test_compressed_tensors_fp8_greedy_equals_generate(strategy, fp8_checkpoints
         off_float = max(
             off_float, (got - chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
         )
-    assert off_float > 1e-3  # the FP8 weights, not the float checkpoint, made these logprobs
+    assert off_float > 1e-3
+    return engine
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_greedy_equals_generate(strategy, fp8_checkpoints, model_dirs, mixed_prompts):
+    path = fp8_checkpoints[strategy]
+    stored = _stored_dtypes(path)
+    assert stored["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
+    assert "model.layers.1.mlp.down_proj.weight_scale" in stored and stored["lm_head.weight"] != "F8_E4M3"
+    _greedy_equals_generate(path, model_dirs["llama"], mixed_prompts(seed=21, count=6, low=1, high=70))
+
+
+@pytest.mark.parametrize("bits, layer", [(8, "Linear8bitLt"), (4, "Linear4bit")])
+def test_bitsandbytes_greedy_equals_generate(bits, layer, model_dirs, mixed_prompts, tmp_path):
+    """bitsandbytes runs on CPU (its CPU backend, >= 0.46): a checkpoint transformers saved quantized."""
+    path = write_bitsandbytes(model_dirs["llama"], tmp_path / f"bnb{bits}", bits)
+    prompts = mixed_prompts(seed=22, count=6, low=1, high=70)
+    engine = _greedy_equals_generate(path, model_dirs["llama"], prompts, {"device_map": "cpu"})
+    assert type(engine.model.model.layers[0].self_attn.q_proj).__name__ == layer
 
 
 def _with_quant_config(src, dst, quant: dict):
