@@ -36,6 +36,9 @@ METHOD_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
     "bitsandbytes": (("bitsandbytes", "accelerate"), "bnb"),
 }
 
+# methods whose quantized GEMMs only come from the hub: their transformers config class, to dequantize
+DEQUANTIZED = {"fp8": "FineGrainedFP8Config", "mxfp4": "Mxfp4Config"}
+
 
 def no_hub_kernels() -> None:
     """Keep transformers from downloading kernels: its hub integration reads USE_HUB_KERNELS once,
@@ -99,14 +102,21 @@ def load_model(
 
 
 def _kernel_options(method: str, device: torch.device) -> dict:
-    """Loading attributes that keep a quantized checkpoint quantized on the device. transformers
-    decompresses a compressed-tensors FP8 checkpoint to the load dtype at its first forward unless
-    `use_optimized_inference` keeps its weights in FP8 for the row-wise FP8 GEMM (CUDA sm89+ only;
-    on CPU the weights are dequantized, and activations still quantized per token)."""
-    if method != "compressed-tensors" or device.type != "cuda":
-        return {}
-    from transformers import CompressedTensorsConfig
+    """Loading attributes (they override the checkpoint's) for what runs without hub kernels.
+    compressed-tensors FP8: transformers decompresses it to the load dtype at its first forward unless
+    `use_optimized_inference` keeps the weights in FP8 for its row-wise FP8 GEMM (CUDA sm89+ only).
+    Fine-grained FP8 and MXFP4: their GEMMs are hub kernels (finegrained-fp8 or DeepGEMM; gpt-oss'
+    triton_kernels), so they are dequantized at load, as transformers does itself when `kernels` is
+    not installed."""
+    import transformers
 
-    if "use_optimized_inference" not in inspect.signature(CompressedTensorsConfig).parameters:
-        return {}  # an older transformers: the decompressing route
-    return {"quantization_config": CompressedTensorsConfig(use_optimized_inference=True)}
+    if method == "compressed-tensors" and device.type == "cuda":
+        name, option = "CompressedTensorsConfig", "use_optimized_inference"
+    elif method in DEQUANTIZED:
+        name, option = DEQUANTIZED[method], "dequantize"
+    else:
+        return {}
+    config = getattr(transformers, name, None)
+    if config is None or option not in inspect.signature(config).parameters:
+        return {}  # an older transformers: its default route
+    return {"quantization_config": config(**{option: True})}

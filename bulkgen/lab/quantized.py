@@ -9,6 +9,7 @@ quantized dynamically at run time, as llm-compressor's FP8_DYNAMIC and FP8_BLOCK
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -54,6 +55,39 @@ def write_compressed_fp8(
     out = Path(out)
     model.save_pretrained(out)
     compressor.update_config(str(out))
+    _copy_tokenizer(Path(src), out)
+    return out
+
+
+def write_block_fp8(src: str | Path, out: str | Path, block: int = 128) -> Path:
+    """Save `src` as a fine-grained FP8 checkpoint (transformers' `quant_method: fp8`, DeepSeek-V3's
+    layout): each decoder-layer Linear's `weight` in e4m3 and `weight_scale_inv` [out/block, in/block]
+    (the factor that dequantizes each block). Written tensor by tensor: transformers only writes this
+    format after quantizing on a GPU."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True)
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            weight = module.weight.detach().float()
+            scale = _weight_scale(weight, "block", block)
+            rows, cols = weight.shape
+            blocks = weight.reshape(rows // block, block, cols // block, block) / scale[:, None, :, None]
+            tensors[f"{name}.weight"] = blocks.reshape(rows, cols).to(torch.float8_e4m3fn)
+            tensors[f"{name}.weight_scale_inv"] = scale.float()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(Path(src), out)
     return out
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.loading import load_model
 from bulkgen.engine.quantize import Fp8Linear
-from bulkgen.lab.quantized import write_bitsandbytes, write_compressed_fp8
+from bulkgen.lab.quantized import write_bitsandbytes, write_block_fp8, write_compressed_fp8
 from tests.support.logprobs import chosen_logprobs
 
 
@@ -67,6 +67,15 @@ def test_compressed_tensors_fp8_greedy_equals_generate(strategy, fp8_checkpoints
     assert stored["model.layers.0.self_attn.q_proj.weight"] == "F8_E4M3"
     assert "model.layers.1.mlp.down_proj.weight_scale" in stored and stored["lm_head.weight"] != "F8_E4M3"
     _greedy_equals_generate(path, model_dirs["llama"], mixed_prompts(seed=21, count=6, low=1, high=70))
+
+
+def test_fine_grained_fp8_greedy_equals_generate(model_dirs, mixed_prompts, tmp_path):
+    """Block FP8 (`quant_method: fp8`): on CPU transformers dequantizes it at load (its kernels are CUDA's)."""
+    path = write_block_fp8(model_dirs["llama"], tmp_path / "block", block=32)
+    assert _stored_dtypes(path)["model.layers.0.mlp.up_proj.weight"] == "F8_E4M3"
+    _greedy_equals_generate(
+        path, model_dirs["llama"], mixed_prompts(seed=23, count=6, low=1, high=70), {"device_map": "cpu"}
+    )
 
 
 @pytest.mark.parametrize("bits, layer", [(8, "Linear8bitLt"), (4, "Linear4bit")])
