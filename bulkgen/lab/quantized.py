@@ -92,6 +92,51 @@ def write_block_fp8(src: str | Path, out: str | Path, block: int = 128) -> Path:
     return out
 
 
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 4-bit values (bit 3: sign)
+
+
+def write_mxfp4(src: str | Path, out: str | Path) -> Path:
+    """Save a gpt-oss `src` as gpt-oss' own MXFP4 checkpoint: each expert weight as `*_blocks` (two e2m1
+    values a byte, 32 a group along the input) and `*_scales` (one power-of-two exponent a group, biased
+    by 127); attention, router, embeddings and lm_head stay bf16, as in openai/gpt-oss-20b."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True)
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = _mxfp4(tensor.float().transpose(1, 2))
+        else:
+            tensors[name] = tensor.contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(src) / "config.json").read_text())
+    skip = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": skip}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _copy_tokenizer(Path(src), out)
+    return out
+
+
+def _mxfp4(weight):
+    """(blocks uint8 [..., rows, groups, 16], scales uint8 [..., rows, groups]) of [..., rows, cols]:
+    each group of 32 scaled by the power of two that brings its maximum within e2m1's 6, rounded to
+    the nearest e2m1 value."""
+    import torch
+
+    groups = weight.reshape(*weight.shape[:-1], weight.shape[-1] // 32, 32)
+    amax = groups.abs().amax(-1, keepdim=True).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    scaled = groups / torch.exp2(exponent)
+    magnitudes = torch.tensor(FP4_E2M1)
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed.contiguous(), (exponent[..., 0] + 127).to(torch.uint8).contiguous()
+
+
 def write_bitsandbytes(src: str | Path, out: str | Path, bits: int = 8) -> Path:
     """Save `src` quantized by bitsandbytes at load (LLM.int8() for 8 bits, NF4 for 4), as
     transformers writes a bitsandbytes checkpoint; runs on CPU with bitsandbytes >= 0.46."""

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.loading import load_model
 from bulkgen.engine.quantize import Fp8Linear
-from bulkgen.lab.quantized import write_bitsandbytes, write_block_fp8, write_compressed_fp8
+from bulkgen.lab.quantized import write_bitsandbytes, write_block_fp8, write_compressed_fp8, write_mxfp4
+from bulkgen.lab.tiny import build_tiny_model
 from tests.support.logprobs import chosen_logprobs
 
 
@@ -36,7 +37,7 @@ def _stored_dtypes(path) -> dict[str, torch.dtype]:
         return {name: f.get_slice(name).get_dtype() for name in f.keys()}
 
 
-def _greedy_equals_generate(path, float_dir, prompts, device_map: dict | None = None):
+def _greedy_equals_generate(path, float_dir, prompts, device_map: dict | None = None, max_tokens: int = 6):
     """The engine's greedy tokens and their logprobs are transformers' on the same checkpoint (mixed
     packed steps), and the logprobs are not the float model's: the quantized weights made them."""
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **(device_map or {})).eval()
@@ -44,12 +45,14 @@ def _greedy_equals_generate(path, float_dir, prompts, device_map: dict | None = 
     engine = Engine.from_pretrained(
         str(path), device="cpu", max_num_seqs=4, max_num_batched_tokens=32, block_size=8
     )
-    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=0))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0))
     assert any(r["prefill_tokens"] and r["decode_tokens"] for r in engine.pop_step_records())
     off_float = 0.0
     for prompt, out in zip(prompts, outs, strict=True):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[
+                0, len(prompt) :
+            ]
         assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
         got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
         assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
@@ -75,6 +78,16 @@ def test_fine_grained_fp8_greedy_equals_generate(model_dirs, mixed_prompts, tmp_
     assert _stored_dtypes(path)["model.layers.0.mlp.up_proj.weight"] == "F8_E4M3"
     _greedy_equals_generate(
         path, model_dirs["llama"], mixed_prompts(seed=23, count=6, low=1, high=70), {"device_map": "cpu"}
+    )
+
+
+def test_mxfp4_gpt_oss_greedy_equals_generate(mixed_prompts, tmp_path):
+    """gpt-oss' MXFP4 experts: without hub kernels transformers dequantizes them at load, on every device."""
+    float_dir = build_tiny_model(tmp_path / "gpt-oss", arch="gpt_oss", seed=1)
+    path = write_mxfp4(float_dir, tmp_path / "mxfp4")
+    assert _stored_dtypes(path)["model.layers.0.mlp.experts.gate_up_proj_blocks"] == "U8"
+    _greedy_equals_generate(
+        path, float_dir, mixed_prompts(seed=24, count=6, low=1, high=70), {"device_map": "cpu"}
     )
 
 
