@@ -146,8 +146,11 @@ def quantize_layers(model: nn.Module, device: torch.device | str, mode: str = "f
 
 def ensure_quantized(model: nn.Module, mode: str | None) -> None:
     """Quantize a model handed to the engine already loaded (a caller's float model), in place on its
-    device; a model loaded quantized (loading.load_model) is left as it is."""
-    if mode is not None and not any(isinstance(m, Fp8Linear) for m in model.modules()):
+    device; one already quantized, online (loading.load_model) or by a checkpoint's own quantizer
+    (transformers' `is_quantized`), is left as it is."""
+    if mode is None or getattr(model, "is_quantized", False):
+        return
+    if not any(isinstance(m, Fp8Linear) for m in model.modules()):
         quantize_layers(model, next(model.parameters()).device, mode)
 
 

@@ -166,3 +166,11 @@ def test_quantizing_holds_at_most_one_float_layer_more(six_layers):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["peak"] - got["start"] <= got["layer"], got
     assert got["start"] - got["end"] >= 6 * 0.4 * got["layer"], got  # 6 layers, bf16 -> e4m3: half freed
+
+
+def test_the_engine_quantizes_a_float_model_it_is_given(model_dirs, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
+    engine = Engine(model, tokenizer, quantize="fp8", max_num_seqs=2)
+    assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) == 7 * len(model.model.layers)
+    with pytest.raises(ValueError, match="quantize must be one of \\('fp8',\\) or None, got 'int4'"):
+        Engine(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), tokenizer, quantize="int4")

@@ -125,6 +125,8 @@ def test_online_fp8_leaves_a_quantized_checkpoint_its_own_format(fp8_checkpoints
     model = load_model(fp8_checkpoints["channel"], "cpu", torch.float32, quantize="fp8")
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
     assert getattr(model, "hf_quantizer", None) is not None
+    engine = Engine.from_pretrained(str(fp8_checkpoints["channel"]), device="cpu", quantize="fp8")
+    assert not any(isinstance(m, Fp8Linear) for m in engine.model.modules())
 
 
 def test_loading_switches_hub_kernels_off(model_dirs, monkeypatch):
