@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
 
+from bulkgen.engine import QUANTIZE_MODES
 from bulkgen.models.loras import LoraSpec, parse_lora_specs
 from bulkgen.models.registry import parse_model_specs
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
@@ -155,6 +156,13 @@ ENGINE_FLAGS = {
         help="What the KV cache stores: auto (the model's dtype) or fp8 (e4m3 with a scale per token and "
         "head: about twice the sequences in the same memory; fp8_e4m3 is the same).",
     ),
+    "quantize": Flag(
+        "--quantize",
+        type=str,
+        choices=QUANTIZE_MODES,
+        help="Quantize a float checkpoint's decoder-layer weights at load: fp8 (e4m3, per-channel weight and "
+        "per-token activation scales, torch._scaled_mm); default none (a quantized checkpoint keeps its own).",
+    ),
 }
 
 
@@ -167,6 +175,9 @@ def _check_engine(engine_kwargs: dict[str, Any]) -> None:
                     raise ValueError("must be true or false (on/off)")
             elif key == "kv_cache_dtype":
                 _one_of(KV_CACHE_DTYPES)(value)
+            elif key == "quantize":
+                if value is not None and value not in QUANTIZE_MODES:
+                    raise ValueError(f"must be one of {', '.join(QUANTIZE_MODES)}")
             else:
                 _positive_int(value)
         except ValueError as exc:

@@ -16,6 +16,7 @@ from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
 from bulkgen.api.protocol import Health, Model, ModelList, answers
 from bulkgen.batch.schema import ENDPOINTS
+from bulkgen.engine.weight_format import served_weights
 from bulkgen.settings import BODY_TIMEOUT_S
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
@@ -97,7 +98,15 @@ def create_app(
 
 def _install_models(app: FastAPI, svc) -> None:
     """/v1/models: every served model answers every endpoint (embeddings pool its final hidden states:
-    bulkgen.engine.pooling), and so does each LoRA adapter, with its model as `parent` (vLLM's field)."""
+    bulkgen.engine.pooling), and so does each LoRA adapter, with its model as `parent` (vLLM's field).
+    Each entry says how the workers hold the weights: quantization, weight and KV-cache dtypes
+    (bulkgen.engine.weight_format), read once from the model's config.json and the engine settings; an
+    adapter runs on its parent's weights and reports the parent's."""
+    engine = svc.settings.workers.engine_kwargs
+    weights = {
+        name: served_weights(path, engine.get("quantize"), engine.get("kv_cache_dtype", "auto"))
+        for name, path in svc.settings.models.items()
+    }
 
     def served() -> list[dict]:
         def entry(name: str, parent: str | None) -> dict:
@@ -108,6 +117,7 @@ def _install_models(app: FastAPI, svc) -> None:
                 "owned_by": "bulkgen",
                 "endpoints": list(ENDPOINTS),
                 "parent": parent,
+                **weights[parent or name],
             }
 
         adapters = sorted(svc.catalog.adapters().values(), key=lambda a: a.name)

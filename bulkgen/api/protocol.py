@@ -223,6 +223,11 @@ class Model(BaseModel):
     owned_by: str
     endpoints: list[str]
     parent: str | None = Field(None, description="bulkgen: a LoRA adapter's base model; null for a model")
+    quantization: str | None  # the checkpoint's method (e.g. compressed-tensors), "fp8-online", or null
+    weight_dtype: (
+        str  # the decoder layers' weights: e.g. float8_e4m3fn, int4; "auto": the worker's float dtype
+    )
+    kv_cache_dtype: str  # the engine's KV-cache dtype ("auto": the model's)
 
 
 class ModelList(BaseModel):

@@ -37,6 +37,9 @@ from .sampling_params import SamplingParams
 # (tests/support/held_engine.py); workers inherit it, so a test holds a batch mid-run in any process.
 ENGINE_CLASS_ENV = "BULKGEN_TEST_ENGINE"
 
+# EngineConfig.quantize's values (quantize.py), here so settings can offer them without importing torch
+QUANTIZE_MODES = ("fp8",)
+
 _LAZY = {
     "Engine": ".engine",
     "CompletionOutput": ".outputs",

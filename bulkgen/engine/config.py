@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import QUANTIZE_MODES
 from .kv_cache import KV_CACHE_DTYPES
 
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
@@ -42,6 +43,8 @@ class EngineConfig:
     # what K/V rows are stored in (kv_cache.py): "auto" the model's dtype, "fp8" / "fp8_e4m3" e4m3 with a
     # scale per token and head (about twice the blocks for the same bytes)
     kv_cache_dtype: str = "auto"
+    # weights quantized at load (quantize.py): "fp8" for a float checkpoint; None keeps the checkpoint's own
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_loras", "max_lora_rank"):
@@ -64,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantize not in (None, *QUANTIZE_MODES):
+            raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {self.quantize!r}")
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

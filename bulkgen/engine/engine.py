@@ -34,12 +34,14 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
 from .grammar import GrammarRuntime
+from .loading import load_model
 from .lora import LoraError, load_adapter
 from .model_runner import ModelRunner, StepLogits
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .overlap import OverlappedSteps, _InFlight
 from .penalties import LogitAdjustments
 from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
+from .quantize import ensure_quantized
 from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -74,6 +76,7 @@ class Engine(OverlappedSteps):
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
+        ensure_quantized(model, self.config.quantize)
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
@@ -120,8 +123,9 @@ class Engine(OverlappedSteps):
     def from_pretrained(
         cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None, **engine_kwargs
     ) -> Engine:
-        """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32.
+        A quantized checkpoint loads through transformers' quantizer; `quantize="fp8"` quantizes a float one."""
+        from transformers import AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if dtype is None:
@@ -130,7 +134,7 @@ class Engine(OverlappedSteps):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        model = load_model(path, device, dtype, engine_kwargs.get("quantize"))
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
 

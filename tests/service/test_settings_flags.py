@@ -19,6 +19,7 @@ SHARED_FLAGS = {
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
+    "--quantize",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
 NO_FLAG = {"workers", "cpu_threads", "engine_kwargs"}  # nested settings, set by code, or flagged per key
@@ -92,13 +93,13 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         tmp_path,
         *("--max-file-mb", "3", "--max-num-seqs", "8", "--workers", "2", "--worker-poll-deadline", "5"),
         *("--tenant-weight", "a=2", "--model", "m=/models/m", "--scheduling", "deadline", "--lease-ttl", "4"),
-        *("--async-scheduling", "off"),
+        *("--async-scheduling", "off", "--quantize", "fp8"),
     )
     assert settings.max_file_bytes == 3 * MIB and settings.models == {"m": "/models/m"}
     assert settings.workers == WorkerSettings(
         ray_address="auto",
         num_workers=2,
-        engine_kwargs={"max_num_seqs": 8, "async_scheduling": False},
+        engine_kwargs={"max_num_seqs": 8, "async_scheduling": False, "quantize": "fp8"},
         poll_deadline_s=5.0,
     )
     monkeypatch.setenv("BULKGEN_ASYNC_SCHEDULING", "on")
@@ -121,6 +122,7 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
             "maybe",
             "Invalid value for '--async-scheduling': 'maybe' is not a valid boolean",
         ),
+        ("--quantize", "int3", "Invalid value for '--quantize': 'int3' is not 'fp8'"),
         (
             "--worker-poll-deadline",
             "0.3",

@@ -1,0 +1,122 @@
+"""Loading a local checkpoint onto its device: float, quantized checkpoints, or FP8 online.
+
+A quantized checkpoint (its config.json names a `quantization_config`: compressed-tensors,
+fine-grained FP8, MXFP4, AWQ, GPTQ, bitsandbytes) goes through transformers' own quantizer for that
+method, which swaps in the quantized modules the engine then drives like any other. A method whose
+quantizer needs a package this install lacks fails here with one line naming the bulkgen extra.
+
+Nothing may reach the network at load: transformers can fetch compiled kernels from the Hugging Face
+hub (its `kernels` integration), so hub kernels are switched off and the hub is put offline for the
+process before transformers loads anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+from .quantize import quantize_layers
+from .weight_format import checkpoint_quantization
+
+log = logging.getLogger(__name__)
+
+# quantization_config.quant_method -> (the Python packages its transformers quantizer needs, the extra)
+METHOD_PACKAGES: dict[str, tuple[tuple[str, ...], str]] = {
+    "compressed-tensors": (("compressed_tensors",), "fp8"),
+    "fp8": (("accelerate",), "fp8"),
+    "mxfp4": (("accelerate",), "mxfp4"),
+    "awq": (("gptqmodel",), "awq"),
+    "gptq": (("gptqmodel", "optimum"), "gptq"),
+    "bitsandbytes": (("bitsandbytes", "accelerate"), "bnb"),
+}
+
+# methods whose quantized GEMMs only come from the hub: their transformers config class, to dequantize
+DEQUANTIZED = {"fp8": "FineGrainedFP8Config", "mxfp4": "Mxfp4Config"}
+
+
+def no_hub_kernels() -> None:
+    """Keep transformers from downloading kernels: its hub integration reads USE_HUB_KERNELS once,
+    at import (so the module flag is cleared too if it was imported first), and the `kernels` package
+    honours HF_HUB_OFFLINE for the direct fetches some quantizers make."""
+    os.environ["USE_HUB_KERNELS"] = "NO"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers.integrations import hub_kernels
+
+    hub_kernels._kernels_enabled = False
+
+
+def check_method_packages(method: str | None) -> None:
+    """ImportError naming `pip install 'bulkgen[EXTRA]'` when the method's quantizer lacks a package."""
+    if method is None or method not in METHOD_PACKAGES:
+        return
+    packages, extra = METHOD_PACKAGES[method]
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(
+            f"this checkpoint is quantized with {method!r}, which needs {', '.join(missing)}: "
+            f"pip install 'bulkgen[{extra}]'"
+        )
+
+
+def load_model(
+    path: str | Path, device: torch.device | str, dtype: torch.dtype, quantize: str | None = None
+) -> torch.nn.Module:
+    """The checkpoint's causal LM on `device`, in eval mode. `quantize="fp8"` quantizes a float
+    checkpoint's decoder layers as they move to the device (quantize.quantize_layers); a quantized
+    checkpoint keeps its own format."""
+    no_hub_kernels()
+    from transformers import AutoModelForCausalLM
+
+    method = checkpoint_quantization(path)
+    if quantize is not None and method is not None:
+        # one service setting for every model: a quantized checkpoint beside float ones keeps its own format
+        log.info(
+            "%s is already quantized (%s): quantize=%r applies to float checkpoints only",
+            path,
+            method,
+            quantize,
+        )
+        quantize = None
+    check_method_packages(method)
+    # a quantizer places its modules where they run; a float checkpoint moves there after loading, a
+    # layer at a time when quantized online
+    options = {"device_map": str(device), **_kernel_options(method, torch.device(device))} if method else {}
+    with (
+        warnings.catch_warnings()
+    ):  # the loading attributes given below are meant to override the checkpoint's
+        warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, use_kernels=False, **options
+        )
+    if quantize:
+        quantize_layers(model, device, quantize)
+    else:
+        model.to(device)
+    return model.eval()
+
+
+def _kernel_options(method: str, device: torch.device) -> dict:
+    """Loading attributes (they override the checkpoint's) for what runs without hub kernels.
+    compressed-tensors FP8: transformers decompresses it to the load dtype at its first forward unless
+    `use_optimized_inference` keeps the weights in FP8 for its row-wise FP8 GEMM (CUDA sm89+ only).
+    Fine-grained FP8 and MXFP4: their GEMMs are hub kernels (finegrained-fp8 or DeepGEMM; gpt-oss'
+    triton_kernels), so they are dequantized at load, as transformers does itself when `kernels` is
+    not installed."""
+    import transformers
+
+    if method == "compressed-tensors" and device.type == "cuda":
+        name, option = "CompressedTensorsConfig", "use_optimized_inference"
+    elif method in DEQUANTIZED:
+        name, option = DEQUANTIZED[method], "dequantize"
+    else:
+        return {}
+    config = getattr(transformers, name, None)
+    if config is None or option not in inspect.signature(config).parameters:
+        return {}  # an older transformers: its default route
+    return {"quantization_config": config(**{option: True})}
