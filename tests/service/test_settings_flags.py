@@ -19,7 +19,7 @@ SHARED_FLAGS = {
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
-    "--quantize",
+    "--quantize", "--kv-cache-dtype",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
 NO_FLAG = {"workers", "cpu_threads", "engine_kwargs"}  # nested settings, set by code, or flagged per key
