@@ -35,9 +35,18 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # hybrid models (state_slots.py): sequences that can hold recurrent state at once; None: max_num_seqs
     num_state_slots: int | None = None
+    # ranks that each hold 1/N of the weights and KV heads (tensor_parallel.py); from_pretrained starts them
+    tensor_parallel: int = 1
+    # seconds a rank waits in one collective before the step fails on every rank (a dead or hung rank)
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
+        _positive_int("tensor_parallel", self.tensor_parallel)
+        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"collective_timeout_s must be a positive number, got {self.collective_timeout_s!r}"
+            )
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -57,6 +66,8 @@ class EngineConfig:
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+            if self.tensor_parallel > 1 and getattr(self, name):
+                raise ValueError(f"{name} is not supported with tensor_parallel > 1 yet; leave it unset")
 
 
 def _positive_int(name: str, value: object) -> None:

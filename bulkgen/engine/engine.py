@@ -73,8 +73,13 @@ class Engine(OverlappedSteps):
         self.device = next(model.parameters()).device
         self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
         overlap = self.config.async_scheduling
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        single = self.config.tensor_parallel == 1  # tensor-parallel ranks run step by step
+        self.overlap = (self.device.type == "cuda" and single) if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
+        if (self.config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
+            raise ValueError(
+                "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
+            )
         self.runner = ModelRunner(model, self.config, self.max_model_len)
         if self.runner.states is not None and self.config.enable_prefix_caching:
             log.info(
@@ -82,7 +87,10 @@ class Engine(OverlappedSteps):
             )
             self.config = replace(self.config, enable_prefix_caching=False)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()
+        self.vocab_size = (
+            getattr(head, "vocab_size", None) or head.weight.shape[0]
+        )  # a vocab-parallel head: all
         self.pooling = pooling or model_pooling(getattr(model, "name_or_path", None))
         self.stats_ = EngineStats(self.config.max_num_seqs)
         self._seq_ids = itertools.count()
@@ -128,7 +136,13 @@ class Engine(OverlappedSteps):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+        config = EngineConfig(**engine_kwargs)  # checked before any rank starts
+        if config.tensor_parallel > 1:
+            from .tensor_parallel import launch
+
+            model = launch(path, config.tensor_parallel, device, dtype, config.collective_timeout_s)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
 
@@ -534,6 +548,11 @@ class Engine(OverlappedSteps):
     ) -> list[list[float]]:
         """Embed every prompt (packed, sorted, chunked like any prefill); vectors in input order."""
         return [out.embedding for out in self.generate(prompts, [params or EmbedParams()] * len(prompts))]
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op for a single-process engine)."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
