@@ -62,6 +62,10 @@ class RankGroup:
         raw = json.loads(self._wait("config"))
         return EngineConfig(**raw["config"]), raw["max_model_len"]
 
+    def rank_memory(self) -> list[dict]:
+        """Each rank's host memory at load (load_shard), in rank order."""
+        return [json.loads(self._wait(f"memory/{rank}")) for rank in range(self.world)]
+
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or `op`) `tensor` over the ranks, in place; raises after the group's timeout."""
         self.group.allreduce([tensor], op).wait()
@@ -177,6 +181,44 @@ def _unpack(packed: torch.Tensor) -> list:
     return batch
 
 
+def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype) -> torch.nn.Module:
+    """This rank's shard of the model, and what loading it cost in host memory, published for rank 0
+    (RankGroup.rank_memory): the resident set before, its peak while loading, and the weights' bytes."""
+    from .sharding import build_shard_model
+
+    before = _reset_peak_rss()
+    model = build_shard_model(path, group, dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory = {"rank": group.rank, "rss_before": before, "peak_rss": _peak_rss(), "weight_bytes": weights}
+    group.store.set(f"memory/{group.rank}", json.dumps(memory))
+    return model
+
+
+def _reset_peak_rss() -> int:
+    """The resident set size now, after resetting the kernel's peak (Linux: /proc/self/clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays the process's lifetime peak: an upper bound
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _process_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -211,11 +253,10 @@ def serve_rank(
     """A follower rank's whole life: join, load its shard, size its runner like rank 0's, then run every
     step rank 0 publishes until it closes the group."""
     from .model_runner import ModelRunner
-    from .sharding import build_shard_model
 
     torch.set_num_threads(threads)
     group = RankGroup.join(host, port, rank, world, rank_device(device, rank), timeout_s)
-    model = build_shard_model(path, group, getattr(torch, dtype))
+    model = load_shard(path, group, getattr(torch, dtype))
     config, max_model_len = group.receive_config()
     runner = ModelRunner(model, config, max_model_len)
     while (batch := group.receive_plan()) is not None:
@@ -228,8 +269,6 @@ def launch(
     """Start ranks 1..world-1 as processes of this machine (one torch thread each on CPU, unless this
     process uses more) and load rank 0's shard here; returns rank 0's model, its group attached as
     `model.bulkgen_tp`, and the follower processes."""
-    from .sharding import build_shard_model
-
     port = _free_port()
     spec = dict(path=str(path), world=world, host="127.0.0.1", port=port, device=device)
     spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
@@ -240,7 +279,7 @@ def launch(
     ]
     group = RankGroup.join("127.0.0.1", port, 0, world, rank_device(device, 0), timeout_s)
     group.processes = procs
-    return build_shard_model(path, group, dtype)
+    return load_shard(path, group, dtype)
 
 
 if __name__ == "__main__":
