@@ -14,6 +14,7 @@ ends it.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -29,6 +30,11 @@ from .config import EngineConfig
 DEFAULT_TIMEOUT_S = 300.0
 _ITEM = 11  # ints before each item's tokens and tables (see _pack)
 _STOP = b"stop"
+
+
+class RankLost(RuntimeError):
+    """A collective failed: a rank of the group died or hung past the timeout. The group cannot go on;
+    whoever runs it treats it as one lost worker."""
 
 
 class RankGroup:
@@ -67,14 +73,14 @@ class RankGroup:
         return [json.loads(self._wait(f"memory/{rank}")) for rank in range(self.world)]
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        """Sum (or `op`) `tensor` over the ranks, in place; raises after the group's timeout."""
-        self.group.allreduce([tensor], op).wait()
+        """Sum (or `op`) `tensor` over the ranks, in place; RankLost after the group's timeout."""
+        _wait(self.group.allreduce([tensor], op), self.rank)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, concatenated along the last dimension in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
-        self.group.allgather([parts], [tensor.contiguous()]).wait()
+        _wait(self.group.allgather([parts], [tensor.contiguous()]), self.rank)
         return torch.cat(parts, dim=-1)
 
     def agree_min(self, value: int) -> int:
@@ -189,7 +195,8 @@ def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype) -> torch.
     before = _reset_peak_rss()
     model = build_shard_model(path, group, dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    memory = {"rank": group.rank, "rss_before": before, "peak_rss": _peak_rss(), "weight_bytes": weights}
+    memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
+    memory.update(peak_rss=_peak_rss(), weight_bytes=weights)
     group.store.set(f"memory/{group.rank}", json.dumps(memory))
     return model
 
@@ -217,6 +224,15 @@ def _status_bytes(field: str) -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _wait(work, rank: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout passed
+        raise RankLost(
+            f"tensor-parallel rank {rank}: a collective failed ({' '.join(str(exc).split())[:200]})"
+        ) from None
 
 
 def _process_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):

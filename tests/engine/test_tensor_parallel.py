@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.tensor_parallel import RankLost
 from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12
@@ -107,6 +108,6 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path, prompts, one_th
     engine.runner.tp.processes[0].kill()
     engine.runner.tp.processes[0].wait()
     start = time.monotonic()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RankLost):
         _greedy(engine, prompts[:2])
     assert time.monotonic() - start < 25
