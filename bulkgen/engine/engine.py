@@ -38,6 +38,7 @@ from .outputs import CompletionOutput, RequestOutput, best_of
 from .overlap import OverlappedSteps, _InFlight
 from .penalties import LogitAdjustments
 from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
+from .rank_memory import check_device_fits
 from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -137,6 +138,7 @@ class Engine(OverlappedSteps):
                 raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
         config = EngineConfig(**engine_kwargs)  # checked before any rank starts
+        check_device_fits(path, dtype, config.tensor_parallel, device)
         if config.tensor_parallel > 1:
             from .tensor_parallel import launch
 
