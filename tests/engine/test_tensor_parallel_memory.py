@@ -1,7 +1,6 @@
 """Host memory of tensor-parallel ranks while loading: each rank reads only its slices of a checkpoint
 split into 10 MB safetensors files, so its peak resident set grows by about its share of the weights
-(half of a 121 MiB fp32 model), not by the whole model (transformers' own `from_pretrained` of this
-model grows by about 200 MiB on this machine)."""
+(half of a 121 MiB fp32 model), not by the whole model."""
 
 from __future__ import annotations
 
