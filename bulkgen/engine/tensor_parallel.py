@@ -285,6 +285,13 @@ def launch(
     """Start ranks 1..world-1 as processes of this machine (one torch thread each on CPU, unless this
     process uses more) and load rank 0's shard here; returns rank 0's model, its group attached as
     `model.bulkgen_tp`, and the follower processes."""
+    from transformers import AutoConfig
+
+    from .sharding import local_config
+
+    local_config(
+        AutoConfig.from_pretrained(path, local_files_only=True), world
+    )  # refused before any rank starts
     port = _free_port()
     spec = dict(path=str(path), world=world, host="127.0.0.1", port=port, device=device)
     spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
@@ -293,9 +300,14 @@ def launch(
         subprocess.Popen([sys.executable, "-m", __name__, json.dumps({**spec, "rank": r})])
         for r in range(1, world)
     ]
-    group = RankGroup.join("127.0.0.1", port, 0, world, rank_device(device, 0), timeout_s)
-    group.processes = procs
-    return load_shard(path, group, dtype)
+    try:
+        group = RankGroup.join("127.0.0.1", port, 0, world, rank_device(device, 0), timeout_s)
+        group.processes = procs
+        return load_shard(path, group, dtype)
+    except BaseException:
+        for proc in procs:  # a rank waiting for a group that will never run
+            proc.kill()
+        raise
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ class WorkerPool:
         self.workers: list = []
         self.use_gpu = False
         self._threads: int | None = None
+        self._cpus = 1  # Ray CPUs each CPU worker asks for
 
     def start(self) -> list:
         init_ray(self.settings.ray_address)
@@ -110,6 +111,8 @@ class WorkerPool:
         count = self.settings.num_workers or gpus // ranks or self.settings.cpu_workers
         self.use_gpu = gpus > 0
         cpu_share = max(1, (os.cpu_count() or 1) // (count * ranks))
+        # CPU ranks share their node's cores: a group asks for a CPU per rank, at most the cluster's CPUs
+        self._cpus = min(ranks, max(1, int(ray.cluster_resources().get("CPU", 1))))
         self._threads = self.settings.cpu_threads or (None if self.use_gpu else cpu_share)
         self.workers = [self._create(i) for i in range(count)]
         log.info("started %d %s worker(s)", count, "GPU" if self.use_gpu else "CPU")
@@ -120,7 +123,7 @@ class WorkerPool:
         # its ranks (tensor_parallel.launch: processes of the actor) take one visible GPU each
         ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
         options = (
-            {"num_gpus": ranks, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": ranks}
+            {"num_gpus": ranks, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": self._cpus}
         )
         if self._threads:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus; the BLAS must see ours
             threads = str(self._threads)
