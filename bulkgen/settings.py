@@ -137,6 +137,12 @@ ENGINE_FLAGS = {
         help="Token budget per engine step "
         "(chunked prefill above it); default by device (CPU 2048, GPU 4k-16k).",
     ),
+    "tensor_parallel": Flag(
+        "--tensor-parallel",
+        type=int,
+        help="Ranks per worker, each holding 1/N of every model's weights and KV heads (one GPU each, on "
+        "one node; processes on CPU): serve a model larger than one GPU. Default 1.",
+    ),
     "async_scheduling": Flag(
         "--async-scheduling",
         type=bool,

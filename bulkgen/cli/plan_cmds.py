@@ -10,6 +10,7 @@ import click
 
 from bulkgen.cli.settings_options import setting_option
 from bulkgen.models.registry import parse_model_specs
+from bulkgen.plan.memory import describe_memory, has_weights, plan_memory
 from bulkgen.settings import DEFAULT_STORAGE
 
 _STORE_OPTIONS = [
@@ -37,6 +38,15 @@ def _store_options(fn):
     for option in reversed(_STORE_OPTIONS):
         fn = option(fn)
     return fn
+
+
+def _memory(path: str, ranks: int | None) -> dict | None:
+    if ranks is None:
+        return None
+    try:
+        return plan_memory(path, ranks)
+    except ValueError as exc:
+        raise click.UsageError(f"--tensor-parallel {ranks}: {exc}") from None
 
 
 def _model(spec: str | None) -> tuple[str, str]:
@@ -115,6 +125,12 @@ def profile_cmd(
     help="A LoRA adapter of the model that lines may name, as `serve --lora` takes it (repeatable).",
 )
 @setting_option("kv_cache_dtype")
+@click.option(
+    "--tensor-parallel",
+    type=click.IntRange(min=1),
+    help="Also print each rank's memory (bf16 weights, KV cache per token) with the model split over N "
+    "GPUs, from its config; a model folder with a config and tokenizer but no weights gets the memory alone.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def plan(
     file: Path,
@@ -126,6 +142,7 @@ def plan(
     max_requests_per_batch: int,
     loras: tuple[str, ...],
     kv_cache_dtype: str | None,
+    tensor_parallel: int | None,
     as_json: bool,
 ) -> None:
     """Validate FILE as a batch would, count its tokens with the model's tokenizer, and estimate its time."""
@@ -136,8 +153,12 @@ def plan(
     from bulkgen.cli.server_cmds import check_storage
     from bulkgen.plan import lengths, planner
 
-    store = check_storage(storage, endpoint_url, create=True)
     name, path = _model(model_spec)
+    memory = _memory(path, tensor_parallel)
+    if memory is not None and not has_weights(path):
+        click.echo(json.dumps({"model": name, "memory": memory}) if as_json else describe_memory(memory))
+        return
+    store = check_storage(storage, endpoint_url, create=True)
     adapters = _adapters(loras, name, path, endpoint_url)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     batches = BatchRepo(store)
@@ -161,9 +182,11 @@ def plan(
         raise click.ClickException(str(exc)) from None
     if result["valid"]:
         result["profile"]["stored_at"] = f"{storage.rstrip('/')}/{result['profile']['stored_at']}"
+    if memory is not None:
+        result["memory"] = memory
     if as_json:
         click.echo(json.dumps(result))
     else:
-        click.echo(planner.describe(result))
+        click.echo(planner.describe(result) + ("\n" + describe_memory(memory) if memory else ""))
     if not result["valid"]:
         raise SystemExit(1)

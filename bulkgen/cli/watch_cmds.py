@@ -92,7 +92,12 @@ def watch(
         spec.check(str(job_path or "bulkgen watch"))
     except JobError as exc:
         raise click.UsageError(str(exc)) from None
-    for key, value in (("storage", spec.storage), ("models", tuple(spec.models))):  # the job's, unless given
+    job = (
+        ("storage", spec.storage),
+        ("models", tuple(spec.models)),
+        ("tensor_parallel", spec.tensor_parallel),
+    )
+    for key, value in job:  # the job's, unless given
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             runtime[key] = value
     settings = settings_from(runtime)

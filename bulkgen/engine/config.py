@@ -45,10 +45,18 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # weights quantized at load (quantize.py): "fp8" for a float checkpoint; None keeps the checkpoint's own
     quantize: str | None = None
+    # ranks that each hold 1/N of the weights and KV heads (tensor_parallel.py); from_pretrained starts them
+    tensor_parallel: int = 1
+    # seconds a rank waits in one collective before the step fails on every rank (a dead or hung rank)
+    collective_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_loras", "max_lora_rank"):
+        for name in ("block_size", "max_loras", "max_lora_rank", "tensor_parallel"):
             _positive_int(name, getattr(self, name))
+        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
+            raise ValueError(
+                f"collective_timeout_s must be a positive number, got {self.collective_timeout_s!r}"
+            )
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -72,6 +80,8 @@ class EngineConfig:
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+            if self.tensor_parallel > 1 and getattr(self, name):
+                raise ValueError(f"{name} is not supported with tensor_parallel > 1 yet; leave it unset")
 
 
 def _positive_int(name: str, value: object) -> None:

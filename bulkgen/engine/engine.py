@@ -42,6 +42,7 @@ from .overlap import OverlappedSteps, _InFlight
 from .penalties import LogitAdjustments
 from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
 from .quantize import ensure_quantized
+from .rank_memory import check_device_fits
 from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
@@ -78,8 +79,13 @@ class Engine(OverlappedSteps):
         self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
         ensure_quantized(model, self.config.quantize)
         overlap = self.config.async_scheduling
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        single = self.config.tensor_parallel == 1  # tensor-parallel ranks run step by step
+        self.overlap = (self.device.type == "cuda" and single) if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
+        if (self.config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
+            raise ValueError(
+                "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
+            )
         self.runner = ModelRunner(model, self.config, self.max_model_len)
         if self.runner.states is not None and self.config.enable_prefix_caching:
             log.info(
@@ -87,7 +93,10 @@ class Engine(OverlappedSteps):
             )
             self.config = replace(self.config, enable_prefix_caching=False)
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()
+        self.vocab_size = (
+            getattr(head, "vocab_size", None) or head.weight.shape[0]
+        )  # a vocab-parallel head: all
         self.pooling = pooling or model_pooling(getattr(model, "name_or_path", None))
         self.stats_ = EngineStats(self.config.max_num_seqs)
         self._seq_ids = itertools.count()
@@ -134,7 +143,16 @@ class Engine(OverlappedSteps):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
-        model = load_model(path, device, dtype, engine_kwargs.get("quantize"))
+        config = EngineConfig(**engine_kwargs)  # checked before any rank starts
+        check_device_fits(path, dtype, config.tensor_parallel, device)
+        if config.tensor_parallel > 1:
+            from .tensor_parallel import launch
+
+            if config.quantize is not None:
+                raise ValueError("quantize and tensor_parallel > 1 together are not supported yet")
+            model = launch(path, config.tensor_parallel, device, dtype, config.collective_timeout_s)
+        else:
+            model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
 
@@ -194,6 +212,8 @@ class Engine(OverlappedSteps):
         that name it; LoraError naming what is refused (lora.py). Its device slot is filled when a step
         first schedules one of its requests."""
         loras = self.runner.loras
+        if self.config.tensor_parallel > 1:  # the adapters' B would need sharding like the layers they add to
+            raise LoraError("LoRA adapters with tensor_parallel > 1 are not supported yet")
         if name in loras.adapters:
             raise LoraError(f"adapter {name!r} is already loaded; remove it first")
         loras.add(load_adapter(name, path, self.model, self.config.max_lora_rank))
@@ -567,6 +587,11 @@ class Engine(OverlappedSteps):
     ) -> list[list[float]]:
         """Embed every prompt (packed, sorted, chunked like any prefill); vectors in input order."""
         return [out.embedding for out in self.generate(prompts, [params or EmbedParams()] * len(prompts))]
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (a no-op for a single-process engine)."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -95,6 +95,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
+        self.tp = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup of a sharded model
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.publish_config(config, max_model_len)
         mixers = _check_supported(model)
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
@@ -131,7 +134,7 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
         wanted = self.config.cuda_graphs
-        if not (wanted or (wanted is None and on_cuda)):
+        if self.tp is not None or not (wanted or (wanted is None and on_cuda)):
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -154,7 +157,8 @@ class ModelRunner:
         block_bytes = self.layout.block_bytes(self.block_size, self.kv_dtype)
         per_seq = self.peak_blocks(max_model_len)
         reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
-        return kv_cache_blocks(self.config, self.device, block_bytes, per_seq, reserved)
+        blocks = kv_cache_blocks(self.config, self.device, block_bytes, per_seq, reserved)
+        return blocks if self.tp is None else self.tp.agree_min(blocks)
 
     def _state_pool(self, mixers: dict) -> StatePool | None:
         """Hybrid models: one state slot per running sequence (`num_state_slots`, default `max_num_seqs`),
@@ -180,6 +184,8 @@ class ModelRunner:
         prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
         advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
         device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        if self.tp is not None:
+            self.tp.send_plan(batch)  # the other ranks run this same step
         if self.states is None:
             return self._run(batch, pending)
         self.states.begin(batch)

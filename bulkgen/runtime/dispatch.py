@@ -51,6 +51,7 @@ class Dispatcher:
         self.nodes: list[str | None] = []
         self.threads: list[int | None] = []
         self.step_times: list[dict | None] = []
+        self.ranks: list[list[dict] | None] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._had_work: list[bool] = []
@@ -66,6 +67,7 @@ class Dispatcher:
         self.nodes = [None for _ in self.pool.workers]  # each worker's node IP, from its polls
         self.threads = [None for _ in self.pool.workers]  # torch threads of each worker's forward
         self.step_times = [None for _ in self.pool.workers]  # each engine's step wall times, from its polls
+        self.ranks = [None for _ in self.pool.workers]  # a tensor-parallel group's ranks, from its polls
         self._had_work = [True for _ in self.pool.workers]
         self._news = [threading.Event() for _ in self.pool.workers]
         self.queue.on_work(self._work_queued)
@@ -123,6 +125,7 @@ class Dispatcher:
         self.nodes[index] = poll.get("node_ip")
         self.threads[index] = poll.get("threads")
         self.step_times[index] = poll.get("step_time")
+        self.ranks[index] = poll.get("ranks")
         self._route(index, poll)
         self._news[index].clear()  # before the take: ranges queued after it wake the next poll's wait
         if handed:  # the worker got ranges while this poll waited: its room is read afresh by the next
@@ -234,6 +237,7 @@ class Dispatcher:
                         "node_ip": self.nodes[index],
                         "cpu_threads": self.threads[index],
                         "step_time": self.step_times[index],
+                        "ranks": self.ranks[index],  # None: one process; else each rank's pid, device, memory
                         "model": model.split("@", 1)[0] if model else None,
                         "busy_share": round(min(1.0, busy / window), 4),
                         "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],

@@ -5,6 +5,7 @@ failing request by bisection after a failed step (see runtime/worker.py's module
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
 from concurrent.futures import Future
 
@@ -59,7 +60,16 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     self._step()
             except Exception as exc:
+                if type(exc).__name__ == "RankLost":  # tensor_parallel.RankLost: the group is gone
+                    self._die(exc)
                 self._recover(f"{type(exc).__name__}: {exc}")
+
+    def _die(self, exc: Exception) -> None:
+        """A rank of this worker's tensor-parallel group died or hung: the whole group is one lost worker.
+        The actor exits, so the dispatcher puts its ranges back and places a new group (its ranks, this
+        process's children, end with the store this process hosts)."""
+        log.error("worker %d: %s; exiting so the group is replaced", self.index, exc)
+        os._exit(1)
 
     def _has_work(self) -> bool:
         return self.engine is not None and bool(

@@ -102,20 +102,29 @@ class WorkerPool:
         self.workers: list = []
         self.use_gpu = False
         self._threads: int | None = None
+        self._cpus = 1  # Ray CPUs each CPU worker asks for
 
     def start(self) -> list:
         init_ray(self.settings.ray_address)
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        count = self.settings.num_workers or gpus or self.settings.cpu_workers
+        ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
+        count = self.settings.num_workers or gpus // ranks or self.settings.cpu_workers
         self.use_gpu = gpus > 0
-        cpu_share = max(1, (os.cpu_count() or 1) // count)
+        cpu_share = max(1, (os.cpu_count() or 1) // (count * ranks))
+        # CPU ranks share their node's cores: a group asks for a CPU per rank, at most the cluster's CPUs
+        self._cpus = min(ranks, max(1, int(ray.cluster_resources().get("CPU", 1))))
         self._threads = self.settings.cpu_threads or (None if self.use_gpu else cpu_share)
         self.workers = [self._create(i) for i in range(count)]
         log.info("started %d %s worker(s)", count, "GPU" if self.use_gpu else "CPU")
         return self.workers
 
     def _create(self, index: int):
-        options = {"num_gpus": 1, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": 1}
+        # a tensor-parallel worker asks for all its ranks' devices at once: Ray places it on one node, and
+        # its ranks (tensor_parallel.launch: processes of the actor) take one visible GPU each
+        ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
+        options = (
+            {"num_gpus": ranks, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": self._cpus}
+        )
         if self._threads:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus; the BLAS must see ours
             threads = str(self._threads)
             options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}

@@ -81,6 +81,7 @@ class EngineWorker(EngineLoop, PartWriter):
         self.node_ip = _node_ip()
         self.torch_threads: int | None = None  # set by the engine thread
         self._step_times = StepTimes()  # the loaded engine's step wall times, reported by poll
+        self._ranks: list[dict] | None = None  # a tensor-parallel engine's ranks, reported by poll
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
@@ -101,7 +102,9 @@ class EngineWorker(EngineLoop, PartWriter):
                 engine = self._on_engine_thread(
                     lambda: engine_class().from_pretrained(path, **self.engine_kwargs)
                 )
+                tp = getattr(engine.runner, "tp", None)
                 with self._cond:
+                    self._ranks = tp.rank_memory() if tp is not None else None
                     self.engine, self.model_name = engine, model_name
                     self._loras, self._lora_failed = {}, {}
                     self._step_times = StepTimes()
@@ -160,6 +163,7 @@ class EngineWorker(EngineLoop, PartWriter):
                 "done": done,
                 "steps": steps,
                 "step_time": self._step_times.summary(),  # whole steps, whatever batches shared them
+                "ranks": self._ranks,
                 "progress": self._progress(owner),
                 "want": self._want(),
                 "spare": self._spare(),

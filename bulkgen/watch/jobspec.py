@@ -13,6 +13,7 @@
     webhook: https://example.com/hooks       # signed batch.* events (secret: --webhook-secret / env only)
     storage: ...                             # service storage and served models, as the CLI's
     models: [NAME=PATH]                      #   --storage / --model (the command line wins)
+    tensor_parallel: 2                       # ranks per worker, as --tensor-parallel
 
 Everything is checked when the job loads, with errors that name the file and the field.
 """
@@ -53,6 +54,7 @@ class JobSpec:
     claim_ttl: float = DEFAULT_CLAIM_TTL_S
     storage: str | None = None
     models: list[str] = field(default_factory=list)
+    tensor_parallel: int | None = None  # ranks per worker, as --tensor-parallel
     webhook: str | None = None
 
     @classmethod
@@ -114,6 +116,9 @@ class JobSpec:
                 raise JobError(f"{where}: {exc}") from None
         if not isinstance(self.models, list) or not all(isinstance(m, str) for m in self.models):
             raise JobError(f"{where}: models must be a list of NAME=PATH strings")
+        tp = self.tensor_parallel
+        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
+            raise JobError(f"{where}: tensor_parallel must be a positive whole number of ranks; got {tp!r}")
         self._check_defaults(where)
         return self
 

@@ -70,6 +70,10 @@ def test_example_jobs_load():
         ("input: a\noutput: b\ninterval: 5\nschedule: '* * * * *'\n", "interval or schedule, not both"),
         ("output: b\n", "input (a folder or s3://bucket/prefix/) is required"),
         ("- a list\n", "a job is a YAML mapping"),
+        (
+            "input: a\noutput: b\ntensor_parallel: 0\n",
+            "tensor_parallel must be a positive whole number of ranks",
+        ),
     ],
 )
 def test_bad_jobs_say_what_and_where(tmp_path, text, message):

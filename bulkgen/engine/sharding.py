@@ -1,0 +1,317 @@
+"""Tensor-parallel shards of a transformers model: which weights split along which dimension, and a loader
+that reads only this rank's slice of each safetensors tensor.
+
+The model is built from a *local* config (attention heads, KV heads and MLP widths divided by the world
+size), so every transformers module already has its shard's shape and its forward works unchanged:
+attention views its projections with `-1` heads, so it runs on the rank's heads, and bulkgen's probe
+(layer_attention.py) sizes each rank's KV cache from the heads it sees. Where a row-parallel layer
+leaves partial sums (o_proj, down_proj, an MoE block's experts) a forward hook all-reduces them; the
+embedding and the LM head are split by vocabulary (padded to a multiple of the world size) and
+all-reduced / gathered. KV heads fewer than ranks are replicated, as vLLM does: rank r keeps KV head
+r * kv_heads // world, the one its query heads read.
+
+Which module splits how comes from the model's own transformers plan (`base_model_tp_plan`) where it has
+one, else from DEFAULT_PLAN (the Llama names most decoder families share).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from copy import deepcopy
+from pathlib import Path
+
+import torch
+from torch import nn
+
+DEFAULT_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+REPLICATED = {"replicated_with_grad_allreduce"}
+SUPPORTED = {"colwise", "rowwise", "packed_colwise", "moe_tp_experts"} | REPLICATED
+# config fields that are per-rank widths: each is divided by the world size
+SPLIT_FIELDS = (
+    "num_attention_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+# legacy per-expert checkpoint names -> (fused parameter, which half of gate_up it fills: 0, 1, None)
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_TARGET = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+
+
+def local_config(config, world: int):
+    """A copy of `config` with this rank's share of heads and widths; ValueError naming a field that
+    does not split over `world` ranks."""
+    local = deepcopy(config)
+    heads = config.num_attention_heads
+    local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    for name in SPLIT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value:
+            if value % world:
+                raise ValueError(f"tensor_parallel={world} does not divide the model's {name} ({value})")
+            setattr(local, name, value // world)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if kv % world and world % kv:
+        raise ValueError(
+            f"tensor_parallel={world} neither divides nor is a multiple of num_key_value_heads ({kv})"
+        )
+    local.num_key_value_heads = max(kv // world, 1)
+    return local
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Module or parameter path patterns (from the model's root, `*` for a layer index) -> style."""
+    base = getattr(model.config, "base_model_tp_plan", None) or DEFAULT_PLAN
+    prefix = model.base_model_prefix
+    plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
+    unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
+    if unsupported:
+        raise ValueError(
+            f"{type(model).__name__}'s tensor-parallel plan uses {unsupported}; bulkgen shards {sorted(SUPPORTED)}"
+        )
+    return plan
+
+
+def style_of(plan: dict[str, str], name: str) -> str | None:
+    """The plan's style for a module or parameter name (layer indices matched by `*`)."""
+    return plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", name))
+
+
+@contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Build modules whose parameters take no memory (they are allocated shard by shard at load) while
+    buffers (rotary frequencies) are computed for real, as accelerate's init_empty_weights does."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + shard) of the embedding; ids outside them look up zeros, and the ranks'
+    lookups are summed."""
+
+    def __init__(self, vocab: int, hidden: int, group) -> None:
+        super().__init__()
+        self.shard = -(-vocab // group.world)
+        self.start, self.group = group.rank * self.shard, group
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden, device="meta"), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(out.masked_fill(outside[..., None], 0))
+
+
+class VocabParallelHead(nn.Module):
+    """The LM head's rows of this rank's vocabulary shard; every rank gets the gathered full logits."""
+
+    def __init__(self, vocab: int, hidden: int, group, bias: bool) -> None:
+        super().__init__()
+        self.vocab_size, self.group = vocab, group
+        shard = -(-vocab // group.world)
+        self.weight = nn.Parameter(torch.empty(shard, hidden, device="meta"), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(shard, device="meta"), requires_grad=False) if bias else None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = nn.functional.linear(hidden, self.weight, self.bias)
+        return self.group.all_gather(local)[..., : self.vocab_size]
+
+
+def build_shard_model(path: str | Path, group, dtype: torch.dtype) -> nn.Module:
+    """Rank `group.rank`'s model (group: tensor_parallel.RankGroup, attached as `model.bulkgen_tp`):
+    built with no parameter memory, then filled from its slices of the checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
+    model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)
+    if (Path(path) / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    plan = tp_plan(model)
+    _split_vocab(model, config, group)
+    _add_all_reduces(model, plan, group)
+    load_shards(model, path, plan, group.rank, group.world, dtype, group.device)
+    model.bulkgen_tp = group
+    return model.to(group.device).eval()
+
+
+def _split_vocab(model: nn.Module, config, group) -> None:
+    """Vocabulary-parallel embedding and head where they are plain modules (a scaled embedding stays whole)."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if type(embed) is nn.Embedding:
+        model.set_input_embeddings(VocabParallelEmbedding(config.vocab_size, embed.embedding_dim, group))
+    if type(head) is nn.Linear:
+        new = VocabParallelHead(config.vocab_size, head.in_features, group, head.bias is not None)
+        if config.tie_word_embeddings and isinstance(model.get_input_embeddings(), VocabParallelEmbedding):
+            new.weight = model.get_input_embeddings().weight
+        model.set_output_embeddings(new)
+
+
+def _add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
+    """Sum the partial outputs of row-parallel linears and of tensor-parallel experts across ranks."""
+
+    def reduce(_module, _args, output: torch.Tensor) -> torch.Tensor:
+        return group.all_reduce(output)
+
+    for name, module in model.named_modules():
+        style = style_of(plan, name)
+        if (style == "rowwise" and isinstance(module, nn.Linear)) or style == "moe_tp_experts":
+            module.register_forward_hook(reduce)
+
+
+def shard_slice(full: tuple[int, ...], local: tuple[int, ...], rank: int, world: int) -> tuple | None:
+    """Index of this rank's part of a checkpoint tensor of shape `full` for a parameter of shape `local`
+    (None: the whole tensor): the one dimension where they differ is the split one."""
+    if full == local:
+        return None
+    dim = next(d for d in range(len(full)) if full[d] != local[d])
+    chunks = full[dim] // local[dim]
+    index = rank * chunks // world  # KV heads fewer than ranks: neighbours share one
+    return (slice(None),) * dim + (slice(index * local[dim], (index + 1) * local[dim]),)
+
+
+def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int, half: int | None):
+    """This rank's slice of one checkpoint tensor (`view`: a safetensors slice) for a parameter of shape
+    `shape`; for a legacy expert, `half` says which half of the packed gate_up it fills."""
+    full = tuple(view.get_shape())
+    if half is not None:
+        shape = (shape[-2] // 2, shape[-1])
+    elif len(full) < len(shape):  # a legacy expert's down_proj, into the fused [experts, out, in]
+        shape = shape[1:]
+    if style == "packed_colwise" and half is None:  # a fused gate_up in the checkpoint: both halves
+        return torch.cat([_packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
+    if style == "vocab":
+        rows = shape[0]
+        return view[rank * rows : min((rank + 1) * rows, full[0])]
+    index = shard_slice(full, shape, rank, world)
+    if index is not None and style is None:
+        raise ValueError(
+            f"shape {full} -> {shape} differs on a rank but its module is not in the tensor-parallel plan"
+        )
+    return view[index] if index is not None else view[:]
+
+
+def _packed_half(view, full: tuple[int, ...], part: int, rank: int, world: int) -> torch.Tensor:
+    rows = full[-2] // 2 // world
+    start = part * full[-2] // 2 + rank * rows
+    return view[(slice(None),) * (len(full) - 2) + (slice(start, start + rows),)]
+
+
+def _style(plan: dict[str, str], name: str, param: torch.Tensor, vocab: set[int]) -> str | None:
+    """How parameter `name` splits: its own plan entry, its module's, or "vocab"."""
+    if id(param) in vocab:
+        return "vocab"
+    module, _, leaf = name.rpartition(".")
+    return (
+        style_of(plan, name) or style_of(plan, module) if leaf in ("weight", "bias") else style_of(plan, name)
+    )
+
+
+def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: int, dtype, device) -> None:
+    """Fill every parameter from the safetensors files with this rank's slice only; ValueError naming a
+    parameter the checkpoint lacks. Peak memory: the rank's parameters plus one slice."""
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    vocab = {
+        id(m.weight) for m in (embed, head) if isinstance(m, (VocabParallelEmbedding, VocabParallelHead))
+    }
+    filled: set[str] = set()
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                target, half, expert = _target(name, params)
+                if target is None:
+                    continue
+                style = _style(plan, target, params[target], vocab)
+                param = _materialize(model, target, params, dtype, device)
+                if style == "rowwise" and target.endswith(".bias") and rank:
+                    param.data.zero_()  # a row-parallel bias is added once, by rank 0, before the all-reduce
+                else:
+                    data = _read(handle.get_slice(name), style, tuple(param.shape), rank, world, half)
+                    _place(param, data, half, expert, name)
+                filled.add(target)
+    missing = sorted(n for n, p in params.items() if n not in filled and p.is_meta)
+    if missing:
+        raise ValueError(f"checkpoint at {path} has no weights for {missing[:5]}")
+
+
+def _target(name: str, params: dict) -> tuple[str | None, int | None, int | None]:
+    """The model parameter a checkpoint tensor fills: (name, packed half, expert index)."""
+    if name in params:
+        return name, None, None
+    match = _EXPERT.match(name)
+    if match:
+        fused, half = _EXPERT_TARGET[match[3]]
+        target = f"{match[1]}.{fused}"
+        if target in params:
+            return target, half, int(match[2])
+    return None, None, None
+
+
+def _place(param: torch.Tensor, data: torch.Tensor, half: int | None, expert: int | None, name: str) -> None:
+    dest = param.data if expert is None else param.data[expert]
+    if half is not None:
+        rows = dest.shape[0] // 2
+        dest = dest[half * rows : (half + 1) * rows]
+    if dest.shape[0] != data.shape[0] and data.shape[1:] == dest.shape[1:]:  # the last vocabulary shard
+        dest[: data.shape[0]].copy_(data)
+        dest[data.shape[0] :].zero_()
+        return
+    if dest.shape != data.shape:
+        raise ValueError(
+            f"checkpoint tensor {name}: slice of shape {tuple(data.shape)} does not fit {tuple(dest.shape)}"
+        )
+    dest.copy_(data)
+
+
+def _materialize(model: nn.Module, name: str, params: dict, dtype, device) -> nn.Parameter:
+    """The parameter `name`, allocated on `device` if it is still on meta (every module sharing it sees
+    the new one: tied embeddings)."""
+    old = params[name]
+    if not old.is_meta:
+        return old
+    new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device), requires_grad=False)
+    for other, param in list(params.items()):
+        if param is old:
+            owner, _, attr = other.rpartition(".")
+            setattr(model.get_submodule(owner), attr, new)
+            params[other] = new
+    return new
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no safetensors weights at {path}: tensor parallel loads only safetensors")
+    return files

@@ -1,0 +1,314 @@
+"""Tensor-parallel ranks of one engine: rank 0 runs the Engine (scheduler, sampler, requests); ranks
+1..N-1 hold their shard of the weights and of the KV cache and run the same forward for every step.
+
+The data plane is the model's own collectives (sharding.py: all-reduces and the head's gather; gloo on
+CPU, NCCL on CUDA), each bounded by the group's timeout, so a rank that dies or hangs mid-step fails the
+step on every rank instead of blocking it. The control plane is the rendezvous store: once per step rank 0
+publishes the step plan as one packed int64 tensor (per scheduled sequence its position, tokens and block
+tables) and the followers rebuild light stand-ins of those sequences for their own ModelRunner, so its
+packing, block-table and logits-row logic exists once. A follower waits for the next plan in short
+polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
+ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .config import EngineConfig
+
+DEFAULT_TIMEOUT_S = 300.0
+_ITEM = 11  # ints before each item's tokens and tables (see _pack)
+_STOP = b"stop"
+
+
+class RankLost(RuntimeError):
+    """A collective failed: a rank of the group died or hung past the timeout. The group cannot go on;
+    whoever runs it treats it as one lost worker."""
+
+
+class RankGroup:
+    """This process's membership of a tensor-parallel group: its collectives and the plan channel."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):
+        self.store, self.rank, self.world, self.device = store, rank, world, device
+        # a process group of its own, not torch.distributed's default one: a process may hold several
+        self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, timeout_s)
+        self.steps = 0
+        self.processes: list = []  # follower processes this rank started (launch), joined at close
+
+    @classmethod
+    def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
+        """Rank 0 hosts the store on `host:port`; the others connect to it."""
+        store = dist.TCPStore(
+            host,
+            port,
+            world,
+            is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        return cls(store, rank, world, torch.device(device), timeout_s)
+
+    def publish_config(self, config: EngineConfig, max_model_len: int) -> None:
+        """Rank 0's resolved limits: every rank sizes its runner (slots, KV blocks) from the same ones."""
+        self.store.set("config", json.dumps({"config": asdict(config), "max_model_len": max_model_len}))
+
+    def receive_config(self) -> tuple[EngineConfig, int]:
+        raw = json.loads(self._wait("config"))
+        return EngineConfig(**raw["config"]), raw["max_model_len"]
+
+    def rank_memory(self) -> list[dict]:
+        """Each rank's host memory at load (load_shard), in rank order."""
+        return [json.loads(self._wait(f"memory/{rank}")) for rank in range(self.world)]
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or `op`) `tensor` over the ranks, in place; RankLost after the group's timeout."""
+        _wait(self.group.allreduce([tensor], op), self.rank)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, concatenated along the last dimension in rank order."""
+        parts = [torch.empty_like(tensor) for _ in range(self.world)]
+        _wait(self.group.allgather([parts], [tensor.contiguous()]), self.rank)
+        return torch.cat(parts, dim=-1)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest `value` over the ranks (a KV block count every rank's memory holds)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
+
+    def send_plan(self, batch: list) -> None:
+        """Rank 0: publish this step's (sequence, new tokens) pairs; a no-op on the other ranks."""
+        if self.rank == 0:
+            self._post(_pack(batch).numpy().tobytes())
+
+    def receive_plan(self) -> list | None:
+        """The next step's batch as stand-in sequences, or None when rank 0 closes the group."""
+        raw = self._wait(f"plan/{self.steps}")
+        self.steps += 1
+        if raw == _STOP:
+            return None
+        return _unpack(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+
+    def close(self) -> None:
+        """Rank 0 tells the followers to exit; every rank leaves the process group."""
+        if self.rank == 0:
+            self._post(_STOP)
+        for proc in self.processes:
+            proc.wait(timeout=30)
+
+    def _post(self, payload: bytes) -> None:
+        # a follower has read plan n - 1 before plan n exists: plan n - 1's forward needed every rank
+        if self.steps:
+            self.store.delete_key(f"plan/{self.steps - 1}")
+        self.store.set(f"plan/{self.steps}", payload)
+        self.steps += 1
+
+    def _wait(self, key: str) -> bytes:
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=1))
+                return self.store.get(key)
+            except dist.DistStoreError as exc:  # a poll that timed out; a lost store raises otherwise
+                if "timeout" not in str(exc).lower():
+                    raise
+
+
+class StandIn:
+    """What a follower's ModelRunner reads of a scheduled sequence, rebuilt from the step plan."""
+
+    def __init__(self, fields: list[int], tokens: list[int], tables: list[list[int]]) -> None:
+        seq_id, computed, _, length, prompt, max_tokens, scores, scored, pools, _, _ = fields
+        self.seq_id, self.num_computed_tokens, self.length = seq_id, computed, length
+        self.num_prompt_tokens, self.max_tokens, self.pools = prompt, max_tokens, bool(pools)
+        self.needs_prompt_logprobs = bool(scores)
+        self.request = _Scored([None] * scored)
+        self.token_ids = _Tail(computed, tokens)
+        self.block_tables = tables
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0] if self.block_tables else []
+
+
+class _Scored:
+    def __init__(self, prompt_logprobs: list) -> None:
+        self.prompt_logprobs = prompt_logprobs
+
+
+class _Tail:
+    """A sequence's token ids from `start` on (the ones this step computes): what the runner slices."""
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        return self.tokens[index.start - self.start :]
+
+
+def _pack(batch: list) -> torch.Tensor:
+    flat: list[int] = [len(batch)]
+    for seq, n in batch:
+        tables = seq.block_tables
+        width = len(tables[0]) if tables else 0
+        tokens = seq.token_ids[seq.num_computed_tokens :][:n]
+        flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
+        flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
+        flat += [len(tables), width, *tokens]
+        for table in tables:
+            flat += table
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def _unpack(packed: torch.Tensor) -> list:
+    flat, at, batch = packed.tolist(), 1, []
+    for _ in range(flat[0]):
+        fields = flat[at : at + _ITEM]
+        n, groups, width = fields[2], fields[9], fields[10]
+        at += _ITEM
+        tokens, at = flat[at : at + n], at + n
+        tables = [flat[at + g * width : at + (g + 1) * width] for g in range(groups)]
+        at += groups * width
+        batch.append((StandIn(fields, tokens, tables), n))
+    return batch
+
+
+def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype) -> torch.nn.Module:
+    """This rank's shard of the model, and what loading it cost in host memory, published for rank 0
+    (RankGroup.rank_memory): the resident set before, its peak while loading, and the weights' bytes."""
+    from .sharding import build_shard_model
+
+    before = _reset_peak_rss()
+    model = build_shard_model(path, group, dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
+    memory.update(peak_rss=_peak_rss(), weight_bytes=weights)
+    group.store.set(f"memory/{group.rank}", json.dumps(memory))
+    return model
+
+
+def _reset_peak_rss() -> int:
+    """The resident set size now, after resetting the kernel's peak (Linux: /proc/self/clear_refs)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays the process's lifetime peak: an upper bound
+    return _status_bytes("VmRSS")
+
+
+def _peak_rss() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _wait(work, rank: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:  # gloo/NCCL: a peer closed its connection, or the timeout passed
+        raise RankLost(
+            f"tensor-parallel rank {rank}: a collective failed ({' '.join(str(exc).split())[:200]})"
+        ) from None
+
+
+def _process_group(store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):
+    timeout = timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, options)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r of this node's visible GPUs, or the CPU."""
+    return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
+
+
+def serve_rank(
+    path: str,
+    rank: int,
+    world: int,
+    host: str,
+    port: int,
+    device: str,
+    dtype: str,
+    threads: int,
+    timeout_s: float,
+) -> None:
+    """A follower rank's whole life: join, load its shard, size its runner like rank 0's, then run every
+    step rank 0 publishes until it closes the group."""
+    from .model_runner import ModelRunner
+
+    torch.set_num_threads(threads)
+    group = RankGroup.join(host, port, rank, world, rank_device(device, rank), timeout_s)
+    model = load_shard(path, group, getattr(torch, dtype))
+    config, max_model_len = group.receive_config()
+    runner = ModelRunner(model, config, max_model_len)
+    while (batch := group.receive_plan()) is not None:
+        runner.run(batch)
+
+
+def launch(
+    path: str | Path, world: int, device: str, dtype: torch.dtype, timeout_s: float = DEFAULT_TIMEOUT_S
+):
+    """Start ranks 1..world-1 as processes of this machine (one torch thread each on CPU, unless this
+    process uses more) and load rank 0's shard here; returns rank 0's model, its group attached as
+    `model.bulkgen_tp`, and the follower processes."""
+    from transformers import AutoConfig
+
+    from .sharding import local_config
+
+    local_config(
+        AutoConfig.from_pretrained(path, local_files_only=True), world
+    )  # refused before any rank starts
+    port = _free_port()
+    spec = dict(path=str(path), world=world, host="127.0.0.1", port=port, device=device)
+    spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
+    # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the caller's __main__)
+    procs = [
+        subprocess.Popen([sys.executable, "-m", __name__, json.dumps({**spec, "rank": r})])
+        for r in range(1, world)
+    ]
+    try:
+        group = RankGroup.join("127.0.0.1", port, 0, world, rank_device(device, 0), timeout_s)
+        group.processes = procs
+        return load_shard(path, group, dtype)
+    except BaseException:
+        for proc in procs:  # a rank waiting for a group that will never run
+            proc.kill()
+        raise
+
+
+if __name__ == "__main__":
+    serve_rank(**json.loads(sys.argv[1]))
