@@ -10,6 +10,7 @@ runtime take these values.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -169,6 +170,69 @@ def _check_fields(settings: Any) -> None:
             raise SettingError(item.name, value, str(exc)) from None
 
 
+def parse_hosts(specs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`--image-url-hosts` values (repeatable, each may list several, comma-separated) -> lowercase host
+    names; `*.example.com` allows every subdomain of example.com."""
+    hosts = []
+    for spec in specs:
+        for host in filter(None, (h.strip().lower() for h in spec.split(","))):
+            if not re.fullmatch(r"(\*\.)?[a-z0-9.-]+|\[[0-9a-f:.]+\]", host):
+                raise ValueError(
+                    f"--image-url-hosts {host[:80]!r}: not a host name (e.g. images.example.com)"
+                )
+            hosts.append(host)
+    return tuple(hosts)
+
+
+@dataclass
+class ImageSettings:
+    """Where image parts may point and how much of an image a worker holds: the limits that bound the memory
+    of decoding (max pixels per image, images per line, decoding threads) and the reach of a fetch."""
+
+    image_url_hosts: tuple[str, ...] = setting(
+        (),
+        flag=Flag(
+            "--image-url-hosts",
+            metavar="HOST[,HOST]",
+            parse=parse_hosts,
+            help="Hosts whose http(s) image URLs workers may fetch (repeatable; *.example.com for subdomains); "
+            "default none: data: URLs, file ids and s3:// under --storage only. Never private addresses.",
+        ),
+    )
+    max_image_bytes: int = setting(
+        20 * MIB,
+        check=_positive_int,
+        flag=Flag(
+            "--max-image-mb", scale=MIB, help="Largest image (encoded) a line may carry or point to, in MiB."
+        ),
+    )
+    max_image_pixels: int = setting(
+        50_000_000,
+        check=_positive_int,
+        flag=Flag(
+            "--max-image-pixels", help="Most pixels (width x height) of one image; larger ones are refused."
+        ),
+    )
+    max_images_per_line: int = setting(
+        32, check=_positive_int, flag=Flag("--max-images-per-line", help="Most image parts in one request.")
+    )
+    image_fetch_timeout_s: float = setting(
+        10.0,
+        check=_over(0, "0 seconds"),
+        flag=Flag(
+            "--image-fetch-timeout", help="Seconds one http(s) image fetch may take, redirects included."
+        ),
+    )
+    image_decode_threads: int = setting(
+        4,
+        check=_positive_int,
+        flag=Flag("--image-decode-threads", help="Threads per worker that read and decode images."),
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
 @dataclass
 class WorkerSettings:
     """The engine worker actors: where Ray is, how many actors, and the engine's own settings."""
@@ -193,6 +257,7 @@ class WorkerSettings:
     # torch threads per CPU worker (Ray sets 1 otherwise); sized by whoever builds a pool, not by users
     cpu_threads: int | None = setting(None, check=_optional(_positive_int))
     engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
+    images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
     poll_deadline_s: float = setting(

@@ -18,6 +18,7 @@ def validate_batch(
     max_bytes: int,
     on_request: Callable | None = None,
     amend: Callable[[dict], dict] | None = None,
+    check_images: Callable | None = None,
 ) -> dict:
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
@@ -26,7 +27,8 @@ def validate_batch(
     line's 400, and `request_counts.total` counts it. A batch cancelled before or while it was
     validated is validated all the same but stays `cancelling`: its runner then writes every request as
     `batch_cancelled`, as for any cancelled batch. `amend(record)` adds to a batch that passed, in the same
-    conditional write that makes it `in_progress` (the plan's estimate), so no reader sees it without."""
+    conditional write that makes it `in_progress` (the plan's estimate), so no reader sees it without.
+    `check_images`: the Validator's check of each request's images."""
     record = batches.get(batch_id)
     if not needs_validation(record):
         return record
@@ -44,7 +46,7 @@ def validate_batch(
             ],
         }
         return batches.update(batch_id, lambda r: _fail(r, errors) if needs_validation(r) else None)
-    validator = Validator(record["endpoint"], served_models, max_requests)
+    validator = Validator(record["endpoint"], served_models, max_requests, check_images)
     with files.open(record["input_file_id"]) as reader:
         result = validate_stream(reader, validator, on_request)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from bulkgen.batch.images import ImageRef
 from bulkgen.batch.requests import LineError, ParsedRequest, RequestLine
 from bulkgen.batch.schema import quote
 
@@ -69,8 +70,17 @@ class Validator:
     """Checks lines as they stream by: each line alone (the request parser), then across lines (one model,
     unique custom_ids, the request limit)."""
 
-    def __init__(self, endpoint: str, served_models: Iterable[str], max_requests: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        served_models: Iterable[str],
+        max_requests: int,
+        check_images: Callable[[list[ImageRef]], None] | None = None,
+    ) -> None:
+        """`check_images(refs)`: what validation can tell of a request's images (batch.images.check_images
+        with the tenant's storage and the image policy); LineError refuses the line."""
         self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
+        self.check_images = check_images
         self.result = ValidationResult()
         self._first_line: dict[bytes, int] = {}  # custom_id digest -> its first line
 
@@ -88,7 +98,10 @@ class Validator:
         if not self._check_identity(line, number):
             return None
         try:
-            return line.request()
+            request = line.request()
+            if request.images and self.check_images is not None:
+                self.check_images(request.images)
+            return request
         except LineError as err:
             self.result.refuse(err, number)
             return line.placeholder()

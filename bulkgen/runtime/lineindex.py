@@ -16,6 +16,7 @@ from typing import BinaryIO
 import numpy as np
 
 from bulkgen.batch.budget import MAX_WORK_TOKENS, output_budget, prompt_estimate
+from bulkgen.batch.messages import content_text
 from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
 from bulkgen.batch.validate import lines_with_offsets
 
@@ -89,7 +90,7 @@ def _prefix_key(request) -> int:
     """The system message (or a lone message's start; a text prompt's start): what a prefix cache shares."""
     if request.messages is not None:
         first = request.messages[0]
-        content = first["content"] or ""
+        content = content_text(first["content"])
         text = content if first["role"] == "system" else content[:PREFIX_CHARS]
     else:
         text = request.prompt[:PREFIX_CHARS] if isinstance(request.prompt, str) else ""

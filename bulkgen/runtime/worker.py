@@ -25,6 +25,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+from bulkgen.batch.images import check_model_takes_images
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line
@@ -37,6 +38,7 @@ from bulkgen.runtime.part_writer import PartWriter
 from bulkgen.runtime.parts import PartEntry
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.workqueue import QueuedBatch, model_key
+from bulkgen.settings import ImageSettings
 from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
@@ -47,9 +49,14 @@ class EngineWorker(EngineLoop, PartWriter):
     loop is EngineLoop's (runtime/engine_loop.py), the writer thread's PartWriter's (runtime/part_writer.py)."""
 
     def __init__(
-        self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None
+        self,
+        index: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        cpu_threads: int | None = None,
+        images: ImageSettings | None = None,
     ):
         self.index = index
+        self.image_policy = images or ImageSettings()  # what load_images may read, and how much
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
         self._stores: dict[str, Any] = {}
@@ -241,6 +248,7 @@ class EngineWorker(EngineLoop, PartWriter):
     def _prepared(
         self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int
     ) -> Prepared:
+        check_model_takes_images(request.images, getattr(self.engine, "accepts_images", False), request.model)
         ids = tokenize(request, self.engine.tokenizer)
         params = fit_context(request, len(ids), self.engine.max_model_len)
         return Prepared(
