@@ -4,8 +4,9 @@ Only hosts the operator listed (`--image-url-hosts`) are fetched. For each hop t
 once, every address it resolves to must be public (no private, loopback, link-local, shared, reserved or
 multicast address, IPv4-mapped IPv6 included), and the connection goes to that checked address, so a name
 that resolves differently a moment later (DNS rebinding) cannot move it. A redirect may only stay on the
-same host (never from https to http); the body is capped at the image size limit and the whole fetch,
-redirects included, at the time limit. `Network` is the one seam: tests route a public-looking address to
+same host (never from https to http); the body is capped at the image size limit, and the time limit
+holds for the whole fetch, redirects included (no connection or read starts after it, and each socket
+wait is bounded by the time left when its hop began). `Network` is the one seam: tests route a public-looking address to
 a server on loopback through it, since a test server can only listen there.
 """
 
@@ -126,7 +127,7 @@ def _read_body(response, conn, policy: ImageSettings, error, deadline: float) ->
         raise error(f"the image is {int(declared):,} bytes; the limit is {limit:,} (--max-image-mb)")
     chunks, size = [], 0
     while True:
-        conn.sock.settimeout(_left(deadline, error))  # a server that drips bytes still ends at the deadline
+        _left(deadline, error)  # a server that drips bytes is cut at the deadline
         chunk = response.read(_CHUNK)
         if not chunk:
             return b"".join(chunks)
@@ -143,20 +144,21 @@ def _left(deadline: float, error) -> float:
     return left
 
 
-class _PinnedHTTP(http.client.HTTPConnection):
-    """A connection to one checked address; the Host header (and TLS name) stay the URL's host."""
+class _Pinned:
+    """A connection to one checked address; the Host header (and the TLS name) stay the URL's host."""
 
     def pin(self, address: str, network: Network) -> None:
         self._address, self._network = address, network
 
+    def _dial(self) -> socket.socket:
+        return self._network.connect(self._address, self.port, self.timeout)
+
+
+class _PinnedHTTP(_Pinned, http.client.HTTPConnection):
     def connect(self) -> None:
-        self.sock = self._network.connect(self._address, self.port, self.timeout)
+        self.sock = self._dial()
 
 
-class _PinnedHTTPS(http.client.HTTPSConnection):
-    def pin(self, address: str, network: Network) -> None:
-        self._address, self._network = address, network
-
+class _PinnedHTTPS(_Pinned, http.client.HTTPSConnection):
     def connect(self) -> None:
-        sock = self._network.connect(self._address, self.port, self.timeout)
-        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+        self.sock = self._context.wrap_socket(self._dial(), server_hostname=self.host)
