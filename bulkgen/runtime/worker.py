@@ -25,7 +25,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-from bulkgen.batch.images import check_model_takes_images
+from bulkgen.batch.images import check_images, check_model_takes_images
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
 from bulkgen.batch.responses import not_run_line, refused_line
@@ -229,7 +229,7 @@ class EngineWorker(EngineLoop, PartWriter):
             subs = split_prompts(request)
             try:
                 ready += [
-                    self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs))
+                    self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs), work.store)
                     for k, sub in enumerate(subs)
                 ]
             except LineError as err:
@@ -246,9 +246,12 @@ class EngineWorker(EngineLoop, PartWriter):
             self._cond.notify_all()
 
     def _prepared(
-        self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int
+        self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int, store
     ) -> Prepared:
-        check_model_takes_images(request.images, getattr(self.engine, "accepts_images", False), request.model)
+        if request.images:  # validation's checks first, so a line it refused gets the same 400 here
+            check_images(request.images, store=store, policy=self.image_policy)
+            accepts = getattr(self.engine, "accepts_images", False)
+            check_model_takes_images(request.images, accepts, request.model)
         ids = tokenize(request, self.engine.tokenizer)
         params = fit_context(request, len(ids), self.engine.max_model_len)
         return Prepared(
