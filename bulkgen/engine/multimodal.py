@@ -42,26 +42,50 @@ REFUSED = {
 
 @dataclass
 class ImageInputs:
-    """One request's images as the model's processor prepared them (off the engine thread)."""
+    """One request's images as the model's processor prepared them (off the engine thread: `process`)."""
 
-    pixel_values: torch.Tensor  # [images, ...]: the processor's output, image by image
-    hashes: list[str]  # each image's content hash, in order (prefix-cache keys)
-    # placeholder tokens of each image, in prompt order; None where the processor's output does not say
-    # (every placeholder is then keyed by all the request's images together: correct, shares less)
+    pixel_values: torch.Tensor  # the processor's output for the request's images, in order
+    hashes: list[str]  # each image's content hash, in order (prefix-cache keys): one per image
+    # placeholder tokens of each image, in prompt order; None where the processor does not say (every
+    # placeholder is then keyed by all the request's images together: correct, shares less)
     token_counts: list[int] | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-image encoder inputs (image_sizes)
 
-    def __post_init__(self) -> None:
-        if len(self.hashes) != self.pixel_values.shape[0]:
-            raise ValueError(f"{len(self.hashes)} image hashes for {self.pixel_values.shape[0]} images")
 
-
-def image_hash(pixels: torch.Tensor) -> str:
-    """A content hash of one preprocessed image (its pixel tensor's bytes and shape)."""
-    data = pixels.detach().contiguous().cpu()
-    digest = hashlib.blake2b(str(tuple(data.shape)).encode(), digest_size=16)
-    digest.update(data.view(torch.uint8).numpy().tobytes())
+def image_hash(image) -> str:
+    """A content hash of one decoded image (a PIL image: its mode, size and pixels)."""
+    digest = hashlib.blake2b(f"{image.mode}{image.size}".encode(), digest_size=16)
+    digest.update(image.tobytes())
     return digest.hexdigest()
+
+
+# what a processor returns beside the pixels that is not an encoder input
+_NOT_ENCODER = {"input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids"}
+
+
+def process(processor, text: str, images: list) -> tuple[list[int], ImageInputs | None]:
+    """The token ids of a rendered prompt `text` with each image's placeholders expanded by the model's
+    processor, and its PIL `images` as the engine takes them (None without images). CPU work for a
+    worker's preparing threads, never the engine thread."""
+    if not images:
+        return processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
+    out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    extras = {k: v for k, v in out.items() if k not in _NOT_ENCODER and isinstance(v, torch.Tensor)}
+    inputs = ImageInputs(
+        out["pixel_values"], [image_hash(i) for i in images], _counts(processor, images), extras
+    )
+    return out["input_ids"][0].tolist(), inputs
+
+
+def _counts(processor, images: list) -> list[int] | None:
+    """Placeholder tokens per image, from the processor's own count (transformers' _get_num_multimodal_tokens,
+    as vLLM reads it); None for a processor without one."""
+    try:
+        data = processor._get_num_multimodal_tokens(image_sizes=[(i.height, i.width) for i in images])
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    counts = getattr(data, "num_image_tokens", None)
+    return list(counts) if counts is not None and len(counts) == len(images) else None
 
 
 class RequestImages:
@@ -163,7 +187,7 @@ class VisionTower:
         per_image = [f.reshape(-1, f.shape[-1]) for f in feats]
         at = 0
         for r in group:
-            count = r.inputs.pixel_values.shape[0]
+            count = len(r.inputs.hashes)
             embeds = torch.cat(per_image[at : at + count])
             at += count
             if embeds.shape[0] != len(r.rows):
