@@ -557,6 +557,16 @@ class Engine(OverlappedSteps):
         """Embed every prompt (packed, sorted, chunked like any prefill); vectors in input order."""
         return [out.embedding for out in self.generate(prompts, [params or EmbedParams()] * len(prompts))]
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether requests may carry images (a vision-language model); its `processor` prepares them."""
+        return self.vision is not None
+
+    @property
+    def processor(self):
+        """The vision-language model's AutoProcessor (multimodal.process takes it); None for a text model."""
+        return None if self.vision is None else self.vision.processor
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -34,7 +34,8 @@ REFUSED = {
     "Qwen3VLForConditionalGeneration": "M-RoPE (3-D positions) is not implemented",
     "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
     "attention does not do",
-    "Mistral3ForConditionalGeneration": "not yet checked against transformers",
+    "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
+    "torchvision)",
     "Idefics3ForConditionalGeneration": "not yet checked against transformers",
     "SmolVLMForConditionalGeneration": "not yet checked against transformers",
 }

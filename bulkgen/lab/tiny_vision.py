@@ -1,7 +1,7 @@
 """Tiny, deterministic random-weight vision-language models with a locally saved processor: the engine's
 vision fixtures. Nothing is downloaded: the tokenizer is lab/tiny.py's byte-level one plus the family's
-image placeholder, the image processor is built from its class with tiny sizes, and the weights come
-from the config under a fixed seed.
+image tokens, the image processor is built from its class with tiny sizes, and the weights come from the
+config under a fixed seed.
 """
 
 from __future__ import annotations
@@ -10,40 +10,20 @@ from pathlib import Path
 
 from bulkgen.lab.tiny import build_tokenizer
 
-IMAGE_TOKEN = "<image>"
-# the chat template of the tiny vision models: tiny.py's roles, with each image part as the placeholder
-# the processor expands into the image's tokens
-VISION_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n"
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-    "{% if p['type'] == 'image' %}" + IMAGE_TOKEN + "{% else %}{{ p['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-IMAGE_SIZE = 28  # pixels a side after preprocessing
-PATCH = 14  # so 2 x 2 patches, 4 image tokens (LLaVA drops the CLS token)
 
-VISION_FAMILIES = ("llava",)
-
-
-def build_tiny_vlm(path: str | Path, family: str = "llava", *, seed: int = 0, hidden_size: int = 64) -> Path:
-    """Write a random (seeded) vision-language model of `family` and its processor to `path`."""
-    if family not in VISION_FAMILIES:
-        raise ValueError(f"unknown tiny vision family {family!r}; choose one of {list(VISION_FAMILIES)}")
-    import torch
-    from transformers import (
-        CLIPImageProcessor,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
+def chat_template(image: str) -> str:
+    """tiny.py's roles, with each image part rendered as `image`, the placeholder the processor expands."""
+    return (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}" + image + "{% else %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
     )
 
-    tok = build_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
-    text = LlamaConfig(
+
+def _text_settings(tok, hidden_size: int) -> dict:
+    return dict(
         vocab_size=len(tok),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -56,40 +36,56 @@ def build_tiny_vlm(path: str | Path, family: str = "llava", *, seed: int = 0, hi
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    vision = CLIPVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH,
-        projection_dim=32,
-    )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=image_id,
+
+
+def _llava(tok, hidden_size: int):
+    """LLaVA: a CLIP encoder (28-pixel images, 14-pixel patches: 4 tokens an image) and a Llama."""
+    import transformers as tf
+
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    config = tf.LlavaConfig(
+        vision_config=tf.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-1,
         vision_feature_select_strategy="default",
-        projector_hidden_act="gelu",
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).to(torch.float32).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    images = CLIPImageProcessor(
-        size={"shortest_edge": IMAGE_SIZE},
-        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-    )
-    processor = LlavaProcessor(
+    images = tf.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = tf.LlavaProcessor(
         image_processor=images,
         tokenizer=tok,
-        patch_size=PATCH,
+        patch_size=14,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        image_token=IMAGE_TOKEN,
-        chat_template=VISION_CHAT_TEMPLATE,
+        image_token="<image>",
+        chat_template=chat_template("<image>"),
     )
+    return tf.LlavaForConditionalGeneration(config), processor
+
+
+BUILDERS = {"llava": _llava}
+VISION_FAMILIES = tuple(BUILDERS)
+
+
+def build_tiny_vlm(path: str | Path, family: str = "llava", *, seed: int = 0, hidden_size: int = 64) -> Path:
+    """Write a random (seeded) vision-language model of `family` and its processor to `path`."""
+    if family not in BUILDERS:
+        raise ValueError(f"unknown tiny vision family {family!r}; choose one of {list(VISION_FAMILIES)}")
+    import torch
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    model, processor = BUILDERS[family](tok, hidden_size)
+    model = model.to(torch.float32).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
