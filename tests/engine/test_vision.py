@@ -187,3 +187,30 @@ def test_unchecked_vision_families_are_refused_by_name(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration.*M-RoPE"):
         Engine.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_a_chat_line_with_images_prepares_to_transformers_inputs_and_counts_image_tokens(vlm):
+    """A parsed chat line whose content holds `{"type": "image"}` parts (as the request parser leaves it),
+    prepared by the worker's path: the ids are the processor's, its image tokens are prompt tokens in the
+    usage the result reports, and the engine answers with transformers' tokens."""
+    from bulkgen.batch.prepare import tokenize_with_images
+    from bulkgen.batch.requests import ParsedRequest
+    from bulkgen.runtime.held import result_dict
+
+    images = [noise_image(11), noise_image(12, (50, 20))]
+    content = [{"type": "text", "text": "First "}, {"type": "image"}, {"type": "text", "text": " then "}]
+    content.append({"type": "image"})
+    request = ParsedRequest(
+        "c1", 0, "m", "/v1/chat/completions", messages=[{"role": "user", "content": content}]
+    )
+    ids, inputs = tokenize_with_images(request, vlm.processor, images)
+    text = vlm.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+    encoded = vlm.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    assert ids == encoded["input_ids"][0].tolist()
+    engine = vlm.engine(max_num_seqs=2, block_size=4)
+    (out,) = run_outputs(engine, [(ids, inputs, None)])
+    assert out.outputs[0].token_ids == vlm.expected(encoded)
+    image_tokens = ids.count(engine.vision.image_token_id)
+    assert image_tokens == sum(inputs.token_counts) > 0
+    text_only, _ = tokenize_with_images(request, vlm.processor, [])
+    assert result_dict(out)["prompt_tokens"] == len(ids) == len(text_only) - 2 + image_tokens
