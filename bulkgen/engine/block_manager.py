@@ -1,7 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, ref counts, prefix caching by chained block hashes, and
 one block table per group of layers (kv_layout), each keeping only the blocks its layers still read.
 
-A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
+A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes (an
+image's placeholder tokens are hashed as its content's key: Sequence.hash_ids).
 Blocks whose ref count drops to zero stay hashed in an LRU free list and are revived on a hit, so a
 system prompt shared by thousands of rows is computed once while memory allows.
 The pool is lazy: never-used ids come from a counter and a `Block` exists only once its id is handed out,
@@ -84,7 +85,7 @@ class BlockManager:
         as every group holds what the following queries read; None without a hit."""
         if not self.enable_prefix_caching:
             return None
-        chain = _Chain(seq.token_ids, self.block_size)
+        chain = _Chain(seq.hash_ids, self.block_size)
         top = (len(seq) - 1) // self.block_size
         for g, kind in enumerate(self.kinds):
             if kind.is_full:
@@ -120,7 +121,7 @@ class BlockManager:
         """Hash of the first full block (None without prefix caching or a full block to share)."""
         if not self.enable_prefix_caching or len(seq) <= self.block_size:
             return None
-        return hash((None, tuple(seq.token_ids[: self.block_size])))
+        return hash((None, tuple(seq.hash_ids[: self.block_size])))
 
     def admit(self, seq: Sequence, cached: PrefixHit | None, num_tokens: int) -> bool:
         """Give a waiting `seq` its cached prefix blocks plus fresh ones up to `num_tokens`; False if short."""
@@ -182,8 +183,9 @@ class BlockManager:
         bs = self.block_size
         done, parent = self._hashed.get(seq.seq_id, (0, None))
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        keyed = seq.hash_ids
         for i in range(done, full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = tuple(keyed[i * bs : (i + 1) * bs])
             parent = hash((parent, tokens))
             for g, table in enumerate(seq.block_tables):
                 if table[i] == self.null_block:

@@ -27,6 +27,7 @@ from .hybrid_layers import (
 )
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
+from .multimodal import VisionTower, splice
 from .sequence import Sequence
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
@@ -87,8 +88,15 @@ class StepLogits:
 class ModelRunner:
     """Owns the paged KV cache and turns a scheduled batch into one call of the HF model."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        max_model_len: int,
+        vision: VisionTower | None = None,
+    ):
         self.model = model
+        self.vision = vision  # a vision-language model's encoder: image embeddings spliced into prefills
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -119,6 +127,7 @@ class ModelRunner:
         width = -(-max_model_len // self.block_size)
         self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
+        self.embedding = model.get_input_embeddings()
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -226,9 +235,12 @@ class ModelRunner:
             slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
-        kwargs = dict(
-            input_ids=input_ids[None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
-        )
+        kwargs = dict(position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx)
+        embeds = None if self.vision is None else splice(self.vision, ordered, input_ids, self.embedding)
+        if embeds is None:
+            kwargs["input_ids"] = input_ids[None]
+        else:
+            kwargs["inputs_embeds"] = embeds[None]
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
         with (
