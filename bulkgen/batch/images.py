@@ -25,7 +25,7 @@ import io
 import re
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -132,10 +132,17 @@ def load_images(
     """The request's images, read and decoded (RGB, EXIF orientation applied, a GIF's first frame) on the
     worker's bounded pool, in order; the first bad one (in order) raises its ImageError. Call it off the
     engine thread: it waits on storage and the network. `network`: tests route fetches (image_fetch)."""
+    return [image.result() for image in start_loading(refs, store=store, policy=policy, network=network)]
+
+
+def start_loading(
+    refs: list[ImageRef], *, store: Store, policy: ImageSettings, network: Network | None = None
+) -> list[Future]:
+    """load_images without the wait: one future per image, each giving the image or raising its
+    ImageError, so a worker starts a whole range's images before it waits on the first."""
     _check_count(refs, policy)
     pool = _pool(policy.image_decode_threads)
-    futures = [pool.submit(_load, ref, store, policy, network) for ref in refs]
-    return [future.result() for future in futures]
+    return [pool.submit(_load, ref, store, policy, network) for ref in refs]
 
 
 def _load(ref: ImageRef, store: Store, policy: ImageSettings, network: Network | None) -> Image:
@@ -174,7 +181,7 @@ def decode(data: bytes, ref: ImageRef, policy: ImageSettings) -> Image:
             white.alpha_composite(rgba)
             image = white
         return image.convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except Exception as exc:  # PIL's decoders raise many types on corrupt data: each is this line's 400
         raise ImageError(ref, f"the image could not be decoded ({type(exc).__name__}: {exc})") from None
 
 
@@ -186,7 +193,7 @@ def _probe(data: bytes, ref: ImageRef, policy: ImageSettings) -> Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except Exception:  # UnidentifiedImageError, a decompression bomb, or a header PIL chokes on
         raise ImageError(ref, "is not an image (PNG, JPEG, WebP or GIF) that can be read") from None
     if image.format not in FORMATS:
         raise ImageError(ref, f"is a {image.format} image; send PNG, JPEG, WebP or GIF")
