@@ -127,7 +127,7 @@ def check_images(refs: list[ImageRef], *, store: Store | None, policy: ImageSett
 
 
 def load_images(
-    refs: list[ImageRef], *, store: Store, policy: ImageSettings, network: Network | None = None
+    refs: list[ImageRef], *, store: Store | None, policy: ImageSettings, network: Network | None = None
 ) -> list[Image]:
     """The request's images, read and decoded (RGB, EXIF orientation applied, a GIF's first frame) on the
     worker's bounded pool, in order; the first bad one (in order) raises its ImageError. Call it off the
@@ -136,7 +136,7 @@ def load_images(
 
 
 def start_loading(
-    refs: list[ImageRef], *, store: Store, policy: ImageSettings, network: Network | None = None
+    refs: list[ImageRef], *, store: Store | None, policy: ImageSettings, network: Network | None = None
 ) -> list[Future]:
     """load_images without the wait: one future per image, each giving the image or raising its
     ImageError, so a worker starts a whole range's images before it waits on the first."""
@@ -145,11 +145,11 @@ def start_loading(
     return [pool.submit(_load, ref, store, policy, network) for ref in refs]
 
 
-def _load(ref: ImageRef, store: Store, policy: ImageSettings, network: Network | None) -> Image:
+def _load(ref: ImageRef, store: Store | None, policy: ImageSettings, network: Network | None) -> Image:
     return decode(_read(ref, store, policy, network), ref, policy)
 
 
-def _read(ref: ImageRef, store: Store, policy: ImageSettings, network: Network | None) -> bytes:
+def _read(ref: ImageRef, store: Store | None, policy: ImageSettings, network: Network | None) -> bytes:
     if ref.kind == "data":
         return _data_bytes(ref, policy)
     if ref.kind == "http":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from bulkgen.cli.settings_options import setting_option
 from bulkgen.models.registry import parse_model_specs
 from bulkgen.settings import DEFAULT_STORAGE
 
@@ -92,6 +93,7 @@ def profile_cmd(storage: str, endpoint_url: str | None, model_spec: str | None, 
 )
 @click.option("--max-requests-per-batch", type=int, default=50_000, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@setting_option("image_url_hosts")
 def plan(
     file: Path,
     storage: str,
@@ -101,8 +103,10 @@ def plan(
     device: str | None,
     max_requests_per_batch: int,
     as_json: bool,
+    image_url_hosts: tuple[str, ...],
 ) -> None:
-    """Validate FILE as a batch would, count its tokens with the model's tokenizer, and estimate its time."""
+    """Validate FILE as a batch would, count its tokens with the model's tokenizer (and a vision model's
+    images with its processor), and estimate its time."""
     from transformers import AutoTokenizer
 
     from bulkgen.batch.records import BatchRepo
@@ -113,6 +117,7 @@ def plan(
     store = check_storage(storage, endpoint_url, create=True)
     name, path = _model(model_spec)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    images = _image_reader(path, store, image_url_hosts)
     batches = BatchRepo(store)
     try:
         result = planner.plan_file(
@@ -127,6 +132,7 @@ def plan(
             device,
             store,
             batches=batches,
+            images=images,
         )
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None
@@ -138,3 +144,22 @@ def plan(
         click.echo(planner.describe(result))
     if not result["valid"]:
         raise SystemExit(1)
+
+
+def _image_reader(path: str, store, hosts: tuple[str, ...]):
+    """How the plan reads images as the service's workers would: a vision model's processor (None for a text
+    model), file ids and s3:// URLs in `--storage`, http(s) on `--image-url-hosts`."""
+    from bulkgen.engine.multimodal import is_vision_model
+    from bulkgen.plan.scan import ImageReader
+    from bulkgen.settings import ImageSettings, parse_hosts
+
+    processor = None
+    if is_vision_model(path):
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    try:
+        policy = ImageSettings(image_url_hosts=parse_hosts(hosts))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return ImageReader(processor, store, policy)

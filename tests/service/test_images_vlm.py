@@ -18,7 +18,7 @@ import pytest
 from transformers import AutoProcessor
 
 from bulkgen.lab.tiny_vision import build_tiny_vlm
-from tests.support.images import data_url, image_bytes
+from tests.support.images import data_url, image_bytes, image_tokens, text_tokens
 from tests.support.service import read_lines, upload, wait_done, write_jsonl
 
 VLM = "tiny-vlm"
@@ -67,14 +67,13 @@ def test_the_vision_sample_runs_beside_a_truncated_image(vlm_client, vlm_path, t
         "body.messages[0].content[0].image_url",
     )
     processor = AutoProcessor.from_pretrained(vlm_path, local_files_only=True)
-    per_image = _image_tokens(processor)
+    per_image = image_tokens(processor)
     assert per_image > 1
     # the same question with and without its image: the image adds exactly the processor's placeholder run
     twice = outputs["compare-two"]["usage"]["prompt_tokens"]
-    assert twice == _text_tokens(processor, rows[5]) + 2 * per_image
+    assert twice == text_tokens(processor, rows[5]) + 2 * per_image
     assert (
-        outputs["caption-red-square"]["usage"]["prompt_tokens"]
-        == _text_tokens(processor, rows[0]) + per_image
+        outputs["caption-red-square"]["usage"]["prompt_tokens"] == text_tokens(processor, rows[0]) + per_image
     )
 
 
@@ -106,23 +105,3 @@ def _responses_row(custom_id: str, image: dict) -> dict:
         "temperature": 0,
     }
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses", "body": body}
-
-
-def _image_tokens(processor) -> int:
-    """Placeholder tokens the processor expands one image into."""
-    from PIL import Image
-
-    out = processor(text=processor.image_token, images=[Image.new("RGB", (8, 8))], add_special_tokens=False)
-    return len(out["input_ids"][0])
-
-
-def _text_tokens(processor, row: dict) -> int:
-    """The line's prompt without its images: the chat template with each image part dropped."""
-    messages = []
-    for message in row["body"]["messages"]:
-        content = message["content"]
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content)
-        messages.append({"role": message["role"], "content": content})
-    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])

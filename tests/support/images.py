@@ -24,3 +24,21 @@ def data_url(data: bytes, media: str = "image/png") -> str:
 
 def png_url(size: tuple[int, int] = (8, 6), color=(255, 0, 0)) -> str:
     return data_url(image_bytes("PNG", size, color))
+
+
+def image_tokens(processor) -> int:
+    """Placeholder tokens a vision model's processor expands one image into (a fixed-size encoder)."""
+    out = processor(text=processor.image_token, images=[Image.new("RGB", (8, 8))], add_special_tokens=False)
+    return len(out["input_ids"][0])
+
+
+def text_tokens(processor, row: dict) -> int:
+    """A chat line's prompt tokens without its images: the chat template over its text parts alone."""
+    messages = []
+    for message in row["body"]["messages"]:
+        content = message["content"]
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content)
+        messages.append({"role": message["role"], "content": content})
+    text = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return len(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
