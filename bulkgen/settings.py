@@ -3,7 +3,7 @@
 Each setting is stated once, as a field: its default, its check, and the command-line flag a user sets it
 with (`Flag` in the field's metadata: name, help, env var, unit). `bulkgen.cli.settings_options` makes the
 click options from those fields and `from_flags` turns what the user typed back into Settings, so a new
-setting is one new field. Nothing here does work; the batch service (`bulkgen.batch.service`) and the
+setting is one new field (bulkgen.settings_flags walks them). Nothing here does work; the batch service (`bulkgen.batch.service`) and the
 runtime take these values.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from bulkgen.models.registry import parse_model_specs
@@ -389,73 +389,3 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-
-
-@dataclass(frozen=True)
-class FlagField:
-    """One flag and where its value goes: `path` from Settings, e.g. ("workers", "engine_kwargs", "max_num_seqs")."""
-
-    path: tuple[str, ...]
-    flag: Flag
-    default: Any  # in the flag's unit; None for a repeatable flag (its parser makes the field's default)
-
-    @property
-    def param(self) -> str:
-        """The command's parameter name: the field's (or dict key's) own name, unique across the settings."""
-        return self.path[-1]
-
-
-def flag_fields(cls: type = Settings, path: tuple[str, ...] = ()) -> Iterator[FlagField]:
-    """Every flag of the settings, in field order (nested settings where their field stands)."""
-    for item in fields(cls):
-        where, meta = (*path, item.name), item.metadata
-        if is_dataclass(item.default_factory):
-            yield from flag_fields(item.default_factory, where)
-        for key, flag in (meta.get("keys") or {}).items():
-            yield FlagField((*where, key), flag, None)
-        if meta.get("flag") is not None:
-            flag = meta["flag"]
-            default = None if flag.parse or item.default is MISSING else item.default
-            yield FlagField(where, flag, default // flag.scale if flag.scale != 1 else default)
-
-
-def from_flags(values: Mapping[str, Any]) -> Settings:
-    """Settings from command-line values keyed by `FlagField.param` (None or absent: the field's default);
-    ValueError naming the flag and the value the user gave."""
-    tree: dict[str, Any] = {}
-    known = {item.param: item for item in flag_fields()}
-    for name, item in known.items():
-        raw = values.get(name)
-        if raw is None:
-            continue
-        node = tree
-        for step in item.path[:-1]:
-            node = node.setdefault(step, {})
-        node[item.param] = _in_field_terms(item.flag, raw)
-    try:
-        return _build(Settings, tree)
-    except SettingError as exc:
-        if exc.field not in known:
-            raise
-        flag, raw = known[exc.field].flag, values.get(exc.field)
-        shown = (
-            "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"
-        )  # as typed: 0.3, 5
-        raise ValueError(f"{flag.name}{shown}: {exc.message}") from None
-
-
-def _in_field_terms(flag: Flag, raw: Any) -> Any:
-    """A flag's value as its field holds it: a repeatable flag's values parsed, a unit scaled (MiB -> bytes)."""
-    if flag.parse:
-        return flag.parse(raw)
-    return raw * flag.scale if flag.scale != 1 else raw
-
-
-def _build(cls: type, tree: dict[str, Any]) -> Any:
-    kinds = {item.name: item.default_factory for item in fields(cls)}
-    return cls(
-        **{
-            name: _build(kinds[name], value) if is_dataclass(kinds[name]) else value
-            for name, value in tree.items()
-        }
-    )

@@ -151,13 +151,7 @@ def _item(item: Any, param: str, images: list[ImageRef]) -> dict[str, Any]:
             "items only here (tool calls and stored items need tools or stored state)",
             f"{param}.type",
         )
-    unknown = sorted(set(item) - _ITEM_KEYS)
-    if unknown:
-        raise LineError(
-            "invalid_input",
-            f"{param}.{quote(unknown[0], 40)} is not a field of a message item",
-            f"{param}.{unknown[0][:64]}",
-        )
+    _check_keys(item, _ITEM_KEYS, param, "a message item")
     for key, allowed in _ITEM_HINTS.items():  # a replayed output item's own fields: checked, not used
         if item.get(key) is not None and not (
             isinstance(item[key], str) and (not allowed or item[key] in allowed)
@@ -176,6 +170,16 @@ def _item(item: Any, param: str, images: list[ImageRef]) -> dict[str, Any]:
     return {"role": _ROLES[role], "content": _content(item.get("content"), param, role, images)}
 
 
+def _check_keys(obj: dict, known: set[str], param: str, what: str) -> None:
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise LineError(
+            "invalid_input",
+            f"{param}.{quote(unknown[0], 40)} is not a field of {what}",
+            f"{param}.{unknown[0][:64]}",
+        )
+
+
 def _content(content: Any, param: str, role: str, images: list[ImageRef]) -> str | list[dict]:
     """A string, or text parts joined: input_text (any role); output_text and refusal (assistant history);
     input_image parts in a user item (the parts list, then)."""
@@ -186,13 +190,7 @@ def _content(content: Any, param: str, role: str, images: list[ImageRef]) -> str
 
 def _input_image(part: dict, where: str) -> ImageRef:
     """{"type": "input_image", "image_url": ... | "file_id": ..., "detail": ...}: exactly one source."""
-    unknown = sorted(set(part) - _IMAGE_KEYS)
-    if unknown:
-        raise LineError(
-            "invalid_input",
-            f"{where}.{quote(unknown[0], 40)} is not a field of an input_image part ({sorted(_IMAGE_KEYS)})",
-            f"{where}.{unknown[0][:64]}",
-        )
+    _check_keys(part, _IMAGE_KEYS, where, f"an input_image part ({sorted(_IMAGE_KEYS)})")
     url, file_id = part.get("image_url"), part.get("file_id")
     if (url is None) == (file_id is None):
         raise LineError(
