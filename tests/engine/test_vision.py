@@ -149,6 +149,31 @@ def test_greedy_tokens_equal_generate_under_preemption(vlm):
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
+def test_n_completions_logprobs_and_seeds_work_with_an_image(vlm):
+    """n=2 greedy completions of one image line each give transformers' tokens with their logprobs; a
+    seeded sampled line gives the same tokens again in another engine."""
+    ids, inputs, encoded = vlm.prompt([noise_image(21)], "Tell me.")
+    engine = vlm.engine(max_num_seqs=4, block_size=4, max_num_batched_tokens=6)
+    engine.add_request(
+        "g", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, n=2, logprobs=1), images=inputs
+    )
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7)
+    engine.add_request("s", ids, sampled, images=inputs)
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    want = vlm.expected(encoded)
+    assert [c.token_ids for c in done["g"].outputs] == [want, want]
+    assert all(len(c.logprobs) == MAX_TOKENS for c in done["g"].outputs)
+    again = vlm.engine(max_num_seqs=4, block_size=4)
+    out = None
+    again.add_request("s", ids, sampled, images=inputs)
+    while again.has_unfinished():
+        for o in again.step():
+            out = o
+    assert out.outputs[0].token_ids == done["s"].outputs[0].token_ids
+
+
 def test_repeated_image_hits_the_prefix_cache_and_another_image_does_not(vlm):
     """The same image under another question reuses the blocks over the image; a different image in the
     same place computes its own (its placeholder tokens are the same ids, its content hash is not)."""
