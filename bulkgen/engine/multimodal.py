@@ -12,8 +12,9 @@ image's run anywhere; a preempted sequence that needs them again has them encode
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families: plain splice (the text model's own 1-D positions) for LLaVA-style models. Others are refused by
-name at load (`check_family`).
+Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL (M-RoPE: 3-D
+positions per prompt from the model's own rule, `mrope_positions`). Others are refused by name at load
+(`check_family`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,11 @@ import torch
 
 # model classes checked against transformers' generate (tests/engine/test_vision.py): LLaVA's embeddings
 # over its text model's 1-D positions, Qwen2.5-VL's over M-RoPE's 3-D ones
-CHECKED = {"LlavaForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
+CHECKED = {
+    "LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+}
 # why each refused family cannot run yet: said at load
 REFUSED = {
     "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
@@ -36,7 +41,6 @@ REFUSED = {
     "attention does not do",
     "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
     "torchvision)",
-    "Idefics3ForConditionalGeneration": "not yet checked against transformers",
     "SmolVLMForConditionalGeneration": "not yet checked against transformers",
 }
 
@@ -72,10 +76,11 @@ def process(processor, text: str, images: list) -> tuple[list[int], ImageInputs 
         return processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
     out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
     extras = {k: v for k, v in out.items() if k not in _NOT_ENCODER and isinstance(v, torch.Tensor)}
-    inputs = ImageInputs(
-        out["pixel_values"], [image_hash(i) for i in images], _counts(processor, images), extras
-    )
-    return out["input_ids"][0].tolist(), inputs
+    ids = out["input_ids"][0].tolist()
+    counts = _counts(processor, images)
+    if counts is not None and sum(counts) != ids.count(getattr(processor, "image_token_id", None)):
+        counts = None  # the processor counts the image's framing tokens too (Idefics3): not per placeholder
+    return ids, ImageInputs(out["pixel_values"], [image_hash(i) for i in images], counts, extras)
 
 
 def _counts(processor, images: list) -> list[int] | None:
@@ -148,7 +153,7 @@ def text_model(vlm: torch.nn.Module) -> torch.nn.Module:
     decoder-then-head every such model's is."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    language = vlm.model.language_model
+    language = vlm.get_decoder()
     with torch.device("meta"):
         try:
             causal = AutoModelForCausalLM.from_config(language.config)
@@ -229,9 +234,12 @@ class VisionTower:
         out = self.vlm.get_image_features(pixel_values=pixels, return_dict=True, **extras)
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         per_image = [f.reshape(-1, f.shape[-1]) for f in feats]
+        # one entry per image, or per request (Idefics3: per batch row, its images' tiles together; the
+        # two agree when every request has one image)
+        per_request = len(per_image) == len(group)
         at = 0
         for r in group:
-            count = len(r.inputs.hashes)
+            count = 1 if per_request else len(r.inputs.hashes)
             embeds = torch.cat(per_image[at : at + count])
             at += count
             if embeds.shape[0] != len(r.rows):
@@ -268,8 +276,9 @@ def splice(
         lo, hi = bisect_left(images.rows, start), bisect_left(images.rows, start + n)
         at.extend(offset + pos - start for pos in images.rows[lo:hi])
         parts.append(images.embeds[lo:hi])
-    index = torch.tensor(at, device=embeds.device)
-    embeds = embeds.index_copy(0, index, torch.cat(parts).to(embeds.device, embeds.dtype))
+    if at:  # a chunk between two runs of an image (Idefics3's framing tokens) has none
+        index = torch.tensor(at, dtype=torch.long, device=embeds.device)
+        embeds = embeds.index_copy(0, index, torch.cat(parts).to(embeds.device, embeds.dtype))
     for images, *_, request in reached:
         if all(scheduled.get(s.seq_id, s.num_computed_tokens) > images.last_row for s in request.seqs):
             images.embeds = None

@@ -136,7 +136,38 @@ def load_processor(path: str | Path):
     return image_only_qwen_processor(images, tok, template)
 
 
-BUILDERS = {"llava": _llava, "qwen2_5_vl": _qwen2_5_vl}
+def _idefics3(tok, hidden_size: int):
+    """Idefics3: a SigLIP-style encoder on 56-pixel tiles (an image up to 112 pixels split into tiles plus a
+    global view), pixel-shuffled 2 x 2 into 4 tokens a tile, framed by row/column and global-image tokens."""
+    import transformers as tf
+
+    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    config = tf.Idefics3Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        tie_word_embeddings=False,
+    )
+    images = tf.Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    processor = tf.Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
+    )
+    return tf.Idefics3ForConditionalGeneration(config), processor
+
+
+BUILDERS = {"llava": _llava, "qwen2_5_vl": _qwen2_5_vl, "idefics3": _idefics3}
 VISION_FAMILIES = tuple(BUILDERS)
 
 
