@@ -216,7 +216,7 @@ class Engine(OverlappedSteps):
         if self.vision is None:
             raise ValueError(f"request {request_id!r}: this model takes no images")
         try:
-            return RequestImages(images, ids, self.vision.image_token_id)
+            return self.vision.admit(ids, images)
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: {exc}") from None
 

@@ -27,7 +27,7 @@ from .hybrid_layers import (
 )
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
-from .multimodal import VisionTower, splice
+from .multimodal import VisionTower
 from .sequence import Sequence
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
@@ -137,6 +137,8 @@ class ModelRunner:
         wanted = self.config.cuda_graphs
         if not (wanted or (wanted is None and on_cuda)):
             return None
+        if self.vision is not None and self.vision.mrope:  # the static buffers hold 1-D positions only
+            return None
         graphs = DecodeGraphs(
             self.model,
             self.caches,
@@ -235,12 +237,11 @@ class ModelRunner:
             slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
-        kwargs = dict(position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx)
-        embeds = None if self.vision is None else splice(self.vision, ordered, input_ids, self.embedding)
-        if embeds is None:
-            kwargs["input_ids"] = input_ids[None]
-        else:
-            kwargs["inputs_embeds"] = embeds[None]
+        if self.vision is None:
+            kwargs = dict(input_ids=input_ids[None], position_ids=flat[positions][None])
+        else:  # images spliced in, positions by the model's rule (multimodal.py)
+            kwargs = self.vision.inputs(ordered, input_ids, flat[positions], self.embedding)
+        kwargs.update(use_cache=False, bulkgen_ctx=ctx)
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
         with (

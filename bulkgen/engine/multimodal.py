@@ -12,8 +12,9 @@ image's run anywhere; a preempted sequence that needs them again has them encode
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families: plain splice (the text model's own 1-D positions) for LLaVA-style models. Others are refused by
-name at load (`check_family`).
+Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL (M-RoPE: 3-D
+positions per prompt from the model's own rule, `mrope_positions`). Others are refused by name at load
+(`check_family`).
 """
 
 from __future__ import annotations
@@ -24,19 +25,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-# model classes whose image embeddings are a plain splice over 1-D positions, checked against
-# transformers' generate (tests/engine/test_vision.py)
-PLAIN_SPLICE = {"LlavaForConditionalGeneration"}
+# model classes checked against transformers' generate (tests/engine/test_vision.py): LLaVA's embeddings
+# over its text model's 1-D positions, Qwen2.5-VL's over M-RoPE's 3-D ones
+CHECKED = {
+    "LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+}
 # why each refused family cannot run yet: said at load
 REFUSED = {
-    "Qwen2VLForConditionalGeneration": "M-RoPE (3-D positions) is not implemented",
-    "Qwen2_5_VLForConditionalGeneration": "M-RoPE (3-D positions) is not implemented",
-    "Qwen3VLForConditionalGeneration": "M-RoPE (3-D positions) is not implemented",
+    "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
+    "Qwen3VLForConditionalGeneration": "not yet checked against transformers (its deepstack features feed "
+    "several decoder layers, which the splice does not do)",
     "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
     "attention does not do",
     "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
     "torchvision)",
-    "Idefics3ForConditionalGeneration": "not yet checked against transformers",
     "SmolVLMForConditionalGeneration": "not yet checked against transformers",
 }
 
@@ -72,10 +76,11 @@ def process(processor, text: str, images: list) -> tuple[list[int], ImageInputs 
         return processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
     out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
     extras = {k: v for k, v in out.items() if k not in _NOT_ENCODER and isinstance(v, torch.Tensor)}
-    inputs = ImageInputs(
-        out["pixel_values"], [image_hash(i) for i in images], _counts(processor, images), extras
-    )
-    return out["input_ids"][0].tolist(), inputs
+    ids = out["input_ids"][0].tolist()
+    counts = _counts(processor, images)
+    if counts is not None and sum(counts) != ids.count(getattr(processor, "image_token_id", None)):
+        counts = None  # the processor counts the image's framing tokens too (Idefics3): not per placeholder
+    return ids, ImageInputs(out["pixel_values"], [image_hash(i) for i in images], counts, extras)
 
 
 def _counts(processor, images: list) -> list[int] | None:
@@ -104,6 +109,10 @@ class RequestImages:
         if not self.rows:
             raise ValueError("the request has images but its prompt has no image placeholder token")
         self.embeds: torch.Tensor | None = None  # [len(rows), hidden] while kept
+        # M-RoPE models (Qwen-VL): the prompt's 3-D positions [3, prompt], by the model's own rule, computed
+        # at admission; a position p after the prompt is p + mrope_delta on all three axes
+        self.mrope: torch.Tensor | None = None
+        self.mrope_delta = 0
         self.hash_prompt = _keyed(prompt, self.rows, inputs.hashes, counts)
 
     @property
@@ -129,22 +138,35 @@ def check_family(model: torch.nn.Module) -> None:
 
 
 def _check_name(name: str) -> None:
-    if name in PLAIN_SPLICE:
+    if name in CHECKED:
         return
     why = REFUSED.get(name, "not yet checked against transformers")
     raise ValueError(
-        f"{name}: bulkgen does not run this vision-language model ({why}); it runs {sorted(PLAIN_SPLICE)}"
+        f"{name}: bulkgen does not run this vision-language model ({why}); it runs {sorted(CHECKED)}"
     )
 
 
 def text_model(vlm: torch.nn.Module) -> torch.nn.Module:
     """The language half of `vlm` as a causal LM that shares its modules (built on the meta device, so
-    nothing is allocated twice): what the engine's runner, probes and sampler drive."""
-    from transformers import AutoModelForCausalLM
+    nothing is allocated twice): what the engine's runner, probes and sampler drive. A text config that
+    transformers maps to no causal LM (Qwen2.5-VL's) gets a Llama shell, whose forward is the generic
+    decoder-then-head every such model's is."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    language = vlm.model.language_model
+    language = vlm.get_decoder()
     with torch.device("meta"):
-        causal = AutoModelForCausalLM.from_config(language.config)
+        try:
+            causal = AutoModelForCausalLM.from_config(language.config)
+        except ValueError:
+            causal = LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=8,
+                    intermediate_size=8,
+                    num_hidden_layers=1,
+                    num_attention_heads=1,
+                    vocab_size=8,
+                )
+            )
     causal.model = language
     causal.lm_head = vlm.lm_head
     causal.config = language.config
@@ -157,14 +179,40 @@ class VisionTower:
     """The encoder and projector of a vision-language model: pixel tensors in, one row of embeddings
     per placeholder token out."""
 
-    def __init__(self, vlm: torch.nn.Module) -> None:
+    def __init__(self, vlm: torch.nn.Module, processor=None) -> None:
+        """`processor`: the model's processor (process() takes it); its chat template, where only the
+        processor has one, becomes its tokenizer's too, since prompts are rendered through the tokenizer."""
         check_family(vlm)
         self.vlm = vlm.eval()
-        self.processor = None  # the model's AutoProcessor, when loaded from a folder (load_vision)
+        self.processor = processor
+        tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is not None and not tokenizer.chat_template:
+            tokenizer.chat_template = getattr(processor, "chat_template", None)
         config = vlm.config
         self.image_token_id = getattr(config, "image_token_id", None)
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
+        self.mrope = hasattr(vlm.model, "get_rope_index")  # 3-D positions (Qwen-VL's M-RoPE)
+
+    def admit(self, prompt: list[int], inputs: ImageInputs) -> RequestImages:
+        """A request's images as the engine keeps them; ValueError if they do not match its prompt."""
+        images = RequestImages(inputs, prompt, self.image_token_id)
+        if self.mrope:
+            ids = torch.tensor([prompt], device=self.vlm.device)
+            extras = {k: v.to(self.vlm.device) for k, v in inputs.extras.items()}
+            positions, delta = self.vlm.model.get_rope_index(
+                input_ids=ids, mm_token_type_ids=(ids == self.image_token_id).int(), **extras
+            )
+            images.mrope, images.mrope_delta = positions[:, 0].cpu(), int(delta.reshape(-1)[0])
+        return images
+
+    def inputs(self, ordered: list, input_ids: torch.Tensor, positions: torch.Tensor, embedding) -> dict:
+        """The language model's inputs for a packed step: token ids, or embeddings with images spliced in;
+        positions, 3-D under M-RoPE."""
+        embeds = splice(self, ordered, input_ids, embedding)
+        out = {"input_ids": input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
+        out["position_ids"] = mrope_positions(ordered).to(positions.device) if self.mrope else positions[None]
+        return out
 
     @torch.inference_mode()
     def encode(self, requests: list[RequestImages]) -> None:
@@ -186,9 +234,12 @@ class VisionTower:
         out = self.vlm.get_image_features(pixel_values=pixels, return_dict=True, **extras)
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         per_image = [f.reshape(-1, f.shape[-1]) for f in feats]
+        # one entry per image, or per request (Idefics3: per batch row, its images' tiles together; the
+        # two agree when every request has one image)
+        per_request = len(per_image) == len(group)
         at = 0
         for r in group:
-            count = len(r.inputs.hashes)
+            count = 1 if per_request else len(r.inputs.hashes)
             embeds = torch.cat(per_image[at : at + count])
             at += count
             if embeds.shape[0] != len(r.rows):
@@ -225,8 +276,9 @@ def splice(
         lo, hi = bisect_left(images.rows, start), bisect_left(images.rows, start + n)
         at.extend(offset + pos - start for pos in images.rows[lo:hi])
         parts.append(images.embeds[lo:hi])
-    index = torch.tensor(at, device=embeds.device)
-    embeds = embeds.index_copy(0, index, torch.cat(parts).to(embeds.device, embeds.dtype))
+    if at:  # a chunk between two runs of an image (Idefics3's framing tokens) has none
+        index = torch.tensor(at, dtype=torch.long, device=embeds.device)
+        embeds = embeds.index_copy(0, index, torch.cat(parts).to(embeds.device, embeds.dtype))
     for images, *_, request in reached:
         if all(scheduled.get(s.seq_id, s.num_computed_tokens) > images.last_row for s in request.seqs):
             images.embeds = None
@@ -250,6 +302,21 @@ def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module,
     for name in config.architectures or []:
         _check_name(name)
     vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-    tower = VisionTower(vlm)
-    tower.processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    tower = VisionTower(vlm, AutoProcessor.from_pretrained(path, local_files_only=True))
     return text_model(vlm), tower
+
+
+def mrope_positions(ordered: list) -> torch.Tensor:
+    """[3, 1, T] M-RoPE positions of a packed step: each prompt's own table where it has one (images),
+    then p + delta; p on all three axes for a prompt without images."""
+    parts = []
+    for seq, n in ordered:
+        start, images = seq.num_computed_tokens, seq.request.images
+        table = None if images is None else images.mrope
+        if table is None:
+            parts.append(torch.arange(start, start + n).expand(3, n))
+            continue
+        length = table.shape[1]
+        after = torch.arange(min(max(start, length), start + n), start + n) + images.mrope_delta
+        parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
+    return torch.cat(parts, 1)[:, None]

@@ -15,9 +15,9 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.multimodal import process
+from bulkgen.engine.multimodal import VisionTower, process, text_model
 from bulkgen.lab.tiny import build_tiny_model
-from bulkgen.lab.tiny_vision import VISION_FAMILIES, build_tiny_vlm
+from bulkgen.lab.tiny_vision import VISION_FAMILIES, build_tiny_vlm, load_processor
 
 MAX_TOKENS = 8
 
@@ -46,8 +46,7 @@ class Fixture:
     def __init__(self, path):
         self.path = path
         self.reference = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).eval()
-        probe = Engine.from_pretrained(str(path), device="cpu", dtype="float32", num_kv_blocks=4)
-        self.processor = probe.vision.processor
+        self.processor = load_processor(path)
 
     def prompt(self, images: list, question: str) -> tuple[list[int], object, dict]:
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
@@ -66,7 +65,12 @@ class Fixture:
         return out[0, encoded["input_ids"].shape[1] :].tolist()
 
     def engine(self, **kwargs) -> Engine:
-        return Engine.from_pretrained(str(self.path), device="cpu", dtype="float32", **kwargs)
+        """An engine over the model as loaded from its folder (Qwen2.5-VL's processor cannot be loaded
+        back here, so the engine is assembled as Engine.from_pretrained assembles it)."""
+        vlm = AutoModelForImageTextToText.from_pretrained(self.path, local_files_only=True)
+        return Engine(
+            text_model(vlm), self.processor.tokenizer, vision=VisionTower(vlm, self.processor), **kwargs
+        )
 
 
 @pytest.fixture(scope="module", params=VISION_FAMILIES)
@@ -75,7 +79,14 @@ def vlm(request, family_dirs):
 
 
 def mixed_batch(fx: Fixture) -> list[tuple[list[int], object, list[int]]]:
-    """(ids, images, transformers' tokens): text only, one image, two images, the same image twice."""
+    """(ids, images, transformers' tokens): text only, one image, two images, the same image twice
+    (the references computed once per model)."""
+    if getattr(fx, "batch", None) is None:
+        fx.batch = _mixed_batch(fx)
+    return fx.batch
+
+
+def _mixed_batch(fx: Fixture) -> list[tuple[list[int], object, list[int]]]:
     cases = [
         ([], "Say something."),
         ([noise_image(1)], "What is in this picture?"),
@@ -129,12 +140,14 @@ def test_greedy_tokens_equal_generate_with_image_runs_split_across_chunks(vlm):
 
 def test_greedy_tokens_equal_generate_under_preemption(vlm):
     batch = mixed_batch(vlm)
-    blocks = sorted(-(-len(ids) // 4) for ids, *_ in batch)
-    cache = blocks[0] + blocks[1] + 1  # the two shortest prompts are admitted together, then outgrow it
-    assert cache >= blocks[-1] + MAX_TOKENS // 4  # the longest request fits alone
+    bs = 2  # small blocks: a decoding sequence outgrows its blocks every other token
+    blocks = sorted(-(-len(ids) // bs) for ids, *_ in batch)
+    # the two shortest prompts are admitted together and then outgrow it; the longest request fits alone
+    cache = max(blocks[0] + blocks[1] + 1, blocks[-1] + MAX_TOKENS // bs)
+    assert blocks[0] + blocks[1] + 2 * (MAX_TOKENS // bs) > cache
     engine = vlm.engine(
         max_num_seqs=4,
-        block_size=4,
+        block_size=bs,
         max_num_batched_tokens=64,
         num_kv_blocks=cache,
         admission="shortest_first",
@@ -143,6 +156,31 @@ def test_greedy_tokens_equal_generate_under_preemption(vlm):
     assert run(engine, batch) == [expected for *_, expected in batch]
     assert engine.stats()["preemptions"] > 0
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
+
+
+def test_n_completions_logprobs_and_seeds_work_with_an_image(vlm):
+    """n=2 greedy completions of one image line each give transformers' tokens with their logprobs; a
+    seeded sampled line gives the same tokens again in another engine."""
+    ids, inputs, encoded = vlm.prompt([noise_image(21)], "Tell me.")
+    engine = vlm.engine(max_num_seqs=4, block_size=4, max_num_batched_tokens=6)
+    engine.add_request(
+        "g", ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, n=2, logprobs=1), images=inputs
+    )
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7)
+    engine.add_request("s", ids, sampled, images=inputs)
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    want = vlm.expected(encoded)
+    assert [c.token_ids for c in done["g"].outputs] == [want, want]
+    assert all(len(c.logprobs) == MAX_TOKENS for c in done["g"].outputs)
+    again = vlm.engine(max_num_seqs=4, block_size=4)
+    out = None
+    again.add_request("s", ids, sampled, images=inputs)
+    while again.has_unfinished():
+        for o in again.step():
+            out = o
+    assert out.outputs[0].token_ids == done["s"].outputs[0].token_ids
 
 
 def test_repeated_image_hits_the_prefix_cache_and_another_image_does_not(vlm):
@@ -169,6 +207,20 @@ def test_repeated_image_hits_the_prefix_cache_and_another_image_does_not(vlm):
     )
 
 
+def test_a_vision_model_folder_loads_with_its_processor_and_a_text_model_keeps_its_path(
+    family_dirs, tmp_path
+):
+    engine = Engine.from_pretrained(str(family_dirs("llava")), device="cpu", num_kv_blocks=8)
+    assert engine.accepts_images and type(engine.vision.vlm).__name__ == "LlavaForConditionalGeneration"
+    assert type(engine.processor).__name__ == "LlavaProcessor"
+    text = Engine.from_pretrained(
+        str(build_tiny_model(tmp_path / "llama", "llama")), device="cpu", num_kv_blocks=8
+    )
+    assert (
+        not text.accepts_images and text.processor is None and type(text.model).__name__ == "LlamaForCausalLM"
+    )
+
+
 def test_a_text_model_refuses_images(tmp_path):
     path = build_tiny_model(tmp_path / "llama", "llama")
     engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", num_kv_blocks=8)
@@ -180,37 +232,19 @@ def test_a_text_model_refuses_images(tmp_path):
         engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1), images=inputs)
 
 
-def test_unchecked_vision_families_are_refused_by_name(tmp_path):
-    from transformers import Qwen2_5_VLConfig
+@pytest.mark.parametrize(
+    "config_name, architecture, why",
+    [
+        ("Gemma3Config", "Gemma3ForConditionalGeneration", "attend bidirectionally"),
+        ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "deepstack"),
+        ("SmolVLMConfig", "SmolVLMForConditionalGeneration", "not yet checked"),
+    ],
+)
+def test_unchecked_vision_families_are_refused_by_name_before_loading(
+    tmp_path, config_name, architecture, why
+):
+    import transformers
 
-    config = Qwen2_5_VLConfig(architectures=["Qwen2_5_VLForConditionalGeneration"])
-    config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="Qwen2_5_VLForConditionalGeneration.*M-RoPE"):
+    getattr(transformers, config_name)(architectures=[architecture]).save_pretrained(tmp_path)  # no weights
+    with pytest.raises(ValueError, match=f"{architecture}: bulkgen does not run .*{why}"):
         Engine.from_pretrained(str(tmp_path), device="cpu")
-
-
-def test_a_chat_line_with_images_prepares_to_transformers_inputs_and_counts_image_tokens(vlm):
-    """A parsed chat line whose content holds `{"type": "image"}` parts (as the request parser leaves it),
-    prepared by the worker's path: the ids are the processor's, its image tokens are prompt tokens in the
-    usage the result reports, and the engine answers with transformers' tokens."""
-    from bulkgen.batch.prepare import tokenize_with_images
-    from bulkgen.batch.requests import ParsedRequest
-    from bulkgen.runtime.held import result_dict
-
-    images = [noise_image(11), noise_image(12, (50, 20))]
-    content = [{"type": "text", "text": "First "}, {"type": "image"}, {"type": "text", "text": " then "}]
-    content.append({"type": "image"})
-    request = ParsedRequest(
-        "c1", 0, "m", "/v1/chat/completions", messages=[{"role": "user", "content": content}]
-    )
-    ids, inputs = tokenize_with_images(request, vlm.processor, images)
-    text = vlm.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
-    encoded = vlm.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    assert ids == encoded["input_ids"][0].tolist()
-    engine = vlm.engine(max_num_seqs=2, block_size=4)
-    (out,) = run_outputs(engine, [(ids, inputs, None)])
-    assert out.outputs[0].token_ids == vlm.expected(encoded)
-    image_tokens = ids.count(engine.vision.image_token_id)
-    assert image_tokens == sum(inputs.token_counts) > 0
-    text_only, _ = tokenize_with_images(request, vlm.processor, [])
-    assert result_dict(out)["prompt_tokens"] == len(ids) == len(text_only) - 2 + image_tokens
