@@ -112,8 +112,8 @@ def check_model_takes_images(refs: list[ImageRef], accepts_images: bool, model: 
 
 def check_images(refs: list[ImageRef], *, store: Store | None, policy: ImageSettings) -> None:
     """What validation can tell without fetching or decoding: the count, every data: URL whole, that file
-    ids and s3:// objects exist and may be read (skipped where `store` is None: `bulkgen plan` has
-    none), and that http(s) hosts are allowed."""
+    ids and s3:// objects exist and may be read (skipped where `store` is None), and that http(s) hosts
+    are allowed."""
     _check_count(refs, policy)
     for ref in refs:
         if ref.kind == "data":
