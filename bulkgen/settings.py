@@ -3,15 +3,16 @@
 Each setting is stated once, as a field: its default, its check, and the command-line flag a user sets it
 with (`Flag` in the field's metadata: name, help, env var, unit). `bulkgen.cli.settings_options` makes the
 click options from those fields and `from_flags` turns what the user typed back into Settings, so a new
-setting is one new field. Nothing here does work; the batch service (`bulkgen.batch.service`) and the
+setting is one new field (bulkgen.settings_flags walks them). Nothing here does work; the batch service (`bulkgen.batch.service`) and the
 runtime take these values.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from bulkgen.engine import QUANTIZE_MODES
@@ -202,6 +203,69 @@ def _check_fields(settings: Any) -> None:
             raise SettingError(item.name, value, str(exc)) from None
 
 
+def parse_hosts(specs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """`--image-url-hosts` values (repeatable, each may list several, comma-separated) -> lowercase host
+    names; `*.example.com` allows every subdomain of example.com."""
+    hosts = []
+    for spec in specs:
+        for host in filter(None, (h.strip().lower() for h in spec.split(","))):
+            if not re.fullmatch(r"(\*\.)?[a-z0-9.-]+|\[[0-9a-f:.]+\]", host):
+                raise ValueError(
+                    f"--image-url-hosts {host[:80]!r}: not a host name (e.g. images.example.com)"
+                )
+            hosts.append(host)
+    return tuple(hosts)
+
+
+@dataclass
+class ImageSettings:
+    """Where image parts may point and how much of an image a worker holds: the limits that bound the memory
+    of decoding (max pixels per image, images per line, decoding threads) and the reach of a fetch."""
+
+    image_url_hosts: tuple[str, ...] = setting(
+        (),
+        flag=Flag(
+            "--image-url-hosts",
+            metavar="HOST[,HOST]",
+            parse=parse_hosts,
+            help="Hosts whose http(s) image URLs workers may fetch (repeatable; *.example.com for subdomains); "
+            "default none: data: URLs, file ids and s3:// under --storage only. Never private addresses.",
+        ),
+    )
+    max_image_bytes: int = setting(
+        20 * MIB,
+        check=_positive_int,
+        flag=Flag(
+            "--max-image-mb", scale=MIB, help="Largest image (encoded) a line may carry or point to, in MiB."
+        ),
+    )
+    max_image_pixels: int = setting(
+        50_000_000,
+        check=_positive_int,
+        flag=Flag(
+            "--max-image-pixels", help="Most pixels (width x height) of one image; larger ones are refused."
+        ),
+    )
+    max_images_per_line: int = setting(
+        32, check=_positive_int, flag=Flag("--max-images-per-line", help="Most image parts in one request.")
+    )
+    image_fetch_timeout_s: float = setting(
+        10.0,
+        check=_over(0, "0 seconds"),
+        flag=Flag(
+            "--image-fetch-timeout", help="Seconds one http(s) image fetch may take, redirects included."
+        ),
+    )
+    image_decode_threads: int = setting(
+        4,
+        check=_positive_int,
+        flag=Flag("--image-decode-threads", help="Threads per worker that read and decode images."),
+    )
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
 @dataclass
 class WorkerSettings:
     """The engine worker actors: where Ray is, how many actors, and the engine's own settings."""
@@ -226,6 +290,7 @@ class WorkerSettings:
     # torch threads per CPU worker (Ray sets 1 otherwise); sized by whoever builds a pool, not by users
     cpu_threads: int | None = setting(None, check=_optional(_positive_int))
     engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
+    images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
     poll_deadline_s: float = setting(
@@ -377,73 +442,3 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-
-
-@dataclass(frozen=True)
-class FlagField:
-    """One flag and where its value goes: `path` from Settings, e.g. ("workers", "engine_kwargs", "max_num_seqs")."""
-
-    path: tuple[str, ...]
-    flag: Flag
-    default: Any  # in the flag's unit; None for a repeatable flag (its parser makes the field's default)
-
-    @property
-    def param(self) -> str:
-        """The command's parameter name: the field's (or dict key's) own name, unique across the settings."""
-        return self.path[-1]
-
-
-def flag_fields(cls: type = Settings, path: tuple[str, ...] = ()) -> Iterator[FlagField]:
-    """Every flag of the settings, in field order (nested settings where their field stands)."""
-    for item in fields(cls):
-        where, meta = (*path, item.name), item.metadata
-        if is_dataclass(item.default_factory):
-            yield from flag_fields(item.default_factory, where)
-        for key, flag in (meta.get("keys") or {}).items():
-            yield FlagField((*where, key), flag, None)
-        if meta.get("flag") is not None:
-            flag = meta["flag"]
-            default = None if flag.parse or item.default is MISSING else item.default
-            yield FlagField(where, flag, default // flag.scale if flag.scale != 1 else default)
-
-
-def from_flags(values: Mapping[str, Any]) -> Settings:
-    """Settings from command-line values keyed by `FlagField.param` (None or absent: the field's default);
-    ValueError naming the flag and the value the user gave."""
-    tree: dict[str, Any] = {}
-    known = {item.param: item for item in flag_fields()}
-    for name, item in known.items():
-        raw = values.get(name)
-        if raw is None:
-            continue
-        node = tree
-        for step in item.path[:-1]:
-            node = node.setdefault(step, {})
-        node[item.param] = _in_field_terms(item.flag, raw)
-    try:
-        return _build(Settings, tree)
-    except SettingError as exc:
-        if exc.field not in known:
-            raise
-        flag, raw = known[exc.field].flag, values.get(exc.field)
-        shown = (
-            "" if flag.parse else f" {raw:g}" if isinstance(raw, float) else f" {raw!r}"
-        )  # as typed: 0.3, 5
-        raise ValueError(f"{flag.name}{shown}: {exc.message}") from None
-
-
-def _in_field_terms(flag: Flag, raw: Any) -> Any:
-    """A flag's value as its field holds it: a repeatable flag's values parsed, a unit scaled (MiB -> bytes)."""
-    if flag.parse:
-        return flag.parse(raw)
-    return raw * flag.scale if flag.scale != 1 else raw
-
-
-def _build(cls: type, tree: dict[str, Any]) -> Any:
-    kinds = {item.name: item.default_factory for item in fields(cls)}
-    return cls(
-        **{
-            name: _build(kinds[name], value) if is_dataclass(kinds[name]) else value
-            for name, value in tree.items()
-        }
-    )

@@ -9,7 +9,16 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from bulkgen.api.auth import service_of
-from bulkgen.api.protocol import ID, UPLOAD_FORM, FileDeleted, FileList, FileObject, answers, errors
+from bulkgen.api.protocol import (
+    ID,
+    UPLOAD_FORM,
+    UPLOAD_PURPOSES,
+    FileDeleted,
+    FileList,
+    FileObject,
+    answers,
+    errors,
+)
 from bulkgen.api.upload import receive_upload
 from bulkgen.batch.records import check_expires_after
 from bulkgen.batch.schema import InvalidRequest, quote
@@ -23,16 +32,19 @@ _UPLOAD = {"requestBody": {"required": True, "content": {"multipart/form-data": 
 
 @router.post("", response_model=None, responses=answers(FileObject, 408, 413), openapi_extra=_UPLOAD)
 async def create_file(request: Request) -> dict:
-    """Multipart `file` + `purpose=batch` (+ `expires_after[anchor]`, `expires_after[seconds]`): the file
+    """Multipart `file` + `purpose` (+ `expires_after[anchor]`, `expires_after[seconds]`): the file
     streams to storage as it arrives and is refused (413 file_too_large) once past the limit; any other
-    field is refused by name."""
+    field is refused by name. Purpose `batch` for input files, `vision` or `user_data` for images that
+    request lines name by file id (bulkgen.batch.images)."""
     svc = service_of(request)
     files, limit = svc.files, svc.settings.max_file_bytes
     fields, name, file_id, size = await receive_upload(request, limit, files.upload_data, files.discard_data)
     try:
         purpose = fields.get("purpose")
-        if purpose != "batch":
-            raise InvalidRequest(f"purpose must be 'batch'; got {quote(purpose)}", param="purpose")
+        if purpose not in UPLOAD_PURPOSES:
+            raise InvalidRequest(
+                f"purpose must be one of {list(UPLOAD_PURPOSES)}; got {quote(purpose)}", param="purpose"
+            )
         expires = check_expires_after(
             fields.get("expires_after[seconds]"), fields.get("expires_after[anchor]")
         )

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from bulkgen.batch.images import IMAGE_PURPOSES
 from bulkgen.batch.records import ID_PATTERN, MAX_EXPIRY_S, MIN_EXPIRY_S
 from bulkgen.batch.schema import ENDPOINTS, WINDOW_PATTERN, BatchStatus
 
@@ -88,13 +89,14 @@ class CreateBatch(BaseModel):
     output_expires_after: ExpiresAfter | None = None  # {anchor: "created_at", seconds} for the result files
 
 
+UPLOAD_PURPOSES = ("batch", *IMAGE_PURPOSES)  # input files; images that lines name by file id
 # The multipart form of POST /v1/files (bulkgen.api.upload parses it as it streams: no model parses it).
 UPLOAD_FORM = {
     "type": "object",
     "required": ["file", "purpose"],
     "properties": {
-        "file": {"type": "string", "format": "binary", "description": "The JSONL file"},
-        "purpose": {"type": "string", "enum": ["batch"]},
+        "file": {"type": "string", "format": "binary", "description": "The JSONL file, or an image"},
+        "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
         "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
         "expires_after[seconds]": {"type": "integer", "minimum": MIN_EXPIRY_S, "maximum": MAX_EXPIRY_S},
     },
@@ -115,7 +117,7 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch", "batch_output"]
+    purpose: Literal["batch", "batch_output", "vision", "user_data"]
     status: str
     expires_at: int | None
     status_details: str | None = None

@@ -3,14 +3,19 @@ estimate count before any worker has tokenized it (`bulkgen plan` counts exactly
 
 from __future__ import annotations
 
+from bulkgen.batch.messages import content_text
+
+IMAGE_TOKENS_GUESS = 576  # an image's prompt tokens without its processor (LLaVA's 24x24 patches)
 UNKNOWN_MAX_TOKENS = 512  # a request without max_tokens runs to the context end: guess it is long
 MAX_WORK_TOKENS = 1 << 24  # more than any context: a longer max_tokens is refused by its worker anyway
 
 
 def prompt_estimate(request) -> int:
-    """Prompt tokens without the tokenizer (the driver has none): about 4 characters a token."""
+    """Prompt tokens without the tokenizer (the driver has none): about 4 characters a token, and
+    IMAGE_TOKENS_GUESS per image."""
     if request.messages is not None:
-        return sum(len(m["content"] or "") for m in request.messages) // 4
+        text = sum(len(content_text(m["content"])) for m in request.messages) // 4
+        return text + IMAGE_TOKENS_GUESS * len(request.images)
     if isinstance(request.prompt, list):
         return len(request.prompt)
     return len(request.prompt or "") // 4

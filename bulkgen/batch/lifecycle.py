@@ -19,6 +19,7 @@ def validate_batch(
     on_request: Callable | None = None,
     amend: Callable[[dict], dict] | None = None,
     adapters: dict[str, str] | None = None,
+    check_images: Callable | None = None,
 ) -> dict:
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
@@ -28,7 +29,8 @@ def validate_batch(
     validated is validated all the same but stays `cancelling`: its runner then writes every request as
     `batch_cancelled`, as for any cancelled batch. `amend(record)` adds to a batch that passed, in the same
     conditional write that makes it `in_progress` (the plan's estimate), so no reader sees it without.
-    `adapters`: the served LoRA adapters, name -> their base (a line may name its batch's base's)."""
+    `adapters`: the served LoRA adapters, name -> their base (a line may name its batch's base's).
+    `check_images`: the Validator's check of each request's images."""
     record = batches.get(batch_id)
     if not needs_validation(record):
         return record
@@ -46,7 +48,7 @@ def validate_batch(
             ],
         }
         return batches.update(batch_id, lambda r: _fail(r, errors) if needs_validation(r) else None)
-    validator = Validator(record["endpoint"], served_models, max_requests, adapters)
+    validator = Validator(record["endpoint"], served_models, max_requests, adapters, check_images)
     with files.open(record["input_file_id"]) as reader:
         result = validate_stream(reader, validator, on_request)
 

@@ -2,16 +2,20 @@
 `apply_chat_template` takes them, so a conversation with tool calls replays through the model's own template.
 
 Roles: system, developer (as system), user, assistant (with `refusal`, `tool_calls`, `function_call`), tool
-and function. Content is a string or text parts; image, audio and file parts are refused by name (the
-models bulkgen serves are text-only).
+and function. Content is a string or text parts, and a user message's may hold image parts
+(bulkgen.batch.images: the request keeps their references, the message a `{"type": "image"}` placeholder
+each); audio and file parts are refused by name.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from bulkgen.batch.bodyfields import LineError, allowed_tools, invalid
+from bulkgen.batch.images import ImageRef, image_ref
 from bulkgen.batch.schema import quote
 
 _ROLES = {
@@ -23,6 +27,8 @@ _ROLES = {
     "function": "function",
 }
 _MEDIA_PARTS = {"image_url", "input_audio", "file"}
+_IMAGE_KINDS = {"image_url", "input_image"}
+_IMAGE_PART_KEYS = {"type", "image_url", "prompt_cache_breakpoint"}  # the breakpoint: a hosted caching hint
 _PLAIN = frozenset({"role", "content", "name"})
 # The fields of each role's message in OpenAI's spec; any other is refused by name, as the hosted API does
 # (dropping it would run a request other than the one written).
@@ -36,18 +42,22 @@ _FIELDS = {
 }
 
 
-def messages(value: Any) -> list[dict[str, Any]]:
+def messages(value: Any, images: list[ImageRef]) -> list[dict[str, Any]]:
+    """The chat messages; the references of user messages' image parts are appended to `images`."""
     if not isinstance(value, list) or not value:
         raise LineError("invalid_messages", "body.messages must be a non-empty list", "body.messages")
-    return [_message(m, f"body.messages[{i}]") for i, m in enumerate(value)]
+    return [_message(m, f"body.messages[{i}]", images) for i, m in enumerate(value)]
 
 
-def _message(message: Any, param: str) -> dict[str, Any]:
+def _message(message: Any, param: str, images: list[ImageRef]) -> dict[str, Any]:
     role = message.get("role") if isinstance(message, dict) else None
     if not isinstance(role, str) or role not in _ROLES:
         raise LineError("invalid_messages", f"{param}.role must be one of {sorted(_ROLES)}", param)
     _check_fields(message, role, param)
-    out: dict[str, Any] = {"role": _ROLES[role], "content": _content(message.get("content"), param, role)}
+    out: dict[str, Any] = {
+        "role": _ROLES[role],
+        "content": _content(message.get("content"), param, role, images),
+    }
     name = message.get("name")
     if name is not None:
         out["name"] = _string(name, f"{param}.name")
@@ -119,30 +129,74 @@ def _tool_call(call: Any, param: str) -> dict[str, Any]:
 _CHAT_PARTS = {"text": "text", "refusal": "refusal"}  # part type -> its text key
 
 
-def _content(content: Any, param: str, role: str) -> str | None:
+@dataclass(frozen=True)
+class ImageParts:
+    """How a front door's content holds images: the part type, its reader, and the request's list of them."""
+
+    kind: str  # image_url (chat), input_image (responses)
+    read: Callable[[dict, str], ImageRef]  # (the part, its path) -> its reference
+    found: list[ImageRef]  # the request's images, appended in order (ParsedRequest.images)
+
+
+def _content(content: Any, param: str, role: str, images: list[ImageRef]) -> str | list[dict] | None:
     if content is None and role in ("assistant", "tool", "function"):
         return None
-    return text_parts(content, param, _CHAT_PARTS, _MEDIA_PARTS, "invalid_messages")
+    found = ImageParts("image_url", _chat_image, images) if role == "user" else None
+    return text_parts(content, param, _CHAT_PARTS, _MEDIA_PARTS, "invalid_messages", found)
 
 
-def text_parts(content: Any, param: str, parts: dict[str, str], media: set[str], code: str) -> str:
+def _chat_image(part: dict, where: str) -> ImageRef:
+    """{"type": "image_url", "image_url": {"url": ..., "detail": ...}}; a file id or s3:// URL in `url`
+    is bulkgen's (the hosted API takes http(s) and data: URLs there)."""
+    spec, param = part.get("image_url"), f"{where}.image_url"
+    unknown = sorted(set(spec) - {"url", "detail"}) if isinstance(spec, dict) else []
+    if not isinstance(spec, dict) or unknown or not set(part) <= _IMAGE_PART_KEYS:
+        raise LineError(
+            "invalid_messages",
+            f"{where} must be {{'type': 'image_url', 'image_url': {{'url': ..., 'detail': ...}}}}; "
+            f"got {quote(part)}",
+            param,
+        )
+    return image_ref(spec.get("url"), spec.get("detail"), param, f"{param}.detail")
+
+
+def text_parts(
+    content: Any,
+    param: str,
+    parts: dict[str, str],
+    media: set[str],
+    code: str,
+    images: ImageParts | None = None,
+) -> str | list[dict]:
     """A message's content as one string: a string, or a list of text parts (`parts`: part type -> the key
-    holding its text) joined. A media part (`media`) is refused by name (the served models are text-only);
-    anything else is `code`, naming where. Shared by the chat and Responses front doors."""
+    holding its text) joined; with an image part (`images`, where the role may hold them), the list of
+    text and `{"type": "image"}` parts the processor's template takes, each image's reference appended to
+    `images.found`. Another media part (`media`) is refused by name; anything else is `code`, naming
+    where. Shared by the chat and Responses front doors."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise LineError(
             code, f"{param}.content must be a string or a list of content parts", f"{param}.content"
         )
-    texts = []
+    out, with_images = [], False
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         where = f"{param}.content[{j}]"
+        if images is not None and kind == images.kind:
+            images.found.append(images.read(part, where))
+            out.append({"type": "image"})
+            with_images = True
+            continue
         if kind in media:
+            why = (
+                "only user messages may hold images"
+                if kind in _IMAGE_KINDS
+                else "bulkgen takes text and images"
+            )
             raise LineError(
                 "unsupported_parameter",
-                f"{where} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} part; this model takes text only",
+                f"{where} is {'an' if kind[0] in 'aeiou' else 'a'} {kind} part; {why}",
                 f"{where}.type",
             )
         text = part.get(parts[kind]) if kind in parts else None
@@ -152,8 +206,16 @@ def text_parts(content: Any, param: str, parts: dict[str, str], media: set[str],
                 f"{where} must be a text part, one of {sorted(parts)} with its text; got {quote(part)}",
                 where,
             )
-        texts.append(text)
-    return "".join(texts)
+        out.append({"type": "text", "text": text})
+    return out if with_images else "".join(p["text"] for p in out)
+
+
+def content_text(content: str | list[dict] | None) -> str:
+    """The text of a parsed message's content (its text parts, for one that holds images): what the
+    estimates that run without the model's tokenizer or processor count."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content)
+    return content or ""
 
 
 def _string(value: Any, param: str) -> str:

@@ -43,6 +43,21 @@ def tokenize(request: ParsedRequest, tokenizer) -> list[int]:
     return ids
 
 
+def tokenize_with_images(request: ParsedRequest, processor, images: list) -> tuple[list[int], Any]:
+    """A vision-language model's prompt: the chat rendered by the model's template (image parts stay
+    `{"type": "image"}` placeholders, which the template writes as the model's image token) and tokenized by
+    its processor, which expands each image into its placeholder tokens; with the images as the engine takes
+    them (bulkgen.engine.multimodal.ImageInputs). A line without images takes the text path. CPU work for
+    the worker's preparing threads: `images` are the decoded PIL images of the line's image parts, in order."""
+    if not images:
+        return tokenize(request, processor.tokenizer), None
+    from bulkgen.engine.multimodal import process  # torch: only workers prepare image lines
+
+    ids, inputs = process(processor, render_chat(request, processor.tokenizer), images)
+    _check_vocabulary(request, len(processor.tokenizer))
+    return ids, inputs
+
+
 def render_chat(request: ParsedRequest, tokenizer) -> str:
     """The prompt text the model sees: messages, tools and template options through its own chat template.
     Sets `request.tool_format` (how to read calls back) when tools are rendered."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
 from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
+from bulkgen.batch.images import ImageRef
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
 from bulkgen.batch.resp_api import RESPONSES, responses_request
@@ -132,7 +133,12 @@ class ParsedRequest:
     line: int
     model: str
     endpoint: str
-    messages: list[dict[str, Any]] | None = None  # as the chat template takes them (role, content, name, ...)
+    messages: list[dict[str, Any]] | None = (
+        None  # as the chat template takes them (role, content, name, ...);
+    )
+    # a content that holds images is a list of {"type": "text", "text"} and {"type": "image"} parts
+    images: list[ImageRef] = field(default_factory=list)  # the image parts' references, in order
+    # (bulkgen.batch.images.load_images reads them in the worker)
     prompt: str | list[int] | None = None  # the (first) prompt
     prompts: list[str | list[int]] | None = None  # every prompt, when the line holds several: choices of
     # prompt i get the indices i*n .. i*n+n-1
@@ -224,7 +230,7 @@ def _parse_body(line: RequestLine) -> ParsedRequest:
         return parse_embedding(body, request)
     guide = None
     if endpoint == CHAT:
-        request.messages = messages(body.get("messages"))
+        request.messages = messages(body.get("messages"), request.images)
         request.tools, request.legacy_functions = chat_tools(body)
         request.template_kwargs = template_kwargs(body)
         request.forced_tool, guide = forced_tool(body, request.tools)

@@ -4,14 +4,15 @@
 with its grammar, template options), so the worker, the chat template and the engine run it exactly as chat;
 `response_body` turns the engine's result into a `Response` object, the one part that differs. The fields
 (docs/responses.md has the table):
-- honoured: input (a string, or message items with text parts), instructions (a system message first),
+- honoured: input (a string, or message items with text parts; user items' input_image parts, see
+  bulkgen.batch.images), instructions (a system message first),
   max_output_tokens, temperature, top_p, text.format (text, json_object, json_schema: the structured-outputs
   grammar of bulkgen.batch.structured), reasoning.effort (to the chat template, as chat's reasoning_effort),
   metadata (echoed in the Response);
 - accepted and ignored, type-checked: hints about the hosted service that cannot change the text (store,
   user, service_tier, prompt caching, truncation, text.verbosity, ...), and tool settings with no tools;
 - refused by name as that line's 400: what needs tools, stored state (conversations, previous responses,
-  prompt templates), streaming, media, logprobs or reasoning summaries.
+  prompt templates), streaming, audio and file parts, logprobs or reasoning summaries.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import RESPONSES, LineError, check_ignored, check_refused, invalid, unsupported
 from bulkgen.batch.ids import random_id
-from bulkgen.batch.messages import template_kwargs, text_parts
+from bulkgen.batch.images import DETAILS, ImageRef, image_ref
+from bulkgen.batch.messages import ImageParts, template_kwargs, text_parts
 from bulkgen.batch.sampling import sampling
 from bulkgen.batch.schema import InvalidRequest, check_metadata, quote
 from bulkgen.batch.structured import json_schema_guide
@@ -38,6 +40,8 @@ _ITEM_HINTS = {
     "phase": ("commentary", "final_answer"),
 }
 _MEDIA_PARTS = {"input_image", "input_file", "input_audio"}
+_IMAGE_KEYS = {"type", "image_url", "file_id", "detail", "prompt_cache_breakpoint"}
+_DETAILS = (*DETAILS, "original")  # the hosted API's full resolution; a processor resizes as it always does
 _PARTS = {"input_text": "text"}  # part type -> its text key
 _ASSISTANT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 _EFFORTS = {"none", "minimal", "low", "medium", "high", "xhigh", "max"}
@@ -72,7 +76,7 @@ def responses_request(body: dict, request: ParsedRequest) -> ParsedRequest:
     check_refused(body, RESPONSES)  # stream and moderation, as every endpoint refuses them
     check_ignored(body)
     _check_ignored_here(body)
-    request.messages = _messages(body.get("input"), body.get("instructions"))
+    request.messages = _messages(body.get("input"), body.get("instructions"), request.images)
     effort = _effort(body.get("reasoning"))
     request.template_kwargs = template_kwargs({"reasoning_effort": effort})
     _check_output_limit(body.get("max_output_tokens"))
@@ -113,8 +117,9 @@ def _check_ignored_here(body: dict) -> None:
         raise invalid("access_programs", "must be an object", programs)
 
 
-def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
-    """`instructions` as the first (system) message, then `input`: a string is one user message."""
+def _messages(value: Any, instructions: Any, images: list[ImageRef]) -> list[dict[str, Any]]:
+    """`instructions` as the first (system) message, then `input`: a string is one user message. The
+    references of user items' input_image parts are appended to `images`."""
     out = []
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -128,10 +133,10 @@ def _messages(value: Any, instructions: Any) -> list[dict[str, Any]]:
             f"body.input must be a string or a non-empty list of message items; got {quote(value)}",
             "body.input",
         )
-    return out + [_item(item, f"body.input[{i}]") for i, item in enumerate(value)]
+    return out + [_item(item, f"body.input[{i}]", images) for i, item in enumerate(value)]
 
 
-def _item(item: Any, param: str) -> dict[str, Any]:
+def _item(item: Any, param: str, images: list[ImageRef]) -> dict[str, Any]:
     if not isinstance(item, dict):
         raise LineError(
             "invalid_input",
@@ -146,13 +151,7 @@ def _item(item: Any, param: str) -> dict[str, Any]:
             "items only here (tool calls and stored items need tools or stored state)",
             f"{param}.type",
         )
-    unknown = sorted(set(item) - _ITEM_KEYS)
-    if unknown:
-        raise LineError(
-            "invalid_input",
-            f"{param}.{quote(unknown[0], 40)} is not a field of a message item",
-            f"{param}.{unknown[0][:64]}",
-        )
+    _check_keys(item, _ITEM_KEYS, param, "a message item")
     for key, allowed in _ITEM_HINTS.items():  # a replayed output item's own fields: checked, not used
         if item.get(key) is not None and not (
             isinstance(item[key], str) and (not allowed or item[key] in allowed)
@@ -168,13 +167,46 @@ def _item(item: Any, param: str) -> dict[str, Any]:
             f"{param}.role must be one of {sorted(_ROLES)}; got {quote(role)}",
             f"{param}.role",
         )
-    return {"role": _ROLES[role], "content": _content(item.get("content"), param, role)}
+    return {"role": _ROLES[role], "content": _content(item.get("content"), param, role, images)}
 
 
-def _content(content: Any, param: str, role: str) -> str:
-    """A string, or text parts joined: input_text (any role); output_text and refusal (assistant history)."""
+def _check_keys(obj: dict, known: set[str], param: str, what: str) -> None:
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise LineError(
+            "invalid_input",
+            f"{param}.{quote(unknown[0], 40)} is not a field of {what}",
+            f"{param}.{unknown[0][:64]}",
+        )
+
+
+def _content(content: Any, param: str, role: str, images: list[ImageRef]) -> str | list[dict]:
+    """A string, or text parts joined: input_text (any role); output_text and refusal (assistant history);
+    input_image parts in a user item (the parts list, then)."""
     parts = _ASSISTANT_PARTS if role == "assistant" else _PARTS
-    return text_parts(content, param, parts, _MEDIA_PARTS, "invalid_input")
+    found = ImageParts("input_image", _input_image, images) if role == "user" else None
+    return text_parts(content, param, parts, _MEDIA_PARTS, "invalid_input", found)
+
+
+def _input_image(part: dict, where: str) -> ImageRef:
+    """{"type": "input_image", "image_url": ... | "file_id": ..., "detail": ...}: exactly one source."""
+    _check_keys(part, _IMAGE_KEYS, where, f"an input_image part ({sorted(_IMAGE_KEYS)})")
+    url, file_id = part.get("image_url"), part.get("file_id")
+    if (url is None) == (file_id is None):
+        raise LineError(
+            "invalid_input",
+            f"{where} must set exactly one of image_url and file_id; got {quote(part)}",
+            where,
+        )
+    field = "image_url" if url is not None else "file_id"
+    source = url if url is not None else file_id
+    if field == "file_id" and isinstance(source, str) and not source.startswith("file-"):
+        raise LineError(
+            "invalid_input",
+            f"{where}.file_id must be a file id (file-…); got {quote(source)}",
+            f"{where}.file_id",
+        )
+    return image_ref(source, part.get("detail"), f"{where}.{field}", f"{where}.detail", _DETAILS)
 
 
 def _effort(reasoning: Any) -> str | None:

@@ -22,8 +22,10 @@ has none: a creator that died between the writes).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 from bulkgen.batch import fileuse, totals
+from bulkgen.batch.images import check_images
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
 from bulkgen.batch.retry import retry_batch
@@ -150,6 +152,7 @@ class BatchService:
             on_request,
             amend,
             {name: adapter.base for name, adapter in self.catalog.adapters().items()},
+            partial(check_images, store=self.store, policy=s.workers.images),
         )
         if record["status"] == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)

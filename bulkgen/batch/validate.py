@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from bulkgen.batch.images import ImageRef
 from bulkgen.batch.requests import LineError, ParsedRequest, RequestLine, pick_adapter
 from bulkgen.batch.schema import quote
 
@@ -75,10 +76,14 @@ class Validator:
         served_models: Iterable[str],
         max_requests: int,
         adapters: Mapping[str, str] | None = None,
+        check_images: Callable[[list[ImageRef]], None] | None = None,
     ) -> None:
-        """`adapters`: the served LoRA adapters, name -> the served model they run on."""
+        """`adapters`: the served LoRA adapters, name -> the served model they run on.
+        `check_images(refs)`: what validation can tell of a request's images (batch.images.check_images
+        with the tenant's storage and the image policy); LineError refuses the line."""
         self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
         self.adapters = dict(adapters or {})
+        self.check_images = check_images
         self.result = ValidationResult()
         self._first_line: dict[bytes, int] = {}  # custom_id digest -> its first line
         # lines naming an unknown model before any line named a served one: decided once one does
@@ -105,6 +110,8 @@ class Validator:
                 request.lora = pick_adapter(line.model, self.result.model, self._base_adapters)
             elif len(self._undecided) < MAX_LISTED_ERRORS:
                 self._undecided.append((number, line.model))
+            if request.images and self.check_images is not None:
+                self.check_images(request.images)
             return request
         except LineError as err:
             self.result.refuse(err, number)

@@ -132,6 +132,7 @@ def profile_cmd(
     "GPUs, from its config; a model folder with a config and tokenizer but no weights gets the memory alone.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@setting_option("image_url_hosts")
 def plan(
     file: Path,
     storage: str,
@@ -144,8 +145,10 @@ def plan(
     kv_cache_dtype: str | None,
     tensor_parallel: int | None,
     as_json: bool,
+    image_url_hosts: tuple[str, ...],
 ) -> None:
-    """Validate FILE as a batch would, count its tokens with the model's tokenizer, and estimate its time."""
+    """Validate FILE as a batch would, count its tokens with the model's tokenizer (and a vision model's
+    images with its processor), and estimate its time."""
     from transformers import AutoTokenizer
 
     from bulkgen.batch.records import BatchRepo
@@ -161,6 +164,7 @@ def plan(
     store = check_storage(storage, endpoint_url, create=True)
     adapters = _adapters(loras, name, path, endpoint_url)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    images = _image_reader(path, store, image_url_hosts)
     batches = BatchRepo(store)
     try:
         result = planner.plan_file(
@@ -177,6 +181,7 @@ def plan(
             batches=batches,
             adapters=adapters,
             kv_cache_dtype=kv_cache_dtype or "auto",
+            images=images,
         )
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None
@@ -190,3 +195,22 @@ def plan(
         click.echo(planner.describe(result) + ("\n" + describe_memory(memory) if memory else ""))
     if not result["valid"]:
         raise SystemExit(1)
+
+
+def _image_reader(path: str, store, hosts: tuple[str, ...]):
+    """How the plan reads images as the service's workers would: a vision model's processor (None for a text
+    model), file ids and s3:// URLs in `--storage`, http(s) on `--image-url-hosts`."""
+    from bulkgen.engine.multimodal import is_vision_model
+    from bulkgen.plan.scan import ImageReader
+    from bulkgen.settings import ImageSettings, parse_hosts
+
+    processor = None
+    if is_vision_model(path):
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    try:
+        policy = ImageSettings(image_url_hosts=parse_hosts(hosts))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return ImageReader(processor, store, policy)

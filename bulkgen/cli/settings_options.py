@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from bulkgen.settings import FlagField, Settings, flag_fields, from_flags
+from bulkgen.settings import Settings
+from bulkgen.settings_flags import FlagField, flag_fields, from_flags
 
 SETTING_PARAMS = tuple(item.param for item in flag_fields())
 

@@ -1,7 +1,8 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, ref counts, prefix caching by chained block hashes, and
 one block table per group of layers (kv_layout), each keeping only the blocks its layers still read.
 
-A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes.
+A full block's hash covers its tokens and its parent's hash, so equal hashes mean equal prefixes (an
+image's placeholder tokens are hashed as its content's key: Sequence.hash_ids).
 The chain's root is the sequence's `hash_root` (its LoRA adapter, None for the base model): the same
 tokens under different weights give different K/V, so they never share blocks.
 Blocks whose ref count drops to zero stay hashed in an LRU free list and are revived on a hit, so a
@@ -86,7 +87,7 @@ class BlockManager:
         as every group holds what the following queries read; None without a hit."""
         if not self.enable_prefix_caching:
             return None
-        chain = _Chain(seq.token_ids, self.block_size, seq.hash_root)
+        chain = _Chain(seq.hash_ids, self.block_size, seq.hash_root)
         top = (len(seq) - 1) // self.block_size
         for g, kind in enumerate(self.kinds):
             if kind.is_full:
@@ -122,7 +123,7 @@ class BlockManager:
         """Hash of the first full block (None without prefix caching or a full block to share)."""
         if not self.enable_prefix_caching or len(seq) <= self.block_size:
             return None
-        return hash((seq.hash_root, tuple(seq.token_ids[: self.block_size])))
+        return hash((seq.hash_root, tuple(seq.hash_ids[: self.block_size])))
 
     def admit(self, seq: Sequence, cached: PrefixHit | None, num_tokens: int) -> bool:
         """Give a waiting `seq` its cached prefix blocks plus fresh ones up to `num_tokens`; False if short."""
@@ -184,8 +185,9 @@ class BlockManager:
         bs = self.block_size
         done, parent = self._hashed.get(seq.seq_id, (0, seq.hash_root))
         full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        keyed = seq.hash_ids
         for i in range(done, full):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            tokens = tuple(keyed[i * bs : (i + 1) * bs])
             parent = hash((parent, tokens))
             for g, table in enumerate(seq.block_tables):
                 if table[i] == self.null_block:

@@ -37,6 +37,7 @@ from .grammar import GrammarRuntime
 from .loading import load_model
 from .lora import LoraError, load_adapter
 from .model_runner import ModelRunner, StepLogits
+from .multimodal import ImageInputs, RequestImages, VisionTower, is_vision_model, load_vision
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .overlap import OverlappedSteps, _InFlight
 from .penalties import LogitAdjustments
@@ -67,12 +68,15 @@ class Engine(OverlappedSteps):
         tokenizer,
         pooling: PoolingConfig | None = None,
         scheduler: SchedulerFactory = Scheduler,
+        vision: VisionTower | None = None,
         **engine_kwargs,
     ) -> None:
         """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
         `scheduler`: the admission rule, continuous batching unless a caller brings another
-        (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against)."""
+        (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against).
+        `vision`: a vision-language model's encoder, `model` being its language half (multimodal.py)."""
         self._make_scheduler = scheduler
+        self.vision = vision
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -86,7 +90,7 @@ class Engine(OverlappedSteps):
             raise ValueError(
                 "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
             )
-        self.runner = ModelRunner(model, self.config, self.max_model_len)
+        self.runner = ModelRunner(model, self.config, self.max_model_len, vision)
         if self.runner.states is not None and self.config.enable_prefix_caching:
             log.info(
                 "prefix caching is off: a hybrid model's recurrent state cannot be rebuilt from cached blocks"
@@ -133,7 +137,8 @@ class Engine(OverlappedSteps):
         cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None, **engine_kwargs
     ) -> Engine:
         """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32.
-        A quantized checkpoint loads through transformers' quantizer; `quantize="fp8"` quantizes a float one."""
+        A quantized checkpoint loads through transformers' quantizer; `quantize="fp8"` quantizes a float one.
+        A vision-language checkpoint loads with its processor (multimodal.load_vision)."""
         from transformers import AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -144,6 +149,11 @@ class Engine(OverlappedSteps):
                 raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
         config = EngineConfig(**engine_kwargs)  # checked before any rank starts
+        if is_vision_model(path):
+            if config.tensor_parallel > 1 or config.quantize is not None:
+                raise ValueError("vision-language models run without tensor_parallel or quantize for now")
+            model, tower = load_vision(path, device, dtype)
+            return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
         check_device_fits(path, dtype, config.tensor_parallel, device)
         if config.tensor_parallel > 1:
             from .tensor_parallel import launch
@@ -163,6 +173,7 @@ class Engine(OverlappedSteps):
         params: SamplingParams | EmbedParams,
         tag: str | None = None,
         lora: str | None = None,
+        images: ImageInputs | None = None,
     ) -> None:
         """Queue a request; ValueError if the id is in use or the prompt or params do not fit this engine.
 
@@ -173,7 +184,9 @@ class Engine(OverlappedSteps):
         EmbedParams make an embedding request: a prefill-only sequence in the same packed steps, whose KV
         blocks are allocated like any prompt's (later chunks attend to earlier ones) and freed as soon as
         its last chunk is computed; it finishes with `RequestOutput.embedding`.
-        `lora`: the name of an adapter added with add_lora (LoraError if unknown); None runs the base model."""
+        `lora`: the name of an adapter added with add_lora (LoraError if unknown); None runs the base model.
+        `images`: the prompt's images, preprocessed by the model's processor; the prompt is then token ids
+        with each image's placeholder tokens already expanded (they count as prompt tokens)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         adapter = None if lora is None else self.runner.loras.get(lora)
@@ -187,11 +200,14 @@ class Engine(OverlappedSteps):
             )
         self._check_vocab(request_id, params)
         ids = self._tokenize(request_id, prompt)
+        with_images = self._images(request_id, ids, images)
         max_tokens, count = self._fit(request_id, len(ids), params, embed is not None)
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
-        request = Request(request_id, ids, params, next(self._order), tag, stop_ids, embed, adapter)
+        request = Request(
+            request_id, ids, params, next(self._order), tag, stop_ids, embed, adapter, with_images
+        )
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
         for seq in request.seqs:
             seq.pools_every_position = seq.pools and self.pooling.method != "last"
@@ -247,6 +263,16 @@ class Engine(OverlappedSteps):
                 f"has {self.runner.num_blocks}"
             )
         return max_tokens, count
+
+    def _images(self, request_id: str, ids: list[int], images: ImageInputs | None) -> RequestImages | None:
+        if images is None:
+            return None
+        if self.vision is None:
+            raise ValueError(f"request {request_id!r}: this model takes no images")
+        try:
+            return self.vision.admit(ids, images)
+        except ValueError as exc:
+            raise ValueError(f"request {request_id!r}: {exc}") from None
 
     def _check_vocab(self, request_id: str, params: SamplingParams) -> None:
         """The limits that need the model: top-k counts and token ids within the vocabulary."""
@@ -592,6 +618,16 @@ class Engine(OverlappedSteps):
         """Stop the other tensor-parallel ranks (a no-op for a single-process engine)."""
         if self.runner.tp is not None:
             self.runner.tp.close()
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether requests may carry images (a vision-language model); its `processor` prepares them."""
+        return self.vision is not None
+
+    @property
+    def processor(self):
+        """The vision-language model's AutoProcessor (multimodal.process takes it); None for a text model."""
+        return None if self.vision is None else self.vision.processor
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

@@ -29,6 +29,7 @@ from .hybrid_layers import (
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
 from .lora_slots import LoraSlots
+from .multimodal import VisionTower
 from .sequence import Sequence
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
@@ -89,8 +90,15 @@ class StepLogits:
 class ModelRunner:
     """Owns the paged KV cache and turns a scheduled batch into one call of the HF model."""
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, max_model_len: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        max_model_len: int,
+        vision: VisionTower | None = None,
+    ):
         self.model = model
+        self.vision = vision  # a vision-language model's encoder: image embeddings spliced into prefills
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -130,11 +138,14 @@ class ModelRunner:
         self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
         self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        self.embedding = model.get_input_embeddings()
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
         wanted = self.config.cuda_graphs
         if self.tp is not None or not (wanted or (wanted is None and on_cuda)):
+            return None
+        if self.vision is not None and self.vision.mrope:  # the static buffers hold 1-D positions only
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -238,9 +249,11 @@ class ModelRunner:
             slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
-        kwargs = dict(
-            input_ids=input_ids[None], position_ids=flat[positions][None], use_cache=False, bulkgen_ctx=ctx
-        )
+        if self.vision is None:
+            kwargs = dict(input_ids=input_ids[None], position_ids=flat[positions][None])
+        else:  # images spliced in, positions by the model's rule (multimodal.py)
+            kwargs = self.vision.inputs(ordered, input_ids, flat[positions], self.embedding)
+        kwargs.update(use_cache=False, bulkgen_ctx=ctx)
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
         with (

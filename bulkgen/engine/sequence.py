@@ -37,9 +37,11 @@ class Request:
         stop_ids: frozenset[int] = frozenset(),
         embed=None,
         lora=None,
+        images=None,
     ):
         self.request_id = request_id
         self.lora = lora  # lora.LoraAdapter the request runs with; None: the base model
+        self.images = images  # multimodal.RequestImages: a prompt with images, None for text alone
         self.embed = embed  # pooling.EmbedParams: a prefill-only request answered with its pooled vector
         self.tag = tag or ""
         self.stop_ids = stop_ids  # EOS (unless ignored) plus stop_token_ids: one set lookup per token
@@ -114,6 +116,15 @@ class Sequence:
     def computes_whole_prompt(self) -> bool:
         """It needs outputs at prompt positions a cached prefix would skip: it takes no cached blocks."""
         return self.needs_prompt_logprobs or self.pools_every_position
+
+    @property
+    def hash_ids(self) -> list[int]:
+        """The tokens prefix caching hashes: the token ids, with each image placeholder keyed by its
+        image's content (multimodal.RequestImages) so a cached block over one image never serves another."""
+        images = self.request.images
+        if images is None:
+            return self.token_ids
+        return images.hash_prompt + self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -24,7 +24,7 @@ import numpy as np
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import Runtime, runtime_factor
 from bulkgen.plan.lengths import LengthModel
-from bulkgen.plan.scan import FileWork, scan_file
+from bulkgen.plan.scan import FileWork, ImageReader, scan_file
 from bulkgen.plan.timed import batch_seconds
 
 
@@ -104,17 +104,20 @@ def plan_file(
     batches=None,
     adapters: Iterable[str] = (),
     kv_cache_dtype: str = "auto",
+    images: ImageReader | None = None,
 ) -> dict[str, Any]:
     """Scan the file (no profile needed: an invalid file is told before any measuring), then estimate with
     `profile`, or the one `find_profile` gives for `device` and `kv_cache_dtype` on `store`. `adapters`: the
     model's LoRA adapters its lines may name (estimated as the base model: an adapter's low-rank work is not
-    modelled)."""
+    modelled). `images`: a vision model's processor and where its images are (scan.ImageReader)."""
     from transformers import AutoConfig
 
     from bulkgen.engine.engine import _max_model_len  # the engine's own context rule
 
     max_model_len = _max_model_len(AutoConfig.from_pretrained(model_path, local_files_only=True), None)
-    work = scan_file(path, endpoint, model, tokenizer, max_model_len, max_requests, adapters=adapters)
+    work = scan_file(
+        path, endpoint, model, tokenizer, max_model_len, max_requests, adapters=adapters, images=images
+    )
     if not work.validation.ok:
         return {"file": str(path), "valid": False, "errors": work.validation.error_list()["data"]}
     measured_now = False
@@ -152,6 +155,7 @@ def summarize(
         "requests": work.validation.total,
         "refused_lines": work.refused,
         "prompt_tokens": prompt_total,
+        "images": work.images,
         # at least 0: without a prefix cache each of `n` completions computes the prompt again
         "prefix_cache_share": round(max(0.0, 1 - int(uncached.sum()) / prompt_total), 4)
         if prompt_total
@@ -191,7 +195,8 @@ def describe(result: dict[str, Any]) -> str:
         ),
         (
             "prompt tokens",
-            f"{result['prompt_tokens']:,} (exact, {result['model']}'s chat template and tokenizer)",
+            f"{result['prompt_tokens']:,} (exact, {result['model']}'s chat template and tokenizer"
+            + (f"; {result['images']:,} images, by its processor)" if result.get("images") else ")"),
         ),
         (
             "prefix cache",

@@ -2,7 +2,8 @@
 
 Every line goes through the batch validator (bulkgen.batch.validate: the same errors, with their lines)
 and, for each request it accepts, through the worker's own preparation (bulkgen.batch.prepare: the
-model's chat template and tokenizer, `fit_context` resolving max_tokens as the runtime does). What a
+model's chat template and tokenizer, `fit_context` resolving max_tokens as the runtime does; a vision
+model's images read and expanded into their placeholder tokens by its processor). What a
 worker would refuse (a prompt longer than the context, say) is counted as refused here too.
 
 Memory: a read buffer, the validator's custom_id digests, three small ints per request (the simulator needs
@@ -14,13 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
+from bulkgen.batch.images import check_images, check_model_takes_images, load_images
+from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest
 from bulkgen.batch.validate import ValidationResult, Validator, validate_stream
+from bulkgen.settings import ImageSettings
+from bulkgen.store import Store
 
 MAX_BLOCK_HASHES = 4_000_000
 
@@ -38,6 +44,7 @@ class FileWork:
     # what prefill computes without a prefix cache (hybrid models): every sequence its whole prompt
     sequence_prompts: list[int] = field(default_factory=list)
     refused: int = 0  # lines their worker would answer with a 400
+    images: int = 0  # images of the lines that run (their tokens are in prompt_tokens, from the processor)
 
     def arrays(self, prefix_caching: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(prompt tokens, tokens prefill computes, max tokens) per sequence; `prefix_caching` off: the
@@ -47,6 +54,31 @@ class FileWork:
             np.array(self.uncached_tokens if prefix_caching else self.sequence_prompts, np.int64),
             np.array(self.max_tokens, np.int64),
         )
+
+
+@dataclass(frozen=True)
+class ImageReader:
+    """How the plan reads a file's images, as a worker would: the model's processor (None: a text model),
+    the storage that file ids and s3:// URLs name, and the image policy (hosts, limits)."""
+
+    processor: Any = None
+    store: Store | None = None
+    policy: ImageSettings = field(default_factory=ImageSettings)
+
+
+def _prompt(request: ParsedRequest, tokenizer, images: ImageReader) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, the ids its prefix-cache blocks are keyed by): image placeholder tokens counted
+    as the processor expands them and keyed by their image's content, as the engine keys them."""
+    if not request.images:
+        ids = tokenize(request, tokenizer)
+        return ids, ids
+    from bulkgen.engine.multimodal import RequestImages  # torch: only a vision model's plan needs it
+
+    processor = images.processor
+    check_model_takes_images(request.images, processor is not None, request.model)
+    decoded = load_images(request.images, store=images.store, policy=images.policy)
+    ids, inputs = tokenize_with_images(request, processor, decoded)
+    return ids, RequestImages(inputs, ids, processor.image_token_id).hash_prompt
 
 
 class _PrefixCache:
@@ -78,10 +110,16 @@ def scan_file(
     max_requests: int,
     block_size: int = 16,
     adapters: Iterable[str] = (),
+    images: ImageReader | None = None,
 ) -> FileWork:
     """Validate and tokenize `path`; the validation result says whether a batch of it would be accepted.
-    `adapters`: the names of the served model's LoRA adapters, which its lines may name."""
-    validator = Validator(endpoint, [served_model], max_requests, dict.fromkeys(adapters, served_model))
+    `adapters`: the names of the served model's LoRA adapters, which its lines may name. `images`: how to
+    read its images (None: a text model, whose workers refuse image lines)."""
+    images = images or ImageReader()
+    check = partial(check_images, store=images.store, policy=images.policy)
+    validator = Validator(
+        endpoint, [served_model], max_requests, dict.fromkeys(adapters, served_model), check
+    )
     cache = _PrefixCache(block_size)
     work = FileWork(validator.result)
     refused_before = [0]
@@ -93,7 +131,7 @@ def scan_file(
             return
         try:
             for sub in split_prompts(request):
-                _add(work, cache, sub, tokenizer, max_model_len)
+                _add(work, cache, sub, tokenizer, max_model_len, images)
         except LineError:
             work.refused += 1
 
@@ -102,12 +140,20 @@ def scan_file(
     return work
 
 
-def _add(work: FileWork, cache: _PrefixCache, request: ParsedRequest, tokenizer, max_model_len: int) -> None:
-    ids = tokenize(request, tokenizer)
+def _add(
+    work: FileWork,
+    cache: _PrefixCache,
+    request: ParsedRequest,
+    tokenizer,
+    max_model_len: int,
+    images: ImageReader,
+) -> None:
+    ids, keyed = _prompt(request, tokenizer, images)
     params = fit_context(request, len(ids), max_model_len)
     max_tokens = int(params.get("max_tokens") or 0)
     sequences = max(params.get("n") or 1, params.get("best_of") or 1)
-    uncached = len(ids) - cache.cached(ids, request.lora)
+    uncached = len(ids) - cache.cached(keyed, request.lora)
+    work.images += len(request.images)
     for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
         work.prompt_tokens.append(len(ids) if k == 0 else 0)
         work.uncached_tokens.append(uncached if k == 0 else 0)

@@ -102,7 +102,7 @@ class EngineLoop:
                 EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
             )
             self.engine.add_request(
-                p.request_id, p.prompt_ids, params, tag=p.range_key[0], lora=p.request.lora
+                p.request_id, p.prompt_ids, params, tag=p.range_key[0], lora=p.request.lora, images=p.images
             )
         except Exception as exc:  # one request's bad parameters never touch the others
             self.engine.abort([p.request_id])

@@ -21,6 +21,7 @@ class Prepared:
     params: dict[str, Any]
     part: int = 0  # a completions line with several prompts runs one engine request per prompt:
     parts: int = 1  # this is prompt `part` of `parts`
+    images: Any = None  # the prompt's images as the engine takes them (engine.multimodal.ImageInputs)
 
 
 @dataclass

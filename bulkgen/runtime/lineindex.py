@@ -17,6 +17,7 @@ from typing import BinaryIO
 import numpy as np
 
 from bulkgen.batch.budget import MAX_WORK_TOKENS, output_budget, prompt_estimate
+from bulkgen.batch.messages import content_text
 from bulkgen.batch.requests import LineError, ParsedRequest, parse_line
 from bulkgen.batch.validate import lines_with_offsets
 
@@ -92,7 +93,7 @@ def _prefix_key(request) -> int:
     affinity for a key then also keeps one adapter's lines on the worker that already holds it."""
     if request.messages is not None:
         first = request.messages[0]
-        content = first["content"] or ""
+        content = content_text(first["content"])
         text = content if first["role"] == "system" else content[:PREFIX_CHARS]
     else:
         text = request.prompt[:PREFIX_CHARS] if isinstance(request.prompt, str) else ""

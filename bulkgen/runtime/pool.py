@@ -136,7 +136,7 @@ class WorkerPool:
             max_restarts=0,
             **options,
         )
-        return actor.remote(index, self.settings.engine_kwargs, self._threads)
+        return actor.remote(index, self.settings.engine_kwargs, self._threads, self.settings.images)
 
     def replace(self, index: int, attempts: int = 60):
         """A fresh actor under the dead one's name (its name frees once Ray has marked it dead)."""

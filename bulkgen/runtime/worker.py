@@ -23,9 +23,11 @@ import queue
 import threading
 import time
 from collections import defaultdict, deque
+from concurrent.futures import Future
 from typing import Any
 
-from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
+from bulkgen.batch.images import check_images, check_model_takes_images, start_loading
+from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
 from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.engine.stats import StepTimes
@@ -38,6 +40,7 @@ from bulkgen.runtime.part_writer import PartWriter
 from bulkgen.runtime.parts import PartEntry
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.workqueue import QueuedBatch, model_key
+from bulkgen.settings import ImageSettings
 from bulkgen.store import StorageUnavailable, open_store
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,14 @@ class EngineWorker(EngineLoop, PartWriter):
     loop is EngineLoop's (runtime/engine_loop.py), the writer thread's PartWriter's (runtime/part_writer.py)."""
 
     def __init__(
-        self, index: int, engine_kwargs: dict[str, Any] | None = None, cpu_threads: int | None = None
+        self,
+        index: int,
+        engine_kwargs: dict[str, Any] | None = None,
+        cpu_threads: int | None = None,
+        images: ImageSettings | None = None,
     ):
         self.index = index
+        self.image_policy = images or ImageSettings()  # what load_images may read, and how much
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
         self._stores: dict[str, Any] = {}
@@ -202,7 +210,6 @@ class EngineWorker(EngineLoop, PartWriter):
     def _prepare_range(self, batch: QueuedBatch, bounds: RangeBounds) -> None:
         work = HeldRange(bounds, batch.model, self._store(batch.store))
         key = work.key
-        ready: list[Prepared] = []
         try:
             lines = list(read_lines(work.store, batch.input_key, bounds.first_line, bounds.start, bounds.end))
         except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
@@ -218,29 +225,7 @@ class EngineWorker(EngineLoop, PartWriter):
                 )
                 self._cond.notify_all()
             return
-        for line, raw in lines:
-            try:
-                request = parse_line(raw, line, batch.endpoint)
-                request.lora = pick_adapter(request.model, batch.model, batch.loras)
-                if request.lora is not None:
-                    self._load_lora(request.lora, batch.loras[request.lora])
-            except LineError as err:  # a body error (validation counted the line and indexed it), or a line
-                # validated under looser rules: refuse the line alone
-                custom_id = custom_id_of(raw)
-                work.remaining[line] = custom_id
-                refused = refused_line(custom_id, err.message, err.code, err.param)
-                self._settle(work, line, PartEntry.of(line, False, refused))
-                continue
-            work.remaining[line] = request.custom_id
-            subs = split_prompts(request)
-            try:
-                ready += [
-                    self._prepared(f"{batch.batch_id}|{line}", key, sub, k, len(subs))
-                    for k, sub in enumerate(subs)
-                ]
-            except LineError as err:
-                refused = refused_line(request.custom_id, err.message, err.code, err.param)
-                self._settle(work, line, PartEntry.of(line, False, refused))
+        ready = self._prepare_lines(batch, work, lines)
         with self._cond:
             self._preparing -= bounds.size
             if batch.batch_id in self._stopped:
@@ -251,13 +236,65 @@ class EngineWorker(EngineLoop, PartWriter):
                 self._complete(key)
             self._cond.notify_all()
 
+    def _prepare_lines(self, batch: QueuedBatch, work: HeldRange, lines: list) -> list[Prepared]:
+        """Parse every line and start reading its images (the pool decodes a range's images side by side),
+        then prepare each line in order; a LineError refuses its line alone."""
+        started = []
+        for line, raw in lines:
+            try:
+                request = parse_line(raw, line, batch.endpoint)
+                request.lora = pick_adapter(request.model, batch.model, batch.loras)
+                if request.lora is not None:
+                    self._load_lora(request.lora, batch.loras[request.lora])
+                work.remaining[line] = request.custom_id
+                started.append((line, request, self._start_images(request, work.store)))
+            except LineError as err:  # a body error (validation counted the line and indexed it), a line
+                # validated under looser rules, or an image refused before reading it
+                self._refuse(work, line, work.remaining.setdefault(line, custom_id_of(raw)), err)
+        ready: list[Prepared] = []
+        for line, request, loading in started:
+            subs = split_prompts(request)
+            try:
+                images = [image.result() for image in loading]
+                ready += [
+                    self._prepared(f"{batch.batch_id}|{line}", work.key, sub, k, len(subs), images)
+                    for k, sub in enumerate(subs)
+                ]
+            except LineError as err:
+                self._refuse(work, line, request.custom_id, err)
+        return ready
+
+    def _refuse(self, work: HeldRange, line: int, custom_id: str, err: LineError) -> None:
+        refused = refused_line(custom_id, err.message, err.code, err.param)
+        self._settle(work, line, PartEntry.of(line, False, refused))
+
+    def _start_images(self, request: ParsedRequest, store) -> list[Future]:
+        """The line's images, being read and decoded on the image pool (never on the engine thread). A text
+        model refuses them after validation's own checks, so a line validation refused gets that 400."""
+        if not request.images:
+            return []
+        if not getattr(self.engine, "accepts_images", False):
+            check_images(request.images, store=store, policy=self.image_policy)
+            check_model_takes_images(request.images, False, request.model)
+        return start_loading(request.images, store=store, policy=self.image_policy)
+
     def _prepared(
-        self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int
+        self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int, images: list
     ) -> Prepared:
-        ids = tokenize(request, self.engine.tokenizer)
+        if images:
+            ids, inputs = tokenize_with_images(request, self.engine.processor, images)
+        else:
+            ids, inputs = tokenize(request, self.engine.tokenizer), None
         params = fit_context(request, len(ids), self.engine.max_model_len)
         return Prepared(
-            request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count
+            request_id if count == 1 else f"{request_id}|{part}",
+            key,
+            request,
+            ids,
+            params,
+            part,
+            count,
+            inputs,
         )
 
     def _load_lora(self, name: str, path: str) -> None:

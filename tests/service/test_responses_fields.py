@@ -223,7 +223,7 @@ def test_hints_are_accepted_and_change_nothing(name):
             "body.input[0].type",
         ),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-x"}]}]},
             "unsupported_parameter",
             "body.input[0].content[0].type",
         ),

@@ -11,7 +11,8 @@ from click.testing import CliRunner
 
 from bulkgen.cli import cli
 from bulkgen.cli.server_cmds import run, serve
-from bulkgen.settings import ENGINE_FLAGS, MIB, Settings, WorkerSettings, flag_fields, from_flags
+from bulkgen.settings import ENGINE_FLAGS, MIB, ImageSettings, Settings, WorkerSettings
+from bulkgen.settings_flags import flag_fields, from_flags
 
 # The flags users have today: none may disappear or be renamed without this list changing with it.
 SHARED_FLAGS = {
@@ -19,16 +20,22 @@ SHARED_FLAGS = {
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
-    "--quantize", "--kv-cache-dtype",
+    "--quantize", "--kv-cache-dtype", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
+    "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
-NO_FLAG = {"workers", "cpu_threads", "engine_kwargs"}  # nested settings, set by code, or flagged per key
+NO_FLAG = {
+    "workers",
+    "cpu_threads",
+    "engine_kwargs",
+    "images",
+}  # nested settings, set by code, or flagged per key
 WIDE = {"terminal_width": 1000, "max_content_width": 1000}  # a default never split over two lines
 
 
 def test_every_user_setting_has_exactly_one_flag():
     settable = set(ENGINE_FLAGS)
-    for cls in (Settings, WorkerSettings):
+    for cls in (Settings, WorkerSettings, ImageSettings):
         for field in dataclasses.fields(cls):
             assert "flag" in field.metadata, f"{cls.__name__}.{field.name}: declare its flag (None: no flag)"
             if field.metadata["flag"] is not None:
@@ -94,6 +101,8 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         *("--max-file-mb", "3", "--max-num-seqs", "8", "--workers", "2", "--worker-poll-deadline", "5"),
         *("--tenant-weight", "a=2", "--model", "m=/models/m", "--scheduling", "deadline", "--lease-ttl", "4"),
         *("--async-scheduling", "off", "--quantize", "fp8"),
+        *("--image-url-hosts", "Images.Example,*.cdn.example"),
+        *("--image-url-hosts", "other.example", "--max-image-pixels", "1000", "--max-image-mb", "2"),
     )
     assert settings.max_file_bytes == 3 * MIB and settings.models == {"m": "/models/m"}
     assert settings.workers == WorkerSettings(
@@ -101,6 +110,11 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         num_workers=2,
         engine_kwargs={"max_num_seqs": 8, "async_scheduling": False, "quantize": "fp8"},
         poll_deadline_s=5.0,
+        images=ImageSettings(
+            image_url_hosts=("images.example", "*.cdn.example", "other.example"),
+            max_image_pixels=1000,
+            max_image_bytes=2 * MIB,
+        ),
     )
     monkeypatch.setenv("BULKGEN_ASYNC_SCHEDULING", "on")
     assert _run_settings(tmp_path).workers.engine_kwargs == {"async_scheduling": True}
@@ -135,6 +149,8 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         ("--tenant-weight", "a=0", "--tenant-weight 'a=0': the weight of tenant 'a' must be a number > 0"),
         ("--tenant-weight", "a", "--tenant-weight 'a': expected TENANT=W"),
         ("--model", "=x", "--model '=x': expected NAME=PATH"),
+        ("--image-url-hosts", "http://x/", "--image-url-hosts 'http://x/': not a host name"),
+        ("--max-images-per-line", "0", "--max-images-per-line 0: must be a positive int"),
     ],
 )
 def test_a_bad_value_names_its_flag(tmp_path, flag, value, error):

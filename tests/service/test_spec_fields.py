@@ -129,11 +129,12 @@ def test_what_cannot_be_honoured_is_refused_by_name(body, param):
     assert _refused(_chat, **body)[1] == param
 
 
-def test_media_parts_are_refused_naming_the_part():
+def test_audio_and_file_parts_are_refused_naming_the_part():
+    """Image parts parse (tests/images); the other media parts are refused by name."""
     row = chat_row("a", "hi")
     row["body"]["messages"][0]["content"] = [
-        {"type": "text", "text": "look"},
-        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+        {"type": "text", "text": "listen"},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
     ]
     with pytest.raises(LineError) as info:
         parse_line(json.dumps(row), 1, CHAT)
@@ -141,7 +142,7 @@ def test_media_parts_are_refused_naming_the_part():
         "unsupported_parameter",
         "body.messages[0].content[1].type",
     )
-    assert info.value.message.startswith("body.messages[0].content[1] is an image_url part;")
+    assert info.value.message.startswith("body.messages[0].content[1] is an input_audio part;")
     row["body"]["messages"][0]["content"][1] = {"type": "file", "file": {"file_id": "file-1"}}
     with pytest.raises(LineError, match=r"content\[1\] is a file part;"):
         parse_line(json.dumps(row), 1, CHAT)

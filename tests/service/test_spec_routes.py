@@ -128,7 +128,7 @@ def test_azure_lines_and_long_custom_ids_run(service, client, tmp_path):
         "unknown_parameter",
         "body.messages[0].cache_control",
     )
-    assert "body.messages[0].content[0] is an image_url part;" in errors["image"]["message"]
+    assert "body.messages[0].content[0].image_url must be a data: URL" in errors["image"]["message"]
     out = LocalStore(tmp_path / "out", fsync=False)
     out.create()
     (key, _) = write_results(service.svc, service.svc.batches.get(batch.id), out, "azure", "parquet")

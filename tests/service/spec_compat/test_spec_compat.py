@@ -27,6 +27,7 @@ DOCUMENTED_REFUSALS = {
         "body.modalities",
         "body.tools[0].type",
         "body.messages[0].content[1].type",
+        "body.messages[0].content[1].image_url",  # an http(s) host the operator did not allow
         "body.max_tokens",
     },
     "/v1/completions": {"body.stream", "body.suffix"},

@@ -1,0 +1,322 @@
+"""Images in the engine: a vision-language model's encoder beside its language model, and the image
+embeddings spliced into the packed prompt at their placeholder tokens.
+
+A vision-language checkpoint loads with AutoModelForImageTextToText; the engine runs its language model
+through a causal-LM shell that shares the loaded modules (`text_model`), so the paged attention, the step
+plan and the sampler see a plain decoder. `VisionTower` runs the encoder and projector
+(`get_image_features`) for every request of a step whose prompt chunk reaches an image it has not encoded
+yet, all of them in one call where their pixel tensors stack. The embeddings are kept on the request until
+every one of its sequences has computed past its last image token, so a chunked prefill may split an
+image's run anywhere; a preempted sequence that needs them again has them encoded again.
+
+Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
+prompts share cached blocks over an image only when the image is the same.
+
+Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL (M-RoPE: 3-D
+positions per prompt from the model's own rule, `mrope_positions`). Others are refused by name at load
+(`check_family`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import torch
+
+# model classes checked against transformers' generate (tests/engine/test_vision.py): LLaVA's embeddings
+# over its text model's 1-D positions, Qwen2.5-VL's over M-RoPE's 3-D ones
+CHECKED = {
+    "LlavaForConditionalGeneration",
+    "Idefics3ForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+}
+# why each refused family cannot run yet: said at load
+REFUSED = {
+    "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
+    "Qwen3VLForConditionalGeneration": "not yet checked against transformers (its deepstack features feed "
+    "several decoder layers, which the splice does not do)",
+    "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
+    "attention does not do",
+    "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
+    "torchvision)",
+    "SmolVLMForConditionalGeneration": "not yet checked against transformers",
+}
+
+
+@dataclass
+class ImageInputs:
+    """One request's images as the model's processor prepared them (off the engine thread: `process`)."""
+
+    pixel_values: torch.Tensor  # the processor's output for the request's images, in order
+    hashes: list[str]  # each image's content hash, in order (prefix-cache keys): one per image
+    # placeholder tokens of each image, in prompt order; None where the processor does not say (every
+    # placeholder is then keyed by all the request's images together: correct, shares less)
+    token_counts: list[int] | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-image encoder inputs (image_sizes)
+
+
+def image_hash(image) -> str:
+    """A content hash of one decoded image (a PIL image: its mode, size and pixels)."""
+    digest = hashlib.blake2b(f"{image.mode}{image.size}".encode(), digest_size=16)
+    digest.update(image.tobytes())
+    return digest.hexdigest()
+
+
+# what a processor returns beside the pixels that is not an encoder input
+_NOT_ENCODER = {"input_ids", "attention_mask", "pixel_values", "token_type_ids", "mm_token_type_ids"}
+
+
+def process(processor, text: str, images: list) -> tuple[list[int], ImageInputs | None]:
+    """The token ids of a rendered prompt `text` with each image's placeholders expanded by the model's
+    processor, and its PIL `images` as the engine takes them (None without images). CPU work for a
+    worker's preparing threads, never the engine thread."""
+    if not images:
+        return processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
+    out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    extras = {k: v for k, v in out.items() if k not in _NOT_ENCODER and isinstance(v, torch.Tensor)}
+    ids = out["input_ids"][0].tolist()
+    counts = _counts(processor, images)
+    if counts is not None and sum(counts) != ids.count(getattr(processor, "image_token_id", None)):
+        counts = None  # the processor counts the image's framing tokens too (Idefics3): not per placeholder
+    return ids, ImageInputs(out["pixel_values"], [image_hash(i) for i in images], counts, extras)
+
+
+def _counts(processor, images: list) -> list[int] | None:
+    """Placeholder tokens per image, from the processor's own count (transformers' _get_num_multimodal_tokens,
+    as vLLM reads it); None for a processor without one."""
+    try:
+        data = processor._get_num_multimodal_tokens(image_sizes=[(i.height, i.width) for i in images])
+    except (AttributeError, NotImplementedError, TypeError):
+        return None
+    counts = getattr(data, "num_image_tokens", None)
+    return list(counts) if counts is not None and len(counts) == len(images) else None
+
+
+class RequestImages:
+    """A request's images inside the engine: where its placeholders are and, while its prefill needs
+    them, their embeddings."""
+
+    def __init__(self, inputs: ImageInputs, prompt: list[int], image_token_id: int) -> None:
+        self.inputs = inputs
+        self.rows = [i for i, t in enumerate(prompt) if t == image_token_id]  # prompt positions, in order
+        counts = inputs.token_counts
+        if counts is not None and sum(counts) != len(self.rows):
+            raise ValueError(
+                f"the prompt has {len(self.rows)} image tokens but its images take {sum(counts)}"
+            )
+        if not self.rows:
+            raise ValueError("the request has images but its prompt has no image placeholder token")
+        self.embeds: torch.Tensor | None = None  # [len(rows), hidden] while kept
+        # M-RoPE models (Qwen-VL): the prompt's 3-D positions [3, prompt], by the model's own rule, computed
+        # at admission; a position p after the prompt is p + mrope_delta on all three axes
+        self.mrope: torch.Tensor | None = None
+        self.mrope_delta = 0
+        self.hash_prompt = _keyed(prompt, self.rows, inputs.hashes, counts)
+
+    @property
+    def last_row(self) -> int:
+        return self.rows[-1]
+
+
+def _keyed(prompt: list[int], rows: list[int], hashes: list[str], counts: list[int] | None) -> list[int]:
+    """The prompt with each placeholder replaced by a key of its image's content: negative ints below
+    any stand-in id (sequence.pending_id), so they never equal a real or pending token."""
+    keyed = list(prompt)
+    owners = [h for h, c in zip(hashes, counts, strict=True) for _ in range(c)] if counts else None
+    whole = "".join(hashes)
+    for i, row in enumerate(rows):
+        key = owners[i] if owners else whole
+        keyed[row] = -(1 << 62) - int(hashlib.blake2b(key.encode(), digest_size=7).hexdigest(), 16)
+    return keyed
+
+
+def check_family(model: torch.nn.Module) -> None:
+    """Refuse, by name, a vision-language model whose image handling bulkgen has not checked."""
+    _check_name(type(model).__name__)
+
+
+def _check_name(name: str) -> None:
+    if name in CHECKED:
+        return
+    why = REFUSED.get(name, "not yet checked against transformers")
+    raise ValueError(
+        f"{name}: bulkgen does not run this vision-language model ({why}); it runs {sorted(CHECKED)}"
+    )
+
+
+def text_model(vlm: torch.nn.Module) -> torch.nn.Module:
+    """The language half of `vlm` as a causal LM that shares its modules (built on the meta device, so
+    nothing is allocated twice): what the engine's runner, probes and sampler drive. A text config that
+    transformers maps to no causal LM (Qwen2.5-VL's) gets a Llama shell, whose forward is the generic
+    decoder-then-head every such model's is."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    language = vlm.get_decoder()
+    with torch.device("meta"):
+        try:
+            causal = AutoModelForCausalLM.from_config(language.config)
+        except ValueError:
+            causal = LlamaForCausalLM(
+                LlamaConfig(
+                    hidden_size=8,
+                    intermediate_size=8,
+                    num_hidden_layers=1,
+                    num_attention_heads=1,
+                    vocab_size=8,
+                )
+            )
+    causal.model = language
+    causal.lm_head = vlm.lm_head
+    causal.config = language.config
+    causal.generation_config = vlm.generation_config
+    causal.name_or_path = vlm.name_or_path
+    return causal.eval()
+
+
+class VisionTower:
+    """The encoder and projector of a vision-language model: pixel tensors in, one row of embeddings
+    per placeholder token out."""
+
+    def __init__(self, vlm: torch.nn.Module, processor=None) -> None:
+        """`processor`: the model's processor (process() takes it); its chat template, where only the
+        processor has one, becomes its tokenizer's too, since prompts are rendered through the tokenizer."""
+        check_family(vlm)
+        self.vlm = vlm.eval()
+        self.processor = processor
+        tokenizer = getattr(processor, "tokenizer", None)
+        if tokenizer is not None and not tokenizer.chat_template:
+            tokenizer.chat_template = getattr(processor, "chat_template", None)
+        config = vlm.config
+        self.image_token_id = getattr(config, "image_token_id", None)
+        if self.image_token_id is None:
+            self.image_token_id = config.image_token_index
+        self.mrope = hasattr(vlm.model, "get_rope_index")  # 3-D positions (Qwen-VL's M-RoPE)
+
+    def admit(self, prompt: list[int], inputs: ImageInputs) -> RequestImages:
+        """A request's images as the engine keeps them; ValueError if they do not match its prompt."""
+        images = RequestImages(inputs, prompt, self.image_token_id)
+        if self.mrope:
+            ids = torch.tensor([prompt], device=self.vlm.device)
+            extras = {k: v.to(self.vlm.device) for k, v in inputs.extras.items()}
+            positions, delta = self.vlm.model.get_rope_index(
+                input_ids=ids, mm_token_type_ids=(ids == self.image_token_id).int(), **extras
+            )
+            images.mrope, images.mrope_delta = positions[:, 0].cpu(), int(delta.reshape(-1)[0])
+        return images
+
+    def inputs(self, ordered: list, input_ids: torch.Tensor, positions: torch.Tensor, embedding) -> dict:
+        """The language model's inputs for a packed step: token ids, or embeddings with images spliced in;
+        positions, 3-D under M-RoPE."""
+        embeds = splice(self, ordered, input_ids, embedding)
+        out = {"input_ids": input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
+        out["position_ids"] = mrope_positions(ordered).to(positions.device) if self.mrope else positions[None]
+        return out
+
+    @torch.inference_mode()
+    def encode(self, requests: list[RequestImages]) -> None:
+        """Fill `embeds` of every request given, stacking those whose pixel tensors share a shape into
+        one encoder call."""
+        groups: dict[tuple, list[RequestImages]] = {}
+        for r in requests:
+            key = (tuple(r.inputs.pixel_values.shape[1:]), tuple(sorted(r.inputs.extras)))
+            groups.setdefault(key, []).append(r)
+        for group in groups.values():
+            self._encode_group(group)
+
+    def _encode_group(self, group: list[RequestImages]) -> None:
+        device, dtype = self.vlm.device, self.vlm.dtype
+        pixels = torch.cat([r.inputs.pixel_values for r in group]).to(device, dtype)
+        extras = {
+            k: torch.cat([r.inputs.extras[k] for r in group]).to(device) for k in group[0].inputs.extras
+        }
+        out = self.vlm.get_image_features(pixel_values=pixels, return_dict=True, **extras)
+        feats = out.pooler_output if hasattr(out, "pooler_output") else out
+        per_image = [f.reshape(-1, f.shape[-1]) for f in feats]
+        # one entry per image, or per request (Idefics3: per batch row, its images' tiles together; the
+        # two agree when every request has one image)
+        per_request = len(per_image) == len(group)
+        at = 0
+        for r in group:
+            count = 1 if per_request else len(r.inputs.hashes)
+            embeds = torch.cat(per_image[at : at + count])
+            at += count
+            if embeds.shape[0] != len(r.rows):
+                raise ValueError(
+                    f"the images give {embeds.shape[0]} embeddings for {len(r.rows)} image tokens in the prompt"
+                )
+            r.embeds = embeds
+
+
+def splice(
+    tower: VisionTower,
+    ordered: list,
+    input_ids: torch.Tensor,
+    embedding: torch.nn.Module,
+) -> torch.Tensor | None:
+    """The step's input embeddings with each image token's row replaced by its image embedding; None
+    when no scheduled chunk reaches an image token (the forward then takes token ids). Embeddings a
+    request will not need again (every sequence past its last image token after this step) are dropped."""
+    reached = []  # (request images, query offset, first position, count, request)
+    scheduled, q_off = {}, 0
+    for seq, n in ordered:
+        images = seq.request.images
+        start = seq.num_computed_tokens
+        scheduled[seq.seq_id] = start + n
+        if images is not None and start <= images.last_row and start + n > images.rows[0]:
+            reached.append((images, q_off, start, n, seq.request))
+        q_off += n
+    if not reached:
+        return None
+    tower.encode(list({id(r[0]): r[0] for r in reached if r[0].embeds is None}.values()))
+    embeds = embedding(input_ids)
+    at, parts = [], []
+    for images, offset, start, n, _ in reached:
+        lo, hi = bisect_left(images.rows, start), bisect_left(images.rows, start + n)
+        at.extend(offset + pos - start for pos in images.rows[lo:hi])
+        parts.append(images.embeds[lo:hi])
+    if at:  # a chunk between two runs of an image (Idefics3's framing tokens) has none
+        index = torch.tensor(at, dtype=torch.long, device=embeds.device)
+        embeds = embeds.index_copy(0, index, torch.cat(parts).to(embeds.device, embeds.dtype))
+    for images, *_, request in reached:
+        if all(scheduled.get(s.seq_id, s.num_computed_tokens) > images.last_row for s in request.seqs):
+            images.embeds = None
+    return embeds
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the checkpoint at `path` is a vision-language model (its config has a vision tower)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return getattr(config, "vision_config", None) is not None
+
+
+def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module, VisionTower]:
+    """(the language half, the encoder with the processor) of the vision-language model at `path`;
+    ValueError naming a family bulkgen does not run, before any weight is read."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for name in config.architectures or []:
+        _check_name(name)
+    vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    tower = VisionTower(vlm, AutoProcessor.from_pretrained(path, local_files_only=True))
+    return text_model(vlm), tower
+
+
+def mrope_positions(ordered: list) -> torch.Tensor:
+    """[3, 1, T] M-RoPE positions of a packed step: each prompt's own table where it has one (images),
+    then p + delta; p on all three axes for a prompt without images."""
+    parts = []
+    for seq, n in ordered:
+        start, images = seq.num_computed_tokens, seq.request.images
+        table = None if images is None else images.mrope
+        if table is None:
+            parts.append(torch.arange(start, start + n).expand(3, n))
+            continue
+        length = table.shape[1]
+        after = torch.arange(min(max(start, length), start + n), start + n) + images.mrope_delta
+        parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
+    return torch.cat(parts, 1)[:, None]

@@ -1,0 +1,191 @@
+"""Tiny, deterministic random-weight vision-language models with a locally saved processor: the engine's
+vision fixtures. Nothing is downloaded: the tokenizer is lab/tiny.py's byte-level one plus the family's
+image tokens, the image processor is built from its class with tiny sizes, and the weights come from the
+config under a fixed seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bulkgen.lab.tiny import build_tokenizer
+
+
+def chat_template(image: str) -> str:
+    """tiny.py's roles, with each image part rendered as `image`, the placeholder the processor expands."""
+    return (
+        "{% for m in messages %}<|{{ m['role'] }}|>\n"
+        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+        "{% if p['type'] == 'image' %}" + image + "{% else %}{{ p['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}<|end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+
+
+def _text_settings(tok, hidden_size: int) -> dict:
+    return dict(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        # 5x transformers' default spread: sharp enough attention that a wrong position or a misplaced
+        # image embedding changes greedy tokens (at the default a 29-token prompt's logits moved by 2e-3)
+        initializer_range=0.1,
+    )
+
+
+def _llava(tok, hidden_size: int):
+    """LLaVA: a CLIP encoder (28-pixel images, 14-pixel patches: 4 tokens an image) and a Llama."""
+    import transformers as tf
+
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    config = tf.LlavaConfig(
+        vision_config=tf.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+        ),
+        text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
+        image_token_index=tok.convert_tokens_to_ids("<image>"),
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    images = tf.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    processor = tf.LlavaProcessor(
+        image_processor=images,
+        tokenizer=tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        image_token="<image>",
+        chat_template=chat_template("<image>"),
+    )
+    return tf.LlavaForConditionalGeneration(config), processor
+
+
+def _qwen2_5_vl(tok, hidden_size: int):
+    """Qwen2.5-VL: its windowed ViT (14-pixel patches merged 2 x 2, 4 to 16 tokens an image) and its
+    M-RoPE text model (3-D positions split 2/3/3 over the rotary pairs of 16-wide heads)."""
+    import transformers as tf
+
+    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    text = _text_settings(tok, hidden_size)
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=hidden_size,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    )
+    config = tf.Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+    images = tf.Qwen2VLImageProcessorPil(
+        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2, temporal_patch_size=2
+    )
+    template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    return tf.Qwen2_5_VLForConditionalGeneration(config), image_only_qwen_processor(images, tok, template)
+
+
+def image_only_qwen_processor(image_processor, tokenizer, template: str):
+    """Qwen2.5-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
+    processor, which needs torchvision (not installed here); AutoProcessor cannot load it back, so a test
+    builds it again with `load_processor`."""
+    import transformers as tf
+
+    class ImageOnlyQwen2_5_VLProcessor(tf.Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return ImageOnlyQwen2_5_VLProcessor(image_processor, tokenizer, chat_template=template)
+
+
+def load_processor(path: str | Path):
+    """The processor of a tiny vision model written by build_tiny_vlm (AutoProcessor where it can load it)."""
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type != "qwen2_5_vl":
+        return tf.AutoProcessor.from_pretrained(path, local_files_only=True)
+    images = tf.Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    return image_only_qwen_processor(images, tok, template)
+
+
+def _idefics3(tok, hidden_size: int):
+    """Idefics3: a SigLIP-style encoder on 56-pixel tiles (an image up to 112 pixels split into tiles plus a
+    global view), pixel-shuffled 2 x 2 into 4 tokens a tile, framed by row/column and global-image tokens."""
+    import transformers as tf
+
+    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    config = tf.Idefics3Config(
+        vision_config=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+        ),
+        text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        tie_word_embeddings=False,
+    )
+    images = tf.Idefics3ImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    processor = tf.Idefics3Processor(
+        image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
+    )
+    return tf.Idefics3ForConditionalGeneration(config), processor
+
+
+BUILDERS = {"llava": _llava, "qwen2_5_vl": _qwen2_5_vl, "idefics3": _idefics3}
+VISION_FAMILIES = tuple(BUILDERS)
+
+
+def build_tiny_vlm(path: str | Path, family: str = "llava", *, seed: int = 0, hidden_size: int = 64) -> Path:
+    """Write a random (seeded) vision-language model of `family` and its processor to `path`."""
+    if family not in BUILDERS:
+        raise ValueError(f"unknown tiny vision family {family!r}; choose one of {list(VISION_FAMILIES)}")
+    import torch
+
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    model, processor = BUILDERS[family](tok, hidden_size)
+    model = model.to(torch.float32).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.chat_template = processor.chat_template
+    processor.save_pretrained(path)
+    return path
