@@ -20,10 +20,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.requests import LineError, url_of
 from bulkgen.batch.resultfiles import stem_of, write_report, write_results
-from bulkgen.batch.schema import InvalidRequest, public_view
+from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.driver import Driver
 from bulkgen.runtime.lineindex import LineIndex
@@ -206,7 +207,7 @@ class Watcher:
             )
             # validated and indexed here: a refused file gets its report without starting any worker (a
             # crash before this leaves it `validating`, and the runtime or the next owner validates it)
-            record, index = self.driver.validate(record["id"])
+            record, index = self.driver.validate(record.id)
         except (NotABatchFile, InvalidRequest) as exc:
             written = write_report(
                 self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc), self._source(claim)
@@ -214,13 +215,13 @@ class Watcher:
             self.claims.finish(claim, outcome="not_run")
             log.warning("%s: not run: %s (report: %s)", key, exc, written)
             return
-        self.claims.update(claim, state="running", batch_id=record["id"])
+        self.claims.update(claim, state="running", batch_id=record.id)
         log.info(
             "%s: batch %s, %d requests, %s",
             key,
-            record["id"],
-            record["request_counts"]["total"],
-            record["status"],
+            record.id,
+            record.request_counts.total,
+            record.status,
         )
         self._track(claim, index)
 
@@ -289,7 +290,7 @@ class Watcher:
                     "%s: batch %s: %s: %s", claim.info.key, claim.batch_id, type(exc).__name__, _one_line(exc)
                 )
 
-    def _finish(self, claim: Claim, record: dict) -> None:
+    def _finish(self, claim: Claim, record: BatchRecord) -> None:
         stem = stem_of(claim.info.key)
         written = self.driver.finish(
             record,
@@ -297,23 +298,23 @@ class Watcher:
                 self.svc, r, self.outbox, stem, self.spec.output_format, self._source(claim)
             ),
         )
-        self.claims.finish(claim, outcome=record["status"])
-        counts = record["request_counts"]
+        self.claims.finish(claim, outcome=record.status)
+        counts = record.request_counts
         log.info(
             "%s: batch %s %s: %d completed, %d failed; wrote %s",
             claim.info.key,
-            record["id"],
-            record["status"],
-            counts["completed"],
-            counts["failed"],
+            record.id,
+            record.status,
+            counts.completed,
+            counts.failed,
             ", ".join(written),
         )
         if self.on_batch_end is not None:
             try:
-                self.on_batch_end(public_view(record))
+                self.on_batch_end(record.public())
             except Exception as exc:
                 log.warning(
-                    "batch %s: on_batch_end failed: %s: %s", record["id"], type(exc).__name__, _one_line(exc)
+                    "batch %s: on_batch_end failed: %s: %s", record.id, type(exc).__name__, _one_line(exc)
                 )
 
     def _source(self, claim: Claim) -> dict:

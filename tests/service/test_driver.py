@@ -92,7 +92,7 @@ def test_stored_job_parses_each_line_once(service, parses, tmp_path):
     settings = settings_for(str(tmp_path / "store"))
     BatchService(settings).store.write_bytes("inbox/job.jsonl", batch_file(tmp_path, "job").read_bytes())
     record = run_stored(settings, "inbox/job.jsonl", "outbox", echo=lambda _: None)
-    assert record["request_counts"]["completed"] == LINES
+    assert record.request_counts.completed == LINES
     assert (tmp_path / "store" / "outbox" / "job.output.jsonl").read_text().count("\n") == LINES
     assert parsed_once(parses, "job"), parses
 

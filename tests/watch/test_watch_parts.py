@@ -227,7 +227,7 @@ def test_on_batch_end_is_called_once_with_the_final_record(tmp_path):
     watcher.check_pending()
     assert watcher.scan() == 0 and [r["status"] for r in ended] == ["failed"] and "x_bulkgen" not in ended[0]
     assert ended[0]["errors"]["data"][0]["param"] == "body"  # a line without a body object: the file's error
-    assert svc.batches.get(ended[0]["id"])["metadata"]["watch_input"] == f"{inbox}/bad.jsonl"
+    assert svc.batches.get(ended[0]["id"]).metadata["watch_input"] == f"{inbox}/bad.jsonl"
 
 
 @pytest.mark.parametrize(
@@ -299,7 +299,7 @@ def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_ru
     alive.claims.clock = clock
     assert alive.scan() == 1 and not alive.pending  # the dead watcher's claim has not lapsed yet
     clock.advance(61)
-    assert alive.scan() == 1 and [c.batch_id for c in alive.pending.values()] == [record["id"]]
+    assert alive.scan() == 1 and [c.batch_id for c in alive.pending.values()] == [record.id]
     alive.check_pending()
-    assert list(svc.batches.ids()) == [record["id"]] and not alive.pending
-    assert json.loads((tmp_path / "outbox" / "bad.summary.json").read_text())["batch"]["id"] == record["id"]
+    assert list(svc.batches.ids()) == [record.id] and not alive.pending
+    assert json.loads((tmp_path / "outbox" / "bad.summary.json").read_text())["batch"]["id"] == record.id
