@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.responses import answer_summary
+from bulkgen.batch.outputlines import answer_summary
 from bulkgen.batch.service import BatchService
 from bulkgen.store import Store
 

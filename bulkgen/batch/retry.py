@@ -4,7 +4,7 @@ Which failures are worth a retry follows from the lines the runtime writes to er
   engine_error     500: the engine failed on the request, or the worker running it died again and again
                    (bulkgen.runtime.worker, BatchRunner.give_up; a worker that cannot read its range from
                    storage ends there too)
-  batch_expired    never run: the completion window passed (bulkgen.batch.responses.not_run_line)
+  batch_expired    never run: the completion window passed (bulkgen.batch.outputlines.not_run_line)
   batch_cancelled  never run: the batch was cancelled
   any other 5xx    a server-side fault, not the request's
 and every input line with no result at all (a batch that failed while running, e.g. its storage or its

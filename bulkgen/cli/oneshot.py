@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.responses import answer_summary
+from bulkgen.batch.outputlines import answer_summary
 from bulkgen.batch.resultfiles import local_results, stem_of, write_results
 from bulkgen.batch.service import BatchService
 from bulkgen.cli.client import ClientError, detect_endpoint, endpoint_of

@@ -42,7 +42,7 @@ def setting_option(param: str) -> Callable:
 
 
 def override_flags(cls: type) -> Callable[[Callable], Callable]:
-    """The flags of a definition's fields (a watch job's `JobSpec`), made as the settings' are. Each
+    """The flags of a definition's fields (a watch job's `Job`), made as the settings' are. Each
     defaults to None: only what the user typed overrides the definition (`pop_flags` takes the values)."""
     items = list(flag_fields(cls))
     clash = {item.param for item in items} & set(SETTING_PARAMS)

@@ -13,7 +13,7 @@ from click.core import ParameterSource
 from bulkgen.cli.server_cmds import check_storage, runtime_errors, webhook_notifier, webhook_options
 from bulkgen.cli.settings_options import override_flags, pop_flags, settings_flags, settings_from
 from bulkgen.settings import Settings
-from bulkgen.watch.jobspec import JobError, JobSpec
+from bulkgen.watch.job import Job, JobError
 
 
 @click.command()
@@ -23,7 +23,7 @@ from bulkgen.watch.jobspec import JobError, JobSpec
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="A job definition (jobs/NAME.yaml); the options below override its fields.",
 )
-@override_flags(JobSpec)
+@override_flags(Job)
 @click.option("--once", is_flag=True, help="Poll once, run what was found to its end, and exit.")
 @webhook_options
 @settings_flags
@@ -38,13 +38,13 @@ def watch(ctx: click.Context, job_path: Path | None, once: bool, webhook, webhoo
     logging.getLogger("botocore").setLevel(
         logging.WARNING
     )  # not "Found credentials in environment variables"
-    spec = _job(job_path, {**pop_flags(JobSpec, flags), "webhook": webhook})
-    settings = _settings(ctx, spec, flags)
+    job = _job(job_path, {**pop_flags(Job, flags), "webhook": webhook})
+    settings = _settings(ctx, job, flags)
     # signed events once each batch's results are written under the output prefix
-    notifier = webhook_notifier(settings, spec.webhook, webhook_secret)
+    notifier = webhook_notifier(settings, job.webhook, webhook_secret)
     try:
         watcher = Watcher(
-            BatchService(settings), spec, endpoint_url=settings.endpoint_url, on_batch_end=notifier
+            BatchService(settings), job, endpoint_url=settings.endpoint_url, on_batch_end=notifier
         )
     except (JobError, ValueError) as exc:
         raise click.UsageError(str(exc)) from None
@@ -59,19 +59,19 @@ def watch(ctx: click.Context, job_path: Path | None, once: bool, webhook, webhoo
             notifier.close()  # a few seconds to send what is queued; the rest stays pending in the storage
 
 
-def _job(job_path: Path | None, given: dict[str, Any]) -> JobSpec:
+def _job(job_path: Path | None, given: dict[str, Any]) -> Job:
     """The job file's fields (none without --job), with what the command line gives over them."""
     try:
-        spec = JobSpec.load(job_path) if job_path else JobSpec()
-        return spec.override(**given).check(str(job_path or "bulkgen watch"))
+        job = Job.load(job_path) if job_path else Job()
+        return job.override(**given).check(str(job_path or "bulkgen watch"))
     except JobError as exc:
         raise click.UsageError(str(exc)) from None
 
 
-def _settings(ctx: click.Context, spec: JobSpec, flags: dict[str, Any]) -> Settings:
+def _settings(ctx: click.Context, job: Job, flags: dict[str, Any]) -> Settings:
     """The service's settings: the job's storage and models where the command line leaves them out; the
     storage is checked (and a local folder made) before anything runs."""
-    for key, value in (("storage", spec.storage), ("models", tuple(spec.models))):
+    for key, value in (("storage", job.storage), ("models", tuple(job.models))):
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             flags[key] = value
     settings = settings_from(flags)

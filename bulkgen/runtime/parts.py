@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.responses import json_line
+from bulkgen.batch.outputlines import json_line
 from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import Store, layout
 

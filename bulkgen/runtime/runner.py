@@ -26,16 +26,16 @@ import numpy as np
 from bulkgen.batch import lifecycle
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.lifecycle import needs_validation
+from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.requests import custom_id_of
-from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
-from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
+from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
@@ -116,7 +116,7 @@ class BatchRunner:
         stop = self.stop_reason(record)
         if record.status != BatchStatus.FINALIZING:
             if index is not None or self.index is None:  # else: handed over by the driver that validated it
-                self.index = index if index is not None else self._scan(record)
+                self.index = index if index is not None else self._index_file(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
             if not stop and not self.done.all():
                 stop = self._execute(record)
@@ -139,7 +139,7 @@ class BatchRunner:
             record.model,
             self.svc.settings.models[record.model],
             float(order),
-            self.svc.store.spec(),
+            self.svc.store.open_args(),
             self.svc.tenant,
             batch_priority(record.metadata),
         )
@@ -195,10 +195,10 @@ class BatchRunner:
         except (NotFound, LookupError):
             raise BatchFailed("the input file is gone; the batch cannot run") from None
 
-    def _scan(self, record: BatchRecord) -> LineIndex:
+    def _index_file(self, record: BatchRecord) -> LineIndex:
         try:
             with self.svc.files.open(record.input_file_id) as f:
-                return scan(f, record.endpoint)
+                return index_file(f, record.endpoint)
         except (NotFound, LookupError):
             raise BatchFailed(
                 f"the input file {record.input_file_id} is gone; the batch cannot run"

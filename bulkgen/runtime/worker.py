@@ -25,9 +25,9 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line
-from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.registry import resolve_model_path
 from bulkgen.runtime.engine_loop import EngineLoop
@@ -247,10 +247,10 @@ class EngineWorker(EngineLoop, PartWriter):
             request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count
         )
 
-    def _store(self, spec: dict[str, Any]):
-        key = json.dumps(spec, sort_keys=True)
+    def _store(self, open_args: dict[str, Any]):
+        key = json.dumps(open_args, sort_keys=True)
         if key not in self._stores:
-            self._stores[key] = open_store(**spec)
+            self._stores[key] = open_store(**open_args)
         return self._stores[key]
 
     def _progress(self, owner: str) -> dict[str, dict[str, int]]:

@@ -20,7 +20,7 @@ from openai.types import Batch
 
 from bulkgen.batch.batchrecord import new_batch_record
 from bulkgen.batch.merged import merge_chain
-from bulkgen.batch.responses import envelope, not_run_line, refused_line
+from bulkgen.batch.outputlines import envelope, not_run_line, refused_line
 from bulkgen.batch.retry import retryable
 from bulkgen.cli import cli
 from bulkgen.tenants import KeyRing, add_key

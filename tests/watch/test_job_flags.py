@@ -1,4 +1,4 @@
-"""`bulkgen watch`'s job options are made from JobSpec's fields, as the service's are from Settings': a
+"""`bulkgen watch`'s job options are made from Job's fields, as the service's are from Settings': a
 field's flag, help and check are written once, and a flag overrides the job file only when given."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import click
 import pytest
 
 from bulkgen.cli.watch_cmds import _job, watch
-from bulkgen.watch.jobspec import JobSpec
+from bulkgen.watch.job import Job
 
 JOB = """\
 input: {inbox}
@@ -25,7 +25,7 @@ def _options() -> dict[str, click.Option]:
 
 
 def test_every_flagged_job_field_is_a_watch_option_with_its_help():
-    flagged = {f.name: f.metadata["flag"] for f in fields(JobSpec) if f.metadata.get("flag")}
+    flagged = {f.name: f.metadata["flag"] for f in fields(Job) if f.metadata.get("flag")}
     assert set(flagged) == {
         "input",
         "output",

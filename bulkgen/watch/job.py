@@ -39,7 +39,7 @@ class JobError(ValueError):
 
 
 @dataclass
-class JobSpec:
+class Job:
     """A job's fields; those with a `Flag` are `bulkgen watch`'s options too (bulkgen.cli.settings_options
     .job_flags), which override the job file's value when given. `storage`, `models` and `webhook` are the
     service's flags (settings and webhook options), used when the command line leaves them out."""
@@ -94,7 +94,7 @@ class JobSpec:
     webhook: str | None = None
 
     @classmethod
-    def load(cls, path: str | Path) -> JobSpec:
+    def load(cls, path: str | Path) -> Job:
         import yaml
 
         try:
@@ -109,11 +109,11 @@ class JobSpec:
             raise JobError(
                 f"{path}: unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}"
             )
-        spec = cls(**{"name": Path(path).stem, **data})
-        spec.check(str(path))
-        return spec
+        job = cls(**{"name": Path(path).stem, **data})
+        job.check(str(path))
+        return job
 
-    def override(self, **values: Any) -> JobSpec:
+    def override(self, **values: Any) -> Job:
         """Command-line values (those given, not None) replace the job's."""
         for name, value in values.items():
             if value is not None:
@@ -124,7 +124,7 @@ class JobSpec:
             self.schedule = None
         return self
 
-    def check(self, where: str = "job") -> JobSpec:
+    def check(self, where: str = "job") -> Job:
         if not self.input or not isinstance(self.input, str):
             raise JobError(f"{where}: input (a folder or s3://bucket/prefix/) is required")
         if not self.output or not isinstance(self.output, str):
