@@ -194,8 +194,8 @@ def run(args) -> dict:
         ray.shutdown()
         c.shutdown()
     return {
-        "status": record["status"],
-        "wall_time_s": record["metrics"]["wall_time_s"],
+        "status": record.status,
+        "wall_time_s": record.metrics["wall_time_s"],
         "window_s": (recorder.tail_at or 0) - (recorder.queued_at or 0),
         "shares": recorder.shares(),
         "takes": len(recorder.takes),

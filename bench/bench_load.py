@@ -63,20 +63,22 @@ def multipart(data: bytes, name: str) -> bytes:
 def fake_batches(storage: str, count: int, start: int = 0) -> list[str]:
     """Ended batch records straight into storage (what `count` finished batches leave behind)."""
     from bulkgen.batch import totals
+    from bulkgen.batch.batchrecord import RequestCounts, new_batch_record
     from bulkgen.batch.records import BatchRepo
-    from bulkgen.batch.schema import new_batch_record, set_status
+    from bulkgen.batch.schema import BatchStatus
     from bulkgen.store import LocalStore
 
     store = LocalStore(storage, fsync=False)
     repo, ids = BatchRepo(store), []
     summed = totals.load(store)  # what mark_ended adds as each batch ends, written once for all of them
     for _ in range(count):
-        record = set_status(new_batch_record("file-bench", "/v1/completions", "24h", None), "completed")
-        record["request_counts"].update(total=10, completed=10)
-        record["usage"].update(input_tokens=100, output_tokens=80, total_tokens=180)
+        record = new_batch_record("file-bench", "/v1/completions", "24h", None)
+        record.status, record.completed_at = BatchStatus.COMPLETED, record.created_at  # as if it ran
+        record.request_counts = RequestCounts(total=10, completed=10)
+        record.usage.update(input_tokens=100, output_tokens=80, total_tokens=180)
         repo.create(record)
         totals.add(summed, record)
-        ids.append(record["id"])
+        ids.append(record.id)
     store.write_bytes(totals.TOTALS_KEY, json.dumps(summed).encode())
     return ids
 

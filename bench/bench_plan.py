@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 from bulkgen.cli.client import detect_endpoint  # noqa: E402
 from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
 from bulkgen.plan import profile as profiles  # noqa: E402
-from bulkgen.plan.scan import scan_file  # noqa: E402
+from bulkgen.plan.filework import file_work  # noqa: E402
 from bulkgen.plan.timed import batch_seconds  # noqa: E402
 from bulkgen.store import open_store  # noqa: E402
 
@@ -130,7 +130,7 @@ def time_model(path: Path, storage: Path, lengths: list[int]) -> float:
 
     profile = profiles.load(open_store(str(storage)), DEFAULT_MODEL_NAME, profiles.device_name())
     tokenizer = AutoTokenizer.from_pretrained(default_model_path(), local_files_only=True)
-    work = scan_file(path, detect_endpoint(path), DEFAULT_MODEL_NAME, tokenizer, profile.max_model_len, 10**6)
+    work = file_work(path, detect_endpoint(path), DEFAULT_MODEL_NAME, tokenizer, profile.max_model_len, 10**6)
     return batch_seconds(
         work.arrays(profile.prefix_caching)[1].tolist(),
         lengths,

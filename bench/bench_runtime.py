@@ -115,9 +115,9 @@ def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
         with path.open("rb") as f:
             record = Driver(svc).run(f, path.name, "/v1/completions", "24h")
         total = time.perf_counter() - start
-        state = json.loads(svc.store.read_bytes(layout.metrics_state(record["id"])))
+        state = json.loads(svc.store.read_bytes(layout.metrics_state(record.id)))
         step_time = worker_step_times(workers)
-    metrics = record["metrics"]
+    metrics = record.metrics
     per_worker = metrics["per_worker"].values()
     steps = sum(w["steps"] for w in per_worker)
     first, last = state["first_arrival"], state["last_finish"]
@@ -127,7 +127,7 @@ def run_service(path: Path, workers: int, engine_kwargs: dict) -> dict:
         "total_s": total,
         "fixed_s": total - metrics["wall_time_s"],
         "output_tokens": metrics["output_tokens"],
-        "status": record["status"],
+        "status": record.status,
         "steps": steps,
         "step_time": step_time,
         "step_ms": 1000 * sum(w["busy_time_s"] for w in per_worker) / max(1, steps),

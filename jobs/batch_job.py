@@ -29,7 +29,7 @@ def main(settings, input_key: str, output_prefix: str, completion_window: str) -
         record = run_stored(settings, input_key, output_prefix, window=completion_window, echo=click.echo)
     except OneShotError as exc:
         raise click.ClickException(str(exc)) from None
-    sys.exit(0 if record["status"] == BatchStatus.COMPLETED else 1)
+    sys.exit(0 if record.status == BatchStatus.COMPLETED else 1)
 
 
 if __name__ == "__main__":

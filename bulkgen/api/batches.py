@@ -12,8 +12,8 @@ from bulkgen.api.auth import service_of
 from bulkgen.api.body import read_json_body
 from bulkgen.api.files import page
 from bulkgen.api.protocol import ID, Batch, BatchList, CreateBatch, answers
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.records import check_expires_after
-from bulkgen.batch.schema import public_view
 from bulkgen.runtime.driver import Driver
 
 router = APIRouter(prefix="/v1/batches")
@@ -38,10 +38,10 @@ async def create_batch(request: Request) -> dict:
         body = CreateBatch.model_validate_json(raw)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors(include_url=False, include_input=False)) from None
-    return public_view(await run_in_threadpool(_create, service_of(request), request.app.state.manager, body))
+    return (await run_in_threadpool(_create, service_of(request), request.app.state.manager, body)).public()
 
 
-def _create(svc, manager, body: CreateBatch) -> dict:
+def _create(svc, manager, body: CreateBatch) -> BatchRecord:
     expiry = body.output_expires_after
     seconds = (
         None if expiry is None else check_expires_after(expiry.seconds, expiry.anchor, "output_expires_after")
@@ -54,7 +54,7 @@ def _create(svc, manager, body: CreateBatch) -> dict:
 
 @router.get("/{batch_id}", response_model=None, responses=answers(Batch, 404))
 async def retrieve_batch(request: Request, batch_id: str = BATCH_ID) -> dict:
-    return public_view(await run_in_threadpool(service_of(request).batches.get, batch_id))
+    return (await run_in_threadpool(service_of(request).batches.get, batch_id)).public()
 
 
 @router.get("", response_model=None, responses=answers(BatchList))
@@ -64,14 +64,14 @@ async def list_batches(
     limit: int = Query(20, ge=1, le=100),
 ) -> dict:
     items, has_more = await run_in_threadpool(service_of(request).batches.list, after, limit)
-    return page([public_view(r) for r in items], has_more)
+    return page([r.public() for r in items], has_more)
 
 
 @router.post("/{batch_id}/cancel", response_model=None, responses=answers(Batch, 404, 409))
 async def cancel_batch(request: Request, batch_id: str = BATCH_ID) -> dict:
     record = await run_in_threadpool(service_of(request).cancel, batch_id)
     request.app.state.manager.wake(batch_id)
-    return public_view(record)
+    return record.public()
 
 
 @router.post("/{batch_id}/retry", response_model=None, responses=answers(Batch, 404, 409))
@@ -79,4 +79,4 @@ async def retry_batch(request: Request, batch_id: str = BATCH_ID) -> dict:
     """An extension: a new batch of the lines of `batch_id` that did not succeed and are worth retrying."""
     record = await run_in_threadpool(service_of(request).retry, batch_id)
     request.app.state.manager.wake()
-    return public_view(record)
+    return record.public()

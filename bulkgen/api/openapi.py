@@ -36,18 +36,18 @@ def install(app: FastAPI, keyed: bool) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            spec = get_openapi(
+            document = get_openapi(
                 title=app.title, version=app.version, description=_DESCRIPTION, routes=app.routes
             )
-            app.openapi_schema = finish(spec, keyed)
+            app.openapi_schema = finish(document, keyed)
         return app.openapi_schema
 
     app.openapi = openapi
 
 
-def finish(spec: dict[str, Any], keyed: bool) -> dict[str, Any]:
-    """`spec` with the shared errors, without FastAPI's 422, and with the bearer scheme."""
-    for path, operations in spec["paths"].items():
+def finish(document: dict[str, Any], keyed: bool) -> dict[str, Any]:
+    """`document` with the shared errors, without FastAPI's 422, and with the bearer scheme."""
+    for path, operations in document["paths"].items():
         for method, operation in operations.items():
             responses = operation["responses"]
             responses.pop("422", None)
@@ -60,7 +60,7 @@ def finish(spec: dict[str, Any], keyed: bool) -> dict[str, Any]:
                 responses.setdefault(str(status), _error(status))
             if path in OPEN_PATHS:
                 operation["security"] = []
-    schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
     for (
@@ -69,15 +69,15 @@ def finish(spec: dict[str, Any], keyed: bool) -> dict[str, Any]:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
-    spec["components"]["securitySchemes"] = {
+    document["components"]["securitySchemes"] = {
         BEARER: {
             "type": "http",
             "scheme": "bearer",
             "description": "An API key of `bulkgen serve --api-key/--api-keys`; its tenant answers",
         }
     }
-    spec["security"] = [{BEARER: []}] if keyed else [{}, {BEARER: []}]
-    return spec
+    document["security"] = [{BEARER: []}] if keyed else [{}, {BEARER: []}]
+    return document
 
 
 def _error(status: int) -> dict[str, Any]:

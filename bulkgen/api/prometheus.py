@@ -40,7 +40,7 @@ class RecordCache:
                 record = self.svc.for_tenant(tenant).batches.get(batch_id)
             except LookupError:  # ended and removed between listing and reading
                 continue
-            if record["status"] in ACTIVE_STATUSES:  # an ended one is in the totals (or about to be)
+            if record.status in ACTIVE_STATUSES:  # an ended one is in the totals (or about to be)
                 yield record
 
 
@@ -67,8 +67,8 @@ def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
     waiting = 0
     for record in live:
         running_totals.add(total, record)
-        counts = record["request_counts"]
-        waiting += max(0, counts["total"] - counts["completed"] - counts["failed"])
+        counts = record.request_counts
+        waiting += max(0, counts.total - counts.completed - counts.failed)
     for status in BatchStatus:
         batches.labels(status.value).set(total["batches"].get(status, 0))
     for outcome, value in total["requests"].items():

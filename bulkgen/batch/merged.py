@@ -14,8 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from bulkgen.batch.outputlines import envelope, json_line
 from bulkgen.batch.requests import custom_id_of
-from bulkgen.batch.responses import envelope, json_line
 
 
 @dataclass

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.ids import new_id
 from bulkgen.batch.schema import TERMINAL_STATUSES, InvalidRequest, quote
 from bulkgen.store import NotFound, Store, layout
@@ -29,7 +30,6 @@ from bulkgen.store.conditional import update_json
 log = logging.getLogger(__name__)
 ID_PATTERN = r"^[A-Za-z0-9_\-]{1,128}$"  # every file and batch id (the OpenAPI description says so too)
 _ID = re.compile(ID_PATTERN)  # used with fullmatch: `$` alone lets a trailing newline through
-FILE_PURPOSES = ("batch", "batch_output")
 MIN_EXPIRY_S, MAX_EXPIRY_S = 3600, 30 * 24 * 3600  # the hosted API's bounds for expires_after[seconds]
 
 
@@ -218,7 +218,7 @@ def _before(list_keys: Callable[[], Iterator[str]], marker: str | None, count: i
 
 
 class BatchRepo:
-    def __init__(self, store: Store, on_end: Callable[[dict], None] | None = None) -> None:
+    def __init__(self, store: Store, on_end: Callable[[BatchRecord], None] | None = None) -> None:
         """`on_end(record)` runs once per batch end, after the write that moved the record into a final
         status (the conditional write makes that writer the only one)."""
         self.store = store
@@ -233,26 +233,26 @@ class BatchRepo:
     def key(batch_id: str) -> str:
         return layout.batch(_check_id("batch", batch_id))
 
-    def create(self, record: dict) -> dict:
-        self.store.write_bytes(self.key(record["id"]), json.dumps(record).encode(), if_none_match=True)
+    def create(self, record: BatchRecord) -> BatchRecord:
+        self.store.write_bytes(self.key(record.id), json.dumps(record.to_json()).encode(), if_none_match=True)
         return record
 
-    def get(self, batch_id: str) -> dict:
-        return self._get_versioned(batch_id)[0]
-
-    def _get_versioned(self, batch_id: str) -> tuple[dict, str]:
+    def get(self, batch_id: str) -> BatchRecord:
         try:
-            data, version = self.store.read_versioned(self.key(batch_id))
+            data, _ = self.store.read_versioned(self.key(batch_id))
         except NotFound:
             raise RecordNotFound(f"No such batch: {batch_id!r}") from None
-        return json.loads(data), version
+        return BatchRecord.from_json(json.loads(data))
 
-    def update(self, batch_id: str, change: Callable[[dict], dict | None], attempts: int = 20) -> dict:
+    def update(
+        self, batch_id: str, change: Callable[[BatchRecord], BatchRecord | None], attempts: int = 20
+    ) -> BatchRecord:
         """Read-modify-write with a conditional put; `change` may return None to leave the record as is."""
 
-        def changed(record: dict) -> dict | None:
-            new = change(json.loads(json.dumps(record)))
-            return None if new == record else new
+        def changed(stored: dict) -> dict | None:
+            new = change(BatchRecord.from_json(json.loads(json.dumps(stored))))
+            new_json = None if new is None else new.to_json()
+            return None if new_json is None or new_json == stored else new_json
 
         try:
             record, new = update_json(
@@ -266,20 +266,25 @@ class BatchRepo:
         except NotFound:
             raise RecordNotFound(f"No such batch: {batch_id!r}") from None
         if new is None:
-            return record
-        if self.on_end and new["status"] in TERMINAL_STATUSES and record["status"] not in TERMINAL_STATUSES:
-            self._ended(new)
-        return new
+            return BatchRecord.from_json(record)
+        ended = BatchRecord.from_json(new)
+        if self.on_end and ended.status in TERMINAL_STATUSES and record["status"] not in TERMINAL_STATUSES:
+            self._ended(ended)
+        return ended
 
-    def _ended(self, record: dict) -> None:
+    def _ended(self, record: BatchRecord) -> None:
         try:
             self.on_end(record)
         except Exception:  # a hook never undoes or fails the batch's ending
-            log.exception("batch %s: on_end hook failed", record["id"])
+            log.exception("batch %s: on_end hook failed", record.id)
 
-    def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
+    def list(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         keys = self.store.list(layout.BATCHES, start_after=_cursor("batch", after, self.key))
-        return _page(keys, limit, lambda r: True, lambda key: _load_json(self.store, key))
+        return _page(keys, limit, lambda r: True, lambda key: self._load(key))
+
+    def _load(self, key: str) -> BatchRecord | None:
+        data = _load_json(self.store, key)
+        return None if data is None else BatchRecord.from_json(data)
 
     def ids(self) -> Iterator[str]:
         for key in self.store.list(layout.BATCHES):

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from bulkgen.batch.responses import answer_summary
-from bulkgen.batch.schema import public_view
+from bulkgen.batch.batchrecord import BatchRecord
+from bulkgen.batch.outputlines import answer_summary
 from bulkgen.batch.service import BatchService
 from bulkgen.store import Store
 
@@ -91,7 +91,7 @@ def local_results(output: Path) -> tuple[LocalFolder, ResultNames]:
 
 def write_results(
     svc: BatchService,
-    record: dict,
+    record: BatchRecord,
     out: Store | LocalFolder,
     names: ResultNames | str,
     fmt: str = "jsonl",
@@ -104,32 +104,32 @@ def write_results(
         raise ValueError(f"output format must be one of {FORMATS}, got {fmt!r}")
     names = ResultNames(names) if isinstance(names, str) else names
     written = []
-    if fmt == "parquet" and (record["output_file_id"] or record["error_file_id"]):
+    if fmt == "parquet" and (record.output_file_id or record.error_file_id):
         written.append(_write_parquet(svc, record, out, names.of("output.parquet")))
     elif fmt == "jsonl":
         for file_id, name in (
-            (record["output_file_id"], names.output),
-            (record["error_file_id"], names.of("errors.jsonl")),
+            (record.output_file_id, names.output),
+            (record.error_file_id, names.of("errors.jsonl")),
         ):
             if file_id:
                 with svc.files.open(file_id) as src:
                     out.upload_fileobj(name, src)
                 written.append(name)
     if not summarize:
-        if record.get("metrics"):
+        if record.metrics:
             written.append(names.of("metrics.json"))
-            out.write_bytes(written[-1], json.dumps(record["metrics"], indent=2).encode())
+            out.write_bytes(written[-1], json.dumps(record.metrics, indent=2).encode())
         return written
-    if record["errors"]:
-        out.write_bytes(names.of("errors.json"), _dumps(record["errors"]))
+    if record.errors:
+        out.write_bytes(names.of("errors.json"), _dumps(record.errors))
         written.append(names.of("errors.json"))
     written.append(names.of("summary.json"))
     out.write_bytes(written[-1], _dumps(summary(record, written[:-1], source)))
     return written
 
 
-def summary(record: dict, written: list[str], source: dict | None = None) -> dict:
-    view = public_view(record)
+def summary(record: BatchRecord, written: list[str], source: dict | None = None) -> dict:
+    view = record.public()
     keep = (
         "id",
         "status",
@@ -178,7 +178,7 @@ def _schema():
     )
 
 
-def _write_parquet(svc: BatchService, record: dict, out: Store | LocalFolder, key: str) -> str:
+def _write_parquet(svc: BatchService, record: BatchRecord, out: Store | LocalFolder, key: str) -> str:
     """Completed requests (in input order), then failed ones; the first choice's text when n > 1."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -199,8 +199,8 @@ def _write_parquet(svc: BatchService, record: dict, out: Store | LocalFolder, ke
     return key
 
 
-def _rows(svc: BatchService, record: dict) -> Iterator[dict]:
-    for file_id in (record["output_file_id"], record["error_file_id"]):
+def _rows(svc: BatchService, record: BatchRecord) -> Iterator[dict]:
+    for file_id in (record.output_file_id, record.error_file_id):
         if file_id:
             for raw in svc.files.iter_lines(file_id):
                 if raw.strip():

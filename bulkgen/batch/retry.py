@@ -4,7 +4,7 @@ Which failures are worth a retry follows from the lines the runtime writes to er
   engine_error     500: the engine failed on the request, or the worker running it died again and again
                    (bulkgen.runtime.worker, BatchRunner.give_up; a worker that cannot read its range from
                    storage ends there too)
-  batch_expired    never run: the completion window passed (bulkgen.batch.responses.not_run_line)
+  batch_expired    never run: the completion window passed (bulkgen.batch.outputlines.not_run_line)
   batch_cancelled  never run: the batch was cancelled
   any other 5xx    a server-side fault, not the request's
 and every input line with no result at all (a batch that failed while running, e.g. its storage or its
@@ -38,15 +38,15 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, BinaryIO
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.ids import id_time, new_id
 from bulkgen.batch.merged import ResultCursor, check_all_taken, requests
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.schema import ACTIVE_STATUSES, INTERNAL, BatchStatus, Conflict, InvalidRequest
+from bulkgen.batch.schema import ACTIVE_STATUSES, BatchStatus, Conflict, InvalidRequest
 
 if TYPE_CHECKING:
     from bulkgen.batch.service import BatchService
 
-RETRY_OF, RETRIED_BY = "retry_of", "retried_by"  # fields of the batch record (bulkgen extras)
 CLAIM_GRACE_S = 600.0
 RETRYABLE_CODES = frozenset({"engine_error", "batch_expired", "batch_cancelled"})
 _SPOOL_BYTES = 8 * 2**20  # the new input file stays in memory up to this size, then spills to disk
@@ -88,7 +88,7 @@ def select_lines(
     check_all_taken((done, failed))
 
 
-def retry_batch(svc: BatchService, batch_id: str) -> dict:
+def retry_batch(svc: BatchService, batch_id: str) -> BatchRecord:
     """POST /v1/batches/{id}/retry: the new batch (validating), linked both ways with `batch_id`."""
     record = svc.batches.get(batch_id)  # another tenant's batch is not found here: 404
     _check_can_retry(svc, record)
@@ -115,18 +115,18 @@ def retry_batch(svc: BatchService, batch_id: str) -> dict:
             raise
 
 
-def _create(svc: BatchService, record: dict, retry_id: str, lines: BinaryIO) -> dict:
+def _create(svc: BatchService, record: BatchRecord, retry_id: str, lines: BinaryIO) -> BatchRecord:
     """The retry batch `retry_id` of the lines in `lines`, as the original (its input file goes again if
     the batch cannot be made)."""
-    new_file = svc.files.create(lines, f"{record['id']}_retry.jsonl", "batch")
+    new_file = svc.files.create(lines, f"{record.id}_retry.jsonl", "batch")
     try:
         return svc.create_batch(
             new_file["id"],
-            record["endpoint"],
-            record["completion_window"],
-            record["metadata"],
-            output_expires_after_s=(record.get(INTERNAL) or {}).get("output_expires_after_s"),
-            retry_of=record["id"],
+            record.endpoint,
+            record.completion_window,
+            record.metadata,
+            output_expires_after_s=record.internal.get("output_expires_after_s"),
+            retry_of=record.id,
             batch_id=retry_id,
         )
     except BaseException:
@@ -135,8 +135,8 @@ def _create(svc: BatchService, record: dict, retry_id: str, lines: BinaryIO) -> 
         raise
 
 
-def _check_can_retry(svc: BatchService, record: dict) -> None:
-    batch_id, status = record["id"], record["status"]
+def _check_can_retry(svc: BatchService, record: BatchRecord) -> None:
+    batch_id, status = record.id, record.status
     if status in ACTIVE_STATUSES:
         raise Conflict(
             f"batch {batch_id} is {status}; retry it once it has ended (cancel it to end it now)",
@@ -144,7 +144,7 @@ def _check_can_retry(svc: BatchService, record: dict) -> None:
             code="batch_not_ended",
         )
     _check_not_retried(svc, record)
-    if status == BatchStatus.FAILED and record["model"] is None:
+    if status == BatchStatus.FAILED and record.model is None:
         raise InvalidRequest(
             f"batch {batch_id} failed validation, so none of its requests ran and a retry "
             "would fail the same way; fix the input file (the batch's errors name each line) "
@@ -154,11 +154,11 @@ def _check_can_retry(svc: BatchService, record: dict) -> None:
         )
 
 
-def _check_not_retried(svc: BatchService, record: dict) -> None:
-    retried_by = record.get(RETRIED_BY)
+def _check_not_retried(svc: BatchService, record: BatchRecord) -> None:
+    retried_by = record.retried_by
     if retried_by and not _abandoned(svc, retried_by):
         raise Conflict(
-            f"batch {record['id']} was already retried by {retried_by}; retry that batch to go on",
+            f"batch {record.id} was already retried by {retried_by}; retry that batch to go on",
             param="batch_id",
             code="already_retried",
         )
@@ -173,25 +173,28 @@ def _abandoned(svc: BatchService, retry_id: str) -> bool:
     return False
 
 
-def _claim(svc: BatchService, record: dict, retry_id: str) -> dict:
+def _claim(svc: BatchService, record: BatchRecord, retry_id: str) -> BatchRecord:
     _check_not_retried(svc, record)
-    record[RETRIED_BY] = retry_id
+    record.retried_by = retry_id
     return record
 
 
-def _release(record: dict, retry_id: str) -> dict | None:
-    if record.get(RETRIED_BY) != retry_id:  # not ours (any more): leave it
+def _release(record: BatchRecord, retry_id: str) -> BatchRecord | None:
+    if record.retried_by != retry_id:  # not ours (any more): leave it
         return None
-    record[RETRIED_BY] = None
+    record.retried_by = None
     return record
 
 
-def _result_streams(svc: BatchService, record: dict) -> tuple[Iterator[bytes], ...]:
+def _result_streams(svc: BatchService, record: BatchRecord) -> tuple[Iterator[bytes], ...]:
     """The input, output and error lines of an ended batch; a file gone means its lines cannot be told
     apart, so the retry is refused rather than guessed."""
     streams = []
-    for field in ("input_file_id", "output_file_id", "error_file_id"):
-        file_id = record[field]
+    for field, file_id in (
+        ("input_file_id", record.input_file_id),
+        ("output_file_id", record.output_file_id),
+        ("error_file_id", record.error_file_id),
+    ):
         if file_id is None:
             streams.append(iter(()))
             continue
@@ -200,7 +203,7 @@ def _result_streams(svc: BatchService, record: dict) -> tuple[Iterator[bytes], .
         except RecordNotFound:
             what = field.removesuffix("_file_id")
             raise InvalidRequest(
-                f"the {what} file {file_id} of batch {record['id']} has expired or was deleted, so "
+                f"the {what} file {file_id} of batch {record.id} has expired or was deleted, so "
                 "which of its requests need a retry is unknown",
                 param="batch_id",
                 code="file_gone",

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import re
-import time
 from enum import Enum
 from typing import Any
-
-from bulkgen.batch.ids import new_id
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
 
@@ -132,71 +129,3 @@ def check_endpoint(endpoint: Any) -> str:
             param="endpoint",
         )
     return endpoint
-
-
-def new_batch_record(
-    input_file_id: str,
-    endpoint: str,
-    completion_window: str,
-    metadata: dict | None,
-    batch_id: str | None = None,
-) -> dict[str, Any]:
-    """A fresh batch in `validating`, with every field the hosted API returns, and bulkgen's own (`model`,
-    `metrics`, the retry links `retry_of` and `retried_by`: bulkgen.batch.retry)."""
-    window_s = parse_completion_window(completion_window)
-    metadata = check_metadata(metadata)
-    batch_priority(metadata)
-    now = int(time.time())
-    return {
-        "id": batch_id or new_id("batch_"),
-        "object": "batch",
-        "endpoint": check_endpoint(endpoint),
-        "errors": None,
-        "input_file_id": input_file_id,
-        "completion_window": completion_window,
-        "status": BatchStatus.VALIDATING.value,
-        "output_file_id": None,
-        "error_file_id": None,
-        "created_at": now,
-        "in_progress_at": None,
-        "expires_at": now + window_s,
-        "finalizing_at": None,
-        "completed_at": None,
-        "failed_at": None,
-        "expired_at": None,
-        "cancelling_at": None,
-        "cancelled_at": None,
-        "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": metadata,
-        "usage": empty_usage(),
-        "model": None,
-        "metrics": None,
-        "retry_of": None,
-        "retried_by": None,
-        INTERNAL: {},
-    }
-
-
-def empty_usage() -> dict[str, Any]:
-    return {
-        "input_tokens": 0,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": 0,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": 0,
-    }
-
-
-def public_view(record: dict[str, Any]) -> dict[str, Any]:
-    """The batch object as clients see it (internal bookkeeping removed)."""
-    return {k: v for k, v in record.items() if k != INTERNAL}
-
-
-def set_status(record: dict[str, Any], status: BatchStatus, now: int | None = None) -> dict[str, Any]:
-    """Move to `status` and stamp its `<status>_at` field once. The record keeps the plain string, as
-    storage gives it back."""
-    record["status"] = BatchStatus(status).value
-    stamp = f"{record['status']}_at"
-    if stamp in record and record[stamp] is None:
-        record[stamp] = int(now if now is not None else time.time())
-    return record

@@ -24,21 +24,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from functools import partial
 
-from bulkgen.batch import fileuse, totals
+from bulkgen.batch import fileuse, lifecycle, totals
+from bulkgen.batch.batchrecord import BatchRecord, new_batch_record
 from bulkgen.batch.images import check_images
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
 from bulkgen.batch.retry import retry_batch
 from bulkgen.batch.schema import (
     ACTIVE_STATUSES,
-    INTERNAL,
     TERMINAL_STATUSES,
     BatchStatus,
     Conflict,
     InvalidRequest,
-    new_batch_record,
     quote,
-    set_status,
 )
 from bulkgen.models.loras import AdapterCatalog
 from bulkgen.settings import Settings
@@ -52,7 +50,7 @@ class BatchService:
         settings: Settings,
         store: Store | None = None,
         tenant: str | None = None,
-        on_batch_end: Callable[[dict], None] | None = None,
+        on_batch_end: Callable[[BatchRecord], None] | None = None,
         _family: dict | None = None,
         catalog: AdapterCatalog | None = None,
     ) -> None:
@@ -100,7 +98,7 @@ class BatchService:
         output_expires_after_s: int | None = None,
         retry_of: str | None = None,
         batch_id: str | None = None,
-    ) -> dict:
+    ) -> BatchRecord:
         """POST /v1/batches: check the input file and create the record in `validating`, in the active index;
         the runtime validates it (`validate`), so validation survives a restart like any other work.
         Writes in order: the file's ref (fileuse.pin: a delete of the file either wins before it, and this
@@ -109,20 +107,20 @@ class BatchService:
         (bulkgen.batch.retry)."""
         meta = self._input_file(input_file_id)
         record = new_batch_record(meta["id"], endpoint, window, metadata, batch_id=batch_id)
-        record["retry_of"] = retry_of
+        record.retry_of = retry_of
         if output_expires_after_s:
-            record[INTERNAL]["output_expires_after_s"] = output_expires_after_s
+            record.internal["output_expires_after_s"] = output_expires_after_s
         try:
-            fileuse.pin(self.store, meta["id"], record["id"])
+            fileuse.pin(self.store, meta["id"], record.id)
         except fileuse.FileDeleting:
             raise _file_gone(input_file_id, "is being deleted") from None
         try:
             self._input_file(input_file_id)  # deleted before our pin (its use object already gone)
             self.batches.create(record)
         except BaseException:
-            fileuse.unpin(self.store, meta["id"], record["id"])
+            fileuse.unpin(self.store, meta["id"], record.id)
             raise
-        self.root.write_bytes(self._active_key(record["id"]), b"")
+        self.root.write_bytes(self._active_key(record.id), b"")
         return record
 
     def _input_file(self, file_id: str) -> dict:
@@ -138,8 +136,11 @@ class BatchService:
         return meta
 
     def validate(
-        self, batch_id: str, on_request: Callable | None = None, amend: Callable[[dict], dict] | None = None
-    ) -> dict:
+        self,
+        batch_id: str,
+        on_request: Callable | None = None,
+        amend: Callable[[BatchRecord], BatchRecord] | None = None,
+    ) -> BatchRecord:
         """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
         s = self.settings
         record = validate_batch(
@@ -154,17 +155,17 @@ class BatchService:
             {name: adapter.base for name, adapter in self.catalog.adapters().items()},
             partial(check_images, store=self.store, policy=s.workers.images),
         )
-        if record["status"] == BatchStatus.FAILED:
+        if record.status == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)
         return record
 
-    def retry(self, batch_id: str) -> dict:
+    def retry(self, batch_id: str) -> BatchRecord:
         """A new batch of the ended batch's lines worth running again, linked both ways (bulkgen.batch.retry)."""
         return retry_batch(self, batch_id)
 
-    def cancel(self, batch_id: str) -> dict:
+    def cancel(self, batch_id: str) -> BatchRecord:
         """Mark the batch `cancelling`; its runner (whichever replica holds it) finishes it. Idempotent."""
-        return self.batches.update(batch_id, _cancel)
+        return self.batches.update(batch_id, lifecycle.cancel)
 
     def active_batches(self) -> Iterator[tuple[str, str]]:
         """(tenant, batch id) of every batch not yet ended, of all tenants, oldest first (the index
@@ -175,10 +176,10 @@ class BatchService:
             found.append((tenant or DEFAULT_TENANT, batch_id))
         return iter(sorted(found, key=lambda item: item[1], reverse=True))  # ids sort newest first
 
-    def mark_ended(self, batch_id: str, record: dict | None = None) -> None:
+    def mark_ended(self, batch_id: str, record: BatchRecord | None = None) -> None:
         """The batch ended: add it to the running totals (once), then drop it from the active index."""
         record = record or self.batches.get(batch_id)
-        if record["status"] in TERMINAL_STATUSES:
+        if record.status in TERMINAL_STATUSES:
             totals.add_ended(self.root, record)
         self.root.delete(self._active_key(batch_id))
 
@@ -188,7 +189,7 @@ class BatchService:
 
     def ensure_indexed(self, batch_id: str) -> None:
         """Put a batch still active back in the index (its creator may have died after the record)."""
-        if self.batches.get(batch_id)["status"] in ACTIVE_STATUSES:
+        if self.batches.get(batch_id).status in ACTIVE_STATUSES:
             self.root.write_bytes(self._active_key(batch_id), b"")
 
     def _active_key(self, batch_id: str) -> str:
@@ -207,7 +208,7 @@ class BatchService:
         for key in self.store.list(fileuse.ref_prefix(file_id)):
             batch_id = layout.ref_batch(key)
             try:
-                status = self.batches.get(batch_id)["status"]
+                status = self.batches.get(batch_id).status
             except RecordNotFound:  # its creator is between writes, or died (then the ref is old)
                 status = (
                     "being created" if fileuse.ref_age(self.store, key) < fileuse.REF_GRACE_S else "deleted"
@@ -223,14 +224,3 @@ class BatchService:
 
 def _file_gone(file_id: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"input_file_id {quote(file_id)} {why}", param="input_file_id", code="invalid_file")
-
-
-def _cancel(record: dict) -> dict | None:
-    if record["status"] in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
-        return None
-    if record["status"] not in (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS):
-        raise Conflict(
-            f"batch {record['id']} is {record['status']} and can no longer be cancelled",
-            code="batch_not_cancellable",
-        )
-    return set_status(record, BatchStatus.CANCELLING)

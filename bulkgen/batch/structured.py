@@ -6,7 +6,7 @@
   admitting no document: bulkgen.engine.schema_compiler) is this line's 400 naming `body.response_format`,
   found at validation (compiled once per distinct schema, then cached); one whose grammar fails only while
   decoding is the same 400 at run time (`ParsedRequest.guide_param` names the field). The Responses API's
-  `text.format` takes the same spec, flat (`json_schema_guide`, from bulkgen.batch.resp_api).
+  `text.format` takes the same format object, flat (`json_schema_guide`, from bulkgen.batch.resp_api).
 - `tool_choice: "required"`: the output is one call of one of the request's tools, `{"name": ...,
   "arguments": {...}}` with the arguments valid for that function's `parameters`; a named function
   (`tool_choice: {"type": "function", "function": {"name"}}`, or the legacy `function_call: {"name"}`):
@@ -50,20 +50,20 @@ def response_guide(body: dict) -> Guide | None:
     return json_schema_guide(fmt["json_schema"], "response_format.json_schema", "response_format")
 
 
-def json_schema_guide(spec: Any, param: str, compiled_as: str) -> Guide:
+def json_schema_guide(fmt: Any, param: str, compiled_as: str) -> Guide:
     """A json_schema format's `{"name", "schema", "strict", "description"}` (chat's
     `response_format.json_schema`, the Responses API's `text.format`) -> its checked grammar. `param` names
-    the spec in errors; a schema the compiler cannot take is refused naming `body.<compiled_as>`."""
-    if not isinstance(spec, dict) or not set(spec) <= _JSON_SCHEMA_KEYS:
-        raise invalid(param, f"must be an object with keys from {sorted(_JSON_SCHEMA_KEYS)}", spec)
-    if not isinstance(spec.get("name"), str) or not _NAME.match(spec["name"]):
-        raise invalid(f"{param}.name", "must be 1-64 letters, digits, '_' or '-'", spec.get("name"))
-    schema = spec.get("schema", {})
+    the format in errors; a schema the compiler cannot take is refused naming `body.<compiled_as>`."""
+    if not isinstance(fmt, dict) or not set(fmt) <= _JSON_SCHEMA_KEYS:
+        raise invalid(param, f"must be an object with keys from {sorted(_JSON_SCHEMA_KEYS)}", fmt)
+    if not isinstance(fmt.get("name"), str) or not _NAME.match(fmt["name"]):
+        raise invalid(f"{param}.name", "must be 1-64 letters, digits, '_' or '-'", fmt.get("name"))
+    schema = fmt.get("schema", {})
     if not isinstance(schema, dict):
         raise invalid(f"{param}.schema", "must be a JSON schema object", schema)
     for key, kind in (("strict", bool), ("description", str)):
-        if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise invalid(f"{param}.{key}", f"must be a {kind.__name__} (or null)", spec[key])
+        if fmt.get(key) is not None and not isinstance(fmt[key], kind):
+            raise invalid(f"{param}.{key}", f"must be a {kind.__name__} (or null)", fmt[key])
     return _compiled(Guide.json_schema(schema), compiled_as)
 
 

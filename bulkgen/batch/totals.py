@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.store import NotFound, Store, layout
 from bulkgen.store.conditional import update_json
@@ -37,16 +38,16 @@ def load(store: Store) -> dict:
         return empty()
 
 
-def add(totals: dict, record: dict) -> None:
+def add(totals: dict, record: BatchRecord) -> None:
     """Add one batch's counts (ended or not: /metrics adds live ones to a copy)."""
-    counts, usage = record["request_counts"], record["usage"]
-    totals["batches"][record["status"]] = totals["batches"].get(record["status"], 0) + 1
-    totals["requests"]["completed"] += counts["completed"]
-    totals["requests"]["failed"] += counts["failed"]
+    counts, usage = record.request_counts, record.usage
+    totals["batches"][record.status] = totals["batches"].get(record.status, 0) + 1
+    totals["requests"]["completed"] += counts.completed
+    totals["requests"]["failed"] += counts.failed
     totals["tokens"]["input"] += usage["input_tokens"]
     totals["tokens"]["output"] += usage["output_tokens"]
     totals["tokens"]["cached"] += usage["input_tokens_details"]["cached_tokens"]
-    for worker, stats in ((record.get("metrics") or {}).get("per_worker") or {}).items():
+    for worker, stats in ((record.metrics or {}).get("per_worker") or {}).items():
         busy = totals["worker_busy_s"]
         busy[worker] = busy.get(worker, 0.0) + (stats.get("busy_time_s") or 0)
     for name, counts in ((record.get("metrics") or {}).get("adapters") or {}).items():
@@ -55,16 +56,16 @@ def add(totals: dict, record: dict) -> None:
             mine[key] = mine.get(key, 0) + value
 
 
-def add_ended(store: Store, record: dict, attempts: int = 50) -> bool:
+def add_ended(store: Store, record: BatchRecord, attempts: int = 50) -> bool:
     """Add an ended batch once; False if it was already in."""
-    if record["status"] not in TERMINAL_STATUSES:
-        raise ValueError(f"batch {record['id']} is {record['status']}, not ended")
+    if record.status not in TERMINAL_STATUSES:
+        raise ValueError(f"batch {record.id} is {record.status}, not ended")
 
     def added(totals: dict) -> dict | None:
-        if record["id"] in totals["recent"]:
+        if record.id in totals["recent"]:
             return None
         add(totals, record)
-        totals["recent"] = (totals["recent"] + [record["id"]])[-RECENT_IDS:]
+        totals["recent"] = (totals["recent"] + [record.id])[-RECENT_IDS:]
         return totals
 
     return update_json(store, TOTALS_KEY, added, missing=empty(), attempts=attempts)[1] is not None

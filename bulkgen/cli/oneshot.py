@@ -13,7 +13,8 @@ from pathlib import Path
 
 import click
 
-from bulkgen.batch.responses import answer_summary
+from bulkgen.batch.batchrecord import BatchRecord
+from bulkgen.batch.outputlines import answer_summary
 from bulkgen.batch.resultfiles import local_results, stem_of, write_results
 from bulkgen.batch.service import BatchService
 from bulkgen.cli.client import ClientError, detect_endpoint, endpoint_of
@@ -34,7 +35,7 @@ def run_file(
     endpoint: str | None,
     window: str,
     echo: Callable[[str], None] = print,
-) -> dict:
+) -> BatchRecord:
     """`bulkgen run`: a local JSONL file in, local result files out."""
     svc = BatchService(settings)
     try:
@@ -43,13 +44,11 @@ def run_file(
         raise OneShotError(str(exc)) from None
     progress = _Progress()
 
-    def announce(record: dict) -> None:
-        echo(
-            f"{record['id']}: {record['request_counts']['total']} requests for {record['model']} ({endpoint})"
-        )
-        progress.open(record["request_counts"]["total"])
+    def announce(record: BatchRecord) -> None:
+        echo(f"{record.id}: {record.request_counts.total} requests for {record.model} ({endpoint})")
+        progress.open(record.request_counts.total)
 
-    def write(record: dict) -> list[str]:
+    def write(record: BatchRecord) -> list[str]:
         progress.close()  # the bar's line ends before the summary
         return _write_results(svc, record, output, echo)
 
@@ -71,19 +70,19 @@ def run_stored(
     endpoint: str | None = None,
     window: str = "24h",
     echo: Callable[[str], None] = print,
-) -> dict:
+) -> BatchRecord:
     """A JSONL file already in storage (e.g. dropped under inbox/) run as a batch; results copied beside
     it under `output_prefix` as <name>.output.jsonl / <name>.errors.jsonl / <name>.summary.json (the
     writer `bulkgen watch` uses too: bulkgen/batch/resultfiles.py)."""
     svc = BatchService(settings)
     stem = f"{output_prefix.rstrip('/')}/{stem_of(input_key.rsplit('/', 1)[-1])}"
 
-    def announce(record: dict) -> None:
-        echo(f"{record['id']}: {record['request_counts']['total']} requests from {input_key}")
+    def announce(record: BatchRecord) -> None:
+        echo(f"{record.id}: {record.request_counts.total} requests from {input_key}")
 
-    def write(record: dict) -> list[str]:
+    def write(record: BatchRecord) -> list[str]:
         written = write_results(svc, record, svc.store, stem, source={"key": input_key})
-        echo(f"{record['id']} {record['status']}: results under {stem}.*")
+        echo(f"{record.id} {record.status}: results under {stem}.*")
         return written
 
     try:
@@ -107,11 +106,11 @@ class _Progress:
         self.bar = click.progressbar(length=total, label="requests", show_pos=True, show_eta=False)
         self.bar.__enter__()
 
-    def show(self, record: dict) -> None:
-        counts = record["request_counts"]
+    def show(self, record: BatchRecord) -> None:
+        counts = record.request_counts
         if self.bar is not None:
-            self.bar.update(counts["completed"] + counts["failed"] - self.done)
-            self.done = counts["completed"] + counts["failed"]
+            self.bar.update(counts.completed + counts.failed - self.done)
+            self.done = counts.completed + counts.failed
 
     def close(self) -> None:
         if self.bar is not None:
@@ -119,19 +118,21 @@ class _Progress:
             self.bar = None
 
 
-def _write_results(svc: BatchService, record: dict, output: Path, echo: Callable[[str], None]) -> list[str]:
-    counts = record["request_counts"]
-    echo(f"{record['id']} {record['status']}: {counts['completed']} completed, {counts['failed']} failed")
+def _write_results(
+    svc: BatchService, record: BatchRecord, output: Path, echo: Callable[[str], None]
+) -> list[str]:
+    counts = record.request_counts
+    echo(f"{record.id} {record.status}: {counts.completed} completed, {counts.failed} failed")
     folder, names = local_results(output)
     written = write_results(svc, record, folder, names, summarize=False)
     for name in written:
         echo(f"wrote {output.parent / name}")
         if name == names.output:
             echo(_preview(output))
-    if record.get("metrics"):
-        echo(describe_summary(record["metrics"]))
-    if record["errors"]:
-        echo(json.dumps(record["errors"]))
+    if record.metrics:
+        echo(describe_summary(record.metrics))
+    if record.errors:
+        echo(json.dumps(record.errors))
     return [str(output.parent / name) for name in written]
 
 

@@ -201,7 +201,7 @@ def _image_reader(path: str, store, hosts: tuple[str, ...]):
     """How the plan reads images as the service's workers would: a vision model's processor (None for a text
     model), file ids and s3:// URLs in `--storage`, http(s) on `--image-url-hosts`."""
     from bulkgen.engine.multimodal import is_vision_model
-    from bulkgen.plan.scan import ImageReader
+    from bulkgen.plan.filework import ImageReader
     from bulkgen.settings import ImageSettings, parse_hosts
 
     processor = None

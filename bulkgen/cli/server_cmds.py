@@ -215,8 +215,8 @@ def run(settings: Settings, file: Path, output: Path, endpoint: str | None, comp
         summary = run_file(settings, file, output, endpoint, completion_window, echo=click.echo)
     except OneShotError as exc:
         raise click.ClickException(str(exc)) from None
-    if summary["status"] != BatchStatus.COMPLETED:
-        raise click.ClickException(f"batch ended {summary['status']}")
-    counts = summary["request_counts"]
-    if counts["total"] and not counts["completed"]:
-        raise click.ClickException(f"no request succeeded: all {counts['failed']} are in the error file")
+    if summary.status != BatchStatus.COMPLETED:
+        raise click.ClickException(f"batch ended {summary.status}")
+    counts = summary.request_counts
+    if counts.total and not counts.completed:
+        raise click.ClickException(f"no request succeeded: all {counts.failed} are in the error file")

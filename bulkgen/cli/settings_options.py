@@ -42,6 +42,27 @@ def setting_option(param: str) -> Callable:
     return _option(item)
 
 
+def override_flags(cls: type) -> Callable[[Callable], Callable]:
+    """The flags of a definition's fields (a watch job's `Job`), made as the settings' are. Each
+    defaults to None: only what the user typed overrides the definition (`pop_flags` takes the values)."""
+    items = list(flag_fields(cls))
+    clash = {item.param for item in items} & set(SETTING_PARAMS)
+    if clash:  # one keyword argument per name: a clash would silently drop one of the two
+        raise TypeError(f"{cls.__name__} flags {sorted(clash)} share a name with settings flags")
+
+    def decorate(fn: Callable) -> Callable:
+        for item in reversed(items):
+            fn = _option(FlagField(item.path, item.flag, None))(fn)
+        return fn
+
+    return decorate
+
+
+def pop_flags(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the values of `override_flags(cls)` out of a command's keyword arguments."""
+    return {item.param: kwargs.pop(item.param) for item in flag_fields(cls) if item.param in kwargs}
+
+
 def pop_settings(kwargs: dict[str, Any]) -> dict[str, Any]:
     """Take the settings flags' values out of a command's keyword arguments."""
     return {name: kwargs.pop(name) for name in SETTING_PARAMS if name in kwargs}

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from bulkgen import __version__
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.store import NotFound, Store, layout
 
@@ -77,15 +78,15 @@ def event_id(batch_id: str, status: str) -> str:
     return "evt_" + hashlib.sha256(f"{batch_id}:{status}".encode()).hexdigest()[:32]
 
 
-def batch_event(record: dict) -> dict:
+def batch_event(record: BatchRecord) -> dict:
     """The webhook event for a batch record in a final status."""
-    status = record["status"]
+    status = record.status
     return {
-        "id": event_id(record["id"], status),
+        "id": event_id(record.id, status),
         "object": "event",
         "type": EVENT_TYPES[status],
-        "created_at": int(record.get(f"{status}_at") or time.time()),
-        "data": {"id": record["id"]},
+        "created_at": int(getattr(record, f"{status}_at") or time.time()),
+        "data": {"id": record.id},
     }
 
 
@@ -131,8 +132,8 @@ class WebhookNotifier:
         self._thread = threading.Thread(target=self._loop, name="bulkgen-webhooks", daemon=True)
         self._thread.start()
 
-    def __call__(self, record: dict) -> None:
-        if record.get("status") not in EVENT_TYPES:
+    def __call__(self, record: BatchRecord) -> None:
+        if record.status not in EVENT_TYPES:
             return
         event = batch_event(record)
         if self.store is not None:
@@ -142,7 +143,7 @@ class WebhookNotifier:
                 log.error(
                     "webhook %s for %s not kept under %s: %s",
                     event["type"],
-                    record["id"],
+                    record.id,
                     PENDING_PREFIX,
                     exc,
                 )

@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bulkgen.batch import lifecycle
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.budget import output_budget, prompt_estimate
 from bulkgen.batch.requests import ParsedRequest
-from bulkgen.batch.schema import INTERNAL, BatchStatus, InvalidRequest, set_status
+from bulkgen.batch.schema import BatchStatus, InvalidRequest
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import runtime_factor
 from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
@@ -57,45 +59,45 @@ def newest_profile(store, model: str) -> profiles.Profile | None:
 
 
 def plan_record(
-    record: dict,
+    record: BatchRecord,
     tally: WorkTally,
     store,
     batches,
     workers: int,
     queued_requests: int,
     now: float | None = None,
-) -> dict:
+) -> BatchRecord:
     """The record with its estimate (and, if infeasible alone, a warning in `errors`); unchanged without a
     profile. `store`: the storage root (profiles); `batches`: the tenant's BatchRepo (length history)."""
     max_tokens = np.array(tally.max_tokens, np.int64)
-    internal = record.setdefault(INTERNAL, {})
+    internal = record.internal
     internal[MAX_OUTPUT_KEY], internal[HISTOGRAM_KEY] = int(max_tokens.sum()), histogram(max_tokens)
-    profile = newest_profile(store, record["model"]) if len(max_tokens) else None
+    profile = newest_profile(store, record.model) if len(max_tokens) else None
     if profile is None:
         return record
     now = time.time() if now is None else now
-    lengths = from_history(batches, record["model"])
-    runtime = runtime_factor(batches, record["model"], profile)
+    lengths = from_history(batches, record.model)
+    runtime = runtime_factor(batches, record.model, profile)
     plan = estimate(np.array(tally.prompts, np.int64), max_tokens, lengths, profile, workers, runtime=runtime)
     seconds = plan["estimated_seconds"]
     queue_s = queued_requests * seconds["expected"] / len(max_tokens)
-    record["metrics"] = {
-        **(record.get("metrics") or {}),
+    record.metrics = {
+        **(record.metrics or {}),
         "estimated_seconds": seconds,
         "queued_requests_ahead": queued_requests,
         "estimated_completion_at": int(now + queue_s + seconds["expected"]),
         "estimate_basis": f"profile {profile.device}, {lengths.source}",
     }
-    window = record["expires_at"] - now
+    window = record.expires_at - now
     if seconds["low"] > window:
         entry = {
             "code": INFEASIBLE + "_warning",
             "line": None,
             "param": "completion_window",
-            "message": infeasible_message(seconds["low"], record["completion_window"], workers),
+            "message": infeasible_message(seconds["low"], record.completion_window, workers),
         }
-        errors = record.get("errors") or {"object": "list", "data": []}
-        record["errors"] = {**errors, "data": [*errors["data"], entry]}
+        errors = record.errors or {"object": "list", "data": []}
+        record.errors = {**errors, "data": [*errors["data"], entry]}
     return record
 
 
@@ -107,32 +109,31 @@ def infeasible_message(low_s: float, window: str, workers: int) -> str:
     )
 
 
-def is_infeasible(record: dict) -> bool:
-    return any(e["code"] == INFEASIBLE + "_warning" for e in (record.get("errors") or {}).get("data", []))
+def is_infeasible(record: BatchRecord) -> bool:
+    return any(e["code"] == INFEASIBLE + "_warning" for e in (record.errors or {}).get("data", []))
 
 
 def estimate_into(
     svc, tally: WorkTally, queued_requests: int, refuse: bool = False
-) -> Callable[[dict], dict]:
+) -> Callable[[BatchRecord], BatchRecord]:
     """The validation's `amend`: writes the estimate (and a window warning) into the record in the write that
     makes it `in_progress`. `refuse` (`--refuse-infeasible`): a batch its window cannot hold even alone is
     `failed` in that same write (code completion_window_infeasible), so no runner ever starts it."""
     workers = svc.settings.workers.num_workers or svc.settings.workers.cpu_workers
 
-    def amend(record: dict) -> dict:
+    def amend(record: BatchRecord) -> BatchRecord:
         record = plan_record(record, tally, svc.root, svc.batches, workers, queued_requests)
         if not (refuse and is_infeasible(record)):
             return record
-        warning = next(e for e in record["errors"]["data"] if e["code"] == INFEASIBLE + "_warning")
-        record["errors"] = {"object": "list", "data": [{**warning, "code": INFEASIBLE}]}
-        return set_status(record, BatchStatus.FAILED)
+        warning = next(e for e in record.errors["data"] if e["code"] == INFEASIBLE + "_warning")
+        return lifecycle.fail(record, {"object": "list", "data": [{**warning, "code": INFEASIBLE}]})
 
     return amend
 
 
-def raise_if_refused(record: dict) -> None:
+def raise_if_refused(record: BatchRecord) -> None:
     """`--refuse-infeasible`: a batch its window cannot hold even alone was failed as it was validated at
     create (bulkgen.runtime.driver); the create call answers 400 naming why."""
-    refused = [e for e in (record.get("errors") or {}).get("data", []) if e["code"] == INFEASIBLE]
-    if record["status"] == BatchStatus.FAILED and refused:
+    refused = [e for e in (record.errors or {}).get("data", []) if e["code"] == INFEASIBLE]
+    if record.status == BatchStatus.FAILED and refused:
         raise InvalidRequest(refused[0]["message"], param="completion_window", code=INFEASIBLE)

@@ -46,9 +46,9 @@ def runtime_factor(batches: BatchRepo, model: str, profile: Profile) -> Runtime:
     points = []
     records, _ = batches.list(None, RECENT_BATCHES)
     for record in records:
-        metrics = record.get("metrics") or {}
-        done = record.get("status") == BatchStatus.COMPLETED and metrics.get("per_worker")
-        if record.get("model") != model or not done:
+        metrics = record.metrics or {}
+        done = record.status == BatchStatus.COMPLETED and metrics.get("per_worker")
+        if record.model != model or not done:
             continue
         predicted = _predicted_busy(metrics, profile)
         busy = sum(w["busy_time_s"] for w in metrics["per_worker"].values())

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from bulkgen.batch.records import BatchRepo
-from bulkgen.batch.schema import INTERNAL, BatchStatus
+from bulkgen.batch.schema import BatchStatus
 
 RECENT_BATCHES = 100
-MAX_OUTPUT_KEY = "max_output_tokens"  # record[INTERNAL][...]: set when a batch is validated
+MAX_OUTPUT_KEY = "max_output_tokens"  # record.internal[...]: set when a batch is validated
 HISTOGRAM_KEY = "max_tokens_histogram"  # [[max_tokens, sequences], ...], at most HISTOGRAM_BINS rows
 HISTOGRAM_BINS = 64
 
@@ -71,9 +71,9 @@ def from_history(batches: BatchRepo, model: str) -> LengthModel:
     caps = []
     records, _ = batches.list(None, RECENT_BATCHES)
     for record in records:
-        hist = (record.get(INTERNAL) or {}).get(HISTOGRAM_KEY)
-        if record.get("model") == model and record.get("status") == BatchStatus.COMPLETED and hist:
-            caps.append(cap_for(hist, record["usage"]["output_tokens"]))
+        hist = record.internal.get(HISTOGRAM_KEY)
+        if record.model == model and record.status == BatchStatus.COMPLETED and hist:
+            caps.append(cap_for(hist, record.usage["output_tokens"]))
     if not caps:
         return UPPER_BOUND
     cap = float(np.median(caps))

@@ -1,6 +1,6 @@
 """`bulkgen plan`: a batch file -> requests, tokens and an estimated wall time, before any worker starts.
 
-The file is scanned once (bulkgen.plan.scan: the batch validator, the model's template and tokenizer),
+The file is read once (bulkgen.plan.filework: the batch validator, the model's template and tokenizer),
 expected lengths come from the length model (bulkgen.plan.lengths), and the simulator
 (bulkgen.plan.timed) turns the work into seconds with the stored throughput profile of this model and
 device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand.
@@ -23,8 +23,8 @@ import numpy as np
 
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import Runtime, runtime_factor
+from bulkgen.plan.filework import FileWork, ImageReader, file_work
 from bulkgen.plan.lengths import LengthModel
-from bulkgen.plan.scan import FileWork, ImageReader, scan_file
 from bulkgen.plan.timed import batch_seconds
 
 
@@ -115,7 +115,7 @@ def plan_file(
     from bulkgen.engine.engine import _max_model_len  # the engine's own context rule
 
     max_model_len = _max_model_len(AutoConfig.from_pretrained(model_path, local_files_only=True), None)
-    work = scan_file(
+    work = file_work(
         path, endpoint, model, tokenizer, max_model_len, max_requests, adapters=adapters, images=images
     )
     if not work.validation.ok:

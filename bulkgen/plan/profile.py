@@ -150,11 +150,11 @@ def measure(
     worker). A fresh process, not this one: whatever torch work this process did before (on its main
     thread, say) would change the step times it measures."""
     busy = _busy()
-    spec = {"model": model, "path": path, "engine_kwargs": engine_kwargs or {}, "threads": threads}
+    args = {"model": model, "path": path, "engine_kwargs": engine_kwargs or {}, "threads": threads}
     threads = threads or os.cpu_count() or 1
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}  # as the pool sets
     done = subprocess.run(
-        [sys.executable, "-m", "bulkgen.plan.profile", json.dumps(spec)],
+        [sys.executable, "-m", "bulkgen.plan.profile", json.dumps(args)],
         capture_output=True,
         text=True,
         env=env,
@@ -369,6 +369,8 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
         keep &= coef > 0
 
 
-if __name__ == "__main__":  # `measure`'s fresh process: a spec as JSON in, the profile as JSON out
-    _spec = json.loads(sys.argv[1])
-    print(json.dumps(asdict(measure_here(**_spec))))
+if (
+    __name__ == "__main__"
+):  # `measure`'s fresh process: measure_here's arguments as JSON in, the profile as JSON out
+    _args = json.loads(sys.argv[1])
+    print(json.dumps(asdict(measure_here(**_args))))

@@ -6,7 +6,7 @@ results written and Ray stopped. None of it is in the plan's generation time (`m
 what a running service's user waits for), and the parts overlap (the file is validated while Ray
 starts), so it is measured whole, the one way that counts them all: a one-request `bulkgen run` of the
 model, timed from outside, minus its own generation time. A large file adds its validation and its
-results to this (about as much as `bulkgen plan`'s scan of it, and a few seconds per 100 MB written).
+results to this (about as much as `bulkgen plan`'s reading of it, and a few seconds per 100 MB written).
 """
 
 from __future__ import annotations

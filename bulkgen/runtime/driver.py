@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.requests import fill_defaults
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, InvalidRequest
 from bulkgen.batch.service import BatchService
@@ -38,20 +39,20 @@ log = logging.getLogger(__name__)
 
 HEAD_START_S = 0.5  # validation's head start: a small broken file is reported before Ray starts
 
-Writer = Callable[[dict], list[str]]  # an ended batch's record -> what was written where
+Writer = Callable[[BatchRecord], list[str]]  # an ended batch's record -> what was written where
 
 
 class DriverError(Exception):
     """Bad input or a failed batch, explained in words."""
 
 
-def refusal(name: str, record: dict) -> str:
+def refusal(name: str, record: BatchRecord) -> str:
     """A batch that failed validation, one line per error, each naming the file and line."""
     lines = "\n".join(
         f"  {name}:{e['line']}: [{e['code']}] {e['message']}"
         if e["line"]
         else f"  {name}: [{e['code']}] {e['message']}"
-        for e in record["errors"]["data"]
+        for e in record.errors["data"]
     )
     return f"{name} failed validation:\n{lines}"
 
@@ -74,21 +75,21 @@ class Driver:
         window: str,
         metadata: dict | None = None,
         output_expires_after_s: int | None = None,
-    ) -> dict:
+    ) -> BatchRecord:
         """Create the batch of a stored input file, in `validating`; raises InvalidRequest."""
         return self.svc.create_batch(
             file_id, endpoint, window, metadata, output_expires_after_s=output_expires_after_s
         )
 
-    def admit(self, record: dict) -> dict:
+    def admit(self, record: BatchRecord) -> BatchRecord:
         """POST /v1/batches' step after `accept`, over a running runtime: wake it, and its runner validates
         the batch. Under --refuse-infeasible the batch is validated, indexed and estimated here first, so an
         infeasible one is refused in the answer (InvalidRequest, a 400) and a feasible one handed over with
         its index."""
         if self.svc.settings.refuse_infeasible:
-            record, index = self.validate(record["id"])
+            record, index = self.validate(record.id)
             raise_if_refused(record)
-            self.hand_over(record["id"], index)
+            self.hand_over(record.id, index)
         self.manager.wake()
         return record
 
@@ -116,12 +117,12 @@ class Driver:
             return self.svc.files.create(fileobj, name, "batch")["id"]
         return self.svc.files.put(file_id, fileobj, name, "batch")["id"]
 
-    def validate(self, batch_id: str) -> tuple[dict, LineIndex | None]:
+    def validate(self, batch_id: str) -> tuple[BatchRecord, LineIndex | None]:
         """Validate, index and estimate with the runtime's own step (no-op for a batch already validated)."""
         queued = self.manager.queue.pending_requests() if self.manager is not None else 0
         return validate_and_index(self.svc, batch_id, queued)
 
-    def resume(self, batch_id: str) -> tuple[dict, LineIndex | None]:
+    def resume(self, batch_id: str) -> tuple[BatchRecord, LineIndex | None]:
         """A batch whose driver stopped (a crash, a restart): validated now if it was left `validating`,
         and back in the active index if its creator stopped between the record and the entry."""
         found = self.validate(batch_id)
@@ -132,23 +133,23 @@ class Driver:
         """The runtime here runs the batch, with the index validation built (None: it reads the file
         itself, as for a resumed batch). Returns at once; the workers start in the background."""
         self._handed.add(batch_id)
-        if self.svc.batches.get(batch_id)["status"] in TERMINAL_STATUSES:
+        if self.svc.batches.get(batch_id).status in TERMINAL_STATUSES:
             return  # refused by validation, or ended before a restart: no workers needed
         self.start_in_background()
         self.manager.hand_over(batch_id, index)
 
-    def ended(self, batch_id: str) -> dict | None:
+    def ended(self, batch_id: str) -> BatchRecord | None:
         """The final record once the batch has ended and no runner here still holds it; else None."""
         record = self.svc.batches.get(batch_id)
         running = self.manager is not None and self.manager.runner_of(batch_id) is not None
-        return record if record["status"] in TERMINAL_STATUSES and not running else None
+        return record if record.status in TERMINAL_STATUSES and not running else None
 
-    def finish(self, record: dict, write: Writer) -> list[str]:
+    def finish(self, record: BatchRecord, write: Writer) -> list[str]:
         """Write an ended batch's results with `write`; the runtime forgets the batch."""
         written = write(record)
-        self._handed.discard(record["id"])
+        self._handed.discard(record.id)
         if self.manager is not None:
-            self.manager.forget(record["id"])
+            self.manager.forget(record.id)
         return written
 
     # -- the runtime -----------------------------------------------------------------------------------
@@ -201,9 +202,9 @@ class Driver:
         endpoint: str,
         window: str,
         write: Writer | None = None,
-        announce: Callable[[dict], None] | None = None,
-        on_poll: Callable[[dict], None] | None = None,
-    ) -> dict:
+        announce: Callable[[BatchRecord], None] | None = None,
+        on_poll: Callable[[BatchRecord], None] | None = None,
+    ) -> BatchRecord:
         """Store, validate, run one batch to its end and write its results; -> the final record. Ray, the
         workers and the served model start while the file is stored and validated: most of a run's fixed
         cost is theirs. A file whose validation fails within HEAD_START_S is reported before Ray starts."""
@@ -228,8 +229,8 @@ class Driver:
             record, index = accepted["batch"]
             if announce is not None:
                 announce(record)
-            self.manager.hand_over(record["id"], index)
-            record = self.manager.wait(record["id"], on_poll=on_poll)
+            self.manager.hand_over(record.id, index)
+            record = self.manager.wait(record.id, on_poll=on_poll)
         finally:
             thread.join()
             self.stop()
@@ -239,12 +240,12 @@ class Driver:
 
     def _intake(
         self, fileobj: BinaryIO, name: str, endpoint: str, window: str
-    ) -> tuple[dict, LineIndex | None]:
+    ) -> tuple[BatchRecord, LineIndex | None]:
         try:
             record = self.accept(self.store(fileobj, name), endpoint, window)
-            record, index = self.validate(record["id"])
+            record, index = self.validate(record.id)
         except InvalidRequest as exc:
             raise DriverError(str(exc)) from None
-        if record["status"] == BatchStatus.FAILED:
+        if record.status == BatchStatus.FAILED:
             raise DriverError(refusal(name, record))
         return record, index

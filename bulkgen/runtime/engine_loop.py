@@ -9,7 +9,7 @@ import os
 from collections import deque
 from concurrent.futures import Future
 
-from bulkgen.batch.responses import merge_results, refused_line
+from bulkgen.batch.outputlines import merge_results, refused_line
 from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, split_step
 from bulkgen.runtime.parts import PartEntry
 

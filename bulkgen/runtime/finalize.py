@@ -8,17 +8,13 @@ parts are deleted (a finalize that dies before leaves them to `bulkgen gc`).
 
 from __future__ import annotations
 
-from bulkgen.batch.schema import INTERNAL, TERMINAL_STATUSES, BatchStatus, set_status
+from bulkgen.batch import lifecycle
+from bulkgen.batch.batchrecord import BatchRecord
+from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
 from bulkgen.store import layout
-
-_FINAL_STATUS = {
-    None: BatchStatus.COMPLETED,
-    "batch_cancelled": BatchStatus.CANCELLED,
-    "batch_expired": BatchStatus.EXPIRED,
-}
 
 
 def result_file_ids(batch_id: str) -> tuple[str, str]:
@@ -26,12 +22,14 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
     return f"file-{stem}-output", f"file-{stem}-errors"
 
 
-def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None) -> dict:
+def finalize(
+    svc: BatchService, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None
+) -> BatchRecord:
     if stop is None:
-        record = svc.batches.update(batch_id, _to_finalizing)
+        record = svc.batches.update(batch_id, lifecycle.begin_finalizing)
     else:
         record = svc.batches.get(batch_id)
-    expiry = (record.get(INTERNAL) or {}).get("output_expires_after_s")  # the batch's output_expires_after
+    expiry = record.internal.get("output_expires_after_s")  # the batch's output_expires_after
     outputs, errors, tally = parts.merge_parts(svc.store, batch_id)
     output_id, error_id = result_file_ids(batch_id)
     with outputs, errors:
@@ -41,29 +39,21 @@ def finalize(svc: BatchService, batch_id: str, stop: str | None, metrics: BatchM
             svc.files.put(error_id, errors, layout.error_filename(batch_id), "batch_output", expiry)
     report = _store_report(svc, batch_id, metrics)
 
-    def close(r: dict) -> dict | None:
-        if r["status"] in TERMINAL_STATUSES:
+    def close(r: BatchRecord) -> BatchRecord | None:
+        if r.status in TERMINAL_STATUSES:
             return None
         tally.apply(r)
-        r["output_file_id"] = output_id if tally.completed else None
-        r["error_file_id"] = error_id if tally.failed else None
+        r.output_file_id = output_id if tally.completed else None
+        r.error_file_id = error_id if tally.failed else None
         if report:
-            r["metrics"] = {**(r.get("metrics") or {}), **report["summary"], "report_files": report["files"]}
-        if stop == "batch_cancelled" and r["cancelling_at"] is None:
-            set_status(r, BatchStatus.CANCELLING)
-        return set_status(r, _FINAL_STATUS[stop])
+            r.metrics = {**(r.metrics or {}), **report["summary"], "report_files": report["files"]}
+        return lifecycle.close(r, stop)
 
     record = svc.batches.update(batch_id, close)
     svc.mark_ended(batch_id, record)
-    if record["status"] in TERMINAL_STATUSES:
+    if record.status in TERMINAL_STATUSES:
         parts.delete_parts(svc.store, batch_id)
     return record
-
-
-def _to_finalizing(record: dict) -> dict | None:
-    if record["status"] != BatchStatus.IN_PROGRESS:
-        return None
-    return set_status(record, BatchStatus.FINALIZING)
 
 
 def _store_report(svc: BatchService, batch_id: str, metrics: BatchMetrics | None) -> dict | None:

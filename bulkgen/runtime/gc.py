@@ -74,7 +74,7 @@ class _StatusCache:
         """The batch's status, or None when its record is gone."""
         if batch_id not in self.seen:
             try:
-                self.seen[batch_id] = self.svc.batches.get(batch_id)["status"]
+                self.seen[batch_id] = self.svc.batches.get(batch_id).status
             except RecordNotFound:
                 self.seen[batch_id] = None
         return self.seen[batch_id]

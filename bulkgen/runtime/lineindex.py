@@ -68,7 +68,7 @@ class IndexBuilder:
         )
 
 
-def scan(reader: BinaryIO, endpoint: str) -> LineIndex:
+def index_file(reader: BinaryIO, endpoint: str) -> LineIndex:
     """Index an already validated input file (a resumed batch) in bounded memory."""
     builder = IndexBuilder()
     for number, start, raw in lines_with_offsets(reader):

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.ids import id_time
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import TERMINAL_STATUSES
@@ -108,7 +109,7 @@ class BatchManager:
     def queue_depth(self) -> int:
         return self.queue.batches_waiting()
 
-    def wait(self, batch_id: str, poll_s: float = 0.5, on_poll=None) -> dict:
+    def wait(self, batch_id: str, poll_s: float = 0.5, on_poll=None) -> BatchRecord:
         """Block until the batch has ended (for `bulkgen run` and stored jobs); `on_poll(record)` sees
         each look at it (a progress bar)."""
         down_since = None
@@ -124,7 +125,7 @@ class BatchManager:
                 continue
             if on_poll is not None:
                 on_poll(record)
-            if record["status"] in TERMINAL_STATUSES and self.runner_of(batch_id) is None:
+            if record.status in TERMINAL_STATUSES and self.runner_of(batch_id) is None:
                 return record
             time.sleep(poll_s)
 
@@ -180,7 +181,7 @@ class BatchManager:
             with self._lock:
                 self.runners.pop(runner.batch_id, None)
             try:
-                if runner.svc.batches.get(runner.batch_id)["status"] in TERMINAL_STATUSES:
+                if runner.svc.batches.get(runner.batch_id).status in TERMINAL_STATUSES:
                     runner.lease.release()
             except (StorageUnavailable, RecordNotFound):  # the lease lapses by itself, or is already released
                 pass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from bulkgen.batch.responses import json_line, success_line
+from bulkgen.batch.outputlines import json_line, success_line
 from bulkgen.runtime.engine_loop import os_thread_name
 from bulkgen.runtime.held import HeldRange
 from bulkgen.runtime.parts import write_part

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bulkgen.batch.responses import json_line
+from bulkgen.batch.batchrecord import BatchRecord
+from bulkgen.batch.outputlines import json_line
 from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import Store, layout
 
@@ -93,14 +94,14 @@ class Tally:
         for name, value in other.__dict__.items():
             setattr(self, name, getattr(self, name) + value)
 
-    def apply(self, record: dict) -> None:
-        record["request_counts"].update(completed=self.completed, failed=self.failed)
-        record["usage"].update(
+    def apply(self, record: BatchRecord) -> None:
+        record.request_counts.completed, record.request_counts.failed = self.completed, self.failed
+        record.usage.update(
             input_tokens=self.input_tokens,
             output_tokens=self.output_tokens,
             total_tokens=self.input_tokens + self.output_tokens,
         )
-        record["usage"]["input_tokens_details"]["cached_tokens"] = self.cached_tokens
+        record.usage["input_tokens_details"]["cached_tokens"] = self.cached_tokens
 
 
 def iter_parts(store: Store, batch_id: str) -> list[tuple[str, int, int]]:

@@ -23,17 +23,19 @@ import time
 
 import numpy as np
 
+from bulkgen.batch import lifecycle
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.lifecycle import needs_validation
+from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.requests import custom_id_of
-from bulkgen.batch.responses import not_run_line, refused_line
-from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority, set_status
+from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
-from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
+from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
@@ -86,7 +88,7 @@ class BatchRunner:
         self._outage_since: float | None = None
 
     # -- the runner's thread ---------------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self) -> BatchRecord | None:
         try:
             return self._run()
         except LeaseLost:
@@ -105,16 +107,16 @@ class BatchRunner:
             self._withdraw(None)
             return None
 
-    def _run(self) -> dict:
+    def _run(self) -> BatchRecord:
         record, index = self._validate()
-        if record["status"] in TERMINAL_STATUSES:
+        if record.status in TERMINAL_STATUSES:
             self.svc.mark_ended(self.batch_id, record)
             return record
         self._log_start()
         stop = self.stop_reason(record)
-        if record["status"] != BatchStatus.FINALIZING:
+        if record.status != BatchStatus.FINALIZING:
             if index is not None or self.index is None:  # else: handed over by the driver that validated it
-                self.index = index if index is not None else self._scan(record)
+                self.index = index if index is not None else self._index_file(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
             if not stop and not self.done.all():
                 stop = self._execute(record)
@@ -128,19 +130,19 @@ class BatchRunner:
         if self._lease_lost:
             raise LeaseLost(self.batch_id)
 
-    def _execute(self, record: dict) -> str | None:
-        order = record["expires_at"] if self.svc.settings.scheduling == "deadline" else record["created_at"]
+    def _execute(self, record: BatchRecord) -> str | None:
+        order = record.expires_at if self.svc.settings.scheduling == "deadline" else record.created_at
         batch = QueuedBatch(
             self.batch_id,
-            FileRepo.data_key(record["input_file_id"]),
-            record["endpoint"],
-            record["model"],
-            self.svc.settings.models[record["model"]],
+            FileRepo.data_key(record.input_file_id),
+            record.endpoint,
+            record.model,
+            self.svc.settings.models[record.model],
             float(order),
-            self.svc.store.spec(),
+            self.svc.store.open_args(),
             self.svc.tenant,
-            batch_priority(record["metadata"]),
-            self.svc.catalog.of_base(record["model"]),
+            batch_priority(record.metadata),
+            self.svc.catalog.of_base(record.model),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)
@@ -181,7 +183,7 @@ class BatchRunner:
         elif time.monotonic() - self._outage_since >= timeout:
             raise StorageOutage(f"{exc} (for {timeout:.0f} s)")
 
-    def _validate(self) -> tuple[dict, LineIndex | None]:
+    def _validate(self) -> tuple[BatchRecord, LineIndex | None]:
         """A batch in `validating` is checked and indexed in one streamed pass; -> (record, index if built)."""
         try:
             record = self.svc.batches.get(self.batch_id)
@@ -194,13 +196,13 @@ class BatchRunner:
         except (NotFound, LookupError):
             raise BatchFailed("the input file is gone; the batch cannot run") from None
 
-    def _scan(self, record: dict) -> LineIndex:
+    def _index_file(self, record: BatchRecord) -> LineIndex:
         try:
-            with self.svc.files.open(record["input_file_id"]) as f:
-                return scan(f, record["endpoint"])
+            with self.svc.files.open(record.input_file_id) as f:
+                return index_file(f, record.endpoint)
         except (NotFound, LookupError):
             raise BatchFailed(
-                f"the input file {record['input_file_id']} is gone; the batch cannot run"
+                f"the input file {record.input_file_id} is gone; the batch cannot run"
             ) from None
 
     def _log_start(self) -> None:
@@ -258,16 +260,16 @@ class BatchRunner:
         self._wake.set()
 
     # -- progress ----------------------------------------------------------------------------------------
-    def stop_reason(self, record: dict | None = None) -> str | None:
+    def stop_reason(self, record: BatchRecord | None = None) -> str | None:
         """'batch_cancelled' or 'batch_expired' when the batch must stop now, else None."""
         record = record or self.svc.batches.get(self.batch_id)
-        if record["status"] == BatchStatus.CANCELLING:
+        if record.status == BatchStatus.CANCELLING:
             return "batch_cancelled"
-        if time.time() >= record["expires_at"]:
+        if time.time() >= record.expires_at:
             return "batch_expired"
         return None
 
-    def publish(self) -> dict:
+    def publish(self) -> BatchRecord:
         """Keep request_counts, usage, metrics and the time-to-completion estimate current."""
         with self._lock:
             tally = parts.Tally(**self.tally.__dict__)
@@ -284,9 +286,9 @@ class BatchRunner:
                 del eta["estimated_completion_at"]
             summary.update(eta)
 
-        def apply(r: dict) -> dict:
+        def apply(r: BatchRecord) -> BatchRecord:
             tally.apply(r)
-            r["metrics"] = {**(r.get("metrics") or {}), **summary} if summary else r.get("metrics")
+            r.metrics = {**(r.metrics or {}), **summary} if summary else r.metrics
             return r
 
         return self.svc.batches.update(self.batch_id, apply)
@@ -310,7 +312,7 @@ class BatchRunner:
     def _write_not_run(self, code: str) -> None:
         """Every request without a result yet gets `code` (cancelled / expired) in the error file."""
         done, _ = parts.coverage(self.svc.store, self.batch_id, self.index)
-        key = FileRepo.data_key(self.svc.batches.get(self.batch_id)["input_file_id"])
+        key = FileRepo.data_key(self.svc.batches.get(self.batch_id).input_file_id)
         size = self.svc.settings.range_size * 32
         for lo, hi in true_runs(~done):
             for start in range(lo, hi, size):
@@ -333,20 +335,13 @@ class BatchRunner:
             if e.line in lines:
                 self.tally.add(e)
 
-    def fail(self, message: str) -> dict:
+    def fail(self, message: str) -> BatchRecord:
         log.error("batch %s failed: %s", self.batch_id, message)
         self._withdraw(None)
 
-        def fail(r: dict) -> dict | None:
-            if r["status"] in TERMINAL_STATUSES:
-                return None
-            r["errors"] = {
-                "object": "list",
-                "data": [{"code": "batch_failed", "line": None, "param": None, "message": message[:2000]}],
-            }
-            return set_status(r, BatchStatus.FAILED)
-
-        record = self.svc.batches.update(self.batch_id, fail)
+        record = self.svc.batches.update(
+            self.batch_id, lambda r: lifecycle.fail_unless_ended(r, "batch_failed", message)
+        )
         self.svc.mark_ended(self.batch_id, record)
         return record
 

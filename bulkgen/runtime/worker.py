@@ -27,9 +27,9 @@ from concurrent.futures import Future
 from typing import Any
 
 from bulkgen.batch.images import check_images, check_model_takes_images, start_loading
+from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
-from bulkgen.batch.responses import not_run_line, refused_line
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
 from bulkgen.models.registry import fetch_folder, resolve_model_path
@@ -322,10 +322,10 @@ class EngineWorker(EngineLoop, PartWriter):
             self.engine.remove_lora(name)
         self.engine.add_lora(name, local)
 
-    def _store(self, spec: dict[str, Any]):
-        key = json.dumps(spec, sort_keys=True)
+    def _store(self, open_args: dict[str, Any]):
+        key = json.dumps(open_args, sort_keys=True)
         if key not in self._stores:
-            self._stores[key] = open_store(**spec)
+            self._stores[key] = open_store(**open_args)
         return self._stores[key]
 
     def _progress(self, owner: str) -> dict[str, dict[str, int]]:

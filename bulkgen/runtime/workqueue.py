@@ -47,7 +47,7 @@ class QueuedBatch:
     model: str  # the name clients use
     model_path: str  # where it is: two drivers may serve one name from different places
     order_key: float  # created_at (fifo) or expires_at (deadline): lower goes first
-    store: dict  # the batch's storage (`Store.spec()`): workers may serve several services
+    store: dict  # the batch's storage (`Store.open_args()`): workers may serve several services
     tenant: str = "default"  # whose share of the workers the batch's work counts against
     priority: int = 1  # among the tenant's batches, lower goes first (0 high, 1 normal, 2 low)
     loras: dict[str, str] = field(default_factory=dict)  # the model's LoRA adapters its lines may name:

@@ -2,7 +2,7 @@
 
     store = open_store("/var/lib/bulkgen")            # or "file:///var/lib/bulkgen"
     store = open_store("s3://bucket/prefix", endpoint_url="http://minio:9000")
-    clone = open_store(**store.spec())                # the same store in another process
+    clone = open_store(**store.open_args())                # the same store in another process
 
 `endpoint_url` (or the AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 variables) only applies to s3:// URLs.
 Which key holds what: bulkgen.store.layout; changing a shared object safely: bulkgen.store.conditional.

@@ -102,13 +102,13 @@ def folder_prefix(prefix: str) -> str:
 
 
 class Store(ABC):
-    """One storage URL: a local folder or an S3 bucket/prefix. Picklable; see `spec()`."""
+    """One storage URL: a local folder or an S3 bucket/prefix. Picklable; see `open_args()`."""
 
     url: str
 
     @abstractmethod
-    def spec(self) -> dict[str, Any]:
-        """Arguments for `open_store(**spec)` that rebuild this store in another process."""
+    def open_args(self) -> dict[str, Any]:
+        """Arguments for `open_store(**store.open_args())` that rebuild this store in another process."""
 
     def sub(self, prefix: str) -> Store:
         """The same storage, rooted at `prefix` under this one (a tenant's folder): keys of the result are
@@ -116,7 +116,7 @@ class Store(ABC):
         from bulkgen.store import open_store
 
         check_key(prefix)
-        return open_store(**{**self.spec(), "url": f"{self.url.rstrip('/')}/{prefix}"})
+        return open_store(**{**self.open_args(), "url": f"{self.url.rstrip('/')}/{prefix}"})
 
     @abstractmethod
     def read_bytes(self, key: str) -> bytes:

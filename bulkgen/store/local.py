@@ -79,7 +79,7 @@ class LocalStore(Store):
         self.url = str(self.root)
         self.fsync = fsync
 
-    def spec(self) -> dict[str, Any]:
+    def open_args(self) -> dict[str, Any]:
         return {"url": self.url, "fsync": self.fsync, "anchor": str(self.anchor)}
 
     def create(self) -> None:

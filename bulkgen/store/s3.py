@@ -90,7 +90,7 @@ class S3Store(Store):
         self._lock = threading.Lock()
         self._pid = os.getpid()
 
-    def spec(self) -> dict[str, Any]:
+    def open_args(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "endpoint_url": self.endpoint_url,
@@ -104,10 +104,10 @@ class S3Store(Store):
         }
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.spec()
+        return self.open_args()
 
-    def __setstate__(self, spec: dict[str, Any]) -> None:
-        self.__init__(**spec)
+    def __setstate__(self, open_args: dict[str, Any]) -> None:
+        self.__init__(**open_args)
 
     def _client(self, kind: str = "plain") -> Any:
         """'plain': no botocore retries (tenacity retries instead); 'transfer': botocore standard retries."""

@@ -20,17 +20,18 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.requests import LineError, url_of
 from bulkgen.batch.resultfiles import stem_of, write_report, write_results
-from bulkgen.batch.schema import InvalidRequest, public_view
+from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.driver import Driver
 from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import NotFound, ObjectInfo, S3Store, layout, open_store
 from bulkgen.watch.claims import Claim, ClaimLost, Claims
 from bulkgen.watch.cron import Cron
-from bulkgen.watch.jobspec import JobError, JobSpec
+from bulkgen.watch.job import Job, JobError
 from bulkgen.watch.sources import Message, PollTimer, SqsSource
 
 if TYPE_CHECKING:  # Ray is imported once a batch needs workers
@@ -52,16 +53,16 @@ class Watcher:
     def __init__(
         self,
         svc: BatchService,
-        spec: JobSpec,
+        job: Job,
         *,
         endpoint_url: str | None = None,
         on_batch_end: Callable[[dict], None] | None = None,
         owner: str | None = None,
     ) -> None:
-        self.svc, self.spec, self.on_batch_end = svc, spec.check(), on_batch_end
+        self.svc, self.job, self.on_batch_end = svc, job.check(), on_batch_end
         self.owner = owner or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.inbox = open_store(spec.input, endpoint_url=endpoint_url)
-        self.outbox = open_store(spec.output, endpoint_url=endpoint_url)
+        self.inbox = open_store(job.input, endpoint_url=endpoint_url)
+        self.outbox = open_store(job.output, endpoint_url=endpoint_url)
         self.outbox.create()  # a local output folder is made here, at start (stores never make their root later)
         for name, other in (("output", self.outbox), ("service storage", svc.store)):
             if _inside(other.url, self.inbox.url):
@@ -69,9 +70,9 @@ class Watcher:
                     f"the {name} {other.url} is inside the input {self.inbox.url}: "
                     "the watcher would read what it writes"
                 )
-        self.claims = Claims(svc.store, self.inbox.url, self.owner, spec.claim_ttl)
-        self.timer = PollTimer(spec.poll_interval(), Cron(spec.schedule) if spec.schedule else None)
-        self.sqs = self._sqs(endpoint_url) if spec.sqs_queue_url else None
+        self.claims = Claims(svc.store, self.inbox.url, self.owner, job.claim_ttl)
+        self.timer = PollTimer(job.poll_interval(), Cron(job.schedule) if job.schedule else None)
+        self.sqs = self._sqs(endpoint_url) if job.sqs_queue_url else None
         self.pending: dict[str, Claim] = {}  # claim name -> a claim whose batch has not ended
         self.driver = Driver(svc)
         self._stopped = threading.Event()
@@ -80,7 +81,7 @@ class Watcher:
     def _sqs(self, endpoint_url: str | None) -> SqsSource:
         if not isinstance(self.inbox, S3Store):
             raise JobError(f"--sqs-queue-url needs an s3:// input; {self.inbox.url} is a folder")
-        return SqsSource(self.spec.sqs_queue_url, self.inbox.bucket, self.inbox.root, endpoint_url)
+        return SqsSource(self.job.sqs_queue_url, self.inbox.bucket, self.inbox.root, endpoint_url)
 
     # -- the loop ---------------------------------------------------------------------------------------
     def run(self, once: bool = False) -> None:
@@ -90,8 +91,8 @@ class Watcher:
             self.inbox.url,
             self.outbox.url,
             self.timer.describe(),
-            f", sqs {self.spec.sqs_queue_url}" if self.sqs else "",
-            self.spec.output_format,
+            f", sqs {self.job.sqs_queue_url}" if self.sqs else "",
+            self.job.output_format,
             self.svc.store.url,
         )
         if self.sqs:
@@ -201,12 +202,12 @@ class Watcher:
             record = self.driver.accept(
                 claim.file_id,
                 endpoint,
-                self.spec.completion_window,
+                self.job.completion_window,
                 {"watch_input": f"{self.inbox.url}/{key}"[-512:]},
             )
             # validated and indexed here: a refused file gets its report without starting any worker (a
             # crash before this leaves it `validating`, and the runtime or the next owner validates it)
-            record, index = self.driver.validate(record["id"])
+            record, index = self.driver.validate(record.id)
         except (NotABatchFile, InvalidRequest) as exc:
             written = write_report(
                 self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc), self._source(claim)
@@ -214,13 +215,13 @@ class Watcher:
             self.claims.finish(claim, outcome="not_run")
             log.warning("%s: not run: %s (report: %s)", key, exc, written)
             return
-        self.claims.update(claim, state="running", batch_id=record["id"])
+        self.claims.update(claim, state="running", batch_id=record.id)
         log.info(
             "%s: batch %s, %d requests, %s",
             key,
-            record["id"],
-            record["request_counts"]["total"],
-            record["status"],
+            record.id,
+            record.request_counts.total,
+            record.status,
         )
         self._track(claim, index)
 
@@ -237,7 +238,7 @@ class Watcher:
                 raise NotABatchFile(
                     f"line {number} is not a JSON object: this is not a JSONL batch file"
                 ) from None
-            endpoint = self.spec.endpoint or url
+            endpoint = self.job.endpoint or url
             if endpoint is None:
                 raise NotABatchFile(f"line {number} has no 'url' and the job sets no endpoint")
             return endpoint
@@ -250,8 +251,8 @@ class Watcher:
                 src,
                 claim.info.key.rsplit("/", 1)[-1],
                 claim.file_id,
-                self.spec.body_defaults(),
-                self.spec.endpoint,
+                self.job.body_defaults(),
+                self.job.endpoint,
             )
 
     def _batch_of_file(self, file_id: str) -> str | None:
@@ -289,31 +290,31 @@ class Watcher:
                     "%s: batch %s: %s: %s", claim.info.key, claim.batch_id, type(exc).__name__, _one_line(exc)
                 )
 
-    def _finish(self, claim: Claim, record: dict) -> None:
+    def _finish(self, claim: Claim, record: BatchRecord) -> None:
         stem = stem_of(claim.info.key)
         written = self.driver.finish(
             record,
             lambda r: write_results(
-                self.svc, r, self.outbox, stem, self.spec.output_format, self._source(claim)
+                self.svc, r, self.outbox, stem, self.job.output_format, self._source(claim)
             ),
         )
-        self.claims.finish(claim, outcome=record["status"])
-        counts = record["request_counts"]
+        self.claims.finish(claim, outcome=record.status)
+        counts = record.request_counts
         log.info(
             "%s: batch %s %s: %d completed, %d failed; wrote %s",
             claim.info.key,
-            record["id"],
-            record["status"],
-            counts["completed"],
-            counts["failed"],
+            record.id,
+            record.status,
+            counts.completed,
+            counts.failed,
             ", ".join(written),
         )
         if self.on_batch_end is not None:
             try:
-                self.on_batch_end(public_view(record))
+                self.on_batch_end(record.public())
             except Exception as exc:
                 log.warning(
-                    "batch %s: on_batch_end failed: %s: %s", record["id"], type(exc).__name__, _one_line(exc)
+                    "batch %s: on_batch_end failed: %s: %s", record.id, type(exc).__name__, _one_line(exc)
                 )
 
     def _source(self, claim: Claim) -> dict:

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoProcessor, AutoTokenizer
 
 from bulkgen.lab.tiny_vision import build_tiny_vlm
-from bulkgen.plan.scan import ImageReader, scan_file
+from bulkgen.plan.filework import ImageReader, file_work
 from tests.support.images import image_tokens, text_tokens
 
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "vision.jsonl"
@@ -25,7 +25,7 @@ def vlm(tmp_path_factory):
 
 
 def _scan(tokenizer, images: ImageReader | None, block_size: int = 16):
-    return scan_file(
+    return file_work(
         SAMPLE, "/v1/chat/completions", "tiny-vlm", tokenizer, 2048, 100, block_size, images=images
     )
 

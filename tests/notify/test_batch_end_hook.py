@@ -7,7 +7,7 @@ import io
 import json
 import threading
 
-from bulkgen.batch.schema import set_status
+from bulkgen.batch import lifecycle
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
 
@@ -36,25 +36,26 @@ def test_a_batch_failed_at_validation_ends_once_for_any_tenant(tmp_path):
         (svc.for_tenant("acme"), _batch(svc.for_tenant("acme"), "not-served")),
         (svc, _batch(svc, "served")),
     ]
-    assert {b["status"] for _, b in made} == {"validating"} and ended == []
-    failed, other, running = (owner.validate(b["id"]) for owner, b in made)  # what a runner does first
-    assert (failed["status"], other["status"], running["status"]) == ("failed", "failed", "in_progress")
-    assert [r["id"] for r in ended] == [failed["id"], other["id"]]
-    assert ended[0] == svc.batches.get(failed["id"])  # the final record, as stored
-    assert svc.validate(failed["id"])["status"] == "failed" and len(ended) == 2  # looking again ends nothing
+    assert {b.status for _, b in made} == {"validating"} and ended == []
+    failed, other, running = (owner.validate(b.id) for owner, b in made)  # what a runner does first
+    assert (failed.status, other.status, running.status) == ("failed", "failed", "in_progress")
+    assert [r.id for r in ended] == [failed.id, other.id]
+    assert ended[0] == svc.batches.get(failed.id)  # the final record, as stored
+    assert svc.validate(failed.id).status == "failed" and len(ended) == 2  # looking again ends nothing
 
 
 def test_replicas_racing_to_end_a_batch_call_the_hook_once(tmp_path):
     ended: list[dict] = []
     svc = _service(tmp_path, ended)
-    batch_id = _batch(svc, "served")["id"]
+    batch_id = svc.validate(_batch(svc, "served").id).id  # in_progress: a run that may stop either way
     replicas = [BatchService(svc.settings, on_batch_end=ended.append) for _ in range(6)]  # one storage
     start = threading.Barrier(len(replicas))
 
     def end(replica: BatchService, status: str) -> None:
         start.wait()
         replica.batches.update(
-            batch_id, lambda r: None if r["status"] in ("cancelled", "expired") else set_status(r, status)
+            batch_id,
+            lambda r: None if r.status in ("cancelled", "expired") else lifecycle.close(r, f"batch_{status}"),
         )
 
     threads = [
@@ -66,7 +67,7 @@ def test_replicas_racing_to_end_a_batch_call_the_hook_once(tmp_path):
     for t in threads:
         t.join()
     (record,) = ended
-    assert record == svc.batches.get(batch_id) and record["status"] in ("cancelled", "expired")
+    assert record == svc.batches.get(batch_id) and record.status in ("cancelled", "expired")
 
 
 def test_a_failing_hook_does_not_undo_the_ending(tmp_path, caplog):
@@ -74,6 +75,6 @@ def test_a_failing_hook_does_not_undo_the_ending(tmp_path, caplog):
         raise RuntimeError("receiver queue exploded")
 
     svc = BatchService(Settings(storage=str(tmp_path / "s"), models={"served": "x"}), on_batch_end=broken)
-    failed = svc.validate(_batch(svc, "not-served")["id"])
-    assert failed["status"] == "failed" and svc.batches.get(failed["id"])["status"] == "failed"
+    failed = svc.validate(_batch(svc, "not-served").id)
+    assert failed.status == "failed" and svc.batches.get(failed.id).status == "failed"
     assert "on_end hook failed" in caplog.text

@@ -13,6 +13,8 @@ import pytest
 from click.testing import CliRunner
 from openai.types.webhooks import BatchCompletedWebhookEvent, BatchExpiredWebhookEvent
 
+from bulkgen.batch.batchrecord import BatchRecord, new_batch_record
+from bulkgen.batch.schema import BatchStatus
 from bulkgen.cli import cli
 from bulkgen.notify.webhooks import WebhookNotifier, event_id, parse_secret
 from tests.support.receiver import SECRET, Receiver, SilentReceiver
@@ -21,8 +23,13 @@ from tests.support.wait import wait_until
 FAST = {"first_wait_s": 0.02, "max_wait_s": 0.1}
 
 
-def _record(batch_id: str = "batch_abc123", status: str = "completed", at: int = 1_790_000_000) -> dict:
-    return {"id": batch_id, "object": "batch", "status": status, f"{status}_at": at}
+def _record(
+    batch_id: str = "batch_abc123", status: str = "completed", at: int = 1_790_000_000
+) -> BatchRecord:
+    record = new_batch_record("file-abc", "/v1/completions", "24h", None, batch_id=batch_id)
+    record.status = BatchStatus(status)  # as a run leaves it (the notifier reads, never moves, statuses)
+    setattr(record, f"{status}_at", at)
+    return record
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path
-from bulkgen.plan.scan import scan_file
+from bulkgen.plan.filework import file_work
 from bulkgen.plan.timed import EngineLimits, batch_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def test_plan_counts_tokens_exactly_and_simulates_the_steps_the_engine_took(tmp_
     report = {}
     for f in files:
         metrics, lengths, _ = bench.run(f, tmp_path / f.stem)  # each on its own storage
-        work = scan_file(f, detect_endpoint(f), DEFAULT_MODEL_NAME, tokenizer, context, 50_000)
+        work = file_work(f, detect_endpoint(f), DEFAULT_MODEL_NAME, tokenizer, context, 50_000)
         assert sum(work.prompt_tokens) == metrics["input_tokens"]  # exact, as the workers counted
         assert len(lengths) == work.validation.total
         steps = sum(w["steps"] for w in metrics["per_worker"].values())

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from bulkgen.runtime.dispatch import take_for
-from bulkgen.runtime.lineindex import LineIndex, scan
+from bulkgen.runtime.lineindex import LineIndex, index_file
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.runtime.workqueue import QueuedBatch, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
@@ -72,7 +72,7 @@ def _uniform_batch(store, batch_id: str, tenant: str, count: int, prompt: str, m
     assert len({len(line) for line in lines}) == 1
     key = f"files/data/{batch_id}"
     store.write_bytes(key, b"\n".join(lines) + b"\n")
-    one = scan(io.BytesIO(lines[0] + b"\n"), "/v1/completions")
+    one = index_file(io.BytesIO(lines[0] + b"\n"), "/v1/completions")
     step = len(lines[0]) + 1
     index = LineIndex(
         np.arange(1, count + 1),
@@ -82,7 +82,7 @@ def _uniform_batch(store, batch_id: str, tenant: str, count: int, prompt: str, m
         np.full(count, one.prefix[0], dtype=np.uint64),
     )
     job = QueuedBatch(
-        batch_id, key, "/v1/completions", MODEL, str(random_model()), 0.0, store.spec(), tenant=tenant
+        batch_id, key, "/v1/completions", MODEL, str(random_model()), 0.0, store.open_args(), tenant=tenant
     )
     return job, index
 

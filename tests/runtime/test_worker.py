@@ -7,10 +7,10 @@ import time
 
 import numpy as np
 
-from bulkgen.batch.responses import json_line
+from bulkgen.batch.outputlines import json_line
 from bulkgen.runtime import parts
 from bulkgen.runtime.lease import Lease, LeaseLost
-from bulkgen.runtime.lineindex import scan
+from bulkgen.runtime.lineindex import index_file
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
@@ -25,8 +25,8 @@ def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[QueuedBatch, 
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     key = f"files/data/{batch_id}-in"
     store.write_bytes(key, data)
-    index = scan(__import__("io").BytesIO(data), "/v1/completions")
-    job = QueuedBatch(batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.spec())
+    index = index_file(__import__("io").BytesIO(data), "/v1/completions")
+    job = QueuedBatch(batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.open_args())
     return job, [r.bounds for r in make_ranges(job, index, np.ones(len(index), bool), 4)]
 
 

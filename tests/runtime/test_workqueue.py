@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 
-from bulkgen.runtime.lineindex import LineIndex, read_lines, scan
+from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
 from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedBatch, QueuedRange, WorkQueue, make_ranges
 from bulkgen.store import LocalStore
 from tests.support.clock import FakeClock
@@ -130,7 +130,7 @@ def test_scan_indexes_offsets_across_blank_and_crlf_lines(tmp_path):
         for i in range(3)
     ]
     data = (json.dumps(rows[0]) + "\r\n\n" + json.dumps(rows[1]) + "\n   \n" + json.dumps(rows[2])).encode()
-    index = scan(io.BytesIO(data), "/v1/completions")
+    index = index_file(io.BytesIO(data), "/v1/completions")
     assert index.lines.tolist() == [1, 3, 5]
     assert index.work.tolist() == [1 + 3, 2 + 3, 3 + 3]
     store = LocalStore(tmp_path)

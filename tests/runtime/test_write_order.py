@@ -14,8 +14,8 @@ import time
 
 import pytest
 
+from bulkgen.batch.batchrecord import new_batch_record
 from bulkgen.batch.ids import new_id
-from bulkgen.batch.schema import new_batch_record
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
 from tests.support.gated_store import GatedStore
@@ -84,9 +84,9 @@ def test_a_batch_whose_record_write_is_slow_completes(running):
     finally:
         store.on_miss = None
         gate.open()
-    record = manager.wait(created[0]["id"], poll_s=0.1)
-    assert record["status"] == "completed", record["errors"]
-    assert record["request_counts"]["completed"] == 3
+    record = manager.wait(created[0].id, poll_s=0.1)
+    assert record.status == "completed", record.errors
+    assert record.request_counts.completed == 3
 
 
 def test_an_index_entry_without_its_record_is_not_a_failure(running, caplog):
@@ -94,14 +94,14 @@ def test_an_index_entry_without_its_record_is_not_a_failure(running, caplog):
     file_id = _upload(svc)
     record = new_batch_record(file_id, "/v1/chat/completions", "24h", None)
     caplog.set_level(logging.ERROR)
-    store.write_bytes(f"active/{record['id']}", b"")  # the entry alone, as a creator between writes leaves it
+    store.write_bytes(f"active/{record.id}", b"")  # the entry alone, as a creator between writes leaves it
     _wait_scans(store, manager, 3)
-    assert manager.runner_of(record["id"]) is None and not store.exists(f"batches/{record['id']}.json")
-    assert store.exists(f"active/{record['id']}")  # still waiting for its record
-    assert not any(record["id"] in r.getMessage() for r in caplog.records), caplog.text
+    assert manager.runner_of(record.id) is None and not store.exists(f"batches/{record.id}.json")
+    assert store.exists(f"active/{record.id}")  # still waiting for its record
+    assert not any(record.id in r.getMessage() for r in caplog.records), caplog.text
     svc.batches.create(record)  # the record lands: the next scan runs the batch
-    done = manager.wait(record["id"], poll_s=0.1)
-    assert done["status"] == "completed", done["errors"]
+    done = manager.wait(record.id, poll_s=0.1)
+    assert done.status == "completed", done.errors
 
 
 def test_an_index_entry_whose_record_never_came_is_dropped_after_a_grace(running):

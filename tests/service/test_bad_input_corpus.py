@@ -120,7 +120,8 @@ def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, 
     """Workers parse every line themselves rather than trust validation: in a batch `in_progress` whose lines
     were never validated, a line the parser refuses (top_p 1.5) is refused alone by its worker, with the field
     named, and the batch completes."""
-    from bulkgen.batch.schema import new_batch_record, set_status
+    from bulkgen.batch import lifecycle
+    from bulkgen.batch.batchrecord import RequestCounts, new_batch_record
 
     svc = service.svc
     rows = [
@@ -129,12 +130,14 @@ def test_a_batch_validated_under_looser_rules_refuses_only_those_lines(service, 
         chat_row("b", "hi", max_tokens=2),
     ]
     file_id = upload(client, write_jsonl(tmp_path / "old.jsonl", rows)).id
-    record = set_status(new_batch_record(file_id, "/v1/chat/completions", "24h", None), "in_progress")
-    record.update(model="bulkgen-tiny", request_counts={"total": 3, "completed": 0, "failed": 0})
+    record = lifecycle.transition(
+        new_batch_record(file_id, "/v1/chat/completions", "24h", None), "in_progress"
+    )
+    record.model, record.request_counts = "bulkgen-tiny", RequestCounts(total=3)
     svc.batches.create(record)
-    svc.store.write_bytes("active/" + record["id"], b"")
+    svc.store.write_bytes("active/" + record.id, b"")
     service.manager.wake()
-    batch = wait_done(client, record["id"])
+    batch = wait_done(client, record.id)
     assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (
         2,
         1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from bulkgen.batch.batchrecord import BatchRecord
 from tests.support.held_engine import HOLD
 from tests.support.service import chat_row, read_lines, upload, wait_done, wait_for, write_jsonl
 
@@ -52,8 +53,8 @@ def test_cancel_keeps_partial_results(client, tmp_path, engine_gate):
 def test_expiry_keeps_partial_results(service, client, tmp_path, engine_gate):
     batch = _mixed_batch(client, tmp_path, engine_gate)
 
-    def expire_now(record: dict) -> dict:
-        record["expires_at"] = int(time.time())
+    def expire_now(record: BatchRecord) -> BatchRecord:
+        record.expires_at = int(time.time())
         return record
 
     service.svc.batches.update(batch.id, expire_now)  # the record in storage is the source of truth

@@ -21,7 +21,7 @@ import bulkgen.runtime.manager  # noqa: F401  (loaded before the parser is wrapp
 from bulkgen.batch.service import BatchService
 from bulkgen.cli import cli
 from bulkgen.cli.oneshot import run_stored
-from bulkgen.watch.jobspec import JobSpec
+from bulkgen.watch.job import Job
 from bulkgen.watch.watcher import Watcher
 from tests.support.service import MODEL, chat_row, random_model, settings_for, upload, wait_done, write_jsonl
 
@@ -92,7 +92,7 @@ def test_stored_job_parses_each_line_once(service, parses, tmp_path):
     settings = settings_for(str(tmp_path / "store"))
     BatchService(settings).store.write_bytes("inbox/job.jsonl", batch_file(tmp_path, "job").read_bytes())
     record = run_stored(settings, "inbox/job.jsonl", "outbox", echo=lambda _: None)
-    assert record["request_counts"]["completed"] == LINES
+    assert record.request_counts.completed == LINES
     assert (tmp_path / "store" / "outbox" / "job.output.jsonl").read_text().count("\n") == LINES
     assert parsed_once(parses, "job"), parses
 
@@ -103,7 +103,7 @@ def test_watcher_parses_each_line_once(service, parses, tmp_path):
     batch_file(inbox, "watch")
     watcher = Watcher(
         BatchService(settings_for(str(tmp_path / "store"))),
-        JobSpec(input=str(inbox), output=str(tmp_path / "outbox")),
+        Job(input=str(inbox), output=str(tmp_path / "outbox")),
     )
     watcher.run(once=True)
     assert (tmp_path / "outbox" / "watch.output.jsonl").read_text().count("\n") == LINES
@@ -148,7 +148,7 @@ def test_watcher_fills_job_defaults_once_per_line_as_it_stores(service, parses, 
     for row in rows:  # what the job fills in: the url, the model and max_tokens
         del row["url"], row["body"]["model"], row["body"]["max_tokens"]
     write_jsonl(inbox / "fill.jsonl", rows)
-    spec = JobSpec(
+    spec = Job(
         input=str(inbox),
         output=str(tmp_path / "outbox"),
         model=MODEL,

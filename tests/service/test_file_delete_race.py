@@ -58,7 +58,7 @@ def test_a_delete_while_the_batch_is_being_created_is_refused(gated):
     assert err.value.code == "file_in_use"
     gate.open()
     creator.join(30)
-    assert created[0]["status"] == "validating" and svc.files.get(file_id)["id"] == file_id
+    assert created[0].status == "validating" and svc.files.get(file_id)["id"] == file_id
 
 
 def test_a_create_that_claims_first_wins_over_a_delete_that_checked_before(gated):
@@ -69,8 +69,8 @@ def test_a_create_that_claims_first_wins_over_a_delete_that_checked_before(gated
     record = _create(svc, file_id)()  # lands its claim first
     gate.open()
     deleter.join(30)
-    assert isinstance(deleted[0], Conflict) and record["id"] in str(deleted[0])
-    assert svc.files.get(file_id)["id"] == file_id and svc.batches.get(record["id"])["status"] == "validating"
+    assert isinstance(deleted[0], Conflict) and record.id in str(deleted[0])
+    assert svc.files.get(file_id)["id"] == file_id and svc.batches.get(record.id).status == "validating"
 
 
 def test_a_create_after_the_delete_claimed_the_file_is_refused(gated):

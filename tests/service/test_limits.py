@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
-from bulkgen.batch.responses import json_line
+from bulkgen.batch.outputlines import json_line
 from bulkgen.batch.service import BatchService
 from tests.support.service import (
     Service,

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from bulkgen.batch.outputlines import completion_body
 from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import COMPLETIONS, LineError, RequestLine, custom_id_of, parse_line
-from bulkgen.batch.responses import completion_body
 from tests.support.service import MODEL, chat_row, completion_row
 
 

@@ -14,12 +14,12 @@ from openai.types.responses import Response
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
 from bulkgen.batch.bodyfields import BODY_FIELDS
+from bulkgen.batch.outputlines import success_line
 from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
-from bulkgen.batch.responses import success_line
 from bulkgen.batch.resultfiles import parquet_row
 from bulkgen.engine.guide import Guide
-from bulkgen.watch.jobspec import JobError, JobSpec
+from bulkgen.watch.job import Job, JobError
 from tests.service.test_body_fuzz import EDGES, JSON
 from tests.service.test_body_fuzz import _run_like_a_worker as run_like_a_worker
 from tests.support.service import MODEL, chat_row
@@ -403,9 +403,9 @@ def test_a_watch_job_checks_responses_defaults(tmp_path):
         "input: a\noutput: b\nendpoint: /v1/responses\ndefaults: {max_output_tokens: 16, temperature: 0}\n"
     )
     bad.write_text("input: a\noutput: b\nendpoint: /v1/responses\ndefaults: {max_tokens: 16}\n")
-    assert JobSpec.load(good).body_defaults() == {"max_output_tokens": 16, "temperature": 0}
+    assert Job.load(good).body_defaults() == {"max_output_tokens": 16, "temperature": 0}
     with pytest.raises(JobError, match="body.max_tokens"):
-        JobSpec.load(bad)
+        Job.load(bad)
 
 
 @pytest.mark.parametrize(

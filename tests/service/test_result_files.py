@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from bulkgen.batch.resultfiles import ResultNames, local_results
 from bulkgen.batch.service import BatchService
 from bulkgen.cli import cli
-from bulkgen.watch.jobspec import JobSpec
+from bulkgen.watch.job import Job
 from bulkgen.watch.watcher import Watcher
 from tests.support.service import MODEL, chat_row, random_model, settings_for, write_jsonl
 
@@ -77,7 +77,7 @@ def test_run_and_watcher_name_their_files_through_the_one_writer(service, named,
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     write_jsonl(inbox / "day1.jsonl", rows("watch"))
-    spec = JobSpec(input=str(inbox), output=str(tmp_path / "outbox"))
+    spec = Job(input=str(inbox), output=str(tmp_path / "outbox"))
     Watcher(BatchService(settings_for(str(tmp_path / "s2"))), spec).run(once=True)
     written = sorted(p.name for p in (tmp_path / "outbox").iterdir() if not p.name.startswith("."))
     assert written == ["day1.errors.jsonl", "day1.output.jsonl", "day1.summary.json"]

@@ -15,9 +15,9 @@ from urllib.request import urlopen
 import openai
 import pytest
 
-from bulkgen.batch import totals
+from bulkgen.batch import lifecycle, totals
+from bulkgen.batch.batchrecord import RequestCounts, new_batch_record
 from bulkgen.batch.records import FileRepo
-from bulkgen.batch.schema import new_batch_record, set_status
 from bulkgen.store import LocalStore
 from tests.service.api_only import ApiOnly
 from tests.store.test_listing import CountingStore
@@ -104,10 +104,12 @@ def test_sdk_list_and_delete_loop_sees_every_file(api):
 def _ended_batches(store, count: int) -> None:
     svc_store = store
     for _ in range(count):
-        record = set_status(new_batch_record("file-x", "/v1/completions", "24h", None), "completed")
-        record["request_counts"].update(total=2, completed=2)
-        record["usage"].update(input_tokens=3, output_tokens=5, total_tokens=8)
-        svc_store.write_bytes(f"batches/{record['id']}.json", json.dumps(record).encode())
+        record = new_batch_record("file-x", "/v1/completions", "24h", None)
+        for status in ("in_progress", "finalizing", "completed"):
+            lifecycle.transition(record, status)
+        record.request_counts = RequestCounts(total=2, completed=2)
+        record.usage.update(input_tokens=3, output_tokens=5, total_tokens=8)
+        svc_store.write_bytes(f"batches/{record.id}.json", json.dumps(record.to_json()).encode())
         totals.add_ended(svc_store, record)
 
 
@@ -125,10 +127,12 @@ def test_metrics_reads_do_not_grow_with_stored_batches(tmp_path):
     server = ApiOnly(store)
     server.app.state.metrics_cache.max_age_s = 0  # every scrape reads storage (else once per 5 s)
     for _ in range(2):  # two live batches: read from the active index, one record each
-        record = set_status(new_batch_record("file-x", "/v1/completions", "24h", None), "in_progress")
-        record["request_counts"].update(total=10, completed=4)
+        record = lifecycle.transition(
+            new_batch_record("file-x", "/v1/completions", "24h", None), "in_progress"
+        )
+        record.request_counts = RequestCounts(total=10, completed=4)
         server.svc.batches.create(record)
-        store.write_bytes(f"active/{record['id']}", b"")
+        store.write_bytes(f"active/{record.id}", b"")
     try:
         costs = []
         for count in (10, 1000):

@@ -18,10 +18,10 @@ import pytest
 from click.testing import CliRunner
 from openai.types import Batch
 
+from bulkgen.batch.batchrecord import new_batch_record
 from bulkgen.batch.merged import merge_chain
-from bulkgen.batch.responses import envelope, not_run_line, refused_line
+from bulkgen.batch.outputlines import envelope, not_run_line, refused_line
 from bulkgen.batch.retry import retryable
-from bulkgen.batch.schema import INTERNAL, new_batch_record
 from bulkgen.cli import cli
 from bulkgen.tenants import KeyRing, add_key
 from tests.support.held_engine import HOLD
@@ -56,12 +56,12 @@ def _expired_before_it_ran(
     one, with its expires_at already behind (the record is the source of truth), then indexed."""
     file_id = upload(client, write_jsonl(tmp_path / "expired.jsonl", rows)).id
     record = new_batch_record(file_id, "/v1/chat/completions", "24h", metadata or {"job": "nightly"})
-    record["expires_at"] = record["created_at"] - 1
-    record[INTERNAL]["output_expires_after_s"] = 7200  # what output_expires_after={seconds: 7200} stores
+    record.expires_at = record.created_at - 1
+    record.internal["output_expires_after_s"] = 7200  # what output_expires_after={seconds: 7200} stores
     service.svc.batches.create(record)
-    service.svc.ensure_indexed(record["id"])
+    service.svc.ensure_indexed(record.id)
     service.manager.wake()
-    return wait_done(client, record["id"])
+    return wait_done(client, record.id)
 
 
 def test_an_expired_batch_is_retried_and_merged_with_its_retry(service, client, tmp_path):

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
+from bulkgen.batch.outputlines import completion_body, merge_results
 from bulkgen.batch.prepare import fit_context, split_prompts
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
-from bulkgen.batch.responses import completion_body, merge_results
 from bulkgen.batch.validate import Validator, validate_stream
 from bulkgen.runtime.lineindex import IndexBuilder
 from tests.support.service import MODEL, chat_row, completion_row

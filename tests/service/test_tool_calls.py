@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from bulkgen.batch.outputlines import chat_body
 from bulkgen.batch.prepare import render_chat, tokenize
 from bulkgen.batch.requests import CHAT, LineError, parse_line
-from bulkgen.batch.responses import chat_body
 from bulkgen.batch.tools import parse_tool_calls, tool_format
 from bulkgen.lab.tiny import build_tokenizer
 from tests.support.service import HERMES_TEMPLATE, chat_row
@@ -202,7 +202,7 @@ def test_reasoning_effort_goes_only_to_templates_that_take_it():
 
 def test_an_answer_of_tool_calls_summarises_as_its_calls():
     """Previews (`bulkgen run`) and Parquet rows show a call answer (content null) as its calls."""
-    from bulkgen.batch.responses import answer_summary
+    from bulkgen.batch.outputlines import answer_summary
 
     text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     result = {

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from bulkgen.batch.batchrecord import BatchRecord
 from tests.support.held_engine import HOLD
 from tests.support.receiver import SECRET, Receiver, SilentReceiver
 from tests.support.service import Service, chat_row, settings_for, upload, wait_done, wait_for, write_jsonl
@@ -86,8 +87,8 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path, engin
     wait_for(client, cancelled.id, lambda b: b.status == "in_progress")
     client.batches.cancel(cancelled.id)
 
-    def expire_now(record: dict) -> dict:
-        record["expires_at"] = int(time.time())
+    def expire_now(record: BatchRecord) -> BatchRecord:
+        record.expires_at = int(time.time())
         return record
 
     service.svc.batches.update(expired.id, expire_now)
@@ -104,11 +105,11 @@ def test_every_ending_sends_one_verified_event(hooked, notifier, tmp_path, engin
         assert event.type == f"batch.{batch.status}"
         assert event.created_at == getattr(batch, f"{batch.status}_at")
     assert not receiver.rejected and len(receiver.requests) == 4
-    assert sorted(r["id"] for r in ended) == sorted(batches)  # the hook ran once per batch end
+    assert sorted(r.id for r in ended) == sorted(batches)  # the hook ran once per batch end
     for record in ended:  # with the final record, results and all, already stored
-        assert service.svc.batches.get(record["id"])["status"] == record["status"]
-    completed = next(r for r in ended if r["status"] == "completed")
-    assert completed["output_file_id"] and completed["request_counts"]["completed"] == 1
+        assert service.svc.batches.get(record.id).status == record.status
+    completed = next(r for r in ended if r.status == "completed")
+    assert completed.output_file_id and completed.request_counts.completed == 1
     assert json.loads(receiver.requests[0][0])["object"] == "event"
 
 

@@ -8,7 +8,7 @@ import io
 import json
 from pathlib import Path
 
-from bulkgen.batch.schema import set_status
+from bulkgen.batch import lifecycle
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics
 from bulkgen.plan import profile
@@ -93,8 +93,8 @@ def test_a_batch_of_a_tenant_writes_exactly_the_layouts_keys(tmp_path):
     root.create()
     svc = BatchService(Settings(storage=str(tmp_path / "store")), store=root).for_tenant("acme")
     file_id = svc.files.create(io.BytesIO(json.dumps(ROW).encode() + b"\n"), "in.jsonl", "batch")["id"]
-    batch_id = svc.create_batch(file_id, "/v1/chat/completions", "24h", None)["id"]
-    svc.batches.update(batch_id, lambda r: set_status(r, "in_progress"))
+    batch_id = svc.create_batch(file_id, "/v1/chat/completions", "24h", None).id
+    svc.batches.update(batch_id, lambda r: lifecycle.transition(r, "in_progress"))
     lease = Lease(svc.store, batch_id, "host-1", ttl_s=30)
     assert lease.acquire()
     parts.write_part(
@@ -116,7 +116,7 @@ def test_a_batch_of_a_tenant_writes_exactly_the_layouts_keys(tmp_path):
     profile.save(root, profile.Profile("tiny", "cpu", 0.01, 0.001, 0.0, 0.0, 8, 256, 128, 16, 1.0))
 
     output_id, error_id = result_file_ids(batch_id)
-    assert (record["output_file_id"], record["error_file_id"]) == (output_id, error_id)
+    assert (record.output_file_id, record.error_file_id) == (output_id, error_id)
     tenant_keys = [
         layout.file_meta(file_id),
         layout.file_data(file_id),
@@ -136,7 +136,7 @@ def test_a_batch_of_a_tenant_writes_exactly_the_layouts_keys(tmp_path):
         layout.TOTALS,
         layout.profile("tiny", "cpu"),
     }
-    assert record["metrics"]["report_files"] == {
+    assert record.metrics["report_files"] == {
         n: layout.report(batch_id, n) for n in ("report.json", "report.png")
     }
     assert svc.files.get(output_id)["filename"] == layout.output_filename(batch_id)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from bulkgen.batch.batchrecord import new_batch_record
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
-from bulkgen.batch.schema import new_batch_record
 from bulkgen.store import LocalStore
 
 
@@ -34,14 +34,14 @@ def _files(repo: FileRepo, count: int, **kw) -> list[str]:
     return [repo.create(io.BytesIO(b"{}\n"), f"f{i}.jsonl", "batch", **kw)["id"] for i in range(count)]
 
 
-def _pages(list_page, limit: int) -> list[list[str]]:
+def _pages(list_page, limit: int, id_of=lambda file: file["id"]) -> list[list[str]]:
     pages, after = [], None
     while True:
         items, has_more = list_page(after, limit)
-        pages.append([r["id"] for r in items])
+        pages.append([id_of(r) for r in items])
         if not has_more:
             return pages
-        after = items[-1]["id"]
+        after = pages[-1][-1]
 
 
 @pytest.mark.parametrize("order", ["desc", "asc"])
@@ -56,10 +56,8 @@ def test_pages_cover_every_file_once_in_order(store, order):
 
 def test_batches_page_newest_first(store):
     repo = BatchRepo(store)
-    ids = sorted(
-        repo.create(new_batch_record("file-x", "/v1/completions", "24h", None))["id"] for _ in range(5)
-    )
-    assert sum(_pages(repo.list, 2), []) == ids
+    ids = sorted(repo.create(new_batch_record("file-x", "/v1/completions", "24h", None)).id for _ in range(5))
+    assert sum(_pages(repo.list, 2, lambda batch: batch.id), []) == ids
 
 
 @pytest.mark.parametrize("order", ["desc", "asc"])

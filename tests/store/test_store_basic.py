@@ -144,7 +144,7 @@ def test_download_dir_mirrors_a_folder(store, tmp_path):
 
 def test_spec_and_pickle_round_trip(store):
     store.write_bytes("k", b"v")
-    for clone in (open_store(**store.spec()), pickle.loads(pickle.dumps(store))):
+    for clone in (open_store(**store.open_args()), pickle.loads(pickle.dumps(store))):
         assert type(clone) is type(store) and clone.url == store.url
         assert clone.read_bytes("k") == b"v"
 

@@ -76,7 +76,7 @@ def test_racing_writers_exactly_one_wins_processes(store):
         version = store.write_bytes("race", b"start")
         barrier, results = ctx.Barrier(writers), ctx.Queue()
         procs = [
-            ctx.Process(target=_process_race, args=(store.spec(), version, i, barrier, results))
+            ctx.Process(target=_process_race, args=(store.open_args(), version, i, barrier, results))
             for i in range(writers)
         ]
         for proc in procs:
@@ -113,7 +113,7 @@ def test_no_lost_updates_across_processes(tmp_path):
     store = open_store(str(tmp_path), fsync=False)
     store.write_bytes("counter", b"0")
     ctx = _clean_processes()
-    procs = [ctx.Process(target=_increment_in_process, args=(store.spec(), 40)) for _ in range(3)]
+    procs = [ctx.Process(target=_increment_in_process, args=(store.open_args(), 40)) for _ in range(3)]
     for proc in procs:
         proc.start()
     for proc in procs:

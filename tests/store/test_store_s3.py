@@ -57,7 +57,7 @@ def test_endpoint_from_environment_and_explicit(s3_bucket_url, s3_server, monkey
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     explicit = open_store(s3_bucket_url, endpoint_url=s3_server)
     explicit.write_bytes("k", b"v")
-    assert open_store(**explicit.spec()).read_bytes("k") == b"v"
+    assert open_store(**explicit.open_args()).read_bytes("k") == b"v"
 
 
 def test_store_root_prefix_is_respected(s3_bucket_url, s3_server):

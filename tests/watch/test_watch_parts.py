@@ -13,14 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 import boto3
 import pytest
 
+from bulkgen.batch.outputlines import not_run_line, refused_line, success_line
 from bulkgen.batch.requests import CHAT, ParsedRequest, fill_defaults, parse_line
-from bulkgen.batch.responses import not_run_line, refused_line, success_line
 from bulkgen.batch.resultfiles import parquet_row
 from bulkgen.batch.service import BatchService
 from bulkgen.settings import Settings
 from bulkgen.store import LocalStore, layout, open_store
 from bulkgen.watch.cron import Cron, CronError
-from bulkgen.watch.jobspec import JobError, JobSpec
+from bulkgen.watch.job import Job, JobError
 from bulkgen.watch.sources import SqsSource
 from bulkgen.watch.watcher import Watcher
 from tests.support.clock import FakeClock
@@ -47,10 +47,10 @@ def test_cron_next_after():
 
 
 def test_example_jobs_load():
-    summarize = JobSpec.load(ROOT / "jobs" / "summarize-inbox.yaml")
+    summarize = Job.load(ROOT / "jobs" / "summarize-inbox.yaml")
     assert summarize.body_defaults() == {"model": "bulkgen-tiny", "temperature": 0.7, "max_tokens": 64}
     assert summarize.poll_interval() == 10 and summarize.output_format == "jsonl"
-    labels = JobSpec.load(ROOT / "jobs" / "labels-parquet.yaml")
+    labels = Job.load(ROOT / "jobs" / "labels-parquet.yaml")
     assert labels.output_format == "parquet" and labels.poll_interval() is None and labels.schedule
     labels.override(interval=2.0)  # the command line replaces the job's schedule
     assert labels.check().poll_interval() == 2.0 and labels.schedule is None
@@ -80,7 +80,7 @@ def test_bad_jobs_say_what_and_where(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(JobError) as err:
-        JobSpec.load(path)
+        Job.load(path)
     assert message in str(err.value) and str(path) in str(err.value)
 
 
@@ -139,7 +139,7 @@ def test_scan_pages_past_1000_objects_and_skips_finished_ones(s3_bucket_url, s3_
     svc = BatchService(
         Settings(storage=f"s3://{bucket}/store", endpoint_url=s3_server, models={"m": "unused"})
     )
-    spec = JobSpec(input=f"s3://{bucket}/inbox/", output=f"s3://{bucket}/outbox/", interval=60)
+    spec = Job(input=f"s3://{bucket}/inbox/", output=f"s3://{bucket}/outbox/", interval=60)
     watcher = Watcher(svc, spec, endpoint_url=s3_server)
     with ThreadPoolExecutor(8) as pool:  # as if an earlier watcher had finished all of them
         done = [layout.watch_done(watcher.claims.name(info)) for info in listed]
@@ -223,15 +223,13 @@ def test_on_batch_end_is_called_once_with_the_final_record(tmp_path):
     (inbox / "bad.jsonl").write_text(json.dumps({"custom_id": "a", "url": CHAT, "body": "m"}) + "\n")
     ended = []
     svc = BatchService(Settings(storage=str(tmp_path / "store"), models={"m": "unused"}))
-    watcher = Watcher(
-        svc, JobSpec(input=str(inbox), output=str(tmp_path / "outbox")), on_batch_end=ended.append
-    )
+    watcher = Watcher(svc, Job(input=str(inbox), output=str(tmp_path / "outbox")), on_batch_end=ended.append)
     assert watcher.scan() == 1
     watcher.check_pending()
     watcher.check_pending()
     assert watcher.scan() == 0 and [r["status"] for r in ended] == ["failed"] and "x_bulkgen" not in ended[0]
     assert ended[0]["errors"]["data"][0]["param"] == "body"  # a line without a body object: the file's error
-    assert svc.batches.get(ended[0]["id"])["metadata"]["watch_input"] == f"{inbox}/bad.jsonl"
+    assert svc.batches.get(ended[0]["id"]).metadata["watch_input"] == f"{inbox}/bad.jsonl"
 
 
 @pytest.mark.parametrize(
@@ -291,7 +289,7 @@ def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_ru
     inbox.mkdir()
     (inbox / "bad.jsonl").write_text(json.dumps({"custom_id": "a", "url": CHAT, "body": "m"}) + "\n")
     svc = BatchService(Settings(storage=str(tmp_path / "store"), models={"m": "unused"}))
-    spec = JobSpec(input=str(inbox), output=str(tmp_path / "outbox"), claim_ttl=60)
+    spec = Job(input=str(inbox), output=str(tmp_path / "outbox"), claim_ttl=60)
     clock = FakeClock()
     dead = Watcher(svc, spec, owner="dead")
     dead.claims.clock = clock
@@ -303,7 +301,7 @@ def test_a_claim_whose_watcher_died_before_recording_its_batch_is_resumed_not_ru
     alive.claims.clock = clock
     assert alive.scan() == 1 and not alive.pending  # the dead watcher's claim has not lapsed yet
     clock.advance(61)
-    assert alive.scan() == 1 and [c.batch_id for c in alive.pending.values()] == [record["id"]]
+    assert alive.scan() == 1 and [c.batch_id for c in alive.pending.values()] == [record.id]
     alive.check_pending()
-    assert list(svc.batches.ids()) == [record["id"]] and not alive.pending
-    assert json.loads((tmp_path / "outbox" / "bad.summary.json").read_text())["batch"]["id"] == record["id"]
+    assert list(svc.batches.ids()) == [record.id] and not alive.pending
+    assert json.loads((tmp_path / "outbox" / "bad.summary.json").read_text())["batch"]["id"] == record.id

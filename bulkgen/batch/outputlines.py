@@ -1,4 +1,5 @@
-"""Output and error lines, in the envelope the hosted batch API writes."""
+"""Output and error lines for every endpoint, in the envelope the hosted batch API writes (each endpoint's
+response body shaped by its own module: chat and completions here, embeddings and /v1/responses theirs)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from typing import Any
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
 from bulkgen.batch.resultfiles import FORMATS
 from bulkgen.batch.schema import ENDPOINTS, InvalidRequest, parse_completion_window
+from bulkgen.settings import Flag, setting
 from bulkgen.watch.cron import Cron, CronError
 
 DEFAULT_INTERVAL_S = 10.0  # polling alone
@@ -39,26 +40,63 @@ class JobError(ValueError):
 
 
 @dataclass
-class JobSpec:
-    input: str | None = None
-    output: str | None = None
+class Job:
+    """A job's fields; those with a `Flag` are `bulkgen watch`'s options too (bulkgen.cli.settings_options
+    .job_flags), which override the job file's value when given. `storage`, `models` and `webhook` are the
+    service's flags (settings and webhook options), used when the command line leaves them out."""
+
+    input: str | None = setting(
+        None, flag=Flag("--input", "Prefix to watch: a folder or s3://bucket/inbox/.")
+    )
+    output: str | None = setting(
+        None, flag=Flag("--output", "Where results go: a folder or s3://bucket/outbox/.")
+    )
     name: str | None = None
     model: str | None = None
-    endpoint: str | None = None
-    completion_window: str = "24h"
-    interval: float | None = None
-    schedule: str | None = None
-    sqs_queue_url: str | None = None
+    endpoint: str | None = setting(
+        None,
+        flag=Flag(
+            "--endpoint", "Batch endpoint; default: the url of each file's first line.", choices=ENDPOINTS
+        ),
+    )
+    completion_window: str = setting(
+        "24h", flag=Flag("--completion-window", "Completion window of the batches (default 24h).")
+    )
+    interval: float | None = setting(
+        None,
+        flag=Flag(
+            "--interval", "Seconds between polls (default 10; 300 beside --sqs-queue-url).", type=float
+        ),
+    )
+    schedule: str | None = setting(
+        None,
+        flag=Flag(
+            "--schedule", "Poll at these times instead: a 5-field cron expression (UTC), e.g. '*/5 * * * *'."
+        ),
+    )
+    sqs_queue_url: str | None = setting(
+        None,
+        flag=Flag("--sqs-queue-url", "Also react to S3 event notifications delivered to this SQS queue."),
+    )
     defaults: dict[str, Any] = field(default_factory=dict)
-    output_format: str = "jsonl"
-    claim_ttl: float = DEFAULT_CLAIM_TTL_S
+    output_format: str = setting(
+        "jsonl", flag=Flag("--output-format", "Result format (default jsonl).", choices=FORMATS)
+    )
+    claim_ttl: float = setting(
+        DEFAULT_CLAIM_TTL_S,
+        flag=Flag(
+            "--claim-ttl",
+            "Seconds before another watcher takes over an object whose watcher stopped (default 60).",
+            type=float,
+        ),
+    )
     storage: str | None = None
     models: list[str] = field(default_factory=list)
     tensor_parallel: int | None = None  # ranks per worker, as --tensor-parallel
     webhook: str | None = None
 
     @classmethod
-    def load(cls, path: str | Path) -> JobSpec:
+    def load(cls, path: str | Path) -> Job:
         import yaml
 
         try:
@@ -73,11 +111,11 @@ class JobSpec:
             raise JobError(
                 f"{path}: unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}"
             )
-        spec = cls(**{"name": Path(path).stem, **data})
-        spec.check(str(path))
-        return spec
+        job = cls(**{"name": Path(path).stem, **data})
+        job.check(str(path))
+        return job
 
-    def override(self, **values: Any) -> JobSpec:
+    def override(self, **values: Any) -> Job:
         """Command-line values (those given, not None) replace the job's."""
         for name, value in values.items():
             if value is not None:
@@ -88,7 +126,7 @@ class JobSpec:
             self.schedule = None
         return self
 
-    def check(self, where: str = "job") -> JobSpec:
+    def check(self, where: str = "job") -> Job:
         if not self.input or not isinstance(self.input, str):
             raise JobError(f"{where}: input (a folder or s3://bucket/prefix/) is required")
         if not self.output or not isinstance(self.output, str):

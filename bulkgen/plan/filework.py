@@ -101,7 +101,7 @@ class _PrefixCache:
         return hits
 
 
-def scan_file(
+def file_work(
     path: Path,
     endpoint: str,
     served_model: str,
