@@ -136,6 +136,7 @@ class StandIn:
         self.request = _Scored([None] * scored)
         self.token_ids = _Tail(computed, tokens)
         self.block_tables = tables
+        self.lora = None  # adapters are refused under tensor parallel (Engine.add_lora)
 
     def __len__(self) -> int:
         return self.length

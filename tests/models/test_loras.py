@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from bulkgen.batch.validate import Validator, validate_stream
 from bulkgen.cli import cli
 from bulkgen.models.loras import AdapterCatalog, AdapterError, LoraSpec, parse_lora_specs
-from bulkgen.settings import from_flags
+from bulkgen.settings_flags import from_flags
 
 MODELS = {"base": "/models/base", "other": "/models/other"}
 

@@ -20,7 +20,7 @@ SHARED_FLAGS = {
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
-    "--quantize", "--kv-cache-dtype", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
+    "--quantize", "--kv-cache-dtype", "--tensor-parallel", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
     "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
