@@ -3,11 +3,11 @@
 Every linear layer some adapter targets is wrapped once (LoraLinear) with two slot-stacked buffers,
 A [max_loras, max_rank, in] and B [max_loras, out, max_rank] (B already scaled); an adapter of rank r
 fills the first r rows / columns of its slot, so adapters of different ranks share a step. The base
-GEMM runs once over the whole packed row; then, for each slot used in the step, the rows of its
-sequences are gathered, shrunk (x Aᵀ, r columns) and expanded (· Bᵀ) and added back in place: vLLM's
-torch punica reference (`sgmv_shrink` / `sgmv_expand` over segments) with the segments being a gather
-index per adapter, since a packed step orders sequences by prefill / decode, not by adapter. Base rows
-are in no index and pay nothing; a step without adapters runs the plain layer.
+GEMM runs once over the whole packed row; then each segment of rows of one adapter is shrunk (x Aᵀ, r
+columns) and expanded (· Bᵀ) into the output in place, one matmul and one addmm: vLLM's torch punica
+reference (`sgmv_shrink` / `sgmv_expand` over segments). The runner sorts a step's prefill chunks and
+its decodes by adapter, so an adapter has at most two segments (host ints: nothing to upload). Base rows
+are in no segment and pay nothing; a step without adapters runs the plain layer.
 
 Slots are filled (`activate`) when a step is scheduled, before its forward launches, from the host
 cache (lora.LoraAdapter), least recently used slot first among those the step does not use. The
@@ -42,15 +42,15 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        groups = self.pool.step
-        if not groups:
+        segments = self.pool.step
+        if not segments:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        for slot, rows in groups:
+        for slot, start, end in segments:
             r = self.ranks[slot]
             if r:
-                shrunk = flat_x.index_select(0, rows) @ self.lora_a[slot, :r].T
-                flat_out.index_add_(0, rows, shrunk @ self.lora_b[slot, :, :r].T)
+                shrunk = flat_x[start:end] @ self.lora_a[slot, :r].T
+                flat_out[start:end].addmm_(shrunk, self.lora_b[slot, :, :r].T)
         return out
 
     def load(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -75,9 +75,7 @@ class LoraSlots:
         self.adapters: dict[str, LoraAdapter] = {}
         self.layers: dict[str, LoraLinear] = {}  # wrapped module path -> its layer
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
-        self.step: list[tuple[int, torch.Tensor]] | None = (
-            None  # (slot, its packed rows) while a forward runs
-        )
+        self.step: list[tuple[int, int, int]] | None = None  # (slot, first row, end) while a forward runs
         self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
 
     def add(self, adapter: LoraAdapter) -> None:
@@ -131,9 +129,10 @@ class LoraSlots:
         self.loads += 1
 
     @contextmanager
-    def scope(self, groups: list[tuple[int, torch.Tensor]]):
-        """The wrapped layers add these (slot, rows) deltas inside the block (the engine's forward only)."""
-        self.step = groups
+    def scope(self, segments: list[tuple[int, int, int]]):
+        """The wrapped layers add the deltas of these (slot, first row, end) segments of the packed row
+        inside the block (the engine's forward only)."""
+        self.step = segments
         try:
             yield
         finally:
