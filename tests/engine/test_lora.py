@@ -106,8 +106,12 @@ def test_mixed_adapters_equal_merged_models(models, prompts, arch):
     assert base  # rows of the base model ride along
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     # 32 tokens per step: long prompts prefill in chunks beside other adapters' decodes; 2 slots for 3
-    # adapters: the third waits for a free slot and slots are reloaded
-    for kwargs in ({"max_loras": 4}, {"max_loras": 2, "max_num_batched_tokens": 32}):
+    # adapters: the third waits for a free slot; with decode graphs on (eager on CPU) steps with adapter
+    # rows bypass them; overlapped steps fill slots for a step while the previous one is in flight
+    for kwargs in (
+        {"max_loras": 4, "cuda_graphs": True},
+        {"max_loras": 2, "max_num_batched_tokens": 32, "async_scheduling": True},
+    ):
         engine = _engine(path, adapters, **kwargs)
         assert _run(engine, prompts, PLAN, greedy) == want, kwargs
     assert engine.runner.loras.loads > 2  # three adapters through two slots: one was evicted
