@@ -119,7 +119,9 @@ class LoraSlots:
         free = [s for s in range(self.max_loras) if s not in taken]
         if free:
             return free[0]
-        victim = next(uid for uid in self.resident if uid not in wanted)
+        victim = next((uid for uid in self.resident if uid not in wanted), None)
+        if victim is None:  # the scheduler's rule was broken: never load over a slot this step reads
+            raise LoraError(f"a step uses more than max_loras ({self.max_loras}) adapters")
         return self.resident.pop(victim)
 
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
