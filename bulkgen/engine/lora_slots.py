@@ -34,7 +34,9 @@ class LoraLinear(torch.nn.Module):
         w = base.weight
         self.register_buffer("lora_a", w.new_zeros(pool.max_loras, pool.max_rank, base.in_features))
         self.register_buffer("lora_b", w.new_zeros(pool.max_loras, base.out_features, pool.max_rank))
-        self.ranks = [0] * pool.max_loras  # rank loaded in each slot: 0 when its adapter skips this layer
+        # per slot, (Aᵀ, Bᵀ) views of its loaded rank, made once per load (a step reads them per segment);
+        # None when the slot's adapter leaves this layer alone
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * pool.max_loras
 
     @property
     def weight(self) -> torch.Tensor:  # code that reads a linear's weight (dtype, device) still finds it
@@ -46,23 +48,23 @@ class LoraLinear(torch.nn.Module):
         if not segments:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        views = self.views
         for slot, start, end in segments:
-            r = self.ranks[slot]
-            if r:
-                shrunk = flat_x[start:end] @ self.lora_a[slot, :r].T
-                flat_out[start:end].addmm_(shrunk, self.lora_b[slot, :, :r].T)
+            pair = views[slot]
+            if pair is not None:
+                flat_out[start:end].addmm_(flat_x[start:end] @ pair[0], pair[1])
         return out
 
     def load(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A, B·scale) into `slot` (None: the adapter leaves this layer alone)."""
         if pair is None:
-            self.ranks[slot] = 0
+            self.views[slot] = None
             return
         a, b = pair
         r = a.shape[0]
         self.lora_a[slot, :r].copy_(a, non_blocking=True)
         self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
-        self.ranks[slot] = r
+        self.views[slot] = (self.lora_a[slot, :r].T, self.lora_b[slot, :, :r].T)
 
 
 class LoraSlots:

@@ -252,6 +252,8 @@ class ModelRunner:
         """(slot, first row, end) of each run of packed rows of one adapter; the slots were filled when
         the step was scheduled (LoraSlots.activate)."""
         out: list[tuple[int, int, int]] = []
+        if not self.loras.resident:  # no adapter was ever used: no row has one
+            return out
         q_off, resident = 0, self.loras.resident
         for seq, n in ordered:
             if seq.lora is not None:
