@@ -47,6 +47,7 @@ _LAZY = {
     "RequestOutput": ".outputs",
     "EmbedParams": ".pooling",
     "PoolingConfig": ".pooling",
+    "LoraError": ".lora",
 }
 
 
@@ -75,6 +76,7 @@ __all__ = [
     "CompletionOutput",
     "EmbedParams",
     "Engine",
+    "LoraError",
     "PoolingConfig",
     "RequestMetrics",
     "RequestOutput",
