@@ -130,6 +130,17 @@ def test_a_step_never_holds_more_adapters_than_slots(models, prompts):
     assert widest == 2
 
 
+def test_rows_of_a_waiting_adapter_let_others_go_ahead(models, prompts):
+    path, adapters = models["llama"]
+    engine = _engine(path, adapters, max_loras=1)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    for rid, prompt, lora in (("a", prompts[0], "a"), ("b", prompts[4], "b"), ("base", prompts[1], None)):
+        engine.add_request(rid, prompt, params, lora=lora)  # admitted longest first: a, b, base
+    engine.step()
+    running = sorted(s.request.request_id for s in engine.scheduler.running)
+    assert running == ["a", "base"]  # b waits for the one slot; the base row behind it does not
+
+
 def test_prefix_cache_is_per_adapter(models):
     path, adapters = models["llama"]
     engine = _engine(path, adapters, block_size=16)
