@@ -48,6 +48,10 @@ class LoraLinear(torch.nn.Module):
         if not segments:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        if flat_x.shape[0] != self.pool.num_tokens:  # segments index the packed row: never guess on another
+            raise RuntimeError(
+                f"a LoRA layer was called on {flat_x.shape[0]} rows in a step of {self.pool.num_tokens} tokens"
+            )
         views = self.views
         for slot, start, end in segments:
             pair = views[slot]
@@ -78,6 +82,7 @@ class LoraSlots:
         self.layers: dict[str, LoraLinear] = {}  # wrapped module path -> its layer
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.step: list[tuple[int, int, int]] | None = None  # (slot, first row, end) while a forward runs
+        self.num_tokens = 0  # the packed row's length in the step running
         self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
 
     def add(self, adapter: LoraAdapter) -> None:
@@ -133,10 +138,10 @@ class LoraSlots:
         self.loads += 1
 
     @contextmanager
-    def scope(self, segments: list[tuple[int, int, int]]):
+    def scope(self, segments: list[tuple[int, int, int]], num_tokens: int):
         """The wrapped layers add the deltas of these (slot, first row, end) segments of the packed row
         inside the block (the engine's forward only)."""
-        self.step = segments
+        self.step, self.num_tokens = segments, num_tokens
         try:
             yield
         finally:

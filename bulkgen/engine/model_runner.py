@@ -236,7 +236,7 @@ class ModelRunner:
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
         with (
-            self.loras.scope(segments),
+            self.loras.scope(segments, len(tokens)),
             attention_scope(self.model),
             _capture_hidden(self.model, step),
             state_scope(self.states, states),

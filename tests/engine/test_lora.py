@@ -8,6 +8,7 @@ adapter, seeded sampling, embeddings, and the refusals at load.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -69,10 +70,17 @@ def prompts():
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def _reference(path, adapter, prompt: list[int]) -> list[int]:
+@functools.cache
+def _merged(path, adapter) -> torch.nn.Module:
+    """The base model, or peft's merge of `adapter` into it (loaded once per test module run)."""
     model = AutoModelForCausalLM.from_pretrained(str(path))
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    if adapter is None:
+        return model
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+
+
+def _reference(path, adapter, prompt: list[int]) -> list[int]:
+    model = _merged(path, adapter)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(prompt) :].tolist()
@@ -187,8 +195,7 @@ def test_embeddings_with_an_adapter(models, prompts):
     got = {}
     while engine.has_unfinished():
         got.update({o.request_id: torch.tensor(o.embedding) for o in engine.step()})
-    merged = AutoModelForCausalLM.from_pretrained(str(path))
-    merged = PeftModel.from_pretrained(merged, str(adapters["c"])).merge_and_unload()
+    merged = _merged(path, adapters["c"])
     with torch.no_grad():
         last = merged.model(torch.tensor([prompts[2]])).last_hidden_state[0, -1]
     want = torch.nn.functional.normalize(last, dim=0)
@@ -248,3 +255,31 @@ def test_add_and_remove(models, prompts, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(LoraError, match="adapter_model.safetensors is missing"):
         engine.add_lora("bad", bad)
+
+
+def test_lora_inside_a_recurrent_mixer_is_refused(tmp_path):
+    """A hybrid model's mixers run sequence by sequence, not on the packed row the slots index."""
+    from safetensors.torch import save_file
+
+    from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
+
+    path = build_tiny_hybrid(tmp_path / "lfm2", "lfm2")
+    engine = Engine.from_pretrained(str(path), device="cpu")
+    hidden = engine.model.config.hidden_size
+    for module, name in (("conv.in_proj", "mixer"), ("feed_forward.w1", "mlp")):
+        target = engine.model.get_submodule(f"model.layers.0.{module}")
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(
+            json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4})
+        )
+        key = f"base_model.model.model.layers.0.{module}"
+        weights = {
+            f"{key}.lora_A.weight": torch.ones(2, hidden),
+            f"{key}.lora_B.weight": torch.ones(target.out_features, 2),
+        }
+        save_file(weights, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(LoraError, match=r"inside the recurrent layer model\.layers\.0\.conv"):
+        engine.add_lora("mixer", tmp_path / "mixer")
+    engine.add_lora("mlp", tmp_path / "mlp")  # the layer's MLP runs on the packed row
+    assert engine.loras() == ["mlp"]
