@@ -2,7 +2,8 @@
 
 An adapter is refused at load, with the feature named, when the engine could not apply it exactly:
 DoRA (`use_dora`), `modules_to_save` (whole trained copies of modules), LoRA on embeddings or the output
-head, LoRA biases, LoRA on bare parameters (`target_parameters`, how peft reaches fused MoE experts), a
+head, LoRA biases, LoRA on MoE experts (peft's `target_parameters` on fused experts, or modules under an
+`experts` list: an expert sees only its routed tokens, not the packed row the slots' segments index), a
 rank above `EngineConfig.max_lora_rank`, and a target module the model lacks, that is not a plain linear
 layer, or that is inside a hybrid model's recurrent mixer (those run sequence by sequence, not on the
 packed row the slots' segments index). What passes is a host copy of each targeted linear's (A, B) with
@@ -72,6 +73,8 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
             raise LoraError(
                 f"adapter {name!r}: LoRA inside the recurrent layer {inside} ({module}) is not supported"
             )
+        if ".experts." in f".{module}.":  # an expert runs on its routed tokens only, not the packed row
+            raise LoraError(f"adapter {name!r}: LoRA on MoE expert projections ({module}) is not supported")
         rank = a.shape[0]
         if rank > max_rank:
             raise LoraError(f"adapter {name!r}: rank {rank} ({module}) is above max_lora_rank {max_rank}")

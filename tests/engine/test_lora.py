@@ -232,6 +232,9 @@ def test_refused_adapters_name_the_feature(models, tmp_path):
     experts = _save_adapter(moe_path, tmp_path / "experts", 0, 4, 8, False, ["o_proj", "down_proj"])
     with pytest.raises(LoraError, match="target_parameters, e.g. fused MoE experts"):
         moe.add_lora("experts", experts)
+    _write_adapter(tmp_path / "expert", "model.layers.0.mlp.experts.0.gate_proj", 64, 32)
+    with pytest.raises(LoraError, match="MoE expert projections"):
+        moe.add_lora("expert", tmp_path / "expert")
     with pytest.raises(LoraError, match="unknown LoRA adapter 'b'"):
         engine.add_request("r", [1, 2, 3], SamplingParams(), lora="b")
     assert engine.loras() == [] and moe.loras() == []
@@ -259,27 +262,26 @@ def test_add_and_remove(models, prompts, tmp_path):
 
 def test_lora_inside_a_recurrent_mixer_is_refused(tmp_path):
     """A hybrid model's mixers run sequence by sequence, not on the packed row the slots index."""
-    from safetensors.torch import save_file
-
     from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
 
     path = build_tiny_hybrid(tmp_path / "lfm2", "lfm2")
     engine = Engine.from_pretrained(str(path), device="cpu")
     hidden = engine.model.config.hidden_size
     for module, name in (("conv.in_proj", "mixer"), ("feed_forward.w1", "mlp")):
-        target = engine.model.get_submodule(f"model.layers.0.{module}")
-        folder = tmp_path / name
-        folder.mkdir()
-        (folder / "adapter_config.json").write_text(
-            json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4})
-        )
-        key = f"base_model.model.model.layers.0.{module}"
-        weights = {
-            f"{key}.lora_A.weight": torch.ones(2, hidden),
-            f"{key}.lora_B.weight": torch.ones(target.out_features, 2),
-        }
-        save_file(weights, str(folder / "adapter_model.safetensors"))
+        out = engine.model.get_submodule(f"model.layers.0.{module}").out_features
+        _write_adapter(tmp_path / name, f"model.layers.0.{module}", hidden, out)
     with pytest.raises(LoraError, match=r"inside the recurrent layer model\.layers\.0\.conv"):
         engine.add_lora("mixer", tmp_path / "mixer")
     engine.add_lora("mlp", tmp_path / "mlp")  # the layer's MLP runs on the packed row
     assert engine.loras() == ["mlp"]
+
+
+def _write_adapter(folder, module: str, fan_in: int, fan_out: int) -> None:
+    """A rank-2 PEFT folder by hand: LoRA on one module of any name."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    key = f"base_model.model.{module}"
+    weights = {f"{key}.lora_A.weight": torch.ones(2, fan_in), f"{key}.lora_B.weight": torch.ones(fan_out, 2)}
+    save_file(weights, str(folder / "adapter_model.safetensors"))
