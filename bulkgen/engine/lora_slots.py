@@ -12,6 +12,9 @@ are in no segment and pay nothing; a step without adapters runs the plain layer.
 Slots are filled (`activate`) when a step is scheduled, before its forward launches, from the host
 cache (lora.LoraAdapter), least recently used slot first among those the step does not use. The
 scheduler admits sequences of at most `max_loras` distinct adapters at once, so a step's adapters always fit.
+On CUDA the host copies are kept pinned in the model's dtype, so a load is queued on the stream (behind
+the step in flight, ahead of the one about to launch) without the host waiting for it. Not run on a GPU
+yet. Decode CUDA graphs hold no LoRA ops: a decode step with adapter rows runs eagerly (model_runner).
 """
 
 from __future__ import annotations
@@ -95,6 +98,12 @@ class LoraSlots:
                 owner = self.model.get_submodule(parent)
                 self.layers[module] = LoraLinear(getattr(owner, child), self)
                 setattr(owner, child, self.layers[module])
+        weight = next(self.model.parameters())
+        if weight.device.type == "cuda":  # in the slots' dtype and pinned: a slot load is an async copy
+            adapter.weights = {
+                m: (a.to(weight.dtype).pin_memory(), b.to(weight.dtype).pin_memory())
+                for m, (a, b) in adapter.weights.items()
+            }
         self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> LoraAdapter:
