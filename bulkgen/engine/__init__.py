@@ -24,7 +24,11 @@ LFM2) are checked the same way (tests/engine/test_hybrid_models.py); their recur
 per-sequence state slots (state_slots.py, hybrid_layers.py) and prefix caching is off for them.
 Vision-language models (LLaVA, Idefics3, Qwen2.5-VL with M-RoPE) run their language half here with image embeddings
 spliced into the packed prompt (multimodal.py; tests/engine/test_vision.py); other image-text-to-text
-families are refused by name. Refused at load with one line naming the feature: models whose attention bypasses transformers'
+families are refused by name.
+PEFT LoRA adapters (`engine.add_lora`, `add_request(..., lora=name)`) run mixed with each other and the base
+model in the same packed steps from a pool of `max_loras` device slots (lora.py, lora_slots.py; checked
+against peft's merged models in tests/engine/test_lora.py).
+Refused at load with one line naming the feature: models whose attention bypasses transformers'
 AttentionInterface (Bloom, Falcon) or whose layers drop forward kwargs (StableLM), layers that are
 neither attention nor a recurrent mixer bulkgen finds, recurrent mixers not yet checked against
 transformers (Bamba, LFM2-MoE, ...: hybrid_layers.CHECKED_MIXERS), and layers with different KV head
@@ -49,6 +53,7 @@ _LAZY = {
     "RequestOutput": ".outputs",
     "EmbedParams": ".pooling",
     "PoolingConfig": ".pooling",
+    "LoraError": ".lora",
 }
 
 
@@ -77,6 +82,7 @@ __all__ = [
     "CompletionOutput",
     "EmbedParams",
     "Engine",
+    "LoraError",
     "PoolingConfig",
     "RequestMetrics",
     "RequestOutput",
