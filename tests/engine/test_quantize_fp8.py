@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.quantize import FP8, Fp8Linear, quantize_layers, quantize_rows, weight_bytes
-from tests.support.logprobs import chosen_logprobs
+from bulkgen.engine.fp8 import FP8, quantize_rows
+from bulkgen.engine.quantize import Fp8Linear, quantize_layers, weight_bytes
+from tests.support.logprobs import assert_follows
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by at most 2^-4 of itself; a
 # subnormal (below 2^-6 in scaled units) by at most half its step, 2^-10 of the row's scale
@@ -105,24 +106,15 @@ def test_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, model_dir
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=0))
     records = engine.pop_step_records()
     assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records)
-    off_float = 0.0
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
-        assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
-        got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
-        assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
-        off_float = max(
-            off_float, (got - chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
-        )
+    off_float = assert_follows(hf, prompts, outs, 8, float_model)
     assert off_float > 1e-3  # FP8 rounding shows in the logprobs
 
 
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from tests.support.logprobs import chosen_logprobs
-from bulkgen.engine.quantize import quantize_layers, quantize_rows
+from bulkgen.engine.fp8 import quantize_rows
+from bulkgen.engine.quantize import quantize_layers
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -220,9 +212,4 @@ def test_moe_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, moe_d
         block_size=8,
     )
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=0))
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :]
-        assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
-        got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
-        assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
+    assert_follows(hf, prompts, outs, 6)
