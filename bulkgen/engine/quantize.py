@@ -11,8 +11,8 @@ batch-invariant: a token's output never depends on which other sequences share i
 there before the next one arrives, so the device holds the FP8 weights so far plus one float layer.
 
 Fused MoE experts (transformers 5 keeps a model's experts as 3-D parameters, e.g. Qwen3-MoE's
-`gate_up_proj`) are not `nn.Linear`s and stay in the load dtype, as do routers: `quantize_layers`
-logs how many parameters stayed in float.
+`gate_up_proj`) are quantized the same way per expert and output channel (quantize_experts.py);
+routers, norms and biases stay in the load dtype.
 """
 
 from __future__ import annotations
@@ -24,36 +24,10 @@ import torch
 from torch import nn
 
 from . import QUANTIZE_MODES
+from .fp8 import FP8, fp8_matmul, quantize_rows, scaled_mm_supported
+from .quantize_experts import is_fused_experts, quantize_experts
 
 log = logging.getLogger(__name__)
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-# the smallest scale: an all-zero row or channel must not divide by zero
-_MIN_SCALE = 1e-12
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """e4m3 values and float32 scales [rows, 1] of a 2-D tensor, one scale per row (row max -> 448)."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
-    # clamp: a value that rounds past 448 would cast to NaN (e4m3fn has no infinity)
-    # in place on one float32 copy of x: the loading peak's only transient besides the FP8 result
-    values = x.to(torch.float32, copy=True).div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return values, scale
-
-
-def scaled_mm_supported(
-    device: torch.device, dtype: torch.dtype, in_features: int, out_features: int
-) -> bool:
-    """Whether `torch._scaled_mm` with row-wise scales runs for this layer. On CPU it runs for every
-    shape and output dtype tried (torch 2.13: float32 and bfloat16). CUDA's row-wise FP8 GEMM
-    (cuBLASLt, sm89+) wants a bfloat16 output and both matrix dimensions multiples of 16."""
-    if device.type == "cpu":
-        return True
-    if device.type != "cuda":
-        return False
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= (8, 9) and dtype == torch.bfloat16 and in_features % 16 == out_features % 16 == 0
 
 
 class Fp8Linear(nn.Module):
@@ -86,18 +60,7 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        values, scale = quantize_rows(rows)
-        if self.use_scaled_mm and rows.shape[0]:
-            out = torch._scaled_mm(
-                values,
-                self.weight.t(),
-                scale_a=scale,
-                scale_b=self.weight_scale.t(),
-                out_dtype=self.out_dtype,
-            )
-        else:
-            dequantized = self.weight.to(self.out_dtype) * self.weight_scale.to(self.out_dtype)
-            out = (values.to(self.out_dtype) * scale.to(self.out_dtype)) @ dequantized.t()
+        out = fp8_matmul(rows, self.weight, self.weight_scale, self.out_dtype, self.use_scaled_mm)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -112,7 +75,8 @@ class QuantizeReport:
 
     linears: int = 0  # nn.Linear layers now Fp8Linear
     fallback: int = 0  # of those, layers whose shape _scaled_mm cannot run (dequantized product)
-    float_params: int = 0  # decoder-layer parameters left in float (norms, biases, routers, fused experts)
+    experts: int = 0  # fused MoE expert modules now in e4m3 (quantize_experts.py)
+    float_params: int = 0  # decoder-layer parameters left in float (norms, biases, routers)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -135,10 +99,11 @@ def quantize_layers(model: nn.Module, device: torch.device | str, mode: str = "f
         _quantize_layer(layer, report)
     model.to(device)  # embeddings, final norm, lm_head: kept in the load dtype
     log.info(
-        "online fp8: %d linear layers in e4m3 (%d through the dequantized product); "
-        "%d decoder-layer parameters stay in float (norms, biases, routers, fused MoE experts)",
+        "online fp8: %d linear layers (%d through the dequantized product) and %d fused MoE expert modules "
+        "in e4m3; %d decoder-layer parameters stay in float (norms, biases, routers)",
         report.linears,
         report.fallback,
+        report.experts,
         report.float_params,
     )
     return report
@@ -164,9 +129,12 @@ def _quantize_layer(layer: nn.Module, report: QuantizeReport) -> None:
         setattr(parent, attr, fp8)
         report.linears += 1
         report.fallback += not fp8.use_scaled_mm
-    scales = {id(m.weight_scale) for m in layer.modules() if isinstance(m, Fp8Linear)}
+    for module in list(layer.modules()):
+        if is_fused_experts(module):
+            quantize_experts(module)
+            report.experts += 1
     report.float_params += sum(
-        p.numel() for p in layer.parameters() if p.dtype != FP8 and id(p) not in scales
+        p.numel() for name, p in layer.named_parameters() if p.dtype != FP8 and not name.endswith("scale")
     )
 
 

@@ -14,8 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.quantize import FP8, Fp8Linear, quantize_layers, quantize_rows, weight_bytes
-from tests.support.logprobs import chosen_logprobs
+from bulkgen.engine.fp8 import FP8, quantize_rows
+from bulkgen.engine.quantize import Fp8Linear, quantize_layers, weight_bytes
+from tests.support.logprobs import assert_follows
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by at most 2^-4 of itself; a
 # subnormal (below 2^-6 in scaled units) by at most half its step, 2^-10 of the row's scale
@@ -105,24 +106,15 @@ def test_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, model_dir
     outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, logprobs=0))
     records = engine.pop_step_records()
     assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records)
-    off_float = 0.0
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt) :]
-        assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
-        got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
-        assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
-        off_float = max(
-            off_float, (got - chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
-        )
+    off_float = assert_follows(hf, prompts, outs, 8, float_model)
     assert off_float > 1e-3  # FP8 rounding shows in the logprobs
 
 
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from tests.support.logprobs import chosen_logprobs
-from bulkgen.engine.quantize import quantize_layers, quantize_rows
+from bulkgen.engine.fp8 import quantize_rows
+from bulkgen.engine.quantize import quantize_layers
 
 def rss(field):
     for line in open("/proc/self/status"):
@@ -174,3 +166,50 @@ def test_the_engine_quantizes_a_float_model_it_is_given(model_dirs, tokenizer):
     assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) == 7 * len(model.model.layers)
     with pytest.raises(ValueError, match="quantize must be one of \\('fp8',\\) or None, got 'int4'"):
         Engine(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), tokenizer, quantize="int4")
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    from bulkgen.lab.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_tiny_model(root / arch, arch=arch, seed=4) for arch in ("qwen3_moe", "gpt_oss")}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_fused_moe_experts_are_fp8_within_a_stated_bound(arch, moe_dirs):
+    """Fused experts (3-D weights; gpt-oss' transposed, with biases and its clamped gate) in e4m3: the
+    experts' output within 8% (relative norm) of the float module's, two FP8 products of at most 2^-4
+    relative rounding per operand each; measured 5-6%."""
+    float_model = AutoModelForCausalLM.from_pretrained(moe_dirs[arch]).eval()
+    quantized = AutoModelForCausalLM.from_pretrained(moe_dirs[arch]).eval()
+    report = quantize_layers(quantized, "cpu")
+    assert report.experts == len(quantized.model.layers)
+    gen = torch.Generator().manual_seed(1)
+    for want_module, got_module in zip(float_model.model.layers, quantized.model.layers, strict=True):
+        experts = got_module.mlp.experts
+        assert experts.down_proj.dtype == FP8 and experts.down_proj_scale.dtype == torch.float32
+        hidden = torch.randn(12, float_model.config.hidden_size, generator=gen)
+        route = torch.randint(0, experts.num_experts, (12, 2), generator=gen)
+        weights = torch.rand(12, 2, generator=gen)
+        with torch.no_grad():
+            want, got = want_module.mlp.experts(hidden, route, weights), experts(hidden, route, weights)
+        relative = ((got - want).norm() / want.norm()).item()
+        assert 1e-4 < relative < 0.08, relative
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_moe_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, moe_dirs, mixed_prompts):
+    hf = AutoModelForCausalLM.from_pretrained(moe_dirs[arch]).eval()
+    quantize_layers(hf, "cpu")
+    prompts = mixed_prompts(seed=12, count=6, low=1, high=70)
+    engine = Engine.from_pretrained(
+        str(moe_dirs[arch]),
+        device="cpu",
+        quantize="fp8",
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        block_size=8,
+    )
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=0))
+    assert_follows(hf, prompts, outs, 6)

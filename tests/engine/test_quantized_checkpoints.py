@@ -19,7 +19,7 @@ from bulkgen.engine.loading import load_model
 from bulkgen.engine.quantize import Fp8Linear
 from bulkgen.lab.quantized import write_bitsandbytes, write_block_fp8, write_compressed_fp8, write_mxfp4
 from bulkgen.lab.tiny import build_tiny_model
-from tests.support.logprobs import chosen_logprobs
+from tests.support.logprobs import assert_follows
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +47,7 @@ def _greedy_equals_generate(path, float_dir, prompts, device_map: dict | None = 
     )
     outs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0))
     assert any(r["prefill_tokens"] and r["decode_tokens"] for r in engine.pop_step_records())
-    off_float = 0.0
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[
-                0, len(prompt) :
-            ]
-        assert out.token_ids == want.tolist(), f"prompt of {len(prompt)} tokens"
-        got = torch.tensor([entry["logprob"] for entry in out.outputs[0].logprobs])
-        assert torch.allclose(got, chosen_logprobs(hf, prompt, out.token_ids), atol=1e-4)
-        off_float = max(
-            off_float, (got - chosen_logprobs(float_model, prompt, out.token_ids)).abs().max().item()
-        )
+    off_float = assert_follows(hf, prompts, outs, max_tokens, float_model)
     assert off_float > 1e-3
     return engine
 
