@@ -211,7 +211,7 @@ class VisionTower:
         positions, 3-D under M-RoPE."""
         embeds = splice(self, ordered, input_ids, embedding)
         out = {"input_ids": input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
-        out["position_ids"] = mrope_positions(ordered).to(positions.device) if self.mrope else positions[None]
+        out["position_ids"] = mrope_positions(ordered, positions) if self.mrope else positions[None]
         return out
 
     @torch.inference_mode()
@@ -306,17 +306,20 @@ def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module,
     return text_model(vlm), tower
 
 
-def mrope_positions(ordered: list) -> torch.Tensor:
-    """[3, 1, T] M-RoPE positions of a packed step: each prompt's own table where it has one (images),
-    then p + delta; p on all three axes for a prompt without images."""
-    parts = []
+def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:
+    """[3, 1, T] M-RoPE positions of a packed step from its 1-D `positions` [T]: p on all three axes,
+    except in the rows of a prompt with images, which take its own table, then p + delta after it."""
+    at, parts, q_off = [], [], 0
     for seq, n in ordered:
-        start, images = seq.num_computed_tokens, seq.request.images
-        table = None if images is None else images.mrope
-        if table is None:
-            parts.append(torch.arange(start, start + n).expand(3, n))
-            continue
-        length = table.shape[1]
-        after = torch.arange(min(max(start, length), start + n), start + n) + images.mrope_delta
-        parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
-    return torch.cat(parts, 1)[:, None]
+        images = seq.request.images
+        if images is not None and images.mrope is not None:
+            start, table = seq.num_computed_tokens, images.mrope
+            after = torch.arange(min(max(start, table.shape[1]), start + n), start + n) + images.mrope_delta
+            parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
+            at.extend(range(q_off, q_off + n))
+        q_off += n
+    out = positions.expand(3, -1)
+    if parts:  # one upload for every image prompt's rows
+        index = torch.tensor(at, dtype=torch.long).to(positions.device)
+        out = out.index_copy(1, index, torch.cat(parts, 1).to(positions.device, positions.dtype))
+    return out[:, None]

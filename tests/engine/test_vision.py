@@ -120,6 +120,7 @@ def test_greedy_tokens_equal_generate_with_image_runs_split_across_chunks(vlm):
     batch = mixed_batch(vlm)
     engine = vlm.engine(max_num_seqs=4, block_size=4, max_num_batched_tokens=5)
     split = []  # chunks that start inside an image's placeholder run
+    kept = []  # whether a request past its last image token still held its embeddings
     run_step = engine.runner.run
 
     def watch(items, pending=None):
@@ -131,11 +132,14 @@ def test_greedy_tokens_equal_generate_with_image_runs_split_across_chunks(vlm):
                 and seq.num_computed_tokens - 1 in images.rows
             ):
                 split.append(seq.num_computed_tokens in images.rows)
+            if images is not None and all(s.num_computed_tokens > images.last_row for s in seq.request.seqs):
+                kept.append(images.embeds is not None)
         return run_step(items, pending)
 
     engine.runner.run = watch
     assert run(engine, batch) == [expected for *_, expected in batch]
     assert any(split), "no prefill chunk resumed inside an image's run"
+    assert kept and not any(kept), "embeddings kept after every sequence passed its last image token"
 
 
 def test_greedy_tokens_equal_generate_under_preemption(vlm):
