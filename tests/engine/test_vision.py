@@ -177,7 +177,7 @@ def test_n_completions_logprobs_and_seeds_work_with_an_image(vlm):
         done.update((o.request_id, o) for o in engine.step())
     want = vlm.expected(encoded)
     assert [c.token_ids for c in done["g"].outputs] == [want, want]
-    assert all(len(c.logprobs) == MAX_TOKENS for c in done["g"].outputs)
+    assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in done["g"].outputs)
     again = vlm.engine(max_num_seqs=4, block_size=4)
     out = None
     again.add_request("s", ids, sampled, images=inputs)
@@ -240,7 +240,7 @@ def test_a_text_model_refuses_images(tmp_path):
     "config_name, architecture, why",
     [
         ("Gemma3Config", "Gemma3ForConditionalGeneration", "attend bidirectionally"),
-        ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "deepstack"),
+        ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "not yet checked"),
         ("SmolVLMConfig", "SmolVLMForConditionalGeneration", "not yet checked"),
     ],
 )
