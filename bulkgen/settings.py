@@ -213,7 +213,7 @@ def parse_hosts(specs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
                 raise ValueError(
                     f"--image-url-hosts {host[:80]!r}: not a host name (e.g. images.example.com)"
                 )
-            hosts.append(host)
+            hosts.append(host.strip("[]"))  # an IPv6 literal as a URL's hostname reads it
     return tuple(hosts)
 
 

@@ -22,7 +22,7 @@ Apertus, Arcee, ERNIE 4.5, OPT, GPT-J and CodeGen. Hybrid models (linear-attenti
 short-conv layers beside attention: Qwen3-Next, Qwen3.5 dense and MoE, GraniteMoeHybrid, Falcon-H1,
 LFM2) are checked the same way (tests/engine/test_hybrid_models.py); their recurrent state lives in
 per-sequence state slots (state_slots.py, hybrid_layers.py) and prefix caching is off for them.
-Vision-language models (LLaVA, Idefics3, Qwen2.5-VL with M-RoPE) run their language half here with image embeddings
+Vision-language models (LLaVA, Idefics3, Qwen2.5-VL and Qwen3-VL with M-RoPE) run their language half here with image embeddings
 spliced into the packed prompt (multimodal.py; tests/engine/test_vision.py); other image-text-to-text
 families are refused by name.
 PEFT LoRA adapters (`engine.add_lora`, `add_request(..., lora=name)`) run mixed with each other and the base

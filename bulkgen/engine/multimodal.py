@@ -12,8 +12,9 @@ image's run anywhere; a preempted sequence that needs them again has them encode
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL (M-RoPE: 3-D
-positions per prompt from the model's own rule, `mrope_positions`). Others are refused by name at load
+Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL and Qwen3-VL
+(M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
+rows travel with each image row and reach the text model for the step's image tokens). Others are refused by name at load
 (`check_family`).
 """
 
@@ -25,18 +26,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-# model classes checked against transformers' generate (tests/engine/test_vision.py): LLaVA's embeddings
-# over its text model's 1-D positions, Qwen2.5-VL's over M-RoPE's 3-D ones
+# model classes checked against transformers' generate (tests/engine/test_vision.py)
 CHECKED = {
     "LlavaForConditionalGeneration",
     "Idefics3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
 }
 # why each refused family cannot run yet: said at load
 REFUSED = {
     "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
-    "Qwen3VLForConditionalGeneration": "not yet checked against transformers (its deepstack features feed "
-    "several decoder layers, which the splice does not do)",
     "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
     "attention does not do",
     "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
@@ -209,9 +208,9 @@ class VisionTower:
     def inputs(self, ordered: list, input_ids: torch.Tensor, positions: torch.Tensor, embedding) -> dict:
         """The language model's inputs for a packed step: token ids, or embeddings with images spliced in;
         positions, 3-D under M-RoPE."""
-        embeds = splice(self, ordered, input_ids, embedding)
-        out = {"input_ids": input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]}
-        out["position_ids"] = mrope_positions(ordered).to(positions.device) if self.mrope else positions[None]
+        embeds, out = splice(self, ordered, input_ids, embedding)
+        out.update({"input_ids": input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]})
+        out["position_ids"] = mrope_positions(ordered, positions) if self.mrope else positions[None]
         return out
 
     @torch.inference_mode()
@@ -234,6 +233,9 @@ class VisionTower:
         out = self.vlm.get_image_features(pixel_values=pixels, return_dict=True, **extras)
         feats = out.pooler_output if hasattr(out, "pooler_output") else out
         per_image = [f.reshape(-1, f.shape[-1]) for f in feats]
+        deep = getattr(out, "deepstack_features", None)
+        if deep:  # Qwen3-VL: each image row carries its deepstack rows beside it, split again at the splice
+            per_image = [torch.cat([f, *(layer[i] for layer in deep)], -1) for i, f in enumerate(per_image)]
         # one entry per image, or per request (Idefics3: per batch row, its images' tiles together; the
         # two agree when every request has one image)
         per_request = len(per_image) == len(group)
@@ -254,10 +256,12 @@ def splice(
     ordered: list,
     input_ids: torch.Tensor,
     embedding: torch.nn.Module,
-) -> torch.Tensor | None:
-    """The step's input embeddings with each image token's row replaced by its image embedding; None
-    when no scheduled chunk reaches an image token (the forward then takes token ids). Embeddings a
-    request will not need again (every sequence past its last image token after this step) are dropped."""
+) -> tuple[torch.Tensor | None, dict]:
+    """The step's input embeddings with each image token's row replaced by its image embedding (None
+    when no scheduled chunk reaches an image token: the forward then takes token ids), and the text
+    model's deepstack inputs where the encoder has them (Qwen3-VL: rows added to the first layers' hidden
+    states at the image tokens). Embeddings a request will not need again (every sequence past its last
+    image token after this step) are dropped."""
     reached = []  # (request images, query offset, first position, count, request)
     scheduled, q_off = {}, 0
     for seq, n in ordered:
@@ -268,7 +272,7 @@ def splice(
             reached.append((images, q_off, start, n, seq.request))
         q_off += n
     if not reached:
-        return None
+        return None, {}
     tower.encode(list({id(r[0]): r[0] for r in reached if r[0].embeds is None}.values()))
     embeds = embedding(input_ids)
     at, parts = [], []
@@ -276,13 +280,20 @@ def splice(
         lo, hi = bisect_left(images.rows, start), bisect_left(images.rows, start + n)
         at.extend(offset + pos - start for pos in images.rows[lo:hi])
         parts.append(images.embeds[lo:hi])
+    extra = {}
     if at:  # a chunk between two runs of an image (Idefics3's framing tokens) has none
         index = torch.tensor(at, dtype=torch.long, device=embeds.device)
-        embeds = embeds.index_copy(0, index, torch.cat(parts).to(embeds.device, embeds.dtype))
+        rows = torch.cat(parts).to(embeds.device, embeds.dtype)
+        width = embeds.shape[-1]
+        embeds = embeds.index_copy(0, index, rows[:, :width])
+        if rows.shape[1] > width:  # `at` ascends, as the model's boolean mask reads the rows
+            mask = torch.zeros(embeds.shape[0], dtype=torch.bool, device=embeds.device)
+            extra = {"visual_pos_masks": mask.index_fill(0, index, True)[None]}
+            extra["deepstack_visual_embeds"] = list(rows[:, width:].split(width, dim=1))
     for images, *_, request in reached:
         if all(scheduled.get(s.seq_id, s.num_computed_tokens) > images.last_row for s in request.seqs):
             images.embeds = None
-    return embeds
+    return embeds, extra
 
 
 def is_vision_model(path: str) -> bool:
@@ -306,17 +317,20 @@ def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module,
     return text_model(vlm), tower
 
 
-def mrope_positions(ordered: list) -> torch.Tensor:
-    """[3, 1, T] M-RoPE positions of a packed step: each prompt's own table where it has one (images),
-    then p + delta; p on all three axes for a prompt without images."""
-    parts = []
+def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:
+    """[3, 1, T] M-RoPE positions of a packed step from its 1-D `positions` [T]: p on all three axes,
+    except in the rows of a prompt with images, which take its own table, then p + delta after it."""
+    at, parts, q_off = [], [], 0
     for seq, n in ordered:
-        start, images = seq.num_computed_tokens, seq.request.images
-        table = None if images is None else images.mrope
-        if table is None:
-            parts.append(torch.arange(start, start + n).expand(3, n))
-            continue
-        length = table.shape[1]
-        after = torch.arange(min(max(start, length), start + n), start + n) + images.mrope_delta
-        parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
-    return torch.cat(parts, 1)[:, None]
+        images = seq.request.images
+        if images is not None and images.mrope is not None:
+            start, table = seq.num_computed_tokens, images.mrope
+            after = torch.arange(min(max(start, table.shape[1]), start + n), start + n) + images.mrope_delta
+            parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
+            at.extend(range(q_off, q_off + n))
+        q_off += n
+    out = positions.expand(3, -1)
+    if parts:  # one upload for every image prompt's rows
+        index = torch.tensor(at, dtype=torch.long).to(positions.device)
+        out = out.index_copy(1, index, torch.cat(parts, 1).to(positions.device, positions.dtype))
+    return out[:, None]

@@ -73,54 +73,94 @@ def _llava(tok, hidden_size: int):
     return tf.LlavaForConditionalGeneration(config), processor
 
 
-def _qwen2_5_vl(tok, hidden_size: int):
-    """Qwen2.5-VL: its windowed ViT (14-pixel patches merged 2 x 2, 4 to 16 tokens an image) and its
-    M-RoPE text model (3-D positions split 2/3/3 over the rotary pairs of 16-wide heads)."""
-    import transformers as tf
+QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
-    specials = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-    tok.add_special_tokens({"additional_special_tokens": specials})
-    text = _text_settings(tok, hidden_size)
-    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
-    vision = dict(
+
+def _qwen_ids(tok) -> dict:
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS})
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return {name: tok.convert_tokens_to_ids(t) for name, t in zip(names, QWEN_SPECIALS, strict=True)}
+
+
+def _qwen_vision(patch: int, hidden_size: int, **settings) -> dict:
+    return dict(
         depth=2,
         hidden_size=32,
         intermediate_size=64,
         num_heads=2,
         out_hidden_size=hidden_size,
-        patch_size=14,
+        patch_size=patch,
         spatial_merge_size=2,
         temporal_patch_size=2,
-        window_size=56,
-        fullatt_block_indexes=[1],
+        # 10x the default spread: Qwen3-VL's deepstack rows then change greedy tokens (at the default
+        # they moved its logits by 0.16 and no argmax), so a test without them fails
+        initializer_range=0.2,
+        **settings,
     )
-    config = tf.Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
-    images = tf.Qwen2VLImageProcessorPil(
-        min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16, patch_size=14, merge_size=2, temporal_patch_size=2
-    )
-    template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
-    return tf.Qwen2_5_VLForConditionalGeneration(config), image_only_qwen_processor(images, tok, template)
 
 
-def image_only_qwen_processor(image_processor, tokenizer, template: str):
-    """Qwen2.5-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
+def _qwen_images(patch: int):
+    """Qwen-VL's image processor: 4 to 16 merged tokens an image."""
+    import transformers as tf
+
+    side = 2 * patch  # the pixels of one merged token
+    return tf.Qwen2VLImageProcessorPil(
+        min_pixels=side * side * 4,
+        max_pixels=side * side * 16,
+        patch_size=patch,
+        merge_size=2,
+        temporal_patch_size=2,
+    )
+
+
+def _qwen2_5_vl(tok, hidden_size: int):
+    """Qwen2.5-VL: its windowed ViT (14-pixel patches merged 2 x 2) and its M-RoPE text model (3-D
+    positions split 2/3/3 over the rotary pairs of 16-wide heads)."""
+    import transformers as tf
+
+    ids = _qwen_ids(tok)
+    text = _text_settings(tok, hidden_size)
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = _qwen_vision(14, hidden_size, window_size=56, fullatt_block_indexes=[1])
+    config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    model = tf.Qwen2_5_VLForConditionalGeneration(config)
+    return model, image_only_qwen_processor(config.model_type, _qwen_images(14), tok)
+
+
+def _qwen3_vl(tok, hidden_size: int):
+    """Qwen3-VL: its ViT (16-pixel patches merged 2 x 2) whose deepstack features are added to the first
+    two decoder layers' hidden states at the image tokens, and its interleaved M-RoPE text model."""
+    import transformers as tf
+
+    ids = _qwen_ids(tok)
+    text = _text_settings(tok, hidden_size)
+    text["head_dim"] = 16
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+        "rope_theta": 10000.0,
+    }
+    vision = _qwen_vision(16, hidden_size, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+    config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    model = tf.Qwen3VLForConditionalGeneration(config)
+    return model, image_only_qwen_processor(config.model_type, _qwen_images(16), tok)
+
+
+def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
+    """Qwen-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
     processor, which needs torchvision (not installed here); AutoProcessor cannot load it back, so a test
     builds it again with `load_processor`."""
     import transformers as tf
 
-    class ImageOnlyQwen2_5_VLProcessor(tf.Qwen2_5_VLProcessor):
+    base = {"qwen2_5_vl": tf.Qwen2_5_VLProcessor, "qwen3_vl": tf.Qwen3VLProcessor}[model_type]
+
+    class ImageOnlyProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-    return ImageOnlyQwen2_5_VLProcessor(image_processor, tokenizer, chat_template=template)
+    return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template(QWEN_IMAGE))
 
 
 def load_processor(path: str | Path):
@@ -128,12 +168,11 @@ def load_processor(path: str | Path):
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type != "qwen2_5_vl":
+    if config.model_type not in ("qwen2_5_vl", "qwen3_vl"):
         return tf.AutoProcessor.from_pretrained(path, local_files_only=True)
     images = tf.Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
-    template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
-    return image_only_qwen_processor(images, tok, template)
+    return image_only_qwen_processor(config.model_type, images, tok)
 
 
 def _idefics3(tok, hidden_size: int):
@@ -167,7 +206,7 @@ def _idefics3(tok, hidden_size: int):
     return tf.Idefics3ForConditionalGeneration(config), processor
 
 
-BUILDERS = {"llava": _llava, "qwen2_5_vl": _qwen2_5_vl, "idefics3": _idefics3}
+BUILDERS = {"llava": _llava, "idefics3": _idefics3, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
 VISION_FAMILIES = tuple(BUILDERS)
 
 

@@ -212,11 +212,13 @@ class EngineWorker(EngineLoop, PartWriter):
         key = work.key
         try:
             lines = list(read_lines(work.store, batch.input_key, bounds.first_line, bounds.start, bounds.end))
-        except Exception as exc:  # storage failed: hand the range back to the driver, never hang it
+            ready = self._prepare_lines(batch, work, lines)
+        except Exception as exc:  # storage failed (the lines, or an image they name), or preparing a line
+            # did: hand the range back to the driver, never hang it (it halves a range that fails again)
             if isinstance(exc, StorageUnavailable):
                 log.warning("worker %d: could not read %s: %s", self.index, key, exc)
             else:
-                log.exception("worker %d: could not read %s", self.index, key)
+                log.exception("worker %d: could not prepare %s", self.index, key)
             with self._cond:
                 self._preparing -= bounds.size
                 error = f"{type(exc).__name__}: {exc}"
@@ -225,7 +227,6 @@ class EngineWorker(EngineLoop, PartWriter):
                 )
                 self._cond.notify_all()
             return
-        ready = self._prepare_lines(batch, work, lines)
         with self._cond:
             self._preparing -= bounds.size
             if batch.batch_id in self._stopped:

@@ -120,6 +120,7 @@ def test_greedy_tokens_equal_generate_with_image_runs_split_across_chunks(vlm):
     batch = mixed_batch(vlm)
     engine = vlm.engine(max_num_seqs=4, block_size=4, max_num_batched_tokens=5)
     split = []  # chunks that start inside an image's placeholder run
+    kept = []  # whether a request past its last image token still held its embeddings
     run_step = engine.runner.run
 
     def watch(items, pending=None):
@@ -131,11 +132,14 @@ def test_greedy_tokens_equal_generate_with_image_runs_split_across_chunks(vlm):
                 and seq.num_computed_tokens - 1 in images.rows
             ):
                 split.append(seq.num_computed_tokens in images.rows)
+            if images is not None and all(s.num_computed_tokens > images.last_row for s in seq.request.seqs):
+                kept.append(images.embeds is not None)
         return run_step(items, pending)
 
     engine.runner.run = watch
     assert run(engine, batch) == [expected for *_, expected in batch]
     assert any(split), "no prefill chunk resumed inside an image's run"
+    assert kept and not any(kept), "embeddings kept after every sequence passed its last image token"
 
 
 def test_greedy_tokens_equal_generate_under_preemption(vlm):
@@ -173,7 +177,7 @@ def test_n_completions_logprobs_and_seeds_work_with_an_image(vlm):
         done.update((o.request_id, o) for o in engine.step())
     want = vlm.expected(encoded)
     assert [c.token_ids for c in done["g"].outputs] == [want, want]
-    assert all(len(c.logprobs) == MAX_TOKENS for c in done["g"].outputs)
+    assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in done["g"].outputs)
     again = vlm.engine(max_num_seqs=4, block_size=4)
     out = None
     again.add_request("s", ids, sampled, images=inputs)
@@ -236,7 +240,7 @@ def test_a_text_model_refuses_images(tmp_path):
     "config_name, architecture, why",
     [
         ("Gemma3Config", "Gemma3ForConditionalGeneration", "attend bidirectionally"),
-        ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "deepstack"),
+        ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "not yet checked"),
         ("SmolVLMConfig", "SmolVLMForConditionalGeneration", "not yet checked"),
     ],
 )

@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from bulkgen.batch.image_fetch import Network, public
+from bulkgen.batch.image_fetch import Network, host_allowed, public
 from bulkgen.batch.images import ImageError, ImageRef, check_images, load_images
-from bulkgen.settings import ImageSettings
+from bulkgen.settings import ImageSettings, parse_hosts
 from tests.support.images import image_bytes
 
 PUBLIC = "93.184.216.34"
@@ -180,3 +180,20 @@ def test_size_cap_time_limit_and_errors_of_the_server(server):
 )
 def test_public_addresses(address, ok):
     assert public(address) is ok
+
+
+def test_allowed_hosts_match_whole_names_and_wildcard_subdomains():
+    hosts = parse_hosts(["images.example.com,*.cdn.example", "[2606:2800::1]"])
+    allowed = [
+        "http://IMAGES.example.com/a.png",
+        "https://x.cdn.example/a",
+        "http://a.b.cdn.example/",
+        "http://[2606:2800::1]:8080/a",
+    ]
+    refused = [
+        "http://cdn.example/a",
+        "http://evilcdn.example/a",
+        "http://images.example.com.evil/a",
+        "http://example.com/",
+    ]
+    assert [host_allowed(url, hosts) for url in allowed + refused] == [True] * 4 + [False] * 4

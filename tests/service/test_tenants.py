@@ -6,6 +6,7 @@ openai client; other tenants' ids must look exactly like ids that never existed 
 
 from __future__ import annotations
 
+import io
 import json
 import urllib.error
 import urllib.request
@@ -17,6 +18,7 @@ from click.testing import CliRunner
 
 from bulkgen.cli import cli
 from bulkgen.tenants import KeyRing, KeysFileError, add_key, hash_key, read_keys_file
+from tests.support.images import image_bytes
 from tests.support.service import Service, chat_row, read_lines, settings_for, upload, wait_done, write_jsonl
 
 
@@ -125,6 +127,29 @@ def test_each_tenant_sees_only_its_own(tenants, tmp_path):
     assert (tenant_dir / "batches" / f"{batch.id}.json").exists()
     assert (tenant_dir / "files" / "data" / done.output_file_id).exists()
     assert not (storage / "batches").exists() and not (storage / "tenants" / "team-b" / "batches").exists()
+
+
+def test_an_image_file_id_is_its_tenants_own(tenants, tmp_path):
+    """A `vision` file of team-a, named in an image part: team-a's line finds it (and only the text model
+    refuses it), team-b's line gets the 400 of a file that does not exist, found at validation."""
+    service, key_a, key_b, _ = tenants
+    a, b = service.client(api_key=key_a), service.client(api_key=key_b)
+    image = a.files.create(file=("red.png", io.BytesIO(image_bytes())), purpose="vision")
+    row = chat_row("look", "", max_tokens=3)
+    row["body"]["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": image.id}}]
+    errors = {}
+    for name, client in (("a", a), ("b", b)):
+        batch = client.batches.create(
+            input_file_id=upload(client, write_jsonl(tmp_path / f"{name}.jsonl", [row])).id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+        )
+        (line,) = read_lines(client, wait_done(client, batch.id).error_file_id)
+        errors[name] = line["response"]["body"]["error"]
+    param = "body.messages[0].content[0].image_url"
+    assert (errors["a"]["code"], errors["a"]["param"]) == ("unsupported_parameter", param)
+    assert (errors["b"]["code"], errors["b"]["param"]) == ("invalid_image_url", param)
+    assert f"no file {image.id!r}" in errors["b"]["message"]
 
 
 @pytest.mark.parametrize(
