@@ -73,9 +73,22 @@ class Fixture:
         )
 
 
+@pytest.fixture(scope="module")
+def fixtures(family_dirs):
+    """family -> its Fixture, built once per module."""
+    built = {}
+
+    def get(family: str) -> Fixture:
+        if family not in built:
+            built[family] = Fixture(family_dirs(family))
+        return built[family]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=VISION_FAMILIES)
-def vlm(request, family_dirs):
-    return Fixture(family_dirs(request.param))
+def vlm(request, fixtures):
+    return fixtures(request.param)
 
 
 def mixed_batch(fx: Fixture) -> list[tuple[list[int], object, list[int]]]:
@@ -162,9 +175,11 @@ def test_greedy_tokens_equal_generate_under_preemption(vlm):
     assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
 
 
-def test_n_completions_logprobs_and_seeds_work_with_an_image(vlm):
+def test_n_completions_logprobs_and_seeds_work_with_an_image(fixtures):
     """n=2 greedy completions of one image line each give transformers' tokens with their logprobs; a
-    seeded sampled line gives the same tokens again in another engine."""
+    seeded sampled line gives the same tokens again in another engine (Qwen3-VL: the family with the
+    most per-request image state)."""
+    vlm = fixtures("qwen3_vl")
     ids, inputs, encoded = vlm.prompt([noise_image(21)], "Tell me.")
     engine = vlm.engine(max_num_seqs=4, block_size=4, max_num_batched_tokens=6)
     engine.add_request(
@@ -252,3 +267,31 @@ def test_unchecked_vision_families_are_refused_by_name_before_loading(
     getattr(transformers, config_name)(architectures=[architecture]).save_pretrained(tmp_path)  # no weights
     with pytest.raises(ValueError, match=f"{architecture}: bulkgen does not run .*{why}"):
         Engine.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_a_chat_line_with_images_prepares_to_transformers_inputs_and_counts_image_tokens(fixtures):
+    """A parsed chat line whose content holds `{"type": "image"}` parts (as the request parser leaves it),
+    prepared by the worker's path: the ids are the processor's, its image tokens are prompt tokens in the
+    usage the result reports, and the engine answers with transformers' tokens."""
+    from bulkgen.batch.prepare import tokenize_with_images
+    from bulkgen.batch.requests import ParsedRequest
+    from bulkgen.runtime.held import result_dict
+
+    vlm = fixtures("llava")
+    images = [noise_image(11), noise_image(12, (50, 20))]
+    content = [{"type": "text", "text": "First "}, {"type": "image"}, {"type": "text", "text": " then "}]
+    content.append({"type": "image"})
+    request = ParsedRequest(
+        "c1", 0, "m", "/v1/chat/completions", messages=[{"role": "user", "content": content}]
+    )
+    ids, inputs = tokenize_with_images(request, vlm.processor, images)
+    text = vlm.processor.apply_chat_template(request.messages, add_generation_prompt=True, tokenize=False)
+    encoded = vlm.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    assert ids == encoded["input_ids"][0].tolist()
+    engine = vlm.engine(max_num_seqs=2, block_size=4)
+    (out,) = run_outputs(engine, [(ids, inputs, None)])
+    assert out.outputs[0].token_ids == vlm.expected(encoded)
+    image_tokens = ids.count(engine.vision.image_token_id)
+    assert image_tokens == sum(inputs.token_counts) > 0
+    text_only, _ = tokenize_with_images(request, vlm.processor, [])  # one placeholder token an image
+    assert result_dict(out)["prompt_tokens"] == len(ids) == len(text_only) - 2 + image_tokens
