@@ -10,7 +10,13 @@ import click
 from click.core import ParameterSource
 
 from bulkgen.batch.schema import ENDPOINTS
-from bulkgen.cli.server_cmds import check_storage, runtime_errors, webhook_notifier, webhook_options
+from bulkgen.cli.server_cmds import (
+    check_adapters,
+    check_storage,
+    runtime_errors,
+    webhook_notifier,
+    webhook_options,
+)
 from bulkgen.cli.settings_options import settings_flags, settings_from
 
 
@@ -92,12 +98,14 @@ def watch(
         spec.check(str(job_path or "bulkgen watch"))
     except JobError as exc:
         raise click.UsageError(str(exc)) from None
-    for key, value in (("storage", spec.storage), ("models", tuple(spec.models))):  # the job's, unless given
+    job = (("storage", spec.storage), ("models", tuple(spec.models)), ("loras", tuple(spec.loras)))
+    for key, value in job:  # the job's, unless given
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:
             runtime[key] = value
     settings = settings_from(runtime)
     with runtime_errors():
         check_storage(settings.storage, settings.endpoint_url, create=True)
+        check_adapters(settings)
     # signed events once each batch's results are written under the output prefix
     notifier = webhook_notifier(settings, spec.webhook, webhook_secret)
     try:
