@@ -28,7 +28,7 @@ def validate_batch(
     validated is validated all the same but stays `cancelling`: its runner then writes every request as
     `batch_cancelled`, as for any cancelled batch. `amend(record)` adds to a batch that passed, in the same
     conditional write that makes it `in_progress` (the plan's estimate), so no reader sees it without.
-    `adapters`: the served LoRA adapters, name -> their base (a line may name its batch's base's)."""
+    `adapters`: the served LoRA adapters, name -> their base."""
     record = batches.get(batch_id)
     if not needs_validation(record):
         return record

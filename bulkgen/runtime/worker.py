@@ -216,10 +216,7 @@ class EngineWorker(EngineLoop, PartWriter):
             return
         for line, raw in lines:
             try:
-                request = parse_line(raw, line, batch.endpoint)
-                request.lora = pick_adapter(request.model, batch.model, batch.loras)
-                if request.lora is not None:
-                    self._load_lora(request.lora, batch.loras[request.lora])
+                request = self._parse(raw, line, batch)
             except LineError as err:  # a body error (validation counted the line and indexed it), or a line
                 # validated under looser rules: refuse the line alone
                 custom_id = custom_id_of(raw)
@@ -255,6 +252,15 @@ class EngineWorker(EngineLoop, PartWriter):
         return Prepared(
             request_id if count == 1 else f"{request_id}|{part}", key, request, ids, params, part, count
         )
+
+    def _parse(self, raw: bytes, line: int, batch: QueuedBatch) -> ParsedRequest:
+        """The line as the engine runs it: parsed, its adapter picked (the same rule validation applied)
+        and loaded; LineError refuses the line alone."""
+        request = parse_line(raw, line, batch.endpoint)
+        request.lora = pick_adapter(request.model, batch.model, batch.loras)
+        if request.lora is not None:
+            self._load_lora(request.lora, batch.loras[request.lora])
+        return request
 
     def _load_lora(self, name: str, path: str) -> None:
         """Have the adapter in the engine before the first line that names it is queued (its host copy stays
