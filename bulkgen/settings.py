@@ -342,8 +342,8 @@ class Settings:
             "--lora",
             metavar="NAME=PATH[@BASE]",
             parse=parse_lora_specs,
-            help="Serve a PEFT LoRA adapter (local folder or s3://…) as model NAME on the served model BASE "
-            "(default: the one its adapter_config.json names, else the only one), repeatable (docs/lora.md).",
+            help="Serve a PEFT LoRA adapter (folder or s3://…) as model NAME on served model BASE (default: the "
+            "one its adapter_config.json names, else the only one), repeatable (docs/lora.md).",
         ),
     )
     lora_file: str | None = setting(
@@ -352,8 +352,7 @@ class Settings:
             "--lora-file",
             envvar="BULKGEN_LORA_FILE",
             metavar="PATH",
-            help="More adapters, NAME=PATH[@BASE] per line; read again whenever it changes, so adapters are "
-            "added without a restart (env BULKGEN_LORA_FILE).",
+            help="More adapters, NAME=PATH[@BASE] per line, read again when it changes (env BULKGEN_LORA_FILE).",
         ),
     )
     workers: WorkerSettings = setting(factory=WorkerSettings)

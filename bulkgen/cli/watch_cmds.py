@@ -10,7 +10,13 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from bulkgen.cli.server_cmds import check_storage, runtime_errors, webhook_notifier, webhook_options
+from bulkgen.cli.server_cmds import (
+    check_adapters,
+    check_storage,
+    runtime_errors,
+    webhook_notifier,
+    webhook_options,
+)
 from bulkgen.cli.settings_options import override_flags, pop_flags, settings_flags, settings_from
 from bulkgen.settings import Settings
 from bulkgen.watch.job import Job, JobError
@@ -69,11 +75,12 @@ def _job(job_path: Path | None, given: dict[str, Any]) -> Job:
 
 
 def _settings(ctx: click.Context, job: Job, flags: dict[str, Any]) -> Settings:
-    """The service's settings: the job's storage and models where the command line leaves them out; the
+    """The service's settings: the job's storage, models, adapters and ranks where the command line leaves them out; the
     storage is checked (and a local folder made) before anything runs."""
     job_values = (
         ("storage", job.storage),
         ("models", tuple(job.models)),
+        ("loras", tuple(job.loras)),
         ("tensor_parallel", job.tensor_parallel),
     )
     for key, value in job_values:
@@ -82,4 +89,5 @@ def _settings(ctx: click.Context, job: Job, flags: dict[str, Any]) -> Settings:
     settings = settings_from(flags)
     with runtime_errors():
         check_storage(settings.storage, settings.endpoint_url, create=True)
+        check_adapters(settings)
     return settings

@@ -243,10 +243,7 @@ class EngineWorker(EngineLoop, PartWriter):
         started = []
         for line, raw in lines:
             try:
-                request = parse_line(raw, line, batch.endpoint)
-                request.lora = pick_adapter(request.model, batch.model, batch.loras)
-                if request.lora is not None:
-                    self._load_lora(request.lora, batch.loras[request.lora])
+                request = self._parse(raw, line, batch)
                 work.remaining[line] = request.custom_id
                 started.append((line, request, self._start_images(request, work.store)))
             except LineError as err:  # a body error (validation counted the line and indexed it), a line
@@ -297,6 +294,15 @@ class EngineWorker(EngineLoop, PartWriter):
             count,
             inputs,
         )
+
+    def _parse(self, raw: bytes, line: int, batch: QueuedBatch) -> ParsedRequest:
+        """The line as the engine runs it: parsed, its adapter picked (the same rule validation applied)
+        and loaded; LineError refuses the line alone."""
+        request = parse_line(raw, line, batch.endpoint)
+        request.lora = pick_adapter(request.model, batch.model, batch.loras)
+        if request.lora is not None:
+            self._load_lora(request.lora, batch.loras[request.lora])
+        return request
 
     def _load_lora(self, name: str, path: str) -> None:
         """Have the adapter in the engine before the first line that names it is queued (its host copy stays

@@ -11,8 +11,9 @@
     defaults: {temperature: 0.7, max_tokens: 64}   # set in each request body where the line sets none
     output_format: parquet                   # or jsonl (default)
     webhook: https://example.com/hooks       # signed batch.* events (secret: --webhook-secret / env only)
-    storage: ...                             # service storage and served models, as the CLI's
-    models: [NAME=PATH]                      #   --storage / --model (the command line wins)
+    storage: ...                             # service storage, served models and LoRA adapters, as the
+    models: [NAME=PATH]                      #   CLI's --storage / --model / --lora (the command line wins)
+    loras: [NAME=PATH@BASE]
     tensor_parallel: 2                       # ranks per worker, as --tensor-parallel
 
 Everything is checked when the job loads, with errors that name the file and the field.
@@ -92,6 +93,7 @@ class Job:
     )
     storage: str | None = None
     models: list[str] = field(default_factory=list)
+    loras: list[str] = field(default_factory=list)
     tensor_parallel: int | None = None  # ranks per worker, as --tensor-parallel
     webhook: str | None = None
 
@@ -152,8 +154,10 @@ class Job:
                 Cron(self.schedule)
             except CronError as exc:
                 raise JobError(f"{where}: {exc}") from None
-        if not isinstance(self.models, list) or not all(isinstance(m, str) for m in self.models):
-            raise JobError(f"{where}: models must be a list of NAME=PATH strings")
+        for name, form in (("models", "NAME=PATH"), ("loras", "NAME=PATH[@BASE]")):
+            listed = getattr(self, name)
+            if not isinstance(listed, list) or not all(isinstance(m, str) for m in listed):
+                raise JobError(f"{where}: {name} must be a list of {form} strings")
         tp = self.tensor_parallel
         if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
             raise JobError(f"{where}: tensor_parallel must be a positive whole number of ranks; got {tp!r}")

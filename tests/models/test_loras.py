@@ -159,3 +159,14 @@ def test_plan_takes_the_adapters_a_file_names(tmp_path):
     flags = [f"--lora={name}={SAMPLES_DIR / name}@bulkgen-tiny" for name in SAMPLE_ADAPTERS]
     result = CliRunner().invoke(cli, [*args, *flags])
     assert result.exit_code == 1 and "no profile of bulkgen-tiny exists" in result.output, result.output
+
+
+def test_a_watch_job_declares_its_adapters_and_a_bad_one_stops_it(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"input: {tmp_path / 'in'}\noutput: {tmp_path / 'out'}\nloras: [x={tmp_path / 'none'}]\n")
+    args = ["watch", "--job", str(job), "--storage", str(tmp_path / "s"), "--once"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1 and f"--lora x={tmp_path / 'none'}" in result.output, result.output
+    job.write_text(f"input: {tmp_path / 'in'}\noutput: {tmp_path / 'out'}\nloras: x=/a\n")
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2 and "loras must be a list of NAME=PATH[@BASE] strings" in result.output
