@@ -68,6 +68,10 @@ class Fp8Cache:
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
     def clone(self) -> Fp8Cache:
         return Fp8Cache(self.data.clone(), self.scale.clone())
 
