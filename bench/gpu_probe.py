@@ -151,7 +151,7 @@ def capture_check() -> dict:
     engine = Engine(model, tokenizer, num_kv_blocks=16384, max_num_seqs=64)
     setup_s = time.perf_counter() - started
     runner = engine.runner
-    cache = sum(t.numel() * t.element_size() for t in (*runner.k_caches, *runner.v_caches))
+    cache = sum(t.nbytes for t in (*runner.k_caches, *runner.v_caches))  # a tensor or a kv_cache.Fp8Cache
     grew = torch.cuda.memory_allocated() - before - cache
     graphs = runner.graphs
     return {

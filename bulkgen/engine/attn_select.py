@@ -3,7 +3,8 @@
 Kernels the development machine cannot run (no GPU there) must not be trusted blindly: a candidate
 is kept only if it matches the float32 `plain` backend at the model's head counts and dtype on three
 probes over a paged cache: prefill only (a fresh prompt and a continuation chunk), decode only, and
-both mixed, so a rejection names the part that failed (the prefill kernel or the decode path).
+both mixed, so a rejection names the part that failed (the prefill kernel or the decode path). With an
+FP8 KV cache (kv_cache) the probes write and read an FP8 cache, so that path is what is checked.
 
 On CUDA in bf16/fp16 the `plain` path (a per-sequence SDPA loop) is many times slower than a fused
 kernel, so a GPU where no fused candidate passes is an error, not a warning, unless the user forces

@@ -38,9 +38,8 @@ _MIN_SCALE = 1e-12  # an all-zero row (the scratch block, padding) keeps a finit
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype K/V rows are stored in for `kv_cache_dtype` `name`."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+    """The dtype K/V rows are stored in for `kv_cache_dtype` `name` (one of KV_CACHE_DTYPES: EngineConfig
+    checks it)."""
     return model_dtype if name == "auto" else FP8
 
 
@@ -68,6 +67,10 @@ class Fp8Cache:
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
 
     def clone(self) -> Fp8Cache:
         return Fp8Cache(self.data.clone(), self.scale.clone())

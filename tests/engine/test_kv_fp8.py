@@ -261,6 +261,6 @@ def test_fp8_blocks_count_their_scales_and_nearly_double_the_cache(tiny_dirs):
         runner = engine.runner
         per_block[name] = runner.layout.block_bytes(runner.block_size, runner.kv_dtype)
         assert runner.num_blocks == budget // per_block[name]
-        held = sum(t.data.nbytes + t.scale.nbytes if name == "fp8" else t.nbytes for t in runner.k_caches)
+        held = sum(t.nbytes for t in runner.k_caches)
         assert held * 2 == per_block[name] * (runner.num_blocks + 1)  # K's half of it, the scratch block too
     assert per_block["auto"] * (16 + 4) == per_block["fp8"] * 2 * 16  # head dim 16
