@@ -18,6 +18,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -88,10 +90,21 @@ class RankGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
-    def send_plan(self, batch: list) -> None:
-        """Rank 0: publish this step's (sequence, new tokens) pairs; a no-op on the other ranks."""
+    @contextmanager
+    def step(self, batch: list) -> Iterator[None]:
+        """Rank 0: publish this step's (sequence, new tokens) pairs, then run it. A failure once the
+        other ranks are in the step leaves them waiting in a collective this rank left, so any error
+        in it is RankLost: the group cannot take another step."""
         if self.rank == 0:
             self._post(_pack(batch).numpy().tobytes())
+        try:
+            yield
+        except RankLost:
+            raise
+        except Exception as exc:
+            raise RankLost(
+                f"tensor-parallel rank {self.rank} failed a step: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def receive_plan(self) -> list | None:
         """The next step's batch as stand-in sequences, or None when rank 0 closes the group."""
