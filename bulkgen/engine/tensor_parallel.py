@@ -44,6 +44,8 @@ class RankGroup:
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):
         self.store, self.rank, self.world, self.device = store, rank, world, device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
         # a process group of its own, not torch.distributed's default one: a process may hold several
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, timeout_s)
         self.steps = 0
