@@ -158,9 +158,10 @@ def plan(
 
     name, path = _model(model_spec)
     memory = _memory(path, tensor_parallel)
-    if memory is not None and not has_weights(path):
-        click.echo(json.dumps({"model": name, "memory": memory}) if as_json else describe_memory(memory))
-        return
+    if memory is not None and not has_weights(path):  # a model not fetched yet: its memory alone
+        return click.echo(
+            json.dumps({"model": name, "memory": memory}) if as_json else describe_memory(memory)
+        )
     store = check_storage(storage, endpoint_url, create=True)
     adapters = _adapters(loras, name, path, endpoint_url)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

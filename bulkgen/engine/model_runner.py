@@ -107,6 +107,8 @@ class ModelRunner:
         if self.tp is not None and self.tp.rank == 0:
             self.tp.publish_config(config, max_model_len)
         mixers = _check_supported(model)
+        if mixers and self.tp is not None:
+            raise ValueError(f"{type(model).__name__}: tensor parallel does not split recurrent layers yet")
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
         log.info(
@@ -196,7 +198,8 @@ class ModelRunner:
         advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
         device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
         if self.tp is not None:
-            self.tp.send_plan(batch)  # the other ranks run this same step
+            with self.tp.step(batch):  # the other ranks run this same step
+                return self._run(batch, pending)
         if self.states is None:
             return self._run(batch, pending)
         self.states.begin(batch)

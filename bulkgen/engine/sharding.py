@@ -256,7 +256,7 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
                     param.data.zero_()  # a row-parallel bias is added once, by rank 0, before the all-reduce
                 else:
                     data = _read(handle.get_slice(name), style, tuple(param.shape), rank, world, half)
-                    _place(param, data, half, expert, name)
+                    _place(param, data, half, expert, name, pad=style == "vocab")
                 filled.add(target)
     missing = sorted(n for n, p in params.items() if n not in filled and p.is_meta)
     if missing:
@@ -276,12 +276,16 @@ def _target(name: str, params: dict) -> tuple[str | None, int | None, int | None
     return None, None, None
 
 
-def _place(param: torch.Tensor, data: torch.Tensor, half: int | None, expert: int | None, name: str) -> None:
+def _place(
+    param: torch.Tensor, data: torch.Tensor, half: int | None, expert: int | None, name: str, pad: bool
+) -> None:
+    """Copy a slice into its parameter (one expert's, one half of a packed gate_up); `pad`: the last
+    vocabulary shard, shorter than the others, with zero rows after it."""
     dest = param.data if expert is None else param.data[expert]
     if half is not None:
         rows = dest.shape[0] // 2
         dest = dest[half * rows : (half + 1) * rows]
-    if dest.shape[0] != data.shape[0] and data.shape[1:] == dest.shape[1:]:  # the last vocabulary shard
+    if pad and dest.shape[0] > data.shape[0]:
         dest[: data.shape[0]].copy_(data)
         dest[data.shape[0] :].zero_()
         return

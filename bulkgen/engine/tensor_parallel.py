@@ -18,6 +18,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from .config import EngineConfig
 
 DEFAULT_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0  # for every rank to join the group
 _ITEM = 11  # ints before each item's tokens and tables (see _pack)
 _STOP = b"stop"
 
@@ -42,22 +45,22 @@ class RankGroup:
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):
         self.store, self.rank, self.world, self.device = store, rank, world, device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
         # a process group of its own, not torch.distributed's default one: a process may hold several
-        self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, timeout_s)
+        # joining waits for every rank's start; each collective waits at most `timeout_s`
+        self.timeout = timedelta(seconds=timeout_s)
+        start = max(timeout_s, START_TIMEOUT_S)
+        self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
         self.processes: list = []  # follower processes this rank started (launch), joined at close
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
-        """Rank 0 hosts the store on `host:port`; the others connect to it."""
-        store = dist.TCPStore(
-            host,
-            port,
-            world,
-            is_master=rank == 0,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
+        """Rank 0 hosts the store on `host:port`; the others connect to it. Joining may take as long as a
+        rank's start (imports, another rank's load): START_TIMEOUT_S, not the collectives' timeout."""
+        start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=start, wait_for_workers=False)
         return cls(store, rank, world, torch.device(device), timeout_s)
 
     def publish_config(self, config: EngineConfig, max_model_len: int) -> None:
@@ -74,13 +77,13 @@ class RankGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or `op`) `tensor` over the ranks, in place; RankLost after the group's timeout."""
-        _wait(self.group.allreduce([tensor], op), self.rank)
+        _wait(self.group.allreduce([tensor], op, self.timeout), self.rank)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, concatenated along the last dimension in rank order."""
         parts = [torch.empty_like(tensor) for _ in range(self.world)]
-        _wait(self.group.allgather([parts], [tensor.contiguous()]), self.rank)
+        _wait(self.group.allgather(parts, tensor.contiguous(), self.timeout), self.rank)
         return torch.cat(parts, dim=-1)
 
     def agree_min(self, value: int) -> int:
@@ -88,10 +91,21 @@ class RankGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
-    def send_plan(self, batch: list) -> None:
-        """Rank 0: publish this step's (sequence, new tokens) pairs; a no-op on the other ranks."""
+    @contextmanager
+    def step(self, batch: list) -> Iterator[None]:
+        """Rank 0: publish this step's (sequence, new tokens) pairs, then run it. A failure once the
+        other ranks are in the step leaves them waiting in a collective this rank left, so any error
+        in it is RankLost: the group cannot take another step."""
         if self.rank == 0:
             self._post(_pack(batch).numpy().tobytes())
+        try:
+            yield
+        except RankLost:
+            raise
+        except Exception as exc:
+            raise RankLost(
+                f"tensor-parallel rank {self.rank} failed a step: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def receive_plan(self) -> list | None:
         """The next step's batch as stand-in sequences, or None when rank 0 closes the group."""
