@@ -185,13 +185,17 @@ def describe(result: dict[str, Any]) -> str:
             for e in result["errors"]
         ]
         return "\n".join(lines)
-    s, prof = result["estimated_seconds"], result["profile"]
-    where = "measured just now" if prof["measured_now"] else "stored"
-    rows = [
+    rows = [*_work_rows(result), *_time_rows(result)]
+    return "\n".join(f"{label:<20} {value}" for label, value in rows)
+
+
+def _work_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the file asks for: requests, tokens in and out."""
+    refused = result["refused_lines"]
+    return [
         (
             "requests",
-            f"{result['requests']:,}"
-            + (f" ({result['refused_lines']} refused by their worker)" if result["refused_lines"] else ""),
+            f"{result['requests']:,}" + (f" ({refused} refused by their worker)" if refused else ""),
         ),
         (
             "prompt tokens",
@@ -204,6 +208,14 @@ def describe(result: dict[str, Any]) -> str:
         ),
         ("max output tokens", f"{result['max_output_tokens']:,}"),
         ("expected output", f"{result['expected_output_tokens']:,} tokens, from {result['length_model']}"),
+    ]
+
+
+def _time_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """How long it takes, and what the estimate stands on (the profile and its runtime factor)."""
+    s, prof = result["estimated_seconds"], result["profile"]
+    where = "measured just now" if prof["measured_now"] else "stored"
+    rows = [
         (
             f"time on {result['workers']} worker" + ("s" if result["workers"] > 1 else ""),
             f"{_duration(s['low'])} - {_duration(s['high'])} (expected {_duration(s['expected'])}; "
@@ -216,19 +228,12 @@ def describe(result: dict[str, Any]) -> str:
         ),
         ("KV cache", _kv_line(result["kv_cache"])),
         ("profile", f"{result['device']}, {where}: {prof['stored_at']}"),
-        *(
-            [
-                (
-                    "",
-                    f"measured while the CPU was busy ({prof['busy']}): `bulkgen profile` again when it is not",
-                )
-            ]
-            if prof["busy"]
-            else []
-        ),
-        ("runtime factor", result["runtime_factor"]),
     ]
-    return "\n".join(f"{label:<20} {value}" for label, value in rows)
+    if prof["busy"]:
+        rows.append(
+            ("", f"measured while the CPU was busy ({prof['busy']}): `bulkgen profile` again when it is not")
+        )
+    return [*rows, ("runtime factor", result["runtime_factor"])]
 
 
 def _kv_line(kv: dict[str, Any]) -> str:

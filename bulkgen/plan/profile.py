@@ -202,7 +202,12 @@ def measure_here(
     worker.join()
     if not result:
         raise RuntimeError("profiling failed; see the error above")
-    engine, load_s, (cells, churn) = result[0]
+    return _profile(model, *result[0])
+
+
+def _profile(model: str, engine, load_s: float, grid: tuple[list, list]) -> Profile:
+    """The measured grid fitted into a Profile of `engine`'s device and limits."""
+    cells, churn = grid
     base, per_seq, per_prefill, per_context, per_new_seq = fit_steps(cells, churn)
     cfg = engine.config
     return Profile(

@@ -11,6 +11,14 @@ Weights come from a callable (the keys file's `TENANT weight=W` lines over `--te
 read at most once per WEIGHTS_EVERY_S.
 
 Bounded: one number per tenant ever seen (tenants are few and named by an operator).
+
+The engine's waiting queue (bulkgen.engine.waiting) applies the same rule (least served goes next; a
+newcomer joins at the least of those waiting) to a different question, and is written apart on purpose:
+it shares one engine's admissions between the batches it holds, equally, counting tokens as sequences are
+admitted, and knows no tenants, weights, ranges or refunds; this shares every worker between tenants by
+weight, charging estimates and correcting them when ranges end. The engine sits below the runtime (the
+layers contract) and must not learn the runtime's words, and the runtime's policy is not the engine's: one
+class for both would carry each side's half as options the other never sets.
 """
 
 from __future__ import annotations
