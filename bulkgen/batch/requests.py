@@ -127,7 +127,7 @@ class RequestLine:
 
 @dataclass
 class ParsedRequest:
-    """A request as the worker runs it and the response writer answers it (bulkgen.batch.responses)."""
+    """A request as the worker runs it and the response writer answers it (bulkgen.batch.outputlines)."""
 
     custom_id: str
     line: int

@@ -13,7 +13,7 @@ import pytest
 
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 from bulkgen.runtime import parts
-from bulkgen.runtime.lineindex import scan
+from bulkgen.runtime.lineindex import index_file
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
 from bulkgen.store import LocalStore
@@ -38,8 +38,8 @@ def _stored(store, batch_id: str, rows: list[dict]):
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     key = f"files/data/{batch_id}-in"
     store.write_bytes(key, data)
-    index = scan(io.BytesIO(data), "/v1/chat/completions")
-    job = QueuedBatch(batch_id, key, "/v1/chat/completions", VLM, "unused", 0.0, store.spec())
+    index = index_file(io.BytesIO(data), "/v1/chat/completions")
+    job = QueuedBatch(batch_id, key, "/v1/chat/completions", VLM, "unused", 0.0, store.open_args())
     return job, [r.bounds for r in make_ranges(job, index, np.ones(len(index), bool), 8)]
 
 
