@@ -18,7 +18,7 @@ SHARED_FLAGS = {
     "--storage", "--endpoint-url", "--model", "--ray-address", "--workers", "--cpu-workers", "--max-num-seqs",
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
-    "--storage-outage-timeout", "--async-scheduling",
+    "--storage-outage-timeout", "--async-scheduling", "--tensor-parallel",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
 NO_FLAG = {"workers", "cpu_threads", "engine_kwargs"}  # nested settings, set by code, or flagged per key
