@@ -148,7 +148,10 @@ class Engine(OverlappedSteps):
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
                 raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
             dtype = getattr(torch, dtype)
-        config = EngineConfig(**engine_kwargs)  # checked before any rank starts
+        fields = EngineConfig.__dataclass_fields__  # engine_kwargs also carry the Engine's own (scheduler)
+        config = EngineConfig(
+            **{k: v for k, v in engine_kwargs.items() if k in fields}
+        )  # before any rank starts
         if is_vision_model(path):
             if config.tensor_parallel > 1 or config.quantize is not None:
                 raise ValueError("vision-language models run without tensor_parallel or quantize for now")
