@@ -22,6 +22,9 @@ Apertus, Arcee, ERNIE 4.5, OPT, GPT-J and CodeGen. Hybrid models (linear-attenti
 short-conv layers beside attention: Qwen3-Next, Qwen3.5 dense and MoE, GraniteMoeHybrid, Falcon-H1,
 LFM2) are checked the same way (tests/engine/test_hybrid_models.py); their recurrent state lives in
 per-sequence state slots (state_slots.py, hybrid_layers.py) and prefix caching is off for them.
+PEFT LoRA adapters (`engine.add_lora`, `add_request(..., lora=name)`) run mixed with each other and the base
+model in the same packed steps from a pool of `max_loras` device slots (lora.py, lora_slots.py; checked
+against peft's merged models in tests/engine/test_lora.py).
 Refused at load with one line naming the feature: models whose attention bypasses transformers'
 AttentionInterface (Bloom, Falcon) or whose layers drop forward kwargs (StableLM), layers that are
 neither attention nor a recurrent mixer bulkgen finds, recurrent mixers not yet checked against
@@ -44,6 +47,7 @@ _LAZY = {
     "RequestOutput": ".outputs",
     "EmbedParams": ".pooling",
     "PoolingConfig": ".pooling",
+    "LoraError": ".lora",
 }
 
 
@@ -72,6 +76,7 @@ __all__ = [
     "CompletionOutput",
     "EmbedParams",
     "Engine",
+    "LoraError",
     "PoolingConfig",
     "RequestMetrics",
     "RequestOutput",

@@ -2,12 +2,14 @@
 
 An adapter is refused at load, with the feature named, when the engine could not apply it exactly:
 DoRA (`use_dora`), `modules_to_save` (whole trained copies of modules), LoRA on embeddings or the output
-head, LoRA biases, LoRA on bare parameters (`target_parameters`, how
-peft reaches fused MoE experts), a rank above `EngineConfig.max_lora_rank`, and a target module the
-model lacks or that is not a plain linear layer. What passes is a host copy of each targeted linear's
-(A, B) with its scale folded into B, so a slot load (lora_slots.py) is a plain copy. The scale is
-peft's: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from
-its weights and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches).
+head, LoRA biases, LoRA on MoE experts (peft's `target_parameters` on fused experts, or modules under an
+`experts` list: an expert sees only its routed tokens, not the packed row the slots' segments index), a
+rank above `EngineConfig.max_lora_rank`, and a target module the model lacks, that is not a plain linear
+layer, or that is inside a hybrid model's recurrent mixer (those run sequence by sequence, not on the
+packed row the slots' segments index). What passes is a host copy of each targeted linear's (A, B) with
+its scale folded into B, so a slot load (lora_slots.py) is a plain copy. The scale is peft's:
+`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from its weights
+and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches).
 """
 
 from __future__ import annotations
@@ -64,8 +66,15 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
             raise LoraError(f"adapter {name!r}: {feature} is not supported ({folder / CONFIG_FILE})")
     if config.get("bias", "none") != "none":
         raise LoraError(f"adapter {name!r}: LoRA bias {config['bias']!r} is not supported; use 'none'")
-    weights = {}
+    weights, recurrent = {}, _recurrent_paths(model)
     for module, (a, b) in _read_pairs(name, folder).items():
+        inside = next((p for p in recurrent if module.startswith(p + ".")), None)
+        if inside is not None:  # its layers run sequence by sequence (hybrid_layers), not on the packed row
+            raise LoraError(
+                f"adapter {name!r}: LoRA inside the recurrent layer {inside} ({module}) is not supported"
+            )
+        if ".experts." in f".{module}.":  # an expert runs on its routed tokens only, not the packed row
+            raise LoraError(f"adapter {name!r}: LoRA on MoE expert projections ({module}) is not supported")
         rank = a.shape[0]
         if rank > max_rank:
             raise LoraError(f"adapter {name!r}: rank {rank} ({module}) is above max_lora_rank {max_rank}")
@@ -73,6 +82,14 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights[module] = _checked(name, model, module, a, b, scale)
     return LoraAdapter(name, str(folder), max(a.shape[0] for a, _ in weights.values()), weights)
+
+
+def _recurrent_paths(model: torch.nn.Module) -> list[str]:
+    """Module paths of a hybrid model's recurrent mixers (hybrid_layers.find_mixers)."""
+    from .hybrid_layers import find_mixers
+
+    mixers = {id(m) for m in find_mixers(model).values()}
+    return [path for path, module in model.named_modules() if id(module) in mixers]
 
 
 def _pattern(patterns: dict | None, module: str, default: object) -> object:

@@ -3,15 +3,18 @@
 Every linear layer some adapter targets is wrapped once (LoraLinear) with two slot-stacked buffers,
 A [max_loras, max_rank, in] and B [max_loras, out, max_rank] (B already scaled); an adapter of rank r
 fills the first r rows / columns of its slot, so adapters of different ranks share a step. The base
-GEMM runs once over the whole packed row; then, for each slot used in the step, the rows of its
-sequences are gathered, shrunk (x Aᵀ, r columns) and expanded (· Bᵀ) and added back in place: vLLM's
-torch punica reference (`sgmv_shrink` / `sgmv_expand` over segments) with the segments being a gather
-index per adapter, since a packed step orders sequences by prefill / decode, not by adapter. Base rows
-are in no index and pay nothing; a step without adapters runs the plain layer.
+GEMM runs once over the whole packed row; then each segment of rows of one adapter is shrunk (x Aᵀ, r
+columns) and expanded (· Bᵀ) into the output in place, one matmul and one addmm: vLLM's torch punica
+reference (`sgmv_shrink` / `sgmv_expand` over segments). The runner sorts a step's prefill chunks and
+its decodes by adapter, so an adapter has at most two segments (host ints: nothing to upload). Base rows
+are in no segment and pay nothing; a step without adapters runs the plain layer.
 
 Slots are filled (`activate`) when a step is scheduled, before its forward launches, from the host
 cache (lora.LoraAdapter), least recently used slot first among those the step does not use. The
 scheduler admits sequences of at most `max_loras` distinct adapters at once, so a step's adapters always fit.
+On CUDA the host copies are kept pinned in the model's dtype, so a load is queued on the stream (behind
+the step in flight, ahead of the one about to launch) without the host waiting for it. Not run on a GPU
+yet. Decode CUDA graphs hold no LoRA ops: a decode step with adapter rows runs eagerly (model_runner).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ class LoraLinear(torch.nn.Module):
         w = base.weight
         self.register_buffer("lora_a", w.new_zeros(pool.max_loras, pool.max_rank, base.in_features))
         self.register_buffer("lora_b", w.new_zeros(pool.max_loras, base.out_features, pool.max_rank))
-        self.ranks = [0] * pool.max_loras  # rank loaded in each slot: 0 when its adapter skips this layer
+        # per slot, (Aᵀ, Bᵀ) views of its loaded rank, made once per load (a step reads them per segment);
+        # None when the slot's adapter leaves this layer alone
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * pool.max_loras
 
     @property
     def weight(self) -> torch.Tensor:  # code that reads a linear's weight (dtype, device) still finds it
@@ -42,27 +47,31 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        groups = self.pool.step
-        if not groups:
+        segments = self.pool.step
+        if not segments:
             return out
         flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-        for slot, rows in groups:
-            r = self.ranks[slot]
-            if r:
-                shrunk = flat_x.index_select(0, rows) @ self.lora_a[slot, :r].T
-                flat_out.index_add_(0, rows, shrunk @ self.lora_b[slot, :, :r].T)
+        if flat_x.shape[0] != self.pool.num_tokens:  # segments index the packed row: never guess on another
+            raise RuntimeError(
+                f"a LoRA layer was called on {flat_x.shape[0]} rows in a step of {self.pool.num_tokens} tokens"
+            )
+        views = self.views
+        for slot, start, end in segments:
+            pair = views[slot]
+            if pair is not None:
+                flat_out[start:end].addmm_(flat_x[start:end] @ pair[0], pair[1])
         return out
 
     def load(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A, B·scale) into `slot` (None: the adapter leaves this layer alone)."""
         if pair is None:
-            self.ranks[slot] = 0
+            self.views[slot] = None
             return
         a, b = pair
         r = a.shape[0]
         self.lora_a[slot, :r].copy_(a, non_blocking=True)
         self.lora_b[slot, :, :r].copy_(b, non_blocking=True)
-        self.ranks[slot] = r
+        self.views[slot] = (self.lora_a[slot, :r].T, self.lora_b[slot, :, :r].T)
 
 
 class LoraSlots:
@@ -75,9 +84,8 @@ class LoraSlots:
         self.adapters: dict[str, LoraAdapter] = {}
         self.layers: dict[str, LoraLinear] = {}  # wrapped module path -> its layer
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
-        self.step: list[tuple[int, torch.Tensor]] | None = (
-            None  # (slot, its packed rows) while a forward runs
-        )
+        self.step: list[tuple[int, int, int]] | None = None  # (slot, first row, end) while a forward runs
+        self.num_tokens = 0  # the packed row's length in the step running
         self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
 
     def add(self, adapter: LoraAdapter) -> None:
@@ -90,6 +98,12 @@ class LoraSlots:
                 owner = self.model.get_submodule(parent)
                 self.layers[module] = LoraLinear(getattr(owner, child), self)
                 setattr(owner, child, self.layers[module])
+        weight = next(self.model.parameters())
+        if weight.device.type == "cuda":  # in the slots' dtype and pinned: a slot load is an async copy
+            adapter.weights = {
+                m: (a.to(weight.dtype).pin_memory(), b.to(weight.dtype).pin_memory())
+                for m, (a, b) in adapter.weights.items()
+            }
         self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> LoraAdapter:
@@ -121,7 +135,9 @@ class LoraSlots:
         free = [s for s in range(self.max_loras) if s not in taken]
         if free:
             return free[0]
-        victim = next(uid for uid in self.resident if uid not in wanted)
+        victim = next((uid for uid in self.resident if uid not in wanted), None)
+        if victim is None:  # the scheduler's rule was broken: never load over a slot this step reads
+            raise LoraError(f"a step uses more than max_loras ({self.max_loras}) adapters")
         return self.resident.pop(victim)
 
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
@@ -131,9 +147,10 @@ class LoraSlots:
         self.loads += 1
 
     @contextmanager
-    def scope(self, groups: list[tuple[int, torch.Tensor]]):
-        """The wrapped layers add these (slot, rows) deltas inside the block (the engine's forward only)."""
-        self.step = groups
+    def scope(self, segments: list[tuple[int, int, int]], num_tokens: int):
+        """The wrapped layers add the deltas of these (slot, first row, end) segments of the packed row
+        inside the block (the engine's forward only)."""
+        self.step, self.num_tokens = segments, num_tokens
         try:
             yield
         finally:

@@ -189,9 +189,9 @@ class ModelRunner:
     def _run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None) -> StepLogits:
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
-        lora_rows = self._lora_rows(ordered)
+        segments = self._lora_segments(ordered)
         # decode graphs hold no LoRA ops: a step with adapter rows runs eagerly
-        if self.graphs is not None and not plan.num_prefill and not step.pooled and not lora_rows:
+        if self.graphs is not None and not plan.num_prefill and not step.pooled and not segments:
             # one row per sequence: row = query offset
             logits = self.graphs.run([s for s, _ in ordered], pending)
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
@@ -215,7 +215,6 @@ class ModelRunner:
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
-        lora_slices = [(slot, pack.add(lora_rows[slot])) for slot in sorted(lora_rows)]
         states, state_slots = self._state_step(ordered, plan.num_prefill)
         decode_slots = pack.add(state_slots)
         metas = [
@@ -237,7 +236,7 @@ class ModelRunner:
         if states is not None:
             states.decode_slots = flat[decode_slots] if state_slots else None
         with (
-            self.loras.scope([(slot, flat[rows_at]) for slot, rows_at in lora_slices]),
+            self.loras.scope(segments, len(tokens)),
             attention_scope(self.model),
             _capture_hidden(self.model, step),
             state_scope(self.states, states),
@@ -249,14 +248,20 @@ class ModelRunner:
         step.logits = out.logits[0].float()
         return step
 
-    def _lora_rows(self, ordered: list[tuple[Sequence, int]]) -> dict[int, list[int]]:
-        """{slot: packed rows of its adapter's sequences}; the slots were filled when the step was
-        scheduled (LoraSlots.activate)."""
-        out: dict[int, list[int]] = {}
+    def _lora_segments(self, ordered: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
+        """(slot, first row, end) of each run of packed rows of one adapter; the slots were filled when
+        the step was scheduled (LoraSlots.activate)."""
+        out: list[tuple[int, int, int]] = []
+        if not self.loras.resident:  # no adapter was ever used: no row has one
+            return out
         q_off, resident = 0, self.loras.resident
         for seq, n in ordered:
             if seq.lora is not None:
-                out.setdefault(resident[seq.lora.uid], []).extend(range(q_off, q_off + n))
+                slot = resident[seq.lora.uid]
+                if out and out[-1][0] == slot and out[-1][2] == q_off:
+                    out[-1] = (slot, out[-1][1], q_off + n)
+                else:
+                    out.append((slot, q_off, q_off + n))
             q_off += n
         return out
 
@@ -318,9 +323,13 @@ class ModelRunner:
         return step, rows + prompt_rows
 
     def _plan(self, batch: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int]], StepPlan]:
-        """Prefill chunks first, then decodes (one token after cached context)."""
+        """Prefill chunks first, then decodes (one token after cached context); each part sorted by LoRA
+        adapter when any row has one, so an adapter's rows are one segment of each (lora_slots.py)."""
         prefill = [(s, n) for s, n in batch if not (n == 1 and s.num_computed_tokens > 0)]
         decode = [(s, n) for s, n in batch if n == 1 and s.num_computed_tokens > 0]
+        if self.loras.resident and any(s.lora is not None for s, _ in batch):
+            prefill.sort(key=_adapter_uid)
+            decode.sort(key=_adapter_uid)
         ordered = prefill + decode
         plan = StepPlan(
             [s.num_computed_tokens for s, _ in ordered],
@@ -330,6 +339,10 @@ class ModelRunner:
             self.block_size,
         )
         return ordered, plan
+
+
+def _adapter_uid(item: tuple[Sequence, int]) -> int:
+    return 0 if item[0].lora is None else item[0].lora.uid
 
 
 @contextmanager

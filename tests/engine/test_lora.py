@@ -8,6 +8,7 @@ adapter, seeded sampling, embeddings, and the refusals at load.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -69,10 +70,17 @@ def prompts():
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def _reference(path, adapter, prompt: list[int]) -> list[int]:
+@functools.cache
+def _merged(path, adapter) -> torch.nn.Module:
+    """The base model, or peft's merge of `adapter` into it (loaded once per test module run)."""
     model = AutoModelForCausalLM.from_pretrained(str(path))
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    if adapter is None:
+        return model
+    return PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+
+
+def _reference(path, adapter, prompt: list[int]) -> list[int]:
+    model = _merged(path, adapter)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, len(prompt) :].tolist()
@@ -106,8 +114,12 @@ def test_mixed_adapters_equal_merged_models(models, prompts, arch):
     assert base  # rows of the base model ride along
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     # 32 tokens per step: long prompts prefill in chunks beside other adapters' decodes; 2 slots for 3
-    # adapters: the third waits for a free slot and slots are reloaded
-    for kwargs in ({"max_loras": 4}, {"max_loras": 2, "max_num_batched_tokens": 32}):
+    # adapters: the third waits for a free slot; with decode graphs on (eager on CPU) steps with adapter
+    # rows bypass them; overlapped steps fill slots for a step while the previous one is in flight
+    for kwargs in (
+        {"max_loras": 4, "cuda_graphs": True},
+        {"max_loras": 2, "max_num_batched_tokens": 32, "async_scheduling": True},
+    ):
         engine = _engine(path, adapters, **kwargs)
         assert _run(engine, prompts, PLAN, greedy) == want, kwargs
     assert engine.runner.loras.loads > 2  # three adapters through two slots: one was evicted
@@ -124,6 +136,17 @@ def test_a_step_never_holds_more_adapters_than_slots(models, prompts):
         running = {s.lora.name for s in engine.scheduler.running if s.lora is not None}
         widest = max(widest, len(running))
     assert widest == 2
+
+
+def test_rows_of_a_waiting_adapter_let_others_go_ahead(models, prompts):
+    path, adapters = models["llama"]
+    engine = _engine(path, adapters, max_loras=1)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    for rid, prompt, lora in (("a", prompts[0], "a"), ("b", prompts[4], "b"), ("base", prompts[1], None)):
+        engine.add_request(rid, prompt, params, lora=lora)  # admitted longest first: a, b, base
+    engine.step()
+    running = sorted(s.request.request_id for s in engine.scheduler.running)
+    assert running == ["a", "base"]  # b waits for the one slot; the base row behind it does not
 
 
 def test_prefix_cache_is_per_adapter(models):
@@ -172,8 +195,7 @@ def test_embeddings_with_an_adapter(models, prompts):
     got = {}
     while engine.has_unfinished():
         got.update({o.request_id: torch.tensor(o.embedding) for o in engine.step()})
-    merged = AutoModelForCausalLM.from_pretrained(str(path))
-    merged = PeftModel.from_pretrained(merged, str(adapters["c"])).merge_and_unload()
+    merged = _merged(path, adapters["c"])
     with torch.no_grad():
         last = merged.model(torch.tensor([prompts[2]])).last_hidden_state[0, -1]
     want = torch.nn.functional.normalize(last, dim=0)
@@ -210,6 +232,9 @@ def test_refused_adapters_name_the_feature(models, tmp_path):
     experts = _save_adapter(moe_path, tmp_path / "experts", 0, 4, 8, False, ["o_proj", "down_proj"])
     with pytest.raises(LoraError, match="target_parameters, e.g. fused MoE experts"):
         moe.add_lora("experts", experts)
+    _write_adapter(tmp_path / "expert", "model.layers.0.mlp.experts.0.gate_proj", 64, 32)
+    with pytest.raises(LoraError, match="MoE expert projections"):
+        moe.add_lora("expert", tmp_path / "expert")
     with pytest.raises(LoraError, match="unknown LoRA adapter 'b'"):
         engine.add_request("r", [1, 2, 3], SamplingParams(), lora="b")
     assert engine.loras() == [] and moe.loras() == []
@@ -233,3 +258,30 @@ def test_add_and_remove(models, prompts, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(LoraError, match="adapter_model.safetensors is missing"):
         engine.add_lora("bad", bad)
+
+
+def test_lora_inside_a_recurrent_mixer_is_refused(tmp_path):
+    """A hybrid model's mixers run sequence by sequence, not on the packed row the slots index."""
+    from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
+
+    path = build_tiny_hybrid(tmp_path / "lfm2", "lfm2")
+    engine = Engine.from_pretrained(str(path), device="cpu")
+    hidden = engine.model.config.hidden_size
+    for module, name in (("conv.in_proj", "mixer"), ("feed_forward.w1", "mlp")):
+        out = engine.model.get_submodule(f"model.layers.0.{module}").out_features
+        _write_adapter(tmp_path / name, f"model.layers.0.{module}", hidden, out)
+    with pytest.raises(LoraError, match=r"inside the recurrent layer model\.layers\.0\.conv"):
+        engine.add_lora("mixer", tmp_path / "mixer")
+    engine.add_lora("mlp", tmp_path / "mlp")  # the layer's MLP runs on the packed row
+    assert engine.loras() == ["mlp"]
+
+
+def _write_adapter(folder, module: str, fan_in: int, fan_out: int) -> None:
+    """A rank-2 PEFT folder by hand: LoRA on one module of any name."""
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    key = f"base_model.model.{module}"
+    weights = {f"{key}.lora_A.weight": torch.ones(2, fan_in), f"{key}.lora_B.weight": torch.ones(fan_out, 2)}
+    save_file(weights, str(folder / "adapter_model.safetensors"))

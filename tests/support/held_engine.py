@@ -38,7 +38,7 @@ class HeldEngine(Engine):
         self._held: set[str] = set()
 
     def add_request(self, request_id, prompt, params, tag=None, lora=None) -> None:
-        super().add_request(request_id, prompt, params, tag, lora)
+        super().add_request(request_id, prompt, params, tag, lora=lora)
         text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
         if HOLD in text:
             self._held.add(request_id)
