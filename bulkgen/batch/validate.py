@@ -3,7 +3,9 @@
 What is wrong with the file (a line that is no JSON object, a custom_id missing or used twice, the wrong
 method or url, several models or an unknown one, too many lines, an empty file) fails the batch. What is
 wrong with one request's body refuses that line alone: it is counted (`refused`) and stays in the line
-index, and its worker writes its 400 to the error file; the rest of the batch runs.
+index, and its worker writes its 400 to the error file; the rest of the batch runs. So does a line whose
+`model` names neither the file's model nor one of its LoRA adapters, where that model has adapters
+(`Validator._check_model`; the worker applies the same `pick_adapter`).
 
 The file is streamed once, line by line, in bounded memory (a read buffer, a 16-byte digest per custom_id,
 at most MAX_LISTED_ERRORS errors); the runtime feeds the same pass into its line index (`lines_with_offsets`).
