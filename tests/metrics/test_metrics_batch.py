@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from bulkgen.batch.batchrecord import BatchRecord, new_batch_record
 from bulkgen.metrics import BatchMetrics, percentiles
 from bulkgen.metrics.batch import slot_efficiency
 
@@ -176,15 +177,13 @@ def test_each_adapter_is_counted_and_kept_across_a_resume():
     assert ["adapter", "a", "2 requests, 4 output tokens"] in table
     sums = totals.empty()
     for _ in range(2):  # two ended batches
-        record = {
-            "status": "completed",
-            "request_counts": {"completed": 4, "failed": 0},
-            "metrics": metrics.summary(),
-        }
-        record["usage"] = {
+        stored = new_batch_record("file-x", "/v1/chat/completions", "24h", None).to_json()
+        stored.update(status="completed", metrics=metrics.summary())
+        stored["request_counts"].update(completed=4, failed=0, total=4)
+        stored["usage"] = {
             "input_tokens": 40,
             "output_tokens": 11,
             "input_tokens_details": {"cached_tokens": 0},
         }
-        totals.add(sums, record)
+        totals.add(sums, BatchRecord.from_json(stored))
     assert sums["adapters"]["a"] == {"requests": 4, "input_tokens": 40, "output_tokens": 8}
