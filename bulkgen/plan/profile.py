@@ -374,8 +374,7 @@ def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
         keep &= coef > 0
 
 
-if (
-    __name__ == "__main__"
-):  # `measure`'s fresh process: measure_here's arguments as JSON in, the profile as JSON out
+# `measure`'s fresh process: measure_here's arguments as JSON in, the profile as JSON out
+if __name__ == "__main__":
     _args = json.loads(sys.argv[1])
     print(json.dumps(asdict(measure_here(**_args))))
