@@ -162,7 +162,7 @@ def test_a_batch_left_validating_is_validated_by_the_next_runtime(tmp_path):
         with path.open("rb") as f:
             file_id = accepted.files.create(f, path.name, "batch")["id"]
         ids.append(accepted.create_batch(file_id, "/v1/chat/completions", "24h", None).id)
-    assert {accepted.batches.get(i)["status"] for i in ids} == {"validating"}
+    assert {accepted.batches.get(i).status for i in ids} == {"validating"}
     service = Service(settings)  # the service starts: its runtime finds both in the active index
     try:
         client = service.client()
