@@ -50,7 +50,7 @@ def add(totals: dict, record: BatchRecord) -> None:
     for worker, stats in ((record.metrics or {}).get("per_worker") or {}).items():
         busy = totals["worker_busy_s"]
         busy[worker] = busy.get(worker, 0.0) + (stats.get("busy_time_s") or 0)
-    for name, counts in ((record.get("metrics") or {}).get("adapters") or {}).items():
+    for name, counts in ((record.metrics or {}).get("adapters") or {}).items():
         mine = totals.setdefault("adapters", {}).setdefault(name, dict.fromkeys(counts, 0))
         for key, value in counts.items():
             mine[key] = mine.get(key, 0) + value
