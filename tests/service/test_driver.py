@@ -2,8 +2,9 @@
 same streamed pass, and the runner runs from that index (bulkgen.runtime.driver). The worker that runs a
 line parses it once more, in its own process, from its ranged read: the driver never holds the file.
 
-The request parser is wrapped wherever a bulkgen module holds it, so every parse in this process counts,
-through the real doors: the API (the session's service), `bulkgen run`, jobs/batch_job.py's run_stored and
+The JSON read of a line is wrapped in the request parser's module, which every reader of an input line
+goes through (validation, a file's endpoint from its first line, a job's defaults), so every parse in this
+process counts, through the real doors: the API (the session's service), `bulkgen run`, jobs/batch_job.py's run_stored and
 the watcher, all on the session's Ray workers.
 """
 
@@ -30,16 +31,18 @@ LINES = 4
 
 @pytest.fixture
 def parses(monkeypatch) -> Counter:
-    """custom_id -> how many times its line was parsed in this process."""
+    """custom_id -> how many times its input line was parsed (its JSON read) in this process: by the
+    request parser, or to find the file's endpoint or fill a job's defaults."""
     counts: Counter = Counter()
-    original = requests.RequestLine.read
+    original = requests.load
 
-    def counting(cls, raw, line, endpoint):
-        request = original(raw, line, endpoint)
-        counts[request.custom_id] += 1
-        return request
+    def counting(raw):
+        value, cut = original(raw)
+        if isinstance(value, dict) and "body" in value:  # an input line, not a result line
+            counts[value.get("custom_id")] += 1
+        return value, cut
 
-    monkeypatch.setattr(requests.RequestLine, "read", classmethod(counting))
+    monkeypatch.setattr(requests, "load", counting)
     return counts
 
 
@@ -131,17 +134,9 @@ def test_api_creates_through_the_driver(service, tmp_path, monkeypatch, at_creat
     assert wait_done(client, batch.id).request_counts.completed == LINES
 
 
-def test_watcher_fills_job_defaults_once_per_line_as_it_stores(service, parses, tmp_path, monkeypatch):
-    """A job's url and body defaults are filled by Driver.store, one fill (one JSON parse) per line, and
-    validation parses the filled line once."""
-    filled: Counter = Counter()
-    original = driver.fill_defaults
-
-    def counting(raw, body_defaults, url=None):
-        filled[json.loads(raw)["custom_id"]] += 1
-        return original(raw, body_defaults, url)
-
-    monkeypatch.setattr(driver, "fill_defaults", counting)
+def test_watcher_fills_job_defaults_in_the_one_parse_of_each_line(service, parses, tmp_path):
+    """A job's url and body defaults are set in the pass that stores and validates the file: each line is
+    parsed once, and the stored input file holds the lines as filled (what ran is what is stored)."""
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     rows = [chat_row(f"fill-{i}", f"hello {i}") for i in range(LINES)]
@@ -155,9 +150,15 @@ def test_watcher_fills_job_defaults_once_per_line_as_it_stores(service, parses, 
         endpoint="/v1/chat/completions",
         defaults={"max_tokens": 1},
     )
-    Watcher(BatchService(settings_for(str(tmp_path / "store"))), spec).run(once=True)
+    svc = BatchService(settings_for(str(tmp_path / "store")))
+    Watcher(svc, spec).run(once=True)
     outputs = [json.loads(line) for line in (tmp_path / "outbox" / "fill.output.jsonl").open()]
     assert sorted(o["custom_id"] for o in outputs) == [f"fill-{i}" for i in range(LINES)]
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 1 for o in outputs)
-    assert filled == {f"fill-{i}": 1 for i in range(LINES)}, filled
     assert parsed_once(parses, "fill"), parses
+    summary = json.loads((tmp_path / "outbox" / "fill.summary.json").read_text())
+    with svc.files.open(svc.batches.get(summary["batch"]["id"]).input_file_id) as stored:
+        lines = [json.loads(line) for line in stored.read().splitlines()]
+    assert [(line["url"], line["body"]["model"], line["body"]["max_tokens"]) for line in lines] == [
+        ("/v1/chat/completions", MODEL, 1)
+    ] * LINES
