@@ -38,7 +38,7 @@ __all__ = [
     "url_of",
     "parse_line",
     "Fill",
-    "NoEndpoint",
+    "NotABatchFile",
     "pick_adapter",
     "RESPONSES",
 ]
@@ -75,23 +75,23 @@ class RequestLine:
         """The line of a batch whose endpoint is `endpoint`, with `fill`'s defaults set where it sets none
         (`stored` then holds it as filled); LineError says what makes it (so its file) invalid.
         `endpoint` None: the line's own url decides it (the first line of a file that names no endpoint;
-        NoEndpoint where it cannot)."""
+        NotABatchFile where it cannot)."""
         try:
             obj, cut = load(raw)
         except ValueError as exc:  # UnicodeDecodeError included
             if endpoint is None:
-                raise NoEndpoint(line) from None
+                raise NotABatchFile(line) from None
             raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
         if not isinstance(obj, dict):
             if endpoint is None:
-                raise NoEndpoint(line)
+                raise NotABatchFile(line)
             raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
         stored = None
         if fill is not None and not cut and fill.apply(obj):
             stored = json.dumps(obj, ensure_ascii=False).encode()
         if endpoint is None:
             if not isinstance(obj.get("url"), str):
-                raise NoEndpoint(line, "has no 'url' and no endpoint is given (--endpoint)")
+                raise NotABatchFile(line, "no 'url' field, and no endpoint is given (--endpoint)")
             endpoint = check_endpoint(versioned(obj["url"]))  # InvalidRequest: no batch endpoint
         try:
             return cls._check(obj, cut, line, endpoint, stored)
@@ -321,11 +321,14 @@ class Fill:
         return changed
 
 
-class NoEndpoint(ValueError):
-    """A file given no endpoint whose first request line does not name one: no batch file at all."""
+class NotABatchFile(ValueError):
+    """A file whose first request line is no JSON object, or names no endpoint where none is given: no
+    batch file at all, so no batch is made of it."""
 
-    def __init__(
-        self, line: int | None, reason: str = "is not a JSON object: this is not a JSONL batch file"
-    ) -> None:
-        super().__init__(f"line {line} {reason}" if line is not None else "the file has no request lines")
-        self.line = line
+    def __init__(self, line: int | None, reason: str = "not a JSON object: this is not a JSONL batch file"):
+        super().__init__(reason if line is None else f"line {line}: {reason}")
+        self.line, self.reason = line, reason
+
+    def at(self, name: str) -> str:
+        """The problem naming the file and line, as the CLI's errors do."""
+        return f"{name}: {self.reason}" if self.line is None else f"{name}:{self.line}: {self.reason}"

@@ -137,9 +137,10 @@ class BatchService:
             )
         return meta
 
-    def validator(self, endpoint: str | None, fill: Fill | None = None) -> Validator:
+    def validator(self, endpoint: str | None, fill: Fill | None = None, found: bool = False) -> Validator:
         """The checks a batch of `endpoint` passes here (None: its first line's url): the served models,
-        the request limit, LoRA adapters and the tenant's images; `fill`: a watcher job's defaults."""
+        the request limit, LoRA adapters and the tenant's images; `fill`, `found`: a watcher's job
+        defaults and object (bulkgen.batch.validate.Validator)."""
         s = self.settings
         return Validator(
             endpoint,
@@ -148,6 +149,7 @@ class BatchService:
             {name: adapter.base for name, adapter in self.catalog.adapters().items()},
             partial(check_images, store=self.store, policy=s.workers.images),
             fill,
+            found,
         )
 
     def validate(

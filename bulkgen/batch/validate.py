@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from bulkgen.batch.images import ImageRef
-from bulkgen.batch.requests import Fill, LineError, NoEndpoint, ParsedRequest, RequestLine, pick_adapter
+from bulkgen.batch.requests import Fill, LineError, NotABatchFile, ParsedRequest, RequestLine, pick_adapter
 from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
@@ -78,16 +78,19 @@ class Validator:
         adapters: Mapping[str, str] | None = None,
         check_images: Callable[[list[ImageRef]], None] | None = None,
         fill: Fill | None = None,
+        found: bool = False,
     ) -> None:
-        """`endpoint` None: the first request line's url (NoEndpoint where it names none).
+        """`endpoint` None: the first request line's url (NotABatchFile where it names none).
         `adapters`: the served LoRA adapters, name -> the served model they run on.
         `check_images(refs)`: what validation can tell of a request's images (batch.images.check_images
         with the tenant's storage and the image policy); LineError refuses the line.
-        `fill`: a watcher job's defaults, set in each line as it is parsed (`stored`)."""
+        `fill`: a watcher job's defaults, set in each line as it is parsed (`stored`). `found`: a file a
+        watcher found rather than one sent as a batch, which is no batch file at all (NotABatchFile) unless
+        its first request line is a JSON object, whatever the endpoint."""
         self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
         self.adapters = dict(adapters or {})
         self.check_images = check_images
-        self.fill = fill
+        self.fill, self.found = fill, found
         self.stored: bytes | None = None  # the last line fed, as filled (None: as it came)
         self.result = ValidationResult()
         self._first_line: dict[bytes, int] = {}  # custom_id digest -> its first line
@@ -106,6 +109,8 @@ class Validator:
         try:
             line = RequestLine.read(raw, number, self.endpoint, self.fill)
         except LineError as err:
+            if self.found and self.result.total == 1 and err.code == "invalid_json_line":
+                raise NotABatchFile(number) from None
             self.endpoint = self.endpoint or err.endpoint
             self.result.add(err.code, err.message, number, err.param)
             return None
@@ -128,7 +133,7 @@ class Validator:
     def finish(self) -> ValidationResult:
         result = self.result
         if self.endpoint is None:
-            raise NoEndpoint(None)
+            raise NotABatchFile(None, "the file has no request lines")
         if result.model is None and self._first_unknown is not None:
             number, model = self._first_unknown
             result.add("model_not_found", _not_served(model, self.served), number, "body.model")

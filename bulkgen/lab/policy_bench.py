@@ -11,7 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bulkgen.batch.prepare import split_prompts, tokenize
-from bulkgen.batch.requests import CHAT, COMPLETIONS, Fill, LineError, NoEndpoint, ParsedRequest, RequestLine
+from bulkgen.batch.requests import (
+    CHAT,
+    COMPLETIONS,
+    Fill,
+    LineError,
+    NotABatchFile,
+    ParsedRequest,
+    RequestLine,
+)
 from bulkgen.batch.schema import InvalidRequest
 from bulkgen.metrics.batch import BatchMetrics
 from bulkgen.metrics.table import text_table
@@ -60,7 +68,7 @@ def _parse(raw: bytes, lineno: int, where: str) -> ParsedRequest:
     """The line under whichever of the bench's endpoints its url names."""
     try:
         line = RequestLine.read(raw, lineno, None, LINE_DEFAULTS)
-    except NoEndpoint:  # no JSON object, or no url: the parser's own words for what is wrong (LineError)
+    except NotABatchFile:  # no JSON object, or no url: the parser's own words for what is wrong (LineError)
         line = RequestLine.read(raw, lineno, CHAT, LINE_DEFAULTS)
     except InvalidRequest:
         line = None

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, BinaryIO
 
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.requests import Fill, NoEndpoint
+from bulkgen.batch.requests import Fill, NotABatchFile
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.plan.admission import raise_if_refused
@@ -106,13 +106,15 @@ class Driver:
         endpoint: str | None,
         fill: Fill | None = None,
         file_id: str | None = None,
+        found: bool = False,
     ) -> tuple[str, Checked]:
         """`store`, validating, indexing and tallying the file in the same pass, each line parsed once
         (runtime.validation.check_into): -> its file id and the pass, which `validate` takes. `endpoint`
         None: the first line's url. `fill` (a watcher's job defaults) is set in each line where it sets
-        none; the file as stored is what the batch runs, as if the user wrote it."""
+        none; the file as stored is what the batch runs, as if the user wrote it. `found`: a watcher's object
+        (NotABatchFile unless its first line is a JSON object)."""
         with tempfile.TemporaryFile() as stored:
-            checked = check_into(self.svc, fileobj, stored, endpoint, fill)
+            checked = check_into(self.svc, fileobj, stored, endpoint, fill, found)
             stored.seek(0)
             return self.store(stored, name, file_id), checked
 
@@ -248,8 +250,8 @@ class Driver:
             record, index = self.validate(record.id, checked)
         except InvalidRequest as exc:
             raise DriverError(str(exc)) from None
-        except NoEndpoint as exc:
-            raise DriverError(f"{name}: {exc}") from None
+        except NotABatchFile as exc:
+            raise DriverError(exc.at(name)) from None
         if record.status == BatchStatus.FAILED:
             raise DriverError(refusal(name, record))
         return record, index

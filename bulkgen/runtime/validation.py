@@ -35,12 +35,18 @@ class Checked:
 
 
 def check_into(
-    svc: BatchService, reader: BinaryIO, sink: BinaryIO, endpoint: str | None, fill: Fill | None = None
+    svc: BatchService,
+    reader: BinaryIO,
+    sink: BinaryIO,
+    endpoint: str | None,
+    fill: Fill | None = None,
+    found: bool = False,
 ) -> Checked:
     """Copy `reader` into `sink` (the file to store), each line with `fill`'s defaults written in, and
     validate, index and tally it in the same pass. `endpoint` None: the first request line's url
-    (bulkgen.batch.requests.NoEndpoint where it names none; InvalidRequest where it is no batch endpoint)."""
-    validator = svc.validator(endpoint, fill)
+    (InvalidRequest where it is no batch endpoint). NotABatchFile: the file is none (see `found`:
+    bulkgen.batch.validate.Validator)."""
+    validator = svc.validator(endpoint, fill, found)
     checked = Checked("", validator.result)
     validate_stream(reader, validator, checked.add, sink)
     checked.endpoint = validator.endpoint

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.requests import Fill, NoEndpoint
+from bulkgen.batch.requests import Fill, NotABatchFile
 from bulkgen.batch.resultfiles import stem_of, write_report, write_results
 from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
@@ -41,10 +41,6 @@ if TYPE_CHECKING:  # Ray is imported once a batch needs workers
 log = logging.getLogger("bulkgen.watch")
 
 TICK_S = 1.0
-
-
-class NotABatchFile(Exception):
-    """The object is no batch input (its name or its first line): reported, never run."""
 
 
 class Watcher:
@@ -209,7 +205,7 @@ class Watcher:
             # worker (a crash before this leaves it `validating`, and the runtime or the next owner
             # validates the stored file)
             record, index = self.driver.validate(record.id, checked)
-        except (NotABatchFile, NoEndpoint, InvalidRequest) as exc:
+        except (NotABatchFile, InvalidRequest) as exc:
             written = write_report(
                 self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc), self._source(claim)
             )
@@ -228,14 +224,14 @@ class Watcher:
 
     def _upload(self, claim: Claim) -> Checked:
         """Store the input file the batch reads (the object, with the job's defaults filled in), validated
-        in the same pass: each line is parsed once. NotABatchFile, NoEndpoint: no batch file at all."""
+        in the same pass: each line is parsed once. NotABatchFile: no batch file at all."""
         if not claim.info.key.endswith(".jsonl"):
-            raise NotABatchFile("not a .jsonl object: only *.jsonl objects run as batches")
+            raise NotABatchFile(None, "not a .jsonl object: only *.jsonl objects run as batches")
         body = self.job.body_defaults()
         fill = Fill(body, self.job.endpoint) if body or self.job.endpoint else None
         with self.inbox.open_read(claim.info.key) as src:
             _, checked = self.driver.store_checked(
-                src, claim.info.key.rsplit("/", 1)[-1], self.job.endpoint, fill, claim.file_id
+                src, claim.info.key.rsplit("/", 1)[-1], self.job.endpoint, fill, claim.file_id, found=True
             )
         return checked
 
