@@ -1,10 +1,13 @@
 """The driver: one batch's way from an input file to its results, through this process's runtime.
 
-    store      store the input as POST /v1/files does (a watcher's job defaults filled into each line)
+    store      store the input as POST /v1/files does
+    store_checked  store it validated, indexed and tallied in the same pass, with the endpoint from its
+               first line where none is given and a watcher's job defaults set in each line as it is
+               parsed (`bulkgen run`, jobs/batch_job.py and the watcher: each line is parsed once)
     accept     create the batch (`validating`) of a stored file
     admit      POST /v1/batches after accept: validate at once under --refuse-infeasible, wake the runtime
     validate   validating -> in_progress or failed; the line index and the plan's estimate are built in the
-               same streamed pass (`validate_and_index`), so the file is read and parsed once
+               same streamed pass (`validate_and_index`), or taken from store_checked's pass
     hand_over  give the validated batch and its index to this process's BatchManager; returns at once
     ended      the final record once the batch has ended here (poll it), `wait` blocks on it
     finish     write the results (where is the caller's: local files, an output prefix) and forget the batch
