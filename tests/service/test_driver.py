@@ -10,6 +10,7 @@ the watcher, all on the session's Ray workers.
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 
@@ -162,3 +163,27 @@ def test_watcher_fills_job_defaults_in_the_one_parse_of_each_line(service, parse
     assert [(line["url"], line["body"]["model"], line["body"]["max_tokens"]) for line in lines] == [
         ("/v1/chat/completions", MODEL, 1)
     ] * LINES
+
+
+def test_a_file_whose_first_line_names_no_endpoint_is_no_batch(tmp_path):
+    """Without an endpoint, the first request line's url is the batch's, read in the one parse of that
+    line; a file where it cannot be is no batch file, named by file and line. With an endpoint, such a
+    line is a validation error like any other, except in an object a watcher found."""
+    svc = BatchService(settings_for(str(tmp_path / "store")))
+    cases = [
+        (b"oops\n", "f.jsonl:1: not a JSON object"),
+        (b'\n{"custom_id": "a", "body": {"model": "m"}}\n', "f.jsonl:2: no 'url' field"),
+        (b"\n \n", "f.jsonl: the file has no request lines"),
+    ]
+    for text, message in cases:
+        with pytest.raises(requests.NotABatchFile) as err:
+            driver.Driver(svc).store_checked(io.BytesIO(text), "f.jsonl", None)
+        assert err.value.at("f.jsonl").startswith(message), err.value.at("f.jsonl")
+    _, checked = driver.Driver(svc).store_checked(io.BytesIO(b"oops\n"), "f.jsonl", requests.CHAT)
+    assert [e["code"] for e in checked.result.errors] == ["invalid_json_line"]
+    with pytest.raises(requests.NotABatchFile):
+        driver.Driver(svc).store_checked(io.BytesIO(b"oops\n"), "f.jsonl", requests.CHAT, found=True)
+    _, checked = driver.Driver(svc).store_checked(
+        io.BytesIO(batch_file(tmp_path, "e").read_bytes()), "e", None
+    )
+    assert checked.endpoint == requests.CHAT and checked.result.ok and len(checked.builder) == LINES
