@@ -120,6 +120,8 @@ BODY_FIELDS = {
 class LineError(ValueError):
     """A request line the service refuses: `code` and `param` follow OpenAI's batch error entries."""
 
+    endpoint: str | None = None  # the endpoint a file's first line named, where the line fails all the same
+
     def __init__(self, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.param = code, message, param

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.records import BatchRepo, FileRepo
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, Conflict
-from bulkgen.batch.validate import Validator, validate_stream
+from bulkgen.batch.validate import ValidationResult, Validator, validate_stream
 
 S = BatchStatus
 # A cancelled batch still validates (it then fails or is cancelled) and may end completed or expired when
@@ -97,24 +97,22 @@ def validate_batch(
     files: FileRepo,
     batches: BatchRepo,
     batch_id: str,
-    served_models,
-    max_requests: int,
+    validator_for: Callable[[str], Validator],
     max_bytes: int,
     on_request: Callable | None = None,
     amend: Callable[[BatchRecord], BatchRecord] | None = None,
-    adapters: dict[str, str] | None = None,
-    check_images: Callable | None = None,
+    checked: ValidationResult | None = None,
 ) -> BatchRecord:
     """validating -> in_progress, or -> failed with every error listed (code, line, param, message).
 
-    The input streams through once in bounded memory; `on_request(line, offset, raw, request)` sees each
-    line in that same pass (the runner's line index), a line refused for its body included: it runs as that
-    line's 400, and `request_counts.total` counts it. A batch cancelled before or while it was
-    validated is validated all the same but stays `cancelling`: its runner then writes every request as
-    `batch_cancelled`, as for any cancelled batch. `amend(record)` adds to a batch that passed, in the same
-    conditional write that makes it `in_progress` (the plan's estimate), so no reader sees it without.
-    `adapters`: the served LoRA adapters, name -> their base (a line may name its batch's base's).
-    `check_images`: the Validator's check of each request's images."""
+    The input streams through once in bounded memory, through `validator_for(endpoint)`; `on_request(line,
+    offset, raw, request)` sees each line in that same pass (the runner's line index), a line refused for
+    its body included: it runs as that line's 400, and `request_counts.total` counts it. A batch cancelled
+    before or while it was validated is validated all the same but stays `cancelling`: its runner then
+    writes every request as `batch_cancelled`, as for any cancelled batch. `amend(record)` adds to a batch
+    that passed, in the same conditional write that makes it `in_progress` (the plan's estimate), so no
+    reader sees it without. `checked`: the result of the pass that stored the file (a watcher's job
+    defaults, `bulkgen run`): the file is not read again."""
     record = batches.get(batch_id)
     if not needs_validation(record):
         return record
@@ -122,9 +120,10 @@ def validate_batch(
     if size > max_bytes:
         errors = _error_list("file_too_large", f"the input file has {size} bytes; the limit is {max_bytes}")
         return batches.update(batch_id, lambda r: fail(r, errors) if needs_validation(r) else None)
-    validator = Validator(record.endpoint, served_models, max_requests, adapters, check_images)
-    with files.open(record.input_file_id) as reader:
-        result = validate_stream(reader, validator, on_request)
+    result = checked
+    if result is None:
+        with files.open(record.input_file_id) as reader:
+            result = validate_stream(reader, validator_for(record.endpoint), on_request)
 
     def apply(r: BatchRecord) -> BatchRecord | None:
         if not needs_validation(r):

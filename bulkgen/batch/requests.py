@@ -14,7 +14,7 @@ Validation and execution share this parser, so whatever passes validation is exa
 from __future__ import annotations
 
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,7 @@ from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
 from bulkgen.batch.resp_api import RESPONSES, responses_request
 from bulkgen.batch.sampling import prompts, sampling
-from bulkgen.batch.schema import quote, versioned
+from bulkgen.batch.schema import check_endpoint, quote, versioned
 from bulkgen.batch.structured import forced_param, forced_tool, response_guide
 
 __all__ = [
@@ -37,7 +37,8 @@ __all__ = [
     "custom_id_of",
     "url_of",
     "parse_line",
-    "fill_defaults",
+    "Fill",
+    "NotABatchFile",
     "pick_adapter",
     "RESPONSES",
 ]
@@ -62,21 +63,44 @@ class RequestLine:
     line: int  # the line's number in its file (from 1): every error about it names it
     too_deep: str | None = None  # the body field that nests deeper than MAX_NESTING (cut out of `body`
     # as the line was read): `request` refuses the line for it
+    stored: bytes | None = None  # the line with a Fill's defaults written in, as its file stores it (None:
+    # the line as it came)
 
     @property
     def model(self) -> str:
         return self.body["model"]
 
     @classmethod
-    def read(cls, raw: bytes | str, line: int, endpoint: str) -> RequestLine:
-        """The line of a batch whose endpoint is `endpoint`; LineError says what makes it (so its file)
-        invalid."""
+    def read(cls, raw: bytes | str, line: int, endpoint: str | None, fill: Fill | None = None) -> RequestLine:
+        """The line of a batch whose endpoint is `endpoint`, with `fill`'s defaults set where it sets none
+        (`stored` then holds it as filled); LineError says what makes it (so its file) invalid.
+        `endpoint` None: the line's own url decides it (the first line of a file that names no endpoint;
+        NotABatchFile where it cannot)."""
         try:
             obj, cut = load(raw)
         except ValueError as exc:  # UnicodeDecodeError included
+            if endpoint is None:
+                raise NotABatchFile(line) from None
             raise LineError("invalid_json_line", f"not valid JSON: {exc}") from None
         if not isinstance(obj, dict):
+            if endpoint is None:
+                raise NotABatchFile(line)
             raise LineError("invalid_json_line", f"the line must be a JSON object, got {type(obj).__name__}")
+        stored = None
+        if fill is not None and not cut and fill.apply(obj):
+            stored = json.dumps(obj, ensure_ascii=False).encode()
+        if endpoint is None:
+            if not isinstance(obj.get("url"), str):
+                raise NotABatchFile(line, "no 'url' field, and no endpoint is given (--endpoint)")
+            endpoint = check_endpoint(versioned(obj["url"]))  # InvalidRequest: no batch endpoint
+        try:
+            return cls._check(obj, cut, line, endpoint, stored)
+        except LineError as err:
+            err.endpoint = endpoint
+            raise
+
+    @classmethod
+    def _check(cls, obj: dict, cut: bool, line: int, endpoint: str, stored: bytes | None) -> RequestLine:
         _refuse_unknown(obj, _LINE_FIELDS, "")
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id.strip():
@@ -104,7 +128,7 @@ class RequestLine:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise LineError("missing_model", "body.model must be a non-empty string", "body.model")
-        return cls(custom_id, method, endpoint, body, line, _too_deep(body) if cut else None)
+        return cls(custom_id, method, endpoint, body, line, _too_deep(body) if cut else None, stored)
 
     def request(self) -> ParsedRequest:
         """The body as the engine runs it, parsed as its `url` says; LineError refuses this request alone."""
@@ -162,9 +186,9 @@ class ParsedRequest:
     lora: str | None = None  # the LoRA adapter `model` picks (pick_adapter); None: the base model itself
 
 
-def parse_line(raw: bytes | str, line: int, endpoint: str) -> ParsedRequest:
+def parse_line(raw: bytes | str, line: int, endpoint: str, fill: Fill | None = None) -> ParsedRequest:
     """Both halves: the request as the worker runs it (any LineError refuses the line)."""
-    return RequestLine.read(raw, line, endpoint).request()
+    return RequestLine.read(raw, line, endpoint, fill).request()
 
 
 def pick_adapter(model: str, base: str, adapters: Collection[str]) -> str | None:
@@ -273,22 +297,38 @@ _ALIASES = {
 }
 
 
-def fill_defaults(raw: bytes, body_defaults: dict[str, Any], url: str | None = None) -> bytes:
-    """The line with `body_defaults` set in its body where it sets none (max_tokens and
-    max_completion_tokens count as one), and `url` where it has none. A line that is not a JSON object
-    with an object body, or nests too deep, is returned as it is, so validation refuses it as written, on
-    the same line."""
-    try:
-        obj, cut = load(raw)
-    except ValueError:
-        return raw
-    if not isinstance(obj, dict) or cut:
-        return raw
-    if url is not None and "url" not in obj:
-        obj["url"] = url
-    body = obj.get("body")
-    if isinstance(body, dict):
-        for name, value in body_defaults.items():
-            if all(body.get(alias) is None for alias in _ALIASES.get(name, (name,))):
-                body[name] = value
-    return json.dumps(obj, ensure_ascii=False).encode()
+@dataclass(frozen=True)
+class Fill:
+    """A watcher job's defaults: `body` fields set in each request body where the line sets none
+    (max_tokens and max_completion_tokens count as one), and `url` where the line has none. They are set
+    in the line's one parse (`RequestLine.read`), which gives the line as its file then stores it: what
+    ran is what the batch's input file holds."""
+
+    body: Mapping[str, Any] = field(default_factory=dict)
+    url: str | None = None
+
+    def apply(self, obj: dict[str, Any]) -> bool:
+        """Set the defaults in a parsed line; -> whether any was missing. A body that is no object is left
+        as it is, so validation refuses the line as written."""
+        changed = False
+        if self.url is not None and "url" not in obj:
+            obj["url"], changed = self.url, True
+        body = obj.get("body")
+        if isinstance(body, dict):
+            for name, value in self.body.items():
+                if all(body.get(alias) is None for alias in _ALIASES.get(name, (name,))):
+                    body[name], changed = value, True
+        return changed
+
+
+class NotABatchFile(ValueError):
+    """A file whose first request line is no JSON object, or names no endpoint where none is given: no
+    batch file at all, so no batch is made of it."""
+
+    def __init__(self, line: int | None, reason: str = "not a JSON object: this is not a JSONL batch file"):
+        super().__init__(reason if line is None else f"line {line}: {reason}")
+        self.line, self.reason = line, reason
+
+    def at(self, name: str) -> str:
+        """The problem naming the file and line, as the CLI's errors do."""
+        return f"{name}: {self.reason}" if self.line is None else f"{name}:{self.line}: {self.reason}"

@@ -29,6 +29,7 @@ from bulkgen.batch.batchrecord import BatchRecord, new_batch_record
 from bulkgen.batch.images import check_images
 from bulkgen.batch.lifecycle import validate_batch
 from bulkgen.batch.records import BatchRepo, FileRepo, RecordNotFound
+from bulkgen.batch.requests import Fill
 from bulkgen.batch.retry import retry_batch
 from bulkgen.batch.schema import (
     ACTIVE_STATUSES,
@@ -38,6 +39,7 @@ from bulkgen.batch.schema import (
     InvalidRequest,
     quote,
 )
+from bulkgen.batch.validate import ValidationResult, Validator
 from bulkgen.models.loras import AdapterCatalog
 from bulkgen.settings import Settings
 from bulkgen.store import Store, layout, open_store
@@ -135,25 +137,39 @@ class BatchService:
             )
         return meta
 
+    def validator(self, endpoint: str | None, fill: Fill | None = None, found: bool = False) -> Validator:
+        """The checks a batch of `endpoint` passes here (None: its first line's url): the served models,
+        the request limit, LoRA adapters and the tenant's images; `fill`, `found`: a watcher's job
+        defaults and object (bulkgen.batch.validate.Validator)."""
+        s = self.settings
+        return Validator(
+            endpoint,
+            s.models,
+            s.max_requests_per_batch,
+            {name: adapter.base for name, adapter in self.catalog.adapters().items()},
+            partial(check_images, store=self.store, policy=s.workers.images),
+            fill,
+            found,
+        )
+
     def validate(
         self,
         batch_id: str,
         on_request: Callable | None = None,
         amend: Callable[[BatchRecord], BatchRecord] | None = None,
+        checked: ValidationResult | None = None,
     ) -> BatchRecord:
-        """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch)."""
-        s = self.settings
+        """A batch in `validating` -> `in_progress` or `failed` (see lifecycle.validate_batch); `checked`:
+        the result of the pass that stored its file."""
         record = validate_batch(
             self.files,
             self.batches,
             batch_id,
-            s.models,
-            s.max_requests_per_batch,
-            s.max_file_bytes,
+            self.validator,
+            self.settings.max_file_bytes,
             on_request,
             amend,
-            {name: adapter.base for name, adapter in self.catalog.adapters().items()},
-            partial(check_images, store=self.store, policy=s.workers.images),
+            checked,
         )
         if record.status == BatchStatus.FAILED:
             self.mark_ended(batch_id, record)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from bulkgen.batch.images import ImageRef
-from bulkgen.batch.requests import LineError, ParsedRequest, RequestLine, pick_adapter
+from bulkgen.batch.requests import Fill, LineError, NotABatchFile, ParsedRequest, RequestLine, pick_adapter
 from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
@@ -74,18 +74,26 @@ class Validator:
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | None,
         served_models: Iterable[str],
         max_requests: int,
         adapters: Mapping[str, str] | None = None,
         check_images: Callable[[list[ImageRef]], None] | None = None,
+        fill: Fill | None = None,
+        found: bool = False,
     ) -> None:
-        """`adapters`: the served LoRA adapters, name -> the served model they run on.
+        """`endpoint` None: the first request line's url (NotABatchFile where it names none).
+        `adapters`: the served LoRA adapters, name -> the served model they run on.
         `check_images(refs)`: what validation can tell of a request's images (batch.images.check_images
-        with the tenant's storage and the image policy); LineError refuses the line."""
+        with the tenant's storage and the image policy); LineError refuses the line.
+        `fill`: a watcher job's defaults, set in each line as it is parsed (`stored`). `found`: a file a
+        watcher found rather than one sent as a batch, which is no batch file at all (NotABatchFile) unless
+        its first request line is a JSON object, whatever the endpoint."""
         self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
         self.adapters = dict(adapters or {})
         self.check_images = check_images
+        self.fill, self.found = fill, found
+        self.stored: bytes | None = None  # the last line fed, as filled (None: as it came)
         self.result = ValidationResult()
         self._first_line: dict[bytes, int] = {}  # custom_id digest -> its first line
         # lines naming an unknown model before any line named a served one: decided once one does
@@ -96,14 +104,19 @@ class Validator:
     def feed(self, number: int, raw: bytes) -> ParsedRequest | None:
         """-> the request to index (a refused body's placeholder included); None for a blank line or a
         file error."""
+        self.stored = None
         if not raw.strip():
             return None
         self.result.total += 1
         try:
-            line = RequestLine.read(raw, number, self.endpoint)
+            line = RequestLine.read(raw, number, self.endpoint, self.fill)
         except LineError as err:
+            if self.found and self.result.total == 1 and err.code == "invalid_json_line":
+                raise NotABatchFile(number) from None
+            self.endpoint = self.endpoint or err.endpoint
             self.result.add(err.code, err.message, number, err.param)
             return None
+        self.endpoint, self.stored = line.url, line.stored
         if not self._check_identity(line, number):
             return None
         try:
@@ -121,6 +134,8 @@ class Validator:
 
     def finish(self) -> ValidationResult:
         result = self.result
+        if self.endpoint is None:
+            raise NotABatchFile(None, "the file has no request lines")
         if result.model is None and self._first_unknown is not None:
             number, model = self._first_unknown
             result.add("model_not_found", _not_served(model, self.served), number, "body.model")
@@ -198,11 +213,17 @@ def validate_stream(
     reader: BinaryIO,
     validator: Validator,
     on_request: Callable[[int, int, bytes, ParsedRequest], None] | None = None,
+    sink: BinaryIO | None = None,
 ) -> ValidationResult:
     """Stream a file through `validator`; `on_request(line, byte offset, raw, request)` sees each line of a
-    valid file, refused ones included (the runtime builds its line index from it in this same pass)."""
+    valid file, refused ones included (the runtime builds its line index from it in this same pass).
+    `sink`: where the file is stored as it is validated, each line as the validator filled it; offsets and
+    lines are then the sink's, which is what the batch reads."""
     for number, start, raw in lines_with_offsets(reader):
         request = validator.feed(number, raw)
+        if sink is not None:
+            raw, start = validator.stored or raw, sink.tell()
+            sink.write(raw + b"\n")
         if request is not None and on_request is not None:
             on_request(number, start, raw, request)
     return validator.finish()

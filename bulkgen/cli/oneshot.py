@@ -17,7 +17,6 @@ from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.outputlines import answer_summary
 from bulkgen.batch.resultfiles import local_results, stem_of, write_results
 from bulkgen.batch.service import BatchService
-from bulkgen.cli.client import ClientError, detect_endpoint, endpoint_of
 from bulkgen.metrics.table import describe_summary
 from bulkgen.runtime.driver import Driver, DriverError
 from bulkgen.settings import Settings
@@ -38,14 +37,10 @@ def run_file(
 ) -> BatchRecord:
     """`bulkgen run`: a local JSONL file in, local result files out."""
     svc = BatchService(settings)
-    try:
-        endpoint = endpoint or detect_endpoint(file)
-    except ClientError as exc:
-        raise OneShotError(str(exc)) from None
     progress = _Progress()
 
     def announce(record: BatchRecord) -> None:
-        echo(f"{record.id}: {record.request_counts.total} requests for {record.model} ({endpoint})")
+        echo(f"{record.id}: {record.request_counts.total} requests for {record.model} ({record.endpoint})")
         progress.open(record.request_counts.total)
 
     def write(record: BatchRecord) -> list[str]:
@@ -86,10 +81,9 @@ def run_stored(
         return written
 
     try:
-        endpoint = endpoint or endpoint_of(svc.store.iter_lines(input_key), input_key)
         with svc.store.open_read(input_key) as f:
             return Driver(svc).run(f, input_key, endpoint, window, write, announce=announce)
-    except (ClientError, NotFound) as exc:
+    except NotFound as exc:
         raise OneShotError(f"{input_key}: {exc}") from None
     except DriverError as exc:
         raise OneShotError(str(exc)) from None

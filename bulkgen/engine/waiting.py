@@ -10,6 +10,14 @@ long requests start early instead of straggling). With a single tag (`Engine.gen
 this is exactly the admission order.
 
 Bounded: only tags with waiting sequences are remembered.
+
+The runtime's fair shares between tenants (bulkgen.runtime.fairshare) apply the same rule (least served
+goes next; a newcomer joins at the least of those waiting) to a different question, and are written apart
+on purpose: this shares one engine's admissions between the batches it holds, equally, counting tokens as
+sequences are admitted, and knows no tenants, weights, ranges or refunds; that shares every worker between
+tenants by weight, charging estimates and correcting them when ranges end. The engine sits below the
+runtime (the layers contract) and must not learn the runtime's words, and the runtime's policy is not the
+engine's: one class for both would carry each side's half as options the other never sets.
 """
 
 from __future__ import annotations

@@ -11,14 +11,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bulkgen.batch.prepare import split_prompts, tokenize
-from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, ParsedRequest, fill_defaults, parse_line
+from bulkgen.batch.requests import (
+    CHAT,
+    COMPLETIONS,
+    Fill,
+    LineError,
+    NotABatchFile,
+    ParsedRequest,
+    RequestLine,
+)
+from bulkgen.batch.schema import InvalidRequest
 from bulkgen.metrics.batch import BatchMetrics
 from bulkgen.metrics.table import text_table
 
 ENDPOINTS = (CHAT, COMPLETIONS)
 # The bench runs every line on the model it is given, so a line may leave body.model out; a line without a
 # limit gets a short one, since the point is the policies' timing, not long outputs.
-LINE_DEFAULTS = {"model": "bench", "max_tokens": 16}
+LINE_DEFAULTS = Fill({"model": "bench", "max_tokens": 16})
 
 
 class BenchInputError(ValueError):
@@ -57,14 +66,15 @@ def load_requests(path: str | Path, tokenizer) -> list[BenchRequest]:
 
 def _parse(raw: bytes, lineno: int, where: str) -> ParsedRequest:
     """The line under whichever of the bench's endpoints its url names."""
-    line = fill_defaults(raw, LINE_DEFAULTS)
-    for endpoint in ENDPOINTS:
-        try:
-            return parse_line(line, lineno, endpoint)
-        except LineError as err:
-            if err.code != "url_mismatch":
-                raise
-    raise BenchInputError(f"{where}: url must be one of {', '.join(ENDPOINTS)}")
+    try:
+        line = RequestLine.read(raw, lineno, None, LINE_DEFAULTS)
+    except NotABatchFile:  # no JSON object, or no url: the parser's own words for what is wrong (LineError)
+        line = RequestLine.read(raw, lineno, CHAT, LINE_DEFAULTS)
+    except InvalidRequest:
+        line = None
+    if line is None or line.url not in ENDPOINTS:
+        raise BenchInputError(f"{where}: url must be one of {', '.join(ENDPOINTS)}")
+    return line.request()
 
 
 def _bench_request(request: ParsedRequest, tokenizer, index: int) -> BenchRequest:

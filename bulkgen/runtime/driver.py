@@ -1,10 +1,13 @@
 """The driver: one batch's way from an input file to its results, through this process's runtime.
 
-    store      store the input as POST /v1/files does (a watcher's job defaults filled into each line)
+    store      store the input as POST /v1/files does
+    store_checked  store it validated, indexed and tallied in the same pass, with the endpoint from its
+               first line where none is given and a watcher's job defaults set in each line as it is
+               parsed (`bulkgen run`, jobs/batch_job.py and the watcher: each line is parsed once)
     accept     create the batch (`validating`) of a stored file
     admit      POST /v1/batches after accept: validate at once under --refuse-infeasible, wake the runtime
     validate   validating -> in_progress or failed; the line index and the plan's estimate are built in the
-               same streamed pass (`validate_and_index`), so the file is read and parsed once
+               same streamed pass (`validate_and_index`), or taken from store_checked's pass
     hand_over  give the validated batch and its index to this process's BatchManager; returns at once
     ended      the final record once the batch has ended here (poll it), `wait` blocks on it
     finish     write the results (where is the caller's: local files, an output prefix) and forget the batch
@@ -21,16 +24,15 @@ import logging
 import tempfile
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.requests import fill_defaults
+from bulkgen.batch.requests import Fill, NotABatchFile
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.plan.admission import raise_if_refused
 from bulkgen.runtime.lineindex import LineIndex
-from bulkgen.runtime.validation import validate_and_index
-from bulkgen.store.base import split_lines
+from bulkgen.runtime.validation import Checked, check_into, validate_and_index
 
 if TYPE_CHECKING:  # the manager imports Ray: only a driver that runs batches needs it
     from bulkgen.runtime.manager import BatchManager
@@ -93,34 +95,37 @@ class Driver:
         self.manager.wake()
         return record
 
-    def store(
-        self,
-        fileobj: BinaryIO,
-        name: str,
-        file_id: str | None = None,
-        body_defaults: dict[str, Any] | None = None,
-        url: str | None = None,
-    ) -> str:
+    def store(self, fileobj: BinaryIO, name: str, file_id: str | None = None) -> str:
         """Store an input file as POST /v1/files does; -> its file id (`file_id`: an id chosen before, as
-        a watcher's claim does, so a retaken claim rewrites the same file). `body_defaults` and `url` (a
-        watcher's job) are filled into each line where it sets none, one parse per line
-        (batch.requests.fill_defaults); the file as stored is what the batch runs, as if the user wrote it."""
-        if body_defaults or url:
-            with tempfile.TemporaryFile() as filled:
-                for raw in split_lines(fileobj):
-                    filled.write(
-                        (fill_defaults(raw, body_defaults or {}, url) if raw.strip() else raw) + b"\n"
-                    )
-                filled.seek(0)
-                return self.store(filled, name, file_id)
+        a watcher's claim does, so a retaken claim rewrites the same file)."""
         if file_id is None:
             return self.svc.files.create(fileobj, name, "batch")["id"]
         return self.svc.files.put(file_id, fileobj, name, "batch")["id"]
 
-    def validate(self, batch_id: str) -> tuple[BatchRecord, LineIndex | None]:
-        """Validate, index and estimate with the runtime's own step (no-op for a batch already validated)."""
+    def store_checked(
+        self,
+        fileobj: BinaryIO,
+        name: str,
+        endpoint: str | None,
+        fill: Fill | None = None,
+        file_id: str | None = None,
+        found: bool = False,
+    ) -> tuple[str, Checked]:
+        """`store`, validating, indexing and tallying the file in the same pass, each line parsed once
+        (runtime.validation.check_into): -> its file id and the pass, which `validate` takes. `endpoint`
+        None: the first line's url. `fill` (a watcher's job defaults) is set in each line where it sets
+        none; the file as stored is what the batch runs, as if the user wrote it. `found`: a watcher's object
+        (NotABatchFile unless its first line is a JSON object)."""
+        with tempfile.TemporaryFile() as stored:
+            checked = check_into(self.svc, fileobj, stored, endpoint, fill, found)
+            stored.seek(0)
+            return self.store(stored, name, file_id), checked
+
+    def validate(self, batch_id: str, checked: Checked | None = None) -> tuple[BatchRecord, LineIndex | None]:
+        """Validate, index and estimate with the runtime's own step (no-op for a batch already validated);
+        `checked`: the pass that stored its file, which is then not read again."""
         queued = self.manager.queue.pending_requests() if self.manager is not None else 0
-        return validate_and_index(self.svc, batch_id, queued)
+        return validate_and_index(self.svc, batch_id, queued, checked)
 
     def resume(self, batch_id: str) -> tuple[BatchRecord, LineIndex | None]:
         """A batch whose driver stopped (a crash, a restart): validated now if it was left `validating`,
@@ -199,7 +204,7 @@ class Driver:
         self,
         fileobj: BinaryIO,
         name: str,
-        endpoint: str,
+        endpoint: str | None,
         window: str,
         write: Writer | None = None,
         announce: Callable[[BatchRecord], None] | None = None,
@@ -207,7 +212,8 @@ class Driver:
     ) -> BatchRecord:
         """Store, validate, run one batch to its end and write its results; -> the final record. Ray, the
         workers and the served model start while the file is stored and validated: most of a run's fixed
-        cost is theirs. A file whose validation fails within HEAD_START_S is reported before Ray starts."""
+        cost is theirs. A file whose validation fails within HEAD_START_S is reported before Ray starts.
+        `endpoint` None: the url of the file's first request line."""
         accepted: dict = {}
 
         def intake() -> None:
@@ -239,13 +245,16 @@ class Driver:
         return record
 
     def _intake(
-        self, fileobj: BinaryIO, name: str, endpoint: str, window: str
+        self, fileobj: BinaryIO, name: str, endpoint: str | None, window: str
     ) -> tuple[BatchRecord, LineIndex | None]:
         try:
-            record = self.accept(self.store(fileobj, name), endpoint, window)
-            record, index = self.validate(record.id)
+            file_id, checked = self.store_checked(fileobj, name, endpoint)
+            record = self.accept(file_id, checked.endpoint, window)
+            record, index = self.validate(record.id, checked)
         except InvalidRequest as exc:
             raise DriverError(str(exc)) from None
+        except NotABatchFile as exc:
+            raise DriverError(exc.at(name)) from None
         if record.status == BatchStatus.FAILED:
             raise DriverError(refusal(name, record))
         return record, index

@@ -2,8 +2,8 @@
 
 Each object version is claimed first (claims.py), so it is processed once across restarts and beside
 other watchers on the same service storage; the batch is visible through the API like any other. Each
-batch goes the driver's way (bulkgen.runtime.driver: store with the job's defaults, accept, validate with
-its line index, hand over, finish), with many batches at once: the driver's runtime runs only the batches
+batch goes the driver's way (bulkgen.runtime.driver: store with the job's defaults, validated and indexed
+in that same pass, accept, hand over, finish), with many batches at once: the driver's runtime runs only the batches
 handed to it, so a watcher adds workers for what it finds and never takes on the API's batches, while a
 `bulkgen serve` on the same storage may run the watcher's batches as well (leases keep one runner per
 batch). The watcher itself polls the batch *records*, so it writes the results whoever ran the batch.
@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING
 
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.records import RecordNotFound
-from bulkgen.batch.requests import LineError, url_of
+from bulkgen.batch.requests import Fill, NotABatchFile
 from bulkgen.batch.resultfiles import stem_of, write_report, write_results
 from bulkgen.batch.schema import InvalidRequest
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.driver import Driver
 from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.validation import Checked
 from bulkgen.store import NotFound, ObjectInfo, S3Store, layout, open_store
 from bulkgen.watch.claims import Claim, ClaimLost, Claims
 from bulkgen.watch.cron import Cron
@@ -40,10 +41,6 @@ if TYPE_CHECKING:  # Ray is imported once a batch needs workers
 log = logging.getLogger("bulkgen.watch")
 
 TICK_S = 1.0
-
-
-class NotABatchFile(Exception):
-    """The object is no batch input (its name or its first line): reported, never run."""
 
 
 class Watcher:
@@ -196,18 +193,18 @@ class Watcher:
             _, index = self.driver.resume(batch_id)
             return self._track(claim, index)
         try:
-            endpoint = self._check_object(claim.info)
-            self._upload(claim)
+            checked = self._upload(claim)
             self.claims.update(claim, state="uploaded")  # still ours? (else the new owner creates the batch)
             record = self.driver.accept(
                 claim.file_id,
-                endpoint,
+                checked.endpoint,
                 self.job.completion_window,
                 {"watch_input": f"{self.inbox.url}/{key}"[-512:]},
             )
-            # validated and indexed here: a refused file gets its report without starting any worker (a
-            # crash before this leaves it `validating`, and the runtime or the next owner validates it)
-            record, index = self.driver.validate(record.id)
+            # validated and indexed as it was stored: a refused file gets its report without starting any
+            # worker (a crash before this leaves it `validating`, and the runtime or the next owner
+            # validates the stored file)
+            record, index = self.driver.validate(record.id, checked)
         except (NotABatchFile, InvalidRequest) as exc:
             written = write_report(
                 self.outbox, stem_of(key) if key.endswith(".jsonl") else key, str(exc), self._source(claim)
@@ -225,35 +222,18 @@ class Watcher:
         )
         self._track(claim, index)
 
-    def _check_object(self, info: ObjectInfo) -> str:
-        """The batch endpoint, once the name and first line say this is a JSONL batch file."""
-        if not info.key.endswith(".jsonl"):
-            raise NotABatchFile("not a .jsonl object: only *.jsonl objects run as batches")
-        for number, raw in enumerate(self.inbox.iter_lines(info.key), start=1):
-            if not raw.strip():
-                continue
-            try:
-                url = url_of(raw)
-            except LineError:
-                raise NotABatchFile(
-                    f"line {number} is not a JSON object: this is not a JSONL batch file"
-                ) from None
-            endpoint = self.job.endpoint or url
-            if endpoint is None:
-                raise NotABatchFile(f"line {number} has no 'url' and the job sets no endpoint")
-            return endpoint
-        raise NotABatchFile("the object has no request lines")
-
-    def _upload(self, claim: Claim) -> None:
-        """The input file the batch reads: the object as it is, or with the job's defaults filled in."""
+    def _upload(self, claim: Claim) -> Checked:
+        """Store the input file the batch reads (the object, with the job's defaults filled in), validated
+        in the same pass: each line is parsed once. NotABatchFile: no batch file at all."""
+        if not claim.info.key.endswith(".jsonl"):
+            raise NotABatchFile(None, "not a .jsonl object: only *.jsonl objects run as batches")
+        body = self.job.body_defaults()
+        fill = Fill(body, self.job.endpoint) if body or self.job.endpoint else None
         with self.inbox.open_read(claim.info.key) as src:
-            self.driver.store(
-                src,
-                claim.info.key.rsplit("/", 1)[-1],
-                claim.file_id,
-                self.job.body_defaults(),
-                self.job.endpoint,
+            _, checked = self.driver.store_checked(
+                src, claim.info.key.rsplit("/", 1)[-1], self.job.endpoint, fill, claim.file_id, found=True
             )
+        return checked
 
     def _batch_of_file(self, file_id: str) -> str | None:
         """A batch an earlier owner created from this claim's file before it could record it."""

@@ -2,13 +2,15 @@
 same streamed pass, and the runner runs from that index (bulkgen.runtime.driver). The worker that runs a
 line parses it once more, in its own process, from its ranged read: the driver never holds the file.
 
-The request parser is wrapped wherever a bulkgen module holds it, so every parse in this process counts,
-through the real doors: the API (the session's service), `bulkgen run`, jobs/batch_job.py's run_stored and
+The JSON read of a line is wrapped in the request parser's module, which every reader of an input line
+goes through (validation, a file's endpoint from its first line, a job's defaults), so every parse in this
+process counts, through the real doors: the API (the session's service), `bulkgen run`, jobs/batch_job.py's run_stored and
 the watcher, all on the session's Ray workers.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections import Counter
 
@@ -30,16 +32,18 @@ LINES = 4
 
 @pytest.fixture
 def parses(monkeypatch) -> Counter:
-    """custom_id -> how many times its line was parsed in this process."""
+    """custom_id -> how many times its input line was parsed (its JSON read) in this process: by the
+    request parser, or to find the file's endpoint or fill a job's defaults."""
     counts: Counter = Counter()
-    original = requests.RequestLine.read
+    original = requests.load
 
-    def counting(cls, raw, line, endpoint):
-        request = original(raw, line, endpoint)
-        counts[request.custom_id] += 1
-        return request
+    def counting(raw):
+        value, cut = original(raw)
+        if isinstance(value, dict) and "body" in value:  # an input line, not a result line
+            counts[value.get("custom_id")] += 1
+        return value, cut
 
-    monkeypatch.setattr(requests.RequestLine, "read", classmethod(counting))
+    monkeypatch.setattr(requests, "load", counting)
     return counts
 
 
@@ -131,17 +135,9 @@ def test_api_creates_through_the_driver(service, tmp_path, monkeypatch, at_creat
     assert wait_done(client, batch.id).request_counts.completed == LINES
 
 
-def test_watcher_fills_job_defaults_once_per_line_as_it_stores(service, parses, tmp_path, monkeypatch):
-    """A job's url and body defaults are filled by Driver.store, one fill (one JSON parse) per line, and
-    validation parses the filled line once."""
-    filled: Counter = Counter()
-    original = driver.fill_defaults
-
-    def counting(raw, body_defaults, url=None):
-        filled[json.loads(raw)["custom_id"]] += 1
-        return original(raw, body_defaults, url)
-
-    monkeypatch.setattr(driver, "fill_defaults", counting)
+def test_watcher_fills_job_defaults_in_the_one_parse_of_each_line(service, parses, tmp_path):
+    """A job's url and body defaults are set in the pass that stores and validates the file: each line is
+    parsed once, and the stored input file holds the lines as filled (what ran is what is stored)."""
     inbox = tmp_path / "inbox"
     inbox.mkdir()
     rows = [chat_row(f"fill-{i}", f"hello {i}") for i in range(LINES)]
@@ -155,9 +151,39 @@ def test_watcher_fills_job_defaults_once_per_line_as_it_stores(service, parses, 
         endpoint="/v1/chat/completions",
         defaults={"max_tokens": 1},
     )
-    Watcher(BatchService(settings_for(str(tmp_path / "store"))), spec).run(once=True)
+    svc = BatchService(settings_for(str(tmp_path / "store")))
+    Watcher(svc, spec).run(once=True)
     outputs = [json.loads(line) for line in (tmp_path / "outbox" / "fill.output.jsonl").open()]
     assert sorted(o["custom_id"] for o in outputs) == [f"fill-{i}" for i in range(LINES)]
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 1 for o in outputs)
-    assert filled == {f"fill-{i}": 1 for i in range(LINES)}, filled
     assert parsed_once(parses, "fill"), parses
+    summary = json.loads((tmp_path / "outbox" / "fill.summary.json").read_text())
+    with svc.files.open(svc.batches.get(summary["batch"]["id"]).input_file_id) as stored:
+        lines = [json.loads(line) for line in stored.read().splitlines()]
+    assert [(line["url"], line["body"]["model"], line["body"]["max_tokens"]) for line in lines] == [
+        ("/v1/chat/completions", MODEL, 1)
+    ] * LINES
+
+
+def test_a_file_whose_first_line_names_no_endpoint_is_no_batch(tmp_path):
+    """Without an endpoint, the first request line's url is the batch's, read in the one parse of that
+    line; a file where it cannot be is no batch file, named by file and line. With an endpoint, such a
+    line is a validation error like any other, except in an object a watcher found."""
+    svc = BatchService(settings_for(str(tmp_path / "store")))
+    cases = [
+        (b"oops\n", "f.jsonl:1: not a JSON object"),
+        (b'\n{"custom_id": "a", "body": {"model": "m"}}\n', "f.jsonl:2: no 'url' field"),
+        (b"\n \n", "f.jsonl: the file has no request lines"),
+    ]
+    for text, message in cases:
+        with pytest.raises(requests.NotABatchFile) as err:
+            driver.Driver(svc).store_checked(io.BytesIO(text), "f.jsonl", None)
+        assert err.value.at("f.jsonl").startswith(message), err.value.at("f.jsonl")
+    _, checked = driver.Driver(svc).store_checked(io.BytesIO(b"oops\n"), "f.jsonl", requests.CHAT)
+    assert [e["code"] for e in checked.result.errors] == ["invalid_json_line"]
+    with pytest.raises(requests.NotABatchFile):
+        driver.Driver(svc).store_checked(io.BytesIO(b"oops\n"), "f.jsonl", requests.CHAT, found=True)
+    _, checked = driver.Driver(svc).store_checked(
+        io.BytesIO(batch_file(tmp_path, "e").read_bytes()), "e", None
+    )
+    assert checked.endpoint == requests.CHAT and checked.result.ok and len(checked.builder) == LINES

@@ -84,7 +84,7 @@ def test_watch_folder_bad_input_crash_restart_and_change(tmp_path, watch_process
     assert [(e["custom_id"], e["response"]["body"]["error"]["param"]) for e in errors] == [
         ("hot", "body.temperature")
     ]
-    assert "line 1 is not a JSON object" in json.loads((outbox / "broken.report.json").read_text())["reason"]
+    assert "line 1: not a JSON object" in json.loads((outbox / "broken.report.json").read_text())["reason"]
     assert "only *.jsonl" in json.loads((outbox / "notes.txt.report.json").read_text())["reason"]
     assert not (outbox / "broken.summary.json").exists() and batches_of(store, "broken.jsonl") == []
 

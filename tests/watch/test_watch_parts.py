@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import os
 import subprocess
@@ -14,9 +15,10 @@ import boto3
 import pytest
 
 from bulkgen.batch.outputlines import not_run_line, refused_line, success_line
-from bulkgen.batch.requests import CHAT, ParsedRequest, fill_defaults, parse_line
+from bulkgen.batch.requests import CHAT, COMPLETIONS, Fill, ParsedRequest, RequestLine
 from bulkgen.batch.resultfiles import parquet_row
 from bulkgen.batch.service import BatchService
+from bulkgen.batch.validate import Validator, validate_stream
 from bulkgen.settings import Settings
 from bulkgen.store import LocalStore, layout, open_store
 from bulkgen.watch.cron import Cron, CronError
@@ -84,30 +86,36 @@ def test_bad_jobs_say_what_and_where(tmp_path, text, message):
     assert message in str(err.value) and str(path) in str(err.value)
 
 
-def test_fill_defaults_sets_only_what_a_line_lacks():
-    defaults = {"model": "m", "temperature": 0.7, "max_tokens": 64}
+def test_fill_sets_only_what_a_line_lacks_in_its_one_parse():
+    """The stored file holds each line as filled; a line that sets a field keeps it, and a line the
+    validator refuses is stored as written."""
+    fill = Fill({"model": "m", "temperature": 0.7, "max_tokens": 64}, CHAT)
     bare = b'{"custom_id": "a", "body": {"messages": [{"role": "user", "content": "hi"}]}}'
-    filled = json.loads(fill_defaults(bare, defaults, CHAT))
+    line = RequestLine.read(bare, 1, CHAT, fill)
+    filled = json.loads(line.stored)
     assert (
         filled["url"] == CHAT and filled["body"]["temperature"] == 0.7 and filled["body"]["max_tokens"] == 64
     )
-    request = parse_line(json.dumps(filled), 1, CHAT)
+    request = line.request()
     assert request.model == "m" and request.sampling["max_tokens"] == 64
     own = (
         b'{"custom_id": "b", "url": "/v1/completions", "body": {"model": "x", "prompt": "p", "temperature": 0, '
         b'"max_completion_tokens": 5}}'
     )
-    kept = json.loads(fill_defaults(own, defaults, CHAT))
-    assert (
-        kept["url"] == "/v1/completions" and kept["body"]["model"] == "x" and kept["body"]["temperature"] == 0
+    kept = RequestLine.read(own, 2, COMPLETIONS, fill)
+    assert kept.url == COMPLETIONS and kept.model == "x" and kept.body["temperature"] == 0
+    assert "max_tokens" not in kept.body  # max_completion_tokens already says it
+    lines = [bare, b"not json", b"[1, 2]", b'{"custom_id": "c", "body": "text"}', b""]
+    stored = io.BytesIO()
+    result = validate_stream(
+        io.BytesIO(b"\n".join(lines)), Validator(CHAT, ["m"], 10, fill=fill), sink=stored
     )
-    assert "max_tokens" not in kept["body"]  # max_completion_tokens already says it
-    for untouched in (b"not json", b"[1, 2]"):  # validation refuses these as written, on the same line
-        assert fill_defaults(untouched, defaults, CHAT) == untouched
-    assert json.loads(fill_defaults(b'{"custom_id": "c", "body": "text"}', defaults)) == {
-        "custom_id": "c",
-        "body": "text",
-    }
+    assert stored.getvalue().split(b"\n") == [line.stored, *lines[1:-1], b""]
+    assert [(e["line"], e["code"]) for e in result.errors] == [
+        (2, "invalid_json_line"),
+        (3, "invalid_json_line"),
+        (4, "invalid_body"),
+    ]
 
 
 def test_local_list_objects_version_changes_with_the_file(tmp_path):
