@@ -186,6 +186,13 @@ def plan(
         )
     except (ClientError, planner.NoProfile) as exc:
         raise click.ClickException(str(exc)) from None
+    _report(result, storage, memory, as_json)
+
+
+def _report(result: dict, storage: str, memory: dict | None, as_json: bool) -> None:
+    """Print a plan (and the per-rank memory asked for); exit 1 for a file a batch would refuse."""
+    from bulkgen.plan import planner
+
     if result["valid"]:
         result["profile"]["stored_at"] = f"{storage.rstrip('/')}/{result['profile']['stored_at']}"
     if memory is not None:

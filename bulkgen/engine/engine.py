@@ -211,6 +211,11 @@ class Engine(OverlappedSteps):
         request = Request(
             request_id, ids, params, next(self._order), tag, stop_ids, embed, adapter, with_images
         )
+        self._queue(request, max_tokens, count)
+
+    def _queue(self, request: Request, max_tokens: int, count: int) -> None:
+        """Give a checked request its `count` sequences and hand them to the scheduler."""
+        params, request_id = request.params, request.request_id
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
         for seq in request.seqs:
             seq.pools_every_position = seq.pools and self.pooling.method != "last"

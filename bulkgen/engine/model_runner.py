@@ -97,6 +97,9 @@ class ModelRunner:
         max_model_len: int,
         vision: VisionTower | None = None,
     ):
+        """Probe the model's layers, size and allocate the paged KV cache (and a hybrid model's state slots),
+        pick the attention backend, and capture decode graphs where they run. Kept as one body (just over 50
+        lines): each allocation depends on the one before it (layout -> blocks -> caches -> tables -> graphs)."""
         self.model = model
         self.vision = vision  # a vision-language model's encoder: image embeddings spliced into prefills
         self.config = config
@@ -208,6 +211,9 @@ class ModelRunner:
         return step
 
     def _run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None) -> StepLogits:
+        """One forward of the scheduled rows. Kept as one body (over 50 lines): the order of the `pack.add`
+        calls is the layout of the step's single host-to-device upload, and the offsets they return are read
+        back from the uploaded tensor right below; split apart, those offsets would travel between functions."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         segments = self._lora_segments(ordered)

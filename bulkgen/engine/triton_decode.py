@@ -91,7 +91,8 @@ def _launch(
     q, k_cache, v_cache, table, lengths, scale: float, splits: int, window=None, chunk=None, softcap=None
 ):
     """Run the split kernel: per-split partial results acc [B, Hq, splits, Dv] and stats [2, B, Hq, splits]
-    (running max, running sum; a split that held no block keeps -inf and 0)."""
+    (running max, running sum; a split that held no block keeps -inf and 0). Over 50 lines because the one
+    launch passes every stride and constexpr of the kernel's signature; each is one line."""
     batch, hq, dim = q.shape
     block_size, hkv, dim_v = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     fp8 = isinstance(k_cache, Fp8Cache)
@@ -206,7 +207,8 @@ if triton is not None:
     ):
         """One K/V block into the online softmax of the group's query heads; rows before `lo` (outside
         the window or chunk) or past the sequence count for nothing. A block past the sequence (the
-        interpreter's fixed-count loop) loads nothing and leaves the state as it was."""
+        interpreter's fixed-count loop) loads nothing and leaves the state as it was. Its length is its signature: a jitted helper takes every pointer, stride
+        and constexpr as its own argument."""
         d, e, t = tl.arange(0, DIM_P), tl.arange(0, DIM_V_P), tl.arange(0, BLOCK_SIZE)
         pos = block * BLOCK_SIZE + t
         valid = (pos < length) & (pos >= lo)
@@ -279,6 +281,9 @@ if triton is not None:
         PER_SPLIT: tl.constexpr,
         DYNAMIC_LOOP: tl.constexpr,
     ):
+        """One program: one sequence, one KV head (its query group), one split of its blocks. Over 50 lines
+        because a Triton kernel is one compiled body whose signature lists every pointer, stride and
+        constexpr; the block loop itself lives in `_attend_block`."""
         seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(lengths_ptr + seq)
         # the first position the query (at length - 1) reads: its window's or its chunk's first
