@@ -22,6 +22,10 @@ def chat_template(image: str) -> str:
     )
 
 
+# the vision encoders of the CLIP / SigLIP kind: 2 layers of width 32
+ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+
+
 def _text_settings(tok, hidden_size: int) -> dict:
     return dict(
         vocab_size=len(tok),
@@ -47,14 +51,7 @@ def _llava(tok, hidden_size: int):
 
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
     config = tf.LlavaConfig(
-        vision_config=tf.CLIPVisionConfig(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=28,
-            patch_size=14,
-        ),
+        vision_config=tf.CLIPVisionConfig(**ENCODER, image_size=28, patch_size=14),
         text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
         image_token_index=tok.convert_tokens_to_ids("<image>"),
         vision_feature_layer=-1,
@@ -184,14 +181,7 @@ def _idefics3(tok, hidden_size: int):
     specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
     tok.add_special_tokens({"additional_special_tokens": specials})
     config = tf.Idefics3Config(
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            image_size=56,
-            patch_size=14,
-        ),
+        vision_config=dict(**ENCODER, image_size=56, patch_size=14),
         text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
