@@ -1,8 +1,10 @@
 """Ray setup and the pool of engine worker actors: one per GPU (num_gpus=1), CPU actors without GPUs.
 
 Actors are named `bulkgen-worker-<n>` in the Ray namespace `bulkgen`, so operators can find them with
-`ray list actors` or `ray.get_actor("bulkgen-worker-0", namespace="bulkgen")`. GPU actors are spread
-over the cluster's nodes; an actor that dies is replaced under the same name by the dispatcher.
+`ray list actors` or `ray.get_actor("bulkgen-worker-0", namespace="bulkgen")`; a tensor-parallel group of
+N ranks is `bulkgen-worker-<n>-tp<N>`, so a pool never takes over a live actor of another rank count
+(`get_if_exists`) and runs a model on the wrong number of ranks. GPU actors are spread over the cluster's
+nodes; an actor that dies is replaced under the same name by the dispatcher.
 """
 
 from __future__ import annotations
@@ -102,7 +104,10 @@ class WorkerPool:
         self.workers: list = []
         self.use_gpu = False
         self._threads: int | None = None
-        self._cpus = 1  # Ray CPUs each CPU worker asks for
+        # Ray CPUs each CPU worker asks for: one, a tensor-parallel group too (its CPU ranks are the actor's
+        # child processes sharing the node's cores; gloo on CPU proves correctness, it is no serving setup),
+        # so a group is placed beside other workers instead of waiting for a whole node's CPUs
+        self._cpus = 1
 
     def start(self) -> list:
         init_ray(self.settings.ray_address)
@@ -111,8 +116,6 @@ class WorkerPool:
         count = self.settings.num_workers or gpus // ranks or self.settings.cpu_workers
         self.use_gpu = gpus > 0
         cpu_share = max(1, (os.cpu_count() or 1) // (count * ranks))
-        # CPU ranks share their node's cores: a group asks for a CPU per rank, at most the cluster's CPUs
-        self._cpus = min(ranks, max(1, int(ray.cluster_resources().get("CPU", 1))))
         self._threads = self.settings.cpu_threads or (None if self.use_gpu else cpu_share)
         self.workers = [self._create(i) for i in range(count)]
         log.info("started %d %s worker(s)", count, "GPU" if self.use_gpu else "CPU")
@@ -129,7 +132,7 @@ class WorkerPool:
             threads = str(self._threads)
             options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
         actor = ray.remote(EngineWorker).options(
-            name=f"bulkgen-worker-{index}",
+            name=self.actor_name(index),
             namespace=NAMESPACE,
             get_if_exists=True,
             max_concurrency=8,
@@ -155,7 +158,12 @@ class WorkerPool:
             except Exception as exc:  # the name is still taken by the dead actor, or no resources yet
                 log.info("worker %d not replaceable yet: %s", index, exc)
                 time.sleep(1.0)
-        raise RuntimeError(f"could not replace bulkgen-worker-{index}")
+        raise RuntimeError(f"could not replace {self.actor_name(index)}")
+
+    def actor_name(self, index: int) -> str:
+        """The Ray name of worker `index`: a tensor-parallel group's names its rank count."""
+        ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
+        return f"bulkgen-worker-{index}" + (f"-tp{ranks}" if ranks > 1 else "")
 
     def shutdown(self) -> None:
         for handle in self.workers:
