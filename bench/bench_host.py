@@ -20,7 +20,11 @@ then costs the host's work plus D; overlapped (EngineConfig.async_scheduling), t
 behind the device's. Reported: wall ms per steady decode step both ways, and the device's idle ms per
 step (wall minus D), in the same run. A model of a GPU, not one: the H200 run measures the real thing.
 
-    OMP_NUM_THREADS=1 python bench/bench_host.py [--quick] [--json] [--device-ms 3]
+Garbage collection (`--gc`): the continuous run twice, the heap as built and then frozen once the engine
+is built, as a worker freezes it after loading (bulkgen/engine/heap.py): CPython's full collections walk
+every object the loaded engine holds, inside whichever step they fall in.
+
+    OMP_NUM_THREADS=1 python bench/bench_host.py [--quick] [--json] [--device-ms 3] [--gc]
 """
 
 from __future__ import annotations
@@ -135,11 +139,42 @@ class ModelledDevice:
         module.sample_async = sample_async
 
 
-def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | None = None) -> dict:
-    from bulkgen.engine import SamplingParams
+class GcPauses:
+    """Every collection CPython runs while attached (gc.callbacks): how many, how long, the longest full one."""
 
+    def __init__(self) -> None:
+        self.started: tuple[float, int] | None = None
+        self.pauses: list[tuple[int, float]] = []  # (generation, seconds)
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = (time.perf_counter(), info["generation"])
+        elif self.started is not None:
+            self.pauses.append((self.started[1], time.perf_counter() - self.started[0]))
+
+    def close(self) -> dict:
+        gc.callbacks.remove(self._note)
+        full = [s for generation, s in self.pauses if generation == 2]
+        return {
+            "gc_collections": len(self.pauses),
+            "gc_full_collections": len(full),
+            "gc_pause_ms_total": round(1e3 * sum(s for _, s in self.pauses), 1),
+            "gc_full_max_ms": round(1e3 * max(full, default=0.0), 1),
+        }
+
+
+def run(
+    spec: dict, sampled: bool, overlap: bool = False, device_ms: float | None = None, frozen: bool = False
+) -> dict:
+    """`frozen`: the heap frozen once the engine is built, as a worker does after loading (engine/heap.py)."""
+    from bulkgen.engine import SamplingParams, heap
+
+    heap.thaw()  # a previous frozen run's engine must be collectable
     gc.collect()  # the previous run's engine: its garbage would be swept during this run's steps
     engine = stub_engine(spec, overlap)
+    if frozen:
+        heap.freeze_loaded()
     device = ModelledDevice(engine, device_ms) if device_ms else None
     work = make_workload(spec["requests"], spec["prompt"], spec["output"], spec["vocab"], 0)
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lengths, strict=True)):
@@ -177,7 +212,7 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
         return packed_upload()
 
     packed.upload = counted_packed_upload
-    tokens, started = 0, time.perf_counter()
+    tokens, started, pauses = 0, time.perf_counter(), GcPauses()
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -187,6 +222,7 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
     finally:
         if device is not None:
             device.close()
+        collected = pauses.close()
     total = time.perf_counter() - started
     if tokens != work.useful_tokens:
         raise AssertionError(f"generated {tokens} tokens, the workload asks for {work.useful_tokens}")
@@ -220,6 +256,9 @@ def run(spec: dict, sampled: bool, overlap: bool = False, device_ms: float | Non
         "decode_buckets": len(engine.runner.graphs.buckets),
         "output_tokens": tokens,
         "discarded_tokens": engine.stats()["discarded_tokens"],
+        "frozen": frozen,
+        "max_step_ms": round(1e3 * max(times), 1),
+        **collected,
     }
 
 
@@ -244,7 +283,14 @@ def main(argv: list[str] | None = None) -> dict:
         default=3.0,
         help="modelled device ms per forward for the overlap comparison (0: skip it)",
     )
+    parser.add_argument(
+        "--gc",
+        action="store_true",
+        help="only the garbage-collection comparison: the continuous run with the heap as loaded, then frozen",
+    )
     args = parser.parse_args(argv)
+    if args.gc:
+        return gc_report(args.json)
     torch.set_num_threads(1)
     spec = QUICK if args.quick else ANCHOR
     report = {"spec": spec, "baseline_floor_ms": round(floor_ms(), 3)}
@@ -298,6 +344,29 @@ def main(argv: list[str] | None = None) -> dict:
             f"overlapped / step-by-step {pair['wall_ratio']}x; whole run {base['host_s_total']} s -> "
             f"{over['host_s_total']} s; discarded tokens {over['discarded_tokens']}"
         )
+    return report
+
+
+def gc_report(as_json: bool) -> dict:
+    """The continuous workload twice, greedy: the heap as built, then frozen as a worker freezes it."""
+    torch.set_num_threads(1)
+    report = {
+        name: run(CONTINUOUS, sampled=False, frozen=frozen)
+        for name, frozen in (("as_built", False), ("frozen", True))
+    }
+    base, frozen = report["as_built"], report["frozen"]
+    report["max_step_ratio"] = round(frozen["max_step_ms"] / base["max_step_ms"], 3)
+    if as_json:
+        print(json.dumps(report))
+        return report
+    for name in ("as_built", "frozen"):
+        r = report[name]
+        print(
+            f"{name:8s} {r['steps']} steps, whole run {r['host_s_total']} s; collections {r['gc_collections']} "
+            f"({r['gc_full_collections']} full, longest {r['gc_full_max_ms']} ms), all pauses "
+            f"{r['gc_pause_ms_total']} ms; longest step {r['max_step_ms']} ms"
+        )
+    print(f"longest step frozen / as built: {report['max_step_ratio']}x")
     return report
 
 

@@ -30,6 +30,7 @@ from bulkgen.batch.images import check_images, check_model_takes_images, start_l
 from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
+from bulkgen.engine import heap
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
 from bulkgen.models.registry import fetch_folder, resolve_model_path
@@ -106,10 +107,12 @@ class EngineWorker(EngineLoop, PartWriter):
 
                 with self._cond:
                     self.engine, self.model_name, self.model_key = None, None, None
+                heap.thaw()  # the dropped engine's cycles become collectable (heap.py)
                 path = resolve_model_path(model_path, endpoint_url=endpoint_url)
                 engine = self._on_engine_thread(
                     lambda: engine_class().from_pretrained(path, **self.engine_kwargs)
                 )
+                heap.freeze_loaded()  # no full collection walks the loaded model during steps (heap.py)
                 tp = getattr(engine.runner, "tp", None)
                 with self._cond:
                     self._ranks = tp.rank_memory() if tp is not None else None
