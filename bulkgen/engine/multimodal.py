@@ -12,8 +12,8 @@ image's run anywhere; a preempted sequence that needs them again has them encode
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL and Qwen3-VL
-(M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
+Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL (M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
 rows travel with each image row and reach the text model for the step's image tokens). Others are refused by name at load
 (`check_family`).
 """
@@ -32,10 +32,10 @@ CHECKED = {
     "Idefics3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
 }
 # why each refused family cannot run yet: said at load
 REFUSED = {
-    "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
     "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
     "attention does not do",
     "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "

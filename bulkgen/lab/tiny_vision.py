@@ -145,13 +145,33 @@ def _qwen3_vl(tok, hidden_size: int):
     return model, image_only_qwen_processor(config.model_type, _qwen_images(16), tok)
 
 
+def _qwen2_vl(tok, hidden_size: int):
+    """Qwen2-VL: its ViT (14-pixel patches merged 2 x 2, width `embed_dim`, no windows) and the M-RoPE text
+    model Qwen2.5-VL kept (3-D positions split 2/3/3 over the rotary pairs of 16-wide heads)."""
+    import transformers as tf
+
+    ids = _qwen_ids(tok)
+    text = _text_settings(tok, hidden_size)
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=hidden_size, initializer_range=0.2
+    )
+    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    model = tf.Qwen2VLForConditionalGeneration(config)
+    return model, image_only_qwen_processor(config.model_type, _qwen_images(14), tok)
+
+
 def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
     """Qwen-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
     processor, which needs torchvision (not installed here); AutoProcessor cannot load it back, so a test
     builds it again with `load_processor`."""
     import transformers as tf
 
-    base = {"qwen2_5_vl": tf.Qwen2_5_VLProcessor, "qwen3_vl": tf.Qwen3VLProcessor}[model_type]
+    base = {
+        "qwen2_vl": tf.Qwen2VLProcessor,
+        "qwen2_5_vl": tf.Qwen2_5_VLProcessor,
+        "qwen3_vl": tf.Qwen3VLProcessor,
+    }[model_type]
 
     class ImageOnlyProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
@@ -160,12 +180,15 @@ def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
     return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template(QWEN_IMAGE))
 
 
+QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
 def load_processor(path: str | Path):
     """The processor of a tiny vision model written by build_tiny_vlm (AutoProcessor where it can load it)."""
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in ("qwen2_5_vl", "qwen3_vl"):
+    if config.model_type not in QWEN_TYPES:
         return tf.AutoProcessor.from_pretrained(path, local_files_only=True)
     images = tf.Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -196,7 +219,13 @@ def _idefics3(tok, hidden_size: int):
     return tf.Idefics3ForConditionalGeneration(config), processor
 
 
-BUILDERS = {"llava": _llava, "idefics3": _idefics3, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
+BUILDERS = {
+    "llava": _llava,
+    "idefics3": _idefics3,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "qwen2_vl": _qwen2_vl,
+}
 VISION_FAMILIES = tuple(BUILDERS)
 
 
