@@ -12,7 +12,7 @@ image's run anywhere; a preempted sequence that needs them again has them encode
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2-VL, Qwen2.5-VL and
+Families (CHECKED): LLaVA, Idefics3 and SmolVLM (the text model's own 1-D positions), Qwen2-VL, Qwen2.5-VL and
 Qwen3-VL (M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
 rows travel with each image row and reach the text model for the step's image tokens). Others are refused by name at load
 (`check_family`).
@@ -33,6 +33,7 @@ CHECKED = {
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen2VLForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
 }
 # why each refused family cannot run yet: said at load
 REFUSED = {
@@ -40,7 +41,6 @@ REFUSED = {
     "attention does not do",
     "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
     "torchvision)",
-    "SmolVLMForConditionalGeneration": "not yet checked against transformers",
 }
 
 

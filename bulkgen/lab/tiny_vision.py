@@ -188,6 +188,11 @@ def load_processor(path: str | Path):
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type == "smolvlm":
+        images = tf.SmolVLMImageProcessorPil.from_pretrained(path, local_files_only=True)
+        return image_only_smolvlm_processor(
+            images, tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        )
     if config.model_type not in QWEN_TYPES:
         return tf.AutoProcessor.from_pretrained(path, local_files_only=True)
     images = tf.Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
@@ -219,12 +224,53 @@ def _idefics3(tok, hidden_size: int):
     return tf.Idefics3ForConditionalGeneration(config), processor
 
 
+def _smolvlm(tok, hidden_size: int):
+    """SmolVLM: Idefics3's layout (56-pixel tiles plus a global view, pixel-shuffled 2 x 2 into 4 tokens a
+    tile, framed by row/column and global-image tokens) under SmolVLM's own classes and processor, without
+    its video processor (which needs torchvision, not installed here)."""
+    import transformers as tf
+
+    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    config = tf.SmolVLMConfig(
+        vision_config=dict(**ENCODER, image_size=56, patch_size=14),
+        text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
+        image_token_id=tok.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+        tie_word_embeddings=False,
+    )
+    images = tf.SmolVLMImageProcessorPil(
+        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
+    )
+    return tf.SmolVLMForConditionalGeneration(config), image_only_smolvlm_processor(images, tok)
+
+
+def image_only_smolvlm_processor(image_processor, tokenizer):
+    """SmolVLM's own processor (its placeholder expansion) without the video processor; AutoProcessor
+    cannot load it back here, so `load_processor` builds it again."""
+    import transformers as tf
+
+    class ImageOnlyProcessor(tf.SmolVLMProcessor):
+        def __init__(
+            self, image_processor=None, tokenizer=None, image_seq_len=4, chat_template=None, **kwargs
+        ):
+            super().__init__(image_processor, tokenizer, None, image_seq_len, chat_template, **kwargs)
+
+        def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+            # SmolVLM's own override only adds video defaults, read from the absent video processor
+            return tf.ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
+    return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template("<image>"))
+
+
 BUILDERS = {
     "llava": _llava,
     "idefics3": _idefics3,
     "qwen2_5_vl": _qwen2_5_vl,
     "qwen3_vl": _qwen3_vl,
     "qwen2_vl": _qwen2_vl,
+    "smolvlm": _smolvlm,
 }
 VISION_FAMILIES = tuple(BUILDERS)
 
