@@ -187,6 +187,8 @@ def load_processor(path: str | Path):
     """The processor of a tiny vision model written by build_tiny_vlm (AutoProcessor where it can load it)."""
     import transformers as tf
 
+    from bulkgen.engine import multimodal
+
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type == "smolvlm":
         images = tf.SmolVLMImageProcessorPil.from_pretrained(path, local_files_only=True)
@@ -194,7 +196,7 @@ def load_processor(path: str | Path):
             images, tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
         )
     if config.model_type not in QWEN_TYPES:
-        return tf.AutoProcessor.from_pretrained(path, local_files_only=True)
+        return multimodal.load_processor(path)
     images = tf.Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return image_only_qwen_processor(config.model_type, images, tok)
@@ -264,6 +266,31 @@ def image_only_smolvlm_processor(image_processor, tokenizer):
     return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template("<image>"))
 
 
+def _mistral3(tok, hidden_size: int):
+    """Mistral 3: a Pixtral encoder (7-pixel patches, 2-D RoPE, images up to 56 pixels) whose patches the
+    projector merges 2 x 2 into up to 4 x 4 tokens, laid out by the processor as rows of [IMG] ending in
+    [IMG_BREAK] and a final [IMG_END], and a Mistral text model. Its processor is transformers'
+    PixtralProcessor where torchvision exists, bulkgen's mirror of it otherwise (engine/pixtral.py)."""
+    import transformers as tf
+
+    from bulkgen.engine.pixtral import pixtral_processor
+
+    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    config = tf.Mistral3Config(
+        vision_config=tf.PixtralVisionConfig(**ENCODER, image_size=56, patch_size=7, initializer_range=0.2),
+        text_config=tf.MistralConfig(**_text_settings(tok, hidden_size), sliding_window=None),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    images = tf.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=7)
+    processor = pixtral_processor(
+        images, tok, patch_size=7, spatial_merge_size=2, chat_template=chat_template("[IMG]")
+    )
+    return tf.Mistral3ForConditionalGeneration(config), processor
+
+
 BUILDERS = {
     "llava": _llava,
     "idefics3": _idefics3,
@@ -271,6 +298,7 @@ BUILDERS = {
     "qwen3_vl": _qwen3_vl,
     "qwen2_vl": _qwen2_vl,
     "smolvlm": _smolvlm,
+    "mistral3": _mistral3,
 }
 VISION_FAMILIES = tuple(BUILDERS)
 
