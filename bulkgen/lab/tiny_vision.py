@@ -202,24 +202,33 @@ def load_processor(path: str | Path):
     return image_only_qwen_processor(config.model_type, images, tok)
 
 
-def _idefics3(tok, hidden_size: int):
-    """Idefics3: a SigLIP-style encoder on 56-pixel tiles (an image up to 112 pixels split into tiles plus a
-    global view), pixel-shuffled 2 x 2 into 4 tokens a tile, framed by row/column and global-image tokens."""
+def _tiled(tok, hidden_size: int, config_class, images_class) -> tuple:
+    """(config, image processor) of the Idefics3 layout SmolVLM shares: a SigLIP-style encoder on 56-pixel
+    tiles (an image up to 112 pixels split into tiles plus a global view), pixel-shuffled 2 x 2 into 4
+    tokens a tile, framed by row/column and global-image tokens."""
     import transformers as tf
 
     tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
     tok.add_special_tokens({"additional_special_tokens": specials})
-    config = tf.Idefics3Config(
+    config = config_class(
         vision_config=dict(**ENCODER, image_size=56, patch_size=14),
         text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
         tie_word_embeddings=False,
     )
-    images = tf.Idefics3ImageProcessorPil(
+    images = images_class(
         size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
     )
+    return config, images
+
+
+def _idefics3(tok, hidden_size: int):
+    """Idefics3 (`_tiled`'s layout) with its own processor."""
+    import transformers as tf
+
+    config, images = _tiled(tok, hidden_size, tf.Idefics3Config, tf.Idefics3ImageProcessorPil)
     processor = tf.Idefics3Processor(
         image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
     )
@@ -227,24 +236,11 @@ def _idefics3(tok, hidden_size: int):
 
 
 def _smolvlm(tok, hidden_size: int):
-    """SmolVLM: Idefics3's layout (56-pixel tiles plus a global view, pixel-shuffled 2 x 2 into 4 tokens a
-    tile, framed by row/column and global-image tokens) under SmolVLM's own classes and processor, without
-    its video processor (which needs torchvision, not installed here)."""
+    """SmolVLM: Idefics3's layout (`_tiled`) under SmolVLM's own classes and processor, without its video
+    processor (which needs torchvision, not installed here)."""
     import transformers as tf
 
-    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
-    specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
-    tok.add_special_tokens({"additional_special_tokens": specials})
-    config = tf.SmolVLMConfig(
-        vision_config=dict(**ENCODER, image_size=56, patch_size=14),
-        text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
-        image_token_id=tok.convert_tokens_to_ids("<image>"),
-        scale_factor=2,
-        tie_word_embeddings=False,
-    )
-    images = tf.SmolVLMImageProcessorPil(
-        size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
-    )
+    config, images = _tiled(tok, hidden_size, tf.SmolVLMConfig, tf.SmolVLMImageProcessorPil)
     return tf.SmolVLMForConditionalGeneration(config), image_only_smolvlm_processor(images, tok)
 
 
