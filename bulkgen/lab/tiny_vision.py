@@ -184,7 +184,8 @@ QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 def load_processor(path: str | Path):
-    """The processor of a tiny vision model written by build_tiny_vlm (AutoProcessor where it can load it)."""
+    """The processor of a tiny vision model written by build_tiny_vlm: the one serving loads
+    (multimodal.load_processor), except Qwen-VL's and SmolVLM's, built again without a video processor."""
     import transformers as tf
 
     from bulkgen.engine import multimodal
