@@ -208,15 +208,11 @@ def _report(result: dict, storage: str, memory: dict | None, as_json: bool) -> N
 def _image_reader(path: str, store, hosts: tuple[str, ...]):
     """How the plan reads images as the service's workers would: a vision model's processor (None for a text
     model), file ids and s3:// URLs in `--storage`, http(s) on `--image-url-hosts`."""
-    from bulkgen.engine.multimodal import is_vision_model
+    from bulkgen.engine.multimodal import is_vision_model, load_processor
     from bulkgen.plan.filework import ImageReader
     from bulkgen.settings import ImageSettings, parse_hosts
 
-    processor = None
-    if is_vision_model(path):
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(path, local_files_only=True)
+    processor = load_processor(path) if is_vision_model(path) else None
     try:
         policy = ImageSettings(image_url_hosts=parse_hosts(hosts))
     except ValueError as exc:

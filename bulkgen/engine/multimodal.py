@@ -12,8 +12,8 @@ image's run anywhere; a preempted sequence that needs them again has them encode
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL and Qwen3-VL
-(M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
+Families (CHECKED): LLaVA, Idefics3, SmolVLM and Mistral 3 (the text model's own 1-D positions), Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL (M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
 rows travel with each image row and reach the text model for the step's image tokens). Others are refused by name at load
 (`check_family`).
 """
@@ -32,15 +32,14 @@ CHECKED = {
     "Idefics3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
+    "Mistral3ForConditionalGeneration",
 }
 # why each refused family cannot run yet: said at load
 REFUSED = {
-    "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
     "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
     "attention does not do",
-    "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
-    "torchvision)",
-    "SmolVLMForConditionalGeneration": "not yet checked against transformers",
 }
 
 
@@ -307,14 +306,25 @@ def is_vision_model(path: str) -> bool:
 def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module, VisionTower]:
     """(the language half, the encoder with the processor) of the vision-language model at `path`;
     ValueError naming a family bulkgen does not run, before any weight is read."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoConfig, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     for name in config.architectures or []:
         _check_name(name)
     vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
-    tower = VisionTower(vlm, AutoProcessor.from_pretrained(path, local_files_only=True))
+    tower = VisionTower(vlm, load_processor(path))
     return text_model(vlm), tower
+
+
+def load_processor(path: str):
+    """The processor of the vision-language model at `path`, as serving, `bulkgen plan` and the tests
+    prepare its prompts: transformers' AutoProcessor, except a Pixtral processor (Mistral 3) where
+    transformers cannot import its own for want of torchvision: then bulkgen's mirror of it (pixtral.py)."""
+    from transformers import AutoProcessor
+
+    from .pixtral import load_mirror
+
+    return load_mirror(path) or AutoProcessor.from_pretrained(path, local_files_only=True)
 
 
 def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:

@@ -145,13 +145,33 @@ def _qwen3_vl(tok, hidden_size: int):
     return model, image_only_qwen_processor(config.model_type, _qwen_images(16), tok)
 
 
+def _qwen2_vl(tok, hidden_size: int):
+    """Qwen2-VL: its ViT (14-pixel patches merged 2 x 2, width `embed_dim`, no windows) and the M-RoPE text
+    model Qwen2.5-VL kept (3-D positions split 2/3/3 over the rotary pairs of 16-wide heads)."""
+    import transformers as tf
+
+    ids = _qwen_ids(tok)
+    text = _text_settings(tok, hidden_size)
+    text["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}
+    vision = dict(
+        depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=hidden_size, initializer_range=0.2
+    )
+    config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
+    model = tf.Qwen2VLForConditionalGeneration(config)
+    return model, image_only_qwen_processor(config.model_type, _qwen_images(14), tok)
+
+
 def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
     """Qwen-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
     processor, which needs torchvision (not installed here); AutoProcessor cannot load it back, so a test
     builds it again with `load_processor`."""
     import transformers as tf
 
-    base = {"qwen2_5_vl": tf.Qwen2_5_VLProcessor, "qwen3_vl": tf.Qwen3VLProcessor}[model_type]
+    base = {
+        "qwen2_vl": tf.Qwen2VLProcessor,
+        "qwen2_5_vl": tf.Qwen2_5_VLProcessor,
+        "qwen3_vl": tf.Qwen3VLProcessor,
+    }[model_type]
 
     class ImageOnlyProcessor(base):
         def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
@@ -160,43 +180,123 @@ def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
     return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template(QWEN_IMAGE))
 
 
+QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
 def load_processor(path: str | Path):
-    """The processor of a tiny vision model written by build_tiny_vlm (AutoProcessor where it can load it)."""
+    """The processor of a tiny vision model written by build_tiny_vlm: the one serving loads
+    (multimodal.load_processor), except Qwen-VL's and SmolVLM's, built again without a video processor."""
     import transformers as tf
 
+    from bulkgen.engine import multimodal
+
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in ("qwen2_5_vl", "qwen3_vl"):
-        return tf.AutoProcessor.from_pretrained(path, local_files_only=True)
+    if config.model_type == "smolvlm":
+        images = tf.SmolVLMImageProcessorPil.from_pretrained(path, local_files_only=True)
+        return image_only_smolvlm_processor(
+            images, tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        )
+    if config.model_type not in QWEN_TYPES:
+        return multimodal.load_processor(path)
     images = tf.Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
     tok = tf.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return image_only_qwen_processor(config.model_type, images, tok)
 
 
-def _idefics3(tok, hidden_size: int):
-    """Idefics3: a SigLIP-style encoder on 56-pixel tiles (an image up to 112 pixels split into tiles plus a
-    global view), pixel-shuffled 2 x 2 into 4 tokens a tile, framed by row/column and global-image tokens."""
+def _tiled(tok, hidden_size: int, config_class, images_class) -> tuple:
+    """(config, image processor) of the Idefics3 layout SmolVLM shares: a SigLIP-style encoder on 56-pixel
+    tiles (an image up to 112 pixels split into tiles plus a global view), pixel-shuffled 2 x 2 into 4
+    tokens a tile, framed by row/column and global-image tokens."""
     import transformers as tf
 
     tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
     specials = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
     tok.add_special_tokens({"additional_special_tokens": specials})
-    config = tf.Idefics3Config(
+    config = config_class(
         vision_config=dict(**ENCODER, image_size=56, patch_size=14),
         text_config=tf.LlamaConfig(**_text_settings(tok, hidden_size)),
         image_token_id=tok.convert_tokens_to_ids("<image>"),
         scale_factor=2,
         tie_word_embeddings=False,
     )
-    images = tf.Idefics3ImageProcessorPil(
+    images = images_class(
         size={"longest_edge": 112}, max_image_size={"longest_edge": 56}, do_image_splitting=True
     )
+    return config, images
+
+
+def _idefics3(tok, hidden_size: int):
+    """Idefics3 (`_tiled`'s layout) with its own processor."""
+    import transformers as tf
+
+    config, images = _tiled(tok, hidden_size, tf.Idefics3Config, tf.Idefics3ImageProcessorPil)
     processor = tf.Idefics3Processor(
         image_processor=images, tokenizer=tok, image_seq_len=4, chat_template=chat_template("<image>")
     )
     return tf.Idefics3ForConditionalGeneration(config), processor
 
 
-BUILDERS = {"llava": _llava, "idefics3": _idefics3, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}
+def _smolvlm(tok, hidden_size: int):
+    """SmolVLM: Idefics3's layout (`_tiled`) under SmolVLM's own classes and processor, without its video
+    processor (which needs torchvision, not installed here)."""
+    import transformers as tf
+
+    config, images = _tiled(tok, hidden_size, tf.SmolVLMConfig, tf.SmolVLMImageProcessorPil)
+    return tf.SmolVLMForConditionalGeneration(config), image_only_smolvlm_processor(images, tok)
+
+
+def image_only_smolvlm_processor(image_processor, tokenizer):
+    """SmolVLM's own processor (its placeholder expansion) without the video processor; AutoProcessor
+    cannot load it back here, so `load_processor` builds it again."""
+    import transformers as tf
+
+    class ImageOnlyProcessor(tf.SmolVLMProcessor):
+        def __init__(
+            self, image_processor=None, tokenizer=None, image_seq_len=4, chat_template=None, **kwargs
+        ):
+            super().__init__(image_processor, tokenizer, None, image_seq_len, chat_template, **kwargs)
+
+        def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+            # SmolVLM's own override only adds video defaults, read from the absent video processor
+            return tf.ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
+
+    return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template("<image>"))
+
+
+def _mistral3(tok, hidden_size: int):
+    """Mistral 3: a Pixtral encoder (7-pixel patches, 2-D RoPE, images up to 56 pixels) whose patches the
+    projector merges 2 x 2 into up to 4 x 4 tokens, laid out by the processor as rows of [IMG] ending in
+    [IMG_BREAK] and a final [IMG_END], and a Mistral text model. Its processor is transformers'
+    PixtralProcessor where torchvision exists, bulkgen's mirror of it otherwise (engine/pixtral.py)."""
+    import transformers as tf
+
+    from bulkgen.engine.pixtral import pixtral_processor
+
+    tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
+    config = tf.Mistral3Config(
+        vision_config=tf.PixtralVisionConfig(**ENCODER, image_size=56, patch_size=7, initializer_range=0.2),
+        text_config=tf.MistralConfig(**_text_settings(tok, hidden_size), sliding_window=None),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    images = tf.PixtralImageProcessorPil(size={"longest_edge": 56}, patch_size=7)
+    processor = pixtral_processor(
+        images, tok, patch_size=7, spatial_merge_size=2, chat_template=chat_template("[IMG]")
+    )
+    return tf.Mistral3ForConditionalGeneration(config), processor
+
+
+BUILDERS = {
+    "llava": _llava,
+    "idefics3": _idefics3,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
+    "qwen2_vl": _qwen2_vl,
+    "smolvlm": _smolvlm,
+    "mistral3": _mistral3,
+}
 VISION_FAMILIES = tuple(BUILDERS)
 
 
