@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from bulkgen.runtime.worker import node_ip
+from bulkgen.runtime import node_ip
 
 log = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
 from bulkgen.models.registry import fetch_folder, resolve_model_path
+from bulkgen.runtime import node_ip
 from bulkgen.runtime.engine_loop import EngineLoop
 from bulkgen.runtime.held import HeldRange, Prepared
 from bulkgen.runtime.lineindex import read_lines
@@ -385,19 +386,3 @@ class EngineWorker(EngineLoop, PartWriter):
             return 0
         slots = self.engine.config.max_num_seqs
         return max(0, slots * 5 // 2 - len(self._live) - len(self._inbox) - self._preparing)
-
-
-def node_ip() -> str | None:
-    """This worker's node address, for operators (dashboard, log lines); None outside Ray."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        # the address the node registered with (what `ray status` shows), not this host's default route's
-        return (
-            getattr(ray._private.worker.global_worker, "node_ip_address", None)
-            or ray.util.get_node_ip_address()
-        )
-    except Exception:
-        return None
