@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,15 +37,27 @@ class RankActor:
     """Rank r ≥ 1 of a placed group. A threaded actor (max_concurrency), so `where` answers while a model
     is served and a serve call of a model rank 0 gave up never blocks the next model's."""
 
+    def __init__(self) -> None:
+        self._serving = 0  # models this rank follows now: 1 while rank 0 has one loaded
+        self._lock = threading.Lock()
+
     def serve(self, spec: dict) -> None:
         """Follow rank 0 through one model: join its rendezvous, load this rank's shard, run its steps
         until rank 0 closes the group (or gives the model up)."""
         from bulkgen.engine.tensor_parallel import serve_rank
 
-        serve_rank(**spec)
+        with self._lock:
+            self._serving += 1
+        try:
+            serve_rank(**spec)
+        finally:
+            with self._lock:
+                self._serving -= 1
 
     def where(self) -> dict[str, Any]:
-        return placement_of_this_process()
+        """Where this rank runs, and how many models it follows (more than one: rank 0 left a model
+        without closing it, and its rank waits on)."""
+        return {**placement_of_this_process(), "serving": self._serving}
 
 
 def placement_of_this_process() -> dict[str, Any]:

@@ -2,7 +2,8 @@
 STRICT_PACK placement group, rank 0 the worker actor, rank 1 a follower actor), runs a batch. A rank's
 actor is killed mid-batch: the step fails on the ranks left within the collective timeout, the whole
 group counts as one lost worker, its actors and placement group are removed, a new group is placed, and
-every custom_id comes back exactly once. Both ranks are killed in turn, on one service."""
+every custom_id comes back exactly once. Both ranks are killed in turn, on one service, after the group
+has switched models: its follower actor serves every model rank 0 loads."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group_table
 
+from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.runtime.pool import NAMESPACE
 from bulkgen.settings import Settings, WorkerSettings
 from tests.runtime.test_faults import _assert_exactly_once, _create, _held_rows, _rows
-from tests.support.service import MODEL, Service, random_model, wait_for
+from tests.support.service import MODEL, Service, completion_row, random_model, read_lines, wait_for
 from tests.support.wait import wait_until
 
 GROUP = "bulkgen-worker-0-tp2"  # worker 0's rank 0; its follower is GROUP-rank1
+OTHER = "bulkgen-tiny-other"  # the random model's shape, other weights
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +36,19 @@ def service(tmp_path_factory):
     service = Service(
         Settings(
             storage=str(tmp_path_factory.mktemp("tp") / "store"),
-            models={MODEL: str(random_model())},
+            models={MODEL: str(random_model()), OTHER: str(_other_model(tmp_path_factory))},
             range_size=16,
             workers=WorkerSettings(cpu_workers=1, engine_kwargs=engine),
         )
     )
     yield service
     service.stop()
+
+
+def _other_model(tmp_path_factory):
+    shape = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    folder = tmp_path_factory.mktemp("other") / "model"
+    return build_tiny_model(folder, arch="llama", seed=99, intermediate_size=256, **shape)
 
 
 def _ranks(service) -> list[dict] | None:
@@ -78,6 +87,34 @@ def _kill_mid_batch(service, tmp_path, engine_gate, victim: str) -> None:
     for actor in (rank0, rank1):
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.where.remote() if actor is rank1 else actor.poll.remote("", 0.0), timeout=60)
+
+
+def _greedy(service, tmp_path, model: str) -> dict[str, list]:
+    """A small greedy batch on `model`: each custom_id's completion text (and the worker's rank 1 pid)."""
+    client = service.client()
+    rows = [
+        completion_row(f"{model}-{i}", f"item {i} " * (1 + i), max_tokens=8, model=model) for i in range(8)
+    ]
+    batch = _create(client, tmp_path / f"{model}.jsonl", rows)
+    batch = wait_for(client, batch.id, lambda b: b.status in {"completed", "failed"}, timeout=300)
+    assert batch.status == "completed" and batch.request_counts.failed == 0
+    texts = {
+        line["custom_id"].split("-")[-1]: line["response"]["body"]["choices"][0]["text"]
+        for line in read_lines(client, batch.output_file_id)
+    }
+    return texts, _ranks(service)[1]["pid"]
+
+
+def test_a_group_switches_models_on_the_same_follower_actor(service, tmp_path):
+    """Greedy tokens of the first model are the same after the group served another one: its follower
+    joined each model's rendezvous (rank 0 closed the previous model first) with the right shard."""
+    first, pid = _greedy(service, tmp_path, MODEL)
+    other, pid_other = _greedy(service, tmp_path, OTHER)
+    again, pid_again = _greedy(service, tmp_path, MODEL)
+    assert again == first and other != first
+    follower = ray.get(ray.get_actor(f"{GROUP}-rank1", NAMESPACE).where.remote())
+    assert pid == pid_other == pid_again == follower["pid"]
+    assert follower["serving"] == 1  # the models left behind were closed, not left waiting
 
 
 def test_a_killed_follower_takes_its_group_down_and_the_batch_completes_exactly_once(
