@@ -111,7 +111,7 @@ class FollowerLauncher:
 @dataclass
 class PlacedGroup:
     """A tensor-parallel worker's actors and its placement group (None: a live group another pool placed
-    under the same name, which that pool owns)."""
+    under the same name, which that pool owns and replaces once its rank 0 is gone)."""
 
     worker: Any
     followers: list = field(default_factory=list)
@@ -119,13 +119,12 @@ class PlacedGroup:
 
     def remove(self) -> None:
         """Kill rank 0 and remove the placement group: Ray ends every actor placed in it."""
-        if self.placement is None:
-            return
         try:
             ray.kill(self.worker)
         except Exception:  # already gone
             pass
-        remove_placement_group(self.placement)
+        if self.placement is not None:
+            remove_placement_group(self.placement)
 
 
 def bundles(ranks: int, use_gpu: bool, cpus: float) -> list[dict[str, float]]:
