@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,6 +51,9 @@ from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
 from .stopping import check_stop, completion_text
+
+if TYPE_CHECKING:
+    from .tensor_parallel import Launcher
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +138,18 @@ class Engine(OverlappedSteps):
 
     @classmethod
     def from_pretrained(
-        cls, path: str, device: str | None = None, dtype: torch.dtype | str | None = None, **engine_kwargs
+        cls,
+        path: str,
+        device: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        launcher: Launcher | None = None,
+        **engine_kwargs,
     ) -> Engine:
         """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32.
         A quantized checkpoint loads through transformers' quantizer; `quantize="fp8"` quantizes a float one.
-        A vision-language checkpoint loads with its processor (multimodal.load_vision)."""
+        A vision-language checkpoint loads with its processor (multimodal.load_vision).
+        `launcher` starts the other ranks of a tensor_parallel > 1 engine (tensor_parallel.Launcher): processes
+        of this machine unless the caller places them (a Ray worker's group, runtime/groups.py)."""
         from transformers import AutoTokenizer
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -163,7 +174,7 @@ class Engine(OverlappedSteps):
 
             if config.quantize is not None:
                 raise ValueError("quantize and tensor_parallel > 1 together are not supported yet")
-            model = launch(path, config.tensor_parallel, device, dtype, config.collective_timeout_s)
+            model = launch(path, config.tensor_parallel, device, dtype, config.collective_timeout_s, launcher)
         else:
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

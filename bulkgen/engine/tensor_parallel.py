@@ -9,6 +9,10 @@ tables) and the followers rebuild light stand-ins of those sequences for their o
 packing, block-table and logits-row logic exists once. A follower waits for the next plan in short
 polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
 ends it.
+
+How the followers start is the caller's launcher: ProcessLauncher (the default) starts them as processes
+of this machine; a Ray worker's placed group (runtime/groups.py) has follower actors that join the
+rendezvous of every model its rank 0 loads.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -53,7 +58,7 @@ class RankGroup:
         start = max(timeout_s, START_TIMEOUT_S)
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
-        self.processes: list = []  # follower processes this rank started (launch), joined at close
+        self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
@@ -67,9 +72,18 @@ class RankGroup:
         """Rank 0's resolved limits: every rank sizes its runner (slots, KV blocks) from the same ones."""
         self.store.set("config", json.dumps({"config": asdict(config), "max_model_len": max_model_len}))
 
-    def receive_config(self) -> tuple[EngineConfig, int]:
-        raw = json.loads(self._wait("config"))
+    def receive_config(self) -> tuple[EngineConfig, int] | None:
+        """Rank 0's limits, or None when rank 0 gave the model up (abandon)."""
+        raw = self._wait("config")
+        if raw == _STOP:
+            return None
+        raw = json.loads(raw)
         return EngineConfig(**raw["config"]), raw["max_model_len"]
+
+    def abandon(self) -> None:
+        """Rank 0 failed to load: followers waiting for its limits return instead of waiting on (a
+        follower actor outlives the model and serves the next one)."""
+        self.store.set("config", _STOP)
 
     def rank_memory(self) -> list[dict]:
         """Each rank's host memory at load (load_shard), in rank order."""
@@ -119,8 +133,8 @@ class RankGroup:
         """Rank 0 tells the followers to exit; every rank leaves the process group."""
         if self.rank == 0:
             self._post(_STOP)
-        for proc in self.processes:
-            proc.wait(timeout=30)
+        for follower in self.processes:
+            follower.wait(timeout=30)
 
     def _post(self, payload: bytes) -> None:
         # a follower has read plan n - 1 before plan n exists: plan n - 1's forward needed every rank
@@ -270,6 +284,35 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
 
 
+class Follower(Protocol):
+    """A started follower rank: joined when the group closes, killed when rank 0 fails to load."""
+
+    def wait(self, timeout: float | None = None) -> object: ...
+
+    def kill(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """How a group's follower ranks start, once per model rank 0 loads."""
+
+    def device(self, device: str, rank: int) -> str:
+        """Rank `rank`'s torch device, as that rank's process sees its devices."""
+
+    def start(self, specs: list[dict]) -> list[Follower]:
+        """Start ranks 1..N-1, each running serve_rank(**spec) with its own spec."""
+
+
+class ProcessLauncher:
+    """Followers as fresh interpreters of this machine (not multiprocessing's spawn, which re-imports the
+    caller's __main__); rank r uses the r-th visible GPU."""
+
+    def device(self, device: str, rank: int) -> str:
+        return rank_device(device, rank)
+
+    def start(self, specs: list[dict]) -> list[subprocess.Popen]:
+        return [subprocess.Popen([sys.executable, "-m", __name__, json.dumps(spec)]) for spec in specs]
+
+
 def serve_rank(
     path: str,
     rank: int,
@@ -281,25 +324,31 @@ def serve_rank(
     threads: int,
     timeout_s: float,
 ) -> None:
-    """A follower rank's whole life: join, load its shard, size its runner like rank 0's, then run every
-    step rank 0 publishes until it closes the group."""
+    """A follower rank's life for one model: join, load its shard on `device`, size its runner like rank
+    0's, then run every step rank 0 publishes until it closes the group."""
     from .model_runner import ModelRunner
 
     torch.set_num_threads(threads)
-    group = RankGroup.join(host, port, rank, world, rank_device(device, rank), timeout_s)
+    group = RankGroup.join(host, port, rank, world, device, timeout_s)
     model = load_shard(path, group, getattr(torch, dtype))
-    config, max_model_len = group.receive_config()
-    runner = ModelRunner(model, config, max_model_len)
+    if (limits := group.receive_config()) is None:
+        return
+    runner = ModelRunner(model, *limits)
     while (batch := group.receive_plan()) is not None:
         runner.run(batch)
 
 
 def launch(
-    path: str | Path, world: int, device: str, dtype: torch.dtype, timeout_s: float = DEFAULT_TIMEOUT_S
+    path: str | Path,
+    world: int,
+    device: str,
+    dtype: torch.dtype,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    launcher: Launcher | None = None,
 ):
-    """Start ranks 1..world-1 as processes of this machine (one torch thread each on CPU, unless this
-    process uses more) and load rank 0's shard here; returns rank 0's model, its group attached as
-    `model.bulkgen_tp`, and the follower processes."""
+    """Start ranks 1..world-1 with `launcher` (processes of this machine by default; one torch thread each
+    on CPU, unless this process uses more) and load rank 0's shard here; returns rank 0's model, its
+    group attached as `model.bulkgen_tp`, and the followers as `group.processes`."""
     from transformers import AutoConfig
 
     from .sharding import local_config
@@ -307,21 +356,23 @@ def launch(
     local_config(
         AutoConfig.from_pretrained(path, local_files_only=True), world
     )  # refused before any rank starts
+    launcher = launcher or ProcessLauncher()
     port = _free_port()
-    spec = dict(path=str(path), world=world, host="127.0.0.1", port=port, device=device)
+    spec = dict(path=str(path), world=world, host="127.0.0.1", port=port)
     spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
-    # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the caller's __main__)
-    procs = [
-        subprocess.Popen([sys.executable, "-m", __name__, json.dumps({**spec, "rank": r})])
-        for r in range(1, world)
-    ]
+    followers = launcher.start(
+        [{**spec, "rank": r, "device": launcher.device(device, r)} for r in range(1, world)]
+    )
+    group = None
     try:
-        group = RankGroup.join("127.0.0.1", port, 0, world, rank_device(device, 0), timeout_s)
-        group.processes = procs
+        group = RankGroup.join("127.0.0.1", port, 0, world, launcher.device(device, 0), timeout_s)
+        group.processes = followers
         return load_shard(path, group, dtype)
     except BaseException:
-        for proc in procs:  # a rank waiting for a group that will never run
-            proc.kill()
+        if group is not None:
+            group.abandon()
+        for follower in followers:  # a rank waiting for a group that will never run
+            follower.kill()
         raise
 
 

@@ -4,3 +4,19 @@
 class RayUnavailable(RuntimeError):
     """Ray could not be started here, or the cluster named could not be joined; `str()` is one line. Kept
     here, away from `ray`, so the CLI can name it without importing Ray."""
+
+
+def node_ip() -> str | None:
+    """This process's node address, for operators (dashboard, log lines); None outside Ray."""
+    try:
+        import ray  # not at the top: the CLI imports this package without Ray
+
+        if not ray.is_initialized():
+            return None
+        # the address the node registered with (what `ray status` shows), not this host's default route's
+        return (
+            getattr(ray._private.worker.global_worker, "node_ip_address", None)
+            or ray.util.get_node_ip_address()
+        )
+    except Exception:
+        return None

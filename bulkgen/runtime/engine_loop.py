@@ -66,8 +66,8 @@ class EngineLoop:
 
     def _die(self, exc: Exception) -> None:
         """A rank of this worker's tensor-parallel group died or hung: the whole group is one lost worker.
-        The actor exits, so the dispatcher puts its ranges back and places a new group (its ranks, this
-        process's children, end with the store this process hosts)."""
+        The actor exits, so the dispatcher puts its ranges back and the pool removes the group (its other
+        ranks' actors and placement group: runtime/groups.py) and places a new one."""
         log.error("worker %d: %s; exiting so the group is replaced", self.index, exc)
         os._exit(1)
 

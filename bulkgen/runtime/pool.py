@@ -2,9 +2,10 @@
 
 Actors are named `bulkgen-worker-<n>` in the Ray namespace `bulkgen`, so operators can find them with
 `ray list actors` or `ray.get_actor("bulkgen-worker-0", namespace="bulkgen")`; a tensor-parallel group of
-N ranks is `bulkgen-worker-<n>-tp<N>`, so a pool never takes over a live actor of another rank count
-(`get_if_exists`) and runs a model on the wrong number of ranks. GPU actors are spread over the cluster's
-nodes; an actor that dies is replaced under the same name by the dispatcher.
+N ranks is `bulkgen-worker-<n>-tp<N>` (rank 0; its followers `...-tp<N>-rank<r>`, all in one placement
+group: runtime/groups.py), so a pool never takes over a live actor of another rank count (`get_if_exists`)
+and runs a model on the wrong number of ranks. GPU actors are spread over the cluster's nodes; an actor
+(or group) that dies is replaced under the same name by the dispatcher.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import ray
 
 from bulkgen.runtime import RayUnavailable
+from bulkgen.runtime.groups import PlacedGroup, place
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.settings import WorkerSettings
 
@@ -102,11 +104,12 @@ class WorkerPool:
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
         self.workers: list = []
+        self.groups: dict[int, PlacedGroup] = {}  # a tensor-parallel worker's placed group, by index
         self.use_gpu = False
         self._threads: int | None = None
-        # Ray CPUs each CPU worker asks for: one, a tensor-parallel group too (its CPU ranks are the actor's
-        # child processes sharing the node's cores; gloo on CPU proves correctness, it is no serving setup),
-        # so a group is placed beside other workers instead of waiting for a whole node's CPUs
+        # Ray CPUs each CPU worker asks for: one, a tensor-parallel group too (its ranks share it in
+        # fractions, groups.bundles; gloo on CPU proves correctness, it is no serving setup), so a group is
+        # placed beside other workers instead of waiting for a whole node's CPUs
         self._cpus = 1
 
     def start(self) -> list:
@@ -122,32 +125,41 @@ class WorkerPool:
         return self.workers
 
     def _create(self, index: int):
-        # a tensor-parallel worker asks for all its ranks' devices at once: Ray places it on one node, and
-        # its ranks (tensor_parallel.launch: processes of the actor) take one visible GPU each
+        """Worker `index`'s actor: one per GPU, spread over the nodes; a tensor-parallel worker is a placed
+        group of one actor per rank (runtime/groups.py), and this returns its rank 0."""
         ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
-        options = (
-            {"num_gpus": ranks, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": self._cpus}
-        )
+        env = None
         if self._threads:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus; the BLAS must see ours
             threads = str(self._threads)
-            options["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
-        actor = ray.remote(EngineWorker).options(
-            name=self.actor_name(index),
-            namespace=NAMESPACE,
-            get_if_exists=True,
-            max_concurrency=8,
-            max_restarts=0,
-            **options,
+            env = {"env_vars": {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}}
+
+        def make_worker(options: dict, launcher=None):
+            actor = ray.remote(EngineWorker).options(
+                name=self.actor_name(index),
+                namespace=NAMESPACE,
+                get_if_exists=True,
+                max_concurrency=8,
+                max_restarts=0,
+                **({"runtime_env": env} if env else {}),
+                **options,
+            )
+            args = (index, self.settings.engine_kwargs, self._threads, self.settings.images)
+            return actor.remote(*args, **({"launcher": launcher} if launcher else {}))
+
+        if ranks > 1:
+            group = place(
+                self.actor_name(index), NAMESPACE, ranks, self.use_gpu, self._cpus, make_worker, env
+            )
+            self.groups[index] = group
+            return group.worker
+        return make_worker(
+            {"num_gpus": 1, "scheduling_strategy": "SPREAD"} if self.use_gpu else {"num_cpus": self._cpus}
         )
-        return actor.remote(index, self.settings.engine_kwargs, self._threads, self.settings.images)
 
     def replace(self, index: int, attempts: int = 60):
-        """A fresh actor under the dead one's name (its name frees once Ray has marked it dead)."""
-        old = self.workers[index]
-        try:
-            ray.kill(old)
-        except Exception:  # already gone
-            pass
+        """A fresh actor (or placed group) under the dead one's name (its name frees once Ray has marked it
+        dead); a lost group's actors and placement group are removed first, so none of it leaks."""
+        self._remove(index)
         for _ in range(attempts):
             try:
                 handle = self._create(index)
@@ -157,6 +169,7 @@ class WorkerPool:
                 return handle
             except Exception as exc:  # the name is still taken by the dead actor, or no resources yet
                 log.info("worker %d not replaceable yet: %s", index, exc)
+                self.groups.pop(index, PlacedGroup(None)).remove()  # this attempt's group, if it placed one
                 time.sleep(1.0)
         raise RuntimeError(f"could not replace {self.actor_name(index)}")
 
@@ -166,9 +179,17 @@ class WorkerPool:
         return f"bulkgen-worker-{index}" + (f"-tp{ranks}" if ranks > 1 else "")
 
     def shutdown(self) -> None:
-        for handle in self.workers:
-            try:
-                ray.kill(handle)
-            except Exception:
-                pass
+        for index in range(len(self.workers)):
+            self._remove(index)
         self.workers = []
+
+    def _remove(self, index: int) -> None:
+        """End worker `index`: its actor, or its group's actors and placement group."""
+        group = self.groups.pop(index, None)
+        if group is not None:
+            group.remove()
+            return
+        try:
+            ray.kill(self.workers[index])
+        except Exception:  # already gone
+            pass

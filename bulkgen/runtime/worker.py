@@ -34,6 +34,7 @@ from bulkgen.engine import heap
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
 from bulkgen.models.registry import fetch_folder, resolve_model_path
+from bulkgen.runtime import node_ip
 from bulkgen.runtime.engine_loop import EngineLoop
 from bulkgen.runtime.held import HeldRange, Prepared
 from bulkgen.runtime.lineindex import read_lines
@@ -57,8 +58,12 @@ class EngineWorker(EngineLoop, PartWriter):
         engine_kwargs: dict[str, Any] | None = None,
         cpu_threads: int | None = None,
         images: ImageSettings | None = None,
+        launcher=None,
     ):
+        """`launcher`: how a tensor-parallel engine's follower ranks start (runtime/groups.py's actors of
+        this worker's placed group); None starts them as processes (tensor_parallel.ProcessLauncher)."""
         self.index = index
+        self.launcher = launcher
         self.image_policy = images or ImageSettings()  # what load_images may read, and how much
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
@@ -87,7 +92,7 @@ class EngineWorker(EngineLoop, PartWriter):
         self._writes: queue.Queue = queue.Queue()
         self._load_lock = threading.Lock()  # a load the dispatcher asks for waits for one under way
         self._tasks: deque = deque()  # (fn, Future): torch work other threads hand the engine thread
-        self.node_ip = _node_ip()
+        self.node_ip = node_ip()
         self.torch_threads: int | None = None  # set by the engine thread
         self._step_times = StepTimes()  # the loaded engine's step wall times, reported by poll
         self._ranks: list[dict] | None = None  # a tensor-parallel engine's ranks, reported by poll
@@ -106,22 +111,35 @@ class EngineWorker(EngineLoop, PartWriter):
                 from bulkgen.engine import engine_class
 
                 with self._cond:
-                    self.engine, self.model_name, self.model_key = None, None, None
+                    old, self.engine, self.model_name, self.model_key = self.engine, None, None, None
+                if old is not None:  # its tensor-parallel ranks stop (follower actors then serve the next)
+                    self._on_engine_thread(old.close)
+                del old
                 heap.thaw()  # the dropped engine's cycles become collectable (heap.py)
                 path = resolve_model_path(model_path, endpoint_url=endpoint_url)
+                launcher = {"launcher": self.launcher} if self.launcher is not None else {}
                 engine = self._on_engine_thread(
-                    lambda: engine_class().from_pretrained(path, **self.engine_kwargs)
+                    lambda: engine_class().from_pretrained(path, **launcher, **self.engine_kwargs)
                 )
                 heap.freeze_loaded()  # no full collection walks the loaded model during steps (heap.py)
-                tp = getattr(engine.runner, "tp", None)
+                ranks = self._rank_table(engine)
                 with self._cond:
-                    self._ranks = tp.rank_memory() if tp is not None else None
+                    self._ranks = ranks
                     self.engine, self.model_name = engine, model_name
                     self._loras, self._lora_failed = {}, {}
                     self._step_times = StepTimes()
                     self.model_key = model_key(model_name, model_path)
                     self._cond.notify_all()
         return self.info()
+
+    def _rank_table(self, engine) -> list[dict] | None:
+        """A tensor-parallel engine's ranks for the dashboard: each one's pid, device and load memory, and
+        for a placed group its node and GPUs; None for a single-process engine."""
+        tp = getattr(engine.runner, "tp", None)
+        if tp is None:
+            return None
+        memory = tp.rank_memory()
+        return self.launcher.ranks(memory) if hasattr(self.launcher, "ranks") else memory
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -372,19 +390,3 @@ class EngineWorker(EngineLoop, PartWriter):
             return 0
         slots = self.engine.config.max_num_seqs
         return max(0, slots * 5 // 2 - len(self._live) - len(self._inbox) - self._preparing)
-
-
-def _node_ip() -> str | None:
-    """This worker's node address, for operators (dashboard, log lines); None outside Ray."""
-    try:
-        import ray
-
-        if not ray.is_initialized():
-            return None
-        # the address the node registered with (what `ray status` shows), not this host's default route's
-        return (
-            getattr(ray._private.worker.global_worker, "node_ip_address", None)
-            or ray.util.get_node_ip_address()
-        )
-    except Exception:
-        return None
