@@ -26,6 +26,7 @@ from .hybrid_layers import (
     state_scope,
     wrap_mixers,
 )
+from .image_blocks import route, step_blocks
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
 from .lora_slots import LoraSlots
@@ -124,6 +125,8 @@ class ModelRunner:
         self.states = self._state_pool(mixers)  # hybrid models' recurrent state: None otherwise
         attending = [layer for layer in self.layers if layer is not None]
         self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
+        if vision is not None and vision.bidirectional:  # steps reaching image blocks run plain
+            self.backend = route(self.backend)
         self.num_blocks = self._num_blocks(max_model_len)
         rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
         k_slots = [
@@ -367,6 +370,8 @@ class ModelRunner:
             len(prefill),
             self.block_size,
         )
+        if self.vision is not None and self.vision.bidirectional:
+            plan.image_blocks = step_blocks(prefill)
         return ordered, plan
 
 

@@ -26,18 +26,22 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import image_blocks
+
 # model classes checked against transformers' generate (tests/engine/test_vision.py)
 CHECKED = {
     "LlavaForConditionalGeneration",
     "Idefics3ForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
 }
+# families whose image tokens attend to their whole image (each run of image tokens bidirectionally):
+# chunked prefill and attention follow image_blocks.py for them
+BIDIRECTIONAL_IMAGES = {"Gemma3ForConditionalGeneration"}
 # why each refused family cannot run yet: said at load
 REFUSED = {
     "Qwen2VLForConditionalGeneration": "not yet checked against transformers",
-    "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
-    "attention does not do",
     "Mistral3ForConditionalGeneration": "not yet checked against transformers (its Pixtral processor needs "
     "torchvision)",
     "SmolVLMForConditionalGeneration": "not yet checked against transformers",
@@ -113,6 +117,7 @@ class RequestImages:
         self.mrope: torch.Tensor | None = None
         self.mrope_delta = 0
         self.hash_prompt = _keyed(prompt, self.rows, inputs.hashes, counts)
+        self.blocks: list[tuple[int, int]] = []  # image blocks read bidirectionally (BIDIRECTIONAL_IMAGES)
 
     @property
     def last_row(self) -> int:
@@ -192,10 +197,13 @@ class VisionTower:
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
         self.mrope = hasattr(vlm.model, "get_rope_index")  # 3-D positions (Qwen-VL's M-RoPE)
+        self.bidirectional = type(vlm).__name__ in BIDIRECTIONAL_IMAGES
 
     def admit(self, prompt: list[int], inputs: ImageInputs) -> RequestImages:
         """A request's images as the engine keeps them; ValueError if they do not match its prompt."""
         images = RequestImages(inputs, prompt, self.image_token_id)
+        if self.bidirectional:
+            images.blocks = image_blocks.runs(images.rows)
         if self.mrope:
             ids = torch.tensor([prompt], device=self.vlm.device)
             extras = {k: v.to(self.vlm.device) for k, v in inputs.extras.items()}

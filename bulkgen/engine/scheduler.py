@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .image_blocks import whole_blocks
 from .sequence import Sequence, SequenceStatus
 from .waiting import WaitingQueue
 
@@ -89,13 +90,14 @@ class Scheduler:
         scheduled: set[int] = set()
         running, bs = SequenceStatus.RUNNING, self.bm.block_size
         for seq in order:
-            if budget == 0:
+            if budget <= 0:  # below zero after a chunk took an image block whole (image_blocks.py)
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.scores_prompt:
                 n = self._prompt_rows(seq, n)
+            n = whole_blocks(seq, seq.num_computed_tokens, n)
             if not n:
                 continue
             self.bm.slide(seq)  # blocks behind a window are free for the growth below
@@ -152,6 +154,7 @@ class Scheduler:
                 return  # its prefix is being computed now: admit it next step, as a cache hit
             skipped = len(cached) * self.bm.block_size if cached else 0
             n = self._prompt_rows(seq, min(len(seq) - skipped, budget))
+            n = whole_blocks(seq, skipped, n)
             if self.states is not None and not self.states.num_free:
                 return
             if not n or not self.bm.admit(seq, cached, skipped + n):
