@@ -81,9 +81,16 @@ def process(processor, text: str, images: list) -> tuple[list[int], ImageInputs 
     extras = {k: v for k, v in out.items() if k not in _NOT_ENCODER and isinstance(v, torch.Tensor)}
     ids = out["input_ids"][0].tolist()
     counts = _counts(processor, images)
-    if counts is not None and sum(counts) != ids.count(getattr(processor, "image_token_id", None)):
+    if counts is not None and sum(counts) != ids.count(_placeholder_id(processor)):
         counts = None  # the processor counts the image's framing tokens too (Idefics3): not per placeholder
     return ids, ImageInputs(out["pixel_values"], [image_hash(i) for i in images], counts, extras)
+
+
+def _placeholder_id(processor) -> int | None:
+    """The token each image embedding replaces: the first of transformers' `image_token_ids` (Gemma 3's
+    processor gives the name `image_token_id` to its begin-of-image token, not its soft image token)."""
+    ids = getattr(processor, "image_token_ids", None) or [getattr(processor, "image_token_id", None)]
+    return ids[0]
 
 
 def _counts(processor, images: list) -> list[int] | None:

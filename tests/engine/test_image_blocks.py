@@ -43,6 +43,7 @@ def test_a_prefix_hit_ending_inside_an_image_block_resumes_it_whole(gemma3):
     second = gemma3.prompt([noise_image(7)], "Name a colour in it.")
     image_token = gemma3.reference.config.image_token_id
     lo, hi = _block(second[0], image_token)
+    assert second[1].token_counts == [hi - lo]  # the block is keyed by its own image's hash
     differ = next(i for i, (a, b) in enumerate(zip(first[0], second[0], strict=False)) if a != b)
     # the block size whose hit ends deepest inside the block (the hit is whole blocks before `differ`)
     bs = max(range(2, 17), key=lambda b: hi - differ // b * b if lo < differ // b * b < hi else -1)
