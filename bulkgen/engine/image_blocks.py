@@ -11,9 +11,10 @@ or a later key of the same block" (attn_plain.visible, `blocks`).
 Three rules follow, one per place:
 - **Chunking** (`chunk_end`, called by the scheduler): a prefill chunk never computes part of a block
   without the rest of it, since the K/V of a block's first tokens depend on its last ones. A chunk that
-  would end inside a block ends at the block's start instead; a chunk that starts at (or, after a prefix
-  cache hit, inside) a block takes the block's rest whole, even past the step's token budget (by at most
-  one block, as vLLM does for multimodal items it will not split: `disable_chunked_mm_input`).
+  would end inside a block ends at the block's start instead (vLLM's `disable_chunked_mm_input`, which
+  it forces for such models); a chunk that starts at (or, after a prefix cache hit, inside) a block takes
+  the block's rest whole, even past the step's token budget, by at most one block (vLLM instead requires
+  the budget to hold the largest image; here a small budget still runs).
 - **Attention** (`step_blocks`, read by the runner into StepPlan.image_blocks): the plain backend masks
   each chunk that reaches a block with the bidirectional rows added.
 - **Routing** (`ImageBlockRouting`): the fused CUDA kernels here take only causal (bottom-right) masks,

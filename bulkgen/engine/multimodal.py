@@ -7,14 +7,17 @@ plan and the sampler see a plain decoder. `VisionTower` runs the encoder and pro
 (`get_image_features`) for every request of a step whose prompt chunk reaches an image it has not encoded
 yet, all of them in one call where their pixel tensors stack. The embeddings are kept on the request until
 every one of its sequences has computed past its last image token, so a chunked prefill may split an
-image's run anywhere; a preempted sequence that needs them again has them encoded again.
+image's run anywhere (except in a model whose image tokens attend to each other: image_blocks.py); a
+preempted sequence that needs them again has them encoded again.
 
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
 Families (CHECKED): LLaVA and Idefics3 (the text model's own 1-D positions), Qwen2.5-VL and Qwen3-VL
 (M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
-rows travel with each image row and reach the text model for the step's image tokens). Others are refused by name at load
+rows travel with each image row and reach the text model for the step's image tokens), Gemma 3 (1-D
+positions; embeddings spliced into the text model's scaled token embeddings, as transformers does; image
+blocks bidirectional: `BIDIRECTIONAL_IMAGES`, image_blocks.py). Others are refused by name at load
 (`check_family`).
 """
 
