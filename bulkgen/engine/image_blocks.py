@@ -49,6 +49,12 @@ def runs(rows: list[int]) -> Blocks:
     return blocks
 
 
+def longest(images) -> int:
+    """The most tokens of one image block of a request's `images` (multimodal.RequestImages or None):
+    the longest chunk its prefill may compute in one step beyond the budget."""
+    return max((hi - lo for lo, hi in images.blocks), default=0) if images is not None else 0
+
+
 def chunk_end(blocks: Blocks, start: int, end: int) -> int:
     """Where a prefill chunk over positions [start, end) must end so that it splits no image block: `end`
     itself unless it falls strictly inside a block; then the block's start if the chunk begins before

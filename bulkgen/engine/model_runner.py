@@ -192,9 +192,11 @@ class ModelRunner:
         wrap_mixers(mixers, pool)
         return pool
 
-    def peak_blocks(self, num_tokens: int) -> int:
-        """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout)."""
-        return self.layout.peak_blocks(num_tokens, self.config.max_num_batched_tokens, self.block_size)
+    def peak_blocks(self, num_tokens: int, longest_chunk: int = 0) -> int:
+        """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout), its chunks
+        being at most the step's budget, or `longest_chunk` (an image block taken whole: image_blocks.py)."""
+        step = max(self.config.max_num_batched_tokens, longest_chunk)
+        return self.layout.peak_blocks(num_tokens, step, self.block_size)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:

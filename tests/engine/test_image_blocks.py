@@ -95,3 +95,38 @@ def test_a_fused_backend_hands_steps_reaching_image_blocks_to_plain(gemma3, monk
     outs = run_outputs(engine, batch)
     assert [o.outputs[0].token_ids for o in outs] == [expected for *_, expected in batch]
     assert used["plain"] > 0 and used["flash_varlen"] > 0, used
+
+
+def test_a_request_is_sized_for_its_image_block_taken_whole(gemma3):
+    """A chunk that takes an image block past the step budget holds more sliding-window blocks than a
+    budget-sized one: a request is checked against that at add_request (a cache sized for budget-sized
+    chunks only took it, then stalled the whole engine with 'scheduler made no progress'), and runs with
+    transformers' token in a cache that holds it."""
+    from bulkgen.engine import SamplingParams
+    from bulkgen.engine.multimodal import process
+
+    content = [{"type": "text", "text": "Look"}, {"type": "image"}]  # the block ends near the prompt's end
+    text = gemma3.processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    images = [noise_image(1)]
+    ids, inputs = process(gemma3.processor, text, images)
+    lo, hi = _block(ids, gemma3.reference.config.image_token_id)
+    params = SamplingParams(max_tokens=1, temperature=0)
+    settings = dict(max_num_seqs=1, block_size=2, max_num_batched_tokens=2)
+    runner = gemma3.engine(**settings, num_kv_blocks=1).runner
+    budget_sized, block_sized = runner.peak_blocks(len(ids) + 1), runner.peak_blocks(len(ids) + 1, hi - lo)
+    assert block_sized > budget_sized
+    small = gemma3.engine(**settings, num_kv_blocks=block_sized - 1)
+    with pytest.raises(
+        ValueError, match=f"needs {block_sized} KV blocks but the cache has {block_sized - 1}"
+    ):
+        small.add_request("a", ids, params, images=inputs)
+    engine = gemma3.engine(**settings, num_kv_blocks=block_sized)
+    encoded = gemma3.processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    engine.add_request("a", ids, params, images=inputs)
+    done = []
+    while engine.has_unfinished():
+        done.extend(engine.step())
+    (out,) = done
+    assert out.outputs[0].token_ids == gemma3.expected(encoded)[:1]
