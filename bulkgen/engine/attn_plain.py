@@ -4,9 +4,10 @@ It is the CPU path, the float32 reference every fused kernel is checked against 
 fallback for what no fused kernel in this torch takes (logit soft-capping). A continuation chunk, or
 any chunk of a sliding-window or chunked layer, gathers its keys from the cache, from the first
 position its first query reads, and gets an explicit mask (each query reads from `first_visible` of
-its own position). Soft-capped or sink layers go through `eager_attention` (scores in float32,
-transformers' eager order: scale, soft-cap, mask, sinks as one more softmax column), as SDPA takes
-neither.
+its own position). A chunk reaching an image block whose tokens read each other both ways gets a mask
+too (Gemma 3: each of the block's queries also reads the block's later keys, image_blocks.py).
+Soft-capped or sink layers go through `eager_attention` (scores in float32, transformers' eager order:
+scale, soft-cap, mask, sinks as one more softmax column), as SDPA takes neither.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ This is continuous batching: admit whenever there is room. Another admission rul
 dynamic batching that `bulkgen bench` compares against it, bulkgen/lab/grouped.py) subclasses Scheduler
 and overrides its hooks: `_admission_open`, `_next_candidate`/`_pop_candidate`, `held`, `idle_wait`.
 
+In a model whose image tokens attend to their whole image (Gemma 3), a prefill chunk never ends inside
+an image block: it stops at the block's start or takes the block whole, past the step's budget by at most
+one block (image_blocks.py).
+
 A prompt_logprobs prefill needs logits at every prompt position: it takes no cached prefix blocks, and
 its chunks are capped at PROMPT_LOGIT_ROWS tokens per step (all such sequences together), so the
 [rows, vocab] logits of a long prompt never exhaust memory.
