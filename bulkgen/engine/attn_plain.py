@@ -4,9 +4,10 @@ It is the CPU path, the float32 reference every fused kernel is checked against 
 fallback for what no fused kernel in this torch takes (logit soft-capping). A continuation chunk, or
 any chunk of a sliding-window or chunked layer, gathers its keys from the cache, from the first
 position its first query reads, and gets an explicit mask (each query reads from `first_visible` of
-its own position). Soft-capped or sink layers go through `eager_attention` (scores in float32,
-transformers' eager order: scale, soft-cap, mask, sinks as one more softmax column), as SDPA takes
-neither.
+its own position). A chunk reaching an image block whose tokens read each other both ways gets a mask
+too (Gemma 3: each of the block's queries also reads the block's later keys, image_blocks.py).
+Soft-capped or sink layers go through `eager_attention` (scores in float32, transformers' eager order:
+scale, soft-cap, mask, sinks as one more softmax column), as SDPA takes neither.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Segment:
     kind: AttnKind = FULL
     rows: torch.Tensor | slice | None = None
     mask: torch.Tensor | None = None
+    blocks: list[tuple[int, int]] | None = None  # image blocks read bidirectionally (image_blocks.py)
 
 
 @dataclass
@@ -84,6 +86,8 @@ class PlainBackend:
         for i in range(plan.num_prefill):
             start, n = plan.starts[i], plan.counts[i]
             seg = Segment(q_off, q_off + n, start, 0, kind)
+            if plan.image_blocks:
+                seg.blocks = plan.image_blocks[i] or None
             if start > 0:
                 seg.key_start = kind.first_visible(start)
                 seg.rows = pack.add(
@@ -98,8 +102,9 @@ class PlainBackend:
         for seg in segments:
             if seg.rows is not None:
                 seg.rows = flat[seg.rows]
-            if seg.rows is not None or not seg.kind.is_full:
-                seg.mask = visible(seg.kind, seg.start, seg.q_end - seg.q_start, seg.key_start, flat.device)
+            if seg.rows is not None or not seg.kind.is_full or seg.blocks:
+                count = seg.q_end - seg.q_start
+                seg.mask = visible(seg.kind, seg.start, count, seg.key_start, flat.device, seg.blocks)
         return segments, decode.bind(flat) if decode is not None else None
 
     def attend(self, q, k, v, k_cache, v_cache, meta, scale: float, softcap=None, sinks=None) -> torch.Tensor:
@@ -123,12 +128,17 @@ class PlainBackend:
         return out
 
 
-def visible(kind: AttnKind, start: int, count: int, key_start: int, device) -> torch.Tensor:
+def visible(kind: AttnKind, start: int, count: int, key_start: int, device, blocks=None) -> torch.Tensor:
     """[count, keys] bool: which keys (positions key_start .. start + count - 1) each query (positions
-    start .. start + count - 1) reads."""
+    start .. start + count - 1) reads. `blocks`: [lo, hi) image blocks whose queries also read the later
+    keys of their own block (Gemma 3; image_blocks.py: the chunk holds the rest of every block it reaches)."""
     q_pos = torch.arange(start, start + count, device=device)[:, None]
     k_pos = torch.arange(key_start, start + count, device=device)[None, :]
-    return (k_pos <= q_pos) & (k_pos >= kind.first_visible_t(q_pos))
+    mask = (k_pos <= q_pos) & (k_pos >= kind.first_visible_t(q_pos))
+    for lo, hi in blocks or ():
+        q_in, k_in = (q_pos >= lo) & (q_pos < hi), (k_pos >= lo) & (k_pos < hi)
+        mask |= q_in & k_in & (k_pos > q_pos)
+    return mask
 
 
 def _context_rows(table: list[int], first: int, end: int, bs: int) -> list[int]:

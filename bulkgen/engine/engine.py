@@ -35,6 +35,7 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
 from .grammar import GrammarRuntime
+from .image_blocks import longest
 from .loading import load_model
 from .lora import LoraError, load_adapter
 from .model_runner import ModelRunner, StepLogits
@@ -215,7 +216,7 @@ class Engine(OverlappedSteps):
         self._check_vocab(request_id, params)
         ids = self._tokenize(request_id, prompt)
         with_images = self._images(request_id, ids, images)
-        max_tokens, count = self._fit(request_id, len(ids), params, embed is not None)
+        max_tokens, count = self._fit(request_id, len(ids), params, embed is not None, longest(with_images))
         stop_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else self.eos_token_ids
         )
@@ -265,9 +266,12 @@ class Engine(OverlappedSteps):
         """Names of the adapters loaded, sorted."""
         return sorted(self.runner.loras.adapters)
 
-    def _fit(self, request_id: str, prompt_len: int, params: SamplingParams, embed: bool) -> tuple[int, int]:
+    def _fit(
+        self, request_id: str, prompt_len: int, params: SamplingParams, embed: bool, chunk: int = 0
+    ) -> tuple[int, int]:
         """(max_tokens within the context, sequences to run) of a request whose prompt fits the context
-        and whose every sequence fits the KV cache alone; ValueError naming the limit otherwise."""
+        and whose every sequence fits the KV cache alone; ValueError naming the limit otherwise. `chunk`:
+        its longest prefill chunk where that may exceed the step budget (an image block: image_blocks.py)."""
         if prompt_len >= self.max_model_len + embed:  # a prompt to embed may fill the context
             raise ValueError(
                 f"request {request_id!r}: prompt of {prompt_len} tokens exceeds the context length "
@@ -275,7 +279,7 @@ class Engine(OverlappedSteps):
             )
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)  # Python ints: no overflow
         count = params.num_sequences if max_tokens else int(params.prompt_logprobs is not None or embed)
-        blocks = self.runner.peak_blocks(prompt_len + max_tokens)  # over every KV group
+        blocks = self.runner.peak_blocks(prompt_len + max_tokens, chunk)  # over every KV group
         if count and blocks > self.runner.num_blocks:  # its sequences never need to be resident together
             raise ValueError(
                 f"request {request_id!r}: each of its {count} sequences needs {blocks} KV blocks but the cache "

@@ -26,6 +26,7 @@ from .hybrid_layers import (
     state_scope,
     wrap_mixers,
 )
+from .image_blocks import route, step_blocks
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
 from .lora_slots import LoraSlots
@@ -124,6 +125,8 @@ class ModelRunner:
         self.states = self._state_pool(mixers)  # hybrid models' recurrent state: None otherwise
         attending = [layer for layer in self.layers if layer is not None]
         self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
+        if vision is not None and vision.bidirectional:  # steps reaching image blocks run plain
+            self.backend = route(self.backend)
         self.num_blocks = self._num_blocks(max_model_len)
         rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
         k_slots = [
@@ -189,9 +192,11 @@ class ModelRunner:
         wrap_mixers(mixers, pool)
         return pool
 
-    def peak_blocks(self, num_tokens: int) -> int:
-        """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout)."""
-        return self.layout.peak_blocks(num_tokens, self.config.max_num_batched_tokens, self.block_size)
+    def peak_blocks(self, num_tokens: int, longest_chunk: int = 0) -> int:
+        """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout), its chunks
+        being at most the step's budget, or `longest_chunk` (an image block taken whole: image_blocks.py)."""
+        step = max(self.config.max_num_batched_tokens, longest_chunk)
+        return self.layout.peak_blocks(num_tokens, step, self.block_size)
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
@@ -367,6 +372,8 @@ class ModelRunner:
             len(prefill),
             self.block_size,
         )
+        if self.vision is not None and self.vision.bidirectional:
+            plan.image_blocks = step_blocks(prefill)
         return ordered, plan
 
 

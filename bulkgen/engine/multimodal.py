@@ -7,14 +7,17 @@ plan and the sampler see a plain decoder. `VisionTower` runs the encoder and pro
 (`get_image_features`) for every request of a step whose prompt chunk reaches an image it has not encoded
 yet, all of them in one call where their pixel tensors stack. The embeddings are kept on the request until
 every one of its sequences has computed past its last image token, so a chunked prefill may split an
-image's run anywhere; a preempted sequence that needs them again has them encoded again.
+image's run anywhere (except in a model whose image tokens attend to each other: image_blocks.py); a
+preempted sequence that needs them again has them encoded again.
 
 Prefix caching keys each placeholder token by its image's content hash (`RequestImages.hash_ids`): two
 prompts share cached blocks over an image only when the image is the same.
 
-Families (CHECKED): LLaVA, Idefics3, SmolVLM and Mistral 3 (the text model's own 1-D positions), Qwen2-VL, Qwen2.5-VL and
-Qwen3-VL (M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`; Qwen3-VL's deepstack
-rows travel with each image row and reach the text model for the step's image tokens). Others are refused by name at load
+Families (CHECKED): LLaVA, Idefics3, SmolVLM and Mistral 3 (the text model's own 1-D positions), Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL (M-RoPE: 3-D positions per prompt from the model's own rule, `mrope_positions`;
+Qwen3-VL's deepstack rows travel with each image row and reach the text model for the step's image tokens),
+Gemma 3 (1-D positions; embeddings spliced into the text model's scaled token embeddings, as transformers
+does; image blocks bidirectional: `BIDIRECTIONAL_IMAGES`, image_blocks.py). Others are refused by name at load
 (`check_family`).
 """
 
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import image_blocks
+
 # model classes checked against transformers' generate (tests/engine/test_vision.py)
 CHECKED = {
     "LlavaForConditionalGeneration",
@@ -35,12 +40,11 @@ CHECKED = {
     "Qwen2VLForConditionalGeneration",
     "SmolVLMForConditionalGeneration",
     "Mistral3ForConditionalGeneration",
+    "Gemma3ForConditionalGeneration",
 }
-# why each refused family cannot run yet: said at load
-REFUSED = {
-    "Gemma3ForConditionalGeneration": "its image tokens attend bidirectionally, which the causal packed "
-    "attention does not do",
-}
+# families whose image tokens attend to their whole image (each run of image tokens bidirectionally):
+# chunked prefill and attention follow image_blocks.py for them
+BIDIRECTIONAL_IMAGES = {"Gemma3ForConditionalGeneration"}
 
 
 @dataclass
@@ -76,9 +80,16 @@ def process(processor, text: str, images: list) -> tuple[list[int], ImageInputs 
     extras = {k: v for k, v in out.items() if k not in _NOT_ENCODER and isinstance(v, torch.Tensor)}
     ids = out["input_ids"][0].tolist()
     counts = _counts(processor, images)
-    if counts is not None and sum(counts) != ids.count(getattr(processor, "image_token_id", None)):
+    if counts is not None and sum(counts) != ids.count(_placeholder_id(processor)):
         counts = None  # the processor counts the image's framing tokens too (Idefics3): not per placeholder
     return ids, ImageInputs(out["pixel_values"], [image_hash(i) for i in images], counts, extras)
+
+
+def _placeholder_id(processor) -> int | None:
+    """The token each image embedding replaces: the first of transformers' `image_token_ids` (Gemma 3's
+    processor gives the name `image_token_id` to its begin-of-image token, not its soft image token)."""
+    ids = getattr(processor, "image_token_ids", None) or [getattr(processor, "image_token_id", None)]
+    return ids[0]
 
 
 def _counts(processor, images: list) -> list[int] | None:
@@ -112,6 +123,7 @@ class RequestImages:
         self.mrope: torch.Tensor | None = None
         self.mrope_delta = 0
         self.hash_prompt = _keyed(prompt, self.rows, inputs.hashes, counts)
+        self.blocks: list[tuple[int, int]] = []  # image blocks read bidirectionally (BIDIRECTIONAL_IMAGES)
 
     @property
     def last_row(self) -> int:
@@ -138,9 +150,9 @@ def check_family(model: torch.nn.Module) -> None:
 def _check_name(name: str) -> None:
     if name in CHECKED:
         return
-    why = REFUSED.get(name, "not yet checked against transformers")
     raise ValueError(
-        f"{name}: bulkgen does not run this vision-language model ({why}); it runs {sorted(CHECKED)}"
+        f"{name}: bulkgen does not run this vision-language model (not yet checked against transformers); "
+        f"it runs {sorted(CHECKED)}"
     )
 
 
@@ -191,10 +203,13 @@ class VisionTower:
         if self.image_token_id is None:
             self.image_token_id = config.image_token_index
         self.mrope = hasattr(vlm.model, "get_rope_index")  # 3-D positions (Qwen-VL's M-RoPE)
+        self.bidirectional = type(vlm).__name__ in BIDIRECTIONAL_IMAGES
 
     def admit(self, prompt: list[int], inputs: ImageInputs) -> RequestImages:
         """A request's images as the engine keeps them; ValueError if they do not match its prompt."""
         images = RequestImages(inputs, prompt, self.image_token_id)
+        if self.bidirectional:
+            images.blocks = image_blocks.runs(images.rows)
         if self.mrope:
             ids = torch.tensor([prompt], device=self.vlm.device)
             extras = {k: v.to(self.vlm.device) for k, v in inputs.extras.items()}

@@ -13,6 +13,10 @@ This is continuous batching: admit whenever there is room. Another admission rul
 dynamic batching that `bulkgen bench` compares against it, bulkgen/lab/grouped.py) subclasses Scheduler
 and overrides its hooks: `_admission_open`, `_next_candidate`/`_pop_candidate`, `held`, `idle_wait`.
 
+In a model whose image tokens attend to their whole image (Gemma 3), a prefill chunk never ends inside
+an image block: it stops at the block's start or takes the block whole, past the step's budget by at most
+one block (image_blocks.py).
+
 A prompt_logprobs prefill needs logits at every prompt position: it takes no cached prefix blocks, and
 its chunks are capped at PROMPT_LOGIT_ROWS tokens per step (all such sequences together), so the
 [rows, vocab] logits of a long prompt never exhaust memory.
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .image_blocks import whole_blocks
 from .sequence import Sequence, SequenceStatus
 from .waiting import WaitingQueue
 
@@ -89,13 +94,14 @@ class Scheduler:
         scheduled: set[int] = set()
         running, bs = SequenceStatus.RUNNING, self.bm.block_size
         for seq in order:
-            if budget == 0:
+            if budget <= 0:  # below zero after a chunk took an image block whole (image_blocks.py)
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this loop
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.scores_prompt:
                 n = self._prompt_rows(seq, n)
+            n = whole_blocks(seq, seq.num_computed_tokens, n)
             if not n:
                 continue
             self.bm.slide(seq)  # blocks behind a window are free for the growth below
@@ -152,6 +158,7 @@ class Scheduler:
                 return  # its prefix is being computed now: admit it next step, as a cache hit
             skipped = len(cached) * self.bm.block_size if cached else 0
             n = self._prompt_rows(seq, min(len(seq) - skipped, budget))
+            n = whole_blocks(seq, skipped, n)
             if self.states is not None and not self.states.num_free:
                 return
             if not n or not self.bm.admit(seq, cached, skipped + n):

@@ -26,6 +26,9 @@ class StepPlan:
     # slice of their row numbers and that table; None: backends build the decodes' tables from block_tables
     decode_rows: slice | None = None
     decode_table: torch.Tensor | None = None
+    # per prefill sequence, the [start, end) image blocks its chunk reaches whose tokens attend to each
+    # other bidirectionally (image_blocks.step_blocks); None: every query is causal
+    image_blocks: list[list[tuple[int, int]]] | None = None
 
     @property
     def ends(self) -> list[int]:

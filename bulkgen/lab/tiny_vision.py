@@ -286,6 +286,47 @@ def _mistral3(tok, hidden_size: int):
         images, tok, patch_size=7, spatial_merge_size=2, chat_template=chat_template("[IMG]")
     )
     return tf.Mistral3ForConditionalGeneration(config), processor
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+
+
+def _gemma3(tok, hidden_size: int):
+    """Gemma 3: a SigLIP encoder on 56-pixel images (14-pixel patches, 16 soft tokens an image, no pooling)
+    framed by begin/end-of-image tokens, and its text model (sliding and full layers, embeddings scaled by
+    sqrt(hidden)) whose image tokens attend to their whole image bidirectionally. The window of 6 is
+    shorter than an image's 16 tokens, so the sliding layers' AND(window, OR(causal, image)) is exercised;
+    pan-and-scan is off."""
+    import torch
+    import transformers as tf
+
+    tok.add_special_tokens({"additional_special_tokens": list(GEMMA3_TOKENS.values())})
+    # how transformers names a model's own special tokens (from_pretrained does this with extra token
+    # keywords): the processor reads tokenizer.boi_token / image_token / eoi_token
+    tok._set_model_specific_special_tokens(GEMMA3_TOKENS)
+    text = _text_settings(tok, hidden_size)
+    text.update(head_dim=16, query_pre_attn_scalar=16, sliding_window=6)
+    text["layer_types"] = ["sliding_attention", "full_attention"]
+    config = tf.Gemma3Config(
+        text_config=tf.Gemma3TextConfig(**text),
+        vision_config=tf.SiglipVisionConfig(**ENCODER, image_size=56, patch_size=14),
+        mm_tokens_per_image=16,
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+        tie_word_embeddings=False,
+    )
+    images = tf.Gemma3ImageProcessorPil(size={"height": 56, "width": 56}, do_pan_and_scan=False)
+    processor = tf.Gemma3Processor(
+        image_processor=images, tokenizer=tok, image_seq_length=16, chat_template=chat_template(tok.boi_token)
+    )
+    model = tf.Gemma3ForConditionalGeneration(config)
+    # transformers starts the projector at zero (every image embedding zero); drawn instead, so that the
+    # images, and how their tokens attend to each other, change greedy tokens
+    torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
+    return model, processor
 
 
 BUILDERS = {
@@ -296,6 +337,7 @@ BUILDERS = {
     "qwen2_vl": _qwen2_vl,
     "smolvlm": _smolvlm,
     "mistral3": _mistral3,
+    "gemma3": _gemma3,
 }
 VISION_FAMILIES = tuple(BUILDERS)
 
