@@ -286,6 +286,8 @@ def _mistral3(tok, hidden_size: int):
         images, tok, patch_size=7, spatial_merge_size=2, chat_template=chat_template("[IMG]")
     )
     return tf.Mistral3ForConditionalGeneration(config), processor
+
+
 GEMMA3_TOKENS = {
     "boi_token": "<start_of_image>",
     "image_token": "<image_soft_token>",
