@@ -26,10 +26,9 @@ def test_a_killed_rank_takes_its_group_down_and_the_batch_completes_exactly_once
     engine = {
         "max_num_seqs": 32,
         "max_num_batched_tokens": 512,
-        "tensor_parallel": 2,
         "collective_timeout_s": 30,
     }
-    workers = WorkerSettings(cpu_workers=1, engine_kwargs=engine)
+    workers = WorkerSettings(cpu_workers=1, engine_kwargs=engine, tensor_parallel={MODEL: 2})
     service = Service(
         Settings(
             storage=str(tmp_path / "store"),

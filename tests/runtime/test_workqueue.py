@@ -35,7 +35,7 @@ def _spans(ranges: list[QueuedRange]) -> list[tuple[int, int]]:
 
 
 def _queue(workers: int = 1, fair_after: float = 30.0) -> WorkQueue:
-    return WorkQueue(lambda: workers, fair_after)
+    return WorkQueue(lambda _ranks: workers, fair_after)
 
 
 def _add(q: WorkQueue, job: QueuedBatch, index: LineIndex, size: int) -> None:
@@ -58,7 +58,7 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
 
 def test_fifo_then_deadline_and_no_starvation():
     clock = FakeClock()
-    q = WorkQueue(lambda: 1, fair_share_after_s=30.0, clock=clock)
+    q = WorkQueue(lambda _ranks: 1, fair_share_after_s=30.0, clock=clock)
     _add(q, _job("old-big", order=1.0), _index([1] * 100), 10)
     _add(q, _job("new-small", order=2.0), _index([1] * 5), 10)
     assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
