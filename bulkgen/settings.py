@@ -168,6 +168,10 @@ ENGINE_FLAGS = {
 
 
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
+    if "tensor_parallel" in engine_kwargs:  # the pool sets it per class of workers from the field
+        raise SettingError(
+            "tensor_parallel", engine_kwargs["tensor_parallel"], "set WorkerSettings.tensor_parallel instead"
+        )
     for key in ENGINE_FLAGS.keys() & engine_kwargs.keys():
         value = engine_kwargs[key]
         try:

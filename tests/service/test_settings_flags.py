@@ -200,6 +200,8 @@ def test_settings_built_in_code_name_the_field():
         WorkerSettings(poll_deadline_s=0.2)
     with pytest.raises(ValueError, match=r"^max_num_seqs 0: must be a positive int$"):
         WorkerSettings(engine_kwargs={"max_num_seqs": 0})
+    with pytest.raises(ValueError, match=r"^tensor_parallel 2: set WorkerSettings.tensor_parallel instead$"):
+        WorkerSettings(engine_kwargs={"tensor_parallel": 2})  # one place says a model's ranks
 
 
 def test_tensor_parallel_is_set_for_every_model_or_per_model_by_name(tmp_path):
