@@ -10,6 +10,7 @@ import os
 import signal
 import urllib.request
 
+from bulkgen.models.registry import EVERY_MODEL
 from bulkgen.settings import Settings, WorkerSettings
 from tests.runtime.test_faults import _assert_exactly_once, _create, _held_rows, _rows
 from tests.support.service import MODEL, Service, random_model, wait_for
@@ -28,7 +29,7 @@ def test_a_killed_rank_takes_its_group_down_and_the_batch_completes_exactly_once
         "max_num_batched_tokens": 512,
         "collective_timeout_s": 30,
     }
-    workers = WorkerSettings(cpu_workers=1, engine_kwargs=engine, tensor_parallel={MODEL: 2})
+    workers = WorkerSettings(cpu_workers=1, engine_kwargs=engine, tensor_parallel={EVERY_MODEL: 2})
     service = Service(
         Settings(
             storage=str(tmp_path / "store"),
