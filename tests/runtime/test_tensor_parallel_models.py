@@ -40,7 +40,8 @@ def _texts(client, batch) -> dict[int, str]:
 
 def test_a_model_at_two_ranks_beside_one_at_one_runs_on_its_own_workers(tmp_path):
     model = str(random_model())
-    engine = {"max_num_seqs": 32, "max_num_batched_tokens": 512, "collective_timeout_s": 30}
+    # the session service's engine settings: in the suite its worker 0 (same name) may be this pool's single one
+    engine = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "collective_timeout_s": 30}
     workers = WorkerSettings(cpu_workers=1, engine_kwargs=engine, tensor_parallel={"big": 2})
     settings = Settings(
         storage=str(tmp_path / "store"), models={"big": model, "small": model}, range_size=2, workers=workers
