@@ -17,7 +17,7 @@ from typing import Any
 
 from bulkgen.engine import QUANTIZE_MODES
 from bulkgen.models.loras import LoraSpec, parse_lora_specs
-from bulkgen.models.registry import parse_model_specs
+from bulkgen.models.registry import EVERY_MODEL, parse_model_specs, parse_tensor_parallel
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
@@ -138,12 +138,6 @@ ENGINE_FLAGS = {
         help="Token budget per engine step "
         "(chunked prefill above it); default by device (CPU 2048, GPU 4k-16k).",
     ),
-    "tensor_parallel": Flag(
-        "--tensor-parallel",
-        type=int,
-        help="Ranks per worker, each holding 1/N of every model's weights and KV heads (one GPU each, on "
-        "one node; processes on CPU): serve a model larger than one GPU. Default 1.",
-    ),
     "async_scheduling": Flag(
         "--async-scheduling",
         type=bool,
@@ -174,6 +168,10 @@ ENGINE_FLAGS = {
 
 
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
+    if "tensor_parallel" in engine_kwargs:  # the pool sets it per class of workers from the field
+        raise SettingError(
+            "tensor_parallel", engine_kwargs["tensor_parallel"], "set WorkerSettings.tensor_parallel instead"
+        )
     for key in ENGINE_FLAGS.keys() & engine_kwargs.keys():
         value = engine_kwargs[key]
         try:
@@ -215,6 +213,13 @@ def parse_hosts(specs: tuple[str, ...] | list[str]) -> tuple[str, ...]:
                 )
             hosts.append(host.strip("[]"))  # an IPv6 literal as a URL's hostname reads it
     return tuple(hosts)
+
+
+def _check_ranks(ranks: dict[str, int]) -> None:
+    for name, count in ranks.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"model name {name!r} is not a name")
+        _positive_int(count)
 
 
 @dataclass
@@ -290,6 +295,20 @@ class WorkerSettings:
     # torch threads per CPU worker (Ray sets 1 otherwise); sized by whoever builds a pool, not by users
     cpu_threads: int | None = setting(None, check=_optional(_positive_int))
     engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
+    # model name (EVERY_MODEL: all not named) -> ranks per worker; the pool starts one class of workers
+    # per rank count in use, and a model's ranges go only to workers of its count (runtime/pool.py)
+    tensor_parallel: dict[str, int] = setting(
+        factory=dict,
+        check=_check_ranks,
+        flag=Flag(
+            "--tensor-parallel",
+            metavar="N|NAME=N",
+            parse=parse_tensor_parallel,
+            help="Ranks per worker, each holding 1/N of the model's weights and KV heads (one GPU each, on one "
+            "node; processes on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
+            "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
+        ),
+    )
     images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
@@ -306,6 +325,10 @@ class WorkerSettings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+
+    def ranks_of(self, model: str) -> int:
+        """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""
+        return self.tensor_parallel.get(model, self.tensor_parallel.get(EVERY_MODEL, 1))
 
 
 @dataclass
@@ -441,3 +464,15 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
+        unknown = sorted(set(self.workers.tensor_parallel) - set(self.models) - {EVERY_MODEL})
+        if unknown:
+            raise SettingError(
+                "tensor_parallel",
+                self.workers.tensor_parallel,
+                f"no served model is named {unknown[0]!r} (--model NAME=PATH names them: "
+                f"{', '.join(sorted(self.models))})",
+            )
+
+    def rank_counts(self) -> list[int]:
+        """The rank counts of the served models' workers, smallest first: one class of workers each."""
+        return sorted({self.workers.ranks_of(name) for name in self.models})

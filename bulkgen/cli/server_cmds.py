@@ -34,14 +34,15 @@ def runtime_options(fn):
 
 @contextlib.contextmanager
 def runtime_errors():
-    """Storage that cannot be used (at startup or later), or Ray that cannot start or be joined: one line
+    """Storage that cannot be used (at startup or later), Ray that cannot start or be joined, or GPUs that
+    cannot hold the workers the models need: one line
     naming it and why, exit status 1."""
-    from bulkgen.runtime import RayUnavailable
+    from bulkgen.runtime import RayUnavailable, WorkersDoNotFit
     from bulkgen.store import StorageUnavailable
 
     try:
         yield
-    except (StorageUnavailable, RayUnavailable) as exc:
+    except (StorageUnavailable, RayUnavailable, WorkersDoNotFit) as exc:
         raise click.ClickException(str(exc)) from None
 
 

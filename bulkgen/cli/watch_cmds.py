@@ -81,7 +81,7 @@ def _settings(ctx: click.Context, job: Job, flags: dict[str, Any]) -> Settings:
         ("storage", job.storage),
         ("models", tuple(job.models)),
         ("loras", tuple(job.loras)),
-        ("tensor_parallel", job.tensor_parallel),
+        ("tensor_parallel", job.rank_flags()),
     )
     for key, value in job_values:
         if value and ctx.get_parameter_source(key) == ParameterSource.DEFAULT:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "bulkgen-tiny"
+EVERY_MODEL = "*"  # the key of `--tensor-parallel N`: the rank count of every model not named
 BUNDLED_MODEL = Path(__file__).resolve().parent / "bundled"  # package data: ships in the wheel
 
 
@@ -31,6 +32,27 @@ def parse_model_specs(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
             raise ValueError(f"--model {spec!r}: the name {name!r} is given twice")
         models[name] = path
     return models
+
+
+def parse_tensor_parallel(specs: tuple[str, ...] | list[str]) -> dict[str, int]:
+    """`--tensor-parallel` values: `N` (every model) or `NAME=N` (the served model NAME), repeatable, to
+    model name (EVERY_MODEL for `N`) -> ranks; ValueError naming the flag and the bad value. Whether each
+    NAME is served is the settings' check (`Settings`), where the models are known."""
+    ranks: dict[str, int] = {}
+    for spec in specs:
+        name, sep, count = str(spec).rpartition("=")
+        name = name.strip() if sep else EVERY_MODEL
+        try:
+            if sep and not name:
+                raise ValueError("expected N or NAME=N, e.g. big=2")
+            if name in ranks:
+                raise ValueError(f"{'every model' if name == EVERY_MODEL else repr(name)} is given twice")
+            if not count.strip().isdigit() or int(count) < 1:
+                raise ValueError("the rank count must be a whole number of at least 1")
+            ranks[name] = int(count)
+        except ValueError as exc:
+            raise ValueError(f"--tensor-parallel {str(spec)[:80]!r}: {exc}") from None
+    return ranks
 
 
 def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: str | None = None) -> str:

@@ -20,3 +20,8 @@ def node_ip() -> str | None:
         )
     except Exception:
         return None
+
+
+class WorkersDoNotFit(RuntimeError):
+    """The cluster's GPUs cannot hold one worker of each rank count the served models need
+    (`--tensor-parallel`); `str()` is one line naming the GPUs there and those needed."""

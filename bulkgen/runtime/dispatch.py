@@ -29,14 +29,17 @@ REPLACE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between attempts to re
 LOAD_DEADLINE_S = 1800.0
 
 
-def take_for(queue: WorkQueue, index: int, poll: dict, holding: set[str]) -> list[QueuedRange]:
-    """What worker `index` gets after `poll`: what it wants, or, when full, work of a batch it holds none
-    of (`holding`: the batches of its ranges in flight) up to its spare room, so a newcomer starts at once."""
+def take_for(
+    queue: WorkQueue, index: int, poll: dict, holding: set[str], ranks: int = 1
+) -> list[QueuedRange]:
+    """What worker `index` (of `ranks` ranks) gets after `poll`: what it wants, or, when full, work of a
+    batch it holds none of (`holding`: the batches of its ranges in flight) up to its spare room, so a
+    newcomer starts at once."""
     idle = not holding and poll["held"] == 0
     if poll["want"] >= 1:
-        return queue.take(index, poll["want"], poll["model"], idle)
+        return queue.take(index, poll["want"], poll["model"], idle, ranks=ranks)
     if poll.get("spare", 0) >= 1:
-        return queue.take(index, poll["spare"], poll["model"], idle, exclude=holding)
+        return queue.take(index, poll["spare"], poll["model"], idle, exclude=holding, ranks=ranks)
     return []
 
 
@@ -81,12 +84,14 @@ class Dispatcher:
     def stop(self) -> None:
         self._stopped.set()
 
-    def preload(self, model: str, path: str) -> None:
-        """Have every worker load `model` now, before any range of it is handed out (`bulkgen run` starts
-        the workers while its file is validated). A later `_load` of the same model waits for this one."""
+    def preload(self, model: str, path: str, ranks: int = 1) -> None:
+        """Have every worker of `model`'s rank count load it now, before any range of it is handed out
+        (`bulkgen run` starts the workers while its file is validated). A later `_load` of the same model
+        waits for this one."""
         for index, handle in enumerate(self.pool.workers):
-            self._model_of[index] = (model, path)
-            handle.load.remote(model, path, self.endpoint_url)
+            if self.pool.ranks[index] == ranks:
+                self._model_of[index] = (model, path)
+                handle.load.remote(model, path, self.endpoint_url)
 
     def abort_batch(self, batch_id: str, code: str | None) -> None:
         """Stop the batch on every worker; with `code`, each writes the parts of its ranges first."""
@@ -133,7 +138,7 @@ class Dispatcher:
             return
         with self._lock:
             holding = {key[0] for key in self.inflight[index]}
-        ranges = take_for(self.queue, index, poll, holding)
+        ranges = take_for(self.queue, index, poll, holding, self.pool.ranks[index])
         if poll["want"] >= 1:
             self._had_work[index] = bool(ranges)  # nothing queued: next poll waits for results, not for room
             self._last_poll[index] = poll
@@ -156,7 +161,7 @@ class Dispatcher:
                 break
             with self._lock:
                 holding = {key[0] for key in self.inflight[index]}
-            ranges = take_for(self.queue, index, last, holding)
+            ranges = take_for(self.queue, index, last, holding, self.pool.ranks[index])
             if ranges:
                 self._hand(index, handle, ranges, last["model"])
                 return True
@@ -234,6 +239,7 @@ class Dispatcher:
                         "id": f"bulkgen-worker-{index}",
                         "index": index,
                         "device": "gpu" if self.pool.use_gpu else "cpu",
+                        "tensor_parallel": self.pool.ranks[index],  # its class: models of this count only
                         "node_ip": self.nodes[index],
                         "cpu_threads": self.threads[index],
                         "step_time": self.step_times[index],

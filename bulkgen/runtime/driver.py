@@ -166,7 +166,8 @@ class Driver:
         manager = self.manager = self.manager or BatchManager(self.svc, only=set())
         manager.start()
         if len(self.svc.settings.models) == 1:
-            manager.dispatcher.preload(*next(iter(self.svc.settings.models.items())))
+            (name, path), workers = next(iter(self.svc.settings.models.items())), self.svc.settings.workers
+            manager.dispatcher.preload(name, path, workers.ranks_of(name))
         return manager
 
     def start_in_background(self) -> None:

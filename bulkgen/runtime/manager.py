@@ -52,9 +52,9 @@ class BatchManager:
         self.svc = svc
         self.only = only  # run just these batches (`bulkgen run`, a stored job)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.pool = WorkerPool(s.workers)
+        self.pool = WorkerPool(s.workers, s.rank_counts())
         self.queue = WorkQueue(
-            lambda: len(self.pool.workers),
+            self.pool.count,
             s.fair_share_after_s,
             lambda: {**s.tenant_weights, **(weights() if weights else {})},
         )

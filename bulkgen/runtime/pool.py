@@ -1,6 +1,9 @@
 """Ray setup and the pool of engine worker actors: one per GPU (num_gpus=1), CPU actors without GPUs.
 
-Actors are named `bulkgen-worker-<n>` in the Ray namespace `bulkgen`, so operators can find them with
+Workers come in classes, one per rank count the served models use (`--tensor-parallel NAME=N`): a model's
+ranges go only to workers of its count (workqueue.take), so a small model never occupies a group and a
+large one never lands on a single GPU. The GPUs are split between the classes (`split_gpus`); without
+GPUs each class has `--workers` (else `--cpu-workers`) CPU workers. Actors are named `bulkgen-worker-<n>` in the Ray namespace `bulkgen`, so operators can find them with
 `ray list actors` or `ray.get_actor("bulkgen-worker-0", namespace="bulkgen")`; a tensor-parallel group of
 N ranks is `bulkgen-worker-<n>-tp<N>` (rank 0; its followers `...-tp<N>-rank<r>`, all in one placement
 group: runtime/groups.py), so a pool never takes over a live actor of another rank count (`get_if_exists`)
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import ray
 
-from bulkgen.runtime import RayUnavailable
+from bulkgen.runtime import RayUnavailable, WorkersDoNotFit
 from bulkgen.runtime.groups import PlacedGroup, place
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.settings import WorkerSettings
@@ -100,11 +103,34 @@ def _use_token_auth_if_available() -> None:
             pass
 
 
+def split_gpus(gpus: int, rank_counts: list[int]) -> dict[int, int]:
+    """Workers of each rank count on `gpus` GPUs: one group of each first, then each class grows by whole
+    groups, smallest groups first, up to an equal share of the GPUs (gpus / classes) while GPUs are left.
+    So one model of each count always runs, and no class takes the others' share by default.
+    WorkersDoNotFit when the GPUs cannot hold one group of each."""
+    needed = sum(rank_counts)
+    if needed > gpus:
+        groups = " + ".join(f"one group of {n}" for n in rank_counts)
+        raise WorkersDoNotFit(
+            f"--tensor-parallel: {gpus} GPU(s) cannot hold {groups} ({needed} GPUs); "
+            "lower a model's rank count or add GPUs"
+        )
+    counts = dict.fromkeys(rank_counts, 1)
+    share, left = gpus // len(rank_counts), gpus - needed
+    for ranks in sorted(rank_counts):
+        more = min(max(0, share // ranks - 1), left // ranks)
+        counts[ranks] += more
+        left -= more * ranks
+    return counts
+
+
 class WorkerPool:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, rank_counts: list[int] | None = None) -> None:
         self.settings = settings
+        self.rank_counts = sorted(set(rank_counts or [1]))  # one class of workers per rank count
         self.workers: list = []
         self.groups: dict[int, PlacedGroup] = {}  # a tensor-parallel worker's placed group, by index
+        self.ranks: list[int] = []  # per worker: its class's rank count (a replacement keeps it)
         self.use_gpu = False
         self._threads: int | None = None
         # Ray CPUs each CPU worker asks for: one, a tensor-parallel group too (its ranks share it in
@@ -115,19 +141,31 @@ class WorkerPool:
     def start(self) -> list:
         init_ray(self.settings.ray_address)
         gpus = int(ray.cluster_resources().get("GPU", 0))
-        ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
-        count = self.settings.num_workers or gpus // ranks or self.settings.cpu_workers
         self.use_gpu = gpus > 0
-        cpu_share = max(1, (os.cpu_count() or 1) // (count * ranks))
+        if self.settings.num_workers or not self.use_gpu:
+            counts = dict.fromkeys(self.rank_counts, self.settings.num_workers or self.settings.cpu_workers)
+        else:
+            counts = split_gpus(gpus, self.rank_counts)
+        self.ranks = [ranks for ranks, count in counts.items() for _ in range(count)]
+        cpu_share = max(1, (os.cpu_count() or 1) // sum(self.ranks))
         self._threads = self.settings.cpu_threads or (None if self.use_gpu else cpu_share)
-        self.workers = [self._create(i) for i in range(count)]
-        log.info("started %d %s worker(s)", count, "GPU" if self.use_gpu else "CPU")
+        self.workers = [self._create(i) for i in range(len(self.ranks))]
+        log.info(
+            "started %s %s worker(s)",
+            ", ".join(f"{count} of {ranks} rank(s)" for ranks, count in counts.items()),
+            "GPU" if self.use_gpu else "CPU",
+        )
         return self.workers
+
+    def count(self, ranks: int = 1) -> int:
+        """Workers of the class of `ranks` ranks (those a model of that count shares its work among)."""
+        return sum(1 for n in self.ranks if n == ranks)
 
     def _create(self, index: int):
         """Worker `index`'s actor: one per GPU, spread over the nodes; a tensor-parallel worker is a placed
         group of one actor per rank (runtime/groups.py), and this returns its rank 0."""
-        ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
+        ranks = self.ranks[index]
+        engine = {**self.settings.engine_kwargs, **({"tensor_parallel": ranks} if ranks > 1 else {})}
         env = None
         if self._threads:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus; the BLAS must see ours
             threads = str(self._threads)
@@ -143,7 +181,7 @@ class WorkerPool:
                 **({"runtime_env": env} if env else {}),
                 **options,
             )
-            args = (index, self.settings.engine_kwargs, self._threads, self.settings.images)
+            args = (index, engine, self._threads, self.settings.images)
             return actor.remote(*args, **({"launcher": launcher} if launcher else {}))
 
         if ranks > 1:
@@ -175,7 +213,7 @@ class WorkerPool:
 
     def actor_name(self, index: int) -> str:
         """The Ray name of worker `index`: a tensor-parallel group's names its rank count."""
-        ranks = self.settings.engine_kwargs.get("tensor_parallel", 1)
+        ranks = self.ranks[index]
         return f"bulkgen-worker-{index}" + (f"-tp{ranks}" if ranks > 1 else "")
 
     def shutdown(self) -> None:

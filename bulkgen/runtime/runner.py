@@ -143,6 +143,7 @@ class BatchRunner:
             self.svc.tenant,
             batch_priority(record.metadata),
             self.svc.catalog.of_base(record.model),
+            self.svc.settings.workers.ranks_of(record.model),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)

@@ -4,6 +4,7 @@ Workers pull; nothing is pushed in fixed chunks. `take(worker, want)` answers wi
 about `want` requests, chosen so that:
 - a batch that got no work for `fair_share_after_s` is served next, whatever the rules below say, so
   no batch ever starves;
+- a worker gets only batches of models of its rank count (`--tensor-parallel`: runtime/pool.py);
 - otherwise the worker's loaded model is kept where there is a choice, and tenants share the workers
   by weight: the tenant whose work so far, over its weight, is least goes next (weighted fair queueing
   over tokens of work: fairshare.py);
@@ -52,6 +53,7 @@ class QueuedBatch:
     priority: int = 1  # among the tenant's batches, lower goes first (0 high, 1 normal, 2 low)
     loras: dict[str, str] = field(default_factory=dict)  # the model's LoRA adapters its lines may name:
     # name -> folder or URL (workers load one when a line first names it)
+    ranks: int = 1  # the model's ranks per worker (--tensor-parallel): only workers of that count run it
 
     @property
     def model_key(self) -> str:
@@ -127,13 +129,13 @@ class WorkQueue:
 
     def __init__(
         self,
-        num_workers,
+        num_workers: Callable[[int], int],
         fair_share_after_s: float = 30.0,
         weights: Callable[[], dict[str, float]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clock = clock
-        self._num_workers = num_workers  # a callable: the pool's current size
+        self._num_workers = num_workers  # rank count -> the pool's current workers of that class
         self.fair_share_after_s = fair_share_after_s
         self.fair = FairShare(weights)  # tenant -> weight; missing tenants weigh 1
         self._batches: dict[str, _Pending] = {}
@@ -178,17 +180,19 @@ class WorkQueue:
         model: str | None,
         idle: bool,
         exclude: set[str] | frozenset[str] = frozenset(),
+        ranks: int = 1,
     ) -> list[QueuedRange]:
-        """Ranges for `worker`, about `want` requests, of `model` (a `model_key`; any model when the
-        worker is idle), of none of the batches in `exclude`."""
+        """Ranges for `worker` (a worker of `ranks` ranks), about `want` requests, of `model` (a
+        `model_key`; any model of its rank count when the worker is idle), of none of the batches in
+        `exclude`."""
         if want < 1:
             return []
         with self._lock:
-            pending = self._next_batch(model, idle, exclude)
+            pending = self._next_batch(model, idle, exclude, ranks)
             if pending is None:
                 return []
             pending.last_served = self.clock()
-            share = self._tail_share()
+            share = self._tail_share(ranks)
             tail = share < pending.ranges[0].size  # split ranges only where they would cause stragglers
             want = min(want, share)
             taken: list[QueuedRange] = []
@@ -238,12 +242,15 @@ class WorkQueue:
 
     # -- choices ---------------------------------------------------------------------------------
     def _next_batch(
-        self, model: str | None, idle: bool, exclude: set[str] | frozenset[str]
+        self, model: str | None, idle: bool, exclude: set[str] | frozenset[str], ranks: int
     ) -> _Pending | None:
         candidates = [
             p
             for p in self._batches.values()
-            if p.ranges and (idle or p.batch.model_key == model) and p.batch.batch_id not in exclude
+            if p.ranges
+            and p.batch.ranks == ranks
+            and (idle or p.batch.model_key == model)
+            and p.batch.batch_id not in exclude
         ]
         if not candidates:
             return None
@@ -263,10 +270,11 @@ class WorkQueue:
         if tenant not in backlogged:
             self.fair.join(tenant, backlogged)
 
-    def _tail_share(self) -> int:
-        """Requests one worker should take now: all it wants, except at the tail, where work is split."""
-        pending = sum(r.size for p in self._batches.values() for r in p.ranges)
-        return max(1, math.ceil(pending / max(1, self._num_workers())))
+    def _tail_share(self, ranks: int) -> int:
+        """Requests one worker of `ranks` ranks should take now: all it wants, except at the tail, where
+        its class's work is split among its class's workers."""
+        pending = sum(r.size for p in self._batches.values() if p.batch.ranks == ranks for r in p.ranges)
+        return max(1, math.ceil(pending / max(1, self._num_workers(ranks))))
 
     def _pop(self, pending: _Pending, worker: int, limit: int | None) -> QueuedRange:
         choice = self._affine(pending, worker)

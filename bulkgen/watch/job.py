@@ -14,7 +14,8 @@
     storage: ...                             # service storage, served models and LoRA adapters, as the
     models: [NAME=PATH]                      #   CLI's --storage / --model / --lora (the command line wins)
     loras: [NAME=PATH@BASE]
-    tensor_parallel: 2                       # ranks per worker, as --tensor-parallel
+    tensor_parallel: 2                       # ranks per worker, as --tensor-parallel N, or per model
+                                             #   as --tensor-parallel NAME=N: {big: 2, small: 1}
 
 Everything is checked when the job loads, with errors that name the file and the field.
 """
@@ -94,7 +95,7 @@ class Job:
     storage: str | None = None
     models: list[str] = field(default_factory=list)
     loras: list[str] = field(default_factory=list)
-    tensor_parallel: int | None = None  # ranks per worker, as --tensor-parallel
+    tensor_parallel: int | dict[str, int] | None = None  # ranks per worker (N), or per model ({NAME: N})
     webhook: str | None = None
 
     @classmethod
@@ -158,11 +159,27 @@ class Job:
             listed = getattr(self, name)
             if not isinstance(listed, list) or not all(isinstance(m, str) for m in listed):
                 raise JobError(f"{where}: {name} must be a list of {form} strings")
-        tp = self.tensor_parallel
-        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp < 1):
-            raise JobError(f"{where}: tensor_parallel must be a positive whole number of ranks; got {tp!r}")
+        self._check_ranks(where)
         self._check_defaults(where)
         return self
+
+    def _check_ranks(self, where: str) -> None:
+        tp = self.tensor_parallel
+        counts = tp.values() if isinstance(tp, dict) else [] if tp is None else [tp]
+        if isinstance(tp, dict) and not all(isinstance(name, str) and name for name in tp):
+            raise JobError(f"{where}: tensor_parallel's keys must be served model names; got {list(tp)!r}")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts):
+            raise JobError(
+                f"{where}: tensor_parallel must be a positive whole number of ranks, or a mapping "
+                f"{{NAME: N}} of them; got {tp!r}"
+            )
+
+    def rank_flags(self) -> tuple[str, ...]:
+        """`tensor_parallel` as the values of --tensor-parallel (N, or NAME=N per model)."""
+        tp = self.tensor_parallel
+        if isinstance(tp, dict):
+            return tuple(f"{name}={n}" for name, n in tp.items())
+        return () if tp is None else (str(tp),)
 
     def _check_defaults(self, where: str) -> None:
         """Defaults must be what a request body may hold: the request parser says so, naming the field."""

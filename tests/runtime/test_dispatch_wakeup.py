@@ -34,13 +34,14 @@ class _Handle:
 class _Pool:
     def __init__(self) -> None:
         self.workers = [_Handle()]
+        self.ranks = [1]
         self.settings = WorkerSettings()
         self.use_gpu = False
 
 
 def _dispatcher() -> tuple[Dispatcher, WorkQueue, _Handle]:
     pool = _Pool()
-    queue = WorkQueue(lambda: 1)
+    queue = WorkQueue(lambda _ranks: 1)
     d = Dispatcher(pool, queue, None, lambda b: None, "me")
     d.inflight, d.models_loaded, d._had_work = [{}], [MODEL_KEY], [False]
     d._news = [threading.Event()]

@@ -110,7 +110,7 @@ def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):
     worker = EngineWorker(0, {"max_num_seqs": 8})
     worker.load(MODEL, str(random_model()))
     gate = StepGate(worker.engine)
-    queue = WorkQueue(lambda: 1)
+    queue = WorkQueue(lambda _ranks: 1)
     big, big_index = _uniform_batch(store, "batch_big", "alpha", BIG, "hello " * 12, BIG_MAX_TOKENS)
     queue.add_batch(big, big_index, make_ranges(big, big_index, np.ones(BIG, bool), 16))
     feeder = Feeder(queue, worker)

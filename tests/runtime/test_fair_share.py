@@ -104,7 +104,7 @@ class Sim:
 
 def _two_tenants(weights: dict[str, float]) -> Sim:
     rng = random.Random(7)
-    q = WorkQueue(lambda: 3, weights=lambda: weights)
+    q = WorkQueue(lambda _ranks: 3, weights=lambda: weights)
     _add(q, "batch_a", "alpha", 20_000, rng)
     _add(q, "batch_b", "beta", 20_000, rng, order=-1.0)  # older: plain FIFO would give it everything
     sim = Sim(q, workers=3, seed=11)
@@ -124,7 +124,7 @@ def test_weights_three_to_one_share_three_to_one():
 
 def test_a_tenant_arriving_late_gets_its_share_at_once_and_no_credit_for_its_absence():
     rng = random.Random(3)
-    q = WorkQueue(lambda: 2)
+    q = WorkQueue(lambda _ranks: 2)
     _add(q, "batch_big", "alpha", 50_000, rng)
     sim = Sim(q, workers=2, seed=5)
     sim.run(1000)  # alpha alone for a long time
@@ -138,7 +138,7 @@ def test_a_tenant_arriving_late_gets_its_share_at_once_and_no_credit_for_its_abs
 
 def test_priorities_order_a_tenants_batches_and_other_tenants_keep_their_share():
     rng = random.Random(9)
-    q = WorkQueue(lambda: 2)
+    q = WorkQueue(lambda _ranks: 2)
     _add(q, "batch_low", "alpha", 300, rng, priority=2, order=1.0)
     _add(q, "batch_normal", "alpha", 300, rng, priority=1, order=2.0)
     _add(q, "batch_high", "alpha", 300, rng, priority=0, order=3.0)

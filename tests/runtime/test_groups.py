@@ -25,7 +25,7 @@ from bulkgen.settings import WorkerSettings
 
 ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
          configure_logging=False, object_store_memory=80 * 1024 * 1024, _node_ip_address="127.0.0.1")
-pool = WorkerPool(WorkerSettings(cpu_threads=1, engine_kwargs={"tensor_parallel": 2}))
+pool = WorkerPool(WorkerSettings(cpu_threads=1), rank_counts=[2])
 (worker,) = pool.start()
 ray.get(worker.load.remote(sys.argv[1], sys.argv[2]), timeout=240)
 poll = ray.get(worker.poll.remote("", 0.0), timeout=60)

@@ -15,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from bulkgen.lab.tiny import build_tiny_model
+from bulkgen.models.registry import EVERY_MODEL
 from bulkgen.runtime.pool import NAMESPACE
 from bulkgen.settings import Settings, WorkerSettings
 from tests.runtime.test_faults import _assert_exactly_once, _create, _held_rows, _rows
@@ -30,7 +31,6 @@ def service(tmp_path_factory):
     engine = {
         "max_num_seqs": 32,
         "max_num_batched_tokens": 512,
-        "tensor_parallel": 2,
         "collective_timeout_s": 30,
     }
     service = Service(
@@ -38,7 +38,7 @@ def service(tmp_path_factory):
             storage=str(tmp_path_factory.mktemp("tp") / "store"),
             models={MODEL: str(random_model()), OTHER: str(_other_model(tmp_path_factory))},
             range_size=16,
-            workers=WorkerSettings(cpu_workers=1, engine_kwargs=engine),
+            workers=WorkerSettings(cpu_workers=1, engine_kwargs=engine, tensor_parallel={EVERY_MODEL: 2}),
         )
     )
     yield service

@@ -36,6 +36,7 @@ class _Pool:
 
     def __init__(self, failures: int) -> None:
         self.workers = [_Handle(), _Handle()]
+        self.ranks = [1, 1]
         self.settings = WorkerSettings()
         self.use_gpu = False
         self.failures, self.attempts = failures, 0
@@ -62,7 +63,7 @@ class _Runner:
 
 
 def _dispatcher(pool: _Pool, runner: _Runner) -> tuple[Dispatcher, WorkQueue]:
-    queue = WorkQueue(lambda: len(pool.workers))
+    queue = WorkQueue(lambda _ranks: len(pool.workers))
     d = Dispatcher(pool, queue, None, lambda b: runner if b == runner.batch_id else None, "me")
     d.inflight = [{} for _ in pool.workers]
     d.models_loaded = ["tiny@/models/tiny", "tiny@/models/tiny"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 
@@ -35,7 +36,7 @@ def _spans(ranges: list[QueuedRange]) -> list[tuple[int, int]]:
 
 
 def _queue(workers: int = 1, fair_after: float = 30.0) -> WorkQueue:
-    return WorkQueue(lambda: workers, fair_after)
+    return WorkQueue(lambda _ranks: workers, fair_after)
 
 
 def _add(q: WorkQueue, job: QueuedBatch, index: LineIndex, size: int) -> None:
@@ -58,7 +59,7 @@ def test_ranges_skip_done_lines_and_longest_work_goes_first():
 
 def test_fifo_then_deadline_and_no_starvation():
     clock = FakeClock()
-    q = WorkQueue(lambda: 1, fair_share_after_s=30.0, clock=clock)
+    q = WorkQueue(lambda _ranks: 1, fair_share_after_s=30.0, clock=clock)
     _add(q, _job("old-big", order=1.0), _index([1] * 100), 10)
     _add(q, _job("new-small", order=2.0), _index([1] * 5), 10)
     assert q.take(0, 10, "m@p", idle=False)[0].batch.batch_id == "old-big"
@@ -74,6 +75,25 @@ def test_a_worker_keeps_its_model_unless_idle():
     _add(q, _job("a", 1.0, model="other"), _index([1] * 4), 4)
     assert q.take(0, 4, "m@p", idle=False) == []
     assert q.take(0, 4, "m@p", idle=True)[0].batch.model == "other"
+
+
+def test_a_worker_takes_only_models_of_its_rank_count_even_a_starving_one():
+    clock = FakeClock()
+    workers = {1: 3, 2: 1}  # three single workers, one group of two ranks
+    q = WorkQueue(lambda ranks: workers[ranks], fair_share_after_s=30.0, clock=clock)
+    big = dataclasses.replace(_job("big", 1.0, model="big"), ranks=2)
+    _add(q, big, _index([1] * 8), 8)
+    _add(q, _job("small", 2.0, model="small"), _index([1] * 6), 6)
+    clock.advance(60)  # both starve: the rule that serves a starving batch first stays within the class
+    # at the tail each class's work is split among that class's workers: 6 requests over 3 single workers
+    # take 2 each (all 14 queued over them would be 5), and what is left is split again
+    taken = [q.take(w % 3, 8, None, idle=True, ranks=1) for w in range(4)]
+    assert [(r.batch.batch_id, r.size) for t in taken for r in t] == [("small", 2), ("small", 2)] + [
+        ("small", 1)
+    ] * 2
+    assert q.take(0, 8, None, idle=True, ranks=1) == []  # "big" waits for its group, however long
+    assert q.take(4, 8, None, idle=True, ranks=4) == []
+    assert _spans(q.take(3, 8, None, idle=True, ranks=2)) == [(0, 8)]  # the one group takes all of "big"
 
 
 def test_the_tail_is_split_among_workers():

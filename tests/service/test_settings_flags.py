@@ -151,6 +151,22 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
         ("--model", "=x", "--model '=x': expected NAME=PATH"),
         ("--image-url-hosts", "http://x/", "--image-url-hosts 'http://x/': not a host name"),
         ("--max-images-per-line", "0", "--max-images-per-line 0: must be a positive int"),
+        (
+            "--tensor-parallel",
+            "0",
+            "--tensor-parallel '0': the rank count must be a whole number of at least 1",
+        ),
+        (
+            "--tensor-parallel",
+            "bulkgen-tiny=-2",
+            "--tensor-parallel 'bulkgen-tiny=-2': the rank count must be",
+        ),
+        ("--tensor-parallel", "=2", "--tensor-parallel '=2': expected N or NAME=N"),
+        (
+            "--tensor-parallel",
+            "big=2",
+            "--tensor-parallel: no served model is named 'big' (--model NAME=PATH names them: bulkgen-tiny)",
+        ),
     ],
 )
 def test_a_bad_value_names_its_flag(tmp_path, flag, value, error):
@@ -184,6 +200,22 @@ def test_settings_built_in_code_name_the_field():
         WorkerSettings(poll_deadline_s=0.2)
     with pytest.raises(ValueError, match=r"^max_num_seqs 0: must be a positive int$"):
         WorkerSettings(engine_kwargs={"max_num_seqs": 0})
+    with pytest.raises(ValueError, match=r"^tensor_parallel 2: set WorkerSettings.tensor_parallel instead$"):
+        WorkerSettings(engine_kwargs={"tensor_parallel": 2})  # one place says a model's ranks
+
+
+def test_tensor_parallel_is_set_for_every_model_or_per_model_by_name(tmp_path):
+    models = ("--model", "big=/models/big", "--model", "small=/models/small", "--model", "mid=/models/mid")
+    settings = _run_settings(tmp_path, *models, "--tensor-parallel", "4", "--tensor-parallel", "small=1")
+    assert settings.workers.tensor_parallel == {"*": 4, "small": 1}
+    assert [settings.workers.ranks_of(m) for m in ("big", "small", "mid")] == [4, 1, 4]
+    assert settings.rank_counts() == [1, 4]  # one class of workers per count in use
+    settings = _run_settings(tmp_path, *models, "--tensor-parallel", "big=2")
+    assert [settings.workers.ranks_of(m) for m in ("big", "small", "mid")] == [2, 1, 1]
+    assert settings.rank_counts() == [1, 2]
+    assert _run_settings(tmp_path, *models).rank_counts() == [1]
+    with pytest.raises(ValueError, match=r"^--tensor-parallel 'big=3': 'big' is given twice$"):
+        _run_settings(tmp_path, *models, "--tensor-parallel", "big=2", "--tensor-parallel", "big=3")
 
 
 def test_serve_alone_takes_refuse_infeasible_into_its_settings():

@@ -1,5 +1,5 @@
-"""`bulkgen run --tensor-parallel 2` (one worker of two gloo ranks on a local Ray) returns, line for line,
-the text of the same chat file run by a single-process worker (greedy)."""
+"""`bulkgen run --tensor-parallel tp-tiny=2` (one worker of two gloo ranks on a local Ray) returns, line for
+line, the text of the same chat file run by a single-process worker (greedy)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def _text(body: dict) -> str:
 def test_bulkgen_run_with_two_ranks_gives_the_single_process_text(tmp_path):
     model = build_tiny_model(tmp_path / "model", "llama", seed=7)
     single = _run(tmp_path, model, "single")
-    sharded = _run(tmp_path, model, "tp2", "--tensor-parallel", "2")
+    # the model named (the N form, every model, is parsed in test_settings_flags and run in the worker test)
+    sharded = _run(tmp_path, model, "tp2", "--tensor-parallel", f"{NAME}=2")
     assert sharded == single
     assert all(single.values())  # every line generated text: a comparison of empty strings proves nothing

@@ -8,7 +8,8 @@ from dataclasses import fields
 import click
 import pytest
 
-from bulkgen.cli.watch_cmds import _job, watch
+from bulkgen.cli.settings_options import pop_settings
+from bulkgen.cli.watch_cmds import _job, _settings, watch
 from bulkgen.watch.job import Job
 
 JOB = """\
@@ -61,3 +62,26 @@ def test_a_bad_flag_is_a_usage_error_naming_the_field(tmp_path):
     path.write_text(JOB.format(inbox=tmp_path / "in", outbox=tmp_path / "out"))
     with pytest.raises(click.UsageError, match=r"labels.yaml: claim_ttl must be at least 1 second; got 0.5"):
         _job(path, {"claim_ttl": 0.5})
+
+
+def _watch_settings(path, *args: str):
+    """The settings `bulkgen watch --job PATH ARGS` runs with (its storage folder made, nothing started)."""
+    ctx = watch.make_context("watch", ["--job", str(path), *args])
+    flags = pop_settings(dict(ctx.params))
+    return _settings(ctx, _job(path, {}), flags)
+
+
+def test_a_job_sets_tensor_parallel_per_model_and_the_command_line_wins(tmp_path):
+    path = tmp_path / "big.yaml"
+    served = f"storage: {tmp_path / 'store'}\nmodels: [big=/m/big, small=/m/small]\n"
+    path.write_text(
+        JOB.format(inbox=tmp_path / "in", outbox=tmp_path / "out") + served + "tensor_parallel: {big: 2}\n"
+    )
+    settings = _watch_settings(path)
+    assert settings.workers.tensor_parallel == {"big": 2} and settings.rank_counts() == [1, 2]
+    assert _watch_settings(path, "--tensor-parallel", "4").workers.tensor_parallel == {"*": 4}
+    path.write_text(
+        JOB.format(inbox=tmp_path / "in", outbox=tmp_path / "out") + served + "tensor_parallel: {huge: 2}\n"
+    )
+    with pytest.raises(click.UsageError, match=r"^--tensor-parallel: no served model is named 'huge'"):
+        _watch_settings(path)

@@ -76,6 +76,10 @@ def test_example_jobs_load():
             "input: a\noutput: b\ntensor_parallel: 0\n",
             "tensor_parallel must be a positive whole number of ranks",
         ),
+        (
+            "input: a\noutput: b\ntensor_parallel: {big: 0}\n",
+            "tensor_parallel must be a positive whole number of ranks, or a mapping {NAME: N}",
+        ),
     ],
 )
 def test_bad_jobs_say_what_and_where(tmp_path, text, message):
