@@ -305,7 +305,7 @@ class WorkerSettings:
             metavar="N|NAME=N",
             parse=parse_tensor_parallel,
             help="Ranks per worker, each holding 1/N of the model's weights and KV heads (one GPU each, on one "
-            "node; processes on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
+            "node, one Ray actor each, gloo ranks on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
             "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
         ),
     )
