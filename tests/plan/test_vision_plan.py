@@ -17,10 +17,9 @@ from bulkgen.plan import profile as profiles
 from bulkgen.plan.encoder import fit_encoder
 from bulkgen.plan.timed import Encoder, EngineLimits, batch_seconds
 from bulkgen.store import open_store
-from tests.support.images import data_url, image_bytes, image_tokens
+from tests.support.images import VLM, data_url, image_bytes, image_tokens
 from tests.support.service import write_jsonl
 
-VLM = "tiny-vlm"
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 LINES = 6
 
