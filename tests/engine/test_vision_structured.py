@@ -19,16 +19,8 @@ from bulkgen.engine.guide import Guide
 from bulkgen.engine.multimodal import process
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 from tests.engine.test_engine_structured import GrammarProcessor
+from tests.support.schemas import ANIMAL
 
-ANIMAL = {
-    "type": "object",
-    "properties": {
-        "label": {"enum": ["cat", "dog", "bird"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["label", "count"],
-    "additionalProperties": False,
-}
 MAX_TOKENS = 40
 SEEDS = (1, 4, 7)  # noise images the tiny model answers differently (dog, bird, bird)
 

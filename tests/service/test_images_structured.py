@@ -13,17 +13,9 @@ from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
 from tests.support.images import VLM, data_url, image_bytes
-from tests.support.service import read_lines, upload, wait_done, write_jsonl
+from tests.support.schemas import ANIMAL
+from tests.support.service import chat_row, read_lines, upload, wait_done, write_jsonl
 
-ANIMAL = {
-    "type": "object",
-    "properties": {
-        "label": {"enum": ["cat", "dog", "bird"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 9},
-    },
-    "required": ["label", "count"],
-    "additionalProperties": False,
-}
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "animal", "schema": ANIMAL, "strict": True}}
 
 
@@ -31,17 +23,9 @@ def _image(color: tuple[int, int, int]) -> dict:
     return {"type": "image_url", "image_url": {"url": data_url(image_bytes("PNG", (32, 24), color))}}
 
 
-def _chat(custom_id: str, color, response_format: dict, **body) -> dict:
+def _chat(custom_id: str, color, response_format: dict, max_tokens: int = 48, **body) -> dict:
     content = [_image(color), {"type": "text", "text": "Which animal, and how many?"}]
-    body = {
-        "model": VLM,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 48,
-        "temperature": 0,
-        "response_format": response_format,
-        **body,
-    }
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    return chat_row(custom_id, content, max_tokens, model=VLM, response_format=response_format, **body)
 
 
 def _batch(client, path, endpoint: str) -> tuple[object, list[dict], list[dict]]:

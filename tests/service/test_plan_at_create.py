@@ -86,7 +86,8 @@ def test_the_estimate_of_image_lines_includes_the_vision_encoder(service, vlm_cl
     store = service.svc.root
     steps = profiles.Profile(VLM, "cpu", 0.01, 0.0, 0.0, 0.0, 64, 1024, 4096, 16, 1.0)
     image = {"type": "image_url", "image_url": {"url": png_url((20, 20))}}
-    rows = [_vlm_row(f"img-{i}", [image, {"type": "text", "text": "Describe it."}]) for i in range(2)]
+    content = [image, {"type": "text", "text": "Describe it."}]
+    rows = [chat_row(f"img-{i}", content, 4, model=VLM) for i in range(2)]
     path = write_jsonl(tmp_path / "images.jsonl", rows)
     estimates = []
     for profile in (replace(steps, encoder_call_s=0.0, per_image_s=1000.0), steps):
@@ -104,13 +105,3 @@ def test_the_estimate_of_image_lines_includes_the_vision_encoder(service, vlm_cl
     with_encoder, without = estimates
     assert with_encoder["expected"] >= 2 * 1000.0 * LIMITS[0]
     assert without["expected"] < 100
-
-
-def _vlm_row(custom_id: str, content: list) -> dict:
-    body = {
-        "model": VLM,
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 4,
-        "temperature": 0,
-    }
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
