@@ -3,7 +3,8 @@
 The file is read once (bulkgen.plan.filework: the batch validator, the model's template and tokenizer),
 expected lengths come from the length model (bulkgen.plan.lengths), and the simulator
 (bulkgen.plan.timed) turns the work into seconds with the stored throughput profile of this model and
-device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand.
+device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand; a vision
+model's encoder time for the file's images is in those seconds, and told apart (`encoder`).
 
 What the estimate covers: `estimated_seconds` is the batch's generation wall time on N warm workers,
 from its first request entering an engine to its last finishing: what `metrics.wall_time_s` of the

@@ -12,8 +12,8 @@ It runs in a fresh process in the state of a worker's: one thread loads the mode
 of one process (a model loaded on one thread and stepped on another) makes a second OpenMP team;
 libgomp, seeing more threads than cores, then stops spinning between parallel regions, and on an idle
 2-core machine every step ran 1.3-1.5x slower than the worker's: plans of a quiet machine came out that
-much too long. It also times the model load and the start-up of a fresh `bulkgen run`
-(bulkgen.plan.startup). The profile is stored as JSON under the storage root, one object per model and
+much too long. It also times the model load, a vision-language model's encoder (bulkgen.plan.encoder: the
+grid's token prompts never run it) and the start-up of a fresh `bulkgen run` (bulkgen.plan.startup). The profile is stored as JSON under the storage root, one object per model and
 device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the estimate at create) and every replica
 on the same storage read the same figures.
 """
