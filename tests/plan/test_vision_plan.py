@@ -82,10 +82,13 @@ def test_the_profile_of_a_vision_model_holds_its_encoder_cost(vlm_profile):
 
 
 def test_plan_adds_the_encoder_to_the_time_of_a_files_images(vlm_profile, vlm_path, tmp_path):
+    """The measured step costs, with encoder costs set here: the tiny encoder's own (a few ms for the file)
+    would vanish in the plan's 10 ms rounding on a quiet machine."""
+    p = dataclasses.replace(vlm_profile, encoder_call_s=0.05, per_image_s=0.2)
     spec = f"{VLM}={vlm_path}"
     images = [_row(i, True) for i in range(LINES)]
-    with_images, text = _plan(tmp_path, "images", vlm_profile, images, spec, True)
-    alone, _ = _plan(tmp_path, "text", vlm_profile, [_row(i, False) for i in range(LINES)], spec)
+    with_images, text = _plan(tmp_path, "images", p, images, spec, True)
+    alone, _ = _plan(tmp_path, "text", p, [_row(i, False) for i in range(LINES)], spec)
     from transformers import AutoProcessor
 
     per_image = image_tokens(AutoProcessor.from_pretrained(vlm_path, local_files_only=True))
@@ -93,13 +96,12 @@ def test_plan_adds_the_encoder_to_the_time_of_a_files_images(vlm_profile, vlm_pa
     assert (encoder["images"], encoder["image_tokens"]) == (LINES, LINES * per_image)
     assert alone["encoder"]["images"] == 0 and alone["encoder"]["seconds"] == 0
     # each step that admits images pays one call and their per-image cost: one step for all, at most one each
-    p = vlm_profile
     low, high = p.encoder_call_s + LINES * p.per_image_s, LINES * (p.encoder_call_s + p.per_image_s)
     assert low - 0.01 <= encoder["seconds"] <= high + 0.01 and encoder["seconds"] > 0
     expected = with_images["estimated_seconds"]["expected"]
     assert expected - alone["estimated_seconds"]["expected"] >= encoder["seconds"] - 0.01
     # the same file with a profile that has no encoder cost: the time is less by exactly the encoder term
-    unmeasured = dataclasses.replace(vlm_profile, encoder_call_s=None, per_image_s=0.0)
+    unmeasured = dataclasses.replace(p, encoder_call_s=None, per_image_s=0.0)
     without, untold = _plan(tmp_path, "unmeasured", unmeasured, images, spec, True)
     assert without["encoder"]["seconds"] is None
     assert abs(without["estimated_seconds"]["expected"] - (expected - encoder["seconds"])) <= 0.011
