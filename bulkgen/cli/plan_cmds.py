@@ -103,6 +103,11 @@ def profile_cmd(
             f"  batch {p['batch']:>3}, context {p['context']:>4}: decode step {p['decode_step_s'] * 1000:7.2f} ms, "
             f"prefill {p['prefill_tokens_per_s']:9.0f} tokens/s"
         )
+    if measured.encoder_call_s is not None:
+        click.echo(
+            f"  vision encoder: {measured.encoder_call_s * 1000:.2f} ms/call + {measured.per_image_s * 1000:.2f} "
+            f"ms/image + {measured.per_image_token_s * 1e6:.1f} us/image token"
+        )
     click.echo(f"stored as {key} under {storage}")
 
 

@@ -3,7 +3,8 @@
 Validation streams the input once (bulkgen.batch.lifecycle); `WorkTally.add` rides on that same pass as
 one more `on_request` callback, so the estimate costs no second read. The driver has no tokenizer, so
 prompt tokens are the line index's estimate (bulkgen.batch.budget.prompt_estimate) and a missing
-max_tokens counts as UNKNOWN_MAX_TOKENS; `bulkgen plan` gives the exact figures.
+max_tokens counts as UNKNOWN_MAX_TOKENS; a vision model's images cost its profile's encoder time, each at
+IMAGE_TOKENS_GUESS tokens; `bulkgen plan` gives the exact figures.
 
 The service uses the newest profile stored for the batch's model (`bulkgen profile` on its storage), the
 length model of bulkgen.plan.lengths, and its configured worker count. The queue ahead is counted cheaply:
@@ -27,23 +28,25 @@ import numpy as np
 
 from bulkgen.batch import lifecycle
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.budget import output_budget, prompt_estimate
+from bulkgen.batch.budget import IMAGE_TOKENS_GUESS, output_budget, prompt_estimate
 from bulkgen.batch.requests import ParsedRequest
 from bulkgen.batch.schema import BatchStatus, InvalidRequest
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import runtime_factor
 from bulkgen.plan.lengths import HISTOGRAM_KEY, MAX_OUTPUT_KEY, from_history, histogram
 from bulkgen.plan.planner import estimate
+from bulkgen.plan.timed import Encoder
 
 INFEASIBLE = "completion_window_infeasible"
 
 
 @dataclass
 class WorkTally:
-    """Per sequence: estimated prompt tokens and max_tokens, collected as validation streams by."""
+    """Per sequence: estimated prompt tokens, max_tokens and images, collected as validation streams by."""
 
     prompts: list[int] = field(default_factory=list)
     max_tokens: list[int] = field(default_factory=list)
+    images: list[int] = field(default_factory=list)  # what the encoder runs: the first sequence's
 
     def add(self, number: int, start: int, raw: bytes, request: ParsedRequest) -> None:
         max_tokens, sequences = output_budget(request)
@@ -51,6 +54,14 @@ class WorkTally:
         for k in range(sequences):
             self.prompts.append(max(1, prompt) if k == 0 else 0)
             self.max_tokens.append(max_tokens)
+            self.images.append(len(request.images) if k == 0 else 0)
+
+    def encoder(self, profile: profiles.Profile) -> Encoder | None:
+        """The images' encoder work by the profile's costs (None without an encoder cost or images)."""
+        if profile.encoder_call_s is None or not any(self.images):
+            return None
+        seconds = [profile.encoder_seconds(n, n * IMAGE_TOKENS_GUESS) for n in self.images]
+        return Encoder(seconds, profile.encoder_call_s)
 
 
 def newest_profile(store, model: str) -> profiles.Profile | None:
@@ -78,7 +89,8 @@ def plan_record(
     now = time.time() if now is None else now
     lengths = from_history(batches, record.model)
     runtime = runtime_factor(batches, record.model, profile)
-    plan = estimate(np.array(tally.prompts, np.int64), max_tokens, lengths, profile, workers, runtime=runtime)
+    prompts, encoder = np.array(tally.prompts, np.int64), tally.encoder(profile)
+    plan = estimate(prompts, max_tokens, lengths, profile, workers, runtime=runtime, encoder=encoder)
     seconds = plan["estimated_seconds"]
     queue_s = queued_requests * seconds["expected"] / len(max_tokens)
     record.metrics = {

@@ -6,8 +6,8 @@ model's chat template and tokenizer, `fit_context` resolving max_tokens as the r
 model's images read and expanded into their placeholder tokens by its processor). What a
 worker would refuse (a prompt longer than the context, say) is counted as refused here too.
 
-Memory: a read buffer, the validator's custom_id digests, three small ints per request (the simulator needs
-every request's lengths), and the hashes of prompt blocks seen (for the prefix-cache share; at most
+Memory: a read buffer, the validator's custom_id digests, five small ints per request (the simulator needs
+every request's lengths and the images its encoder runs), and the hashes of prompt blocks seen (for the prefix-cache share; at most
 MAX_BLOCK_HASHES, after which new blocks are assumed uncached).
 """
 
@@ -45,6 +45,9 @@ class FileWork:
     sequence_prompts: list[int] = field(default_factory=list)
     refused: int = 0  # lines their worker would answer with a 400
     images: int = 0  # images of the lines that run (their tokens are in prompt_tokens, from the processor)
+    # per sequence, what the vision encoder runs: (images, their placeholder tokens), (0, 0) where a
+    # request has none or the prefix cache holds them all (the engine then never reaches them)
+    encoded: list[tuple[int, int]] = field(default_factory=list)
 
     def arrays(self, prefix_caching: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(prompt tokens, tokens prefill computes, max tokens) per sequence; `prefix_caching` off: the
@@ -66,19 +69,28 @@ class ImageReader:
     policy: ImageSettings = field(default_factory=ImageSettings)
 
 
-def _prompt(request: ParsedRequest, tokenizer, images: ImageReader) -> tuple[list[int], list[int]]:
-    """(the prompt's ids, the ids its prefix-cache blocks are keyed by): image placeholder tokens counted
-    as the processor expands them and keyed by their image's content, as the engine keys them."""
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    keyed: list[int]  # the ids its prefix-cache blocks are keyed by (image tokens by their image's content)
+    image_tokens: int = 0  # placeholder tokens of its images
+    last_image_row: int = -1  # where its last placeholder token is; the encoder runs unless cached past it
+
+
+def _prompt(request: ParsedRequest, tokenizer, images: ImageReader) -> _Prompt:
+    """A request's prompt as the engine takes it: image placeholder tokens counted as the processor expands
+    them and keyed by their image's content, as the engine keys them."""
     if not request.images:
         ids = tokenize(request, tokenizer)
-        return ids, ids
+        return _Prompt(ids, ids)
     from bulkgen.engine.multimodal import RequestImages  # torch: only a vision model's plan needs it
 
     processor = images.processor
     check_model_takes_images(request.images, processor is not None, request.model)
     decoded = load_images(request.images, store=images.store, policy=images.policy)
     ids, inputs = tokenize_with_images(request, processor, decoded)
-    return ids, RequestImages(inputs, ids, processor.image_token_id).hash_prompt
+    kept = RequestImages(inputs, ids, processor.image_token_id)
+    return _Prompt(ids, kept.hash_prompt, len(kept.rows), kept.last_row)
 
 
 class _PrefixCache:
@@ -148,14 +160,16 @@ def _add(
     max_model_len: int,
     images: ImageReader,
 ) -> None:
-    ids, keyed = _prompt(request, tokenizer, images)
-    params = fit_context(request, len(ids), max_model_len)
+    prompt = _prompt(request, tokenizer, images)
+    params = fit_context(request, len(prompt.ids), max_model_len)
     max_tokens = int(params.get("max_tokens") or 0)
     sequences = max(params.get("n") or 1, params.get("best_of") or 1)
-    uncached = len(ids) - cache.cached(keyed, request.lora)
+    cached = cache.cached(prompt.keyed, request.lora)
     work.images += len(request.images)
+    encoded = (len(request.images), prompt.image_tokens) if cached <= prompt.last_image_row else (0, 0)
     for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
-        work.prompt_tokens.append(len(ids) if k == 0 else 0)
-        work.uncached_tokens.append(uncached if k == 0 else 0)
-        work.sequence_prompts.append(len(ids))
+        work.prompt_tokens.append(len(prompt.ids) if k == 0 else 0)
+        work.uncached_tokens.append(len(prompt.ids) - cached if k == 0 else 0)
+        work.sequence_prompts.append(len(prompt.ids))
         work.max_tokens.append(max_tokens)
+        work.encoded.append(encoded if k == 0 else (0, 0))

@@ -3,7 +3,8 @@
 The file is read once (bulkgen.plan.filework: the batch validator, the model's template and tokenizer),
 expected lengths come from the length model (bulkgen.plan.lengths), and the simulator
 (bulkgen.plan.timed) turns the work into seconds with the stored throughput profile of this model and
-device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand.
+device (bulkgen.plan.profile), measured on the spot when there is none for the device at hand; a vision
+model's encoder time for the file's images is in those seconds, and told apart (`encoder`).
 
 What the estimate covers: `estimated_seconds` is the batch's generation wall time on N warm workers,
 from its first request entering an engine to its last finishing: what `metrics.wall_time_s` of the
@@ -25,7 +26,7 @@ from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import Runtime, runtime_factor
 from bulkgen.plan.filework import FileWork, ImageReader, file_work
 from bulkgen.plan.lengths import LengthModel
-from bulkgen.plan.timed import batch_seconds
+from bulkgen.plan.timed import Encoder, batch_seconds
 
 
 class NoProfile(Exception):
@@ -40,16 +41,24 @@ def estimate(
     workers: int,
     range_size: int = 32,
     runtime: Runtime | None = None,
+    encoder: Encoder | None = None,
 ) -> dict[str, Any]:
     """Seconds as {low, expected, high} (the profile's step-time spread around the expected lengths) and
-    the upper bound (every sequence runs to max_tokens). `runtime`: the service's measured runtime factor."""
+    the upper bound (every sequence runs to max_tokens). `runtime`: the service's measured runtime factor;
+    `encoder`: a vision model's encoder work per sequence."""
     runtime = runtime or Runtime()
     limits = profiles.limits_of(profile)
 
     def seconds(outputs: np.ndarray) -> float:
         return runtime.seconds(
             batch_seconds(
-                uncached.tolist(), outputs.tolist(), profile.step_seconds, limits, workers, range_size
+                uncached.tolist(),
+                outputs.tolist(),
+                profile.step_seconds,
+                limits,
+                workers,
+                range_size,
+                encoder,
             )
         )
 
@@ -148,6 +157,10 @@ def summarize(
     prompts, uncached, max_tokens = work.arrays(profile.prefix_caching)
     expected = lengths.expected(max_tokens)
     prompt_total = int(prompts.sum())
+    encoder = _encoder(work, profile)
+    timed = estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime, encoder=encoder)
+    # the same work without the encoder: what the encoder adds is the difference
+    alone = estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime) if encoder else timed
     return {
         "model": profile.model,
         "device": profile.device,
@@ -163,7 +176,8 @@ def summarize(
         "max_output_tokens": int(max_tokens.sum()),
         "expected_output_tokens": int(expected.sum()),
         "length_model": lengths.source,
-        **estimate(uncached, max_tokens, lengths, profile, workers, runtime=runtime),
+        **timed,
+        "encoder": _encoder_summary(work, profile, timed, alone),
         "startup_seconds": profile.startup_s,
         "model_load_seconds": profile.model_load_s,
         "kv_cache": {
@@ -171,6 +185,39 @@ def summarize(
             "bytes_per_token": profile.kv_bytes_per_token,
             "tokens": profile.kv_cache_tokens,
         },
+    }
+
+
+def _encoder(work: FileWork, profile: profiles.Profile) -> Encoder | None:
+    """The vision encoder's seconds per sequence, from the profile's encoder cost (None without one)."""
+    if profile.encoder_call_s is None or not work.images:
+        return None
+    seconds = [profile.encoder_seconds(images, tokens) for images, tokens in work.encoded]
+    return Encoder(seconds, profile.encoder_call_s)
+
+
+def _encoder_summary(
+    work: FileWork, profile: profiles.Profile, timed: dict[str, Any], alone: dict[str, Any]
+) -> dict[str, Any] | None:
+    """What the encoder adds to the expected time (`timed`'s minus `alone`'s, the same work without it),
+    with the images it encodes; None for a text model's plan. A profile without an encoder cost (stored
+    before encoders were measured) leaves it out of the time, and says so."""
+    if profile.encoder_call_s is None and not work.images:
+        return None
+    summary = {
+        "images": sum(images for images, _ in work.encoded),
+        "image_tokens": sum(tokens for _, tokens in work.encoded),
+        "seconds": None,
+    }
+    if profile.encoder_call_s is None:
+        return summary
+    seconds = timed["estimated_seconds"]["expected"] - alone["estimated_seconds"]["expected"]
+    return {
+        **summary,
+        "seconds": round(seconds, 2),
+        "call_s": profile.encoder_call_s,
+        "per_image_s": profile.per_image_s,
+        "per_image_token_s": profile.per_image_token_s,
     }
 
 
@@ -221,6 +268,7 @@ def _time_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_duration(s['low'])} - {_duration(s['high'])} (expected {_duration(s['expected'])}; "
             f"at most {_duration(result['upper_bound_seconds'])} if every request runs to max_tokens)",
         ),
+        *_encoder_rows(result.get("encoder")),
         (
             "start-up",
             f"~{_duration(result['startup_seconds'])} more for a fresh `bulkgen run` (Ray, worker, model "
@@ -234,6 +282,23 @@ def _time_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
             ("", f"measured while the CPU was busy ({prof['busy']}): `bulkgen profile` again when it is not")
         )
     return [*rows, ("runtime factor", result["runtime_factor"])]
+
+
+def _encoder_rows(encoder: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The vision encoder's share of the time: none for a text model."""
+    if encoder is None:
+        return []
+    what = f"{encoder['images']:,} images ({encoder['image_tokens']:,} image tokens) to encode"
+    if encoder["seconds"] is None:
+        why = "the profile has no encoder cost: `bulkgen profile` again"
+        return [("encoder", f"{what}: not in the time above ({why})")]
+    terms = [
+        (encoder["call_s"] * 1e3, "ms/call"),
+        (encoder["per_image_s"] * 1e3, "ms/image"),
+        (encoder["per_image_token_s"] * 1e6, "us/image token"),
+    ]
+    cost = " + ".join(f"{value:.2f} {unit}" for value, unit in terms if value) or "no measurable cost"
+    return [("encoder", f"{_duration(encoder['seconds'])} of the time above: {what}, at {cost}")]
 
 
 def _kv_line(kv: dict[str, Any]) -> str:

@@ -12,8 +12,8 @@ It runs in a fresh process in the state of a worker's: one thread loads the mode
 of one process (a model loaded on one thread and stepped on another) makes a second OpenMP team;
 libgomp, seeing more threads than cores, then stops spinning between parallel regions, and on an idle
 2-core machine every step ran 1.3-1.5x slower than the worker's: plans of a quiet machine came out that
-much too long. It also times the model load and the start-up of a fresh `bulkgen run`
-(bulkgen.plan.startup). The profile is stored as JSON under the storage root, one object per model and
+much too long. It also times the model load, a vision-language model's encoder (bulkgen.plan.encoder: the
+grid's token prompts never run it) and the start-up of a fresh `bulkgen run` (bulkgen.plan.startup). The profile is stored as JSON under the storage root, one object per model and
 device (`layout.profile`), so `bulkgen plan`, `bulkgen serve` (the estimate at create) and every replica
 on the same storage read the same figures.
 """
@@ -75,6 +75,11 @@ class Profile:
     kv_cache_dtype: str = "auto"
     kv_bytes_per_token: int = 0
     kv_cache_tokens: int = 0
+    # a vision model's encoder (bulkgen.plan.encoder): one call's fixed seconds, then per image and per image
+    # token; None: not measured (a text model, or a profile stored before encoders were measured)
+    encoder_call_s: float | None = None
+    per_image_s: float = 0.0
+    per_image_token_s: float = 0.0
 
     def step_seconds(self, seqs: int, prefill_tokens: int, context_tokens: int, new_seqs: int = 0) -> float:
         return (
@@ -84,6 +89,10 @@ class Profile:
             + self.per_context_token_s * context_tokens
             + self.per_new_seq_s * new_seqs
         )
+
+    def encoder_seconds(self, images: int, image_tokens: int) -> float:
+        """The encoder's seconds for one request's images, beyond its call's fixed cost."""
+        return self.per_image_s * images + self.per_image_token_s * image_tokens
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1).encode()
@@ -182,20 +191,21 @@ def _busy() -> str:
 def measure_here(
     model: str, path: str, engine_kwargs: dict | None = None, threads: int | None = None
 ) -> Profile:
-    """The grid in this process, on one thread that loads the model and runs every step, as a worker's
-    engine thread does. Meant for a fresh process (`measure`)."""
+    """The grid (and a vision model's encoder) in this process, on one thread that loads the model and runs
+    every step, as a worker's engine thread does. Meant for a fresh process (`measure`)."""
     result: list = []
 
     def run() -> None:
         import torch
 
         from bulkgen.engine import Engine
+        from bulkgen.plan.encoder import measure_encoder
 
         torch.set_num_threads(threads or os.cpu_count() or 1)  # per thread, as the worker's loop sets it
         started = time.perf_counter()
         engine = Engine.from_pretrained(path, **(engine_kwargs or {}))
         load_s = time.perf_counter() - started
-        result.append((engine, load_s, _measure_grid(engine)))
+        result.append((engine, load_s, _measure_grid(engine), measure_encoder(engine)))
 
     worker = threading.Thread(target=run, name="bulkgen-profile")
     worker.start()
@@ -205,8 +215,9 @@ def measure_here(
     return _profile(model, *result[0])
 
 
-def _profile(model: str, engine, load_s: float, grid: tuple[list, list]) -> Profile:
-    """The measured grid fitted into a Profile of `engine`'s device and limits."""
+def _profile(model: str, engine, load_s: float, grid: tuple[list, list], encoder=None) -> Profile:
+    """The measured grid fitted into a Profile of `engine`'s device and limits, with `encoder` (an
+    EncoderCost: a vision model's) beside it."""
     cells, churn = grid
     base, per_seq, per_prefill, per_context, per_new_seq = fit_steps(cells, churn)
     cfg = engine.config
@@ -238,6 +249,7 @@ def _profile(model: str, engine, load_s: float, grid: tuple[list, list]) -> Prof
         kv_cache_dtype=kv_label(cfg.kv_cache_dtype),
         kv_bytes_per_token=engine.runner.layout.token_bytes(engine.runner.kv_dtype),
         kv_cache_tokens=engine.runner.num_blocks * cfg.block_size,
+        **({} if encoder is None else asdict(encoder)),
     )
 
 
@@ -343,7 +355,7 @@ def _fit_decode(cells) -> tuple[float, float, float]:
         context, seconds = _mean_decode(rows)
         x.append([1.0, batch, context])
         y.append(seconds)
-    return tuple(_nonnegative_lstsq(np.array(x), np.array(y)))
+    return tuple(nonnegative_lstsq(np.array(x), np.array(y)))
 
 
 def _fit_admission(rows: list[tuple], coef: tuple[float, float, float]) -> tuple[float, float]:
@@ -359,11 +371,11 @@ def _fit_admission(rows: list[tuple], coef: tuple[float, float, float]) -> tuple
     weight = np.array([1 / max(r[3], 1e-9) for r in steps])
     x = np.array([[r[1], r[4]] for r in steps]) * weight[:, None]
     y = np.array([r[3] - base - per_seq * r[0] - per_context * r[2] for r in steps]) * weight
-    per_prefill, per_new_seq = _nonnegative_lstsq(x, y)
+    per_prefill, per_new_seq = nonnegative_lstsq(x, y)
     return per_prefill, per_new_seq
 
 
-def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
     """Least squares, dropping a coefficient that comes out negative (a negative cost is noise)."""
     keep = np.ones(x.shape[1], bool)
     while True:

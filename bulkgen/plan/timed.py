@@ -17,6 +17,10 @@ Step cost is linear (see bulkgen/plan/profile.py), so runs of pure decode steps,
 admitted, are jumped over in one go: the simulation costs a few operations per request, not per token.
 Several workers: ranges of `range_size` requests are dealt longest first to the least loaded worker (as
 idle workers pull the longest range left); the batch ends when the last worker does.
+
+A vision model's encoder runs inside the step whose prefill reaches a request's images, once for all of
+that step's new images (bulkgen.engine.multimodal.splice): each request may carry its encoder seconds
+(`Encoder`), added to the step that admits it, with one call's fixed cost per step that encodes any.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 
 # (sequences in the step, prefill tokens, context tokens, sequences admitted in it) -> seconds
 StepCost = Callable[[int, int, int, int], float]
+Request = tuple[int, int, float]  # (prompt tokens to compute, output tokens, encoder seconds)
 
 
 @dataclass
@@ -33,6 +38,15 @@ class _Seq:
     prefill_left: int
     decode_left: int
     context: int
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """A vision encoder's work: seconds per request (0 for one without images, or whose images the prefix
+    cache holds) and the fixed cost of one encoder call, paid by each step that encodes."""
+
+    seconds: Sequence[float]
+    call_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,28 +74,34 @@ def batch_seconds(
     limits: EngineLimits,
     workers: int = 1,
     range_size: int = 32,
+    encoder: Encoder | None = None,
 ) -> float:
     """Wall seconds from the first request entering an engine to the last one finishing.
     `prompts`: prompt tokens each request must compute (cached prefix excluded); `outputs`: tokens each
-    generates (>= 1; 0 for a prefill-only request such as an embedding)."""
-    loads = _deal(list(zip(prompts, outputs, strict=True)), max(1, workers), range_size)
-    return max((engine_seconds(load, cost, limits) for load in loads if load), default=0.0)
+    generates (>= 1; 0 for a prefill-only request such as an embedding); `encoder`: a vision model's."""
+    encoder = encoder or Encoder([0.0] * len(prompts))
+    requests = list(zip(prompts, outputs, encoder.seconds, strict=True))
+    loads = _deal(requests, max(1, workers), range_size)
+    return max((engine_seconds(load, cost, limits, encoder.call_s) for load in loads if load), default=0.0)
 
 
-def _deal(requests: list[tuple[int, int]], workers: int, range_size: int) -> list[list[tuple[int, int]]]:
+def _deal(requests: list[Request], workers: int, range_size: int) -> list[list[Request]]:
     ranges = [requests[i : i + range_size] for i in range(0, len(requests), range_size)]
-    ranges.sort(key=lambda r: -sum(p + o for p, o in r) / len(r))
-    loads: list[list[tuple[int, int]]] = [[] for _ in range(workers)]
+    ranges.sort(key=lambda r: -sum(p + o for p, o, _ in r) / len(r))
+    loads: list[list[Request]] = [[] for _ in range(workers)]
     work = [0] * workers
     for r in ranges:
         w = work.index(min(work))
         loads[w] += r
-        work[w] += sum(p + o for p, o in r)
+        work[w] += sum(p + o for p, o, _ in r)
     return loads
 
 
-def engine_seconds(requests: list[tuple[int, int]], cost: StepCost, limits: EngineLimits) -> float:
-    """One engine's time for `requests` (prompt tokens, output tokens), admitted longest first."""
+def engine_seconds(
+    requests: list[Request], cost: StepCost, limits: EngineLimits, encoder_call_s: float = 0.0
+) -> float:
+    """One engine's time for `requests` (prompt tokens, output tokens, encoder seconds), admitted longest
+    first."""
     waiting = sorted(requests, key=lambda r: r[0] + r[1])  # the next to admit is last
     running: list[_Seq] = []
     seconds = 0.0
@@ -94,7 +114,7 @@ def engine_seconds(requests: list[tuple[int, int]], cost: StepCost, limits: Engi
         ):
             seconds += _decode_run(running, cost, limits)
         else:
-            seconds += _mixed_step(running, waiting, cost, limits)
+            seconds += _mixed_step(running, waiting, cost, limits, encoder_call_s)
         running = [s for s in running if s.prefill_left or s.decode_left]
     return seconds
 
@@ -114,9 +134,13 @@ def _decode_run(running: list[_Seq], cost: StepCost, limits: EngineLimits) -> fl
 
 
 def _mixed_step(
-    running: list[_Seq], waiting: list[tuple[int, int]], cost: StepCost, limits: EngineLimits
+    running: list[_Seq],
+    waiting: list[Request],
+    cost: StepCost,
+    limits: EngineLimits,
+    encoder_call_s: float = 0.0,
 ) -> float:
-    budget, prefill, active, admitted = limits.max_num_batched_tokens, 0, 0, 0
+    budget, prefill, active, admitted, encoding = limits.max_num_batched_tokens, 0, 0, 0, 0.0
     decoding: list[int] = []
     for s in sorted(running, key=lambda s: bool(s.prefill_left)):  # decodes first
         if budget == 0:
@@ -136,11 +160,13 @@ def _mixed_step(
         if not s.prefill_left:
             s.decode_left = max(0, s.decode_left - 1)  # the step that ends a prompt samples its first token
     while waiting and budget > 0 and len(running) < limits.max_num_seqs:
-        prompt, output = waiting.pop()
+        prompt, output, encoder_s = waiting.pop()
+        encoding += encoder_s
         n = min(max(prompt, 1), budget)
         seq = _Seq(max(prompt, 1) - n, output, n)
         if not seq.prefill_left and output:
             seq.decode_left -= 1
         running.append(seq)
         active, budget, prefill, admitted = active + 1, budget - n, prefill + n, admitted + 1
-    return cost(active, prefill, attended(decoding, limits.block_size, limits.decode_padded), admitted)
+    step = cost(active, prefill, attended(decoding, limits.block_size, limits.decode_padded), admitted)
+    return step + (encoding + encoder_call_s if encoding else 0.0)

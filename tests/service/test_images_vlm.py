@@ -4,8 +4,8 @@ header reads, so validation passes it; the worker's decode refuses it, naming th
 line with input_image by data: URL and by a `vision` file id completes; usage counts each image's
 placeholder tokens as prompt tokens, exactly as the model's processor expands them.
 
-The session's service serves two text models; this module adds the VLM to its settings for its own tests
-(monkeypatch, undone after), so the same service, workers and Ray run it.
+The session's service serves two text models; `vlm_client` (tests/service/conftest.py) adds the VLM to its
+settings for a test (monkeypatch, undone after), so the same service, workers and Ray run it.
 """
 
 from __future__ import annotations
@@ -14,26 +14,12 @@ import io
 import json
 from pathlib import Path
 
-import pytest
 from transformers import AutoProcessor
 
-from bulkgen.lab.tiny_vision import build_tiny_vlm
-from tests.support.images import data_url, image_bytes, image_tokens, text_tokens
+from tests.support.images import VLM, data_url, image_bytes, image_tokens, text_tokens
 from tests.support.service import read_lines, upload, wait_done, write_jsonl
 
-VLM = "tiny-vlm"
 SAMPLE = Path(__file__).resolve().parents[2] / "samples" / "vision.jsonl"
-
-
-@pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", "llava", seed=3)
-
-
-@pytest.fixture
-def vlm_client(service, client, vlm_path, monkeypatch):
-    monkeypatch.setitem(service.svc.settings.models, VLM, str(vlm_path))
-    return client
 
 
 def _run(client, tmp_path, name: str, rows: list, endpoint: str):

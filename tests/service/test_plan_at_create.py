@@ -9,11 +9,14 @@ The profile is removed afterwards so the other tests' batches carry no estimate.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import openai
 import pytest
 
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.calibrate import LIMITS
+from tests.support.images import VLM, png_url
 from tests.support.service import MODEL, chat_row, upload, validated, wait_done, write_jsonl
 
 LONG = " ".join(["word"] * 900)  # about a thousand prompt tokens
@@ -74,3 +77,31 @@ def test_refuse_infeasible_answers_400_at_create(service, slow_profile, tmp_path
     )
     assert batch.status == "in_progress" and batch.errors is None  # validated at create
     assert wait_done(client, batch.id).status == "completed"
+
+
+def test_the_estimate_of_image_lines_includes_the_vision_encoder(service, vlm_client, tmp_path):
+    """The profile's encoder cost per image is part of the estimate at create: 1,000 s an image here, so two
+    image lines cost at least 2,000 s (scaled by no less than LIMITS[0]); the same file against the same
+    steps without an encoder cost, a few seconds."""
+    store = service.svc.root
+    steps = profiles.Profile(VLM, "cpu", 0.01, 0.0, 0.0, 0.0, 64, 1024, 4096, 16, 1.0)
+    image = {"type": "image_url", "image_url": {"url": png_url((20, 20))}}
+    content = [image, {"type": "text", "text": "Describe it."}]
+    rows = [chat_row(f"img-{i}", content, 4, model=VLM) for i in range(2)]
+    path = write_jsonl(tmp_path / "images.jsonl", rows)
+    estimates = []
+    for profile in (replace(steps, encoder_call_s=0.0, per_image_s=1000.0), steps):
+        key = profiles.save(store, profile)
+        try:
+            batch = vlm_client.batches.create(
+                input_file_id=upload(vlm_client, path).id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+            )
+            estimates.append(validated(vlm_client, batch.id).model_extra["metrics"]["estimated_seconds"])
+            assert wait_done(vlm_client, batch.id).status == "completed"
+        finally:
+            store.delete(key)
+    with_encoder, without = estimates
+    assert with_encoder["expected"] >= 2 * 1000.0 * LIMITS[0]
+    assert without["expected"] < 100

@@ -7,6 +7,7 @@ import io
 
 from PIL import Image
 
+VLM = "tiny-vlm"  # the name the service tests serve lab/tiny_vision.py's LLaVA under (tests/service/conftest.py)
 MEDIA = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 
 

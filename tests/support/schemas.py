@@ -1,4 +1,5 @@
-"""JSON schemas that no document can come out of, shared by the engine's and the service's tests."""
+"""JSON schemas shared by the engine's and the service's tests: ones no document can come out of, and one an
+image-labelling line asks for."""
 
 from __future__ import annotations
 
@@ -32,3 +33,15 @@ def ref_chain(length: int) -> dict:
         f"d{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(length)
     }
     return {"$defs": {**defs, f"d{length}": {"type": "string"}}, "$ref": "#/$defs/d0"}
+
+
+# what an image-labelling line asks for: tests of structured outputs with images (engine and service)
+ANIMAL = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["cat", "dog", "bird"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["label", "count"],
+    "additionalProperties": False,
+}
