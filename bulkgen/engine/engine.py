@@ -83,8 +83,7 @@ class Engine(OverlappedSteps):
         self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
         ensure_quantized(model, self.config.quantize)
         overlap = self.config.async_scheduling
-        single = self.config.tensor_parallel == 1  # tensor-parallel ranks run step by step
-        self.overlap = (self.device.type == "cuda" and single) if overlap is None else overlap
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
         if (self.config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
             raise ValueError(

@@ -9,6 +9,13 @@ tables) and the followers rebuild light stand-ins of those sequences for their o
 packing, block-table and logits-row logic exists once. A follower waits for the next plan in short
 polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
 ends it.
+
+The plan also carries what a follower cannot decide alone. With overlapped steps (engine.py) rank 0
+launches a step before its host has read the previous step's tokens: their stand-ins (negative ids) are
+in the plan, and the tokens themselves follow as one broadcast from rank 0's device, queued behind its
+sampling (no host sync), so every rank's forward reads the same tokens. And the decode-graph bucket rank 0
+replays (decode_graphs.py; 0, 0 for the packed path): every rank runs that bucket, so the padded batch
+its collectives carry is the same on every rank.
 """
 
 from __future__ import annotations
@@ -18,9 +25,10 @@ import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,6 +39,7 @@ from .config import EngineConfig
 
 DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0  # for every rank to join the group
+_HEADER = 4  # items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path)
 _ITEM = 11  # ints before each item's tokens and tables (see _pack)
 _STOP = b"stop"
 
@@ -53,6 +62,7 @@ class RankGroup:
         start = max(timeout_s, START_TIMEOUT_S)
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
+        self.overlapped = 0  # steps that read the previous step's tokens by broadcast (overlapped steps)
         self.processes: list = []  # follower processes this rank started (launch), joined at close
 
     @classmethod
@@ -91,13 +101,26 @@ class RankGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place; RankLost after the group's timeout."""
+        options = dist.BroadcastOptions()
+        options.rootRank, options.timeout = 0, self.timeout
+        _wait(self.group.broadcast([tensor], options), self.rank)
+        return tensor
+
     @contextmanager
-    def step(self, batch: list) -> Iterator[None]:
-        """Rank 0: publish this step's (sequence, new tokens) pairs, then run it. A failure once the
+    def step(
+        self, batch: list, pending: torch.Tensor | None = None, graph: tuple[int, int] | None = None
+    ) -> Iterator[None]:
+        """Rank 0: publish this step's (sequence, new tokens) pairs, the previous step's sampled tokens
+        its stand-ins read (`pending`) and its decode-graph bucket, then run it. A failure once the
         other ranks are in the step leaves them waiting in a collective this rank left, so any error
         in it is RankLost: the group cannot take another step."""
         if self.rank == 0:
-            self._post(_pack(batch).numpy().tobytes())
+            rows = 0 if pending is None else pending.numel()
+            self._post(_pack(batch, rows, graph).numpy().tobytes())
+            if pending is not None:
+                self.broadcast(pending.to(torch.int64))
         try:
             yield
         except RankLost:
@@ -107,13 +130,28 @@ class RankGroup:
                 f"tensor-parallel rank {self.rank} failed a step: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def receive_plan(self) -> list | None:
-        """The next step's batch as stand-in sequences, or None when rank 0 closes the group."""
+    def receive_plan(self) -> FollowedStep | None:
+        """The next step as this follower runs it, or None when rank 0 closes the group."""
         raw = self._wait(f"plan/{self.steps}")
         self.steps += 1
         if raw == _STOP:
             return None
-        return _unpack(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+        batch, rows, graph = _unpack(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+        pending = None
+        if rows:  # rank 0 broadcasts them right after the plan
+            pending = self.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))
+            self.overlapped += 1
+        return FollowedStep(batch, pending, graph)
+
+    def report(self, replays: Counter) -> None:
+        """A follower's account of what it ran, published as it leaves (read with `reports`): its steps,
+        how many read stand-in tokens by broadcast, and its decode-graph replays per bucket."""
+        ran = {"steps": self.steps - 1, "overlapped": self.overlapped, "replays": _keyed(replays)}
+        self.store.set(f"ran/{self.rank}", json.dumps(ran))
+
+    def reports(self) -> list[dict]:
+        """Each follower's `report`, in rank order (after close: it waits for them)."""
+        return [json.loads(self._wait(f"ran/{rank}")) for rank in range(1, self.world)]
 
     def close(self) -> None:
         """Rank 0 tells the followers to exit; every rank leaves the process group."""
@@ -137,6 +175,20 @@ class RankGroup:
             except dist.DistStoreError as exc:  # a poll that timed out; a lost store raises otherwise
                 if "timeout" not in str(exc).lower():
                     raise
+
+
+@dataclass
+class FollowedStep:
+    """One step as a follower receives it from rank 0."""
+
+    batch: list  # (StandIn, new tokens) pairs in rank 0's order
+    pending: torch.Tensor | None  # the previous step's sampled tokens the stand-in ids read, on this device
+    graph: tuple[int, int] | None  # the decode-graph bucket rank 0 replays; None: the packed path
+
+
+def _keyed(replays: Counter) -> dict[str, int]:
+    """A replay count per bucket as JSON keys ("batch,width")."""
+    return {f"{b},{w}": n for (b, w), n in sorted(replays.items())}
 
 
 class StandIn:
@@ -171,12 +223,14 @@ class _Tail:
     def __init__(self, start: int, tokens: list[int]) -> None:
         self.start, self.tokens = start, tokens
 
-    def __getitem__(self, index: slice) -> list[int]:
+    def __getitem__(self, index: slice | int) -> list[int] | int:
+        if isinstance(index, int):  # a decode's one token (decode_graphs)
+            return self.tokens[index - self.start]
         return self.tokens[index.start - self.start :]
 
 
-def _pack(batch: list) -> torch.Tensor:
-    flat: list[int] = [len(batch)]
+def _pack(batch: list, pending_rows: int = 0, graph: tuple[int, int] | None = None) -> torch.Tensor:
+    flat: list[int] = [len(batch), pending_rows, *(graph or (0, 0))]
     for seq, n in batch:
         tables = seq.block_tables
         width = len(tables[0]) if tables else 0
@@ -189,8 +243,9 @@ def _pack(batch: list) -> torch.Tensor:
     return torch.tensor(flat, dtype=torch.int64)
 
 
-def _unpack(packed: torch.Tensor) -> list:
-    flat, at, batch = packed.tolist(), 1, []
+def _unpack(packed: torch.Tensor) -> tuple[list, int, tuple[int, int] | None]:
+    """(batch of stand-ins, pending rows, decode-graph bucket) of a packed plan."""
+    flat, at, batch = packed.tolist(), _HEADER, []
     for _ in range(flat[0]):
         fields = flat[at : at + _ITEM]
         n, groups, width = fields[2], fields[9], fields[10]
@@ -199,7 +254,8 @@ def _unpack(packed: torch.Tensor) -> list:
         tables = [flat[at + g * width : at + (g + 1) * width] for g in range(groups)]
         at += groups * width
         batch.append((StandIn(fields, tokens, tables), n))
-    return batch
+    graph = (flat[2], flat[3]) if flat[2] else None
+    return batch, flat[1], graph
 
 
 def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype) -> torch.nn.Module:
@@ -290,8 +346,9 @@ def serve_rank(
     model = load_shard(path, group, getattr(torch, dtype))
     config, max_model_len = group.receive_config()
     runner = ModelRunner(model, config, max_model_len)
-    while (batch := group.receive_plan()) is not None:
-        runner.run(batch)
+    while (step := group.receive_plan()) is not None:
+        runner.run(step.batch, step.pending, step.graph)
+    group.report(runner.graphs.replays if runner.graphs is not None else Counter())
 
 
 def launch(
