@@ -160,9 +160,8 @@ class Engine(OverlappedSteps):
         if config.tensor_parallel > 1:
             from .tensor_parallel import launch
 
-            if config.quantize is not None:
-                raise ValueError("quantize and tensor_parallel > 1 together are not supported yet")
-            model = launch(path, config.tensor_parallel, device, dtype, config.collective_timeout_s)
+            timeout = config.collective_timeout_s
+            model = launch(path, config.tensor_parallel, device, dtype, timeout, config.quantize)
         else:
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

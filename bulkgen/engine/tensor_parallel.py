@@ -258,13 +258,16 @@ def _unpack(packed: torch.Tensor) -> tuple[list, int, tuple[int, int] | None]:
     return batch, flat[1], graph
 
 
-def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype) -> torch.nn.Module:
-    """This rank's shard of the model, and what loading it cost in host memory, published for rank 0
-    (RankGroup.rank_memory): the resident set before, its peak while loading, and the weights' bytes."""
+def load_shard(
+    path: str | Path, group: RankGroup, dtype: torch.dtype, quantize: str | None = None
+) -> torch.nn.Module:
+    """This rank's shard of the model (`quantize`: its decoder layers' linears quantized, sharding.py), and
+    what loading it cost in host memory, published for rank 0 (RankGroup.rank_memory): the resident set
+    before, its peak while loading, and the weights' bytes as held."""
     from .sharding import build_shard_model
 
     before = _reset_peak_rss()
-    model = build_shard_model(path, group, dtype)
+    model = build_shard_model(path, group, dtype, quantize)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
     memory.update(peak_rss=_peak_rss(), weight_bytes=weights)
@@ -336,6 +339,7 @@ def serve_rank(
     dtype: str,
     threads: int,
     timeout_s: float,
+    quantize: str | None = None,
 ) -> None:
     """A follower rank's whole life: join, load its shard, size its runner like rank 0's, then run every
     step rank 0 publishes until it closes the group."""
@@ -343,7 +347,7 @@ def serve_rank(
 
     torch.set_num_threads(threads)
     group = RankGroup.join(host, port, rank, world, rank_device(device, rank), timeout_s)
-    model = load_shard(path, group, getattr(torch, dtype))
+    model = load_shard(path, group, getattr(torch, dtype), quantize)
     config, max_model_len = group.receive_config()
     runner = ModelRunner(model, config, max_model_len)
     while (step := group.receive_plan()) is not None:
@@ -352,7 +356,12 @@ def serve_rank(
 
 
 def launch(
-    path: str | Path, world: int, device: str, dtype: torch.dtype, timeout_s: float = DEFAULT_TIMEOUT_S
+    path: str | Path,
+    world: int,
+    device: str,
+    dtype: torch.dtype,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    quantize: str | None = None,
 ):
     """Start ranks 1..world-1 as processes of this machine (one torch thread each on CPU, unless this
     process uses more) and load rank 0's shard here; returns rank 0's model, its group attached as
@@ -367,6 +376,7 @@ def launch(
     port = _free_port()
     spec = dict(path=str(path), world=world, host="127.0.0.1", port=port, device=device)
     spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
+    spec.update(quantize=quantize)
     # a fresh interpreter per rank (not multiprocessing's spawn, which re-imports the caller's __main__)
     procs = [
         subprocess.Popen([sys.executable, "-m", __name__, json.dumps({**spec, "rank": r})])
@@ -375,7 +385,7 @@ def launch(
     try:
         group = RankGroup.join("127.0.0.1", port, 0, world, rank_device(device, 0), timeout_s)
         group.processes = procs
-        return load_shard(path, group, dtype)
+        return load_shard(path, group, dtype, quantize)
     except BaseException:
         for proc in procs:  # a rank waiting for a group that will never run
             proc.kill()
