@@ -37,14 +37,6 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], tor
     return [o.outputs[0].token_ids for o in outs], torch.tensor(logprobs)
 
 
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # rank 0 here, like the follower it starts
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def engines(request, tmp_path_factory, one_thread):
     """(float engine, single-process FP8 engine, two-rank FP8 engine, prompts); closed at the end."""

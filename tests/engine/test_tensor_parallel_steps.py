@@ -13,7 +13,6 @@ late when overlapped) and one draws from a narrow top-p (often settled late: rec
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.lab.tiny import build_tiny_model
@@ -30,22 +29,6 @@ SAMPLED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(39)
-    own = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 32, 100, 300)]
-    shared = own[3][:96]
-    return own + [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 21)]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # rank 0 here, like the follower it starts
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tokens(engine: Engine, prompts: list[list[int]]) -> tuple[list, list]:
     greedy = engine.generate(prompts, GREEDY)
     sampled = engine.generate(prompts[:4], SAMPLED)
@@ -53,16 +36,16 @@ def _tokens(engine: Engine, prompts: list[list[int]]) -> tuple[list, list]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, prompts, one_thread):
+def model(tmp_path_factory, tp_prompts, one_thread):
     """(path, KV blocks that hold the longest prompt alone, the single-process engine's tokens step by
     step)."""
     path = str(build_tiny_model(tmp_path_factory.mktemp("llama") / "llama", "llama", seed=5))
     probe = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
-    blocks = probe.runner.peak_blocks(max(map(len, prompts)) + MAX_TOKENS)
+    blocks = probe.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
     single = Engine.from_pretrained(
         path, num_kv_blocks=blocks, async_scheduling=False, cuda_graphs=False, **ENGINE
     )
-    return path, blocks, _tokens(single, prompts)
+    return path, blocks, _tokens(single, tp_prompts)
 
 
 @pytest.mark.parametrize(
@@ -70,14 +53,14 @@ def model(tmp_path_factory, prompts, one_thread):
     [(True, True), (True, False), (False, True)],
     ids=["overlap+graphs", "overlap", "graphs"],
 )
-def test_two_ranks_match_the_single_engine(model, prompts, overlap, graphs):
+def test_two_ranks_match_the_single_engine(model, tp_prompts, overlap, graphs):
     path, blocks, want = model
     engine = Engine.from_pretrained(
         path, num_kv_blocks=blocks, tensor_parallel=2, async_scheduling=overlap, cuda_graphs=graphs, **ENGINE
     )
     try:
         assert engine.overlap is overlap and (engine.runner.graphs is not None) is graphs
-        assert _tokens(engine, prompts) == want
+        assert _tokens(engine, tp_prompts) == want
         assert engine.stats()["preemptions"] > 0, "the small cache never preempted"
         assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
     finally:
