@@ -150,8 +150,11 @@ class RankGroup:
         self.store.set(f"ran/{self.rank}", json.dumps(ran))
 
     def reports(self) -> list[dict]:
-        """Each follower's `report`, in rank order (after close: it waits for them)."""
-        return [json.loads(self._wait(f"ran/{rank}")) for rank in range(1, self.world)]
+        """Each follower's `report`, in rank order, once `close` has stopped them (a follower that died
+        never reports: the store's wait fails after the group's timeout instead of hanging)."""
+        keys = [f"ran/{rank}" for rank in range(1, self.world)]
+        self.store.wait(keys, self.timeout)
+        return [json.loads(self.store.get(key)) for key in keys]
 
     def close(self) -> None:
         """Rank 0 tells the followers to exit; every rank leaves the process group."""
