@@ -4,10 +4,10 @@
 The data plane is the model's own collectives (sharding.py: all-reduces and the head's gather; gloo on
 CPU, NCCL on CUDA), each bounded by the group's timeout, so a rank that dies or hangs mid-step fails the
 step on every rank instead of blocking it. The control plane is the rendezvous store: once per step rank 0
-publishes the step plan as one packed int64 tensor (per scheduled sequence its position, tokens and block
-tables) and the followers rebuild light stand-ins of those sequences for their own ModelRunner, so its
-packing, block-table and logits-row logic exists once. A follower waits for the next plan in short
-polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
+publishes the step plan as one packed int64 tensor (plan_codec.py: per scheduled sequence its position,
+tokens and new block-table entries) and the followers rebuild light stand-ins of those sequences for
+their own ModelRunner, so its packing, block-table and logits-row logic exists once. A follower waits
+for the next plan in short polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
 ends it.
 
 The plan also carries what a follower cannot decide alone. With overlapped steps (engine.py) rank 0
@@ -28,7 +28,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 
@@ -36,11 +36,10 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
+from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
 
 DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0  # for every rank to join the group
-_HEADER = 4  # items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path)
-_ITEM = 11  # ints before each item's tokens and tables (see _pack)
 _STOP = b"stop"
 
 
@@ -63,6 +62,7 @@ class RankGroup:
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
         self.overlapped = 0  # steps that read the previous step's tokens by broadcast (overlapped steps)
+        self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
         self.processes: list = []  # follower processes this rank started (launch), joined at close
 
     @classmethod
@@ -118,7 +118,7 @@ class RankGroup:
         in it is RankLost: the group cannot take another step."""
         if self.rank == 0:
             rows = 0 if pending is None else pending.numel()
-            self._post(_pack(batch, rows, graph).numpy().tobytes())
+            self._post(self.encoder.encode(batch, rows, graph))
             if pending is not None:
                 self.broadcast(pending.to(torch.int64))
         try:
@@ -136,7 +136,7 @@ class RankGroup:
         self.steps += 1
         if raw == _STOP:
             return None
-        batch, rows, graph = _unpack(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+        batch, rows, graph = self.decoder.decode(raw)
         pending = None
         if rows:  # rank 0 broadcasts them right after the plan
             pending = self.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))
@@ -180,85 +180,9 @@ class RankGroup:
                     raise
 
 
-@dataclass
-class FollowedStep:
-    """One step as a follower receives it from rank 0."""
-
-    batch: list  # (StandIn, new tokens) pairs in rank 0's order
-    pending: torch.Tensor | None  # the previous step's sampled tokens the stand-in ids read, on this device
-    graph: tuple[int, int] | None  # the decode-graph bucket rank 0 replays; None: the packed path
-
-
 def _keyed(replays: Counter) -> dict[str, int]:
     """A replay count per bucket as JSON keys ("batch,width")."""
     return {f"{b},{w}": n for (b, w), n in sorted(replays.items())}
-
-
-class StandIn:
-    """What a follower's ModelRunner reads of a scheduled sequence, rebuilt from the step plan."""
-
-    def __init__(self, fields: list[int], tokens: list[int], tables: list[list[int]]) -> None:
-        seq_id, computed, _, length, prompt, max_tokens, scores, scored, pools, _, _ = fields
-        self.seq_id, self.num_computed_tokens, self.length = seq_id, computed, length
-        self.num_prompt_tokens, self.max_tokens, self.pools = prompt, max_tokens, bool(pools)
-        self.needs_prompt_logprobs = bool(scores)
-        self.request = _Scored([None] * scored)
-        self.token_ids = _Tail(computed, tokens)
-        self.block_tables = tables
-        self.lora = None  # adapters are refused under tensor parallel (Engine.add_lora)
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def block_table(self) -> list[int]:
-        return self.block_tables[0] if self.block_tables else []
-
-
-class _Scored:
-    def __init__(self, prompt_logprobs: list) -> None:
-        self.prompt_logprobs = prompt_logprobs
-
-
-class _Tail:
-    """A sequence's token ids from `start` on (the ones this step computes): what the runner slices."""
-
-    def __init__(self, start: int, tokens: list[int]) -> None:
-        self.start, self.tokens = start, tokens
-
-    def __getitem__(self, index: slice | int) -> list[int] | int:
-        if isinstance(index, int):  # a decode's one token (decode_graphs)
-            return self.tokens[index - self.start]
-        return self.tokens[index.start - self.start :]
-
-
-def _pack(batch: list, pending_rows: int = 0, graph: tuple[int, int] | None = None) -> torch.Tensor:
-    flat: list[int] = [len(batch), pending_rows, *(graph or (0, 0))]
-    for seq, n in batch:
-        tables = seq.block_tables
-        width = len(tables[0]) if tables else 0
-        tokens = seq.token_ids[seq.num_computed_tokens :][:n]
-        flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
-        flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
-        flat += [len(tables), width, *tokens]
-        for table in tables:
-            flat += table
-    return torch.tensor(flat, dtype=torch.int64)
-
-
-def _unpack(packed: torch.Tensor) -> tuple[list, int, tuple[int, int] | None]:
-    """(batch of stand-ins, pending rows, decode-graph bucket) of a packed plan."""
-    flat, at, batch = packed.tolist(), _HEADER, []
-    for _ in range(flat[0]):
-        fields = flat[at : at + _ITEM]
-        n, groups, width = fields[2], fields[9], fields[10]
-        at += _ITEM
-        tokens, at = flat[at : at + n], at + n
-        tables = [flat[at + g * width : at + (g + 1) * width] for g in range(groups)]
-        at += groups * width
-        batch.append((StandIn(fields, tokens, tables), n))
-    graph = (flat[2], flat[3]) if flat[2] else None
-    return batch, flat[1], graph
 
 
 def load_shard(
