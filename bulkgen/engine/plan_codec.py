@@ -9,8 +9,9 @@ decode_graphs.SlotTables keeps them on the device), so the encoder remembers whi
 sequence of the previous step had and how many entries it sent, and sends only the entries since; the
 decoder extends the same lists. Both keep the previous step's sequences only, so a sequence that skips
 a step is sent whole again. A follower's tables are then the same list objects from step to step, so its
-SlotTables uploads new entries only, as rank 0's does. Without deltas a decode step of 512 sequences at
-512 blocks each packed 2 MB and took rank 0 15 ms to pack and a follower 10 ms to unpack.
+SlotTables uploads new entries only, as rank 0's does. A decode step of 512 sequences at 512 blocks each
+is 53 KB instead of 2.1 MB, and packs 21x and unpacks 15x faster than with whole tables (one run on a
+2-core development machine: 0.7 against 15.8 ms, 1.2 against 18.7 ms).
 """
 
 from __future__ import annotations
