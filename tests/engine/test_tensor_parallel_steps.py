@@ -7,7 +7,8 @@ decode steps take the static-buffer path eagerly (CPU has no graphs): rank 0 pic
 its plan carries it, so the followers' replays per bucket must be rank 0's. Each run has chunked prefill
 (a 64-token step budget), a shared 96-token prefix and a KV cache that holds the longest prompt alone,
 so shorter sequences are preempted and recomputed; the sampled requests stop on byte tokens (seen a step
-late when overlapped) and one draws from a narrow top-p (often settled late: recomputed).
+late when overlapped), one draws from a narrow top-p (often settled late: recomputed), and two sample
+only once the previous step's tokens are read (penalties, a grammar).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import pytest
 
 from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.guide import Guide
 from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12
@@ -26,12 +28,15 @@ SAMPLED = [
     SamplingParams(max_tokens=MAX_TOKENS, top_p=0.15, stop_token_ids=STOPS, temperature=1.0, seed=2),
     SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=40, n=2, seed=3),
     SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=STOPS),
+    # rows that sample once the previous step's tokens are read (overlapped: after the forward launched)
+    SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=0.7, temperature=1.0, seed=5),
+    SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guide=Guide.json_object()),
 ]
 
 
 def _tokens(engine: Engine, prompts: list[list[int]]) -> tuple[list, list]:
     greedy = engine.generate(prompts, GREEDY)
-    sampled = engine.generate(prompts[:4], SAMPLED)
+    sampled = engine.generate(prompts, SAMPLED)
     return [o.outputs[0].token_ids for o in greedy], [[c.token_ids for c in o.outputs] for o in sampled]
 
 
