@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from .config import EngineConfig
 from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
+from .replay_watchdog import ReplayWatchdog
 
 DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0  # for every rank to join the group
@@ -63,6 +64,7 @@ class RankGroup:
         self.steps = 0
         self.overlapped = 0  # steps that read the previous step's tokens by broadcast (overlapped steps)
         self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
+        self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
         self.processes: list = []  # follower processes this rank started (launch), joined at close
 
     @classmethod
@@ -115,7 +117,8 @@ class RankGroup:
         """Rank 0: publish this step's (sequence, new tokens) pairs, the previous step's sampled tokens
         its stand-ins read (`pending`) and its decode-graph bucket, then run it. A failure once the
         other ranks are in the step leaves them waiting in a collective this rank left, so any error
-        in it is RankLost: the group cannot take another step."""
+        in it is RankLost: the group cannot take another step. A step that replays a CUDA graph is
+        watched until the device finishes it (replay_watchdog.py)."""
         if self.rank == 0:
             rows = 0 if pending is None else pending.numel()
             self._post(self.encoder.encode(batch, rows, graph))
@@ -129,6 +132,10 @@ class RankGroup:
             raise RankLost(
                 f"tensor-parallel rank {self.rank} failed a step: {type(exc).__name__}: {exc}"
             ) from exc
+        if graph is not None and self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self.watchdog.watch(done)
 
     def receive_plan(self) -> FollowedStep | None:
         """The next step as this follower runs it, or None when rank 0 closes the group."""
@@ -158,6 +165,7 @@ class RankGroup:
 
     def close(self) -> None:
         """Rank 0 tells the followers to exit; every rank leaves the process group."""
+        self.watchdog.close()
         if self.rank == 0:
             self._post(_STOP)
         for proc in self.processes:
