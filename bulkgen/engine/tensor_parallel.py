@@ -139,6 +139,8 @@ class RankGroup:
 
     def receive_plan(self) -> FollowedStep | None:
         """The next step as this follower runs it, or None when rank 0 closes the group."""
+        if self.steps:  # the previous step is launched: its plan is no longer needed here
+            self._release(self.steps - 1)
         raw = self._wait(f"plan/{self.steps}")
         self.steps += 1
         if raw == _STOP:
@@ -172,11 +174,16 @@ class RankGroup:
             proc.wait(timeout=30)
 
     def _post(self, payload: bytes) -> None:
-        # a follower has read plan n - 1 before plan n exists: plan n - 1's forward needed every rank
-        if self.steps:
-            self.store.delete_key(f"plan/{self.steps - 1}")
         self.store.set(f"plan/{self.steps}", payload)
         self.steps += 1
+
+    def _release(self, step: int) -> None:
+        """A follower is done with plan `step`; the last one to be deletes it. Rank 0 cannot tell when
+        every follower has read a plan: its host runs ahead of the collectives (overlapped steps, steps
+        without sampling, NCCL's asynchronous collectives), so it never deletes one itself."""
+        if self.store.add(f"read/{step}", 1) == self.world - 1:
+            self.store.delete_key(f"plan/{step}")
+            self.store.delete_key(f"read/{step}")
 
     def _wait(self, key: str) -> bytes:
         while True:
