@@ -80,8 +80,6 @@ class EngineConfig:
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
-            if self.tensor_parallel > 1 and getattr(self, name):
-                raise ValueError(f"{name} is not supported with tensor_parallel > 1 yet; leave it unset")
 
 
 def _positive_int(name: str, value: object) -> None:

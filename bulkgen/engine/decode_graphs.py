@@ -23,11 +23,19 @@ Captures run under inference mode whoever calls them: with autograd on, every ca
 keep its graph (and the gathered K/V it saved) alive, hundreds of GB at a 1B model's shapes. A capture
 that fails is contained: the original error is logged, that bucket and every later one run eagerly
 (a failed capture can leave the CUDA context unusable for further captures), and the step goes on.
+
+Tensor parallel (tensor_parallel.py): every rank captures the same buckets, in the same order, each
+forward's collectives inside its graph (NCCL collectives are capturable; the warm-up runs before a
+capture are real collectives, so no rank may skip a bucket another captures: after each capture the ranks
+agree, and one rank's failure makes every rank run eagerly from then on). Rank 0 picks a step's bucket
+(`key`) and its step plan carries it; the followers replay that bucket.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -150,12 +158,13 @@ class DecodeGraphs:
         decode_kernel: str | None = None,
         tables: SlotTables | None = None,
         states=None,
+        agree: Callable[[int], int] | None = None,
     ):
         """`caches`: the model's KV cache as its layers see it; `kinds`: each KV group's attention kind;
         `max_width`: blocks of the longest sequence (max_model_len); `scratch_block`: a block past the
         last real one, which padded rows read and write; `tables`: the runner's, shared with its packed
         path (a sequence keeps its row whichever path its steps take); `states`: a hybrid model's
-        state_slots.StatePool."""
+        state_slots.StatePool; `agree`: a tensor-parallel group's minimum over its ranks (RankGroup.agree_min)."""
         self.model, self.caches, self.kinds = model, caches, kinds
         self.block_size, self.max_batch, self.max_width = block_size, max_batch, max_width
         self.device = caches.k[0].device
@@ -168,6 +177,8 @@ class DecodeGraphs:
         self.pack = HostPack(self.device)
         self.states = states
         self.fields = 4 if states is None else 5
+        self.agree = agree
+        self.replays: Counter[tuple[int, int]] = Counter()  # steps run per bucket (batch, width)
 
     @torch.inference_mode()
     def capture(self, max_context: int | None = None) -> int:
@@ -184,20 +195,30 @@ class DecodeGraphs:
                 self._bucket(batch, width)
         return len(self.buckets)
 
-    def run(self, seqs: list[Sequence], pending: torch.Tensor | None = None) -> torch.Tensor:
+    def key(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """The bucket (batch, width) a decode step of `seqs` runs in."""
+        width = self.max_width
+        if not self.paged:
+            top = max(s.num_computed_tokens for s in seqs) + 1
+            width = bucket(max(-(-top // self.block_size), MIN_WIDTH), self.max_width)
+        return bucket(len(seqs), self.max_batch), width
+
+    def run(
+        self, seqs: list[Sequence], pending: torch.Tensor | None = None, key: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         """Logits [B, vocab] (float32) of one new token for each of `seqs` (at position
         num_computed_tokens, its blocks already allocated). A token the host has not read yet (a
-        sequence.pending_id stand-in) is read on the device from `pending`, the previous step's tokens."""
-        num, bs = len(seqs), self.block_size
+        sequence.pending_id stand-in) is read on the device from `pending`, the previous step's tokens.
+        `key`: the bucket to run in (a tensor-parallel follower's is rank 0's), by default `key(seqs)`."""
+        num = len(seqs)
         starts = [s.num_computed_tokens for s in seqs]
         ids = [s.token_ids[p] for s, p in zip(seqs, starts, strict=True)]
         index: list[int] = []
         values: list[int] = []
         rows = self.tables.rows_for(seqs, index, values)
-        width = self.max_width
-        if not self.paged:
-            width = bucket(max(-(-(max(starts) + 1) // bs), MIN_WIDTH), self.max_width)
-        b = self._bucket(bucket(num, self.max_batch), width)
+        key = key or self.key(seqs)
+        b = self._bucket(*key)
+        self.replays[key] += 1
         pad = b.batch - num
         pack = self.pack
         pack.add(ids + [0] * pad)
@@ -234,6 +255,8 @@ class DecodeGraphs:
                 slots[0].fill_(self.states.scratch)
             if self.use_graphs:
                 self._try_capture(b)
+                if self.agree is not None and not self.agree(int(b.graph is not None)):
+                    b.graph, b.out, self.use_graphs = None, None, False  # a rank failed: all run eagerly
             self.buckets[key] = b
         return self.buckets[key]
 

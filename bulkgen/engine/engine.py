@@ -88,8 +88,7 @@ class Engine(OverlappedSteps):
         self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
         ensure_quantized(model, self.config.quantize)
         overlap = self.config.async_scheduling
-        single = self.config.tensor_parallel == 1  # tensor-parallel ranks run step by step
-        self.overlap = (self.device.type == "cuda" and single) if overlap is None else overlap
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
         if (self.config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
             raise ValueError(
@@ -173,9 +172,8 @@ class Engine(OverlappedSteps):
         if config.tensor_parallel > 1:
             from .tensor_parallel import launch
 
-            if config.quantize is not None:
-                raise ValueError("quantize and tensor_parallel > 1 together are not supported yet")
-            model = launch(path, config.tensor_parallel, device, dtype, config.collective_timeout_s, launcher)
+            timeout = config.collective_timeout_s
+            model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
         else:
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

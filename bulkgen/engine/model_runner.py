@@ -151,7 +151,7 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
         wanted = self.config.cuda_graphs
-        if self.tp is not None or not (wanted or (wanted is None and on_cuda)):
+        if not (wanted or (wanted is None and on_cuda)):
             return None
         if self.vision is not None and self.vision.mrope:  # the static buffers hold 1-D positions only
             return None
@@ -167,6 +167,7 @@ class ModelRunner:
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
             states=self.states,
+            agree=None if self.tp is None else self.tp.agree_min,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
@@ -199,33 +200,52 @@ class ModelRunner:
         return self.layout.peak_blocks(num_tokens, step, self.block_size)
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
+    def run(
+        self,
+        batch: list[tuple[Sequence, int]],
+        pending: torch.Tensor | None = None,
+        graph: tuple[int, int] | None = None,
+    ) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), then for the prompt positions of
         prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
         advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
-        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up.
+        `graph`: a tensor-parallel follower's decode-graph bucket, the one rank 0 chose (its step plan)."""
+        if self.tp is None or self.tp.rank == 0:
+            graph = self._graph_bucket(batch)
         if self.tp is not None:
-            with self.tp.step(batch):  # the other ranks run this same step
-                return self._run(batch, pending)
+            with self.tp.step(batch, pending, graph):  # the other ranks run this same step
+                return self._run(batch, pending, graph)
         if self.states is None:
-            return self._run(batch, pending)
+            return self._run(batch, pending, graph)
         self.states.begin(batch)
-        step = self._run(batch, pending)
+        step = self._run(batch, pending, graph)
         self.states.commit(batch)
         return step
 
-    def _run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None) -> StepLogits:
+    def _graph_bucket(self, batch: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
+        """The decode-graph bucket of a step of decodes alone, or None for the packed path: a step with a
+        prefill chunk (`_plan`'s rule: more than one token, or none computed yet), a pooled sequence, or
+        an adapter row (decode graphs hold no LoRA ops)."""
+        if self.graphs is None or not batch:
+            return None
+        for seq, n in batch:
+            if n != 1 or not seq.num_computed_tokens or seq.pools or seq.lora is not None:
+                return None
+        return self.graphs.key([s for s, _ in batch])
+
+    def _run(
+        self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None, graph: tuple[int, int] | None
+    ) -> StepLogits:
         """One forward of the scheduled rows. Kept as one body (over 50 lines): the order of the `pack.add`
         calls is the layout of the step's single host-to-device upload, and the offsets they return are read
         back from the uploaded tensor right below; split apart, those offsets would travel between functions."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
         segments = self._lora_segments(ordered)
-        # decode graphs hold no LoRA ops: a step with adapter rows runs eagerly
-        if self.graphs is not None and not plan.num_prefill and not step.pooled and not segments:
-            # one row per sequence: row = query offset
-            logits = self.graphs.run([s for s, _ in ordered], pending)
+        if graph is not None:  # decodes alone (_graph_bucket); one row per sequence: row = query offset
+            logits = self.graphs.run([s for s, _ in ordered], pending, graph)
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
                 logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
             step.logits = logits

@@ -12,6 +12,13 @@ r * kv_heads // world, the one its query heads read.
 
 Which module splits how comes from the model's own transformers plan (`base_model_tp_plan`) where it has
 one, else from DEFAULT_PLAN (the Llama names most decoder families share).
+
+Online FP8 (`quantize="fp8"`, quantize.py) quantizes each rank's shard after it is read, on the host, as
+its layers move to the device. A column-parallel shard holds whole output rows, so its per-channel scales
+are exactly the single-process model's; a row-parallel shard (o_proj, down_proj, experts' down) holds a
+slice of each row and gets its own scales from that slice, as do its per-token activation scales: each
+rank's partial sum is quantized at least as finely as the whole row would be, and the result is close to,
+not equal to, the single-process FP8 model's (tests/engine/test_tensor_parallel_fp8.py measures it).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .quantize import Fp8Linear, quantize_layers
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -142,9 +151,10 @@ class VocabParallelHead(nn.Module):
         return self.group.all_gather(local)[..., : self.vocab_size]
 
 
-def build_shard_model(path: str | Path, group, dtype: torch.dtype) -> nn.Module:
+def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str | None = None) -> nn.Module:
     """Rank `group.rank`'s model (group: tensor_parallel.RankGroup, attached as `model.bulkgen_tp`):
-    built with no parameter memory, then filled from its slices of the checkpoint."""
+    built with no parameter memory, then filled from its slices of the checkpoint; `quantize`: its decoder
+    layers' linears quantized a layer at a time as they move to the device (quantize.quantize_layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -155,8 +165,10 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype) -> nn.Module:
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     plan = tp_plan(model)
     _split_vocab(model, config, group)
-    _add_all_reduces(model, plan, group)
-    load_shards(model, path, plan, group.rank, group.world, dtype, group.device)
+    load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
+    if quantize:
+        quantize_layers(model, group.device, quantize)
+    _add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
     model.bulkgen_tp = group
     return model.to(group.device).eval()
 
@@ -181,7 +193,7 @@ def _add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
 
     for name, module in model.named_modules():
         style = style_of(plan, name)
-        if (style == "rowwise" and isinstance(module, nn.Linear)) or style == "moe_tp_experts":
+        if (style == "rowwise" and isinstance(module, (nn.Linear, Fp8Linear))) or style == "moe_tp_experts":
             module.register_forward_hook(reduce)
 
 

@@ -4,15 +4,22 @@
 The data plane is the model's own collectives (sharding.py: all-reduces and the head's gather; gloo on
 CPU, NCCL on CUDA), each bounded by the group's timeout, so a rank that dies or hangs mid-step fails the
 step on every rank instead of blocking it. The control plane is the rendezvous store: once per step rank 0
-publishes the step plan as one packed int64 tensor (per scheduled sequence its position, tokens and block
-tables) and the followers rebuild light stand-ins of those sequences for their own ModelRunner, so its
-packing, block-table and logits-row logic exists once. A follower waits for the next plan in short
-polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
+publishes the step plan as one packed int64 tensor (plan_codec.py: per scheduled sequence its position,
+tokens and new block-table entries) and the followers rebuild light stand-ins of those sequences for
+their own ModelRunner, so its packing, block-table and logits-row logic exists once. A follower waits
+for the next plan in short polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
 ends it.
 
 How the followers start is the caller's launcher: ProcessLauncher (the default) starts them as processes
 of this machine; a Ray worker's placed group (runtime/groups.py) has follower actors that join the
 rendezvous of every model its rank 0 loads.
+
+The plan also carries what a follower cannot decide alone. With overlapped steps (engine.py) rank 0
+launches a step before its host has read the previous step's tokens: their stand-ins (negative ids) are
+in the plan, and the tokens themselves follow as one broadcast from rank 0's device, queued behind its
+sampling (no host sync), so every rank's forward reads the same tokens. And the decode-graph bucket rank 0
+replays (decode_graphs.py; 0, 0 for the packed path): every rank runs that bucket, so the padded batch
+its collectives carry is the same on every rank.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -33,10 +41,11 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
+from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
+from .replay_watchdog import ReplayWatchdog
 
 DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0  # for every rank to join the group
-_ITEM = 11  # ints before each item's tokens and tables (see _pack)
 _STOP = b"stop"
 
 
@@ -58,6 +67,9 @@ class RankGroup:
         start = max(timeout_s, START_TIMEOUT_S)
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
+        self.overlapped = 0  # steps that read the previous step's tokens by broadcast (overlapped steps)
+        self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
+        self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
         self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
 
     @classmethod
@@ -105,13 +117,27 @@ class RankGroup:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         return int(self.all_reduce(t, dist.ReduceOp.MIN).item())
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `tensor` on every rank, in place; RankLost after the group's timeout."""
+        options = dist.BroadcastOptions()
+        options.rootRank, options.timeout = 0, self.timeout
+        _wait(self.group.broadcast([tensor], options), self.rank)
+        return tensor
+
     @contextmanager
-    def step(self, batch: list) -> Iterator[None]:
-        """Rank 0: publish this step's (sequence, new tokens) pairs, then run it. A failure once the
+    def step(
+        self, batch: list, pending: torch.Tensor | None = None, graph: tuple[int, int] | None = None
+    ) -> Iterator[None]:
+        """Rank 0: publish this step's (sequence, new tokens) pairs, the previous step's sampled tokens
+        its stand-ins read (`pending`) and its decode-graph bucket, then run it. A failure once the
         other ranks are in the step leaves them waiting in a collective this rank left, so any error
-        in it is RankLost: the group cannot take another step."""
+        in it is RankLost: the group cannot take another step. A step that replays a CUDA graph is
+        watched until the device finishes it (replay_watchdog.py)."""
         if self.rank == 0:
-            self._post(_pack(batch).numpy().tobytes())
+            rows = 0 if pending is None else pending.numel()
+            self._post(self.encoder.encode(batch, rows, graph))
+            if pending is not None:
+                self.broadcast(pending.to(torch.int64))
         try:
             yield
         except RankLost:
@@ -120,28 +146,58 @@ class RankGroup:
             raise RankLost(
                 f"tensor-parallel rank {self.rank} failed a step: {type(exc).__name__}: {exc}"
             ) from exc
+        if graph is not None and self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            self.watchdog.watch(done)
 
-    def receive_plan(self) -> list | None:
-        """The next step's batch as stand-in sequences, or None when rank 0 closes the group."""
+    def receive_plan(self) -> FollowedStep | None:
+        """The next step as this follower runs it, or None when rank 0 closes the group."""
+        if self.steps:  # the previous step is launched: its plan is no longer needed here
+            self._release(self.steps - 1)
         raw = self._wait(f"plan/{self.steps}")
         self.steps += 1
         if raw == _STOP:
             return None
-        return _unpack(torch.frombuffer(bytearray(raw), dtype=torch.int64))
+        batch, rows, graph = self.decoder.decode(raw)
+        pending = None
+        if rows:  # rank 0 broadcasts them right after the plan
+            pending = self.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))
+            self.overlapped += 1
+        return FollowedStep(batch, pending, graph)
+
+    def report(self, replays: Counter) -> None:
+        """A follower's account of what it ran, published as it leaves (read with `reports`): its steps,
+        how many read stand-in tokens by broadcast, and its decode-graph replays per bucket."""
+        ran = {"steps": self.steps - 1, "overlapped": self.overlapped, "replays": _keyed(replays)}
+        self.store.set(f"ran/{self.rank}", json.dumps(ran))
+
+    def reports(self) -> list[dict]:
+        """Each follower's `report`, in rank order, once `close` has stopped them (a follower that died
+        never reports: the store's wait fails after the group's timeout instead of hanging)."""
+        keys = [f"ran/{rank}" for rank in range(1, self.world)]
+        self.store.wait(keys, self.timeout)
+        return [json.loads(self.store.get(key)) for key in keys]
 
     def close(self) -> None:
         """Rank 0 tells the followers to exit; every rank leaves the process group."""
+        self.watchdog.close()
         if self.rank == 0:
             self._post(_STOP)
         for follower in self.processes:
             follower.wait(timeout=30)
 
     def _post(self, payload: bytes) -> None:
-        # a follower has read plan n - 1 before plan n exists: plan n - 1's forward needed every rank
-        if self.steps:
-            self.store.delete_key(f"plan/{self.steps - 1}")
         self.store.set(f"plan/{self.steps}", payload)
         self.steps += 1
+
+    def _release(self, step: int) -> None:
+        """A follower is done with plan `step`; the last one to be deletes it. Rank 0 cannot tell when
+        every follower has read a plan: its host runs ahead of the collectives (overlapped steps, steps
+        without sampling, NCCL's asynchronous collectives), so it never deletes one itself."""
+        if self.store.add(f"read/{step}", 1) == self.world - 1:
+            self.store.delete_key(f"plan/{step}")
+            self.store.delete_key(f"read/{step}")
 
     def _wait(self, key: str) -> bytes:
         while True:
@@ -153,76 +209,21 @@ class RankGroup:
                     raise
 
 
-class StandIn:
-    """What a follower's ModelRunner reads of a scheduled sequence, rebuilt from the step plan."""
-
-    def __init__(self, fields: list[int], tokens: list[int], tables: list[list[int]]) -> None:
-        seq_id, computed, _, length, prompt, max_tokens, scores, scored, pools, _, _ = fields
-        self.seq_id, self.num_computed_tokens, self.length = seq_id, computed, length
-        self.num_prompt_tokens, self.max_tokens, self.pools = prompt, max_tokens, bool(pools)
-        self.needs_prompt_logprobs = bool(scores)
-        self.request = _Scored([None] * scored)
-        self.token_ids = _Tail(computed, tokens)
-        self.block_tables = tables
-        self.lora = None  # adapters are refused under tensor parallel (Engine.add_lora)
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def block_table(self) -> list[int]:
-        return self.block_tables[0] if self.block_tables else []
+def _keyed(replays: Counter) -> dict[str, int]:
+    """A replay count per bucket as JSON keys ("batch,width")."""
+    return {f"{b},{w}": n for (b, w), n in sorted(replays.items())}
 
 
-class _Scored:
-    def __init__(self, prompt_logprobs: list) -> None:
-        self.prompt_logprobs = prompt_logprobs
-
-
-class _Tail:
-    """A sequence's token ids from `start` on (the ones this step computes): what the runner slices."""
-
-    def __init__(self, start: int, tokens: list[int]) -> None:
-        self.start, self.tokens = start, tokens
-
-    def __getitem__(self, index: slice) -> list[int]:
-        return self.tokens[index.start - self.start :]
-
-
-def _pack(batch: list) -> torch.Tensor:
-    flat: list[int] = [len(batch)]
-    for seq, n in batch:
-        tables = seq.block_tables
-        width = len(tables[0]) if tables else 0
-        tokens = seq.token_ids[seq.num_computed_tokens :][:n]
-        flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
-        flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
-        flat += [len(tables), width, *tokens]
-        for table in tables:
-            flat += table
-    return torch.tensor(flat, dtype=torch.int64)
-
-
-def _unpack(packed: torch.Tensor) -> list:
-    flat, at, batch = packed.tolist(), 1, []
-    for _ in range(flat[0]):
-        fields = flat[at : at + _ITEM]
-        n, groups, width = fields[2], fields[9], fields[10]
-        at += _ITEM
-        tokens, at = flat[at : at + n], at + n
-        tables = [flat[at + g * width : at + (g + 1) * width] for g in range(groups)]
-        at += groups * width
-        batch.append((StandIn(fields, tokens, tables), n))
-    return batch
-
-
-def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype) -> torch.nn.Module:
-    """This rank's shard of the model, and what loading it cost in host memory, published for rank 0
-    (RankGroup.rank_memory): the resident set before, its peak while loading, and the weights' bytes."""
+def load_shard(
+    path: str | Path, group: RankGroup, dtype: torch.dtype, quantize: str | None = None
+) -> torch.nn.Module:
+    """This rank's shard of the model (`quantize`: its decoder layers' linears quantized, sharding.py), and
+    what loading it cost in host memory, published for rank 0 (RankGroup.rank_memory): the resident set
+    before, its peak while loading, and the weights' bytes as held."""
     from .sharding import build_shard_model
 
     before = _reset_peak_rss()
-    model = build_shard_model(path, group, dtype)
+    model = build_shard_model(path, group, dtype, quantize)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
     memory.update(peak_rss=_peak_rss(), weight_bytes=weights)
@@ -323,6 +324,7 @@ def serve_rank(
     dtype: str,
     threads: int,
     timeout_s: float,
+    quantize: str | None = None,
 ) -> None:
     """A follower rank's life for one model: join, load its shard on `device`, size its runner like rank
     0's, then run every step rank 0 publishes until it closes the group."""
@@ -330,12 +332,13 @@ def serve_rank(
 
     torch.set_num_threads(threads)
     group = RankGroup.join(host, port, rank, world, device, timeout_s)
-    model = load_shard(path, group, getattr(torch, dtype))
+    model = load_shard(path, group, getattr(torch, dtype), quantize)
     if (limits := group.receive_config()) is None:
         return
     runner = ModelRunner(model, *limits)
-    while (batch := group.receive_plan()) is not None:
-        runner.run(batch)
+    while (step := group.receive_plan()) is not None:
+        runner.run(step.batch, step.pending, step.graph)
+    group.report(runner.graphs.replays if runner.graphs is not None else Counter())
 
 
 def launch(
@@ -345,6 +348,7 @@ def launch(
     dtype: torch.dtype,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     launcher: Launcher | None = None,
+    quantize: str | None = None,
 ):
     """Start ranks 1..world-1 with `launcher` (processes of this machine by default; one torch thread each
     on CPU, unless this process uses more) and load rank 0's shard here; returns rank 0's model, its
@@ -360,6 +364,7 @@ def launch(
     port = _free_port()
     spec = dict(path=str(path), world=world, host="127.0.0.1", port=port)
     spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
+    spec.update(quantize=quantize)
     followers = launcher.start(
         [{**spec, "rank": r, "device": launcher.device(device, r)} for r in range(1, world)]
     )
@@ -367,7 +372,7 @@ def launch(
     try:
         group = RankGroup.join("127.0.0.1", port, 0, world, launcher.device(device, 0), timeout_s)
         group.processes = followers
-        return load_shard(path, group, dtype)
+        return load_shard(path, group, dtype, quantize)
     except BaseException:
         if group is not None:
             group.abandon()

@@ -73,3 +73,23 @@ def mixed_prompts():
         return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread in this process for a module's tests: a tensor-parallel rank 0, like the follower
+    ranks it starts, so two ranks share this machine's cores evenly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tp_prompts():
+    """Tensor-parallel runs' prompts: 7 to 300 tokens, and two that share the longest one's first 96
+    (prefix caching)."""
+    gen = torch.Generator().manual_seed(39)
+    own = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 32, 100, 300)]
+    shared = own[3][:96]
+    return own + [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 21)]

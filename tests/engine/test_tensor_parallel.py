@@ -29,19 +29,8 @@ MODELS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}, "qwen3_moe": {}}
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    gen = torch.Generator().manual_seed(39)
-    own = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 32, 100, 300)]
-    shared = own[3][:96]
-    return own + [shared + torch.randint(0, 256, (n,), generator=gen).tolist() for n in (5, 21)]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # rank 0 here, like the follower it starts
-    yield
-    torch.set_num_threads(threads)
+def prompts(tp_prompts):
+    return tp_prompts
 
 
 @pytest.fixture(scope="module", params=list(MODELS))

@@ -1,0 +1,56 @@
+"""The tensor-parallel step plan over steps of real sequences whose tables a real BlockManager grows,
+releases (a preemption) and gives again: the follower's stand-ins always hold rank 0's tables, while a
+steady decode step sends only the entries added since the last one."""
+
+from __future__ import annotations
+
+from bulkgen.engine import SamplingParams
+from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.layer_attention import FULL, AttnKind
+from bulkgen.engine.plan_codec import PlanDecoder, PlanEncoder
+from bulkgen.engine.sequence import Request, Sequence
+
+BLOCK = 4
+
+
+def _sequences(count: int) -> list[Sequence]:
+    params = SamplingParams(max_tokens=64)
+    return [Sequence(i, Request(str(i), list(range(10 + i)), params, i), 0, 64) for i in range(count)]
+
+
+def _step(encoder: PlanEncoder, decoder: PlanDecoder, seqs: list[Sequence], graph=None) -> tuple[list, int]:
+    """Send one decode step of `seqs`; returns what the follower rebuilt and the plan's size in bytes."""
+    raw = encoder.encode([(s, 1) for s in seqs], len(seqs), graph)
+    batch, rows, got_graph = decoder.decode(raw)
+    assert rows == len(seqs) and got_graph == graph
+    for (stand_in, n), seq in zip(batch, seqs, strict=True):
+        assert n == 1 and stand_in.seq_id == seq.seq_id
+        assert stand_in.block_tables == seq.block_tables  # every group's table, entry for entry
+        assert stand_in.token_ids[seq.num_computed_tokens] == seq.token_ids[seq.num_computed_tokens]
+    return batch, len(raw)
+
+
+def test_followers_rebuild_every_table_from_entries_sent_once():
+    manager = BlockManager(64, BLOCK, enable_prefix_caching=False, kinds=[FULL, AttnKind(window=8)])
+    seqs = _sequences(3)
+    for seq in seqs:
+        assert manager.admit(seq, None, len(seq.token_ids))
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+    _, whole = _step(encoder, decoder, seqs, graph=(3, 16))
+    sizes = []
+    for _ in range(6):  # decode: a new block every BLOCK tokens, appended to each group's table
+        for seq in seqs:
+            seq.token_ids.append(7)
+            seq.num_computed_tokens += 1
+            assert manager.grow(seq, seq.num_computed_tokens + 1)
+        batch, size = _step(encoder, decoder, seqs)
+        sizes.append(size)
+    assert max(sizes) < whole  # the tables are not sent again
+    kept = batch[1][0].block_tables
+    manager.release(seqs[1])  # preempted: recomputed later into fresh tables
+    assert manager.admit(seqs[1], None, len(seqs[1].token_ids))
+    _step(encoder, decoder, seqs)
+    _step(encoder, decoder, [seqs[0], seqs[2]])  # sequence 1 skips a step: the mirrors drop it
+    batch, _ = _step(encoder, decoder, seqs)  # and it is sent whole again
+    assert batch[1][0].block_tables is not kept and batch[0][0].block_tables is decoder.held[0]
