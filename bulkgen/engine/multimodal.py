@@ -126,8 +126,19 @@ class RequestImages:
         self.blocks: list[tuple[int, int]] = []  # image blocks read bidirectionally (BIDIRECTIONAL_IMAGES)
 
     @property
+    def first_row(self) -> int:
+        return self.rows[0]
+
+    @property
     def last_row(self) -> int:
         return self.rows[-1]
+
+    def mrope_rows(self, start: int, n: int) -> torch.Tensor:
+        """[3, n] M-RoPE positions of the prompt's positions [start, start + n): its own table, then
+        p + delta past its end."""
+        table = self.mrope
+        after = torch.arange(min(max(start, table.shape[1]), start + n), start + n) + self.mrope_delta
+        return torch.cat([table[:, start : start + n], after.expand(3, -1)], 1)
 
 
 def _keyed(prompt: list[int], rows: list[int], hashes: list[str], counts: list[int] | None) -> list[int]:
@@ -204,6 +215,9 @@ class VisionTower:
             self.image_token_id = config.image_token_index
         self.mrope = hasattr(vlm.model, "get_rope_index")  # 3-D positions (Qwen-VL's M-RoPE)
         self.bidirectional = type(vlm).__name__ in BIDIRECTIONAL_IMAGES
+        # tensor parallel (tensor_parallel.RankGroup): rank 0 encodes and sends each step's image rows,
+        # the other ranks (no encoder: drop_encoder) receive them; None: one process
+        self.tp = getattr(vlm, "bulkgen_tp", None)
 
     def admit(self, prompt: list[int], inputs: ImageInputs) -> RequestImages:
         """A request's images as the engine keeps them; ValueError if they do not match its prompt."""
@@ -226,6 +240,11 @@ class VisionTower:
         out.update({"input_ids": input_ids[None]} if embeds is None else {"inputs_embeds": embeds[None]})
         out["position_ids"] = mrope_positions(ordered, positions) if self.mrope else positions[None]
         return out
+
+    def row_width(self, hidden: int) -> int:
+        """The width of one image row the encoder gives: `hidden`, and Qwen3-VL's deepstack rows beside it."""
+        deepstack = getattr(self.vlm.config.vision_config, "deepstack_visual_indexes", None) or ()
+        return hidden * (1 + len(deepstack))
 
     @torch.inference_mode()
     def encode(self, requests: list[RequestImages]) -> None:
@@ -282,22 +301,25 @@ def splice(
         images = seq.request.images
         start = seq.num_computed_tokens
         scheduled[seq.seq_id] = start + n
-        if images is not None and start <= images.last_row and start + n > images.rows[0]:
+        if images is not None and start <= images.last_row and start + n > images.first_row:
             reached.append((images, q_off, start, n, seq.request))
         q_off += n
     if not reached:
         return None, {}
-    tower.encode(list({id(r[0]): r[0] for r in reached if r[0].embeds is None}.values()))
+    leader = tower.tp is None or tower.tp.rank == 0  # the rank that runs the encoder
+    if leader:
+        tower.encode(list({id(r[0]): r[0] for r in reached if r[0].embeds is None}.values()))
     embeds = embedding(input_ids)
     at, parts = [], []
     for images, offset, start, n, _ in reached:
         lo, hi = bisect_left(images.rows, start), bisect_left(images.rows, start + n)
         at.extend(offset + pos - start for pos in images.rows[lo:hi])
-        parts.append(images.embeds[lo:hi])
+        if leader:
+            parts.append(images.embeds[lo:hi])
     extra = {}
     if at:  # a chunk between two runs of an image (Idefics3's framing tokens) has none
         index = torch.tensor(at, dtype=torch.long, device=embeds.device)
-        rows = torch.cat(parts).to(embeds.device, embeds.dtype)
+        rows = _image_rows(tower, parts, len(at), embeds)
         width = embeds.shape[-1]
         embeds = embeds.index_copy(0, index, rows[:, :width])
         if rows.shape[1] > width:  # `at` ascends, as the model's boolean mask reads the rows
@@ -310,6 +332,26 @@ def splice(
     return embeds, extra
 
 
+def _image_rows(tower: VisionTower, parts: list, count: int, embeds: torch.Tensor) -> torch.Tensor:
+    """The step's `count` image rows in splice order: rank 0's encoded `parts`, sent to the other ranks of
+    a tensor-parallel group in one broadcast; a follower's, received from it (a follower knows `count`
+    from the step plan: plan_codec.ImagesStandIn)."""
+    if tower.tp is not None and tower.tp.rank:
+        rows = torch.empty(count, tower.row_width(embeds.shape[-1]), dtype=embeds.dtype, device=embeds.device)
+        return tower.tp.broadcast(rows)
+    rows = torch.cat(parts).to(embeds.device, embeds.dtype)
+    return rows if tower.tp is None else tower.tp.broadcast(rows.contiguous())
+
+
+def drop_encoder(vlm: torch.nn.Module) -> None:
+    """Remove the encoder and projector of `vlm` (every module of its base model beside the language
+    model): a tensor-parallel follower never runs them, so it neither builds their weights nor reads them."""
+    decoder = vlm.get_decoder()
+    for name, child in list(vlm.model.named_children()):
+        if child is not decoder:
+            delattr(vlm.model, name)
+
+
 def is_vision_model(path: str) -> bool:
     """Whether the checkpoint at `path` is a vision-language model (its config has a vision tower)."""
     from transformers import AutoConfig
@@ -318,14 +360,24 @@ def is_vision_model(path: str) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module, VisionTower]:
+def load_vision(
+    path: str, device, dtype: torch.dtype, config=None, launcher=None
+) -> tuple[torch.nn.Module, VisionTower]:
     """(the language half, the encoder with the processor) of the vision-language model at `path`;
-    ValueError naming a family bulkgen does not run, before any weight is read."""
+    ValueError naming a family bulkgen does not run, before any weight is read. `config` (EngineConfig)
+    with tensor_parallel > 1: the language half is rank 0's shard and the encoder runs on rank 0 alone
+    (sharding.py; `launcher` starts the other ranks, tensor_parallel.launch)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    for name in config.architectures or []:
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    for name in hf_config.architectures or []:
         _check_name(name)
+    if config is not None and config.tensor_parallel > 1:
+        from .tensor_parallel import launch
+
+        timeout = config.collective_timeout_s
+        model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher)
+        return model, VisionTower(model.bulkgen_tp.vlm, load_processor(path))
     vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
     tower = VisionTower(vlm, load_processor(path))
     return text_model(vlm), tower
@@ -349,9 +401,7 @@ def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:
     for seq, n in ordered:
         images = seq.request.images
         if images is not None and images.mrope is not None:
-            start, table = seq.num_computed_tokens, images.mrope
-            after = torch.arange(min(max(start, table.shape[1]), start + n), start + n) + images.mrope_delta
-            parts.append(torch.cat([table[:, start : start + n], after.expand(3, -1)], 1))
+            parts.append(images.mrope_rows(seq.num_computed_tokens, n))
             at.extend(range(q_off, q_off + n))
         q_off += n
     out = positions.expand(3, -1)

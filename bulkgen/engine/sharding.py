@@ -84,9 +84,14 @@ def local_config(config, world: int):
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
-    """Module or parameter path patterns (from the model's root, `*` for a layer index) -> style."""
-    base = getattr(model.config, "base_model_tp_plan", None) or DEFAULT_PLAN
-    prefix = model.base_model_prefix
+    """Module or parameter path patterns (from the model's root, `*` for a layer index) -> style. A
+    vision-language model's is its language model's plan, at that model's path (the encoder stays whole)."""
+    config, prefix = model.config, model.base_model_prefix
+    if getattr(config, "vision_config", None) is not None:
+        decoder = model.get_decoder()
+        config = decoder.config
+        prefix = next(name for name, module in model.named_modules() if module is decoder)
+    base = getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
     if unsupported:
@@ -158,6 +163,8 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if getattr(config, "vision_config", None) is not None:
+        return _build_vision_shard(path, config, group, dtype)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
     model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)
@@ -171,6 +178,58 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     _add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
     model.bulkgen_tp = group
     return model.to(group.device).eval()
+
+
+def _build_vision_shard(path: str | Path, config, group, dtype: torch.dtype) -> nn.Module:
+    """A vision-language model's language half, sharded like any decoder; rank 0 alone also loads the
+    encoder and projector whole (the only rank that runs them: multimodal.splice sends their rows to the
+    others), the other ranks drop them before any weight is read. The model is kept as `group.vlm`."""
+    from transformers import AutoModelForImageTextToText
+
+    from .multimodal import drop_encoder, text_model
+
+    local = deepcopy(config)
+    local.text_config = local_config(config.get_text_config(), group.world)
+    with parameters_on_meta():
+        vlm = AutoModelForImageTextToText.from_config(local, dtype=dtype)
+    vlm.config._name_or_path = str(path)
+    _fix_head_dim(vlm.get_decoder(), local.text_config)
+    if group.rank:
+        drop_encoder(vlm)
+    plan = tp_plan(vlm)
+    _split_vocab(vlm, config.get_text_config(), group)
+    load_shards(vlm, path, plan, group.rank, group.world, dtype, group.device)
+    _add_all_reduces(vlm, plan, group)
+    vlm.bulkgen_tp = group
+    group.vlm = vlm.to(group.device).eval()
+    model = text_model(vlm)
+    model.bulkgen_tp = group
+    return model
+
+
+def _fix_head_dim(decoder: nn.Module, local) -> None:
+    """Attention modules that derive their head width as hidden_size // num_attention_heads (Qwen2.5-VL's
+    text model) instead of reading `head_dim`: on a rank's share of the heads that width doubles, so their
+    projections are rebuilt (on meta, filled at load) for the rank's heads at the model's true width."""
+    width, heads, kv, hidden = (
+        local.head_dim,
+        local.num_attention_heads,
+        local.num_key_value_heads,
+        local.hidden_size,
+    )
+    for module in decoder.modules():
+        if getattr(module, "head_dim", width) == width or not hasattr(module, "q_proj"):
+            continue
+        module.head_dim, module.scaling = width, width**-0.5
+        for name, (into, out) in {
+            "q_proj": (hidden, heads * width),
+            "k_proj": (hidden, kv * width),
+            "v_proj": (hidden, kv * width),
+            "o_proj": (heads * width, hidden),
+        }.items():
+            old = getattr(module, name)
+            bias = old.bias is not None
+            setattr(module, name, nn.Linear(into, out, bias=bias, device="meta", dtype=old.weight.dtype))
 
 
 def _split_vocab(model: nn.Module, config, group) -> None:
@@ -256,10 +315,11 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
         id(m.weight) for m in (embed, head) if isinstance(m, (VocabParallelEmbedding, VocabParallelHead))
     }
     filled: set[str] = set()
+    rename = _renamer(model)
     for file in _safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                target, half, expert = _target(name, params)
+                target, half, expert = _target(rename(name, params), params)
                 if target is None:
                     continue
                 style = _style(plan, target, params[target], vocab)
@@ -273,6 +333,35 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
     missing = sorted(n for n, p in params.items() if n not in filled and p.is_meta)
     if missing:
         raise ValueError(f"checkpoint at {path} has no weights for {missing[:5]}")
+
+
+def _renamer(model: nn.Module):
+    """name, params -> the model's name for a checkpoint tensor: itself where the model has it, else as
+    transformers' own renaming rules for the model map it (a vision-language checkpoint saved in an older
+    layout: `language_model.model.layers.0...` for `model.language_model.layers.0...`). The rules are
+    applied in order, once without and once with their prefix changes (which some layouts' names only
+    reach without them), the first name the model has winning."""
+    from transformers.conversion_mapping import PrefixChange, WeightRenaming, get_model_conversion_mapping
+
+    chains = [[], []]
+    for rule in get_model_conversion_mapping(model):
+        if isinstance(rule, WeightRenaming):  # PrefixChange is one too
+            targets = rule.target_patterns * len(rule.source_patterns)
+            for source, target in zip(rule.source_patterns, targets, strict=False):
+                if not isinstance(rule, PrefixChange):
+                    chains[0].append((re.compile(source), target))
+                chains[1].append((re.compile(source), target))
+
+    def rename(name: str, params: dict) -> str:
+        for chain in chains if name not in params else ():
+            renamed = name
+            for pattern, target in chain:
+                renamed = pattern.sub(target, renamed)
+            if renamed in params:
+                return renamed
+        return name
+
+    return rename
 
 
 def _target(name: str, params: dict) -> tuple[str | None, int | None, int | None]:

@@ -71,6 +71,7 @@ class RankGroup:
         self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
         self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
         self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
+        self.vlm = None  # a vision-language model's whole module (sharding.py): its encoder on rank 0 only
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
@@ -329,13 +330,15 @@ def serve_rank(
     """A follower rank's life for one model: join, load its shard on `device`, size its runner like rank
     0's, then run every step rank 0 publishes until it closes the group."""
     from .model_runner import ModelRunner
+    from .multimodal import VisionTower
 
     torch.set_num_threads(threads)
     group = RankGroup.join(host, port, rank, world, device, timeout_s)
     model = load_shard(path, group, getattr(torch, dtype), quantize)
     if (limits := group.receive_config()) is None:
         return
-    runner = ModelRunner(model, *limits)
+    vision = None if group.vlm is None else VisionTower(group.vlm)  # image rows come from rank 0
+    runner = ModelRunner(model, *limits, vision)
     while (step := group.receive_plan()) is not None:
         runner.run(step.batch, step.pending, step.graph)
     group.report(runner.graphs.replays if runner.graphs is not None else Counter())
@@ -358,7 +361,7 @@ def launch(
     from .sharding import local_config
 
     local_config(
-        AutoConfig.from_pretrained(path, local_files_only=True), world
+        AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(), world
     )  # refused before any rank starts
     launcher = launcher or ProcessLauncher()
     port = _free_port()
