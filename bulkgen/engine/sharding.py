@@ -92,6 +92,11 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
     base = getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
+    if (
+        prefix != model.base_model_prefix
+    ):  # a language model whose plan names only its embedding (Qwen3-VL's),
+        # which _split_vocab splits anyway: its layers take the common names' plan
+        base = {k: v for k, v in base.items() if v != "embedding_rowwise"} or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
     if unsupported:

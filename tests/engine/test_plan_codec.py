@@ -54,3 +54,39 @@ def test_followers_rebuild_every_table_from_entries_sent_once():
     _step(encoder, decoder, [seqs[0], seqs[2]])  # sequence 1 skips a step: the mirrors drop it
     batch, _ = _step(encoder, decoder, seqs)  # and it is sent whole again
     assert batch[1][0].block_tables is not kept and batch[0][0].block_tables is decoder.held[0]
+
+
+def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_positions():
+    """A prefill chunk reaching an image, a decode past the prompt (M-RoPE: p + delta) and a text
+    sequence in one step: the follower's stand-ins hold what rank 0's splice, positions and image blocks
+    read of them; a text-only step carries no images section."""
+    import torch
+
+    from bulkgen.engine.image_blocks import runs
+    from bulkgen.engine.multimodal import ImageInputs, RequestImages
+
+    prompt = [1, 2, 3, 99, 99, 99, 99, 4, 99, 99, 5, 6]
+    seqs = _sequences(3)
+    for seq in seqs[:2]:
+        images = RequestImages(ImageInputs(torch.zeros(2, 3), ["a", "b"], [4, 2]), prompt, 99)
+        images.blocks = runs(images.rows)
+        images.mrope, images.mrope_delta = torch.arange(3 * len(prompt)).reshape(3, -1), -3
+        seq.request.images = images
+    seqs[0].num_computed_tokens = 5  # a chunk of 5: positions 5..9
+    seqs[1].token_ids.extend([7] * 4)
+    seqs[1].num_computed_tokens = len(prompt) + 2  # decoding past its prompt
+    text = PlanEncoder().encode([(seqs[2], 1)], 0, None)
+    batch, _, _ = PlanDecoder().decode(
+        PlanEncoder().encode([(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)], 0, None)
+    )
+    (chunk, _), (decode, _), (plain, _) = batch
+    assert chunk.request.images.rows == [5, 6, 8, 9]
+    assert (chunk.request.images.first_row, chunk.request.images.last_row) == (3, 9)
+    assert chunk.request.images.blocks == [(3, 7), (8, 10)]
+    for stand_in, seq, n in ((chunk, seqs[0], 5), (decode, seqs[1], 1)):
+        start = seq.num_computed_tokens
+        want = seq.request.images.mrope_rows(start, n)
+        assert torch.equal(stand_in.request.images.mrope_rows(start, n), want)
+    assert decode.request.images.rows == [] and decode.request.images.blocks == []
+    assert plain.request.images is None
+    assert len(PlanDecoder().decode(text)[0]) == 1 and len(text) == 8 * (4 + 12 + 1)

@@ -18,7 +18,7 @@ from bulkgen.engine import Engine, multimodal
 from bulkgen.lab import tiny_vision
 from tests.engine.test_vision import Fixture, mixed_batch, noise_image, run, run_outputs
 
-FAMILIES = ("llava", "qwen2_5_vl", "gemma3")
+FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "gemma3")
 LIMITS = dict(max_num_seqs=4, block_size=2, max_num_batched_tokens=5, admission="shortest_first")
 
 
@@ -26,7 +26,9 @@ LIMITS = dict(max_num_seqs=4, block_size=2, max_num_batched_tokens=5, admission=
 def pair(request, tmp_path_factory, one_thread):
     """(Fixture, single-process engine, two-rank engine) of one family under the same limits; the cache
     holds the longest request alone, so the two shortest, admitted together, outgrow it."""
-    path = tiny_vision.build_tiny_vlm(tmp_path_factory.mktemp("tpvision") / request.param, request.param, seed=5)
+    path = tiny_vision.build_tiny_vlm(
+        tmp_path_factory.mktemp("tpvision") / request.param, request.param, seed=5
+    )
     fx = Fixture(path)
     peak = fx.engine(block_size=2, max_num_batched_tokens=64, num_kv_blocks=1).runner.peak_blocks
     lengths = sorted(len(ids) for ids, *_ in mixed_batch(fx))
@@ -75,3 +77,10 @@ def test_a_repeated_image_hits_the_prefix_cache_on_both_ranks(pair):
         cached.append(out.metrics.num_cached_tokens)
     image_end = max(i for i, t in enumerate(second[0]) if t == sharded.vision.image_token_id) + 1
     assert cached[1] >= image_end - image_end % 2, "the repeated image was computed again"
+
+
+def test_a_vision_model_still_refuses_quantize_before_loading(tmp_path):
+    """tensor_parallel is taken now (above); quantize is still refused, by name, before any rank starts."""
+    path = tiny_vision.build_tiny_vlm(tmp_path / "llava", "llava", seed=5)
+    with pytest.raises(ValueError, match="vision-language models run without quantize"):
+        Engine.from_pretrained(str(path), device="cpu", tensor_parallel=2, quantize="fp8")
