@@ -2,7 +2,8 @@
 the language model sharded, the encoder on rank 0 alone, each step's image rows broadcast to the other
 rank, M-RoPE positions and image blocks in the step plan.
 
-Per family (LLaVA: 1-D positions; Qwen2.5-VL: M-RoPE; Gemma 3: bidirectional image blocks), one two-rank
+Per family (LLaVA: 1-D positions; Qwen2.5-VL: M-RoPE; Qwen3-VL: deepstack rows; Gemma 3: bidirectional
+image blocks; the other checked families marked slow), one two-rank
 engine runs test_vision's mixed batch (text only, one image, two images, the same image twice) with a
 5-token step budget, so image runs split across prefill chunks (Gemma 3 takes its blocks whole), and a
 KV cache too small for the batch, so sequences are preempted and recomputed: its greedy tokens equal the
@@ -18,7 +19,11 @@ from bulkgen.engine import Engine, multimodal
 from bulkgen.lab import tiny_vision
 from tests.engine.test_vision import Fixture, mixed_batch, noise_image, run, run_outputs
 
-FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "gemma3")
+# one family of each kind (1-D positions, M-RoPE, deepstack, bidirectional blocks); the others, whose
+# differences are all on rank 0's side of the broadcast (tiles, framing tokens, Pixtral's sizes), are slow
+FAMILIES = ("llava", "qwen2_5_vl", "qwen3_vl", "gemma3") + tuple(
+    pytest.param(f, marks=pytest.mark.slow) for f in ("idefics3", "smolvlm", "mistral3", "qwen2_vl")
+)
 LIMITS = dict(max_num_seqs=4, block_size=2, max_num_batched_tokens=5, admission="shortest_first")
 
 
