@@ -343,15 +343,6 @@ def _image_rows(tower: VisionTower, parts: list, count: int, embeds: torch.Tenso
     return rows if tower.tp is None else tower.tp.broadcast(rows.contiguous())
 
 
-def drop_encoder(vlm: torch.nn.Module) -> None:
-    """Remove the encoder and projector of `vlm` (every module of its base model beside the language
-    model): a tensor-parallel follower never runs them, so it neither builds their weights nor reads them."""
-    decoder = vlm.get_decoder()
-    for name, child in list(vlm.model.named_children()):
-        if child is not decoder:
-            delattr(vlm.model, name)
-
-
 def is_vision_model(path: str) -> bool:
     """Whether the checkpoint at `path` is a vision-language model (its config has a vision tower)."""
     from transformers import AutoConfig

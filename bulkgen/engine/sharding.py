@@ -95,7 +95,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),
-        # which _split_vocab splits anyway: its layers take the common names' plan
+        # which split_vocab splits anyway: its layers take the common names' plan
         base = {k: v for k, v in base.items() if v != "embedding_rowwise"} or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
@@ -169,75 +169,25 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if getattr(config, "vision_config", None) is not None:
-        return _build_vision_shard(path, config, group, dtype)
+        from .vision_shards import build_vision_shard
+
+        return build_vision_shard(path, config, group, dtype)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
     model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     plan = tp_plan(model)
-    _split_vocab(model, config, group)
+    split_vocab(model, config, group)
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     if quantize:
         quantize_layers(model, group.device, quantize)
-    _add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
+    add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
     model.bulkgen_tp = group
     return model.to(group.device).eval()
 
 
-def _build_vision_shard(path: str | Path, config, group, dtype: torch.dtype) -> nn.Module:
-    """A vision-language model's language half, sharded like any decoder; rank 0 alone also loads the
-    encoder and projector whole (the only rank that runs them: multimodal.splice sends their rows to the
-    others), the other ranks drop them before any weight is read. The model is kept as `group.vlm`."""
-    from transformers import AutoModelForImageTextToText
-
-    from .multimodal import drop_encoder, text_model
-
-    local = deepcopy(config)
-    local.text_config = local_config(config.get_text_config(), group.world)
-    with parameters_on_meta():
-        vlm = AutoModelForImageTextToText.from_config(local, dtype=dtype)
-    vlm.config._name_or_path = str(path)
-    _fix_head_dim(vlm.get_decoder(), local.text_config)
-    if group.rank:
-        drop_encoder(vlm)
-    plan = tp_plan(vlm)
-    _split_vocab(vlm, config.get_text_config(), group)
-    load_shards(vlm, path, plan, group.rank, group.world, dtype, group.device)
-    _add_all_reduces(vlm, plan, group)
-    vlm.bulkgen_tp = group
-    group.vlm = vlm.to(group.device).eval()
-    model = text_model(vlm)
-    model.bulkgen_tp = group
-    return model
-
-
-def _fix_head_dim(decoder: nn.Module, local) -> None:
-    """Attention modules that derive their head width as hidden_size // num_attention_heads (Qwen2.5-VL's
-    text model) instead of reading `head_dim`: on a rank's share of the heads that width doubles, so their
-    projections are rebuilt (on meta, filled at load) for the rank's heads at the model's true width."""
-    width, heads, kv, hidden = (
-        local.head_dim,
-        local.num_attention_heads,
-        local.num_key_value_heads,
-        local.hidden_size,
-    )
-    for module in decoder.modules():
-        if getattr(module, "head_dim", width) == width or not hasattr(module, "q_proj"):
-            continue
-        module.head_dim, module.scaling = width, width**-0.5
-        for name, (into, out) in {
-            "q_proj": (hidden, heads * width),
-            "k_proj": (hidden, kv * width),
-            "v_proj": (hidden, kv * width),
-            "o_proj": (heads * width, hidden),
-        }.items():
-            old = getattr(module, name)
-            bias = old.bias is not None
-            setattr(module, name, nn.Linear(into, out, bias=bias, device="meta", dtype=old.weight.dtype))
-
-
-def _split_vocab(model: nn.Module, config, group) -> None:
+def split_vocab(model: nn.Module, config, group) -> None:
     """Vocabulary-parallel embedding and head where they are plain modules (a scaled embedding stays whole)."""
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     if type(embed) is nn.Embedding:
@@ -249,7 +199,7 @@ def _split_vocab(model: nn.Module, config, group) -> None:
         model.set_output_embeddings(new)
 
 
-def _add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
+def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
     """Sum the partial outputs of row-parallel linears and of tensor-parallel experts across ranks."""
 
     def reduce(_module, _args, output: torch.Tensor) -> torch.Tensor:
