@@ -33,10 +33,11 @@ def load_image_only(path: str) -> ProcessorMixin | None:
     cls = _class_named(processor_class(path))
     if cls is None or cls.get_attributes() != PARTS:
         return None
+    image_only = without_video(cls)
     processor_dict, kwargs = cls.get_processor_dict(path, local_files_only=True)
-    accepted = set(inspect.signature(cls.__init__).parameters) - set(cls.get_attributes())
+    accepted = set(inspect.signature(image_only.__init__).parameters) - {"self", *PARTS}
     settings = {k: v for k, v in {**processor_dict, **kwargs}.items() if k in accepted}
-    return without_video(cls)(_image_processor(path), _tokenizer(path), **settings)
+    return image_only(_image_processor(path), _tokenizer(path), **settings)
 
 
 @cache
@@ -48,6 +49,11 @@ def without_video(base: type[ProcessorMixin]) -> type[ProcessorMixin]:
     def __init__(self, image_processor=None, tokenizer=None, **settings):
         base.__init__(self, image_processor, tokenizer, None, **settings)
 
+    # the base's parameters less the video processor: what transformers reads as the parts and the
+    # settings to save (SmolVLM's image_seq_len)
+    signature = inspect.signature(base.__init__)
+    kept = [p for name, p in signature.parameters.items() if name != "video_processor"]
+    __init__.__signature__ = signature.replace(parameters=kept)
     body = {"__init__": __init__, "__doc__": without_video.__doc__, "__module__": __name__}
     if base.apply_chat_template is not ProcessorMixin.apply_chat_template:
         # SmolVLM's override only adds video defaults (frames, fps), read from the absent video processor

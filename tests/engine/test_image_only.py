@@ -102,6 +102,24 @@ def test_a_checkpoint_with_a_video_processor_loads_and_prepares_images_as_the_bu
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_processor_saves_as_its_class_with_its_settings_and_loads_back(family, checkpoint, tmp_path):
+    processor = load_processor(str(checkpoint(family)))
+    saved = shutil.copytree(checkpoint(family), tmp_path / "saved")
+    for name in ("preprocessor_config.json", "video_preprocessor_config.json", "chat_template.json"):
+        (saved / name).unlink()
+    processor.save_pretrained(saved)
+    written = json.loads((saved / "processor_config.json").read_text())
+    assert written["processor_class"] == HUB_PROCESSORS[family][0]
+    if family == "smolvlm":
+        assert written["image_seq_len"] == 4
+    again = load_processor(str(saved))
+    text = chat(processor, IMAGES)
+    assert chat(again, IMAGES) == text
+    (ids, inputs), (want_ids, want) = process(again, text, IMAGES), process(processor, text, IMAGES)
+    assert ids == want_ids and torch.equal(inputs.pixel_values, want.pixel_values)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_engine_from_pretrained_runs_the_checkpoint_as_transformers_generates(family, built, checkpoint):
     path = checkpoint(family)
     engine = Engine.from_pretrained(str(path), device="cpu", max_num_seqs=2)
