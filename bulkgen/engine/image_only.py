@@ -42,9 +42,9 @@ def load_image_only(path: str) -> ProcessorMixin | None:
 
 @cache
 def without_video(base: type[ProcessorMixin]) -> type[ProcessorMixin]:
-    """`base` (a processor class whose parts are PARTS) without its video processor: transformers' processor checks and saves the parts its
-    `__init__` names. It keeps the base's name, so it saves as the base class and a folder it wrote loads
-    with transformers' processor where torchvision exists."""
+    """`base` (a processor class whose parts are PARTS) without its video processor: transformers checks
+    and saves the parts and settings its `__init__` names. It keeps the base's name, so it saves as the base
+    class and a folder it wrote loads with transformers' own processor where torchvision exists."""
 
     def __init__(self, image_processor=None, tokenizer=None, **settings):
         base.__init__(self, image_processor, tokenizer, None, **settings)

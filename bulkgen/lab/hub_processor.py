@@ -22,8 +22,9 @@ def write_hub_processor(path: str | Path, layout: str = "hub") -> Path:
     """Rewrite the processor files of a Qwen-VL or SmolVLM folder written by build_tiny_vlm as a real
     checkpoint has them, video processor included (transformers cannot build that here: every video
     processor imports torchvision), so that the folder tests what users load. `layout`:
-    - "saved": what transformers' `save_pretrained` writes where torchvision exists: one processor_config.json
-      nesting `image_processor` and `video_processor` beside the processor's own settings, chat_template.jinja;
+    - "saved": what transformers' `save_pretrained` writes where torchvision exists: one
+      processor_config.json nesting `image_processor` and `video_processor` beside the processor's own
+      settings, and chat_template.jinja;
     - "hub": the per-file layout of the published checkpoints: preprocessor_config.json (the image settings
       and `processor_class`; Qwen2-VL's and Qwen2.5-VL's pixel limits as `min_pixels` / `max_pixels`),
       video_preprocessor_config.json, chat_template.json (the template also in tokenizer_config.json, as
