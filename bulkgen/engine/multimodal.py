@@ -333,13 +333,20 @@ def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module,
 
 def load_processor(path: str):
     """The processor of the vision-language model at `path`, as serving, `bulkgen plan` and the tests
-    prepare its prompts: transformers' AutoProcessor, except a Pixtral processor (Mistral 3) where
-    transformers cannot import its own for want of torchvision: then bulkgen's mirror of it (pixtral.py)."""
+    prepare its prompts: transformers' AutoProcessor, except where torchvision is missing: then bulkgen's
+    mirror of Pixtral's processor (Mistral 3: transformers cannot import its own; pixtral.py), and the
+    checkpoint's own processor without its video processor for a family that has one (Qwen-VL, SmolVLM:
+    image_only.py)."""
     from transformers import AutoProcessor
 
+    from .image_only import load_image_only
     from .pixtral import load_mirror
 
-    return load_mirror(path) or AutoProcessor.from_pretrained(path, local_files_only=True)
+    return (
+        load_mirror(path)
+        or load_image_only(path)
+        or AutoProcessor.from_pretrained(path, local_files_only=True)
+    )
 
 
 def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:
