@@ -190,14 +190,10 @@ class VisionTower:
     per placeholder token out."""
 
     def __init__(self, vlm: torch.nn.Module, processor=None) -> None:
-        """`processor`: the model's processor (process() takes it); its chat template, where only the
-        processor has one, becomes its tokenizer's too, since prompts are rendered through the tokenizer."""
+        """`processor`: the model's processor as load_processor gives it (process() takes it)."""
         check_family(vlm)
         self.vlm = vlm.eval()
         self.processor = processor
-        tokenizer = getattr(processor, "tokenizer", None)
-        if tokenizer is not None and not tokenizer.chat_template:
-            tokenizer.chat_template = getattr(processor, "chat_template", None)
         config = vlm.config
         self.image_token_id = getattr(config, "image_token_id", None)
         if self.image_token_id is None:
@@ -336,17 +332,22 @@ def load_processor(path: str):
     prepare its prompts: transformers' AutoProcessor, except where torchvision is missing: then bulkgen's
     mirror of Pixtral's processor (Mistral 3: transformers cannot import its own; pixtral.py), and the
     checkpoint's own processor without its video processor for a family that has one (Qwen-VL, SmolVLM:
-    image_only.py)."""
+    image_only.py). Its chat template, where only the processor has one, becomes its tokenizer's too: prompts
+    are rendered through the tokenizer (the engine's, and the plan's for a vision model)."""
     from transformers import AutoProcessor
 
     from .image_only import load_image_only
     from .pixtral import load_mirror
 
-    return (
+    processor = (
         load_mirror(path)
         or load_image_only(path)
         or AutoProcessor.from_pretrained(path, local_files_only=True)
     )
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is not None and not tokenizer.chat_template:  # prompts are rendered through the tokenizer
+        tokenizer.chat_template = getattr(processor, "chat_template", None)
+    return processor
 
 
 def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:
