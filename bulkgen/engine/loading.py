@@ -80,7 +80,6 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-
     method = checkpoint_quantization(path)
     if quantize is not None and method is not None:
         # one service setting for every model: a quantized checkpoint beside float ones keeps its own format
@@ -92,11 +91,7 @@ def load_model(
         )
         quantize = None
     check_method_packages(method)
-    # a quantizer places its modules where they run; a float checkpoint moves there after loading, a
-    # layer at a time when quantized online
-    options = {"device_map": str(device), **_kernel_options(method, torch.device(device))} if method else {}
-    if method == "compressed-tensors":
-        options["config"] = _config_ignoring_by_model_names(path, auto_class)
+    options = _quantizer_options(path, method, torch.device(device), auto_class)
     with (
         warnings.catch_warnings()
     ):  # the loading attributes given below are meant to override the checkpoint's
@@ -113,6 +108,17 @@ def load_model(
     else:
         model.to(device)
     return model.eval()
+
+
+def _quantizer_options(path: str | Path, method: str | None, device: torch.device, auto_class) -> dict:
+    """from_pretrained's options for a quantized checkpoint. A quantizer places its modules where they
+    run (a float checkpoint moves there after loading, a layer at a time when quantized online)."""
+    if method is None:
+        return {}
+    options = {"device_map": str(device), **_kernel_options(method, device)}
+    if method == "compressed-tensors":
+        options["config"] = _config_ignoring_by_model_names(path, auto_class)
+    return options
 
 
 def _config_ignoring_by_model_names(path: str | Path, auto_class):
