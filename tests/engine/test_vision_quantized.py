@@ -69,11 +69,12 @@ def batch(processor) -> list[tuple[list[int], object, dict]]:
 
 def generate(model, encoded: dict) -> list[int]:
     with torch.no_grad():
+        encoded = {k: v.to(model.device) for k, v in encoded.items()}
         out = model.generate(**encoded, max_new_tokens=MAX_TOKENS, do_sample=False)
     return out[0, encoded["input_ids"].shape[1] :].tolist()
 
 
-def engine_tokens(vlm, processor, cases) -> list[list[int]]:
+def engine_tokens(vlm, processor, cases, **engine_kwargs) -> list[list[int]]:
     """The cases' greedy tokens from one engine over `vlm` (assembled as Engine.from_pretrained does:
     the tiny Qwen-VL processor cannot be loaded back from its folder), a step budget that splits image
     runs across prefill chunks. The service's `quantize="fp8"` is given, as a worker gives it to every
@@ -86,6 +87,7 @@ def engine_tokens(vlm, processor, cases) -> list[list[int]]:
         block_size=4,
         max_num_batched_tokens=7,
         quantize="fp8",
+        **engine_kwargs,
     )
     assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) in (0, 7 * len(decoder_layers(vlm)))
     for i, (ids, inputs, _) in enumerate(cases):
@@ -203,3 +205,20 @@ def test_engine_from_pretrained_quantizes_a_vision_model_online(float_dirs):
     )
     assert not any(isinstance(m, Fp8Linear) for t in vision_modules(engine.vision.vlm) for m in t.modules())
     assert served_weights(path, "fp8")["quantization"] == "fp8-online"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_fp32_online_fp8_vision_model_equals_generate(family, float_dirs):
+    """On CUDA in fp32 (no row-wise FP8 GEMM: the dequantized product) the engine's tokens are still
+    transformers' over the same online-quantized modules, the encoder running float on the device."""
+    path = float_dirs[family]
+    processor = load_processor(path)
+    cases = batch(processor)
+    hf = AutoModelForImageTextToText.from_pretrained(path, local_files_only=True).eval()
+    quantize_layers(hf, "cuda")
+    vlm = load_model(path, "cuda", torch.float32, "fp8", vision=True)
+    assert all(p.is_cuda and p.dtype == torch.float32 for t in vision_modules(vlm) for p in t.parameters())
+    got = engine_tokens(vlm, processor, cases, num_kv_blocks=256)
+    assert got == [generate(hf, encoded) for *_, encoded in cases]
