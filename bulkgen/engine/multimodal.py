@@ -182,6 +182,8 @@ def text_model(vlm: torch.nn.Module) -> torch.nn.Module:
     causal.config = language.config
     causal.generation_config = vlm.generation_config
     causal.name_or_path = vlm.name_or_path
+    # a checkpoint's quantizer marks the model it loaded: the engine must not quantize the shell again
+    causal.is_quantized = getattr(vlm, "is_quantized", False)
     return causal.eval()
 
 
@@ -314,15 +316,20 @@ def is_vision_model(path: str) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def load_vision(path: str, device, dtype: torch.dtype) -> tuple[torch.nn.Module, VisionTower]:
+def load_vision(
+    path: str, device, dtype: torch.dtype, quantize: str | None = None
+) -> tuple[torch.nn.Module, VisionTower]:
     """(the language half, the encoder with the processor) of the vision-language model at `path`;
-    ValueError naming a family bulkgen does not run, before any weight is read."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    ValueError naming a family bulkgen does not run, before any weight is read. Quantized as a text
+    model is (loading.load_model): only the text model's decoder layers, online or by the checkpoint."""
+    from transformers import AutoConfig
+
+    from .loading import load_model
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     for name in config.architectures or []:
         _check_name(name)
-    vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    vlm = load_model(path, device, dtype, quantize, vision=True)
     tower = VisionTower(vlm, load_processor(path))
     return text_model(vlm), tower
 
