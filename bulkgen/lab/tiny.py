@@ -117,6 +117,21 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
             **_GLM_MOE,
         },
     ),
+    # DeepSeek-V2-Lite's shape: queries without a low-rank projection, rope by complex frequencies
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        {
+            "kv_lora_rank": 32,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "first_k_dense_replace": 1,
+            **_GLM_MOE,
+        },
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_MOE)),
     "qwen2_moe": (
         "Qwen2MoeConfig",
