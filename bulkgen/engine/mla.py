@@ -70,6 +70,18 @@ def wrap_mla(modules: dict[int, torch.nn.Module]) -> None:
         module.forward = functools.partial(_latent_forward, original, module)
 
 
+def lora_refusal(owner: torch.nn.Module, child: str) -> str | None:
+    """Why a LoRA adapter cannot target `owner`'s `child` layer: kv_b_proj of a latent MLA layer is
+    absorbed into the queries and outputs (`absorbed_weights`), so an adapter's delta there would be
+    silently dropped."""
+    if child == "kv_b_proj" and getattr(owner, "bulkgen_latent", False):
+        return (
+            f"{type(owner).__name__} layer {owner.layer_idx}: kv_b_proj is absorbed into the latent "
+            "attention (MLA's latent KV cache), so a LoRA adapter cannot target it"
+        )
+    return None
+
+
 def _latent_forward(original, module, *args, **kwargs):
     """The module's forward on a packed engine step ([1, T, hidden]) with the latent as its one KV head."""
     if kwargs.get("bulkgen_ctx") is None:
@@ -78,7 +90,7 @@ def _latent_forward(original, module, *args, **kwargs):
     hidden = bound.arguments["hidden_states"]
     rest = bound.arguments.get("kwargs", {})
     query, key = _latent_qk(module, hidden, bound.arguments["position_embeddings"])
-    w_uk, w_uv = absorbed_weights(module)
+    w_uk, w_uv = absorbed_weights(module, query.dtype)
     # q_nope W_UK per head: [1, H, T, nope] x [H, nope, L] -> [1, H, T, L]
     q_latent = torch.einsum("bhtn,hnl->bhtl", query[..., : module.qk_nope_head_dim], w_uk)
     query = torch.cat([q_latent, query[..., module.qk_nope_head_dim :]], dim=-1)
@@ -121,16 +133,28 @@ def _rope(module, q_pe, k_pe, position_embeddings):
     return family.apply_rotary_pos_emb(q_pe, k_pe, cos, sin)
 
 
-def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv_b_proj's weight [H * (nope + v), L] as per-head W_UK [H, nope, L] and W_UV [H, v, L] (views:
-    no copy). The head count comes from the weight, so a tensor-parallel shard's local heads work."""
-    weight = module.kv_b_proj.weight
-    if not weight.is_floating_point() or weight.dim() != 2:
-        raise ValueError(
-            f"{type(module).__name__} layer {module.layer_idx}: kv_b_proj holds a {weight.dtype} "
-            f"weight of shape {tuple(weight.shape)}; the latent cache needs its dense rows"
-        )
+def absorbed_weights(module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj's weight [H * (nope + v), L] as per-head W_UK [H, nope, L] and W_UV [H, v, L], in
+    `dtype` (the activations'). The head count comes from the weight, so a tensor-parallel shard's
+    local heads work."""
+    rows = _dense_rows(module.kv_b_proj, module.kv_lora_rank, dtype)
     per_head = module.qk_nope_head_dim + module.v_head_dim
-    heads = weight.shape[0] // per_head
-    rows = weight.view(heads, per_head, module.kv_lora_rank)
+    rows = rows.view(rows.shape[0] // per_head, per_head, module.kv_lora_rank)
     return rows[:, : module.qk_nope_head_dim], rows[:, module.qk_nope_head_dim :]
+
+
+def _dense_rows(proj: torch.nn.Module, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """A float linear layer's own weight (a view: no copy). A quantized one (quantize.Fp8Linear, a
+    compressed checkpoint's layer) is read once through its forward on the identity, W^T, and kept in
+    `dtype` beside it: the absorbed form multiplies queries by W_UK's transpose, which no forward of
+    the layer computes (DeepSeek-V3: 32 MiB a layer in bf16)."""
+    weight = getattr(proj, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype == dtype and weight.dim() == 2:
+        return weight
+    dense = getattr(proj, "_bulkgen_dense_rows", None)
+    if dense is None or dense.dtype != dtype:
+        eye = torch.eye(rank, dtype=dtype, device=next(proj.parameters()).device)
+        with torch.inference_mode():
+            dense = proj(eye).transpose(0, 1).contiguous()  # bias-free (DeepSeek's kv_b_proj)
+        proj._bulkgen_dense_rows = dense
+    return dense

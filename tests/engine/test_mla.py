@@ -18,7 +18,8 @@ from bulkgen.engine.attn_backends import BACKENDS, DecodeMeta, paged_decode
 from bulkgen.engine.attn_select import _all_fused_refused
 from bulkgen.engine.kv_layout import KVLayout
 from bulkgen.engine.layer_attention import probe_layers
-from bulkgen.engine.mla import find_mla, wrap_mla
+from bulkgen.engine.mla import absorbed_weights, find_mla, wrap_mla
+from bulkgen.engine.quantize import Fp8Linear
 from bulkgen.engine.rank_memory import rank_memory
 from bulkgen.engine.sequence import Request, Sequence
 from bulkgen.lab.tiny import build_tiny_model
@@ -137,3 +138,38 @@ def test_triton_decode_reads_v_as_the_leading_columns_of_the_latent(fp8):
     want = paged_decode(q, k, v, DecodeMeta(0, 4, table, lens), 0.3, "padded")
     assert got.shape == (4, hq, dim_v)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_quantized_kv_b_proj_is_absorbed_as_its_dequantized_weight(tiny):
+    """Online FP8 weights make kv_b_proj an Fp8Linear: the absorbed W_UK and W_UV are its e4m3 rows times
+    their scales (read once through its forward), and the engine runs the model."""
+    engine = Engine.from_pretrained(str(tiny), device="cpu", block_size=8, quantize="fp8")
+    attn = engine.model.model.layers[0].self_attn
+    proj = attn.kv_b_proj
+    assert isinstance(proj, Fp8Linear)
+    w_uk, w_uv = absorbed_weights(attn, torch.float32)
+    dequantized = (proj.weight.float() * proj.weight_scale).view(4, 16 + 16, 32)
+    torch.testing.assert_close(w_uk, dequantized[:, :16])
+    torch.testing.assert_close(w_uv, dequantized[:, 16:])
+    outs = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(outs[0].token_ids) == 4
+
+
+def test_lora_on_the_absorbed_kv_b_proj_is_refused(tiny, tmp_path):
+    """kv_b_proj is folded into the queries and outputs: an adapter there would be dropped silently, so
+    it is refused naming the layer; one on the other projections (q_b_proj) still loads."""
+    from test_lora import _write_adapter
+
+    from bulkgen.engine.lora import LoraError
+
+    engine = Engine.from_pretrained(str(tiny), device="cpu", block_size=8, num_kv_blocks=16)
+    attn = engine.model.model.layers[0].self_attn
+    for child in ("kv_b_proj", "q_b_proj"):
+        proj = getattr(attn, child)
+        _write_adapter(
+            tmp_path / child, f"model.layers.0.self_attn.{child}", proj.in_features, proj.out_features
+        )
+    with pytest.raises(LoraError, match=r"kv_b_proj is absorbed .*model\.layers\.0\.self_attn\.kv_b_proj"):
+        engine.add_lora("kv", tmp_path / "kv_b_proj")
+    engine.add_lora("q", tmp_path / "q_b_proj")
+    assert engine.loras() == ["q"]
