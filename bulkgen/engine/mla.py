@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi K2) over a latent KV cache.
+"""Multi-head latent attention (DeepSeek-V2/V3/R1, Kimi K2, GLM-4.7-Flash, Youtu-LLM) over a latent KV cache.
 
 An MLA layer projects each token to a compressed latent c_kv (`kv_lora_rank` values, after
 `kv_a_layernorm`) and one rope'd key k_pe shared by all heads (`qk_rope_head_dim`); transformers then
@@ -40,7 +40,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # the MLA modules checked token for token against transformers (tests/engine/test_architectures.py);
 # another MLA family keeps the expanded K/V cache (its own forward) until it is checked
-LATENT_MODULES = frozenset({"DeepseekV2Attention", "DeepseekV3Attention"})
+LATENT_MODULES = frozenset(
+    {"DeepseekV2Attention", "DeepseekV3Attention", "Glm4MoeLiteAttention", "YoutuAttention"}
+)
 
 
 def latent_width(config) -> int | None:

@@ -132,6 +132,33 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
             **_GLM_MOE,
         },
     ),
+    # GLM-4.7-Flash and Youtu-LLM: DeepSeek-V3's attention layer under other names
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        {
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+            "mlp_layer_types": ["dense", "sparse"],
+            **_GLM_MOE,
+        },
+    ),
+    "youtu": (
+        "YoutuConfig",
+        "YoutuForCausalLM",
+        {
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "num_key_value_heads": 4,
+        },
+    ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_MOE)),
     "qwen2_moe": (
         "Qwen2MoeConfig",
