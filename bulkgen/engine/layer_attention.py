@@ -71,7 +71,7 @@ class LayerAttention:
     kind: AttnKind
     kv_heads: int
     k_dim: int  # K head size (and Q's)
-    v_dim: int  # V head size: smaller than k_dim under MLA (DeepSeek-V3: 192 against 128)
+    v_dim: int  # V head size: may be smaller than k_dim (MLA's latent: 512 of 576 in DeepSeek-V3)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
     sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss `s_aux`)
     # queries scaled by log(position) (Llama 4's NoPE layers): (floor_scale, attn_scale)
