@@ -69,7 +69,8 @@ def wrap_mla(modules: dict[int, torch.nn.Module]) -> None:
         original = getattr(module, "_bulkgen_original_forward", module.forward)
         module._bulkgen_original_forward = original
         module.bulkgen_latent = True  # read by layer_attention.probe_layers
-        module.forward = functools.partial(_latent_forward, original, module)
+        signature = inspect.signature(original)  # read once: binding per call costs microseconds only
+        module.forward = functools.partial(_latent_forward, original, signature, module)
 
 
 def lora_refusal(owner: torch.nn.Module, child: str) -> str | None:
@@ -84,11 +85,11 @@ def lora_refusal(owner: torch.nn.Module, child: str) -> str | None:
     return None
 
 
-def _latent_forward(original, module, *args, **kwargs):
+def _latent_forward(original, signature: inspect.Signature, module, *args, **kwargs):
     """The module's forward on a packed engine step ([1, T, hidden]) with the latent as its one KV head."""
     if kwargs.get("bulkgen_ctx") is None:
         return original(*args, **kwargs)
-    bound = inspect.signature(original).bind(*args, **kwargs)
+    bound = signature.bind(*args, **kwargs)
     hidden = bound.arguments["hidden_states"]
     rest = bound.arguments.get("kwargs", {})
     query, key = _latent_qk(module, hidden, bound.arguments["position_embeddings"])

@@ -20,9 +20,9 @@ from bulkgen.engine.kv_layout import KVLayout
 from bulkgen.engine.layer_attention import probe_layers
 from bulkgen.engine.mla import absorbed_weights, find_mla, wrap_mla
 from bulkgen.engine.quantize import Fp8Linear
-from bulkgen.engine.rank_memory import rank_memory
 from bulkgen.engine.sequence import Request, Sequence
 from bulkgen.lab.tiny import build_tiny_model
+from bulkgen.plan.memory import plan_memory
 
 LATENT = 32 + 8  # the tiny model's kv_lora_rank + qk_rope_head_dim
 # deepseek-ai/DeepSeek-V3's config.json: the attention numbers (hidden size cut: it shapes no cache)
@@ -59,6 +59,12 @@ def test_the_cache_holds_each_tokens_latent_once_per_layer(tiny):
     # 17 tokens: both full blocks are hashed, and a hit leaves the last token to compute
     prompt = torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(1)).tolist()
     engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    # outside the engine's steps the wrapped layers run transformers' own forward (generate is untouched)
+    with torch.no_grad():
+        own = engine.model.generate(torch.tensor([prompt]), max_new_tokens=1, do_sample=False)[0, -1]
+    assert (
+        own.item() == engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    )
     seq = Sequence(0, Request("r", prompt, SamplingParams(max_tokens=1), order=0), 0, max_tokens=1)
     blocks = engine.block_manager.match_prefix(seq).tables[0][:2]
     model = AutoModelForCausalLM.from_pretrained(tiny).eval()
@@ -106,10 +112,13 @@ def test_deepseek_v3_caches_71x_fewer_bytes_per_token():
 
 
 def test_plan_counts_the_latent_bytes(tiny):
+    """`bulkgen plan`'s memory model (from the config alone) counts what the engine's cache stores."""
     config = AutoConfig.from_pretrained(tiny)
     for ranks in (1, 2):  # the latent is whole on every rank
-        memory = rank_memory(config, ranks, torch.bfloat16)
+        memory = plan_memory(str(tiny), ranks)
         assert memory["kv_bytes_per_token"] == config.num_hidden_layers * LATENT * 2
+    engine = Engine.from_pretrained(str(tiny), device="cpu", dtype=torch.bfloat16, num_kv_blocks=8)
+    assert engine.runner.layout.token_bytes(torch.bfloat16) == memory["kv_bytes_per_token"]
 
 
 def test_flash_kernels_refuse_the_latent_head_as_a_feature():
