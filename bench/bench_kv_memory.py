@@ -8,9 +8,10 @@ the scheduler makes before the sequence's next step. Reported: the blocks it hol
 the bytes of a block, with every layer kept whole ("before": one full group, what the cache held when
 a window limited reading only) and with windowed groups giving back what is behind their window
 ("after"), and how many such sequences one KV budget (64 GiB of bf16) holds each way. For MLA
-(DeepSeek-V3), the bytes per token the cache holds now (K and V of every head, expanded from the
-latent) against the compressed latent (kv_lora_rank + the rope part per token and layer, as vLLM and
-SGLang cache it; bulkgen does not yet). And for each cache dtype (`--kv-cache-dtype`: bf16, or FP8
+(DeepSeek-V3), the bytes per token the cache holds: the compressed latent (kv_lora_rank + the rope
+part per token and layer, one KV head: engine/mla.py, as vLLM and SGLang cache it) against K and V of
+every head expanded from it (what bulkgen cached before the latent cache), and the sequences one
+budget holds each way. And for each cache dtype (`--kv-cache-dtype`: bf16, or FP8
 e4m3 with its float32 scale per token and KV head, engine/kv_cache.py): the bytes a token takes over all
 layers and how many sequences of `--context` tokens one GiB holds (windows freed, as the engine runs).
 
@@ -58,12 +59,12 @@ def gemma_3_27b() -> list[LayerAttention]:
     return [LayerAttention(FULL if (i + 1) % 6 == 0 else window, 16, 128, 128) for i in range(62)]
 
 
-def deepseek_v3() -> list[LayerAttention]:
-    """deepseek-ai/DeepSeek-V3: 61 layers of MLA, 128 heads, K heads 192 (128 + 64 rope), V heads 128."""
-    return [LayerAttention(FULL, 128, 192, 128) for _ in range(61)]
-
-
-DEEPSEEK_V3_LATENT = 61 * (512 + 64)  # layers x (kv_lora_rank + qk_rope_head_dim) values per token
+def deepseek_v3(latent: bool = True) -> list[LayerAttention]:
+    """deepseek-ai/DeepSeek-V3: 61 layers of MLA, 128 heads; cached as the latent, one KV head of 576
+    (kv_lora_rank 512 + 64 rope, V its first 512), or expanded: 128 K heads of 192, V heads of 128."""
+    if latent:
+        return [LayerAttention(FULL, 1, 512 + 64, 512, q_heads=128, latent=True) for _ in range(61)]
+    return [LayerAttention(FULL, 128, 192, 128, q_heads=128) for _ in range(61)]
 
 
 def held_bytes(
@@ -122,15 +123,15 @@ def _groups(layout: KVLayout) -> str:
     return ", ".join(f"{sum(n)} x {kind} in {len(n)} group{'s' * (len(n) > 1)}" for kind, n in kinds.items())
 
 
-def mla_row() -> dict:
-    layout = KVLayout(deepseek_v3())
-    expanded = layout.block_bytes(BLOCK_SIZE, BF16) // BLOCK_SIZE
-    latent = DEEPSEEK_V3_LATENT * BF16.itemsize
+def mla_row(context: int, budget: int) -> dict:
+    latent, expanded = KVLayout(deepseek_v3()), KVLayout(deepseek_v3(latent=False))
     return {
         "model": "DeepSeek-V3 (MLA)",
-        "bytes_per_token_cached": expanded,
-        "bytes_per_token_latent": latent,
-        "ratio": round(expanded / latent, 1),
+        "bytes_per_token_latent": latent.token_bytes(BF16),
+        "bytes_per_token_expanded": expanded.token_bytes(BF16),
+        "ratio": round(expanded.token_bytes(BF16) / latent.token_bytes(BF16), 1),
+        "seqs_latent": budget // held_bytes(latent, context)[1],
+        "seqs_expanded": budget // held_bytes(expanded, context)[1],
     }
 
 
@@ -145,7 +146,7 @@ def main() -> None:
         windows_row("gpt-oss-20b", gpt_oss_20b(), args.context, budget),
         windows_row("Gemma-3-27B", gemma_3_27b(), args.context, budget),
     ]
-    mla = mla_row()
+    mla = mla_row(args.context, budget)
     shapes = [("Llama-3-8B", llama_3_8b()), ("gpt-oss-20b", gpt_oss_20b()), ("Gemma-3-27B", gemma_3_27b())]
     dtypes = [dtype_row(name, layers, args.context) for name, layers in shapes]
     if args.json:
@@ -162,8 +163,10 @@ def main() -> None:
             f"{r['ratio']:>5}x  {r['seqs_before']:,} -> {r['seqs_after']:,}   ({r['groups']})"
         )
     print(
-        f"{mla['model']}: {mla['bytes_per_token_cached']:,} bytes per token cached (K and V expanded), "
-        f"{mla['bytes_per_token_latent']:,} as the latent ({mla['ratio']}x less)"
+        f"{mla['model']}: {mla['bytes_per_token_latent']:,} bytes per token cached (the latent), "
+        f"{mla['bytes_per_token_expanded']:,} with K and V expanded ({mla['ratio']}x more); "
+        f"sequences of {args.context:,} tokens in {args.budget_gib} GiB: "
+        f"{mla['seqs_expanded']:,} expanded -> {mla['seqs_latent']:,}"
     )
     print(f"\nKV cache dtype: bytes per token (all layers) and sequences of {args.context:,} tokens per GiB")
     print(

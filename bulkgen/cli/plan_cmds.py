@@ -169,8 +169,13 @@ def plan(
         )
     store = check_storage(storage, endpoint_url, create=True)
     adapters = _adapters(loras, name, path, endpoint_url)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     images = _image_reader(path, store, image_url_hosts)
+    # a vision model's prompts are rendered by its processor's tokenizer, as the engine renders them
+    tokenizer = (
+        images.processor.tokenizer
+        if images.processor is not None
+        else AutoTokenizer.from_pretrained(path, local_files_only=True)
+    )
     batches = BatchRepo(store)
     try:
         result = planner.plan_file(

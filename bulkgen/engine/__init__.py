@@ -16,7 +16,8 @@ they read (kv_layout, block_manager). Greedy output equals transformers' `genera
 (fp32, CPU; tests/engine/test_architectures.py, with chunked prefill, prefix caching and preemption) for
 Llama, Qwen2, Qwen3, Mistral (with and without its window), Ministral, Phi-3, Starcoder2, Gemma, Gemma 2
 (soft-capping), Gemma 3, Gemma 3n, OLMo, OLMo 2, OLMo 3, Cohere, Cohere 2, EXAONE 4, gpt-oss (sinks),
-Llama 4 (chunked attention), DeepSeek-V3 (MLA: K and V heads of different sizes, cached expanded),
+Llama 4 (chunked attention), DeepSeek-V2, DeepSeek-V3, GLM-4.7-Flash and Youtu-LLM (MLA, cached as
+its compressed latent: mla.py),
 Qwen2-MoE, Qwen3-MoE, Mixtral, GLM-4 MoE, MiniMax-M2, SmolLM3, Granite, Phi, GPT-NeoX, GLM, Helium,
 Apertus, Arcee, ERNIE 4.5, OPT, GPT-J and CodeGen. Hybrid models (linear-attention, Mamba-2 or
 short-conv layers beside attention: Qwen3-Next, Qwen3.5 dense and MoE, GraniteMoeHybrid, Falcon-H1,

@@ -86,7 +86,8 @@ def paged_attention_forward(
         q = _at_positions(q, ctx.positions, *layer.temperature)
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
     k = kv_cache.write(k_cache, ctx.slots[group], k)  # as stored: FP8-rounded in an FP8 cache
-    v = kv_cache.write(v_cache, ctx.slots[group], v)
+    # MLA's latent cache: V is K's leading columns, already written with it (v_cache views k_cache)
+    v = k[..., : layer.v_dim] if layer.latent else kv_cache.write(v_cache, ctx.slots[group], v)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = ctx.backend.attend(q, k, v, k_cache, v_cache, ctx.metas[group], scale, layer.softcap, s_aux)
     return out.unsqueeze(0), None

@@ -12,7 +12,9 @@ Every backend takes a layer's attention as parameters: its kind's window (flash'
 the query and the `window - 1` tokens before it), chunked attention (flash_varlen cuts each sequence's
 queries at chunk boundaries into varlen pieces that each read their own chunk), sinks (flash returns
 each row's log-sum-exp, and a sink with logit s scales the row by sigmoid(lse - s), exactly the mass
-the extra softmax column takes) and V heads narrower than K heads (MLA: V zero-padded for flash).
+the extra softmax column takes) and V heads narrower than K heads (V zero-padded for flash). MLA's
+latent head (mla.py, 576 wide in DeepSeek-V3) is wider than any flash kernel takes: those models run
+`plain` prefills with the triton (or padded) decode, a refusal `attn_select` logs.
 What a backend cannot take it says in `supports`, and `attn_select` keeps only backends that take every
 layer of the model: no fused kernel here soft-caps, so soft-capped models run `plain` prefills (with
 the triton decode kernel, which does soft-cap).
@@ -60,6 +62,16 @@ class VarlenMeta:
     window_left: int = -1  # keys before the query each query reads; -1: all (causal)
 
 
+FLASH_MAX_HEAD = 256  # the widest head flash-attention kernels take
+
+
+def _head_size(layer) -> str | None:
+    """MLA's latent head (DeepSeek-V3: 576 = 512 + 64 rope) is wider than any flash kernel's."""
+    if layer.k_dim > FLASH_MAX_HEAD:
+        return f"head size {layer.k_dim} (an MLA latent): flash kernels take heads up to {FLASH_MAX_HEAD}"
+    return None
+
+
 def _window_left(kind: AttnKind) -> int:
     return kind.window - 1 if kind.window is not None else -1
 
@@ -81,7 +93,7 @@ class FlashVarlenBackend(PlainBackend):
             return "logit soft-capping: aten's flash kernel has no softcap"
         if layer.kind.window is not None and not _flash_takes_windows():
             return "sliding windows: this torch's _flash_attention_forward takes no window_size_left"
-        return None
+        return _head_size(layer)
 
     def prepare(self, plan: StepPlan, pack: HostPack, kind: AttnKind = FULL):
         p = plan.num_prefill
@@ -158,7 +170,7 @@ class VarlenPagedBackend:
             return "chunked attention: varlen_attn reads every sequence from its first block"
         if layer.k_dim != layer.v_dim:
             return "K and V heads of different sizes (MLA): the paged cache cannot pad V for flash"
-        return None
+        return _head_size(layer)
 
     def prepare(self, plan: StepPlan, pack: HostPack, kind: AttnKind = FULL) -> VarlenMeta:
         ends = plan.ends

@@ -103,6 +103,7 @@ _FEATURE_REASONS = (
     "sliding windows",
     "chunked attention",
     "K and V heads",
+    "head size",
     "an FP8 KV",
 )
 
@@ -168,8 +169,13 @@ def run_backend(backend, plan: StepPlan, layer: LayerAttention, q, k, v, k_cache
     slots = pack.add(plan.slots())
     flat = pack.upload()
     meta = backend.bind(meta, flat)
-    k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    k, v = kv_cache.write(k_cache, flat[slots], k), kv_cache.write(v_cache, flat[slots], v)
+    k_cache = k_cache.clone()
+    k = kv_cache.write(k_cache, flat[slots], k)
+    if layer.latent:  # MLA: V is K's leading columns, a view of the K cache as the engine allocates it
+        v_cache, v = kv_cache.leading(k_cache, layer.v_dim), k[..., : layer.v_dim]
+    else:
+        v_cache = v_cache.clone()
+        v = kv_cache.write(v_cache, flat[slots], v)
     return backend.attend(q, k, v, k_cache, v_cache, meta, scale, layer.softcap, sinks)
 
 

@@ -20,8 +20,8 @@ A row is written once and never rescaled, so appending a token never touches the
 Every attention reads K/V as stored: a fresh prefill chunk attends to its own K/V rounded to FP8 too
 (`write` returns them), so a sequence's tokens do not depend on whether its context was computed in this
 step, an earlier chunk, came from the prefix cache or was recomputed after a preemption. MLA layers
-(cached expanded, K and V heads of different sizes) and windowed or chunked groups go through the same
-calls. The recurrent state of hybrid models (state_slots) is not KV and stays in the model's dtype.
+(one latent row per token whose leading columns are V: `leading`, one scale for the row) and windowed or
+chunked groups go through the same calls. The recurrent state of hybrid models (state_slots) is not KV and stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -87,6 +87,14 @@ def allocate(rows: tuple[int, int, int], dim: int, dtype: torch.dtype, device: t
         torch.zeros(*rows, dim, dtype=FP8, device=device),
         torch.zeros(*rows, dtype=SCALE_DTYPE, device=device),
     )
+
+
+def leading(cache: KVCache, dim: int) -> KVCache:
+    """The first `dim` columns of every row, as a view sharing the cache's memory (and, FP8, its scales):
+    MLA's V, the latent c_kv, is the leading part of its K row [c_kv, k_pe] (mla.py)."""
+    if not isinstance(cache, Fp8Cache):
+        return cache[..., :dim]
+    return Fp8Cache(cache.data[..., :dim], cache.scale)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,11 +39,11 @@ class KVLayout:
         shapes = {layer.kv_shape for layer in layers if layer is not None}
         if len(shapes) != 1:
             raise ValueError(
-                f"layers with different KV head shapes {sorted(shapes)} (kv heads, K dim, V dim): "
+                f"layers with different KV head shapes {sorted(shapes)} (kv heads, K dim, V dim, latent): "
                 "bulkgen's paged cache needs one shape for every layer"
             )
         self.layers = layers
-        self.kv_heads, self.k_dim, self.v_dim = shapes.pop()
+        self.kv_heads, self.k_dim, self.v_dim, self.latent = shapes.pop()
         members: dict[AttnKind, list[int]] = {}
         for i, layer in enumerate(layers):
             if layer is not None:
@@ -67,15 +67,18 @@ class KVLayout:
 
     def block_bytes(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of one block id: a row of every slot's K and V tensor stored in `dtype` (an FP8 cache's
-        per-row scales included: kv_cache.row_bytes)."""
-        per_head = row_bytes(self.k_dim, dtype) + row_bytes(self.v_dim, dtype)
-        return self.slots * block_size * self.kv_heads * per_head
+        per-row scales included: kv_cache.row_bytes). A latent layout stores V inside K: K's bytes only."""
+        return self.slots * block_size * self.kv_heads * self._head_bytes(dtype)
 
     def token_bytes(self, dtype: torch.dtype) -> int:
         """Bytes one token's K and V take over every layer with attention, stored in `dtype` (what a
         token costs where no window has freed its blocks)."""
         layers = sum(layer is not None for layer in self.layers)
-        return layers * self.kv_heads * (row_bytes(self.k_dim, dtype) + row_bytes(self.v_dim, dtype))
+        return layers * self.kv_heads * self._head_bytes(dtype)
+
+    def _head_bytes(self, dtype: torch.dtype) -> int:
+        """One token's K and V row bytes for one KV head (K's alone under MLA's latent cache)."""
+        return row_bytes(self.k_dim, dtype) + (0 if self.latent else row_bytes(self.v_dim, dtype))
 
     def peak_blocks(self, num_tokens: int, step_tokens: int, block_size: int) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once, over all groups, when a

@@ -4,7 +4,7 @@ The engine does not read a model's attention from its config: configs name the s
 and some carry fields the model ignores (a GPT-NeoX config may hold a `num_key_value_heads` its layers
 never use, and a cache shaped by it mixes up heads). `probe_layers` runs a two-token forward through a
 recording attention implementation and keeps what each layer hands transformers' attention interface:
-its K and V shapes (MLA layers have K heads wider than V heads) and the `sliding_window`, `softcap` and
+its K and V shapes (an MLA layer: one latent head, mla.py) and the `sliding_window`, `softcap` and
 `s_aux` (attention sinks) keywords transformers passes for Mistral, Gemma 2/3, gpt-oss and the rest.
 Chunked attention (Llama 4) passes no keyword: it comes from the config's `layer_types`
 ("chunked_attention") and `attention_chunk_size`, which is where transformers' own mask takes it from.
@@ -71,16 +71,18 @@ class LayerAttention:
     kind: AttnKind
     kv_heads: int
     k_dim: int  # K head size (and Q's)
-    v_dim: int  # V head size: smaller than k_dim under MLA (DeepSeek-V3: 192 against 128)
+    v_dim: int  # V head size: may be smaller than k_dim (MLA's latent: 512 of 576 in DeepSeek-V3)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
     sinks: bool = False  # a learned per-head logit in every softmax's denominator (gpt-oss `s_aux`)
     # queries scaled by log(position) (Llama 4's NoPE layers): (floor_scale, attn_scale)
     temperature: tuple[float, float] | None = None
     q_heads: int = 0
+    # MLA's latent cache (mla.py): V is K's first v_dim columns (c_kv of [c_kv, k_pe]), stored once
+    latent: bool = False
 
     @property
-    def kv_shape(self) -> tuple[int, int, int]:
-        return self.kv_heads, self.k_dim, self.v_dim
+    def kv_shape(self) -> tuple[int, int, int, bool]:
+        return self.kv_heads, self.k_dim, self.v_dim, self.latent
 
 
 def probe_layers(model: torch.nn.Module, recurrent: set[int] = frozenset()) -> list[LayerAttention | None]:
@@ -113,6 +115,7 @@ def probe_layers(model: torch.nn.Module, recurrent: set[int] = frozenset()) -> l
             sinks=kwargs.get("s_aux") is not None,
             temperature=_temperature(module),
             q_heads=query.shape[1],
+            latent=getattr(module, "bulkgen_latent", False),
         )
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
 
@@ -175,7 +178,9 @@ def describe(layers: list[LayerAttention | None]) -> str:
             continue
         extras = [f"softcap {layer.softcap:g}"] if layer.softcap else []
         extras += ["sinks"] if layer.sinks else []
-        if layer.k_dim != layer.v_dim:
+        if layer.latent:
+            extras.append(f"MLA latent {layer.k_dim} ({layer.v_dim} + rope)")
+        elif layer.k_dim != layer.v_dim:
             extras.append(f"K/V heads {layer.k_dim}/{layer.v_dim}")
         key = ", ".join([str(layer.kind), *extras])
         counts[key] = counts.get(key, 0) + 1

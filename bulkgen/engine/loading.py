@@ -65,14 +65,21 @@ def check_method_packages(method: str | None) -> None:
 
 
 def load_model(
-    path: str | Path, device: torch.device | str, dtype: torch.dtype, quantize: str | None = None
+    path: str | Path,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    quantize: str | None = None,
+    vision: bool = False,
 ) -> torch.nn.Module:
-    """The checkpoint's causal LM on `device`, in eval mode. `quantize="fp8"` quantizes a float
-    checkpoint's decoder layers as they move to the device (quantize.quantize_layers); a quantized
-    checkpoint keeps its own format."""
+    """The checkpoint's causal LM on `device`, in eval mode; with `vision`, its whole vision-language
+    model (AutoModelForImageTextToText). `quantize="fp8"` quantizes a float checkpoint's decoder layers
+    as they move to the device (quantize.quantize_layers): a vision-language model's are its text
+    model's, so its vision tower and projector stay in the load dtype. A quantized checkpoint keeps
+    its own format."""
     no_hub_kernels()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     method = checkpoint_quantization(path)
     if quantize is not None and method is not None:
         # one service setting for every model: a quantized checkpoint beside float ones keeps its own format
@@ -84,21 +91,62 @@ def load_model(
         )
         quantize = None
     check_method_packages(method)
-    # a quantizer places its modules where they run; a float checkpoint moves there after loading, a
-    # layer at a time when quantized online
-    options = {"device_map": str(device), **_kernel_options(method, torch.device(device))} if method else {}
+    options = _quantizer_options(path, method, torch.device(device), auto_class)
     with (
         warnings.catch_warnings()
     ):  # the loading attributes given below are meant to override the checkpoint's
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             path, dtype=dtype, local_files_only=True, use_kernels=False, **options
         )
+    if vision and hasattr(model, "ct_decompress_hook"):
+        # compressed-tensors decompresses at the model's first forward (a pre-hook on it), but the engine
+        # calls a vision-language model's text model directly (multimodal.text_model): decompress now
+        model.hf_quantizer.compressor.decompress_model(model)
     if quantize:
         quantize_layers(model, device, quantize)
     else:
         model.to(device)
     return model.eval()
+
+
+def _quantizer_options(path: str | Path, method: str | None, device: torch.device, auto_class) -> dict:
+    """from_pretrained's options for a quantized checkpoint. A quantizer places its modules where they
+    run (a float checkpoint moves there after loading, a layer at a time when quantized online)."""
+    if method is None:
+        return {}
+    options = {"device_map": str(device), **_kernel_options(method, device)}
+    if method == "compressed-tensors":
+        options["config"] = _config_ignoring_by_model_names(path, auto_class)
+    return options
+
+
+def _config_ignoring_by_model_names(path: str | Path, auto_class):
+    """The checkpoint's config with each module of its compressed-tensors `ignore` list also named as
+    the loaded model names it. Checkpoints list ignored modules in their stored layout (Qwen2.5-VL's
+    `visual.blocks.0.attn.qkv`, LLaVA's `language_model.lm_head`: the hub's, and what transformers
+    writes back), which transformers renames on load (`model.visual.…`, `lm_head`) while
+    compressed-tensors matches `ignore` against the renamed modules: unmatched, a vision-language
+    checkpoint's float vision tower and projector would be given FP8 schemes with scales that are
+    not in the checkpoint (newly initialised)."""
+    from transformers import AutoConfig
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    quant = config.quantization_config
+    with torch.device("meta"):  # only the module tree, for the renaming rules transformers loads it by
+        renamings = get_model_conversion_mapping(auto_class.from_config(config))
+    renamed = []
+    for name in quant.get("ignore") or []:
+        if name.startswith("re:"):  # a pattern: kept as the checkpoint wrote it
+            continue
+        key = f"{name}.weight"  # the rules rename weights, in order, each on the last one's result
+        for rule in renamings:
+            key = rule.rename_source_key(key)[0]
+        renamed.append(key.removesuffix(".weight"))
+    ignore = list(dict.fromkeys([*(quant.get("ignore") or []), *renamed]))
+    config.quantization_config = {**quant, "ignore": ignore}
+    return config
 
 
 def _kernel_options(method: str, device: torch.device) -> dict:

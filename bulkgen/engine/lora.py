@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from .mla import lora_refusal
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -81,6 +83,10 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
         alpha = float(_pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         weights[module] = _checked(name, model, module, a, b, scale)
+        parent, _, child = module.rpartition(".")
+        refusal = lora_refusal(model.get_submodule(parent), child)  # the module exists: _checked found it
+        if refusal:
+            raise LoraError(f"adapter {name!r}: {refusal} ({module})")
     return LoraAdapter(name, str(folder), max(a.shape[0] for a, _ in weights.values()), weights)
 
 

@@ -30,6 +30,7 @@ from .image_blocks import route, step_blocks
 from .kv_layout import KVLayout
 from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
 from .lora_slots import LoraSlots
+from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
 from .state_slots import StatePool
@@ -113,6 +114,7 @@ class ModelRunner:
         mixers = _check_supported(model)
         if mixers and self.tp is not None:
             raise ValueError(f"{type(model).__name__}: tensor parallel does not split recurrent layers yet")
+        wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
         log.info(
@@ -132,8 +134,11 @@ class ModelRunner:
         k_slots = [
             kv_cache.allocate(rows, layout.k_dim, self.kv_dtype, self.device) for _ in range(layout.slots)
         ]
-        v_slots = [
-            kv_cache.allocate(rows, layout.v_dim, self.kv_dtype, self.device) for _ in range(layout.slots)
+        v_slots = [  # MLA's latent cache: V is a view of K's leading columns (mla.py)
+            kv_cache.leading(k, layout.v_dim)
+            if layout.latent
+            else kv_cache.allocate(rows, layout.v_dim, self.kv_dtype, self.device)
+            for k in k_slots
         ]
         # per layer, groups sharing slots; an empty tensor for a recurrent layer (its state is in a slot)
         empty = torch.empty(0, dtype=self.dtype, device=self.device)

@@ -193,6 +193,8 @@ def text_model(vlm: torch.nn.Module) -> torch.nn.Module:
     causal.config = language.config
     causal.generation_config = vlm.generation_config
     causal.name_or_path = vlm.name_or_path
+    # a checkpoint's quantizer marks the model it loaded: the engine must not quantize the shell again
+    causal.is_quantized = getattr(vlm, "is_quantized", False)
     return causal.eval()
 
 
@@ -201,14 +203,10 @@ class VisionTower:
     per placeholder token out."""
 
     def __init__(self, vlm: torch.nn.Module, processor=None) -> None:
-        """`processor`: the model's processor (process() takes it); its chat template, where only the
-        processor has one, becomes its tokenizer's too, since prompts are rendered through the tokenizer."""
+        """`processor`: the model's processor as load_processor gives it (process() takes it)."""
         check_family(vlm)
         self.vlm = vlm.eval()
         self.processor = processor
-        tokenizer = getattr(processor, "tokenizer", None)
-        if tokenizer is not None and not tokenizer.chat_template:
-            tokenizer.chat_template = getattr(processor, "chat_template", None)
         config = vlm.config
         self.image_token_id = getattr(config, "image_token_id", None)
         if self.image_token_id is None:
@@ -355,10 +353,14 @@ def load_vision(
     path: str, device, dtype: torch.dtype, config=None, launcher=None
 ) -> tuple[torch.nn.Module, VisionTower]:
     """(the language half, the encoder with the processor) of the vision-language model at `path`;
-    ValueError naming a family bulkgen does not run, before any weight is read. `config` (EngineConfig)
-    with tensor_parallel > 1: the language half is rank 0's shard and the encoder runs on rank 0 alone
-    (sharding.py; `launcher` starts the other ranks, tensor_parallel.launch)."""
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    ValueError naming a family bulkgen does not run, before any weight is read. `config` (EngineConfig):
+    its `quantize` quantizes as a text model is (loading.load_model): only the text model's decoder
+    layers, online or by the checkpoint; with tensor_parallel > 1 the language half is rank 0's shard and
+    the encoder runs on rank 0 alone (vision_shards.py; `launcher` starts the other ranks,
+    tensor_parallel.launch)."""
+    from transformers import AutoConfig
+
+    from .loading import load_model
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     for name in hf_config.architectures or []:
@@ -369,20 +371,32 @@ def load_vision(
         timeout = config.collective_timeout_s
         model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher)
         return model, VisionTower(model.bulkgen_tp.vlm, load_processor(path))
-    vlm = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    vlm = load_model(path, device, dtype, None if config is None else config.quantize, vision=True)
     tower = VisionTower(vlm, load_processor(path))
     return text_model(vlm), tower
 
 
 def load_processor(path: str):
     """The processor of the vision-language model at `path`, as serving, `bulkgen plan` and the tests
-    prepare its prompts: transformers' AutoProcessor, except a Pixtral processor (Mistral 3) where
-    transformers cannot import its own for want of torchvision: then bulkgen's mirror of it (pixtral.py)."""
+    prepare its prompts: transformers' AutoProcessor, except where torchvision is missing: then bulkgen's
+    mirror of Pixtral's processor (Mistral 3: transformers cannot import its own; pixtral.py), and the
+    checkpoint's own processor without its video processor for a family that has one (Qwen-VL, SmolVLM:
+    image_only.py). Its chat template, where only the processor has one, becomes its tokenizer's too: prompts
+    are rendered through the tokenizer (the engine's, and the plan's for a vision model)."""
     from transformers import AutoProcessor
 
+    from .image_only import load_image_only
     from .pixtral import load_mirror
 
-    return load_mirror(path) or AutoProcessor.from_pretrained(path, local_files_only=True)
+    processor = (
+        load_mirror(path)
+        or load_image_only(path)
+        or AutoProcessor.from_pretrained(path, local_files_only=True)
+    )
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is not None and not tokenizer.chat_template:  # prompts are rendered through the tokenizer
+        tokenizer.chat_template = getattr(processor, "chat_template", None)
+    return processor
 
 
 def mrope_positions(ordered: list, positions: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,12 @@ line for line below, so serving, `bulkgen plan` and the tests prepare a Mistral 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
 from transformers.processing_utils import MultiModalData, ProcessorMixin
 from transformers.utils import is_torchvision_available
+
+from .image_only import processor_class
 
 
 class PixtralPilProcessor(ProcessorMixin):
@@ -106,7 +105,7 @@ class PixtralPilProcessor(ProcessorMixin):
 def load_mirror(path: str) -> PixtralPilProcessor | None:
     """The mirror loaded from `path` where its checkpoint names PixtralProcessor and transformers cannot
     import that for want of torchvision; None otherwise (AutoProcessor then loads the checkpoint's own)."""
-    if is_torchvision_available() or _processor_class(path) != "PixtralProcessor":
+    if is_torchvision_available() or processor_class(path) != "PixtralProcessor":
         return None
     return PixtralPilProcessor.from_pretrained(path, local_files_only=True)
 
@@ -118,16 +117,3 @@ def pixtral_processor(image_processor, tokenizer, **settings):
 
         return PixtralProcessor(image_processor, tokenizer, **settings)
     return PixtralPilProcessor(image_processor, tokenizer, **settings)
-
-
-def _processor_class(path: str) -> str | None:
-    """The processor class a checkpoint names where AutoProcessor looks first (its processor, image
-    processor and tokenizer configs), else the one transformers maps its model type to."""
-    for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
-        file = Path(path) / name
-        if file.is_file() and (named := json.loads(file.read_text()).get("processor_class")):
-            return named
-    from transformers import AutoConfig
-    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
-
-    return PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(path, local_files_only=True).model_type)

@@ -3,12 +3,14 @@
 
 Each rank holds its share of every split weight (sharding.local_config: heads and MLP widths / N), the
 whole of every replicated one (norms, routers), 1/N of the vocabulary rows of the embedding and the
-head, and the KV cache of its KV heads (replicated when there are fewer KV heads than ranks)."""
+head, and the KV cache of its KV heads (replicated when there are fewer KV heads than ranks; an MLA
+model's latent, one row of kv_lora_rank + rope values per layer, is whole on every rank)."""
 
 from __future__ import annotations
 
 import torch
 
+from .mla import latent_width
 from .sharding import local_config, parameters_on_meta
 
 GIB = 1 << 30
@@ -34,7 +36,8 @@ def rank_memory(config, world: int, dtype: torch.dtype) -> dict:
     shard_rows = -(-config.vocab_size // world)
     params += vocab * shard_rows // config.vocab_size - vocab
     layers = config.num_hidden_layers
-    kv_per_token = 2 * layers * local.num_key_value_heads * local.head_dim * size
+    latent = latent_width(config)  # MLA caches one latent row per layer, whole on every rank (mla.py)
+    kv_per_token = layers * size * (latent or 2 * local.num_key_value_heads * local.head_dim)
     return {"ranks": world, "weight_bytes": params * size, "kv_bytes_per_token": kv_per_token}
 
 

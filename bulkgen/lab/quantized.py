@@ -14,7 +14,15 @@ import shutil
 from pathlib import Path
 
 STRATEGIES = ("tensor", "channel", "block")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+# a vision-language model's processor_config.json too: its processor loads from the quantized folder
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+)
 
 
 def write_compressed_fp8(
@@ -22,8 +30,8 @@ def write_compressed_fp8(
 ) -> Path:
     """Save `src` as a compressed-tensors FP8 checkpoint ("float-quantized") in `out`: every Linear but
     the lm_head in e4m3 with `strategy` weight scales (block: `block` x `block` tiles, activations
-    quantized in groups of `block`; else per token)."""
-    import torch
+    quantized in groups of `block`; else per token). A vision-language model's vision tower and
+    projector stay float too (float_model_and_ignore)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -31,7 +39,6 @@ def write_compressed_fp8(
         QuantizationScheme,
         apply_quantization_config,
     )
-    from transformers import AutoModelForCausalLM
 
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -43,8 +50,8 @@ def write_compressed_fp8(
         weights = QuantizationArgs(**fp8, dynamic=False, strategy=strategy)
         activations = QuantizationArgs(**fp8, dynamic=True, strategy="token")
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
-    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True)
+    model, ignore = float_model_and_ignore(src)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
     apply_quantization_config(model, config)
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
@@ -57,6 +64,29 @@ def write_compressed_fp8(
     compressor.update_config(str(out))
     _copy_tokenizer(Path(src), out)
     return out
+
+
+def float_model_and_ignore(src: str | Path) -> tuple:
+    """(the bf16 model at `src`, the compressed-tensors `ignore` list of what stays float): the lm_head,
+    and in a vision-language model every module beside its text model (the vision tower, the
+    projector), as the FP8 vision-language checkpoints on the hub have it (llm-compressor's recipes
+    ignore `re:visual.*` or `re:vision_tower.*` and `re:multi_modal_projector.*`): the encoder is a
+    small share of the weights and its errors reach every image token."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(AutoConfig.from_pretrained(src, local_files_only=True), "vision_config", None)
+    auto_class = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+    model = auto_class.from_pretrained(src, dtype=torch.bfloat16, local_files_only=True)
+    if vision is None:
+        return model, ["lm_head"]
+    language = model.get_decoder()
+    # named as the model names its modules (transformers 5: `model.visual`); the saved config lists each
+    # ignored module by its name in the saved (hub) layout, `visual.blocks.0.attn.qkv`, as hub ones do
+    beside = [
+        f"re:^model\\.{name}\\." for name, child in model.model.named_children() if child is not language
+    ]
+    return model, ["re:.*lm_head", *beside]
 
 
 def write_block_fp8(src: str | Path, out: str | Path, block: int = 128) -> Path:

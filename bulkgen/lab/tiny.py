@@ -38,6 +38,15 @@ _SLIDE_FULL = ["sliding_attention", "full_attention"]
 _THREE_TO_ONE = ["sliding_attention"] * 3 + ["full_attention"]
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 VOCAB = "vocab"  # a setting that must equal the tokenizer's vocabulary size
+# multi-head latent attention: 4 heads of K 24 (16 + 8 rope) and V 16 over a 32-value latent
+_MLA = dict(
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_key_value_heads=4,
+)
 _GLM_MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
 
 
@@ -107,14 +116,37 @@ ARCHITECTURES: dict[str, tuple[str, str, dict]] = {
         "DeepseekV3Config",
         "DeepseekV3ForCausalLM",
         {
-            "kv_lora_rank": 32,
-            "q_lora_rank": 48,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 16,
-            "num_key_value_heads": 4,
+            **_MLA,
             "first_k_dense_replace": 1,
             **_GLM_MOE,
+        },
+    ),
+    # DeepSeek-V2-Lite's shape: queries without a low-rank projection, rope by complex frequencies
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        {
+            **_MLA,
+            "q_lora_rank": None,
+            "first_k_dense_replace": 1,
+            **_GLM_MOE,
+        },
+    ),
+    # GLM-4.7-Flash and Youtu-LLM: DeepSeek-V3's attention layer under other names
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        {
+            **_MLA,
+            "mlp_layer_types": ["dense", "sparse"],
+            **_GLM_MOE,
+        },
+    ),
+    "youtu": (
+        "YoutuConfig",
+        "YoutuForCausalLM",
+        {
+            **_MLA,
         },
     ),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_MOE)),

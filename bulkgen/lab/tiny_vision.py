@@ -163,21 +163,18 @@ def _qwen2_vl(tok, hidden_size: int):
 
 def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
     """Qwen-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
-    processor, which needs torchvision (not installed here); AutoProcessor cannot load it back, so a test
-    builds it again with `load_processor`."""
+    processor, which needs torchvision (not installed here), as multimodal.load_processor builds it there
+    (engine/image_only.py); `load_processor` builds it again from the folder's image processor alone."""
     import transformers as tf
+
+    from bulkgen.engine.image_only import without_video
 
     base = {
         "qwen2_vl": tf.Qwen2VLProcessor,
         "qwen2_5_vl": tf.Qwen2_5_VLProcessor,
         "qwen3_vl": tf.Qwen3VLProcessor,
     }[model_type]
-
-    class ImageOnlyProcessor(base):
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template(QWEN_IMAGE))
+    return without_video(base)(image_processor, tokenizer, chat_template=chat_template(QWEN_IMAGE))
 
 
 QWEN_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -246,21 +243,15 @@ def _smolvlm(tok, hidden_size: int):
 
 
 def image_only_smolvlm_processor(image_processor, tokenizer):
-    """SmolVLM's own processor (its placeholder expansion) without the video processor; AutoProcessor
-    cannot load it back here, so `load_processor` builds it again."""
+    """SmolVLM's own processor (its placeholder expansion) without the video processor, as
+    multimodal.load_processor builds it without torchvision (engine/image_only.py)."""
     import transformers as tf
 
-    class ImageOnlyProcessor(tf.SmolVLMProcessor):
-        def __init__(
-            self, image_processor=None, tokenizer=None, image_seq_len=4, chat_template=None, **kwargs
-        ):
-            super().__init__(image_processor, tokenizer, None, image_seq_len, chat_template, **kwargs)
+    from bulkgen.engine.image_only import without_video
 
-        def apply_chat_template(self, conversation, chat_template=None, **kwargs):
-            # SmolVLM's own override only adds video defaults, read from the absent video processor
-            return tf.ProcessorMixin.apply_chat_template(self, conversation, chat_template, **kwargs)
-
-    return ImageOnlyProcessor(image_processor, tokenizer, chat_template=chat_template("<image>"))
+    return without_video(tf.SmolVLMProcessor)(
+        image_processor, tokenizer, image_seq_len=4, chat_template=chat_template("<image>")
+    )
 
 
 def _mistral3(tok, hidden_size: int):

@@ -2,8 +2,8 @@
 
 Each tiny model (random weights, fixed seed, fp32 CPU: bulkgen.lab.tiny.ARCHITECTURES) keeps its family's
 attention: sliding windows and attention chunks of 32 tokens where the family has them (on every layer,
-or on some as its `layer_types` say), Gemma 2's soft-capping, gpt-oss's sinks, DeepSeek-V3's latent
-attention (K heads of 24 against V heads of 16), mixtures of experts. The prompts (7, 32, 100 and 300
+or on some as its `layer_types` say), Gemma 2's soft-capping, gpt-oss's sinks, DeepSeek-V2/V3's latent
+attention (cached as one 40-value latent per token, mla.py; V3 also with yarn's scale), mixtures of experts. The prompts (7, 32, 100 and 300
 tokens, and two sharing a 96-token prefix) are shorter than, as long as and several times longer than
 the window. Each model runs twice, all prompts packed into one engine:
 
@@ -37,7 +37,13 @@ BLOCK_SIZE = 8
 STEP_TOKENS = 64
 # name -> (family, extra config): Llama 4 with its NoPE layers' query temperature (log of the position)
 # growing from position 7 and strong enough to change tokens (real models: from position 8,191)
-VARIANTS = {"llama4-temperature": ("llama4", {"floor_scale": 8, "attn_scale": 4.0})}
+# DeepSeek-V3 with yarn rope (32x): its softmax scale carries the yarn mscale squared, which the latent
+# attention must pass on (5.7x at mscale_all_dim 4, enough to change the tiny model's tokens; 1.8x at 1 is not)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 32.0, "original_max_position_embeddings": 64}
+VARIANTS = {
+    "llama4-temperature": ("llama4", {"floor_scale": 8, "attn_scale": 4.0}),
+    "deepseek_v3-yarn": ("deepseek_v3", {"rope_parameters": {**_YARN, "mscale": 4.0, "mscale_all_dim": 4.0}}),
+}
 # hybrid recurrent models keep no prefix cache and have their own tests (test_hybrid_models.py)
 ALL = [*(a for a in ARCHITECTURES if a not in HYBRID_ARCHITECTURES), *VARIANTS]
 

@@ -173,12 +173,14 @@ def test_varlen_paged_is_refused_over_an_fp8_cache(monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    """A dense model, one whose every layer has a 32-token window, and a hybrid (short-conv) model."""
+    """A dense model, one whose every layer has a 32-token window, a hybrid (short-conv) model and an MLA
+    model (its FP8 rows are latents: mla.py)."""
     root = tmp_path_factory.mktemp("kv_fp8")
     return {
         "llama": build_tiny_model(root / "llama", "llama", seed=1),
         "mistral-window": build_tiny_model(root / "mistral", "mistral-window", seed=2),
         "lfm2": build_tiny_hybrid(root / "lfm2", "lfm2", seed=1),
+        "deepseek_v3": build_tiny_model(root / "dsv3", "deepseek_v3", seed=1),
     }
 
 
@@ -197,11 +199,14 @@ def _greedy(path, prompts, max_tokens: int, **kwargs) -> tuple[list[list[int]], 
     return [o.token_ids for o in engine.generate(prompts, params)], engine.stats()
 
 
-@pytest.mark.parametrize("arch,blocks", [("llama", 50), ("mistral-window", 30), ("lfm2", 50)])
+@pytest.mark.parametrize(
+    "arch,blocks", [("llama", 50), ("mistral-window", 30), ("lfm2", 50), ("deepseek_v3", 50)]
+)
 def test_fp8_tokens_do_not_depend_on_chunks_prefix_hits_preemption_or_decode_graphs(tiny_dirs, arch, blocks):
     """Every attention reads K/V as stored, so a sequence computed in 32-token chunks, from prefix-cached
     blocks, recomputed after a preemption and decoded through the decode-graph path gets the tokens it
-    gets with room to spare; the dense, windowed (blocks freed behind the window) and hybrid groups."""
+    gets with room to spare; the dense, windowed (blocks freed behind the window), hybrid and MLA (latent)
+    groups."""
     prompts = _prompts(5, 6, shared=40)
     roomy, _ = _greedy(tiny_dirs[arch], prompts, 12, kv_cache_dtype="fp8")
     tight, stats = _greedy(

@@ -153,7 +153,12 @@ def test_kv_memory_bench_counts_what_the_block_manager_holds():
     )
     gemma = bench.windows_row("Gemma-3-27B", bench.gemma_3_27b(), 8192, 64 << 30)
     assert gemma["after_blocks"] == 512 + 6 * 64 and gemma["seqs_after"] > 3 * gemma["seqs_before"]
-    assert bench.mla_row()["bytes_per_token_cached"] == 61 * 128 * (192 + 128) * 2
+    mla = bench.mla_row(8192, 64 << 30)  # the latent: 61 layers x (512 + 64) against 128 heads x (192 + 128)
+    assert (mla["bytes_per_token_latent"], mla["bytes_per_token_expanded"]) == (
+        61 * 576 * 2,
+        61 * 128 * 320 * 2,
+    )
+    assert mla["seqs_latent"] == (64 << 30) // (512 * 16 * 61 * 576 * 2) == 119
     # an FP8 cache: one byte an element plus a 4-byte scale per token and KV head, for K and for V
     llama = bench.dtype_row("Llama-3-8B", bench.llama_3_8b(), 8192)
     assert llama["bf16_bytes_per_token"] == 32 * 8 * 2 * 128 * 2 and llama["bf16_seqs_per_gib"] == 1.0

@@ -84,8 +84,9 @@ def test_a_repeated_image_hits_the_prefix_cache_on_both_ranks(pair):
     assert cached[1] >= image_end - image_end % 2, "the repeated image was computed again"
 
 
-def test_a_vision_model_still_refuses_quantize_before_loading(tmp_path):
-    """tensor_parallel is taken now (above); quantize is still refused, by name, before any rank starts."""
+def test_a_vision_model_refuses_quantize_under_tensor_parallel_before_loading(tmp_path):
+    """tensor_parallel is taken now (above), and quantize in one process; the two together are refused
+    before any rank starts."""
     path = tiny_vision.build_tiny_vlm(tmp_path / "llava", "llava", seed=5)
-    with pytest.raises(ValueError, match="vision-language models run without quantize"):
+    with pytest.raises(ValueError, match="vision-language models run without quantize under tensor_parallel"):
         Engine.from_pretrained(str(path), device="cpu", tensor_parallel=2, quantize="fp8")
