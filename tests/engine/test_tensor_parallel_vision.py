@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from bulkgen.engine import Engine, multimodal
+from bulkgen.engine import Engine
 from bulkgen.lab import tiny_vision
 from tests.engine.test_vision import Fixture, mixed_batch, noise_image, run, run_outputs
 
@@ -39,11 +39,9 @@ def pair(request, tmp_path_factory, one_thread):
     lengths = sorted(len(ids) for ids, *_ in mixed_batch(fx))
     cache = max(peak(lengths[0]) + peak(lengths[1]) + 1, peak(lengths[-1] + 8))
     single = fx.engine(num_kv_blocks=cache, **LIMITS)
-    with pytest.MonkeyPatch.context() as patch:  # Qwen-VL's processor loads only through the lab's helper
-        patch.setattr(multimodal, "load_processor", lambda _: fx.processor)
-        sharded = Engine.from_pretrained(
-            str(path), device="cpu", tensor_parallel=2, num_kv_blocks=cache, **LIMITS
-        )
+    sharded = Engine.from_pretrained(
+        str(path), device="cpu", tensor_parallel=2, num_kv_blocks=cache, **LIMITS
+    )
     yield fx, single, sharded
     sharded.close()
 
