@@ -57,7 +57,7 @@ def shard_pair(
     group = getattr(model, "bulkgen_tp", None)
     if group is None:
         return a, b
-    from .sharding import shard_slice, style_of, tp_plan
+    from .sharding import packed_half, shard_slice, style_of, tp_plan
 
     try:
         target = model.get_submodule(module)
@@ -70,9 +70,8 @@ def shard_pair(
     out, width = target.out_features, b.shape[0]
     if style == "colwise" and width != out and width % out == 0:
         b = b[shard_slice((width, b.shape[1]), (out, b.shape[1]), rank, world)]
-    elif style == "packed_colwise" and width == out * world and out % 2 == 0:
-        half, rows = width // 2, out // 2  # each half's rows, as sharding._packed_half splits the base
-        b = torch.cat([b[p * half + rank * rows : p * half + (rank + 1) * rows] for p in (0, 1)])
+    elif style == "packed_colwise" and width == out * world and out % 2 == 0:  # each half's rows
+        b = torch.cat([packed_half(b, tuple(b.shape), part, rank, world) for part in (0, 1)])
     elif style == "rowwise" and a.shape[1] == target.in_features * world:
         a = a[shard_slice(tuple(a.shape), (a.shape[0], target.in_features), rank, world)]
     return a, b
