@@ -4,7 +4,8 @@ o + MLP with rsLoRA, and every projection) gives the tokens of the single-proces
 adapters and of peft's `merge_and_unload()` model run alone through transformers' `generate`.
 
 The step budget (32 tokens) prefills the long prompts in chunks beside other adapters' decodes, and two
-slots for three adapters make rank 0 evict and reload, which the follower copies from the step plan.
+slots for three adapters make rank 0 evict and reload, which the follower copies from the step plan;
+steps overlap (rank 0 fills slots for a step while the previous one is in flight).
 Llama splits its two KV heads one per rank; Qwen3 has one KV head, replicated, so its k/v adapters' B
 rows are replicated too. An adapter removed and added again between steps reaches the follower as well.
 """
@@ -19,7 +20,7 @@ from bulkgen.lab.tiny import build_tiny_model
 from tests.engine.test_lora import ADAPTERS, LENGTHS, MAX_TOKENS, PLAN, _reference, _run, _save_adapter
 
 MODELS = {"llama": {}, "qwen3": {"num_key_value_heads": 1}}
-ENGINE = dict(device="cpu", max_loras=2, max_num_batched_tokens=32)
+ENGINE = dict(device="cpu", max_loras=2, max_num_batched_tokens=32, async_scheduling=True)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
@@ -55,7 +56,7 @@ def test_mixed_adapters_on_two_ranks_equal_single_engine_and_merged(pair, prompt
     got = _run(sharded, prompts, PLAN, GREEDY)
     assert got == _run(single, prompts, PLAN, GREEDY)
     assert got == want
-    assert sharded.runner.loras.loads > 2  # three adapters through two slots: the follower followed
+    assert sharded.runner.loras.loads > 2  # rank 0 evicted and reloaded; the follower's rows need its copy
 
 
 def test_adapter_removed_and_added_again_reaches_the_follower(pair, prompts):
