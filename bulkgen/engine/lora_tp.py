@@ -11,7 +11,9 @@ column_parallel_linear / row_parallel_linear LoRA layers, written for our slots)
   the single-process engine's own order (whole base output, then `addmm_` of the whole shrink by B), so
   the delta is exact up to the split GEMMs the base already has; adding it into rank 0's partial sum
   before the base's all-reduce would round it at the partial's magnitude and sum it in the collective's
-  order instead, and would still need the shrink's all-reduce first.
+  order instead, and would still need the shrink's all-reduce first. (vLLM adds each rank's partial
+  delta, its slice's shrink times the whole B, before the base's all-reduce: no extra collective, its
+  sum in the collective's order; one all-reduce of tokens × rank per layer is what ours costs.)
 
 Rank 0 decides which adapter sits in which slot (LoraSlots.activate, its LRU); the step plan
 (plan_codec.py) carries that assignment, the set of adapters loaded when it changed, and each row's
