@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
+from .lora_tp import follow, publish
 from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
 from .replay_watchdog import ReplayWatchdog
 
@@ -71,6 +72,7 @@ class RankGroup:
         self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
         self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
         self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
+        self.loras = None  # this rank's lora_slots.LoraSlots, which registers itself (lora_tp.py)
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
@@ -135,7 +137,9 @@ class RankGroup:
         watched until the device finishes it (replay_watchdog.py)."""
         if self.rank == 0:
             rows = 0 if pending is None else pending.numel()
-            self._post(self.encoder.encode(batch, rows, graph))
+            if self.loras is not None:
+                publish(self.loras, self.store)  # each new adapter's folder, before a plan names it
+            self._post(self.encoder.encode(batch, rows, graph, self.loras))
             if pending is not None:
                 self.broadcast(pending.to(torch.int64))
         try:
@@ -160,6 +164,8 @@ class RankGroup:
         if raw == _STOP:
             return None
         batch, rows, graph = self.decoder.decode(raw)
+        if self.decoder.loras is not None and self.loras is not None:
+            follow(self.loras, self.decoder.loras, self.store)  # rank 0's adapters in rank 0's slots
         pending = None
         if rows:  # rank 0 broadcasts them right after the plan
             pending = self.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))

@@ -4,9 +4,13 @@ steady decode step sends only the entries added since the last one."""
 
 from __future__ import annotations
 
+import torch
+
 from bulkgen.engine import SamplingParams
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.layer_attention import FULL, AttnKind
+from bulkgen.engine.lora import LoraAdapter
+from bulkgen.engine.lora_slots import LoraSlots
 from bulkgen.engine.plan_codec import PlanDecoder, PlanEncoder
 from bulkgen.engine.sequence import Request, Sequence
 
@@ -54,3 +58,30 @@ def test_followers_rebuild_every_table_from_entries_sent_once():
     _step(encoder, decoder, [seqs[0], seqs[2]])  # sequence 1 skips a step: the mirrors drop it
     batch, _ = _step(encoder, decoder, seqs)  # and it is sent whole again
     assert batch[1][0].block_tables is not kept and batch[0][0].block_tables is decoder.held[0]
+
+
+def test_lora_section_carries_slots_rows_and_the_adapter_set_when_it_changes():
+    """Rank 0's slot of each resident adapter every step, each row's adapter, and the set of adapters it
+    holds only in the plan after that set changed (lora_tp.follow loads or drops them on a follower)."""
+    slots = LoraSlots(torch.nn.Linear(2, 2), max_loras=2, max_rank=4)  # adapters targeting no layer
+    a, b = (LoraAdapter(name, f"/adapters/{name}", 4, {}) for name in "ab")
+    slots.add(a)
+    slots.add(b)
+    slots.activate({b})
+    seqs = _sequences(3)
+    seqs[1].lora = b
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+
+    def step() -> list:
+        batch, _, _ = decoder.decode(encoder.encode([(s, 1) for s in seqs], 0, None, slots))
+        return [None if s.lora is None else s.lora.uid for s, _ in batch]
+
+    assert step() == [None, b.uid, None]
+    assert decoder.loras.resident == {b.uid: 0} and decoder.loras.loaded == sorted([a.uid, b.uid])
+    seqs[1].lora, seqs[2].lora = None, a
+    slots.activate({a})
+    assert step() == [None, None, a.uid]
+    assert decoder.loras.resident == {b.uid: 0, a.uid: 1} and decoder.loras.loaded is None  # unchanged
+    slots.remove("b")
+    step()
+    assert decoder.loras.resident == {a.uid: 1} and decoder.loras.loaded == [a.uid]
