@@ -9,7 +9,8 @@ layer, or that is inside a hybrid model's recurrent mixer (those run sequence by
 packed row the slots' segments index). What passes is a host copy of each targeted linear's (A, B) with
 its scale folded into B, so a slot load (lora_slots.py) is a plain copy. The scale is peft's:
 `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from its weights
-and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches).
+and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches). On a
+tensor-parallel rank the host copy is that rank's shard (lora_tp.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class LoraAdapter:
 
 def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max_rank: int) -> LoraAdapter:
     """Read and check the PEFT folder at `path` against `model`; LoraError naming what is refused."""
+    from .lora_tp import shard_pair
+
     folder = Path(path)
     config = _read_config(folder)
     for key, feature in REFUSED_SETTINGS.items():
@@ -82,6 +85,7 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
             raise LoraError(f"adapter {name!r}: rank {rank} ({module}) is above max_lora_rank {max_rank}")
         alpha = float(_pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+        a, b = shard_pair(model, module, a, b)  # this rank's shard on a tensor-parallel model
         weights[module] = _checked(name, model, module, a, b, scale)
         parent, _, child = module.rpartition(".")
         refusal = lora_refusal(model.get_submodule(parent), child)  # the module exists: _checked found it

@@ -25,15 +25,17 @@ from contextlib import contextmanager
 import torch
 
 from .lora import LoraAdapter, LoraError
+from .lora_tp import row_parallel_reduce
 
 
 class LoraLinear(torch.nn.Module):
     """A linear layer plus the LoRA slots of its module; the base layer's output when no step is active."""
 
-    def __init__(self, base: torch.nn.Linear, pool: LoraSlots) -> None:
+    def __init__(self, base: torch.nn.Linear, pool: LoraSlots, reduce=None) -> None:
         super().__init__()
         self.base = base
         self.pool = pool  # not a submodule: the pool owns every wrapped layer
+        self.reduce = reduce  # a row-parallel layer's all-reduce of the shrink (lora_tp.py); None: whole
         w = base.weight
         self.register_buffer("lora_a", w.new_zeros(pool.max_loras, pool.max_rank, base.in_features))
         self.register_buffer("lora_b", w.new_zeros(pool.max_loras, base.out_features, pool.max_rank))
@@ -55,12 +57,28 @@ class LoraLinear(torch.nn.Module):
             raise RuntimeError(
                 f"a LoRA layer was called on {flat_x.shape[0]} rows in a step of {self.pool.num_tokens} tokens"
             )
+        if self.reduce is not None:
+            self._row_parallel(flat_x, flat_out, segments)
+            return out
         views = self.views
         for slot, start, end in segments:
             pair = views[slot]
             if pair is not None:
                 flat_out[start:end].addmm_(flat_x[start:end] @ pair[0], pair[1])
         return out
+
+    def _row_parallel(self, flat_x: torch.Tensor, flat_out: torch.Tensor, segments: list) -> None:
+        """A row-parallel layer: every segment's partial shrink (this rank's input columns) summed over
+        the ranks in one collective, then expanded into the base's all-reduced output (lora_tp.py)."""
+        live = [(self.views[slot], s, e) for slot, s, e in segments if self.views[slot] is not None]
+        parts = [(flat_x[s:e] @ pair[0], s, e, pair[1]) for pair, s, e in live]
+        if not parts:
+            return
+        packed = self.reduce(torch.cat([shrink.reshape(-1) for shrink, *_ in parts]))
+        at = 0
+        for shrink, start, end, b in parts:
+            flat_out[start:end].addmm_(packed[at : at + shrink.numel()].view_as(shrink), b)
+            at += shrink.numel()
 
     def load(self, slot: int, pair: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Copy an adapter's (A, B·scale) into `slot` (None: the adapter leaves this layer alone)."""
@@ -87,6 +105,10 @@ class LoraSlots:
         self.step: list[tuple[int, int, int]] | None = None  # (slot, first row, end) while a forward runs
         self.num_tokens = 0  # the packed row's length in the step running
         self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
+        self.published: set[int] = set()  # tensor-parallel rank 0: uids whose folder followers can read
+        tp = getattr(model, "bulkgen_tp", None)
+        if tp is not None:  # its step plans carry these slots (rank 0) or fill them (followers): lora_tp.py
+            tp.loras = self
 
     def add(self, adapter: LoraAdapter) -> None:
         """Cache `adapter` on the host and wrap the layers it targets (each layer is wrapped once)."""
@@ -96,7 +118,8 @@ class LoraSlots:
             if module not in self.layers:
                 parent, _, child = module.rpartition(".")
                 owner = self.model.get_submodule(parent)
-                self.layers[module] = LoraLinear(getattr(owner, child), self)
+                reduce = row_parallel_reduce(self.model, module)
+                self.layers[module] = LoraLinear(getattr(owner, child), self, reduce)
                 setattr(owner, child, self.layers[module])
         weight = next(self.model.parameters())
         if weight.device.type == "cuda":  # in the slots' dtype and pinned: a slot load is an async copy
@@ -139,6 +162,15 @@ class LoraSlots:
         if victim is None:  # the scheduler's rule was broken: never load over a slot this step reads
             raise LoraError(f"a step uses more than max_loras ({self.max_loras}) adapters")
         return self.resident.pop(victim)
+
+    def place(self, assignment: dict[int, int]) -> None:
+        """A tensor-parallel follower: exactly rank 0's {uid: slot}, loading what moved (lora_tp.follow)."""
+        by_uid = {a.uid: a for a in self.adapters.values()}
+        for uid in [u for u, slot in self.resident.items() if assignment.get(u) != slot]:
+            del self.resident[uid]
+        for uid, slot in assignment.items():
+            if uid not in self.resident:
+                self._load(by_uid[uid], slot)
 
     def _load(self, adapter: LoraAdapter, slot: int) -> None:
         for module, layer in self.layers.items():

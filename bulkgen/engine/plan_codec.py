@@ -12,6 +12,12 @@ a step is sent whole again. A follower's tables are then the same list objects f
 SlotTables uploads new entries only, as rank 0's does. A decode step of 512 sequences at 512 blocks each
 is 53 KB instead of 2.1 MB, and packs 21x and unpacks 15x faster than with whole tables (one run on a
 2-core development machine: 0.7 against 15.8 ms, 1.2 against 18.7 ms).
+
+After the items comes the LoRA section (lora_tp.py): rank 0's resident adapters as (uid, slot) pairs, the
+uids of every adapter it holds when that set changed since the previous plan (-1: unchanged), and each
+item's adapter uid (0: the base model) when any item has one. Before it, in a step whose sequences have
+images, the images section (its length in the header): per item what a follower needs to splice the image
+rows rank 0 broadcasts (`_images_fields`).
 """
 
 from __future__ import annotations
@@ -20,7 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-_HEADER = 4  # items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path)
+from .lora_tp import AdapterRef, LoraPlan
+
+# items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path), the images section's ints
+_HEADER = 5
 _ITEM = 12  # ints before each item's tokens and table entries (see PlanEncoder.encode)
 
 
@@ -31,6 +40,7 @@ class FollowedStep:
     batch: list  # (StandIn, new tokens) pairs in rank 0's order
     pending: torch.Tensor | None  # the previous step's sampled tokens the stand-in ids read, on this device
     graph: tuple[int, int] | None  # the decode-graph bucket rank 0 replays; None: the packed path
+    loras: LoraPlan | None = None  # rank 0's adapters and slots (lora_tp.follow)
 
 
 class PlanEncoder:
@@ -38,9 +48,11 @@ class PlanEncoder:
 
     def __init__(self) -> None:
         self.sent: dict[int, tuple[list[list[int]], int]] = {}  # seq_id -> (its tables, entries sent)
+        self.loaded: list[int] = []  # the adapter uids the previous plan's LoRA section named
 
-    def encode(self, batch: list, pending_rows: int, graph: tuple[int, int] | None) -> bytes:
-        flat: list[int] = [len(batch), pending_rows, *(graph or (0, 0))]
+    def encode(self, batch: list, pending_rows: int, graph: tuple[int, int] | None, loras=None) -> bytes:
+        """The packed plan; `loras`: rank 0's LoraSlots, whose adapters and slots the followers copy."""
+        flat: list[int] = [len(batch), pending_rows, *(graph or (0, 0)), 0]
         sent: dict[int, tuple[list[list[int]], int]] = {}
         for seq, n in batch:
             tables = seq.block_tables
@@ -56,9 +68,21 @@ class PlanEncoder:
                 flat += table[start:]
         self.sent = sent
         images = [_images_fields(seq, n) for seq, n in batch]
-        if any(len(fields) > 1 for fields in images):  # a trailing section; text-only steps have none
-            flat += [x for fields in images for x in fields]
+        if any(len(fields) > 1 for fields in images):  # text-only steps have no images section
+            section = [x for fields in images for x in fields]
+            flat[4] = len(section)
+            flat += section
+        if loras is not None:
+            flat += self._lora_section(batch, loras)
         return torch.tensor(flat, dtype=torch.int64).numpy().tobytes()
+
+    def _lora_section(self, batch: list, loras) -> list[int]:
+        section = [len(loras.resident), *(v for pair in loras.resident.items() for v in pair)]
+        loaded = sorted(a.uid for a in loras.adapters.values())
+        section += [-1] if loaded == self.loaded else [len(loaded), *loaded]
+        self.loaded = loaded
+        uids = [0 if seq.lora is None else seq.lora.uid for seq, _ in batch]
+        return section + ([len(uids), *uids] if any(uids) else [0])
 
 
 class PlanDecoder:
@@ -66,6 +90,7 @@ class PlanDecoder:
 
     def __init__(self) -> None:
         self.held: dict[int, list[list[int]]] = {}  # seq_id -> its tables, as of the previous step
+        self.loras: LoraPlan | None = None  # the last plan's LoRA section, if it had one
 
     def decode(self, raw: bytes) -> tuple[list, int, tuple[int, int] | None]:
         """(batch of stand-ins, pending rows, decode-graph bucket) of a packed plan."""
@@ -85,10 +110,21 @@ class PlanDecoder:
             held[seq_id] = tables
             batch.append((StandIn(fields, tokens, tables), n))
         self.held = held
-        for stand_in, n in batch if at < len(flat) else ():
+        for stand_in, n in batch if flat[4] else ():
             stand_in.request.images, at = _read_images(flat, at, n)
+        self.loras = _lora_section(flat, at, batch) if at < len(flat) else None
         graph = (flat[2], flat[3]) if flat[2] else None
         return batch, flat[1], graph
+
+
+def _lora_section(flat: list[int], at: int, batch: list) -> LoraPlan:
+    """The plan's LoRA section (PlanEncoder._lora_section); gives each stand-in its adapter."""
+    pairs, at = flat[at + 1 : at + 1 + 2 * flat[at]], at + 1 + 2 * flat[at]
+    loaded = None if flat[at] < 0 else flat[at + 1 : at + 1 + flat[at]]
+    at += 1 + max(flat[at], 0)
+    for (seq, _), uid in zip(batch, flat[at + 1 : at + 1 + flat[at]], strict=False):
+        seq.lora = AdapterRef(uid) if uid else None
+    return LoraPlan(dict(zip(pairs[::2], pairs[1::2], strict=True)), loaded)
 
 
 class StandIn:
@@ -102,7 +138,7 @@ class StandIn:
         self.request = _Scored([None] * scored)
         self.token_ids = _Tail(computed, tokens)
         self.block_tables = tables
-        self.lora = None  # adapters are refused under tensor parallel (Engine.add_lora)
+        self.lora: AdapterRef | None = None  # set from the plan's LoRA section
 
     def __len__(self) -> int:
         return self.length

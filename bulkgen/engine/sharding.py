@@ -231,7 +231,7 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
     elif len(full) < len(shape):  # a legacy expert's down_proj, into the fused [experts, out, in]
         shape = shape[1:]
     if style == "packed_colwise" and half is None:  # a fused gate_up in the checkpoint: both halves
-        return torch.cat([_packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
+        return torch.cat([packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
     if style == "vocab":
         rows = shape[0]
         return view[rank * rows : min((rank + 1) * rows, full[0])]
@@ -243,7 +243,9 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
     return view[index] if index is not None else view[:]
 
 
-def _packed_half(view, full: tuple[int, ...], part: int, rank: int, world: int) -> torch.Tensor:
+def packed_half(view, full: tuple[int, ...], part: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of half `part` of a packed gate_up (a checkpoint view or a tensor, e.g. a LoRA
+    B: lora_tp.py), so each half splits over the ranks like an unpacked one."""
     rows = full[-2] // 2 // world
     start = part * full[-2] // 2 + rank * rows
     return view[(slice(None),) * (len(full) - 2) + (slice(start, start + rows),)]

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
+from .lora_tp import follow, publish
 from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
 from .replay_watchdog import ReplayWatchdog
 
@@ -71,7 +72,10 @@ class RankGroup:
         self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
         self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
         self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
-        self.vlm = None  # a vision-language model's whole module (sharding.py): its encoder on rank 0 only
+        self.loras = None  # this rank's lora_slots.LoraSlots, which registers itself (lora_tp.py)
+        self.vlm = (
+            None  # a vision-language model's whole module (vision_shards.py): its encoder on rank 0 only
+        )
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
@@ -136,7 +140,9 @@ class RankGroup:
         watched until the device finishes it (replay_watchdog.py)."""
         if self.rank == 0:
             rows = 0 if pending is None else pending.numel()
-            self._post(self.encoder.encode(batch, rows, graph))
+            if self.loras is not None:
+                publish(self.loras, self.store)  # each new adapter's folder, before a plan names it
+            self._post(self.encoder.encode(batch, rows, graph, self.loras))
             if pending is not None:
                 self.broadcast(pending.to(torch.int64))
         try:
@@ -161,6 +167,8 @@ class RankGroup:
         if raw == _STOP:
             return None
         batch, rows, graph = self.decoder.decode(raw)
+        if self.decoder.loras is not None and self.loras is not None:
+            follow(self.loras, self.decoder.loras, self.store)  # rank 0's adapters in rank 0's slots
         pending = None
         if rows:  # rank 0 broadcasts them right after the plan
             pending = self.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))

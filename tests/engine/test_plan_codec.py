@@ -4,9 +4,13 @@ steady decode step sends only the entries added since the last one."""
 
 from __future__ import annotations
 
+import torch
+
 from bulkgen.engine import SamplingParams
 from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.layer_attention import FULL, AttnKind
+from bulkgen.engine.lora import LoraAdapter
+from bulkgen.engine.lora_slots import LoraSlots
 from bulkgen.engine.plan_codec import PlanDecoder, PlanEncoder
 from bulkgen.engine.sequence import Request, Sequence
 
@@ -56,12 +60,37 @@ def test_followers_rebuild_every_table_from_entries_sent_once():
     assert batch[1][0].block_tables is not kept and batch[0][0].block_tables is decoder.held[0]
 
 
+def test_lora_section_carries_slots_rows_and_the_adapter_set_when_it_changes():
+    """Rank 0's slot of each resident adapter every step, each row's adapter, and the set of adapters it
+    holds only in the plan after that set changed (lora_tp.follow loads or drops them on a follower)."""
+    slots = LoraSlots(torch.nn.Linear(2, 2), max_loras=2, max_rank=4)  # adapters targeting no layer
+    a, b = (LoraAdapter(name, f"/adapters/{name}", 4, {}) for name in "ab")
+    slots.add(a)
+    slots.add(b)
+    slots.activate({b})
+    seqs = _sequences(3)
+    seqs[1].lora = b
+    encoder, decoder = PlanEncoder(), PlanDecoder()
+
+    def step() -> list:
+        batch, _, _ = decoder.decode(encoder.encode([(s, 1) for s in seqs], 0, None, slots))
+        return [None if s.lora is None else s.lora.uid for s, _ in batch]
+
+    assert step() == [None, b.uid, None]
+    assert decoder.loras.resident == {b.uid: 0} and decoder.loras.loaded == sorted([a.uid, b.uid])
+    seqs[1].lora, seqs[2].lora = None, a
+    slots.activate({a})
+    assert step() == [None, None, a.uid]
+    assert decoder.loras.resident == {b.uid: 0, a.uid: 1} and decoder.loras.loaded is None  # unchanged
+    slots.remove("b")
+    step()
+    assert decoder.loras.resident == {a.uid: 1} and decoder.loras.loaded == [a.uid]
+
+
 def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_positions():
     """A prefill chunk reaching an image, a decode past the prompt (M-RoPE: p + delta) and a text
     sequence in one step: the follower's stand-ins hold what rank 0's splice, positions and image blocks
-    read of them; a text-only step carries no images section."""
-    import torch
-
+    read of them, with the LoRA section after it; a text-only step carries no images section."""
     from bulkgen.engine.image_blocks import runs
     from bulkgen.engine.multimodal import ImageInputs, RequestImages
 
@@ -76,9 +105,13 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
     seqs[1].token_ids.extend([7] * 4)
     seqs[1].num_computed_tokens = len(prompt) + 2  # decoding past its prompt
     text = PlanEncoder().encode([(seqs[2], 1)], 0, None)
-    batch, _, _ = PlanDecoder().decode(
-        PlanEncoder().encode([(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)], 0, None)
+    slots = LoraSlots(torch.nn.Linear(2, 2), max_loras=2, max_rank=4)
+    slots.add(LoraAdapter("a", "/adapters/a", 4, {}))
+    decoder = PlanDecoder()
+    batch, _, _ = decoder.decode(
+        PlanEncoder().encode([(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)], 0, None, slots)
     )
+    assert decoder.loras.loaded == [slots.adapters["a"].uid]
     (chunk, _), (decode, _), (plain, _) = batch
     assert chunk.request.images.rows == [5, 6, 8, 9]
     assert (chunk.request.images.first_row, chunk.request.images.last_row) == (3, 9)
@@ -89,4 +122,4 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
         assert torch.equal(stand_in.request.images.mrope_rows(start, n), want)
     assert decode.request.images.rows == [] and decode.request.images.blocks == []
     assert plain.request.images is None
-    assert len(PlanDecoder().decode(text)[0]) == 1 and len(text) == 8 * (4 + 12 + 1)
+    assert len(PlanDecoder().decode(text)[0]) == 1 and len(text) == 8 * (5 + 12 + 1)
