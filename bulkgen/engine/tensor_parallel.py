@@ -73,9 +73,7 @@ class RankGroup:
         self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
         self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
         self.loras = None  # this rank's lora_slots.LoraSlots, which registers itself (lora_tp.py)
-        self.vlm = (
-            None  # a vision-language model's whole module (vision_shards.py): its encoder on rank 0 only
-        )
+        self.vlm = None  # a vision-language model's whole module (vision_shards.py): encoder on rank 0 only
 
     @classmethod
     def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
