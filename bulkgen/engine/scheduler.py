@@ -101,7 +101,8 @@ class Scheduler:
             n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if seq.scores_prompt:
                 n = self._prompt_rows(seq, n)
-            n = whole_blocks(seq, seq.num_computed_tokens, n)
+            if seq.request.images is not None:  # a chunk never splits an image block (image_blocks.py)
+                n = whole_blocks(seq, seq.num_computed_tokens, n)
             if not n:
                 continue
             self.bm.slide(seq)  # blocks behind a window are free for the growth below
