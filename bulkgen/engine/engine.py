@@ -245,9 +245,8 @@ class Engine(OverlappedSteps):
         """Load the PEFT adapter folder at `path` (local) into the host cache as `name`, for requests
         that name it; LoraError naming what is refused (lora.py). Its device slot is filled when a step
         first schedules one of its requests."""
-        loras = (
-            self.runner.loras
-        )  # on a tensor-parallel rank 0: its shard, the followers' by plan (lora_tp.py)
+        # on a tensor-parallel rank 0: its shard; the followers load theirs as the step plan says (lora_tp.py)
+        loras = self.runner.loras
         if name in loras.adapters:
             raise LoraError(f"adapter {name!r} is already loaded; remove it first")
         loras.add(load_adapter(name, path, self.model, self.config.max_lora_rank))
