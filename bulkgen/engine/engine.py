@@ -164,8 +164,6 @@ class Engine(OverlappedSteps):
             **{k: v for k, v in engine_kwargs.items() if k in fields}
         )  # before any rank starts
         if is_vision_model(path):
-            if config.tensor_parallel > 1 and config.quantize is not None:
-                raise ValueError("vision-language models run without quantize under tensor_parallel for now")
             model, tower = load_vision(path, device, dtype, config, launcher)
             return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
         check_device_fits(path, dtype, config.tensor_parallel, device)

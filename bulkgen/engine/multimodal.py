@@ -355,7 +355,8 @@ def load_vision(
     """(the language half, the encoder with the processor) of the vision-language model at `path`;
     ValueError naming a family bulkgen does not run, before any weight is read. `config` (EngineConfig):
     its `quantize` quantizes as a text model is (loading.load_model): only the text model's decoder
-    layers, online or by the checkpoint; with tensor_parallel > 1 the language half is rank 0's shard and
+    layers, online or by the checkpoint (online on each rank's shard under tensor parallel); with
+    tensor_parallel > 1 the language half is rank 0's shard and
     the encoder runs on rank 0 alone (vision_shards.py; `launcher` starts the other ranks,
     tensor_parallel.launch)."""
     from transformers import AutoConfig
@@ -369,7 +370,7 @@ def load_vision(
         from .tensor_parallel import launch
 
         timeout = config.collective_timeout_s
-        model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher)
+        model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
         return model, VisionTower(model.bulkgen_tp.vlm, load_processor(path))
     vlm = load_model(path, device, dtype, None if config is None else config.quantize, vision=True)
     tower = VisionTower(vlm, load_processor(path))

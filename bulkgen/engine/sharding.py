@@ -83,6 +83,22 @@ def local_config(config, world: int):
     return local
 
 
+def check_splittable(config, world: int) -> None:
+    """ValueError, before any rank starts, for a checkpoint the ranks cannot split: heads or widths that
+    do not divide (local_config), or quantized weights. load_shards reads each tensor into a float
+    parameter by name, so an FP8 or MXFP4 checkpoint's weights would lose their scales and run as
+    garbage; a float checkpoint with quantize="fp8" quantizes each rank's shard instead."""
+    local_config(config.get_text_config(), world)
+    quantized = getattr(config, "quantization_config", None)
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized.quant_method
+        raise ValueError(
+            f"tensor_parallel={world}: this checkpoint's weights are quantized ({method}), which tensor "
+            "parallel does not split yet; serve it at tensor_parallel 1, or serve the float checkpoint with "
+            "--quantize fp8 (each rank quantizes its own shard)"
+        )
+
+
 def tp_plan(model: nn.Module) -> dict[str, str]:
     """Module or parameter path patterns (from the model's root, `*` for a layer index) -> style. A
     vision-language model's is its language model's plan, at that model's path (the encoder stays whole)."""
@@ -171,7 +187,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     if getattr(config, "vision_config", None) is not None:
         from .vision_shards import build_vision_shard
 
-        return build_vision_shard(path, config, group, dtype)
+        return build_vision_shard(path, config, group, dtype, quantize)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
     model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -76,12 +75,21 @@ class RankGroup:
         self.vlm = None  # a vision-language model's whole module (vision_shards.py): encoder on rank 0 only
 
     @classmethod
-    def join(cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> RankGroup:
-        """Rank 0 hosts the store on `host:port`; the others connect to it. Joining may take as long as a
-        rank's start (imports, another rank's load): START_TIMEOUT_S, not the collectives' timeout."""
-        start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
-        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=start, wait_for_workers=False)
+    def join(
+        cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float, store=None
+    ) -> RankGroup:
+        """Rank 0 hosts the store on `host:port` (or passes the one it opened: `store`); the others connect
+        to it. Joining waits for every rank (the process group's rendezvous)."""
+        store = store or cls.open_store(host, port, rank, world, timeout_s)
         return cls(store, rank, world, torch.device(device), timeout_s)
+
+    @staticmethod
+    def open_store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
+        """The rendezvous store: hosted by rank 0 (port 0: one the OS picks, read back as `.port`, so no
+        other socket can take it between choosing and binding), reached by the others. Its waits may take
+        as long as a rank's start (imports, another rank's load): START_TIMEOUT_S, not the collectives'."""
+        start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
+        return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=start, wait_for_workers=False)
 
     def publish_config(self, config: EngineConfig, max_model_len: int) -> None:
         """Rank 0's resolved limits: every rank sizes its runner (slots, KV blocks) from the same ones."""
@@ -281,12 +289,6 @@ def _process_group(store: dist.Store, rank: int, world: int, device: torch.devic
     return dist.ProcessGroupGloo(store, rank, world, timeout)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def rank_device(device: str, rank: int) -> str:
     """Rank r's device: cuda:r of this node's visible GPUs, or the CPU."""
     return f"cuda:{rank}" if device.startswith("cuda") else "cpu"
@@ -364,14 +366,12 @@ def launch(
     group attached as `model.bulkgen_tp`, and the followers as `group.processes`."""
     from transformers import AutoConfig
 
-    from .sharding import local_config
+    from .sharding import check_splittable
 
-    local_config(
-        AutoConfig.from_pretrained(path, local_files_only=True).get_text_config(), world
-    )  # refused before any rank starts
+    check_splittable(AutoConfig.from_pretrained(path, local_files_only=True), world)  # before any rank starts
     launcher = launcher or ProcessLauncher()
-    port = _free_port()
-    spec = dict(path=str(path), world=world, host="127.0.0.1", port=port)
+    store = RankGroup.open_store("127.0.0.1", 0, 0, world, timeout_s)  # before the followers: its port
+    spec = dict(path=str(path), world=world, host="127.0.0.1", port=store.port)
     spec.update(dtype=str(dtype).removeprefix("torch."), threads=torch.get_num_threads(), timeout_s=timeout_s)
     spec.update(quantize=quantize)
     followers = launcher.start(
@@ -379,7 +379,9 @@ def launch(
     )
     group = None
     try:
-        group = RankGroup.join("127.0.0.1", port, 0, world, launcher.device(device, 0), timeout_s)
+        group = RankGroup.join(
+            "127.0.0.1", store.port, 0, world, launcher.device(device, 0), timeout_s, store
+        )
         group.processes = followers
         return load_shard(path, group, dtype, quantize)
     except BaseException:

@@ -13,13 +13,18 @@ import torch
 from torch import nn
 
 from .multimodal import text_model
+from .quantize import quantize_layers
 from .sharding import add_all_reduces, load_shards, local_config, parameters_on_meta, split_vocab, tp_plan
 
 
-def build_vision_shard(path: str | Path, config, group, dtype: torch.dtype) -> nn.Module:
+def build_vision_shard(
+    path: str | Path, config, group, dtype: torch.dtype, quantize: str | None = None
+) -> nn.Module:
     """A vision-language model's language half, sharded like any decoder; rank 0 alone also loads the
     encoder and projector whole (the only rank that runs them: multimodal.splice sends their rows to the
-    others), the other ranks drop them before any weight is read. The model is kept as `group.vlm`."""
+    others), the other ranks drop them before any weight is read. The model is kept as `group.vlm`.
+    `quantize`: the language model's decoder layers quantized as a text shard's are (the encoder and
+    projector stay float, as in one process: quantize.quantize_layers converts decoder layers only)."""
     from transformers import AutoModelForImageTextToText
 
     local = deepcopy(config)
@@ -32,8 +37,10 @@ def build_vision_shard(path: str | Path, config, group, dtype: torch.dtype) -> n
         drop_encoder(vlm)
     plan = tp_plan(vlm)
     split_vocab(vlm, config.get_text_config(), group)
-    load_shards(vlm, path, plan, group.rank, group.world, dtype, group.device)
-    add_all_reduces(vlm, plan, group)
+    load_shards(vlm, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
+    if quantize:
+        quantize_layers(vlm, group.device, quantize)
+    add_all_reduces(vlm, plan, group)  # on the modules the model runs: quantized ones replaced the float
     vlm.bulkgen_tp = group
     group.vlm = vlm.to(group.device).eval()
     model = text_model(vlm)
