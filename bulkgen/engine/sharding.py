@@ -80,6 +80,11 @@ def local_config(config, world: int):
             f"tensor_parallel={world} neither divides nor is a multiple of num_key_value_heads ({kv})"
         )
     local.num_key_value_heads = max(kv // world, 1)
+    if any(getattr(config, "activation_sparsity_pattern", None) or ()):
+        raise ValueError(
+            f"tensor_parallel={world}: this model's MLP keeps its top activations by their mean and spread over "
+            "the whole width (activation_sparsity_pattern), which a rank's slice of the width does not have"
+        )
     return local
 
 
@@ -221,10 +226,22 @@ def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
     def reduce(_module, _args, output: torch.Tensor) -> torch.Tensor:
         return group.all_reduce(output)
 
+    reduced: set[str] = set()
     for name, module in model.named_modules():
         style = style_of(plan, name)
         if (style == "rowwise" and isinstance(module, (nn.Linear, Fp8Linear))) or style == "moe_tp_experts":
             module.register_forward_hook(reduce)
+            reduced.update(re.findall(r"\.(\d+)\.", name)[:1])
+    layers = model.config.get_text_config().num_hidden_layers
+    missing = sorted(set(range(layers)) - {int(i) for i in reduced})
+    if missing:
+        # such a layer runs whole on every rank, but from the local config's head count: its attention
+        # would split its projections into wrongly sized heads (OPT's q_proj is hidden x hidden whatever
+        # the heads) and give other tokens with no error
+        raise ValueError(
+            f"{type(model).__name__}: the tensor-parallel plan splits nothing in layers {missing[:4]} "
+            f"(its names: {sorted(plan)[:3]}...); bulkgen cannot shard this model's layers"
+        )
 
 
 def shard_slice(full: tuple[int, ...], local: tuple[int, ...], rank: int, world: int) -> tuple | None:
@@ -255,6 +272,12 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
     if index is not None and style is None:
         raise ValueError(
             f"shape {full} -> {shape} differs on a rank but its module is not in the tensor-parallel plan"
+        )
+    if index is None and style == "rowwise" and len(full) > 1:
+        # its partial sums are all-reduced: a whole weight on every rank would count world times
+        raise ValueError(
+            f"a row-parallel weight of shape {full} is whole on a rank: the model builds it from a width "
+            "that tensor parallel does not split"
         )
     return view[index] if index is not None else view[:]
 
@@ -300,7 +323,10 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
                 if style == "rowwise" and target.endswith(".bias") and rank:
                     param.data.zero_()  # a row-parallel bias is added once, by rank 0, before the all-reduce
                 else:
-                    data = _read(handle.get_slice(name), style, tuple(param.shape), rank, world, half)
+                    try:
+                        data = _read(handle.get_slice(name), style, tuple(param.shape), rank, world, half)
+                    except ValueError as err:
+                        raise ValueError(f"checkpoint tensor {name}: {err}") from None
                     _place(param, data, half, expert, name, pad=style == "vocab")
                 filled.add(target)
     missing = sorted(n for n, p in params.items() if n not in filled and p.is_meta)
