@@ -47,14 +47,14 @@ def build(path: Path, layers: int, hidden: int) -> Path:
 def run(path: Path, tp: int, prompts: list[list[int]], max_tokens: int) -> dict:
     """Load at `tp` ranks, generate, and return per-rank memory and the mean step wall time."""
     from bulkgen.engine import Engine, SamplingParams
-    from bulkgen.engine.tensor_parallel import RankGroup, _free_port, load_shard
+    from bulkgen.engine.tensor_parallel import RankGroup, load_shard
 
     kwargs = dict(device="cpu", num_kv_blocks=512, tensor_parallel=tp)
     if tp > 1:
         engine = Engine.from_pretrained(str(path), **kwargs)
         ranks = engine.runner.tp.rank_memory()
     else:  # the whole model through the same loader as a rank's, in a group of one, then a plain engine
-        group = RankGroup.join("127.0.0.1", _free_port(), 0, 1, "cpu", 60)
+        group = RankGroup.join("127.0.0.1", 0, 0, 1, "cpu", 60)
         del kwargs["tensor_parallel"]
         load_shard(path, group, torch.float32)
         ranks = group.rank_memory()

@@ -68,6 +68,10 @@ def _held_rows(prefix: str, n: int, max_tokens: int = 200) -> list[dict]:
     return [completion_row(f"{prefix}{i}", f"{HOLD} item {i}", max_tokens=max_tokens) for i in range(n)]
 
 
+def _eta(batch) -> float | None:
+    return ((batch.model_extra or {}).get("metrics") or {}).get("eta_s")
+
+
 RANGE = 16  # the service's range size (tests/support/service.py settings_for)
 
 
@@ -79,9 +83,10 @@ def _some_parts(store, batch_id: str, timeout: float = 180) -> dict[str, bytes]:
 def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, client, tmp_path, engine_gate):
     rows = _held_rows("h", RANGE) + _rows("k", 96, 8)  # the held range is still running when the worker dies
     batch = _create(client, tmp_path / "kill.jsonl", rows)
-    running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32, timeout=180)
+    # counts move as requests settle, the metrics (and the estimate) as their ranges are written
+    running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32 and _eta(b) is not None, timeout=180)
     engine_gate.wait_held()
-    assert running.status == "in_progress" and running.model_extra["metrics"]["eta_s"] is not None
+    assert running.status == "in_progress" and _eta(running) is not None
     store = service.svc.store
     before = _some_parts(store, batch.id)
     workers = json.loads(urllib.request.urlopen(f"{service.base_url}/dashboard/workers", timeout=30).read())
