@@ -84,7 +84,9 @@ def test_a_killed_worker_is_replaced_and_nothing_is_lost_or_doubled(service, cli
     rows = _held_rows("h", RANGE) + _rows("k", 96, 8)  # the held range is still running when the worker dies
     batch = _create(client, tmp_path / "kill.jsonl", rows)
     # counts move as requests settle, the metrics (and the estimate) as their ranges are written
-    running = wait_for(client, batch.id, lambda b: b.request_counts.completed >= 32 and _eta(b) is not None, timeout=180)
+    running = wait_for(
+        client, batch.id, lambda b: b.request_counts.completed >= 32 and _eta(b) is not None, timeout=180
+    )
     engine_gate.wait_held()
     assert running.status == "in_progress" and _eta(running) is not None
     store = service.svc.store
