@@ -273,7 +273,7 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
         raise ValueError(
             f"shape {full} -> {shape} differs on a rank but its module is not in the tensor-parallel plan"
         )
-    if index is None and style == "rowwise" and len(full) > 1:
+    if index is None and style == "rowwise" and len(full) > 1 and world > 1:
         # its partial sums are all-reduced: a whole weight on every rank would count world times
         raise ValueError(
             f"a row-parallel weight of shape {full} is whole on a rank: the model builds it from a width "
