@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_mla import DEEPSEEK_V3
 from test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs
 from test_tensor_parallel_fp8 import ENGINE as FP8_ENGINE
 from test_tensor_parallel_fp8 import test_two_rank_fp8_is_close_to_single_process_fp8 as close_to_single_fp8
@@ -98,16 +99,13 @@ def test_deepseek_v3_rank_memory_keeps_the_latent_whole():
         intermediate_size=18432,
         moe_intermediate_size=2048,
         num_hidden_layers=61,
-        num_attention_heads=128,
-        num_key_value_heads=128,
         n_routed_experts=256,
-        n_shared_experts=1,
         first_k_dense_replace=3,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
+        **DEEPSEEK_V3,
     )
     one, eight = (rank_memory(config, n, torch.bfloat16) for n in (1, 8))
     assert one["kv_bytes_per_token"] == eight["kv_bytes_per_token"] == 61 * 576 * 2
+    assert round(one["weight_bytes"] / 2e9) == 671  # DeepSeek-V3's main model (its MTP module not built)
     hidden, moe_layers = 7168, 61 - 3
     whole = 61 * (hidden * 1536 + 1536 + hidden * 576 + 512 + 2 * hidden) + moe_layers * 256 * hidden
     whole += hidden  # the final norm (the routers' score-correction biases are buffers, not weights)
