@@ -19,14 +19,13 @@ from torch import nn
 
 from .mla import find_mla
 
-REPLICATED_STYLE = "replicated_with_grad_allreduce"
+# the latent's projections and norms are left out: a module outside the plan loads whole, and one whose
+# shape differed on a rank would be refused at load (sharding._read) rather than sliced
 ATTENTION_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.q_b_proj": "colwise",
     "layers.*.self_attn.kv_b_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.self_attn.q_a_proj": REPLICATED_STYLE,
-    "layers.*.self_attn.kv_a_proj_with_mqa": REPLICATED_STYLE,
 }
 # DeepSeek's MoE layers' always-on experts, as DeepSeek-V3's plan splits them (GLM-4.7-Flash's plan omits them)
 SHARED_EXPERTS_PLAN = {

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_lora import LENGTHS, _run, _save_adapter
+from test_lora_tp import ENGINE as LORA_ENGINE
+from test_lora_tp import GREEDY as LORA_GREEDY
 from test_mla import DEEPSEEK_V3
 from test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs
 from test_tensor_parallel_fp8 import ENGINE as FP8_ENGINE
@@ -147,3 +150,30 @@ def test_two_rank_fp8_mla_is_close_to_single_process_fp8(fp8_engines):
     prompts equal); seed 5, 0.055 / 0.0032 against 0.024 / 0.0033 (5 of 5 equal): one prompt token
     past Llama's 0.05 bound, with more row-parallel FP8 layers per block than Llama's two."""
     close_to_single_fp8(fp8_engines)
+
+
+def test_lora_on_split_and_replicated_mla_projections_gives_the_single_engines_tokens(tmp_path, one_thread):
+    """Adapters on the replicated latent projections (whole A and B on every rank), on q_b_proj (B split
+    by heads' rows) and on o_proj (A split by columns): the two-rank engine's tokens are the single
+    engine's with the same adapters (MLP adapters split as on any model: test_lora_tp.py)."""
+    path = build_tiny_model(tmp_path / "dsv3", "deepseek_v3", seed=3)
+    adapters = {
+        "latent": _save_adapter(
+            path, tmp_path / "latent", 10, 4, 8, False, ["q_a_proj", "kv_a_proj_with_mqa"]
+        ),
+        "heads": _save_adapter(path, tmp_path / "heads", 11, 2, 6, False, ["q_b_proj", "o_proj"]),
+    }
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
+    engines = [Engine.from_pretrained(str(path), tensor_parallel=tp, **LORA_ENGINE) for tp in (1, 2)]
+    try:
+        for engine in engines:
+            for name, folder in adapters.items():
+                engine.add_lora(name, folder)
+        plan = [None, "latent", "heads", "latent", "heads", None, "heads", "latent"]
+        got = _run(engines[1], prompts, plan, LORA_GREEDY)
+        assert got == _run(engines[0], prompts, plan, LORA_GREEDY)
+        base = _run(engines[0], prompts, [None] * len(prompts), LORA_GREEDY)
+        assert {plan[int(i)] for i in got if got[i] != base[i]} == {"latent", "heads"}  # both change tokens
+    finally:
+        engines[1].close()
