@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .mla import latent_width
-from .sharding import local_config, parameters_on_meta
+from .sharding import local_config
 
 GIB = 1 << 30
 FIT_SHARE = 0.9  # of a device's free memory the weights may take: the rest is activations and KV cache
@@ -23,7 +23,7 @@ def rank_memory(config, world: int, dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
     local = local_config(config, world)
-    with parameters_on_meta():
+    with torch.device("meta"):  # no bytes at all: DeepSeek-V3's fused experts are 30 GB a layer in fp32
         model = AutoModelForCausalLM.from_config(local)
     size = torch.empty((), dtype=dtype).element_size()
     vocab_params = {

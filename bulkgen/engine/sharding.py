@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .quantize import Fp8Linear, quantize_layers
+from .shard_mla import mla_plan
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -112,7 +113,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         decoder = model.get_decoder()
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
-    base = getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
+    base = mla_plan(model, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN)
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),

@@ -41,6 +41,10 @@ SPLIT = [
     "apertus",
     "arcee",
     "ernie4_5",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe_lite",
+    "youtu",
 ]
 # name -> what the refusal names
 REFUSED = {
@@ -51,10 +55,6 @@ REFUSED = {
     "minimax_m2": "colwise_gather_output",
     "gpt_oss": "embedding_rowwise",
     "llama4": "packed_rowwise",
-    "deepseek_v2": "mla_kv_a_proj",
-    "glm4_moe_lite": "mla_kv_a_proj",
-    "deepseek_v3": "not in the tensor-parallel plan",
-    "youtu": "not in the tensor-parallel plan",
     "qwen2_moe": "not in the tensor-parallel plan",
     "mixtral": "has no weights for",
     "phi": "not in the tensor-parallel plan",
