@@ -40,8 +40,9 @@ class PackedQKV(str):
 
 def covered_plan(model: nn.Module, config, plan: dict[str, str]) -> dict[str, str]:
     """`plan` with a covered family's gather-output and split-input entries as the splits above (its
-    whole-width q/k norms added, split with their projections); any other model's plan unchanged."""
-    if getattr(config, "model_type", None) not in COVERED:
+    whole-width q/k norms added, split with their projections); any other model's plan unchanged, as is
+    a vision-language model's (its build, vision_shards.py, does not swap in the whole-width norms)."""
+    if getattr(config, "model_type", None) not in COVERED or config is not model.config:
         return plan
     out: dict[str, str] = {}
     for key, style in plan.items():

@@ -93,3 +93,40 @@ def test_another_model_type_with_the_same_plan_stays_refused(tmp_path):
     model.config.model_type = "not_covered"
     with pytest.raises(ValueError, match="colwise_gather_output"):
         tp_plan(model)
+
+
+def _adapter_run(engine: Engine, prompts: list[list[int]], loras: list[str | None]) -> dict:
+    """request id -> (greedy tokens, prompt logprobs) of each prompt with its adapter (or none)."""
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        engine.add_request(str(i), prompt, PARAMS, lora=lora)
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            logprobs = [entry["logprob"] for entry in o.prompt_logprobs if entry]
+            outs[o.request_id] = (o.outputs[0].token_ids, torch.tensor(logprobs))
+    return outs
+
+
+def test_phi3_lora_on_packed_projections_on_two_ranks(tmp_path, tp_prompts, one_thread):
+    """An adapter on Phi-3's packed qkv_proj and gate_up_proj: each rank's B rows are its part of each of
+    q, k, v (the one KV head on both) and of each half, as the base weight's (lora_tp.py)."""
+    from bulkgen.lab.tiny_lora import save_random_adapter
+
+    path = build_tiny_model(tmp_path / "phi3", "phi3", seed=3, num_key_value_heads=1)
+    adapter = save_random_adapter(path, tmp_path / "lora", 5, 4, 8, ("qkv_proj", "gate_up_proj", "o_proj"))
+    loras = [None, "a"] * (len(tp_prompts) // 2)
+    single = Engine.from_pretrained(str(path), **ENGINE)
+    single.add_lora("a", str(adapter))
+    want, base = (
+        _adapter_run(single, tp_prompts, loras),
+        _adapter_run(single, tp_prompts, [None] * len(loras)),
+    )
+    assert all(want[i][0] != base[i][0] for i in ("1", "3", "5"))  # the adapter changes every such row
+    sharded = Engine.from_pretrained(str(path), tensor_parallel=2, **ENGINE)
+    try:
+        sharded.add_lora("a", str(adapter))
+        got = _adapter_run(sharded, tp_prompts, loras)
+    finally:
+        sharded.close()
+    assert {i: tokens for i, (tokens, _) in got.items()} == {i: tokens for i, (tokens, _) in want.items()}
+    assert max((got[i][1] - want[i][1]).abs().max() for i in want) < 1e-4
