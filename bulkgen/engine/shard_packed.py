@@ -113,11 +113,12 @@ class WholeWidthRMSNorm(nn.Module):
         return (self.weight * hidden).to(dtype)
 
 
-def whole_width_norms(model: nn.Module, plan: dict[str, str], kv_heads: int, group) -> None:
-    """Replace each q_norm / k_norm the plan splits (covered_plan) with its WholeWidthRMSNorm;
-    `kv_heads`: the whole model's KV head count, which says how many ranks hold each KV head."""
+def whole_width_norms(model: nn.Module, plan: dict[str, str], config, group) -> None:
+    """Replace each q_norm / k_norm the plan splits (covered_plan) with its WholeWidthRMSNorm; `config`:
+    the whole model's, whose KV head count says how many ranks hold each KV head."""
     from .sharding import style_of
 
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     holders = max(group.world // kv_heads, 1)
     for name, norm in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
