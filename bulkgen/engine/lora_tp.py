@@ -59,6 +59,7 @@ def shard_pair(
     group = getattr(model, "bulkgen_tp", None)
     if group is None:
         return a, b
+    from .shard_packed import qkv_rows
     from .sharding import packed_half, shard_slice, style_of, tp_plan
 
     try:
@@ -74,6 +75,8 @@ def shard_pair(
         b = b[shard_slice((width, b.shape[1]), (out, b.shape[1]), rank, world)]
     elif style == "packed_colwise" and width == out * world and out % 2 == 0:  # each half's rows
         b = torch.cat([packed_half(b, tuple(b.shape), part, rank, world) for part in (0, 1)])
+    elif style == "packed_qkv" and width != out:  # its heads' rows of each of q, k and v
+        b = qkv_rows(b, tuple(b.shape), style, rank, world)
     elif style == "rowwise" and a.shape[1] == target.in_features * world:
         a = a[shard_slice(tuple(a.shape), (a.shape[0], target.in_features), rank, world)]
     return a, b

@@ -35,6 +35,7 @@ from torch import nn
 
 from .quantize import Fp8Linear, quantize_layers
 from .shard_mla import mla_plan
+from .shard_packed import covered_plan, qkv_rows, whole_width_norms
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -46,7 +47,7 @@ DEFAULT_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 REPLICATED = {"replicated_with_grad_allreduce"}
-SUPPORTED = {"colwise", "rowwise", "packed_colwise", "moe_tp_experts"} | REPLICATED
+SUPPORTED = {"colwise", "rowwise", "packed_colwise", "packed_qkv", "moe_tp_experts"} | REPLICATED
 # config fields that are per-rank widths: each is divided by the world size
 SPLIT_FIELDS = (
     "num_attention_heads",
@@ -120,6 +121,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         # which split_vocab splits anyway: its layers take the common names' plan
         base = {k: v for k, v in base.items() if v != "embedding_rowwise"} or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
+    plan = covered_plan(model, config, plan)  # whole-width q/k norms, packed qkv and gate_up
     unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
     if unsupported:
         raise ValueError(
@@ -202,6 +204,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     plan = tp_plan(model)
     split_vocab(model, config, group)
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
+    whole_width_norms(model, plan, config, group)
     if quantize:
         quantize_layers(model, group.device, quantize)
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
@@ -266,6 +269,8 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
         shape = shape[1:]
     if style == "packed_colwise" and half is None:  # a fused gate_up in the checkpoint: both halves
         return torch.cat([packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
+    if style == "packed_qkv":
+        return qkv_rows(view, full, style, rank, world)
     if style == "vocab":
         rows = shape[0]
         return view[rank * rows : min((rank + 1) * rows, full[0])]
