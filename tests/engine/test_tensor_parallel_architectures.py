@@ -41,6 +41,9 @@ SPLIT = [
     "apertus",
     "arcee",
     "ernie4_5",
+    "mixtral",
+    "qwen2_moe",
+    "llama4",
 ]
 # name -> what the refusal names
 REFUSED = {
@@ -50,13 +53,10 @@ REFUSED = {
     "glm": "colwise_gather_output",
     "minimax_m2": "colwise_gather_output",
     "gpt_oss": "embedding_rowwise",
-    "llama4": "packed_rowwise",
     "deepseek_v2": "mla_kv_a_proj",
     "glm4_moe_lite": "mla_kv_a_proj",
     "deepseek_v3": "not in the tensor-parallel plan",
     "youtu": "not in the tensor-parallel plan",
-    "qwen2_moe": "not in the tensor-parallel plan",
-    "mixtral": "has no weights for",
     "phi": "not in the tensor-parallel plan",
     "gpt_neox": "embedding_rowwise",
     "helium": "o_proj.weight: a row-parallel weight of shape (64, 64) is whole on a rank",

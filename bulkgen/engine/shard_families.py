@@ -1,0 +1,103 @@
+"""Tensor-parallel rules for families whose transformers plan does not say all of how they split: MoE blocks
+with a shared expert (Qwen2-MoE, Llama 4), Llama 4's experts packed along their last dimension, and
+Mixtral's per-expert checkpoint names (w1, w3, w2).
+
+An MoE block with a shared expert is all-reduced once, at its output, as vLLM does: its routed experts and
+its shared expert each leave partial sums of their column slices (the router and the shared expert's gate
+run whole on every rank, from the replicated hidden state), and the block is linear in those partial sums
+(`experts + sigmoid(gate(x)) * shared`), so summing the block's output over the ranks gives the whole
+block's. Reducing the experts and the shared expert each as well would count them `world` times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+# a module whose output alone is all-reduced: the row-parallel parts inside it leave partial sums
+BLOCK = "moe_block"
+# a fused [experts, in, 2 * inter] gate_up (Llama 4's, used as `x @ w`): each half split on the last dim
+PACKED_LAST = "packed_rowwise"
+STYLES = {BLOCK, PACKED_LAST}
+
+# model_type -> plan entries (relative to the base model, as transformers' plans are) added to its own plan
+PLANS: dict[str, dict[str, str]] = {
+    "qwen2_moe": {
+        "layers.*.mlp.shared_expert.gate_proj": "colwise",
+        "layers.*.mlp.shared_expert.up_proj": "colwise",
+        "layers.*.mlp.shared_expert.down_proj": "rowwise",
+    },
+}
+# the MoE block classes reduced once at their output, by their module's class name
+BLOCKS = {"Qwen2MoeSparseMoeBlock", "Llama4TextMoe"}
+
+# legacy per-expert checkpoint names -> (fused parameter, which half of gate_up it fills: 0, 1, None)
+EXPERT_NAMES = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+    "w1": ("gate_up_proj", 0),  # Mixtral's checkpoints: w1 gate, w3 up, w2 down
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", None),
+}
+
+
+def family_plan(model_type: str, base: dict[str, str]) -> dict[str, str]:
+    """`base` (a model's transformers plan) with its family's entries added."""
+    return {**base, **PLANS.get(model_type, {})}
+
+
+def base_prefix(model: nn.Module) -> str:
+    """Where the base model sits in `model`: its `base_model_prefix`, or where that names no attribute
+    (Llama4ForCausalLM says `language_model` and keeps it at `model`) its one child that is a model."""
+    from transformers import PreTrainedModel
+
+    if not model.base_model_prefix or hasattr(model, model.base_model_prefix):
+        return model.base_model_prefix
+    children = [name for name, child in model.named_children() if isinstance(child, PreTrainedModel)]
+    return children[0] if len(children) == 1 else model.base_model_prefix
+
+
+def reduce_blocks(model: nn.Module, group) -> set[str]:
+    """Register one all-reduce on each MoE block's output; the names of those blocks, whose row-parallel
+    modules and experts must not be reduced again (sharding.add_all_reduces skips what is under them)."""
+    blocks = set()
+    for name, module in model.named_modules():
+        if type(module).__name__ in BLOCKS:
+            module.register_forward_hook(_block_reduce(group))
+            blocks.add(name)
+    return blocks
+
+
+def _block_reduce(group) -> Callable:
+    def reduce(_module, _args, output):
+        # Llama 4's block returns (hidden, router_logits): the router's logits are whole on every rank
+        if isinstance(output, tuple):
+            return (group.all_reduce(output[0]), *output[1:])
+        return group.all_reduce(output)
+
+    return reduce
+
+
+def inside(blocks: set[str], name: str) -> bool:
+    """Whether module `name` lies under one of `blocks` (then its partial sums are reduced there)."""
+    return any(name.startswith(block + ".") for block in blocks)
+
+
+def read_packed_last(view, full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
+    """This rank's columns of both halves of a gate_up packed along its last dimension
+    ([experts, hidden, 2 * inter]: gate then up), so each half splits over the ranks like an unpacked
+    one."""
+    cols = full[-1] // 2 // world
+    lead = (slice(None),) * (len(full) - 1)
+    return torch.cat(
+        [
+            view[
+                lead + (slice(part * full[-1] // 2 + rank * cols, part * full[-1] // 2 + (rank + 1) * cols),)
+            ]
+            for part in (0, 1)
+        ],
+        dim=-1,
+    )
