@@ -22,6 +22,7 @@ BLOCK = "moe_block"
 PACKED_LAST = "packed_rowwise"
 STYLES = {BLOCK, PACKED_LAST}
 
+FAMILIES = {"mixtral", "qwen2_moe", "llama4_text", "phi", "gpt_neox", "gptj", "codegen"}
 # model_type -> plan entries (relative to the base model, as transformers' plans are) added to its own plan
 PLANS: dict[str, dict[str, str]] = {
     "qwen2_moe": {
@@ -30,6 +31,8 @@ PLANS: dict[str, dict[str, str]] = {
         "layers.*.mlp.shared_expert.down_proj": "rowwise",
     },
 }
+# plan entries that name a split bulkgen makes anyway: split_vocab splits a plain embedding by vocabulary
+DROPPED = {"embedding_rowwise"}
 # the MoE block classes reduced once at their output, by their module's class name
 BLOCKS = {"Qwen2MoeSparseMoeBlock", "Llama4TextMoe"}
 
@@ -45,8 +48,56 @@ EXPERT_NAMES = {
 
 
 def family_plan(model_type: str, base: dict[str, str]) -> dict[str, str]:
-    """`base` (a model's transformers plan) with its family's entries added."""
-    return {**base, **PLANS.get(model_type, {})}
+    """`base` (a model's transformers plan) with its family's entries added and, for the families here,
+    the vocabulary split of its embedding left to split_vocab."""
+    if model_type not in FAMILIES:
+        return base
+    return {k: v for k, v in {**base, **PLANS.get(model_type, {})}.items() if v not in DROPPED}
+
+
+def fit_modules(model: nn.Module, config, world: int) -> None:
+    """Give the modules that size themselves from the hidden width rather than from the head count their
+    rank's shape (GPT-NeoX, GPT-J and CodeGen attention and MLPs): their head size is `hidden_size //
+    heads`, which the local config's divided head count would multiply by `world`."""
+    head = config.hidden_size // config.num_attention_heads
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind in ("GPTJMLP", "CodeGenMLP"):
+            _split_linear(module, "fc_in", world, rows=True)
+            _split_linear(module, "fc_out", world, rows=False)
+        elif kind in _ATTENTION:
+            projections, output = _ATTENTION[kind]
+            if kind == "CodeGenAttention" and module.mp_num % world:
+                raise ValueError(
+                    f"tensor_parallel={world}: CodeGen's qkv_proj interleaves q, v and k over {module.mp_num} "
+                    "groups, which do not split over the ranks"
+                )
+            module.scaling = head**-0.5
+            setattr(module, "head_size" if kind == "GPTNeoXAttention" else "head_dim", head)
+            if kind == "GPTNeoXAttention":
+                factor = config.rope_parameters.get("partial_rotary_factor", 1.0)
+                module.rotary_ndims = int(head * factor)
+            for name in projections:
+                _split_linear(module, name, world, rows=True)
+            _split_linear(module, output, world, rows=False)
+
+
+# attention class -> (its column-parallel projections, its row-parallel output). GPT-NeoX's fused q/k/v
+# rows are laid out per head ([heads, 3, head_dim]) and CodeGen's per training shard ([mp_num, q|v|k,
+# heads / mp_num, head_dim]), so a rank's contiguous rows are whole heads' q, k and v either way.
+_ATTENTION = {
+    "GPTNeoXAttention": (("query_key_value",), "dense"),
+    "GPTJAttention": (("q_proj", "k_proj", "v_proj"), "out_proj"),
+    "CodeGenAttention": (("qkv_proj",), "out_proj"),
+}
+
+
+def _split_linear(parent: nn.Module, name: str, world: int, rows: bool) -> None:
+    """Replace linear `name` with one on meta holding 1/world of its output rows (`rows`) or input columns."""
+    old = getattr(parent, name)
+    inputs, outputs = old.in_features, old.out_features
+    inputs, outputs = (inputs, outputs // world) if rows else (inputs // world, outputs)
+    setattr(parent, name, nn.Linear(inputs, outputs, bias=old.bias is not None, device="meta"))
 
 
 def base_prefix(model: nn.Module) -> str:

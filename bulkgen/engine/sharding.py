@@ -193,6 +193,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
         return build_vision_shard(path, config, group, dtype, quantize)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
+        families.fit_modules(model, config, group.world)
     model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)

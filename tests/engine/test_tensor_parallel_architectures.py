@@ -44,6 +44,10 @@ SPLIT = [
     "mixtral",
     "qwen2_moe",
     "llama4",
+    "phi",
+    "gpt_neox",
+    "gptj",
+    "codegen",
 ]
 # name -> what the refusal names
 REFUSED = {
@@ -57,8 +61,6 @@ REFUSED = {
     "glm4_moe_lite": "mla_kv_a_proj",
     "deepseek_v3": "not in the tensor-parallel plan",
     "youtu": "not in the tensor-parallel plan",
-    "phi": "not in the tensor-parallel plan",
-    "gpt_neox": "embedding_rowwise",
     "helium": "o_proj.weight: a row-parallel weight of shape (64, 64) is whole on a rank",
     "gemma3n": "down_proj.weight: a row-parallel weight of shape (64, 128) is whole on a rank",
     "opt": "the tensor-parallel plan splits nothing in layers [0, 1]",
