@@ -137,6 +137,16 @@ def inside(blocks: set[str], name: str) -> bool:
     return any(name.startswith(block + ".") for block in blocks)
 
 
+def in_block(model: nn.Module, name: str) -> bool:
+    """Whether module `name` of `model` lies in an MoE block reduced once at its output: a LoRA adapter's
+    shrink on its row-parallel linear then stays a partial sum too (lora_tp.row_parallel_reduce), which
+    the block's all-reduce sums with the rest."""
+    parts = name.split(".")
+    return any(
+        type(model.get_submodule(".".join(parts[:i]))).__name__ in BLOCKS for i in range(1, len(parts))
+    )
+
+
 def read_packed_last(view, full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
     """This rank's columns of both halves of a gate_up packed along its last dimension
     ([experts, hidden, 2 * inter]: gate then up), so each half splits over the ranks like an unpacked
