@@ -8,12 +8,15 @@ divide its fused projection's groups. Two gloo ranks on this machine, one torch 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.rank_memory import rank_memory
 from bulkgen.engine.shard_families import fit_modules, read_packed_last
-from bulkgen.engine.sharding import parameters_on_meta
+from bulkgen.engine.sharding import build_shard_model, parameters_on_meta
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_lora import save_random_adapter
 
@@ -74,3 +77,17 @@ def test_codegen_groups_that_do_not_split_over_the_ranks_are_refused():
         fit_modules(model, config, 8)
     fit_modules(model, config, 2)
     assert model.transformer.h[0].attn.qkv_proj.out_features == 96
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama4", "phi", "gpt_neox", "gptj", "codegen"])
+def test_the_planners_rank_memory_is_a_loaded_ranks(arch, tmp_path):
+    """`bulkgen plan`'s per-rank weights (rank_memory, from the config alone) are the parameters rank 0
+    of two loads: GPT-NeoX's, GPT-J's and CodeGen's attention and MLPs split, Phi's head bias too."""
+    from transformers import AutoConfig
+
+    path = build_tiny_model(tmp_path / arch, arch, seed=3)
+    group = SimpleNamespace(rank=0, world=2, device=torch.device("cpu"))  # loading runs no collective
+    model = build_shard_model(path, group, torch.float32)
+    loaded = sum(p.numel() for p in model.parameters()) * 4
+    planned = rank_memory(AutoConfig.from_pretrained(path), 2, torch.float32)["weight_bytes"]
+    assert planned == loaded
