@@ -16,11 +16,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# a module whose output alone is all-reduced: the row-parallel parts inside it leave partial sums
-BLOCK = "moe_block"
 # a fused [experts, in, 2 * inter] gate_up (Llama 4's, used as `x @ w`): each half split on the last dim
 PACKED_LAST = "packed_rowwise"
-STYLES = {BLOCK, PACKED_LAST}
+STYLES = {PACKED_LAST}
 
 FAMILIES = {"mixtral", "qwen2_moe", "llama4_text", "phi", "gpt_neox", "gptj", "codegen"}
 # model_type -> plan entries (relative to the base model, as transformers' plans are) added to its own plan
@@ -112,8 +110,8 @@ def base_prefix(model: nn.Module) -> str:
 
 
 def reduce_blocks(model: nn.Module, group) -> set[str]:
-    """Register one all-reduce on each MoE block's output; the names of those blocks, whose row-parallel
-    modules and experts must not be reduced again (sharding.add_all_reduces skips what is under them)."""
+    """Register one all-reduce on each MoE block's output; the names of those blocks (what lies inside
+    them is not reduced again: in_block)."""
     blocks = set()
     for name, module in model.named_modules():
         if type(module).__name__ in BLOCKS:
@@ -132,15 +130,10 @@ def _block_reduce(group) -> Callable:
     return reduce
 
 
-def inside(blocks: set[str], name: str) -> bool:
-    """Whether module `name` lies under one of `blocks` (then its partial sums are reduced there)."""
-    return any(name.startswith(block + ".") for block in blocks)
-
-
 def in_block(model: nn.Module, name: str) -> bool:
-    """Whether module `name` of `model` lies in an MoE block reduced once at its output: a LoRA adapter's
-    shrink on its row-parallel linear then stays a partial sum too (lora_tp.row_parallel_reduce), which
-    the block's all-reduce sums with the rest."""
+    """Whether module `name` of `model` lies in an MoE block reduced once at its output: its own partial
+    sums (a row-parallel linear's, the experts', a LoRA adapter's shrink on such a linear:
+    lora_tp.row_parallel_reduce) are then not reduced, the block's all-reduce sums them with the rest."""
     parts = name.split(".")
     return any(
         type(model.get_submodule(".".join(parts[:i]))).__name__ in BLOCKS for i in range(1, len(parts))
@@ -153,12 +146,5 @@ def read_packed_last(view, full: tuple[int, ...], rank: int, world: int) -> torc
     one."""
     cols = full[-1] // 2 // world
     lead = (slice(None),) * (len(full) - 1)
-    return torch.cat(
-        [
-            view[
-                lead + (slice(part * full[-1] // 2 + rank * cols, part * full[-1] // 2 + (rank + 1) * cols),)
-            ]
-            for part in (0, 1)
-        ],
-        dim=-1,
-    )
+    starts = [part * full[-1] // 2 + rank * cols for part in (0, 1)]
+    return torch.cat([view[lead + (slice(start, start + cols),)] for start in starts], dim=-1)

@@ -229,7 +229,7 @@ def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
     reduced = {i for name in blocks for i in re.findall(r"\.(\d+)\.", name + ".")[:1]}
     for name, module in model.named_modules():
         style = style_of(plan, name)
-        if families.inside(blocks, name):
+        if families.in_block(model, name):
             continue
         if (style == "rowwise" and isinstance(module, (nn.Linear, Fp8Linear))) or style == "moe_tp_experts":
             module.register_forward_hook(reduce)
