@@ -11,7 +11,8 @@ all-reduced / gathered. KV heads fewer than ranks are replicated, as vLLM does: 
 r * kv_heads // world, the one its query heads read.
 
 Which module splits how comes from the model's own transformers plan (`base_model_tp_plan`) where it has
-one, else from DEFAULT_PLAN (the Llama names most decoder families share).
+one, else from DEFAULT_PLAN (the Llama names most decoder families share); shard_families.py adds what some
+families' plans leave out (shared experts, MoE blocks reduced once, modules sized from the hidden width).
 
 Online FP8 (`quantize="fp8"`, quantize.py) quantizes each rank's shard after it is read, on the host, as
 its layers move to the device. A column-parallel shard holds whole output rows, so its per-channel scales
