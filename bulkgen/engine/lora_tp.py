@@ -84,13 +84,15 @@ def shard_pair(
 
 def row_parallel_reduce(model: torch.nn.Module, module: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The all-reduce a row-parallel target's shrink needs (its A holds a slice of the input columns);
-    None for any other layer."""
+    None for any other layer, and for one inside an MoE block reduced once at its output."""
     group = getattr(model, "bulkgen_tp", None)
     if group is None:
         return None
+    from .shard_families import in_block
     from .sharding import style_of, tp_plan
 
-    return group.all_reduce if style_of(tp_plan(model), module) == "rowwise" else None
+    rowwise = style_of(tp_plan(model), module) == "rowwise" and not in_block(model, module)
+    return group.all_reduce if rowwise else None
 
 
 def publish(slots, store) -> None:

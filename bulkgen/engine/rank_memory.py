@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .mla import latent_width
+from .shard_families import fit_modules
 from .sharding import local_config
 
 GIB = 1 << 30
@@ -25,11 +26,14 @@ def rank_memory(config, world: int, dtype: torch.dtype) -> dict:
     local = local_config(config, world)
     with torch.device("meta"):  # no bytes at all: DeepSeek-V3's fused experts are 30 GB a layer in fp32
         model = AutoModelForCausalLM.from_config(local)
+        fit_modules(model, config, world)
     size = torch.empty((), dtype=dtype).element_size()
-    vocab_params = {
-        id(m.weight): m.weight.numel()
+    vocab_params = {  # a head's bias (Phi's) splits by vocabulary like its weight
+        id(p): p.numel()
         for m in (model.get_input_embeddings(), model.get_output_embeddings())
         if m is not None
+        for p in (m.weight, getattr(m, "bias", None))
+        if p is not None
     }
     params = sum(p.numel() for p in model.parameters())
     vocab = sum(vocab_params.values())

@@ -11,7 +11,8 @@ all-reduced / gathered. KV heads fewer than ranks are replicated, as vLLM does: 
 r * kv_heads // world, the one its query heads read.
 
 Which module splits how comes from the model's own transformers plan (`base_model_tp_plan`) where it has
-one, else from DEFAULT_PLAN (the Llama names most decoder families share).
+one, else from DEFAULT_PLAN (the Llama names most decoder families share); shard_families.py adds what some
+families' plans leave out (shared experts, MoE blocks reduced once, modules sized from the hidden width).
 
 Online FP8 (`quantize="fp8"`, quantize.py) quantizes each rank's shard after it is read, on the host, as
 its layers move to the device. A column-parallel shard holds whole output rows, so its per-channel scales
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import shard_families as families
 from .quantize import Fp8Linear, quantize_layers
 from .shard_mla import mla_plan
 from .shard_packed import covered_plan, qkv_rows, whole_width_norms
@@ -47,21 +49,18 @@ DEFAULT_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 REPLICATED = {"replicated_with_grad_allreduce"}
-SUPPORTED = {"colwise", "rowwise", "packed_colwise", "packed_qkv", "moe_tp_experts"} | REPLICATED
+SUPPORTED = (
+    {"colwise", "rowwise", "packed_colwise", "packed_qkv", "moe_tp_experts"} | REPLICATED | families.STYLES
+)
 # config fields that are per-rank widths: each is divided by the world size
 SPLIT_FIELDS = (
     "num_attention_heads",
     "intermediate_size",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
+    "intermediate_size_mlp",  # Llama 4's dense layers'
 )
-# legacy per-expert checkpoint names -> (fused parameter, which half of gate_up it fills: 0, 1, None)
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_TARGET = {
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", None),
-}
+_EXPERT = re.compile(rf"^(.*\.experts)\.(\d+)\.({'|'.join(families.EXPERT_NAMES)})\.weight$")
 
 
 def local_config(config, world: int):
@@ -109,12 +108,15 @@ def check_splittable(config, world: int) -> None:
 def tp_plan(model: nn.Module) -> dict[str, str]:
     """Module or parameter path patterns (from the model's root, `*` for a layer index) -> style. A
     vision-language model's is its language model's plan, at that model's path (the encoder stays whole)."""
-    config, prefix = model.config, model.base_model_prefix
+    config, prefix = model.config, families.base_prefix(model)
     if getattr(config, "vision_config", None) is not None:
         decoder = model.get_decoder()
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
-    base = mla_plan(model, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN)
+    base = mla_plan(
+        model,
+        families.family_plan(config.model_type, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN),
+    )
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),
@@ -198,6 +200,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
         return build_vision_shard(path, config, group, dtype, quantize)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
+        families.fit_modules(model, config, group.world)
     model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -230,9 +233,12 @@ def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
     def reduce(_module, _args, output: torch.Tensor) -> torch.Tensor:
         return group.all_reduce(output)
 
-    reduced: set[str] = set()
+    blocks = families.reduce_blocks(model, group)
+    reduced = {i for name in blocks for i in re.findall(r"\.(\d+)\.", name + ".")[:1]}
     for name, module in model.named_modules():
         style = style_of(plan, name)
+        if families.in_block(model, name):
+            continue
         if (style == "rowwise" and isinstance(module, (nn.Linear, Fp8Linear))) or style == "moe_tp_experts":
             module.register_forward_hook(reduce)
             reduced.update(re.findall(r"\.(\d+)\.", name)[:1])
@@ -267,6 +273,8 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
         shape = (shape[-2] // 2, shape[-1])
     elif len(full) < len(shape):  # a legacy expert's down_proj, into the fused [experts, out, in]
         shape = shape[1:]
+    if style == families.PACKED_LAST:
+        return families.read_packed_last(view, full, rank, world)
     if style == "packed_colwise" and half is None:  # a fused gate_up in the checkpoint: both halves
         return torch.cat([packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
     if style == "packed_qkv":
@@ -313,15 +321,19 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
 
     params = dict(model.named_parameters(remove_duplicate=False))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    vocab = {
-        id(m.weight) for m in (embed, head) if isinstance(m, (VocabParallelEmbedding, VocabParallelHead))
+    vocab = {  # a head's bias (Phi's) splits by vocabulary like its weight
+        id(p)
+        for m in (embed, head)
+        if isinstance(m, (VocabParallelEmbedding, VocabParallelHead))
+        for p in (m.weight, getattr(m, "bias", None))
+        if p is not None
     }
     filled: set[str] = set()
     rename = _renamer(model)
     for file in _safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
-                target, half, expert = _target(rename(name, params), params)
+                target, half, expert = _target(rename(name, params), params, rename)
                 if target is None:
                     continue
                 style = _style(plan, target, params[target], vocab)
@@ -369,14 +381,15 @@ def _renamer(model: nn.Module):
     return rename
 
 
-def _target(name: str, params: dict) -> tuple[str | None, int | None, int | None]:
-    """The model parameter a checkpoint tensor fills: (name, packed half, expert index)."""
+def _target(name: str, params: dict, rename) -> tuple[str | None, int | None, int | None]:
+    """The model parameter a checkpoint tensor fills: (name, packed half, expert index); a legacy expert's
+    fused parameter renamed as the model's rules rename its block (Mixtral's block_sparse_moe -> mlp)."""
     if name in params:
         return name, None, None
     match = _EXPERT.match(name)
     if match:
-        fused, half = _EXPERT_TARGET[match[3]]
-        target = f"{match[1]}.{fused}"
+        fused, half = families.EXPERT_NAMES[match[3]]
+        target = rename(f"{match[1]}.{fused}", params)
         if target in params:
             return target, half, int(match[2])
     return None, None, None

@@ -49,17 +49,18 @@ SPLIT = [
     "olmo2",
     "olmo3",
     "glm",
+    "mixtral",
+    "qwen2_moe",
+    "llama4",
+    "phi",
+    "gpt_neox",
+    "gptj",
+    "codegen",
+    "minimax_m2",
 ]
 # name -> what the refusal names
 REFUSED = {
-    # its whole-width norms split (test_tensor_parallel_packed.py); its checkpoint has Mixtral's w1/w2/w3
-    "minimax_m2": "has no weights for ['model.layers.0.mlp.experts.down_proj'",
     "gpt_oss": "embedding_rowwise",
-    "llama4": "packed_rowwise",
-    "qwen2_moe": "not in the tensor-parallel plan",
-    "mixtral": "has no weights for",
-    "phi": "not in the tensor-parallel plan",
-    "gpt_neox": "embedding_rowwise",
     "helium": "o_proj.weight: a row-parallel weight of shape (64, 64) is whole on a rank",
     "gemma3n": "down_proj.weight: a row-parallel weight of shape (64, 128) is whole on a rank",
     "opt": "the tensor-parallel plan splits nothing in layers [0, 1]",
