@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .quantize import Fp8Linear, quantize_layers
+from .shard_gptoss import add_bias_once, family_plan
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -112,7 +113,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         decoder = model.get_decoder()
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
-    base = getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
+    base = family_plan(config) or getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),
@@ -201,6 +202,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     plan = tp_plan(model)
     split_vocab(model, config, group)
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
+    add_bias_once(model, group.rank)
     if quantize:
         quantize_layers(model, group.device, quantize)
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float

@@ -41,6 +41,7 @@ SPLIT = [
     "apertus",
     "arcee",
     "ernie4_5",
+    "gpt_oss",
 ]
 # name -> what the refusal names
 REFUSED = {
@@ -49,7 +50,6 @@ REFUSED = {
     "olmo3": "colwise_gather_output",
     "glm": "colwise_gather_output",
     "minimax_m2": "colwise_gather_output",
-    "gpt_oss": "embedding_rowwise",
     "llama4": "packed_rowwise",
     "deepseek_v2": "mla_kv_a_proj",
     "glm4_moe_lite": "mla_kv_a_proj",
