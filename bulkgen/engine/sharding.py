@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .quantize import Fp8Linear, quantize_layers
-from .shard_gptoss import add_bias_once, family_plan
+from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts, splits_quantized
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -93,10 +93,11 @@ def check_splittable(config, world: int) -> None:
     """ValueError, before any rank starts, for a checkpoint the ranks cannot split: heads or widths that
     do not divide (local_config), or quantized weights. load_shards reads each tensor into a float
     parameter by name, so an FP8 or MXFP4 checkpoint's weights would lose their scales and run as
-    garbage; a float checkpoint with quantize="fp8" quantizes each rank's shard instead."""
+    garbage (gpt-oss' MXFP4 experts excepted: shard_gptoss reads them); a float checkpoint with
+    quantize="fp8" quantizes each rank's shard instead."""
     local_config(config.get_text_config(), world)
     quantized = getattr(config, "quantization_config", None)
-    if quantized is not None:
+    if quantized is not None and not splits_quantized(config):
         method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized.quant_method
         raise ValueError(
             f"tensor_parallel={world}: this checkpoint's weights are quantized ({method}), which tensor "
@@ -201,6 +202,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     plan = tp_plan(model)
     split_vocab(model, config, group)
+    load_mxfp4_experts(model, path, group.rank, dtype, "cpu" if quantize else group.device)
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     add_bias_once(model, group.rank)
     if quantize:

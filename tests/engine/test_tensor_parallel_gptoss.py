@@ -8,11 +8,14 @@ more than float rounding (each was checked to fail this module's first test).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from bulkgen.engine import Engine, SamplingParams
+from bulkgen.lab.quantized import write_mxfp4
 from bulkgen.lab.tiny import build_tiny_model
 
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, num_kv_blocks=256)
@@ -26,19 +29,22 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], tor
     return [o.outputs[0].token_ids for o in outs], torch.tensor(logprobs)
 
 
-@pytest.fixture(scope="module")
-def gptoss(tmp_path_factory) -> str:
-    """A tiny gpt-oss (sliding and full layers, sinks, 4 experts with biases) with large biases and sinks."""
-    path = build_tiny_model(
-        tmp_path_factory.mktemp("gpt_oss") / "m", "gpt_oss", seed=3, initializer_range=0.1
-    )
+def _with_large_biases(path: Path) -> Path:
+    """`path`'s checkpoint with every bias and sink drawn at 0.5 (seeded)."""
     file = path / "model.safetensors"
     tensors, gen = load_file(file), torch.Generator().manual_seed(7)
     for name, tensor in tensors.items():
         if name.endswith(("bias", "sinks")):
             tensors[name] = torch.randn(tensor.shape, generator=gen) * 0.5
     save_file(tensors, file, metadata={"format": "pt"})
-    return str(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gptoss(tmp_path_factory) -> str:
+    """A tiny gpt-oss (sliding and full layers, sinks, 4 experts with biases) with large biases and sinks."""
+    root = tmp_path_factory.mktemp("gpt_oss")
+    return str(_with_large_biases(build_tiny_model(root / "m", "gpt_oss", seed=3, initializer_range=0.1)))
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +99,27 @@ def test_two_rank_fp8_is_close_to_single_process_fp8(gptoss, prompts, one_thread
         sharded.close()
     sharding, quantizing = (logprobs - fp8_logprobs).abs(), (fp8_logprobs - float_logprobs).abs()
     assert sharding.mean() <= quantizing.mean(), (sharding.mean(), quantizing.mean())
+
+
+def test_an_mxfp4_checkpoint_splits_into_the_single_engines_tokens(tmp_path, prompts, one_thread):
+    """gpt-oss' own MXFP4 checkpoint (`*_blocks` / `*_scales` experts): each rank dequantizes its slice as
+    the single engine dequantizes the whole, so both hold the same numbers. An intermediate width of 96
+    puts each rank's 48 down-projection inputs across the checkpoint's 32-wide scale groups (rank 1 starts
+    16 into the second), which a rank reads whole and trims."""
+    src = build_tiny_model(tmp_path / "float", "gpt_oss", seed=3, initializer_range=0.1, intermediate_size=96)
+    path = str(write_mxfp4(_with_large_biases(src), tmp_path / "mxfp4"))
+    single = Engine.from_pretrained(path, **ENGINE)
+    tokens, logprobs = _run(single, prompts)
+    _, float_logprobs = _run(Engine.from_pretrained(str(src), **ENGINE), prompts)
+    assert (logprobs - float_logprobs).abs().max() > 0.01  # the dequantized MXFP4 weights made them
+    sharded = Engine.from_pretrained(path, tensor_parallel=2, **ENGINE)
+    try:
+        mine, whole = sharded.model.model.layers[0].mlp.experts, single.model.model.layers[0].mlp.experts
+        assert torch.equal(mine.gate_up_proj, whole.gate_up_proj[..., :96])
+        assert torch.equal(mine.down_proj, whole.down_proj[:, :48])
+        got, got_logprobs = _run(sharded, prompts)
+    finally:
+        sharded.close()
+    assert got == tokens
+    gap = (got_logprobs - logprobs).abs().max()
+    assert gap < 1e-4, gap
