@@ -29,6 +29,23 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], tor
     return [o.outputs[0].token_ids for o in outs], torch.tensor(logprobs)
 
 
+def _two_ranks(path: str, prompts, check, **options) -> tuple[list[list[int]], torch.Tensor]:
+    """`_run` on a two-rank engine, after `check(rank 0's model)`; the ranks closed after."""
+    sharded = Engine.from_pretrained(path, tensor_parallel=2, **options, **ENGINE)
+    try:
+        check(sharded.model)
+        return _run(sharded, prompts)
+    finally:
+        sharded.close()
+
+
+def _assert_same(got: tuple, want: tuple) -> None:
+    """The single engine's greedy tokens, and its prompt logprobs up to float rounding."""
+    assert got[0] == want[0]
+    gap = (got[1] - want[1]).abs().max()
+    assert gap < 1e-4, gap
+
+
 def _with_large_biases(path: Path) -> Path:
     """`path`'s checkpoint with every bias and sink drawn at 0.5 (seeded)."""
     file = path / "model.safetensors"
@@ -56,21 +73,16 @@ def prompts() -> list[list[int]]:
 def test_two_ranks_give_the_single_engines_tokens_with_biases_and_sinks(gptoss, prompts, one_thread):
     single = Engine.from_pretrained(gptoss, **ENGINE)
     tokens, logprobs = _run(single, prompts)
-    whole = single.model.model.layers
-    sharded = Engine.from_pretrained(gptoss, tensor_parallel=2, **ENGINE)
-    try:
-        for mine, full in zip(sharded.model.model.layers, whole, strict=True):  # rank 0's shard
+
+    def rank0_holds_its_slices(model) -> None:
+        for mine, full in zip(model.model.layers, single.model.model.layers, strict=True):
             assert torch.equal(mine.self_attn.sinks, full.self_attn.sinks[:2])
             experts, full_experts = mine.mlp.experts, full.mlp.experts
             assert torch.equal(experts.gate_up_proj, full_experts.gate_up_proj[..., :128])
             assert torch.equal(experts.down_proj, full_experts.down_proj[:, :64])
             assert torch.equal(experts.down_proj_bias, full_experts.down_proj_bias)  # rank 0 adds it
-        got, got_logprobs = _run(sharded, prompts)
-    finally:
-        sharded.close()
-    assert got == tokens
-    gap = (got_logprobs - logprobs).abs().max()
-    assert gap < 1e-4, gap
+
+    _assert_same(_two_ranks(gptoss, prompts, rank0_holds_its_slices), (tokens, logprobs))
 
 
 def test_two_rank_fp8_is_close_to_single_process_fp8(gptoss, prompts, one_thread):
@@ -85,18 +97,17 @@ def test_two_rank_fp8_is_close_to_single_process_fp8(gptoss, prompts, one_thread
         Engine.from_pretrained(gptoss, quantize="fp8", **ENGINE),
     )
     (_, float_logprobs), (_, fp8_logprobs) = _run(single, prompts), _run(fp8, prompts)
-    sharded = Engine.from_pretrained(gptoss, quantize="fp8", tensor_parallel=2, **ENGINE)
-    try:
-        for mine, whole in zip(sharded.model.model.layers, fp8.model.model.layers, strict=True):
+
+    def rank0_rows_are_single_fp8s(model) -> None:
+        for mine, whole in zip(model.model.layers, fp8.model.model.layers, strict=True):
             shard, full = mine.mlp.experts, whole.mlp.experts  # [experts, out, in] once quantized
             assert torch.equal(
                 shard.gate_up_proj.view(torch.uint8), full.gate_up_proj[:, :128].view(torch.uint8)
             )
             assert torch.equal(shard.gate_up_proj_scale, full.gate_up_proj_scale[:, :128])
             assert (shard.down_proj_scale <= full.down_proj_scale).all()  # a slice's max, not the row's
-        _, logprobs = _run(sharded, prompts)
-    finally:
-        sharded.close()
+
+    _, logprobs = _two_ranks(gptoss, prompts, rank0_rows_are_single_fp8s, quantize="fp8")
     sharding, quantizing = (logprobs - fp8_logprobs).abs(), (fp8_logprobs - float_logprobs).abs()
     assert sharding.mean() <= quantizing.mean(), (sharding.mean(), quantizing.mean())
 
@@ -112,14 +123,10 @@ def test_an_mxfp4_checkpoint_splits_into_the_single_engines_tokens(tmp_path, pro
     tokens, logprobs = _run(single, prompts)
     _, float_logprobs = _run(Engine.from_pretrained(str(src), **ENGINE), prompts)
     assert (logprobs - float_logprobs).abs().max() > 0.01  # the dequantized MXFP4 weights made them
-    sharded = Engine.from_pretrained(path, tensor_parallel=2, **ENGINE)
-    try:
-        mine, whole = sharded.model.model.layers[0].mlp.experts, single.model.model.layers[0].mlp.experts
+
+    def rank0_holds_its_dequantized_slices(model) -> None:
+        mine, whole = model.model.layers[0].mlp.experts, single.model.model.layers[0].mlp.experts
         assert torch.equal(mine.gate_up_proj, whole.gate_up_proj[..., :96])
         assert torch.equal(mine.down_proj, whole.down_proj[:, :48])
-        got, got_logprobs = _run(sharded, prompts)
-    finally:
-        sharded.close()
-    assert got == tokens
-    gap = (got_logprobs - logprobs).abs().max()
-    assert gap < 1e-4, gap
+
+    _assert_same(_two_ranks(path, prompts, rank0_holds_its_dequantized_slices), (tokens, logprobs))
