@@ -36,6 +36,7 @@ from torch import nn
 
 from . import shard_families as families
 from .quantize import Fp8Linear, quantize_layers
+from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts, splits_quantized
 from .shard_mla import mla_plan
 from .shard_packed import covered_plan, qkv_rows, whole_width_norms
 
@@ -93,10 +94,11 @@ def check_splittable(config, world: int) -> None:
     """ValueError, before any rank starts, for a checkpoint the ranks cannot split: heads or widths that
     do not divide (local_config), or quantized weights. load_shards reads each tensor into a float
     parameter by name, so an FP8 or MXFP4 checkpoint's weights would lose their scales and run as
-    garbage; a float checkpoint with quantize="fp8" quantizes each rank's shard instead."""
+    garbage (gpt-oss' MXFP4 experts excepted: shard_gptoss reads them); a float checkpoint with
+    quantize="fp8" quantizes each rank's shard instead."""
     local_config(config.get_text_config(), world)
     quantized = getattr(config, "quantization_config", None)
-    if quantized is not None:
+    if quantized is not None and not splits_quantized(config):
         method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized.quant_method
         raise ValueError(
             f"tensor_parallel={world}: this checkpoint's weights are quantized ({method}), which tensor "
@@ -113,10 +115,10 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         decoder = model.get_decoder()
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
-    base = mla_plan(
-        model,
-        families.family_plan(config.model_type, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN),
+    base = family_plan(config) or families.family_plan(
+        config.model_type, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
     )
+    base = mla_plan(model, base)
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),
@@ -206,8 +208,10 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     plan = tp_plan(model)
     split_vocab(model, config, group)
+    load_mxfp4_experts(model, path, group.rank, dtype, "cpu" if quantize else group.device)
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     whole_width_norms(model, plan, config, group)
+    add_bias_once(model, group.rank)
     if quantize:
         quantize_layers(model, group.device, quantize)
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float

@@ -57,10 +57,10 @@ SPLIT = [
     "gptj",
     "codegen",
     "minimax_m2",
+    "gpt_oss",
 ]
 # name -> what the refusal names
 REFUSED = {
-    "gpt_oss": "embedding_rowwise",
     "helium": "o_proj.weight: a row-parallel weight of shape (64, 64) is whole on a rank",
     "gemma3n": "down_proj.weight: a row-parallel weight of shape (64, 128) is whole on a rank",
     "opt": "the tensor-parallel plan splits nothing in layers [0, 1]",
