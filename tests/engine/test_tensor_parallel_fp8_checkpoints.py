@@ -1,0 +1,104 @@
+"""FP8 checkpoints on two gloo ranks (shard_quantized.py): the single-process engine's greedy tokens and
+prompt logprobs on the same checkpoint, or a refusal at load naming what does not split.
+
+On CPU the single engine dequantizes an FP8 checkpoint to the load dtype, and compressed-tensors also
+quantizes each linear's input per token (or per group) at run time. Each rank dequantizes its slice with
+its scales' slice, so its weights are the single model's slice bit for bit, and a row-parallel linear
+takes its input scale over the ranks: the two runs agree to float rounding (measured at most 1e-6 in
+prompt logprob). Without the all-reduce of that scale, compressed-tensors per-channel Llama's logprobs
+moved by 8e-3 with the same greedy tokens: hence the 1e-4 bound on them as well as equal tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.lab.quantized import write_block_fp8, write_compressed_fp8
+from bulkgen.lab.tiny import build_tiny_model
+
+ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
+# (architecture, its overrides, how the checkpoint is written): per-channel and block compressed-tensors
+# (the block one with group-quantized activations, on one KV head replicated over the ranks), and
+# DeepSeek-V3's fine-grained block FP8 on an MoE model
+CHECKPOINTS = {
+    "llama-ct-channel": ("llama", {}, lambda src, out: write_compressed_fp8(src, out, "channel")),
+    "qwen3-ct-block": (
+        "qwen3",
+        {"num_key_value_heads": 1},
+        lambda src, out: write_compressed_fp8(src, out, "block", block=16),
+    ),
+    "qwen3_moe-fp8-block": ("qwen3_moe", {}, lambda src, out: write_block_fp8(src, out, block=16)),
+}
+
+
+def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens and every prompt token's logprob after the first."""
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    outs = engine.generate(prompts, params)
+    logprobs = [entry["logprob"] for o in outs for entry in o.prompt_logprobs if entry is not None]
+    return [o.outputs[0].token_ids for o in outs], torch.tensor(logprobs)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Chunked prefill (a 64-token step budget) and a shared 40-token prefix (the prefix cache)."""
+    gen = torch.Generator().manual_seed(39)
+    shared = torch.randint(0, 256, (40,), generator=gen).tolist()
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 100, 33)] + [
+        shared + [5, 6],
+        shared + [7, 8, 9],
+    ]
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, prompts, tmp_path, one_thread):
+    arch, overrides, write = CHECKPOINTS[name]
+    checkpoint = str(write(build_tiny_model(tmp_path / "float", arch, seed=3, **overrides), tmp_path / "fp8"))
+    tokens, logprobs = _run(Engine.from_pretrained(checkpoint, **ENGINE), prompts)
+    sharded = Engine.from_pretrained(checkpoint, tensor_parallel=2, **ENGINE)
+    try:
+        sharded_tokens, sharded_logprobs = _run(sharded, prompts)
+        scales = [n for n, _ in sharded.model.named_parameters() if "scale" in n]
+    finally:
+        sharded.close()
+    assert sharded_tokens == tokens
+    assert (sharded_logprobs - logprobs).abs().max() < 1e-4
+    assert scales == []  # dequantized on CPU, as the single engine runs it
+
+
+def test_a_rank_share_of_partial_scale_blocks_is_refused_naming_the_tensor(tmp_path, one_thread):
+    """Blocks of 32 rows: a rank's 16 rows of k_proj (two KV heads of 16) would split every block."""
+    src = build_tiny_model(tmp_path / "float", "llama", seed=3)
+    checkpoint = write_block_fp8(src, tmp_path / "fp8", block=32)
+    with pytest.raises(
+        ValueError, match=r"self_attn\.k_proj\.weight: .*0:16 of 32 .*32-wide FP8 scale blocks"
+    ):
+        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"quant_method": "awq", "bits": 4}, r"quantized \(awq\)"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, r"activation scales are static"),
+        ("static-inputs", r"group_0 quantizes input activations statically"),
+    ],
+)
+def test_other_quantizations_are_refused_before_any_rank_starts(change, named, tmp_path):
+    """AWQ, GPTQ, bitsandbytes, MXFP4 and static activation scales: the ranks would drop what they do not
+    read (a row-parallel layer's static input scale), so they are refused, naming it."""
+    src = build_tiny_model(tmp_path / "float", "llama", seed=3)
+    checkpoint = write_compressed_fp8(src, tmp_path / "fp8")
+    config_file = checkpoint / "config.json"
+    config = json.loads(config_file.read_text())
+    if change == "static-inputs":
+        config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    else:
+        config["quantization_config"] = change
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"{named}.*tensor_parallel 1"):
+        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
