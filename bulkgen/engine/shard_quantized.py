@@ -155,25 +155,28 @@ class Fp8Slice:
             _span(k, n) for k, n in zip(key + (slice(None),) * (len(full) - len(key)), full, strict=True)
         ]
         values = self.weight[tuple(slice(a, b) for a, b in spans)]
-        scale = self._scales(spans, full, tuple(self.scale.get_shape()))
-        if self.handle.method == "fp8":  # transformers' Fp8Dequantize: in float32, then the load dtype
-            return (values.float() * scale.float()).to(self.handle.dtype)
-        dtype = self.handle.dtype  # compressed-tensors: in the scale's dtype, its parameter's: the load dtype
-        return values.to(dtype) * scale.to(dtype)
+        # transformers' Fp8Dequantize multiplies in float32, then casts to the load dtype; compressed-tensors
+        # in its scale's dtype, its scale parameter's: the load dtype. In place on the one float copy
+        dtype = torch.float32 if self.handle.method == "fp8" else self.handle.dtype
+        out = values.to(dtype)
+        scale, per_block = self._scales(spans, full, tuple(self.scale.get_shape()))
+        if per_block:  # one scale per whole block: broadcast over a view of the blocks
+            rows, cols = out.shape[-2:]
+            grid = out.view(*out.shape[:-2], scale.shape[-2], rows // scale.shape[-2], scale.shape[-1], -1)
+            grid.mul_(scale.to(dtype)[..., :, None, :, None])
+        else:
+            out.mul_(scale.to(dtype))
+        return out.to(self.handle.dtype)
 
-    def _scales(self, spans: list[tuple[int, int]], full: tuple, shape: tuple) -> torch.Tensor:
-        """The scales of the values in `spans`, broadcastable to them: a scale dimension of 1 (per
-        tensor, per output channel, per expert) stays whole, one as long as the weight's is sliced with
-        it, and a shorter one holds blocks."""
+    def _scales(self, spans: list[tuple[int, int]], full: tuple, shape: tuple) -> tuple[torch.Tensor, bool]:
+        """The scales of the values in `spans` and whether they are one per whole block (else they
+        broadcast to the values): a scale dimension of 1 (per tensor, per output channel, per expert)
+        stays whole, one as long as the weight's is sliced with it, and a shorter one holds blocks."""
         if len(shape) < len(full):  # one scale for the whole tensor, stored as [1] or []
-            return self.handle.handle.get_tensor(self.scale_name).reshape(-1)[0]
+            return self.handle.handle.get_tensor(self.scale_name).reshape(-1)[0], False
         if all(s in (1, n) for s, n in zip(shape, full, strict=True)):
-            return self.scale[
-                tuple(
-                    slice(a, b) if s == n else slice(None)
-                    for (a, b), s, n in zip(spans, shape, full, strict=True)
-                )
-            ]
+            index = zip(spans, shape, full, strict=True)
+            return self.scale[tuple(slice(a, b) if s == n else slice(None) for (a, b), s, n in index)], False
         blocks = self.handle.block or (-(-full[-2] // shape[-2]), -(-full[-1] // shape[-1]))
         index = [slice(a, b) for a, b in spans[:-2]]
         for (start, stop), n, size in zip(spans[-2:], full[-2:], blocks, strict=True):
@@ -185,10 +188,12 @@ class Fp8Slice:
                 )
             index.append(slice(start // size, -(-stop // size)))
         scale = self.scale[tuple(index)]
-        for dim, size in zip((-2, -1), blocks, strict=True):
-            scale = scale.repeat_interleave(size, dim=dim)
         rows, cols = spans[-2][1] - spans[-2][0], spans[-1][1] - spans[-1][0]
-        return scale[..., :rows, :cols]
+        if rows % blocks[0] == 0 and cols % blocks[1] == 0:
+            return scale, True
+        for dim, size in zip((-2, -1), blocks, strict=True):  # a last, partial block: scales per value
+            scale = scale.repeat_interleave(size, dim=dim)
+        return scale[..., :rows, :cols], False
 
 
 def _span(key, n: int) -> tuple[int, int]:
