@@ -24,7 +24,7 @@ MIB = 1 << 20
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
 # (architecture, its overrides, how the checkpoint is written): per-channel and block compressed-tensors
 # (the block one with group-quantized activations, on one KV head replicated over the ranks), and
-# DeepSeek-V3's fine-grained block FP8 on an MoE model
+# DeepSeek-V3's fine-grained block FP8 on an MoE model, its experts FP8 one Linear per expert
 CHECKPOINTS = {
     "llama-ct-channel": ("llama", {}, lambda src, out: write_compressed_fp8(src, out, "channel")),
     "qwen3-ct-block": (
