@@ -27,6 +27,7 @@ bit-equal, for row-parallel layers).
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ class Fp8Checkpoint:
         self.method = quant["quant_method"]
         self.quant = quant
         self.block = _block_size(quant)
+        self.scale_files: dict[str, str] | None = None  # scale tensor -> its file (reader)
         # as loading._kernel_options: transformers keeps compressed-tensors FP8 on sm89+ (its row-wise GEMM)
         self.keeps_fp8 = (
             self.method == "compressed-tensors"
@@ -51,9 +53,12 @@ class Fp8Checkpoint:
             and torch.cuda.get_device_capability(device) >= (8, 9)
         )
 
-    def reader(self, handle, dtype: torch.dtype) -> Fp8Handle:
-        """`handle` (a safetensors file) with its FP8 weights read as dequantized slices."""
-        return Fp8Handle(handle, dtype, self.method, self.block)
+    def reader(self, handle, dtype: torch.dtype, path) -> Fp8Handle:
+        """`handle` (a safetensors file of the checkpoint at `path`) with its FP8 weights read as
+        dequantized slices."""
+        if self.scale_files is None:
+            self.scale_files = _scale_files(path, SCALE_SUFFIX[self.method])
+        return Fp8Handle(handle, dtype, self)
 
     def attach_activations(self, model: nn.Module, path, plan: dict[str, str], group) -> None:
         """Give each compressed-tensors linear its input quantization, as the single engine runs it
@@ -119,23 +124,51 @@ def _block_size(quant: dict) -> tuple[int, int] | None:
     return blocks.pop() if blocks else None
 
 
-class Fp8Handle:
-    """A safetensors file whose FP8 weights (those with a scale tensor beside them) read as slices in
-    the load dtype; everything else reads as stored. What sharding.load_shards uses of a handle."""
+def _scale_files(path, suffix: str) -> dict[str, str]:
+    """Every scale tensor of the checkpoint and the file that holds it: a weight's scales may be in
+    another file of a sharded checkpoint than the weight."""
+    from safetensors import safe_open
 
-    def __init__(self, handle, dtype: torch.dtype, method: str, block: tuple[int, int] | None) -> None:
-        self.handle, self.dtype, self.method, self.block = handle, dtype, method, block
-        self.names = set(handle.keys())
+    from .sharding import _safetensors_files
+
+    files = {}
+    for file in _safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            files.update((name, str(file)) for name in handle.keys() if name.endswith(suffix))
+    return files
+
+
+class Fp8Handle:
+    """A safetensors file whose FP8 weights read as slices in the load dtype, each with its scales
+    (from whichever file holds them); everything else reads as stored. What load_shards uses of it."""
+
+    def __init__(self, handle, dtype: torch.dtype, checkpoint: Fp8Checkpoint) -> None:
+        self.handle, self.dtype, self.checkpoint = handle, dtype, checkpoint
+        self.method, self.block = checkpoint.method, checkpoint.block
+        self.opened: dict[str, object] = {}  # the other files scales were read from
 
     def keys(self):
         return self.handle.keys()
 
     def get_slice(self, name: str):
         view = self.handle.get_slice(name)
-        scale = name.removesuffix(".weight") + ".weight" + SCALE_SUFFIX[self.method]
-        if not name.endswith(".weight") or scale not in self.names:
-            return view
-        return Fp8Slice(view, scale, self)
+        scale = f"{name}{SCALE_SUFFIX[self.method]}"
+        if scale in self.checkpoint.scale_files:
+            return Fp8Slice(view, scale, self)
+        if view.get_dtype().startswith("F8"):  # read as plain numbers it would give garbage
+            raise ValueError(f"an FP8 tensor, but the checkpoint has no {scale} to dequantize it")
+        return view
+
+    def file_of(self, scale: str):
+        """The open file that holds tensor `scale`."""
+        file = self.checkpoint.scale_files[scale]
+        if scale in self.handle.keys():
+            return self.handle
+        if file not in self.opened:
+            from safetensors import safe_open
+
+            self.opened[file] = safe_open(file, framework="pt", device="cpu")
+        return self.opened[file]
 
 
 class Fp8Slice:
@@ -143,7 +176,7 @@ class Fp8Slice:
 
     def __init__(self, weight, scale_name: str, handle: Fp8Handle) -> None:
         self.weight, self.scale_name, self.handle = weight, scale_name, handle
-        self.scale = handle.handle.get_slice(scale_name)
+        self.scale = handle.file_of(scale_name).get_slice(scale_name)
 
     def get_shape(self) -> list[int]:
         return self.weight.get_shape()
@@ -173,7 +206,7 @@ class Fp8Slice:
         broadcast to the values): a scale dimension of 1 (per tensor, per output channel, per expert)
         stays whole, one as long as the weight's is sliced with it, and a shorter one holds blocks."""
         if len(shape) < len(full):  # one scale for the whole tensor, stored as [1] or []
-            return self.handle.handle.get_tensor(self.scale_name).reshape(-1)[0], False
+            return self.handle.file_of(self.scale_name).get_tensor(self.scale_name).reshape(-1)[0], False
         if all(s in (1, n) for s, n in zip(shape, full, strict=True)):
             index = zip(spans, shape, full, strict=True)
             return self.scale[tuple(slice(a, b) if s == n else slice(None) for (a, b), s, n in index)], False

@@ -311,7 +311,7 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
     fp8 = fp8_checkpoint(model.config, world)
     for file in _safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
-            handle = fp8.reader(handle, dtype) if fp8 else handle
+            handle = fp8.reader(handle, dtype, path) if fp8 else handle
             for name in handle.keys():
                 target, half, expert = _target(rename(name, params), params)
                 if target is None:

@@ -230,6 +230,32 @@ def _weight_scale(weight, strategy: str, block: int):
     return amax.clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
 
 
+def reshard(checkpoint: str | Path, limit: int) -> int:
+    """Split the checkpoint's one `model.safetensors` into files of about `limit` bytes with their index,
+    as transformers writes a large model (a weight and its scales may land in different files); the
+    largest file's size."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = Path(checkpoint)
+    tensors = load_file(checkpoint / "model.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    files, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        current[name], size = tensor, size + tensor.numel() * tensor.element_size()
+        if size >= limit:
+            files.append(current)
+            current, size = {}, 0
+    files.append(current)
+    weight_map = {}
+    for i, part in enumerate(f for f in files if f):
+        name = f"model-{i:05d}.safetensors"
+        save_file(part, str(checkpoint / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
+    return max(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+
+
 def _copy_tokenizer(src: Path, out: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():

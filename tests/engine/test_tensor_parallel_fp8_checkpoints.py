@@ -17,14 +17,13 @@ import pytest
 import torch
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.lab.quantized import write_block_fp8, write_compressed_fp8
+from bulkgen.lab.quantized import reshard, write_block_fp8, write_compressed_fp8
 from bulkgen.lab.tiny import build_tiny_model
 
-MIB = 1 << 20
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
 # (architecture, its overrides, how the checkpoint is written): per-channel and block compressed-tensors
 # (the block one with group-quantized activations, on one KV head replicated over the ranks), and
-# DeepSeek-V3's fine-grained block FP8 on an MoE model, its experts FP8 one Linear per expert
+# DeepSeek-V3's fine-grained block FP8 on an MoE model, its experts FP8 one Linear per expert, sharded
 CHECKPOINTS = {
     "llama-ct-channel": ("llama", {}, lambda src, out: write_compressed_fp8(src, out, "channel")),
     "qwen3-ct-block": (
@@ -32,8 +31,18 @@ CHECKPOINTS = {
         {"num_key_value_heads": 1},
         lambda src, out: write_compressed_fp8(src, out, "block", block=16),
     ),
-    "qwen3_moe-fp8-block": ("qwen3_moe", {}, lambda src, out: write_block_fp8(src, out, block=16)),
+    "qwen3_moe-fp8-block": (
+        "qwen3_moe",
+        {},
+        lambda src, out: _one_tensor_a_file(write_block_fp8(src, out, 16)),
+    ),
 }
+
+
+def _one_tensor_a_file(checkpoint):
+    """Each tensor in a file of its own: a weight's scales are never in its file."""
+    reshard(checkpoint, 1)
+    return checkpoint
 
 
 def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
@@ -81,6 +90,20 @@ def test_a_rank_share_of_partial_scale_blocks_is_refused_naming_the_tensor(tmp_p
         Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
 
 
+def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, one_thread):
+    """Read as plain numbers, an e4m3 weight would run as garbage."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = write_block_fp8(build_tiny_model(tmp_path / "float", "llama", seed=3), tmp_path / "fp8", 16)
+    tensors = load_file(checkpoint / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight_scale_inv"]
+    save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=r"layers\.1\.mlp\.up_proj\.weight: an FP8 tensor, .* no .*weight_scale_inv"
+    ):
+        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
+
+
 @pytest.mark.parametrize(
     "change, named",
     [
@@ -103,71 +126,3 @@ def test_other_quantizations_are_refused_before_any_rank_starts(change, named, t
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"{named}.*tensor_parallel 1"):
         Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
-
-
-def _reshard(checkpoint, limit: int) -> int:
-    """Split the checkpoint's one safetensors file into files of about `limit` bytes, with their index
-    (as transformers writes a large model); the largest file's size."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(checkpoint / "model.safetensors")
-    (checkpoint / "model.safetensors").unlink()
-    files, current, size = [], {}, 0
-    for name, tensor in tensors.items():
-        current[name], size = tensor, size + tensor.numel() * tensor.element_size()
-        if size >= limit:
-            files.append(current)
-            current, size = {}, 0
-    files.append(current)
-    weight_map = {}
-    for i, part in enumerate(files):
-        name = f"model-{i:05d}.safetensors"
-        save_file(part, str(checkpoint / name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, name))
-    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    return max(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-
-
-def test_each_rank_peaks_near_its_share_of_an_fp8_checkpoint(tmp_path):
-    """test_tensor_parallel_memory.py's model as DeepSeek-layout block FP8 (128 x 128) in 4 MB files: each
-    rank holds half of the dequantized float weights, and its loading peak grows by about that, not by the
-    single engine's whole dequantized model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from bulkgen.lab.tiny import build_tokenizer
-
-    tok = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=512,
-        intermediate_size=2048,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        eos_token_id=tok.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    full = sum(p.numel() * p.element_size() for p in model.parameters())  # the dequantized float model
-    model.save_pretrained(tmp_path / "float")
-    tok.save_pretrained(tmp_path / "float")
-    del model
-    checkpoint = write_block_fp8(tmp_path / "float", tmp_path / "fp8", block=128)
-    largest = _reshard(checkpoint, 4 << 20)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    engine = Engine.from_pretrained(str(checkpoint), device="cpu", tensor_parallel=2, num_kv_blocks=16)
-    try:
-        memory = engine.runner.tp.rank_memory()
-    finally:
-        engine.close()
-        torch.set_num_threads(threads)
-    for rank in memory:
-        grown = rank["peak_rss"] - rank["rss_before"]
-        assert rank["weight_bytes"] <= full // 2 + 512 * 131 * 4  # half, plus the padded vocabulary row
-        # as the float test's bound, plus what glibc keeps of the freed float copies the slices were
-        # dequantized in once it raises its mmap threshold (measured 87 MiB over 61 of weights at rank 1;
-        # about 27 MiB less with MALLOC_MMAP_THRESHOLD_ fixed)
-        assert grown <= rank["weight_bytes"] + 2 * largest + 32 * MIB, (rank, full)
-        assert grown < 0.8 * full, (rank, full)
