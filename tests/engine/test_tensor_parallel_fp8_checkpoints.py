@@ -68,7 +68,8 @@ def prompts() -> list[list[int]]:
 def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, prompts, tmp_path, one_thread):
     arch, overrides, write = CHECKPOINTS[name]
     checkpoint = str(write(build_tiny_model(tmp_path / "float", arch, seed=3, **overrides), tmp_path / "fp8"))
-    tokens, logprobs = _run(Engine.from_pretrained(checkpoint, **ENGINE), prompts)
+    single = Engine.from_pretrained(checkpoint, **ENGINE)
+    tokens, logprobs = _run(single, prompts)
     sharded = Engine.from_pretrained(checkpoint, tensor_parallel=2, **ENGINE)
     try:
         sharded_tokens, sharded_logprobs = _run(sharded, prompts)
@@ -78,6 +79,11 @@ def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, pro
     assert sharded_tokens == tokens
     assert (sharded_logprobs - logprobs).abs().max() < 1e-4
     assert scales == []  # dequantized on CPU, as the single engine runs it
+    for whole, mine in zip(single.model.model.layers, sharded.model.model.layers, strict=True):
+        # rank 0's slices, bit for bit: q_proj's first rows (column-parallel), o_proj's first columns
+        q, o = mine.self_attn.q_proj.weight, mine.self_attn.o_proj.weight
+        assert torch.equal(q, whole.self_attn.q_proj.weight[: q.shape[0]])
+        assert torch.equal(o, whole.self_attn.o_proj.weight[:, : o.shape[1]])
 
 
 def test_a_rank_share_of_partial_scale_blocks_is_refused_naming_the_tensor(tmp_path, one_thread):
@@ -125,4 +131,16 @@ def test_other_quantizations_are_refused_before_any_rank_starts(change, named, t
         config["quantization_config"] = change
     config_file.write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"{named}.*tensor_parallel 1"):
+        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
+
+
+def test_a_quantized_vision_language_model_is_refused_before_any_rank_starts(tmp_path):
+    """Its encoder loads whole on rank 0 (vision_shards.py), beside the FP8 language model, through no
+    path that reads FP8 scales or runs compressed-tensors' input quantization."""
+    from bulkgen.lab.tiny_vision import build_tiny_vlm
+
+    checkpoint = write_compressed_fp8(build_tiny_vlm(tmp_path / "float", "llava", seed=5), tmp_path / "fp8")
+    with pytest.raises(
+        ValueError, match=r"compressed-tensors, in a vision-language model.*tensor_parallel 1"
+    ):
         Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
