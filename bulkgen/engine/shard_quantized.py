@@ -43,7 +43,6 @@ class Fp8Checkpoint:
 
     def __init__(self, quant: dict, device: torch.device) -> None:
         self.method = quant["quant_method"]
-        self.quant = quant
         self.block = _block_size(quant)
         self.scale_files: dict[str, str] | None = None  # scale tensor -> its file (reader)
         # as loading._kernel_options: transformers keeps compressed-tensors FP8 on sm89+ (its row-wise GEMM)
