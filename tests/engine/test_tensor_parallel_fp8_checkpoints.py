@@ -21,11 +21,13 @@ from bulkgen.lab.quantized import reshard, write_block_fp8, write_compressed_fp8
 from bulkgen.lab.tiny import build_tiny_model
 
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
-# (architecture, its overrides, how the checkpoint is written): per-channel and block compressed-tensors
-# (the block one with group-quantized activations, on one KV head replicated over the ranks), and
-# DeepSeek-V3's fine-grained block FP8 on an MoE model, its experts FP8 one Linear per expert, sharded
+# (architecture, its overrides, how the checkpoint is written): per-channel, per-tensor and block
+# compressed-tensors (the block one with group-quantized activations, on one KV head replicated over the
+# ranks), and DeepSeek-V3's fine-grained block FP8 on an MoE model (its experts FP8 one Linear per expert,
+# every tensor in a file of its own)
 CHECKPOINTS = {
     "llama-ct-channel": ("llama", {}, lambda src, out: write_compressed_fp8(src, out, "channel")),
+    "qwen3-ct-tensor": ("qwen3", {}, lambda src, out: write_compressed_fp8(src, out, "tensor")),
     "qwen3-ct-block": (
         "qwen3",
         {"num_key_value_heads": 1},
