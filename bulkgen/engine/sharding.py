@@ -36,9 +36,10 @@ from torch import nn
 
 from . import shard_families as families
 from .quantize import Fp8Linear, quantize_layers
-from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts, splits_quantized
+from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts
 from .shard_mla import mla_plan
 from .shard_packed import covered_plan, qkv_rows, whole_width_norms
+from .shard_quantized import fp8_checkpoint
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -92,19 +93,10 @@ def local_config(config, world: int):
 
 def check_splittable(config, world: int) -> None:
     """ValueError, before any rank starts, for a checkpoint the ranks cannot split: heads or widths that
-    do not divide (local_config), or quantized weights. load_shards reads each tensor into a float
-    parameter by name, so an FP8 or MXFP4 checkpoint's weights would lose their scales and run as
-    garbage (gpt-oss' MXFP4 experts excepted: shard_gptoss reads them); a float checkpoint with
-    quantize="fp8" quantizes each rank's shard instead."""
+    do not divide (local_config), or quantized weights other than FP8 (shard_quantized.py) and gpt-oss'
+    MXFP4 (shard_gptoss.py)."""
     local_config(config.get_text_config(), world)
-    quantized = getattr(config, "quantization_config", None)
-    if quantized is not None and not splits_quantized(config):
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized.quant_method
-        raise ValueError(
-            f"tensor_parallel={world}: this checkpoint's weights are quantized ({method}), which tensor "
-            "parallel does not split yet; serve it at tensor_parallel 1, or serve the float checkpoint with "
-            "--quantize fp8 (each rank quantizes its own shard)"
-        )
+    fp8_checkpoint(config, world)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
@@ -209,11 +201,15 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     plan = tp_plan(model)
     split_vocab(model, config, group)
     load_mxfp4_experts(model, path, group.rank, dtype, "cpu" if quantize else group.device)
+    if fp8 := fp8_checkpoint(config, group.world, group.device):  # as loading.load_model: its own format
+        quantize = "fp8" if fp8.keeps_fp8 else None
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     whole_width_norms(model, plan, config, group)
     add_bias_once(model, group.rank)
     if quantize:
         quantize_layers(model, group.device, quantize)
+    elif fp8:
+        fp8.attach_activations(model, path, plan, group)
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
     model.bulkgen_tp = group
     return model.to(group.device).eval()
@@ -334,8 +330,10 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
     }
     filled: set[str] = set()
     rename = _renamer(model)
+    fp8 = fp8_checkpoint(model.config, world)
     for file in _safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
+            handle = fp8.reader(handle, dtype, path) if fp8 else handle
             for name in handle.keys():
                 target, half, expert = _target(rename(name, params), params, rename)
                 if target is None:

@@ -92,8 +92,10 @@ def float_model_and_ignore(src: str | Path) -> tuple:
 def write_block_fp8(src: str | Path, out: str | Path, block: int = 128) -> Path:
     """Save `src` as a fine-grained FP8 checkpoint (transformers' `quant_method: fp8`, DeepSeek-V3's
     layout): each decoder-layer Linear's `weight` in e4m3 and `weight_scale_inv` [out/block, in/block]
-    (the factor that dequantizes each block). Written tensor by tensor: transformers only writes this
-    format after quantizing on a GPU."""
+    (the factor that dequantizes each block); fused MoE experts (transformers 5's 3-D `gate_up_proj`,
+    `down_proj`) one Linear per expert and projection, `experts.E.gate_proj.weight` and so on, as
+    DeepSeek-V3 and Qwen3-235B-A22B-FP8 store them. Written tensor by tensor: transformers only writes
+    this format after quantizing on a GPU."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -102,12 +104,9 @@ def write_block_fp8(src: str | Path, out: str | Path, block: int = 128) -> Path:
     tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
-            weight = module.weight.detach().float()
-            scale = _weight_scale(weight, "block", block)
-            rows, cols = weight.shape
-            blocks = weight.reshape(rows // block, block, cols // block, block) / scale[:, None, :, None]
-            tensors[f"{name}.weight"] = blocks.reshape(rows, cols).to(torch.float8_e4m3fn)
-            tensors[f"{name}.weight_scale_inv"] = scale.float()
+            tensors.update(_block_fp8(f"{name}.weight", module.weight.detach(), block))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors.update(_per_expert_block_fp8(name, tensors.pop(name), block))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -120,6 +119,30 @@ def write_block_fp8(src: str | Path, out: str | Path, block: int = 128) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     _copy_tokenizer(Path(src), out)
     return out
+
+
+def _block_fp8(name: str, weight, block: int) -> dict:
+    """`name` (a 2-D weight) in e4m3 and its `weight_scale_inv`, one per `block` x `block` tile."""
+    import torch
+
+    weight = weight.float()
+    scale = _weight_scale(weight, "block", block)
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows // block, block, cols // block, block) / scale[:, None, :, None]
+    fp8 = blocks.reshape(rows, cols).to(torch.float8_e4m3fn)
+    return {name: fp8, f"{name}_scale_inv": scale.float()}
+
+
+def _per_expert_block_fp8(name: str, fused, block: int) -> dict:
+    """A fused [experts, out, in] expert weight as one block-FP8 Linear per expert (gate_up: its gate
+    half, then its up half, as transformers 5 packs them)."""
+    prefix, _, fused_name = name.rpartition(".")
+    parts = ("gate_proj", "up_proj") if fused_name == "gate_up_proj" else ("down_proj",)
+    tensors = {}
+    for expert, weight in enumerate(fused):
+        for part, half in zip(parts, weight.chunk(len(parts)), strict=True):
+            tensors.update(_block_fp8(f"{prefix}.{expert}.{part}.weight", half, block))
+    return tensors
 
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of the 4-bit values (bit 3: sign)
@@ -205,6 +228,32 @@ def _weight_scale(weight, strategy: str, block: int):
             raise ValueError(f"a {rows}x{cols} weight does not split into {block}x{block} blocks")
         amax = weight.abs().reshape(rows // block, block, cols // block, block).amax(dim=(1, 3))
     return amax.clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+
+
+def reshard(checkpoint: str | Path, limit: int) -> int:
+    """Split the checkpoint's one `model.safetensors` into files of about `limit` bytes with their index,
+    as transformers writes a large model (a weight and its scales may land in different files); the
+    largest file's size."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = Path(checkpoint)
+    tensors = load_file(checkpoint / "model.safetensors")
+    (checkpoint / "model.safetensors").unlink()
+    files, current, size = [], {}, 0
+    for name, tensor in tensors.items():
+        current[name], size = tensor, size + tensor.numel() * tensor.element_size()
+        if size >= limit:
+            files.append(current)
+            current, size = {}, 0
+    files.append(current)
+    weight_map = {}
+    for i, part in enumerate(f for f in files if f):
+        name = f"model-{i:05d}.safetensors"
+        save_file(part, str(checkpoint / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
+    return max(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
 
 
 def _copy_tokenizer(src: Path, out: Path) -> None:
