@@ -38,6 +38,9 @@ CHECKPOINTS = {
         {},
         lambda src, out: _one_tensor_a_file(write_block_fp8(src, out, 16)),
     ),
+    # DeepSeek-V3's own format on its own architecture: latent attention (kv_b_proj split by heads,
+    # the latent projections whole on every rank) and FP8 experts
+    "deepseek_v3-fp8-block": ("deepseek_v3", {}, lambda src, out: write_block_fp8(src, out, 8)),
 }
 
 
@@ -83,8 +86,11 @@ def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, pro
     assert scales == []  # dequantized on CPU, as the single engine runs it
     for whole, mine in zip(single.model.model.layers, sharded.model.model.layers, strict=True):
         # rank 0's slices, bit for bit: q_proj's first rows (column-parallel), o_proj's first columns
-        q, o = mine.self_attn.q_proj.weight, mine.self_attn.o_proj.weight
-        assert torch.equal(q, whole.self_attn.q_proj.weight[: q.shape[0]])
+        query = (
+            "q_proj" if getattr(whole.self_attn, "q_proj", None) is not None else "q_b_proj"
+        )  # MLA: q LoRA
+        q, o = getattr(mine.self_attn, query).weight, mine.self_attn.o_proj.weight
+        assert torch.equal(q, getattr(whole.self_attn, query).weight[: q.shape[0]])
         assert torch.equal(o, whole.self_attn.o_proj.weight[:, : o.shape[1]])
 
 
