@@ -30,7 +30,7 @@ from .lora_tp import AdapterRef, LoraPlan
 
 # items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path), the images section's ints
 _HEADER = 5
-_ITEM = 12  # ints before each item's tokens and table entries (see PlanEncoder.encode)
+_ITEM = 13  # ints before each item's tokens and table entries (see PlanEncoder.encode)
 
 
 @dataclass
@@ -50,8 +50,11 @@ class PlanEncoder:
         self.sent: dict[int, tuple[list[list[int]], int]] = {}  # seq_id -> (its tables, entries sent)
         self.loaded: list[int] = []  # the adapter uids the previous plan's LoRA section named
 
-    def encode(self, batch: list, pending_rows: int, graph: tuple[int, int] | None, loras=None) -> bytes:
-        """The packed plan; `loras`: rank 0's LoraSlots, whose adapters and slots the followers copy."""
+    def encode(
+        self, batch: list, pending_rows: int, graph: tuple[int, int] | None, loras=None, states=None
+    ) -> bytes:
+        """The packed plan; `loras`: rank 0's LoraSlots, whose adapters and slots the followers copy;
+        `states`: a hybrid model's StatePool, whose slot for each sequence its followers use."""
         flat: list[int] = [len(batch), pending_rows, *(graph or (0, 0)), 0]
         sent: dict[int, tuple[list[list[int]], int]] = {}
         for seq, n in batch:
@@ -63,7 +66,8 @@ class PlanEncoder:
             tokens = seq.token_ids[seq.num_computed_tokens :][:n]
             flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
             flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
-            flat += [len(tables), start, length - start, *tokens]
+            slot = -1 if states is None else states.slot_of[seq.seq_id]
+            flat += [len(tables), start, length - start, slot, *tokens]
             for table in tables:
                 flat += table[start:]
         self.sent = sent
@@ -135,6 +139,7 @@ class StandIn:
         self.seq_id, self.num_computed_tokens, self.length = seq_id, computed, length
         self.num_prompt_tokens, self.max_tokens, self.pools = prompt, max_tokens, bool(pools)
         self.needs_prompt_logprobs = bool(scores)
+        self.state_slot = fields[12] if fields[12] >= 0 else None  # rank 0's (state_slots.StatePool.slot)
         self.request = _Scored([None] * scored)
         self.token_ids = _Tail(computed, tokens)
         self.block_tables = tables

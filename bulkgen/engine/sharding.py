@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import shard_hybrid as hybrid
 from .quantize import Fp8Linear, quantize_layers
 
 DEFAULT_PLAN = {
@@ -45,13 +46,14 @@ DEFAULT_PLAN = {
     "layers.*.mlp.down_proj": "rowwise",
 }
 REPLICATED = {"replicated_with_grad_allreduce"}
-SUPPORTED = {"colwise", "rowwise", "packed_colwise", "moe_tp_experts"} | REPLICATED
+SUPPORTED = {"colwise", "rowwise", "packed_colwise", "moe_tp_experts", hybrid.COLWISE_PARTS} | REPLICATED
 # config fields that are per-rank widths: each is divided by the world size
 SPLIT_FIELDS = (
     "num_attention_heads",
     "intermediate_size",
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
+    *hybrid.LINEAR_HEAD_FIELDS,
 )
 # legacy per-expert checkpoint names -> (fused parameter, which half of gate_up it fills: 0, 1, None)
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -94,6 +96,7 @@ def check_splittable(config, world: int) -> None:
     parameter by name, so an FP8 or MXFP4 checkpoint's weights would lose their scales and run as
     garbage; a float checkpoint with quantize="fp8" quantizes each rank's shard instead."""
     local_config(config.get_text_config(), world)
+    hybrid.check_recurrent_split(config.get_text_config(), world)
     quantized = getattr(config, "quantization_config", None)
     if quantized is not None:
         method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized.quant_method
@@ -113,13 +116,14 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
     base = getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
+    base = {**base, **hybrid.linear_attention_plan(config)}
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),
         # which split_vocab splits anyway: its layers take the common names' plan
         base = {k: v for k, v in base.items() if v != "embedding_rowwise"} or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
-    unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
+    unsupported = sorted({s for s in plan.values() if hybrid.base_style(s) not in SUPPORTED})
     if unsupported:
         raise ValueError(
             f"{type(model).__name__}'s tensor-parallel plan uses {unsupported}; bulkgen shards {sorted(SUPPORTED)}"
@@ -265,6 +269,8 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
         shape = shape[1:]
     if style == "packed_colwise" and half is None:  # a fused gate_up in the checkpoint: both halves
         return torch.cat([packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
+    if style and hybrid.base_style(style) == hybrid.COLWISE_PARTS:  # shard_hybrid.py
+        return hybrid.read_parts(view, style, full, rank, world)
     if style == "vocab":
         rows = shape[0]
         return view[rank * rows : min((rank + 1) * rows, full[0])]

@@ -1,0 +1,131 @@
+"""Tensor-parallel split of the gated delta net layers of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, as vLLM's
+qwen3_next.py splits them: each rank holds whole key heads and the value heads that read them.
+
+The local config (sharding.local_config) divides `linear_num_key_heads` and `linear_num_value_heads` by
+the world size, so every module of a rank's layer is built at its heads' width and transformers' forward
+runs unchanged; the state slots (hybrid_layers.probe_states) are sized from that module, so each rank's
+conv and recurrent states hold its heads only. What this module adds is where a rank's rows sit in the
+checkpoint:
+
+- Qwen3-Next's `in_proj_qkvz` and `in_proj_ba` are packed per key-head group ([q, k, v, z] and [b, a]
+  of the group's value heads, group after group), so a rank's groups are one contiguous block of rows:
+  plain colwise.
+- Qwen3.5's `in_proj_qkv` and every layer's depthwise `conv1d` hold all queries, then all keys, then all
+  values: a rank takes its share of each of the three parts (COLWISE_PARTS).
+- `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log` and `dt_bias` are per value head, contiguous: colwise.
+- The gated RMSNorm normalizes each head over its own head_dim: replicated, no cross-rank statistic.
+- `out_proj` reads the value heads: rowwise, its partial sums all-reduced (sharding.add_all_reduces).
+
+transformers' own plan (`colwise_gather_output` for these projections) gathers every head onto every
+rank, which would run the recurrence whole on each one; other linear-attention families keep that plan
+and are refused by it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# config fields counting linear-attention heads: split over the ranks like num_attention_heads
+LINEAR_HEAD_FIELDS = ("linear_num_key_heads", "linear_num_value_heads")
+# the text configs whose gated delta net layout this module knows (a vision-language model's decoder too)
+GATED_DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
+# "colwise_parts:a,b,c": a tensor whose rows are parts of a * world, b * world and c * world rows, of which
+# each rank holds its a, b and c (the sizes come from the rank's model, built from the local config)
+COLWISE_PARTS = "colwise_parts"
+
+
+def linear_attention_plan(config) -> dict[str, str]:
+    """Plan entries (from the decoder's root) for a gated delta net model's linear-attention layers,
+    replacing transformers' gather-output ones; {} for any other model. `config`: a rank's local one."""
+    if getattr(config, "model_type", None) not in GATED_DELTA_NET_TYPES:
+        return {}
+    keys = config.linear_num_key_heads * config.linear_key_head_dim
+    values = config.linear_num_value_heads * config.linear_value_head_dim
+    qkv = f"{COLWISE_PARTS}:{keys},{keys},{values}"
+    layer = "layers.*.linear_attn"
+    plan = {f"{layer}.{name}": "colwise" for name in ("in_proj_qkvz", "in_proj_ba", "in_proj_z")}
+    plan.update({f"{layer}.{name}": "colwise" for name in ("in_proj_b", "in_proj_a", "A_log", "dt_bias")})
+    plan.update({f"{layer}.in_proj_qkv": qkv, f"{layer}.conv1d": qkv, f"{layer}.out_proj": "rowwise"})
+    return plan
+
+
+# config fields only recurrent layers have (Mamba-2, short conv, linear attention), and the layer kinds
+# that hold a KV cache: anything else in layer_types is a recurrent layer
+_RECURRENT_FIELDS = (
+    "mamba_n_heads",
+    "mamba_d_state",
+    "ssm_state_size",
+    "conv_L_cache",
+    "linear_num_key_heads",
+)
+_ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention", "chunked_attention"}
+
+
+def check_recurrent_split(config, world: int) -> None:
+    """ValueError, before any rank starts, for a hybrid whose recurrent layers tensor parallel does not
+    split: each rank would run them whole from the local config's head counts and give other tokens."""
+    if getattr(config, "model_type", None) in GATED_DELTA_NET_TYPES:
+        return
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_KINDS)
+    fields = [name for name in _RECURRENT_FIELDS if getattr(config, name, None) is not None]
+    if kinds or fields:
+        raise ValueError(
+            f"tensor_parallel={world}: this {config.model_type} model has recurrent layers "
+            f"({', '.join(kinds + fields)}) that tensor parallel does not split (it splits the gated delta "
+            f"net layers of {sorted(GATED_DELTA_NET_TYPES)}); serve it at tensor_parallel 1"
+        )
+
+
+def base_style(style: str) -> str:
+    """A style without its parameters ("colwise_parts:32,32,64" -> "colwise_parts")."""
+    return style.partition(":")[0]
+
+
+def read_parts(view, style: str, full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of each part of a COLWISE_PARTS tensor (`view`: a safetensors slice), in order."""
+    shares = [int(rows) for rows in style.partition(":")[2].split(",")]
+    if sum(shares) * world != full[0]:
+        raise ValueError(f"its {full[0]} rows are not parts of {[n * world for n in shares]} rows")
+    chunks, start = [], 0
+    for rows in shares:
+        chunks.append(view[start + rank * rows : start + (rank + 1) * rows])
+        start += rows * world
+    return torch.cat(chunks, dim=0)
+
+
+def state_bytes_per_sequence(local, dtype: torch.dtype) -> int:
+    """One sequence's recurrent state on a rank whose model is built from `local` (its heads): per
+    linear-attention layer, the conv state (kernel-size columns of q, k and v channels, in the model's
+    dtype) and the delta rule's state (value heads x key dim x value dim, float32 as transformers keeps
+    it). 0 for a model without gated delta net layers."""
+    if getattr(local, "model_type", None) not in GATED_DELTA_NET_TYPES:
+        return 0
+    keys = local.linear_num_key_heads * local.linear_key_head_dim
+    channels = 2 * keys + local.linear_num_value_heads * local.linear_value_head_dim
+    conv = channels * local.linear_conv_kernel_dim * torch.empty((), dtype=dtype).element_size()
+    delta = local.linear_num_value_heads * local.linear_key_head_dim * local.linear_value_head_dim * 4
+    layers = sum(kind == "linear_attention" for kind in local.layer_types)
+    return layers * (conv + delta)
+
+
+def attention_layers(config) -> int:
+    """How many decoder layers hold a KV cache: a hybrid's full-attention ones, else all of them."""
+    kinds = getattr(config, "layer_types", None)
+    if getattr(config, "model_type", None) not in GATED_DELTA_NET_TYPES or not kinds:
+        return config.num_hidden_layers
+    return sum(kind == "full_attention" for kind in kinds)
+
+
+# the recurrent mixers whose heads this module splits (the rest would run whole on each rank, from the
+# local config's head counts, and give other tokens)
+SPLIT_MIXERS = frozenset({"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"})
+
+
+def check_split_mixers(model: torch.nn.Module, mixers: dict[int, torch.nn.Module]) -> None:
+    """ValueError naming a sharded model's recurrent layers that tensor parallel does not split."""
+    whole = sorted({type(mixer).__name__ for mixer in mixers.values()} - SPLIT_MIXERS)
+    if whole:
+        raise ValueError(
+            f"{type(model).__name__}: tensor parallel does not split the recurrent layers {whole}; "
+            f"it splits {sorted(SPLIT_MIXERS)}: serve this model at tensor_parallel 1"
+        )

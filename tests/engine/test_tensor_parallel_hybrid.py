@@ -1,0 +1,85 @@
+"""Hybrid models with gated delta net layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on two gloo ranks: the
+single-process engine's greedy tokens and prompt logprobs, each rank's recurrent states holding its heads
+only, as `bulkgen plan` counts them; hybrids whose recurrent layers do not split are refused at load.
+
+As test_hybrid_models.py runs them on one process: chunked prefill (a 64-token step budget) mixing
+prefills with decodes, and a KV cache that holds only the longest prompt alone, so sequences are
+preempted and recomputed (their state slots refilled from the start). Hybrids have no prefix cache.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.rank_memory import rank_memory
+from bulkgen.lab.tiny import build_tiny_model
+from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES, build_tiny_hybrid
+
+SPLIT = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+MAX_TOKENS = 10
+ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    return {arch: str(build_tiny_hybrid(root / arch, arch, seed=1)) for arch in SPLIT}
+
+
+def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _prompt_logprobs(engine: Engine, prompts: list[list[int]]) -> list[float]:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return [entry["logprob"] for o in outs for entry in o.prompt_logprobs if entry]
+
+
+@pytest.mark.parametrize("arch", SPLIT)
+def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts, one_thread):
+    path = hybrid_dirs[arch]
+    single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
+    expected, logprobs = _greedy(single, tp_prompts), _prompt_logprobs(single, tp_prompts)
+    blocks = single.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
+    whole_slot = single.runner.states.bytes_per_slot
+    del single
+    sharded = Engine.from_pretrained(path, num_kv_blocks=blocks, tensor_parallel=2, **ENGINE)
+    try:
+        assert _greedy(sharded, tp_prompts) == expected
+        gap = max(abs(a - b) for a, b in zip(_prompt_logprobs(sharded, tp_prompts), logprobs, strict=True))
+        assert gap < 1e-4, gap
+        assert sharded.stats()["preemptions"] > 0, "the small cache never preempted"
+        records = sharded.pop_step_records()
+        assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records), "no step mixed the two"
+        # each rank's slots hold its half of the heads, and the planner counts what the rank holds
+        slot = sharded.runner.states.bytes_per_slot
+        assert slot * 2 == whole_slot
+        planned = rank_memory(AutoConfig.from_pretrained(path), 2, torch.float32)
+        assert planned["state_bytes_per_sequence"] == slot
+        assert planned["kv_bytes_per_token"] == sharded.runner.layout.token_bytes(torch.float32)
+    finally:
+        sharded.close()
+
+
+# name -> (config overrides, what the refusal names)
+REFUSED = {
+    "qwen3_5": ({"linear_num_key_heads": 1}, "does not divide the model's linear_num_key_heads (1)"),
+    "granitemoehybrid": ({}, "this granitemoehybrid model has recurrent layers"),
+    "falcon_h1": ({}, "this falcon_h1 model has recurrent layers (hybrid, mamba_n_heads"),
+    "lfm2": ({}, "this lfm2 model has recurrent layers (conv, conv_L_cache)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_what_two_ranks_cannot_split_is_refused_at_load(name, tmp_path):
+    overrides, message = REFUSED[name]
+    extra = {**HYBRID_ARCHITECTURES[name], **overrides}
+    path = build_tiny_model(tmp_path / name, name, seed=1, num_hidden_layers=3, **extra)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine.from_pretrained(str(path), tensor_parallel=2, **ENGINE)
