@@ -15,14 +15,13 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine import Engine
 from bulkgen.engine.rank_memory import rank_memory
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES, build_tiny_hybrid
+from tests.engine.test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs
 
 SPLIT = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
-MAX_TOKENS = 10
-ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
 
 
 @pytest.fixture(scope="module")
@@ -31,29 +30,25 @@ def hybrid_dirs(tmp_path_factory):
     return {arch: str(build_tiny_hybrid(root / arch, arch, seed=1)) for arch in SPLIT}
 
 
-def _greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    outs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def _prompt_logprobs(engine: Engine, prompts: list[list[int]]) -> list[float]:
-    outs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    return [entry["logprob"] for o in outs for entry in o.prompt_logprobs if entry]
+def _outputs(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens, and each prompt token's logprob (a split that computes something else can keep a
+    tiny model's greedy tokens and still move these)."""
+    return _greedy(engine, prompts), _prompt_logprobs(engine, prompts)
 
 
 @pytest.mark.parametrize("arch", SPLIT)
 def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts, one_thread):
     path = hybrid_dirs[arch]
     single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
-    expected, logprobs = _greedy(single, tp_prompts), _prompt_logprobs(single, tp_prompts)
+    want_tokens, want_logprobs = _outputs(single, tp_prompts)
     blocks = single.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
     whole_slot = single.runner.states.bytes_per_slot
     del single
     sharded = Engine.from_pretrained(path, num_kv_blocks=blocks, tensor_parallel=2, **ENGINE)
     try:
-        assert _greedy(sharded, tp_prompts) == expected
-        gap = max(abs(a - b) for a, b in zip(_prompt_logprobs(sharded, tp_prompts), logprobs, strict=True))
-        assert gap < 1e-4, gap
+        tokens, logprobs = _outputs(sharded, tp_prompts)
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
         assert sharded.stats()["preemptions"] > 0, "the small cache never preempted"
         records = sharded.pop_step_records()
         assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records), "no step mixed the two"
