@@ -1,5 +1,6 @@
-"""Tensor-parallel split of the gated delta net layers of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE, as vLLM's
-qwen3_next.py splits them: each rank holds whole key heads and the value heads that read them.
+"""Tensor-parallel split of hybrid models' recurrent layers, as vLLM splits them: the gated delta net
+layers of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (each rank holds whole key heads and the value heads that
+read them) and Granite 4's Mamba-2 layers (whole heads and whole B/C groups: split_mamba, mamba_plan).
 
 The local config (sharding.local_config) divides `linear_num_key_heads` and `linear_num_value_heads` by
 the world size, so every module of a rank's layer is built at its heads' width and transformers' forward
@@ -17,8 +18,9 @@ checkpoint:
 - `out_proj` reads the value heads: rowwise, its partial sums all-reduced (sharding.add_all_reduces).
 
 transformers' own plan (`colwise_gather_output` for these projections) gathers every head onto every
-rank, which would run the recurrence whole on each one; other linear-attention families keep that plan
-and are refused by it.
+rank, which would run the recurrence whole on each one. Other hybrids (Falcon-H1, LFM2, ...) are refused
+before any rank starts (check_recurrent_split), and a sharded model whose recurrent module is not one of
+SPLIT_MIXERS at the runner (check_split_mixers).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ GATED_DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_te
 # "colwise_parts:a,b,c": a tensor whose rows are parts of a * world, b * world and c * world rows, of which
 # each rank holds its a, b and c (the sizes come from the rank's model, built from the local config)
 COLWISE_PARTS = "colwise_parts"
+MAMBA_TYPE = "granitemoehybrid"  # Granite 4: Mamba-2 layers (split_mamba, mamba_plan)
 
 
 def linear_attention_plan(config) -> dict[str, str]:
@@ -64,16 +67,49 @@ _ATTENTION_KINDS = {"attention", "full_attention", "sliding_attention", "chunked
 def check_recurrent_split(config, world: int) -> None:
     """ValueError, before any rank starts, for a hybrid whose recurrent layers tensor parallel does not
     split: each rank would run them whole from the local config's head counts and give other tokens."""
-    if getattr(config, "model_type", None) in GATED_DELTA_NET_TYPES:
+    if getattr(config, "model_type", None) in GATED_DELTA_NET_TYPES | {MAMBA_TYPE}:
         return
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - _ATTENTION_KINDS)
     fields = [name for name in _RECURRENT_FIELDS if getattr(config, name, None) is not None]
     if kinds or fields:
         raise ValueError(
             f"tensor_parallel={world}: this {config.model_type} model has recurrent layers "
-            f"({', '.join(kinds + fields)}) that tensor parallel does not split (it splits the gated delta "
-            f"net layers of {sorted(GATED_DELTA_NET_TYPES)}); serve it at tensor_parallel 1"
+            f"({', '.join(kinds + fields)}) that tensor parallel does not split (it splits those of "
+            f"{sorted(GATED_DELTA_NET_TYPES | {MAMBA_TYPE})}); serve it at tensor_parallel 1"
         )
+
+
+def split_mamba(local, config, world: int) -> None:
+    """Granite 4's Mamba-2 layers on a rank: its share of the heads and of the B/C groups (whole groups,
+    so the gated RMSNorm's per-group statistic stays on one rank), and of the shared MLP's width. The
+    layer sizes its inner width as mamba_expand x hidden_size, so the rank's expand is a fraction."""
+    if getattr(config, "model_type", None) != MAMBA_TYPE:
+        return
+    for name in ("mamba_n_heads", "mamba_n_groups", "shared_intermediate_size"):
+        value = getattr(config, name)
+        if value % world:
+            raise ValueError(f"tensor_parallel={world} does not divide the model's {name} ({value})")
+        setattr(local, name, value // world)
+    # a float expand: the config's field is typed int (its setter validates it), the layer reads it as a factor
+    object.__setattr__(local, "mamba_expand", config.mamba_expand / world)
+
+
+def mamba_plan(config) -> dict[str, str]:
+    """Plan entries (from the decoder's root) for Granite 4, whose transformers plan names only the
+    experts: attention and shared MLP as Llama's, and the Mamba-2 mixer's heads and groups. `in_proj`
+    rows are z, x (per head), B, C (per group), dt (per head); `conv1d`'s channels are x, B, C."""
+    if getattr(config, "model_type", None) != MAMBA_TYPE:
+        return {}
+    inner = int(config.mamba_expand * config.hidden_size)
+    groups = config.mamba_n_groups * config.mamba_d_state
+    mamba, attn = "layers.*.mamba", "layers.*.self_attn"
+    plan = {f"{attn}.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")}
+    plan.update({f"{attn}.o_proj": "rowwise", "layers.*.shared_mlp.input_linear": "packed_colwise"})
+    plan.update({"layers.*.shared_mlp.output_linear": "rowwise", f"{mamba}.out_proj": "rowwise"})
+    plan.update({f"{mamba}.{name}": "colwise" for name in ("A_log", "D", "dt_bias", "norm")})
+    plan[f"{mamba}.in_proj"] = f"{COLWISE_PARTS}:{inner},{inner},{groups},{groups},{config.mamba_n_heads}"
+    plan[f"{mamba}.conv1d"] = f"{COLWISE_PARTS}:{inner},{groups},{groups}"
+    return plan
 
 
 def base_style(style: str) -> str:
@@ -95,30 +131,43 @@ def read_parts(view, style: str, full: tuple[int, ...], rank: int, world: int) -
 
 def state_bytes_per_sequence(local, dtype: torch.dtype) -> int:
     """One sequence's recurrent state on a rank whose model is built from `local` (its heads): per
-    linear-attention layer, the conv state (kernel-size columns of q, k and v channels, in the model's
-    dtype) and the delta rule's state (value heads x key dim x value dim, float32 as transformers keeps
-    it). 0 for a model without gated delta net layers."""
-    if getattr(local, "model_type", None) not in GATED_DELTA_NET_TYPES:
+    recurrent layer, the conv state (kernel-size columns of its channels, in the model's dtype) and the
+    recurrent one (float32, as transformers keeps it: hybrid_layers.probe_states finds the same shapes).
+    0 for a model without layers this module splits."""
+    kind = getattr(local, "model_type", None)
+    if kind in GATED_DELTA_NET_TYPES:
+        keys, values = local.linear_num_key_heads * local.linear_key_head_dim, local.linear_num_value_heads
+        channels, kernel = 2 * keys + values * local.linear_value_head_dim, local.linear_conv_kernel_dim
+        recurrent = values * local.linear_key_head_dim * local.linear_value_head_dim
+    elif kind == MAMBA_TYPE:
+        inner = int(local.mamba_expand * local.hidden_size)
+        channels, kernel = inner + 2 * local.mamba_n_groups * local.mamba_d_state, local.mamba_d_conv
+        recurrent = local.mamba_n_heads * local.mamba_d_head * local.mamba_d_state
+    else:
         return 0
-    keys = local.linear_num_key_heads * local.linear_key_head_dim
-    channels = 2 * keys + local.linear_num_value_heads * local.linear_value_head_dim
-    conv = channels * local.linear_conv_kernel_dim * torch.empty((), dtype=dtype).element_size()
-    delta = local.linear_num_value_heads * local.linear_key_head_dim * local.linear_value_head_dim * 4
+    conv = channels * kernel * torch.empty((), dtype=dtype).element_size()
     layers = sum(kind == "linear_attention" for kind in local.layer_types)
-    return layers * (conv + delta)
+    return layers * (conv + recurrent * 4)
 
 
 def attention_layers(config) -> int:
     """How many decoder layers hold a KV cache: a hybrid's full-attention ones, else all of them."""
     kinds = getattr(config, "layer_types", None)
-    if getattr(config, "model_type", None) not in GATED_DELTA_NET_TYPES or not kinds:
+    if getattr(config, "model_type", None) not in GATED_DELTA_NET_TYPES | {MAMBA_TYPE} or not kinds:
         return config.num_hidden_layers
     return sum(kind == "full_attention" for kind in kinds)
 
 
 # the recurrent mixers whose heads this module splits (the rest would run whole on each rank, from the
 # local config's head counts, and give other tokens)
-SPLIT_MIXERS = frozenset({"Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"})
+SPLIT_MIXERS = frozenset(
+    {
+        "Qwen3NextGatedDeltaNet",
+        "Qwen3_5GatedDeltaNet",
+        "Qwen3_5MoeGatedDeltaNet",
+        "GraniteMoeHybridMambaLayer",
+    }
+)
 
 
 def check_split_mixers(model: torch.nn.Module, mixers: dict[int, torch.nn.Module]) -> None:

@@ -82,6 +82,7 @@ def local_config(config, world: int):
             f"tensor_parallel={world} neither divides nor is a multiple of num_key_value_heads ({kv})"
         )
     local.num_key_value_heads = max(kv // world, 1)
+    hybrid.split_mamba(local, config, world)
     if any(getattr(config, "activation_sparsity_pattern", None) or ()):
         raise ValueError(
             f"tensor_parallel={world}: this model's MLP keeps its top activations by their mean and spread over "
@@ -116,7 +117,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         config = decoder.config
         prefix = next(name for name, module in model.named_modules() if module is decoder)
     base = getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
-    base = {**base, **hybrid.linear_attention_plan(config)}
+    base = {**base, **hybrid.linear_attention_plan(config), **hybrid.mamba_plan(config)}
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),

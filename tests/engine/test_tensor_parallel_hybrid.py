@@ -1,6 +1,7 @@
-"""Hybrid models with gated delta net layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on two gloo ranks: the
-single-process engine's greedy tokens and prompt logprobs, each rank's recurrent states holding its heads
-only, as `bulkgen plan` counts them; hybrids whose recurrent layers do not split are refused at load.
+"""Hybrid models with gated delta net layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) or Mamba-2 layers (Granite
+4) on two gloo ranks: the single-process engine's greedy tokens and prompt logprobs, each rank's recurrent
+states holding its heads only, as `bulkgen plan` counts them; hybrids whose recurrent layers do not split
+(or whose heads or groups do not divide) are refused at load.
 
 As test_hybrid_models.py runs them on one process: chunked prefill (a 64-token step budget) mixing
 prefills with decodes, and a KV cache that holds only the longest prompt alone, so sequences are
@@ -17,17 +18,17 @@ from transformers import AutoConfig
 
 from bulkgen.engine import Engine
 from bulkgen.engine.rank_memory import rank_memory
-from bulkgen.lab.tiny import build_tiny_model
-from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES, build_tiny_hybrid
+from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
 from tests.engine.test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs
 
-SPLIT = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
+# name -> config overrides: Granite 4's tiny model has one B/C group, which two ranks cannot split
+SPLIT = {"qwen3_next": {}, "qwen3_5": {}, "qwen3_5_moe": {}, "granitemoehybrid": {"mamba_n_groups": 2}}
 
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_hybrid")
-    return {arch: str(build_tiny_hybrid(root / arch, arch, seed=1)) for arch in SPLIT}
+    return {arch: str(build_tiny_hybrid(root / arch, arch, seed=1, **extra)) for arch, extra in SPLIT.items()}
 
 
 def _outputs(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
@@ -36,7 +37,7 @@ def _outputs(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]],
     return _greedy(engine, prompts), _prompt_logprobs(engine, prompts)
 
 
-@pytest.mark.parametrize("arch", SPLIT)
+@pytest.mark.parametrize("arch", sorted(SPLIT))
 def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts, one_thread):
     path = hybrid_dirs[arch]
     single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
@@ -65,7 +66,7 @@ def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts,
 # name -> (config overrides, what the refusal names)
 REFUSED = {
     "qwen3_5": ({"linear_num_key_heads": 1}, "does not divide the model's linear_num_key_heads (1)"),
-    "granitemoehybrid": ({}, "this granitemoehybrid model has recurrent layers"),
+    "granitemoehybrid": ({}, "does not divide the model's mamba_n_groups (1)"),
     "falcon_h1": ({}, "this falcon_h1 model has recurrent layers (hybrid, mamba_n_heads"),
     "lfm2": ({}, "this lfm2 model has recurrent layers (conv, conv_L_cache)"),
 }
@@ -74,7 +75,6 @@ REFUSED = {
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_two_ranks_cannot_split_is_refused_at_load(name, tmp_path):
     overrides, message = REFUSED[name]
-    extra = {**HYBRID_ARCHITECTURES[name], **overrides}
-    path = build_tiny_model(tmp_path / name, name, seed=1, num_hidden_layers=3, **extra)
+    path = build_tiny_hybrid(tmp_path / name, name, seed=1, **overrides)
     with pytest.raises(ValueError, match=re.escape(message)):
         Engine.from_pretrained(str(path), tensor_parallel=2, **ENGINE)
