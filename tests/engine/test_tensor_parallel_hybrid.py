@@ -78,3 +78,21 @@ def test_what_two_ranks_cannot_split_is_refused_at_load(name, tmp_path):
     path = build_tiny_hybrid(tmp_path / name, name, seed=1, **overrides)
     with pytest.raises(ValueError, match=re.escape(message)):
         Engine.from_pretrained(str(path), tensor_parallel=2, **ENGINE)
+
+
+def test_overlapped_steps_and_decode_graphs_keep_each_ranks_states(hybrid_dirs, tp_prompts, one_thread):
+    """Steps launched before the previous step's tokens are read, and decodes through the graph path
+    (eager on CPU), whose slots come from the step plan: the follower's states stay rank 0's."""
+    path = hybrid_dirs["qwen3_next"]
+    want = _greedy(Engine.from_pretrained(path, **ENGINE), tp_prompts)
+    sharded = Engine.from_pretrained(
+        path, tensor_parallel=2, async_scheduling=True, cuda_graphs=True, **ENGINE
+    )
+    try:
+        assert _greedy(sharded, tp_prompts) == want
+    finally:
+        sharded.close()
+    (follower,) = sharded.runner.tp.reports()
+    mine = {f"{b},{w}": n for (b, w), n in sorted(sharded.runner.graphs.replays.items())}
+    assert follower["replays"] == mine and mine
+    assert follower["overlapped"] > 0
