@@ -2,8 +2,9 @@
 sequences a follower's ModelRunner reads back from it (tensor_parallel.py sends and receives it).
 
 A plan holds a header (items, pending rows, decode-graph bucket) and, per scheduled sequence, the fields
-the runner reads, the tokens this step computes and the block tables. The tables travel as deltas: a
-sequence's tables only grow at their end while it keeps them (a preemption or a release gives it new
+the runner reads (a hybrid model's state slot among them: rank 0's scheduler assigns it), the tokens this
+step computes and the block tables. The tables travel as deltas: a sequence's tables only grow at their
+end while it keeps them (a preemption or a release gives it new
 ones; a sliding window's blocks behind it become the null block in place, never read again, as
 decode_graphs.SlotTables keeps them on the device), so the encoder remembers which table objects each
 sequence of the previous step had and how many entries it sent, and sends only the entries since; the
@@ -66,7 +67,7 @@ class PlanEncoder:
             tokens = seq.token_ids[seq.num_computed_tokens :][:n]
             flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
             flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
-            slot = -1 if states is None else states.slot_of[seq.seq_id]
+            slot = -1 if states is None else states.slot(seq)
             flat += [len(tables), start, length - start, slot, *tokens]
             for table in tables:
                 flat += table[start:]

@@ -41,12 +41,11 @@ def rank_memory(config, world: int, dtype: torch.dtype) -> dict:
     layers = attention_layers(config)  # a hybrid's recurrent layers hold a state per sequence instead
     latent = latent_width(config)  # MLA caches one latent row per layer, whole on every rank (mla.py)
     kv_per_token = layers * size * (latent or 2 * local.num_key_value_heads * local.head_dim)
-    state = state_bytes_per_sequence(local, dtype)
     return {
         "ranks": world,
         "weight_bytes": params * size,
         "kv_bytes_per_token": kv_per_token,
-        "state_bytes_per_sequence": state,
+        "state_bytes_per_sequence": state_bytes_per_sequence(local, dtype),
     }
 
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig
 from bulkgen.engine import Engine
 from bulkgen.engine.rank_memory import rank_memory
 from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
+from bulkgen.plan.memory import describe_memory, plan_memory
 from tests.engine.test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs
 
 # name -> config overrides: Granite 4's tiny model has one B/C group, which two ranks cannot split
@@ -92,7 +93,16 @@ def test_overlapped_steps_and_decode_graphs_keep_each_ranks_states(hybrid_dirs, 
         assert _greedy(sharded, tp_prompts) == want
     finally:
         sharded.close()
-    (follower,) = sharded.runner.tp.reports()
-    mine = {f"{b},{w}": n for (b, w), n in sorted(sharded.runner.graphs.replays.items())}
-    assert follower["replays"] == mine and mine
-    assert follower["overlapped"] > 0
+    # the follower replayed rank 0's buckets, and read stand-in tokens from rank 0's broadcast
+    replays = {f"{b},{w}": n for (b, w), n in sharded.runner.graphs.replays.items()}
+    report = sharded.runner.tp.reports()[0]
+    assert replays and (report["replays"], report["overlapped"] > 0) == (replays, True)
+
+
+def test_plan_prints_each_ranks_recurrent_state(hybrid_dirs):
+    """`bulkgen plan --tensor-parallel 2`: a rank's state per sequence, half the single process's."""
+    one, two = (describe_memory(plan_memory(hybrid_dirs["qwen3_5"], n)) for n in (1, 2))
+    state = rank_memory(AutoConfig.from_pretrained(hybrid_dirs["qwen3_5"]), 1, torch.bfloat16)
+    whole = state["state_bytes_per_sequence"] / 1024
+    for text, kib in ((one, whole), (two, whole / 2)):
+        assert re.search(rf"^recurrent state +{kib:,.1f} KiB per sequence per rank$", text, re.M), text
