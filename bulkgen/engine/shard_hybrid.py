@@ -25,6 +25,8 @@ SPLIT_MIXERS at the runner (check_split_mixers).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # config fields counting linear-attention heads: split over the ranks like num_attention_heads
@@ -81,12 +83,15 @@ def check_recurrent_split(config, world: int) -> None:
 
 def split_mamba(local, config, world: int) -> None:
     """Granite 4's Mamba-2 layers on a rank: its share of the heads and of the B/C groups (whole groups,
-    so the gated RMSNorm's per-group statistic stays on one rank), and of the shared MLP's width. The
-    layer sizes its inner width as mamba_expand x hidden_size, so the rank's expand is a fraction."""
+    so the gated RMSNorm's per-group statistic stays on one rank; one group is whole on every rank, its
+    statistic summed over the ranks: share_group_norm), and of the shared MLP's width. The layer sizes
+    its inner width as mamba_expand x hidden_size, so the rank's expand is a fraction."""
     if getattr(config, "model_type", None) != MAMBA_TYPE:
         return
     for name in ("mamba_n_heads", "mamba_n_groups", "shared_intermediate_size"):
         value = getattr(config, name)
+        if name == "mamba_n_groups" and value == 1:
+            continue
         if value % world:
             raise ValueError(f"tensor_parallel={world} does not divide the model's {name} ({value})")
         setattr(local, name, value // world)
@@ -107,9 +112,32 @@ def mamba_plan(config) -> dict[str, str]:
     plan.update({f"{attn}.o_proj": "rowwise", "layers.*.shared_mlp.input_linear": "packed_colwise"})
     plan.update({"layers.*.shared_mlp.output_linear": "rowwise", f"{mamba}.out_proj": "rowwise"})
     plan.update({f"{mamba}.{name}": "colwise" for name in ("A_log", "D", "dt_bias", "norm")})
-    plan[f"{mamba}.in_proj"] = f"{COLWISE_PARTS}:{inner},{inner},{groups},{groups},{config.mamba_n_heads}"
-    plan[f"{mamba}.conv1d"] = f"{COLWISE_PARTS}:{inner},{groups},{groups}"
+    # "~": a B/C part, whole on every rank when the checkpoint holds one group (read_parts tells)
+    plan[f"{mamba}.in_proj"] = f"{COLWISE_PARTS}:{inner},{inner},{groups}~,{groups}~,{config.mamba_n_heads}"
+    plan[f"{mamba}.conv1d"] = f"{COLWISE_PARTS}:{inner},{groups}~,{groups}~"
     return plan
+
+
+def share_group_norm(model: torch.nn.Module, config, group) -> None:
+    """Granite 4 with one B/C group over several ranks: the gated RMSNorm's group is the whole inner
+    width, which each rank holds a slice of, so its mean square is summed over the ranks (as vLLM's
+    Mixer2RMSNormGated does); otherwise each rank's groups are whole and the norm runs as it is."""
+    if getattr(config, "model_type", None) != MAMBA_TYPE or config.mamba_n_groups != 1 or group.world == 1:
+        return
+    width = int(config.mamba_expand * config.hidden_size)
+    for layer in model.get_decoder().layers:
+        if getattr(layer, "mamba", None) is not None:
+            layer.mamba.norm.forward = functools.partial(_group_norm, layer.mamba.norm, group, width)
+
+
+def _group_norm(norm, group, width: int, hidden_states: torch.Tensor, gate=None) -> torch.Tensor:
+    """transformers' GraniteMoeHybridRMSNormGated over one group spread across the ranks."""
+    dtype = hidden_states.dtype
+    x = hidden_states.to(torch.float32)
+    if gate is not None:
+        x = x * torch.nn.functional.silu(gate.to(torch.float32))
+    variance = group.all_reduce(x.pow(2).sum(-1, keepdim=True)) / width
+    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon)).to(dtype)
 
 
 def base_style(style: str) -> str:
@@ -118,14 +146,20 @@ def base_style(style: str) -> str:
 
 
 def read_parts(view, style: str, full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of each part of a COLWISE_PARTS tensor (`view`: a safetensors slice), in order."""
-    shares = [int(rows) for rows in style.partition(":")[2].split(",")]
+    """This rank's rows of each part of a COLWISE_PARTS tensor (`view`: a safetensors slice), in order;
+    a part marked "~" is whole on every rank when the checkpoint's rows add up only that way."""
+    tokens = style.partition(":")[2].split(",")
+    shares = [int(token.rstrip("~")) for token in tokens]
+    copies = [world] * len(shares)
     if sum(shares) * world != full[0]:
+        copies = [1 if token.endswith("~") else world for token in tokens]
+    if sum(n * c for n, c in zip(shares, copies, strict=True)) != full[0]:
         raise ValueError(f"its {full[0]} rows are not parts of {[n * world for n in shares]} rows")
     chunks, start = [], 0
-    for rows in shares:
-        chunks.append(view[start + rank * rows : start + (rank + 1) * rows])
-        start += rows * world
+    for rows, count in zip(shares, copies, strict=True):
+        offset = start + (rank * rows if count == world else 0)
+        chunks.append(view[offset : offset + rows])
+        start += rows * count
     return torch.cat(chunks, dim=0)
 
 

@@ -206,6 +206,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     plan = tp_plan(model)
     split_vocab(model, config, group)
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
+    hybrid.share_group_norm(model, config, group)
     if quantize:
         quantize_layers(model, group.device, quantize)
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float

@@ -22,14 +22,24 @@ from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
 from bulkgen.plan.memory import describe_memory, plan_memory
 from tests.engine.test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs
 
-# name -> config overrides: Granite 4's tiny model has one B/C group, which two ranks cannot split
-SPLIT = {"qwen3_next": {}, "qwen3_5": {}, "qwen3_5_moe": {}, "granitemoehybrid": {"mamba_n_groups": 2}}
+# test id -> (architecture, config overrides): Granite 4 with two B/C groups (one per rank) and with one
+# (whole on both ranks, its norm's statistic summed over them)
+SPLIT = {
+    "qwen3_next": ("qwen3_next", {}),
+    "qwen3_5": ("qwen3_5", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
+    "granitemoehybrid": ("granitemoehybrid", {"mamba_n_groups": 2}),
+    "granitemoehybrid-one-group": ("granitemoehybrid", {}),
+}
 
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_hybrid")
-    return {arch: str(build_tiny_hybrid(root / arch, arch, seed=1, **extra)) for arch, extra in SPLIT.items()}
+    return {
+        name: str(build_tiny_hybrid(root / name, arch, seed=1, **extra))
+        for name, (arch, extra) in SPLIT.items()
+    }
 
 
 def _outputs(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], list[float]]:
@@ -54,31 +64,32 @@ def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts,
         assert sharded.stats()["preemptions"] > 0, "the small cache never preempted"
         records = sharded.pop_step_records()
         assert any(r["prefill_tokens"] and r["decode_tokens"] for r in records), "no step mixed the two"
-        # each rank's slots hold its half of the heads, and the planner counts what the rank holds
-        slot = sharded.runner.states.bytes_per_slot
-        assert slot * 2 == whole_slot
-        planned = rank_memory(AutoConfig.from_pretrained(path), 2, torch.float32)
-        assert planned["state_bytes_per_sequence"] == slot
-        assert planned["kv_bytes_per_token"] == sharded.runner.layout.token_bytes(torch.float32)
+        # each rank's slots hold its heads (a single B/C group whole), as the planner counts them
+        slot, config = sharded.runner.states.bytes_per_slot, AutoConfig.from_pretrained(path)
+        assert slot * 2 == whole_slot or (arch.endswith("one-group") and slot * 2 > whole_slot)
+        planned = [rank_memory(config, n, torch.float32) for n in (1, 2)]
+        assert [p["state_bytes_per_sequence"] for p in planned] == [whole_slot, slot]
+        assert planned[1]["kv_bytes_per_token"] == sharded.runner.layout.token_bytes(torch.float32)
     finally:
         sharded.close()
 
 
-# name -> (config overrides, what the refusal names)
+# name -> (config overrides, ranks, what the refusal names): Granite 4's two B/C groups over four ranks
+# would split a group (whose norm statistic is per group); only one group is kept whole on every rank
 REFUSED = {
-    "qwen3_5": ({"linear_num_key_heads": 1}, "does not divide the model's linear_num_key_heads (1)"),
-    "granitemoehybrid": ({}, "does not divide the model's mamba_n_groups (1)"),
-    "falcon_h1": ({}, "this falcon_h1 model has recurrent layers (hybrid, mamba_n_heads"),
-    "lfm2": ({}, "this lfm2 model has recurrent layers (conv, conv_L_cache)"),
+    "qwen3_5": ({"linear_num_key_heads": 1}, 2, "does not divide the model's linear_num_key_heads (1)"),
+    "granitemoehybrid": ({"mamba_n_groups": 2}, 4, "does not divide the model's mamba_n_groups (2)"),
+    "falcon_h1": ({}, 2, "this falcon_h1 model has recurrent layers (hybrid, mamba_n_heads"),
+    "lfm2": ({}, 2, "this lfm2 model has recurrent layers (conv, conv_L_cache)"),
 }
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_what_two_ranks_cannot_split_is_refused_at_load(name, tmp_path):
-    overrides, message = REFUSED[name]
+def test_what_the_ranks_cannot_split_is_refused_at_load(name, tmp_path):
+    overrides, ranks, message = REFUSED[name]
     path = build_tiny_hybrid(tmp_path / name, name, seed=1, **overrides)
     with pytest.raises(ValueError, match=re.escape(message)):
-        Engine.from_pretrained(str(path), tensor_parallel=2, **ENGINE)
+        Engine.from_pretrained(str(path), tensor_parallel=ranks, **ENGINE)
 
 
 def test_overlapped_steps_and_decode_graphs_keep_each_ranks_states(hybrid_dirs, tp_prompts, one_thread):
