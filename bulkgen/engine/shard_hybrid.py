@@ -1,6 +1,7 @@
 """Tensor-parallel split of hybrid models' recurrent layers, as vLLM splits them: the gated delta net
 layers of Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (each rank holds whole key heads and the value heads that
-read them) and Granite 4's Mamba-2 layers (whole heads and whole B/C groups: split_mamba, mamba_plan).
+read them) and Granite 4's Mamba-2 layers (whole heads and whole B/C groups, or a single group whole on
+every rank: split_mamba, mamba_plan, share_group_norm).
 
 The local config (sharding.local_config) divides `linear_num_key_heads` and `linear_num_value_heads` by
 the world size, so every module of a rank's layer is built at its heads' width and transformers' forward
@@ -34,7 +35,8 @@ LINEAR_HEAD_FIELDS = ("linear_num_key_heads", "linear_num_value_heads")
 # the text configs whose gated delta net layout this module knows (a vision-language model's decoder too)
 GATED_DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 # "colwise_parts:a,b,c": a tensor whose rows are parts of a * world, b * world and c * world rows, of which
-# each rank holds its a, b and c (the sizes come from the rank's model, built from the local config)
+# each rank holds its a, b and c (the sizes come from the rank's model, built from the local config); a
+# part "b~" may instead be held once, whole on every rank (read_parts)
 COLWISE_PARTS = "colwise_parts"
 MAMBA_TYPE = "granitemoehybrid"  # Granite 4: Mamba-2 layers (split_mamba, mamba_plan)
 
@@ -97,6 +99,9 @@ def split_mamba(local, config, world: int) -> None:
         setattr(local, name, value // world)
     # a float expand: the config's field is typed int (its setter validates it), the layer reads it as a factor
     object.__setattr__(local, "mamba_expand", config.mamba_expand / world)
+    inner = config.mamba_n_heads * config.mamba_d_head
+    if int(local.mamba_expand * config.hidden_size) != inner // world:  # the layer's int() of the product
+        raise ValueError(f"tensor_parallel={world}: a rank's Mamba width is not {inner // world}")
 
 
 def mamba_plan(config) -> dict[str, str]:
