@@ -226,8 +226,7 @@ class DecodeGraphs:
         pack.add(rows + [self.tables.pad_row] * pad)
         pack.add([p + 1 for p in starts] + [1] * pad)
         if self.states is not None:
-            slot_of = self.states.slot_of
-            pack.add([slot_of[s.seq_id] for s in seqs] + [self.states.scratch] * pad)
+            pack.add([self.states.slot(s) for s in seqs] + [self.states.scratch] * pad)
         updates = pack.add(index)
         pack.add(values)
         flat = pack.upload()

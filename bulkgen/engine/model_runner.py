@@ -33,6 +33,7 @@ from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
+from .shard_hybrid import check_split_mixers
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
 
@@ -113,7 +114,7 @@ class ModelRunner:
             self.tp.publish_config(config, max_model_len)
         mixers = _check_supported(model)
         if mixers and self.tp is not None:
-            raise ValueError(f"{type(model).__name__}: tensor parallel does not split recurrent layers yet")
+            check_split_mixers(model, mixers)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
@@ -196,6 +197,8 @@ class ModelRunner:
             self.device,
         )
         wrap_mixers(mixers, pool)
+        if self.tp is not None:
+            self.tp.states = pool
         return pool
 
     def peak_blocks(self, num_tokens: int, longest_chunk: int = 0) -> int:
@@ -331,12 +334,12 @@ class ModelRunner:
         upload) and the decodes' slots to upload; (None, []) for a pure transformer."""
         if self.states is None:
             return None, []
-        slot_of, step, q_off = self.states.slot_of, StateStep(), 0
+        slot, step, q_off = self.states.slot, StateStep(), 0
         for seq, n in ordered[:num_prefill]:
-            step.prefill.append((q_off, n, slot_of[seq.seq_id], seq.num_computed_tokens > 0))
+            step.prefill.append((q_off, n, slot(seq), seq.num_computed_tokens > 0))
             q_off += n
         step.decode_start = q_off
-        return step, [slot_of[seq.seq_id] for seq, _ in ordered[num_prefill:]]
+        return step, [slot(seq) for seq, _ in ordered[num_prefill:]]
 
     def _group_plans(self, plan: StepPlan, ordered: list[tuple[Sequence, int]], on_device) -> list[StepPlan]:
         """Each KV group's view of the step: the plan with that group's block tables."""

@@ -2,8 +2,9 @@
 sequences a follower's ModelRunner reads back from it (tensor_parallel.py sends and receives it).
 
 A plan holds a header (items, pending rows, decode-graph bucket) and, per scheduled sequence, the fields
-the runner reads, the tokens this step computes and the block tables. The tables travel as deltas: a
-sequence's tables only grow at their end while it keeps them (a preemption or a release gives it new
+the runner reads (a hybrid model's state slot among them: rank 0's scheduler assigns it), the tokens this
+step computes and the block tables. The tables travel as deltas: a sequence's tables only grow at their
+end while it keeps them (a preemption or a release gives it new
 ones; a sliding window's blocks behind it become the null block in place, never read again, as
 decode_graphs.SlotTables keeps them on the device), so the encoder remembers which table objects each
 sequence of the previous step had and how many entries it sent, and sends only the entries since; the
@@ -30,7 +31,7 @@ from .lora_tp import AdapterRef, LoraPlan
 
 # items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path), the images section's ints
 _HEADER = 5
-_ITEM = 12  # ints before each item's tokens and table entries (see PlanEncoder.encode)
+_ITEM = 13  # ints before each item's tokens and table entries (see PlanEncoder.encode)
 
 
 @dataclass
@@ -50,8 +51,11 @@ class PlanEncoder:
         self.sent: dict[int, tuple[list[list[int]], int]] = {}  # seq_id -> (its tables, entries sent)
         self.loaded: list[int] = []  # the adapter uids the previous plan's LoRA section named
 
-    def encode(self, batch: list, pending_rows: int, graph: tuple[int, int] | None, loras=None) -> bytes:
-        """The packed plan; `loras`: rank 0's LoraSlots, whose adapters and slots the followers copy."""
+    def encode(
+        self, batch: list, pending_rows: int, graph: tuple[int, int] | None, loras=None, states=None
+    ) -> bytes:
+        """The packed plan; `loras`: rank 0's LoraSlots, whose adapters and slots the followers copy;
+        `states`: a hybrid model's StatePool, whose slot for each sequence its followers use."""
         flat: list[int] = [len(batch), pending_rows, *(graph or (0, 0)), 0]
         sent: dict[int, tuple[list[list[int]], int]] = {}
         for seq, n in batch:
@@ -63,7 +67,8 @@ class PlanEncoder:
             tokens = seq.token_ids[seq.num_computed_tokens :][:n]
             flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
             flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
-            flat += [len(tables), start, length - start, *tokens]
+            slot = -1 if states is None else states.slot(seq)
+            flat += [len(tables), start, length - start, slot, *tokens]
             for table in tables:
                 flat += table[start:]
         self.sent = sent
@@ -135,6 +140,7 @@ class StandIn:
         self.seq_id, self.num_computed_tokens, self.length = seq_id, computed, length
         self.num_prompt_tokens, self.max_tokens, self.pools = prompt, max_tokens, bool(pools)
         self.needs_prompt_logprobs = bool(scores)
+        self.state_slot = fields[12] if fields[12] >= 0 else None  # rank 0's (state_slots.StatePool.slot)
         self.request = _Scored([None] * scored)
         self.token_ids = _Tail(computed, tokens)
         self.block_tables = tables

@@ -4,7 +4,9 @@
 Each rank holds its share of every split weight (sharding.local_config: heads and MLP widths / N), the
 whole of every replicated one (norms, routers), 1/N of the vocabulary rows of the embedding and the
 head, and the KV cache of its KV heads (replicated when there are fewer KV heads than ranks; an MLA
-model's latent, one row of kv_lora_rank + rope values per layer, is whole on every rank)."""
+model's latent, one row of kv_lora_rank + rope values per layer, is whole on every rank). A hybrid's
+linear-attention layers hold no KV cache but a recurrent state per sequence, of the rank's heads
+(shard_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from .mla import latent_width
 from .shard_families import fit_modules
+from .shard_hybrid import attention_layers, state_bytes_per_sequence
 from .sharding import local_config
 
 GIB = 1 << 30
@@ -39,10 +42,15 @@ def rank_memory(config, world: int, dtype: torch.dtype) -> dict:
     vocab = sum(vocab_params.values())
     shard_rows = -(-config.vocab_size // world)
     params += vocab * shard_rows // config.vocab_size - vocab
-    layers = config.num_hidden_layers
+    layers = attention_layers(config)  # a hybrid's recurrent layers hold a state per sequence instead
     latent = latent_width(config)  # MLA caches one latent row per layer, whole on every rank (mla.py)
     kv_per_token = layers * size * (latent or 2 * local.num_key_value_heads * local.head_dim)
-    return {"ranks": world, "weight_bytes": params * size, "kv_bytes_per_token": kv_per_token}
+    return {
+        "ranks": world,
+        "weight_bytes": params * size,
+        "kv_bytes_per_token": kv_per_token,
+        "state_bytes_per_sequence": state_bytes_per_sequence(local, dtype),
+    }
 
 
 def ranks_needed(config, dtype: torch.dtype, free_bytes: int, most: int = 64) -> int | None:

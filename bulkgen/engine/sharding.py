@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import shard_families as families
+from . import shard_hybrid as hybrid
 from .quantize import Fp8Linear, quantize_layers
 from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts
 from .shard_mla import mla_plan
@@ -52,7 +53,9 @@ DEFAULT_PLAN = {
 }
 REPLICATED = {"replicated_with_grad_allreduce"}
 SUPPORTED = (
-    {"colwise", "rowwise", "packed_colwise", "packed_qkv", "moe_tp_experts"} | REPLICATED | families.STYLES
+    {"colwise", "rowwise", "packed_colwise", "packed_qkv", "moe_tp_experts", hybrid.COLWISE_PARTS}
+    | REPLICATED
+    | families.STYLES
 )
 # config fields that are per-rank widths: each is divided by the world size
 SPLIT_FIELDS = (
@@ -61,6 +64,7 @@ SPLIT_FIELDS = (
     "moe_intermediate_size",
     "shared_expert_intermediate_size",
     "intermediate_size_mlp",  # Llama 4's dense layers'
+    *hybrid.LINEAR_HEAD_FIELDS,
 )
 _EXPERT = re.compile(rf"^(.*\.experts)\.(\d+)\.({'|'.join(families.EXPERT_NAMES)})\.weight$")
 
@@ -83,6 +87,7 @@ def local_config(config, world: int):
             f"tensor_parallel={world} neither divides nor is a multiple of num_key_value_heads ({kv})"
         )
     local.num_key_value_heads = max(kv // world, 1)
+    hybrid.split_mamba(local, config, world)
     if any(getattr(config, "activation_sparsity_pattern", None) or ()):
         raise ValueError(
             f"tensor_parallel={world}: this model's MLP keeps its top activations by their mean and spread over "
@@ -96,6 +101,7 @@ def check_splittable(config, world: int) -> None:
     do not divide (local_config), or quantized weights other than FP8 (shard_quantized.py) and gpt-oss'
     MXFP4 (shard_gptoss.py)."""
     local_config(config.get_text_config(), world)
+    hybrid.check_recurrent_split(config.get_text_config(), world)
     fp8_checkpoint(config, world)
 
 
@@ -110,6 +116,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     base = family_plan(config) or families.family_plan(
         config.model_type, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
     )
+    base = {**base, **hybrid.linear_attention_plan(config), **hybrid.mamba_plan(config)}
     base = mla_plan(model, base)
     if (
         prefix != model.base_model_prefix
@@ -118,7 +125,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
         base = {k: v for k, v in base.items() if v != "embedding_rowwise"} or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     plan = covered_plan(model, config, plan)  # whole-width q/k norms, packed qkv and gate_up
-    unsupported = sorted({s for s in plan.values() if s not in SUPPORTED})
+    unsupported = sorted({s for s in plan.values() if hybrid.base_style(s) not in SUPPORTED})
     if unsupported:
         raise ValueError(
             f"{type(model).__name__}'s tensor-parallel plan uses {unsupported}; bulkgen shards {sorted(SUPPORTED)}"
@@ -206,6 +213,7 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     whole_width_norms(model, plan, config, group)
     add_bias_once(model, group.rank)
+    hybrid.share_group_norm(model, config, group)
     if quantize:
         quantize_layers(model, group.device, quantize)
     elif fp8:
@@ -279,6 +287,8 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
         return torch.cat([packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
     if style == "packed_qkv":
         return qkv_rows(view, full, style, rank, world)
+    if style and hybrid.base_style(style) == hybrid.COLWISE_PARTS:  # shard_hybrid.py
+        return hybrid.read_parts(view, style, full, rank, world)
     if style == "vocab":
         rows = shape[0]
         return view[rank * rows : min((rank + 1) * rows, full[0])]

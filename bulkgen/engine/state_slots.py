@@ -99,6 +99,11 @@ class StatePool:
         if slot is not None:
             self.free.append(slot)
 
+    def slot(self, seq: Sequence) -> int:
+        """`seq`'s slot; a tensor-parallel follower's stand-in carries rank 0's (plan_codec.StandIn)."""
+        held = getattr(seq, "state_slot", None)
+        return self.slot_of[seq.seq_id] if held is None else held
+
     def begin(self, items: list[tuple[Sequence, int]]) -> None:
         """Check that each of a step's sequences holds a slot whose state has absorbed exactly its
         computed tokens, then mark the slots dirty until `commit`."""

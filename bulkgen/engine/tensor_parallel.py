@@ -73,6 +73,7 @@ class RankGroup:
         self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
         self.loras = None  # this rank's lora_slots.LoraSlots, which registers itself (lora_tp.py)
         self.vlm = None  # a vision-language model's whole module (vision_shards.py): encoder on rank 0 only
+        self.states = None  # a hybrid model's state_slots.StatePool: rank 0 sends each sequence's slot
 
     @classmethod
     def join(
@@ -148,7 +149,7 @@ class RankGroup:
             rows = 0 if pending is None else pending.numel()
             if self.loras is not None:
                 publish(self.loras, self.store)  # each new adapter's folder, before a plan names it
-            self._post(self.encoder.encode(batch, rows, graph, self.loras))
+            self._post(self.encoder.encode(batch, rows, graph, self.loras, self.states))
             if pending is not None:
                 self.broadcast(pending.to(torch.int64))
         try:

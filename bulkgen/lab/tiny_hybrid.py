@@ -45,15 +45,18 @@ HYBRID_ARCHITECTURES: dict[str, dict] = {
 }
 
 
-def build_tiny_hybrid(path: str | Path, arch: str, *, seed: int = 0, initializer_range: float = 0.1) -> Path:
-    """Write a randomly initialised (fixed seed) tiny hybrid model of `arch` and its tokenizer to `path`.
+def build_tiny_hybrid(
+    path: str | Path, arch: str, *, seed: int = 0, initializer_range: float = 0.1, **overrides
+) -> Path:
+    """Write a randomly initialised (fixed seed) tiny hybrid model of `arch` and its tokenizer to `path`
+    (`overrides`: config values replacing the architecture's, e.g. a head count a test needs).
     Weights are drawn wider than transformers' default (0.02), so each layer, and so each sequence's
     state, moves the greedy tokens: a state carried wrongly across chunks changes them."""
     if arch not in HYBRID_ARCHITECTURES:
         raise ValueError(
             f"unknown tiny hybrid architecture {arch!r}; choose one of {sorted(HYBRID_ARCHITECTURES)}"
         )
-    extra = HYBRID_ARCHITECTURES[arch]
+    extra = {**HYBRID_ARCHITECTURES[arch], **overrides}
     return build_tiny_model(
         path, arch, seed=seed, num_hidden_layers=3, initializer_range=initializer_range, **extra
     )

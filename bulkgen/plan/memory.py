@@ -31,7 +31,7 @@ def plan_memory(path: str, ranks: int) -> dict[str, Any]:
 
 
 def describe_memory(memory: dict[str, Any]) -> str:
-    """Two lines in `bulkgen plan`'s table."""
+    """Two lines in `bulkgen plan`'s table (three for a hybrid model: its recurrent state)."""
     ranks, weights, kv = memory["ranks"], memory["weight_bytes"], memory["kv_bytes_per_token"]
     rows = [
         (
@@ -42,4 +42,8 @@ def describe_memory(memory: dict[str, Any]) -> str:
         ),
         ("KV cache per rank", f"{kv / 1024:,.0f} KiB per token ({GIB // kv:,} tokens per GiB)"),
     ]
+    if memory.get("state_bytes_per_sequence"):  # a hybrid's recurrent layers (engine/shard_hybrid.py)
+        rows.append(
+            ("recurrent state", f"{memory['state_bytes_per_sequence'] / 1024:,.1f} KiB per sequence per rank")
+        )
     return "\n".join(f"{label:<20} {value}" for label, value in rows)

@@ -122,4 +122,4 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
         assert torch.equal(stand_in.request.images.mrope_rows(start, n), want)
     assert decode.request.images.rows == [] and decode.request.images.blocks == []
     assert plain.request.images is None
-    assert len(PlanDecoder().decode(text)[0]) == 1 and len(text) == 8 * (5 + 12 + 1)
+    assert len(PlanDecoder().decode(text)[0]) == 1 and len(text) == 8 * (5 + 13 + 1)

@@ -7,7 +7,7 @@ The single-process engine is the reference (test_architectures.py holds it to tr
 for each of these models). The two-rank engine runs with chunked prefill (a 64-token step budget), prefix
 caching (two prompts share a 96-token prefix) and a KV cache that holds only the longest prompt alone, so
 sequences are preempted and recomputed. Llama, Qwen3 and Qwen3-MoE are test_tensor_parallel.py's.
-Hybrid recurrent models are refused by their plans (test_hybrid_models.py has them on one process).
+Hybrid recurrent models are test_tensor_parallel_hybrid.py's (test_hybrid_models.py has them on one process).
 """
 
 from __future__ import annotations
