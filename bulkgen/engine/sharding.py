@@ -345,7 +345,7 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             handle = fp8.reader(handle, dtype, path) if fp8 else handle
             for name in handle.keys():
-                target, half, expert = _target(rename(name, params), params, rename)
+                target, half, expert = _target(name, params, rename)
                 if target is None:
                     continue
                 style = _style(plan, target, params[target], vocab)
@@ -395,7 +395,10 @@ def _renamer(model: nn.Module):
 
 def _target(name: str, params: dict, rename) -> tuple[str | None, int | None, int | None]:
     """The model parameter a checkpoint tensor fills: (name, packed half, expert index); a legacy expert's
-    fused parameter renamed as the model's rules rename its block (Mixtral's block_sparse_moe -> mlp)."""
+    fused parameter renamed as the model's rules rename its block (Mixtral's block_sparse_moe -> mlp).
+    A legacy expert is matched before the model's rules rename the whole name: transformers' rules can
+    map one expert's tensor straight to the fused parameter (which rules apply depends on which models
+    this process loaded before), and it would then be read as the whole parameter."""
     if name in params:
         return name, None, None
     match = _EXPERT.match(name)
@@ -404,7 +407,8 @@ def _target(name: str, params: dict, rename) -> tuple[str | None, int | None, in
         target = rename(f"{match[1]}.{fused}", params)
         if target in params:
             return target, half, int(match[2])
-    return None, None, None
+    renamed = rename(name, params)
+    return (renamed, None, None) if renamed in params else (None, None, None)
 
 
 def _place(
