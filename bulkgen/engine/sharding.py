@@ -41,6 +41,7 @@ from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts
 from .shard_mla import mla_plan
 from .shard_packed import covered_plan, qkv_rows, whole_width_norms
 from .shard_quantized import fp8_checkpoint
+from .vocab_parallel import VocabParallelEmbedding, VocabParallelHead, split_vocab
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -156,38 +157,6 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Rows [start, start + shard) of the embedding; ids outside them look up zeros, and the ranks'
-    lookups are summed."""
-
-    def __init__(self, vocab: int, hidden: int, group) -> None:
-        super().__init__()
-        self.shard = -(-vocab // group.world)
-        self.start, self.group = group.rank * self.shard, group
-        self.weight = nn.Parameter(torch.empty(self.shard, hidden, device="meta"), requires_grad=False)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        local = ids - self.start
-        outside = (local < 0) | (local >= self.shard)
-        out = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.group.all_reduce(out.masked_fill(outside[..., None], 0))
-
-
-class VocabParallelHead(nn.Module):
-    """The LM head's rows of this rank's vocabulary shard; every rank gets the gathered full logits."""
-
-    def __init__(self, vocab: int, hidden: int, group, bias: bool) -> None:
-        super().__init__()
-        self.vocab_size, self.group = vocab, group
-        shard = -(-vocab // group.world)
-        self.weight = nn.Parameter(torch.empty(shard, hidden, device="meta"), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(shard, device="meta"), requires_grad=False) if bias else None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = nn.functional.linear(hidden, self.weight, self.bias)
-        return self.group.all_gather(local)[..., : self.vocab_size]
-
-
 def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str | None = None) -> nn.Module:
     """Rank `group.rank`'s model (group: tensor_parallel.RankGroup, attached as `model.bulkgen_tp`):
     built with no parameter memory, then filled from its slices of the checkpoint; `quantize`: its decoder
@@ -221,18 +190,6 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
     model.bulkgen_tp = group
     return model.to(group.device).eval()
-
-
-def split_vocab(model: nn.Module, config, group) -> None:
-    """Vocabulary-parallel embedding and head where they are plain modules (a scaled embedding stays whole)."""
-    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if type(embed) is nn.Embedding:
-        model.set_input_embeddings(VocabParallelEmbedding(config.vocab_size, embed.embedding_dim, group))
-    if type(head) is nn.Linear:
-        new = VocabParallelHead(config.vocab_size, head.in_features, group, head.bias is not None)
-        if config.tie_word_embeddings and isinstance(model.get_input_embeddings(), VocabParallelEmbedding):
-            new.weight = model.get_input_embeddings().weight
-        model.set_output_embeddings(new)
 
 
 def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:

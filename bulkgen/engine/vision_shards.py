@@ -14,7 +14,8 @@ from torch import nn
 
 from .multimodal import text_model
 from .quantize import quantize_layers
-from .sharding import add_all_reduces, load_shards, local_config, parameters_on_meta, split_vocab, tp_plan
+from .sharding import add_all_reduces, load_shards, local_config, parameters_on_meta, tp_plan
+from .vocab_parallel import split_vocab
 
 
 def build_vision_shard(
