@@ -271,9 +271,10 @@ def packed_half(view, full: tuple[int, ...], part: int, rank: int, world: int) -
     return view[(slice(None),) * (len(full) - 2) + (slice(start, start + rows),)]
 
 
-def _style(plan: dict[str, str], name: str, param: torch.Tensor, vocab: set[int]) -> str | None:
-    """How parameter `name` splits: its own plan entry, its module's, or "vocab"."""
-    if id(param) in vocab:
+def _style(plan: dict[str, str], name: str, vocab: set[str]) -> str | None:
+    """How parameter `name` splits: its own plan entry, its module's, or "vocab" (`vocab`: the names of
+    the vocabulary-split embedding's and head's parameters)."""
+    if name in vocab:
         return "vocab"
     module, _, leaf = name.rpartition(".")
     return (
@@ -288,13 +289,16 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
 
     params = dict(model.named_parameters(remove_duplicate=False))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-    vocab = {  # a head's bias (Phi's) splits by vocabulary like its weight
+    split = {  # a head's bias (Phi's) splits by vocabulary like its weight
         id(p)
         for m in (embed, head)
         if isinstance(m, (VocabParallelEmbedding, VocabParallelHead))
         for p in (m.weight, getattr(m, "bias", None))
         if p is not None
     }
+    # by name, taken while every parameter is alive: a parameter materialized later can reuse the id of a
+    # freed meta one, and an expert's weight was once read as a vocabulary shard that way
+    vocab = {name for name, p in params.items() if id(p) in split}
     filled: set[str] = set()
     rename = _renamer(model)
     fp8 = fp8_checkpoint(model.config, world)
@@ -302,10 +306,10 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             handle = fp8.reader(handle, dtype, path) if fp8 else handle
             for name in handle.keys():
-                target, half, expert = _target(name, params, rename)
+                target, half, expert = _target(rename(name, params), params, rename)
                 if target is None:
                     continue
-                style = _style(plan, target, params[target], vocab)
+                style = _style(plan, target, vocab)
                 param = _materialize(model, target, params, dtype, device)
                 if style == "rowwise" and target.endswith(".bias") and rank:
                     param.data.zero_()  # a row-parallel bias is added once, by rank 0, before the all-reduce
@@ -352,10 +356,7 @@ def _renamer(model: nn.Module):
 
 def _target(name: str, params: dict, rename) -> tuple[str | None, int | None, int | None]:
     """The model parameter a checkpoint tensor fills: (name, packed half, expert index); a legacy expert's
-    fused parameter renamed as the model's rules rename its block (Mixtral's block_sparse_moe -> mlp).
-    A legacy expert is matched before the model's rules rename the whole name: transformers' rules can
-    map one expert's tensor straight to the fused parameter (which rules apply depends on which models
-    this process loaded before), and it would then be read as the whole parameter."""
+    fused parameter renamed as the model's rules rename its block (Mixtral's block_sparse_moe -> mlp)."""
     if name in params:
         return name, None, None
     match = _EXPERT.match(name)
@@ -364,8 +365,7 @@ def _target(name: str, params: dict, rename) -> tuple[str | None, int | None, in
         target = rename(f"{match[1]}.{fused}", params)
         if target in params:
             return target, half, int(match[2])
-    renamed = rename(name, params)
-    return (renamed, None, None) if renamed in params else (None, None, None)
+    return None, None, None
 
 
 def _place(
