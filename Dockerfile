@@ -39,9 +39,11 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 # A regular (non-editable) install: the package, with the bundled model as package data, is copied into
 # site-packages and the source is removed; the check proves the installed copy finds its model.
+# Through the lock (requirements/lock.txt, torch left out): the image runs the releases CI tested.
 COPY --chown=1000:100 pyproject.toml README.md /tmp/bulkgen-src/
+COPY --chown=1000:100 requirements/lock.txt /tmp/bulkgen-src/requirements/lock.txt
 COPY --chown=1000:100 bulkgen /tmp/bulkgen-src/bulkgen
-RUN pip install /tmp/bulkgen-src \
+RUN pip install -c /tmp/bulkgen-src/requirements/lock.txt /tmp/bulkgen-src \
  && rm -rf /tmp/bulkgen-src \
  && bulkgen --version \
  && python -c "from bulkgen.models.registry import BUNDLED_MODEL as m; assert (m / 'model.safetensors').is_file(), m"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import upstream
 from .state_slots import LayerStates, StatePool, StateShape
 
 MIXER_NAMES = ("linear_attn", "mamba", "conv")  # decoder-layer attributes holding a recurrent mixer
@@ -93,9 +94,17 @@ def _cache_arg(module: torch.nn.Module) -> str | None:
 class _Probe:
     """A cache that records the states a mixer stores for a one-token prompt: their per-sequence shapes."""
 
+    record_past = False  # transformers 5.17 reads `cache.layers[i]`'s, as of a state view (_SlotView)
+
     def __init__(self) -> None:
         self.conv: dict[int, StateShape] = {}
         self.recurrent: dict[int, StateShape] = {}
+        self.conv_states: dict[int, torch.Tensor] = {}  # no state before the probe's one token
+        self.recurrent_states: dict[int, torch.Tensor] = {}
+
+    @property
+    def layers(self) -> _EveryLayer:
+        return _EveryLayer(self)
 
     def get_conv_state(self, layer_idx, state_idx=0):
         return None
@@ -121,6 +130,24 @@ class _Probe:
     def is_recording_past(self, layer_idx) -> bool:
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx=None) -> int:
+        return 0  # no past recorded: the engine never rolls a state back (transformers 5.25+ asks)
+
+    def increase_count(self, layer_idx, state_idx=0) -> None:
+        """transformers 5.25+ counts a decode token it writes into the conv state in place; bulkgen
+        keeps positions itself."""
+
+    def __getattr__(self, name: str):
+        raise _lacks(type(self).__name__, name)
+
+
+def _lacks(view: str, name: str) -> AttributeError:
+    """The AttributeError a state view raises for a cache member it does not imitate, naming the release."""
+    return AttributeError(
+        f"bulkgen's {view} (in place of transformers' cache for a hybrid layer) has no {name!r}: "
+        f"{upstream.describe('transformers')}"
+    )
+
 
 @torch.inference_mode()
 def probe_states(mixers: dict[int, torch.nn.Module], hidden_size: int) -> dict[int, LayerStates]:
@@ -136,7 +163,27 @@ def probe_states(mixers: dict[int, torch.nn.Module], hidden_size: int) -> dict[i
         )
         conv = tuple(probe.conv[i] for i in sorted(probe.conv))
         out[idx] = LayerStates(conv, tuple(probe.recurrent[i] for i in sorted(probe.recurrent)))
+        _check_views(module, out[idx], hidden_size)
     return out
+
+
+def _check_views(module: torch.nn.Module, states: LayerStates, hidden_size: int) -> None:
+    """Run the mixer through the three calls the engine makes (a first chunk, a continued chunk, a
+    decode) on throwaway slots, so a release that asks the state views for something they lack is
+    refused at load, naming it, instead of failing a batch's first step."""
+    param = next(module.parameters())
+    conv = [torch.zeros(1, *s.shape, dtype=s.dtype, device=param.device) for s in states.conv]
+    recurrent = [torch.zeros(1, *s.shape, dtype=s.dtype, device=param.device) for s in states.recurrent]
+    arg = _cache_arg(module)
+    forward = getattr(module, "_bulkgen_original_forward", module.forward)
+    try:
+        for tokens, has_state in ((2, False), (2, True), (1, True)):
+            x = torch.zeros(1, tokens, hidden_size, dtype=param.dtype, device=param.device)
+            forward(x, **{arg: _SlotView(conv, recurrent, has_state)})
+    except AttributeError as exc:
+        raise upstream.mismatch(
+            f"{type(module).__name__} cannot run on bulkgen's state slots ({exc})"
+        ) from exc
 
 
 class _SlotView:
@@ -183,6 +230,12 @@ class _SlotView:
 
     def is_recording_past(self, layer_idx) -> bool:
         return False
+
+    get_recurrent_states_to_keep = _Probe.get_recurrent_states_to_keep
+    increase_count = _Probe.increase_count
+
+    def __getattr__(self, name: str):
+        raise _lacks(type(self).__name__, name)
 
 
 class _EveryLayer:

@@ -15,14 +15,40 @@ kernel here can do is refused at load with one line naming it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
+from . import upstream
 from .attention import ATTN_IMPLEMENTATION
 
+log = logging.getLogger(__name__)
+
 PROBE_IMPLEMENTATION = "bulkgen_probe"
+# Every keyword transformers hands an attention implementation in the architectures bulkgen runs, and
+# what bulkgen does with it. A keyword outside this table that arrives with a value is said at load
+# (a release may have moved a layer's window, sinks or soft-cap to a new name), and
+# tests/engine/test_upstream_interfaces.py fails on one that a modeling file of the matrix passes.
+ATTENTION_KWARGS = {
+    "attention_mask": "ignored: each sequence attends to its own tokens by the step plan, never a mask",
+    "scaling": "the softmax scale (query width ** -0.5 where absent)",
+    "dropout": "ignored: 0 at inference",
+    "sliding_window": "the layer's window, learned at load (AttnKind.window)",
+    "softcap": "the layer's logit soft-cap, learned at load (Gemma 2)",
+    "s_aux": "the layer's attention sinks, passed to the kernel (gpt-oss)",
+    "is_causal": "ignored: decoder layers are causal; vision towers run outside bulkgen's attention",
+    "position_ids": "ignored: positions reach attention through the rotary embedding",
+    "use_cache": "ignored: the paged cache is bulkgen's",
+    "output_router_logits": "ignored: a mixture-of-experts flag passed down with the layer's kwargs",
+    "bulkgen_ctx": "the step's context (attention.StepContext)",
+    # the flash-attention varlen metadata of vision towers (Qwen3.5's); the text layers get bulkgen's own
+    "cu_seq_lens_q": "ignored: packing is the step plan's",
+    "cu_seq_lens_k": "ignored: packing is the step plan's",
+    "max_length_q": "ignored: packing is the step plan's",
+    "max_length_k": "ignored: packing is the step plan's",
+}
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -92,6 +118,7 @@ def probe_layers(model: torch.nn.Module, recurrent: set[int] = frozenset()) -> l
     config = model.config
     layer_types = getattr(config, "layer_types", None) or []
     seen: dict[int, LayerAttention] = {}
+    unknown: set[str] = set()  # keywords with a value that ATTENTION_KWARGS does not know
     mark = object()  # passed as the step context is: a layer that drops forward kwargs never sees it
 
     def record(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -103,6 +130,7 @@ def probe_layers(model: torch.nn.Module, recurrent: set[int] = frozenset()) -> l
                 f"{type(model).__name__} drops forward kwargs before its attention (layer {idx}); bulkgen "
                 "cannot pass it the step's cache"
             )
+        unknown.update(k for k, v in kwargs.items() if k not in ATTENTION_KWARGS and v is not None)
         chunked = idx < len(layer_types) and layer_types[idx] == "chunked_attention"
         window = kwargs.get("sliding_window") or None
         kind = AttnKind(window=window, chunk=config.attention_chunk_size if chunked else None)
@@ -130,6 +158,14 @@ def probe_layers(model: torch.nn.Module, recurrent: set[int] = frozenset()) -> l
             model(input_ids=ids, position_ids=positions, use_cache=False, bulkgen_ctx=mark)
     finally:
         config._attn_implementation = previous
+    if unknown:
+        log.warning(
+            "%s passes %s to its attention, which bulkgen does not read; if its tokens differ from "
+            "transformers', this is why: %s",
+            type(model).__name__,
+            ", ".join(sorted(unknown)),
+            upstream.describe("transformers"),
+        )
     return _in_layer_order(model, seen, recurrent)
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import upstream
 from .quantize import quantize_layers
 from .weight_format import checkpoint_quantization
 
@@ -77,6 +78,7 @@ def load_model(
     model's, so its vision tower and projector stay in the load dtype. A quantized checkpoint keeps
     its own format."""
     no_hub_kernels()
+    upstream.warn_if_untested("transformers")
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM

@@ -32,6 +32,8 @@ from bulkgen.engine import Engine, SamplingParams
 from bulkgen.lab.tiny import ARCHITECTURES, WINDOW, build_tiny_model
 from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 MAX_TOKENS = 12
 BLOCK_SIZE = 8
 STEP_TOKENS = 64

@@ -19,6 +19,8 @@ from bulkgen.engine.guide import GrammarError, Guide, check, compile_guide, gram
 from bulkgen.models.registry import BUNDLED_MODEL
 from tests.support.schemas import SLOW_TO_COMPILE, ref_chain
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 PERSON = {
     "type": "object",
     "properties": {

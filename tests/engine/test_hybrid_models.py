@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES, build_tiny_hybrid
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 ARCHS = sorted(HYBRID_ARCHITECTURES)
 LENGTHS = [600, 5, 37, 150, 12, 260]  # the 600-token prompt is prefilled in chunks of the 64-token budget
 MAX_TOKENS = 8

@@ -20,6 +20,8 @@ from bulkgen.engine import EmbedParams, Engine, SamplingParams
 from bulkgen.engine.lora import LoraError
 from bulkgen.lab.tiny import build_tiny_model
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 MLP = ["gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name: (rank, alpha, rsLoRA, targets)
     "a": (4, 8, False, ["q_proj", "v_proj"]),

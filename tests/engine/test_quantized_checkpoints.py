@@ -21,6 +21,8 @@ from bulkgen.lab.quantized import write_bitsandbytes, write_block_fp8, write_com
 from bulkgen.lab.tiny import build_tiny_model
 from tests.support.logprobs import assert_follows
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 
 @pytest.fixture(scope="module")
 def fp8_checkpoints(model_dirs, tmp_path_factory):

@@ -22,6 +22,8 @@ from tests.support.service import (
     write_jsonl,
 )
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 
 @pytest.mark.parametrize("sample", ["chat.jsonl", "completions.jsonl"])
 def test_sample_batch_completes_with_one_output_line_per_request(client, sample):
