@@ -190,6 +190,11 @@ def _temperature(module: torch.nn.Module) -> tuple[float, float] | None:
     return None
 
 
+# model classes whose attention goes through `AttentionInterface` only from a transformers release on
+# (earlier ones compute it inline): refused before it, naming the release
+ROUTED_FROM = {"GPTJForCausalLM": "5.24", "CodeGenForCausalLM": "5.24"}
+
+
 def check_attention_routing(model: torch.nn.Module) -> None:
     """Refuse models whose attention cannot be routed to bulkgen; leave the model's setting as it was."""
     previous = model.config._attn_implementation
@@ -199,9 +204,11 @@ def check_attention_routing(model: torch.nn.Module) -> None:
     finally:
         model.config._attn_implementation = previous
     if not routed:
+        since = ROUTED_FROM.get(type(model).__name__)
+        release = f" before transformers {since} ({upstream.describe('transformers')})" if since else ""
         raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
-            "bulkgen cannot run it"
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface"
+            f"{release}; bulkgen cannot run it"
         )
 
 
