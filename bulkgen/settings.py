@@ -388,6 +388,14 @@ class Settings:
         ),
     )
     max_requests_per_batch: int = setting(50_000, check=_positive_int, flag=Flag("--max-requests-per-batch"))
+    max_embedding_inputs_per_batch: int = setting(
+        50_000,
+        check=_positive_int,
+        flag=Flag(
+            "--max-embedding-inputs-per-batch",
+            help="Embedding inputs one batch may hold, summed over its lines' body.input (OpenAI's limit: 50,000).",
+        ),
+    )
     max_file_bytes: int = setting(
         200 * MIB,
         check=_positive_int,
