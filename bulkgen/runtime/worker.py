@@ -355,13 +355,15 @@ class EngineWorker(EngineLoop, PartWriter):
         if self._loras.get(name) == path:
             return
         if (name, path) not in self._lora_failed:
+            local = None
             try:
                 local = fetch_folder(path, ADAPTER_CONFIG, "adapter", endpoint_url=self.endpoint_url)
                 self._on_engine_thread(lambda: self._swap_lora(name, local))
                 self._loras[name] = path
                 return
             except (OSError, ValueError) as exc:  # the engine's LoraError (a refused feature) is a ValueError
-                self._lora_failed[(name, path)] = f"{type(exc).__name__}: {exc}"
+                log.error("worker %d: LoRA adapter %r (%s) cannot be loaded: %s", self.index, name, path, exc)
+                self._lora_failed[(name, path)] = _client_reason(exc, name, path, local)
         raise LineError(
             "model_not_loaded",
             f"body.model {name!r}: the LoRA adapter cannot be loaded: {self._lora_failed[(name, path)]}",
@@ -414,3 +416,17 @@ class EngineWorker(EngineLoop, PartWriter):
         slots = self.engine.config.max_num_seqs
         return max(0, slots * 5 // 2 - len(self._live) - len(self._inbox) - self._preparing)
 
+
+def _client_reason(exc: Exception, name: str, path: str, local: str | None) -> str:
+    """Why an adapter cannot be loaded, as its line's 400 says it: the engine's refusal (DoRA, a rank
+    over the limit...) with the adapter's folder written as its name; never a path of the server (its
+    folder, the node's cache), which the service's log has. A folder that cannot be read is said so."""
+    if isinstance(exc, OSError):
+        return "its files could not be read (the service's log says why)"
+    message = str(exc)
+    paths = {path, path.removeprefix("file://")}
+    if local:
+        paths |= {str(local), os.path.realpath(local)}
+    for server_path in sorted((p.rstrip("/") for p in paths if p), key=len, reverse=True):
+        message = message.replace(server_path, name)
+    return f"{type(exc).__name__}: {message}"
