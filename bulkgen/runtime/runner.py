@@ -142,7 +142,7 @@ class BatchRunner:
             self.svc.store.open_args(),
             self.svc.tenant,
             batch_priority(record.metadata),
-            self.svc.catalog.of_base(record.model),
+            self.svc.catalog.of_base(record.model, self.svc.tenant),  # those its tenant may run
             self.svc.settings.workers.ranks_of(record.model),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
