@@ -292,3 +292,29 @@ def test_a_cancelled_embeddings_batch_stops_on_the_worker_and_later_batches_run(
     later = wait_done(client, _create(client, tmp_path / "after.jsonl", chat_rows).id, timeout=120)
     assert later.status == "completed" and later.request_counts.completed == 8
     assert time.monotonic() - started < 60  # the worker's own: not behind ~49,000 orphaned embeddings
+
+
+def test_an_internal_error_reaches_the_client_without_the_storage_path(
+    service, client, tmp_path, monkeypatch
+):
+    """A runner that fails on an OS error (its message holds the path of a stored object) fails its batch with
+    the error in the batch's errors, the storage's folder written `<storage>`: the log keeps the path."""
+    from bulkgen.runtime.runner import BatchRunner
+
+    root = str(service.svc.settings.storage)
+
+    def broken(self, record):
+        raise FileNotFoundError(
+            2, "No such file or directory", f"{root}/parts/{self.batch_id}/lines-1-16.jsonl"
+        )
+
+    monkeypatch.setattr(BatchRunner, "_execute", broken)
+    batch = _create(client, tmp_path / "broken.jsonl", _rows("x", 4, 2))
+    batch = wait_done(client, batch.id, timeout=120)
+    assert batch.status == "failed"
+    [error] = batch.errors.data
+    assert (
+        "FileNotFoundError" in error.message
+        and f"<storage>/parts/{batch.id}/lines-1-16.jsonl" in error.message
+    )
+    assert root not in error.message
