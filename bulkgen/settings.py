@@ -366,7 +366,8 @@ class Settings:
             metavar="NAME=PATH[@BASE]",
             parse=parse_lora_specs,
             help="Serve a PEFT LoRA adapter (folder or s3://…) as model NAME on served model BASE (default: the "
-            "one its adapter_config.json names, else the only one), repeatable (docs/lora.md).",
+            "one its adapter_config.json names, else the only one), repeatable; ' tenants=T1,T2' after it serves "
+            "it to those tenants alone (docs/lora.md).",
         ),
     )
     lora_file: str | None = setting(
@@ -375,7 +376,8 @@ class Settings:
             "--lora-file",
             envvar="BULKGEN_LORA_FILE",
             metavar="PATH",
-            help="More adapters, NAME=PATH[@BASE] per line, read again when it changes (env BULKGEN_LORA_FILE).",
+            help="More adapters, NAME=PATH[@BASE] [tenants=T1,T2] per line, read again when it changes "
+            "(env BULKGEN_LORA_FILE).",
         ),
     )
     workers: WorkerSettings = setting(factory=WorkerSettings)
@@ -388,6 +390,14 @@ class Settings:
         ),
     )
     max_requests_per_batch: int = setting(50_000, check=_positive_int, flag=Flag("--max-requests-per-batch"))
+    max_embedding_inputs_per_batch: int = setting(
+        50_000,
+        check=_positive_int,
+        flag=Flag(
+            "--max-embedding-inputs-per-batch",
+            help="Embedding inputs one batch may hold, summed over its lines' body.input (OpenAI's limit: 50,000).",
+        ),
+    )
     max_file_bytes: int = setting(
         200 * MIB,
         check=_positive_int,

@@ -29,7 +29,7 @@ from pathlib import Path
 from bulkgen.store import layout
 
 DEFAULT_TENANT = "default"
-TENANT_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"
+TENANT_PATTERN = layout.TENANT_PATTERN
 _TENANT = re.compile(rf"^{TENANT_PATTERN}$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 KEY_PREFIX = "bg-"

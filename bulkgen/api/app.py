@@ -6,12 +6,13 @@ import threading
 import time
 from collections.abc import Iterable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from bulkgen import __version__
 from bulkgen.api import auth, batches, dashboard, errors, files, openapi
+from bulkgen.api.auth import tenant_of
 from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
 from bulkgen.api.protocol import Health, Model, ModelList, answers
@@ -108,7 +109,7 @@ def _install_models(app: FastAPI, svc) -> None:
         for name, path in svc.settings.models.items()
     }
 
-    def served() -> list[dict]:
+    def served(tenant: str) -> list[dict]:
         def entry(name: str, parent: str | None) -> dict:
             return {
                 "id": name,
@@ -120,17 +121,18 @@ def _install_models(app: FastAPI, svc) -> None:
                 **weights[parent or name],
             }
 
-        adapters = sorted(svc.catalog.adapters().values(), key=lambda a: a.name)
+        adapters = sorted(svc.catalog.adapters(tenant).values(), key=lambda a: a.name)  # the caller's only
         return [entry(name, None) for name in svc.settings.models] + [entry(a.name, a.base) for a in adapters]
 
     @app.get("/v1/models", response_model=None, responses=answers(ModelList))
-    async def list_models() -> dict:
-        return {"object": "list", "data": served()}
+    async def list_models(request: Request) -> dict:
+        return {"object": "list", "data": served(tenant_of(request))}
 
     @app.get("/v1/models/{model:path}", response_model=None, responses=answers(Model, 404))
-    async def retrieve_model(model: str):
-        """One served model (the SDK's models.retrieve); an unknown one is a 404 in OpenAI's shape."""
-        found = [entry for entry in served() if entry["id"] == model]
+    async def retrieve_model(model: str, request: Request):
+        """One served model (the SDK's models.retrieve); an unknown one, or an adapter scoped to other
+        tenants, is a 404 in OpenAI's shape."""
+        found = [entry for entry in served(tenant_of(request)) if entry["id"] == model]
         if found:
             return found[0]
         body = errors.error_body(f"The model {model[:64]!r} does not exist", "model", "model_not_found")

@@ -78,9 +78,25 @@ def render_metrics(cache: RecordCache, manager) -> tuple[bytes, str]:
     for worker, seconds in total["worker_busy_s"].items():
         busy.labels(worker).set(seconds)
     _adapters(registry, total.get("adapters", {}))
+    _workers_now(registry, manager)
     pending.set(waiting)
     queued.set(manager.queue_depth())
     return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _workers_now(registry: CollectorRegistry, manager) -> None:
+    """Each worker's share of the last 30 s spent stepping its engine, from the worker's own count: a
+    worker stepping anything is busy here, whether or not the work is a live batch's (the batch totals
+    above count only what batches recorded)."""
+    share = Gauge(
+        "bulkgen_worker_busy_ratio",
+        "Share of the last 30 s each worker spent stepping its engine, whatever it ran",
+        ["worker"],
+        registry=registry,
+    )
+    dispatcher = getattr(manager, "dispatcher", None)
+    for worker in dispatcher.worker_states() if dispatcher is not None else []:
+        share.labels(worker["id"]).set(worker["busy_share"])
 
 
 def _adapters(registry: CollectorRegistry, adapters: dict[str, dict]) -> None:

@@ -275,7 +275,8 @@ def _s3_key(ref: ImageRef, store: Store) -> str:
     except ValueError:
         raise ImageError(
             ref,
-            f"{quote(ref.source, 60)} is not inside this service's storage ({root}); s3:// images must be there",
+            # never the storage's root or a tenant folder: those are the server's, not the client's
+            f"{quote(ref.source, 60)} is not inside this service's storage; s3:// images must be there",
             "invalid_image_url",
         ) from None
 

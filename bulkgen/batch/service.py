@@ -139,17 +139,18 @@ class BatchService:
 
     def validator(self, endpoint: str | None, fill: Fill | None = None, found: bool = False) -> Validator:
         """The checks a batch of `endpoint` passes here (None: its first line's url): the served models,
-        the request limit, LoRA adapters and the tenant's images; `fill`, `found`: a watcher's job
-        defaults and object (bulkgen.batch.validate.Validator)."""
+        the request and embedding-input limits, the LoRA adapters this tenant may run and the tenant's
+        images; `fill`, `found`: a watcher's job defaults and object (bulkgen.batch.validate.Validator)."""
         s = self.settings
         return Validator(
             endpoint,
             s.models,
             s.max_requests_per_batch,
-            {name: adapter.base for name, adapter in self.catalog.adapters().items()},
+            {name: adapter.base for name, adapter in self.catalog.adapters(self.tenant).items()},
             partial(check_images, store=self.store, policy=s.workers.images),
             fill,
             found,
+            s.max_embedding_inputs_per_batch,
         )
 
     def validate(

@@ -18,11 +18,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from bulkgen.batch.embeddings import EMBEDDINGS
 from bulkgen.batch.images import ImageRef
 from bulkgen.batch.requests import Fill, LineError, NotABatchFile, ParsedRequest, RequestLine, pick_adapter
 from bulkgen.batch.schema import quote
 
 MAX_LISTED_ERRORS = 1000
+MAX_EMBEDDING_INPUTS = 50_000  # OpenAI's limit: embedding inputs of one batch, summed over its lines
 READ_CHUNK = 1 << 20
 
 
@@ -81,6 +83,7 @@ class Validator:
         check_images: Callable[[list[ImageRef]], None] | None = None,
         fill: Fill | None = None,
         found: bool = False,
+        max_embedding_inputs: int = MAX_EMBEDDING_INPUTS,
     ) -> None:
         """`endpoint` None: the first request line's url (NotABatchFile where it names none).
         `adapters`: the served LoRA adapters, name -> the served model they run on.
@@ -88,8 +91,13 @@ class Validator:
         with the tenant's storage and the image policy); LineError refuses the line.
         `fill`: a watcher job's defaults, set in each line as it is parsed (`stored`). `found`: a file a
         watcher found rather than one sent as a batch, which is no batch file at all (NotABatchFile) unless
-        its first request line is a JSON object, whatever the endpoint."""
+        its first request line is a JSON object, whatever the endpoint. `max_embedding_inputs`: the
+        embedding inputs a batch may hold, summed over its `/v1/embeddings` lines (a line's `input` may be
+        a list of up to 2,048), as OpenAI counts them."""
         self.endpoint, self.served, self.max_requests = endpoint, set(served_models), max_requests
+        self.max_embedding_inputs = max_embedding_inputs
+        self.embedding_inputs = 0
+        self._inputs_over: int | None = None  # the line whose inputs took the total past the limit
         self.adapters = dict(adapters or {})
         self.check_images = check_images
         self.fill, self.found = fill, found
@@ -127,6 +135,8 @@ class Validator:
                 self._undecided.append((number, line.model))
             if request.images and self.check_images is not None:
                 self.check_images(request.images)
+            if line.url == EMBEDDINGS:
+                self._count_inputs(request, number)
             return request
         except LineError as err:
             self.result.refuse(err, number)
@@ -147,7 +157,21 @@ class Validator:
                 f"the file has {result.total} requests; the limit per batch is {self.max_requests} "
                 "(split the file, or raise --max-requests-per-batch)",
             )
+        if self.embedding_inputs > self.max_embedding_inputs:
+            result.add(
+                "too_many_embedding_inputs",
+                f"the file has {self.embedding_inputs} embedding inputs (body.input, summed over its lines; "
+                f"line {self._inputs_over} takes the total past the limit); the limit per batch is "
+                f"{self.max_embedding_inputs} (split the file, or raise --max-embedding-inputs-per-batch)",
+                self._inputs_over,
+                "body.input",
+            )
         return result
+
+    def _count_inputs(self, request: ParsedRequest, number: int) -> None:
+        self.embedding_inputs += len(request.prompts) if request.prompts else 1
+        if self._inputs_over is None and self.embedding_inputs > self.max_embedding_inputs:
+            self._inputs_over = number
 
     def _check_identity(self, request: RequestLine, number: int) -> bool:
         result, ok = self.result, True

@@ -11,6 +11,10 @@ naming it. The adapters file (`--lora-file`, one `NAME=PATH[@BASE]` per line) is
 bytes change, so adapters are added to a running service by editing it (docs/lora.md says why a file and
 not an admin route); an entry that cannot be served there is skipped with one ERROR line per change,
 and the others stay served.
+
+An adapter may be scoped to tenants (`NAME=PATH[@BASE] tenants=T1,T2`, in a flag or a file line): only
+those tenants' lines may run it and only they see it in /v1/models; to every other tenant it does not
+exist (the same `model_not_found` as a name nothing serves). An adapter without `tenants=` is served to all.
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from bulkgen.store import layout
+
 log = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
+_SCOPE = re.compile(r"^(?P<spec>.*?)\s+tenants=(?P<tenants>\S*)\s*$")
 
 
 class AdapterError(ValueError):
@@ -40,26 +48,52 @@ class LoraSpec:
     name: str
     path: str  # a local folder, file://…, or s3://… (fetched by each worker into its cache)
     base: str | None = None  # the served model it attaches to; None: from its adapter_config.json
+    tenants: frozenset[str] | None = None  # who may run it; None: every tenant
 
 
 @dataclass(frozen=True)
 class Adapter:
-    """A servable adapter: its name, where its folder is, and the served model it runs on."""
+    """A servable adapter: its name, where its folder is, the served model it runs on, and the tenants
+    that may run it (None: every tenant)."""
 
     name: str
     path: str
     base: str
+    tenants: frozenset[str] | None = None
+
+    def serves(self, tenant: str | None) -> bool:
+        """Whether `tenant` may run (and see) this adapter; None: the runtime itself, which sees all."""
+        return tenant is None or self.tenants is None or tenant in self.tenants
 
 
 def parse_lora_spec(spec: str, where: str = "--lora") -> LoraSpec:
-    """`NAME=PATH[@BASE]`; AdapterError names `where` (the flag, or the file and line)."""
+    """`NAME=PATH[@BASE]`, optionally followed by ` tenants=T1,T2`; AdapterError names `where` (the flag,
+    or the file and line)."""
+    tenants = None
+    scoped = _SCOPE.match(spec.strip())
+    if scoped:
+        tenants = _tenants(scoped["tenants"], spec, where)
+        spec = scoped["spec"]
     name, sep, rest = spec.strip().partition("=")
     path, at, base = rest.rpartition("@")
     if not at:
         path, base = rest, ""
     if not sep or not name.strip() or not path.strip() or (at and not base.strip()):
-        raise AdapterError(f"{where} {spec[:200]!r}: expected NAME=PATH or NAME=PATH@BASE")
-    return LoraSpec(name.strip(), path.strip(), base.strip() or None)
+        raise AdapterError(f"{where} {spec[:200]!r}: expected NAME=PATH or NAME=PATH@BASE [tenants=T1,T2]")
+    return LoraSpec(name.strip(), path.strip(), base.strip() or None, tenants)
+
+
+def _tenants(value: str, spec: str, where: str) -> frozenset[str]:
+    names = [t for t in value.split(",") if t]
+    if not names:
+        raise AdapterError(f"{where} {spec[:200]!r}: tenants= names no tenant (tenants=T1,T2)")
+    for name in names:
+        if not re.fullmatch(layout.TENANT_PATTERN, name):
+            raise AdapterError(
+                f"{where} {spec[:200]!r}: tenant name {name[:80]!r} is not valid: use 1-63 lowercase letters, "
+                "digits, '-' or '_', starting with a letter or digit"
+            )
+    return frozenset(names)
 
 
 def parse_lora_specs(specs: Iterable[str]) -> dict[str, LoraSpec]:
@@ -86,7 +120,7 @@ def resolve_adapter(
             raise AdapterError(
                 f"{head}@{spec.base}: no served model is named {spec.base!r} ({_names(models)})"
             )
-        return Adapter(spec.name, spec.path, spec.base)
+        return Adapter(spec.name, spec.path, spec.base, spec.tenants)
     try:
         named = read_adapter_config(spec.path, endpoint_url).get("base_model_name_or_path")
     except (OSError, ValueError) as exc:
@@ -98,7 +132,7 @@ def resolve_adapter(
             f"{head}: its {ADAPTER_CONFIG} {said}, which is none of the served models ({_names(models)}); "
             f"write {spec.name}={spec.path}@BASE"
         )
-    return Adapter(spec.name, spec.path, base)
+    return Adapter(spec.name, spec.path, base, spec.tenants)
 
 
 def read_adapter_config(path: str, endpoint_url: str | None = None) -> dict:
@@ -167,14 +201,15 @@ class AdapterCatalog:
             )
         self._reload()
 
-    def adapters(self) -> dict[str, Adapter]:
-        """name -> adapter, every one served now."""
+    def adapters(self, tenant: str | None = None) -> dict[str, Adapter]:
+        """name -> adapter, every one served now to `tenant` (None: every one, to any tenant)."""
         self._reload()
-        return {**self._from_file, **self._fixed}
+        return {name: a for name, a in {**self._from_file, **self._fixed}.items() if a.serves(tenant)}
 
-    def of_base(self, base: str) -> dict[str, str]:
-        """The adapters of one served model: name -> path (what a worker needs to load them)."""
-        return {a.name: a.path for a in self.adapters().values() if a.base == base}
+    def of_base(self, base: str, tenant: str | None = None) -> dict[str, str]:
+        """The adapters of one served model that `tenant` may run: name -> path (what a worker needs to
+        load them)."""
+        return {a.name: a.path for a in self.adapters(tenant).values() if a.base == base}
 
     def _reload(self) -> None:
         if self.path is None:

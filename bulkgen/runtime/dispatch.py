@@ -61,6 +61,7 @@ class Dispatcher:
         self._last_poll: dict[int, dict] = {}  # per worker: its last answer that found nothing queued
         self._news: list[threading.Event] = []  # per worker: ranges were queued, or its poll answered
         self._busy: list[deque] = []  # per worker: (arrival time, step seconds) of recent polls
+        self._busy_total: list[float] = []  # per worker: its `busy_s` at its last poll
         self._started = time.monotonic()
 
     def start(self) -> None:
@@ -75,6 +76,7 @@ class Dispatcher:
         self._news = [threading.Event() for _ in self.pool.workers]
         self.queue.on_work(self._work_queued)
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
+        self._busy_total = [0.0 for _ in self.pool.workers]
         self._started = time.monotonic()
         for index in range(len(self.pool.workers)):
             threading.Thread(
@@ -212,8 +214,12 @@ class Dispatcher:
             runner = self.runner_of(outcome.bounds.batch_id)
             if runner is not None:
                 runner.range_done(outcome)
-        busy = sum(float(r.get("duration_s", 0.0)) for records in poll["steps"].values() for r in records)
-        if busy:
+        # the worker's own count of its step time, not its steps of this driver's batches: a worker busy with
+        # another driver's work, or with a batch no driver runs any more, is busy all the same
+        total = float(poll.get("busy_s", 0.0))
+        busy = total - self._busy_total[index] if total >= self._busy_total[index] else total  # replaced
+        self._busy_total[index] = total
+        if busy > 0:
             self._busy[index].append((time.monotonic(), busy))
         for batch_id, records in poll["steps"].items():
             runner = self.runner_of(batch_id)

@@ -126,6 +126,7 @@ class EngineLoop:
                     self._finish(p, out)
             for record in records:
                 self._step_times.add(record["duration_s"])
+                self._busy_s += record["duration_s"]
                 for batch_id, share in split_step(record).items():
                     owner = self._owner_of.get(batch_id, "")
                     self._steps[owner].setdefault(batch_id, []).append(share)

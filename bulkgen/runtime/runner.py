@@ -40,6 +40,7 @@ from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
 from bulkgen.store import NotFound, StorageUnavailable, layout
+from bulkgen.store.base import redact
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class BatchRunner:
             self.svc.store.open_args(),
             self.svc.tenant,
             batch_priority(record.metadata),
-            self.svc.catalog.of_base(record.model),
+            self.svc.catalog.of_base(record.model, self.svc.tenant),  # those its tenant may run
             self.svc.settings.workers.ranks_of(record.model),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
@@ -239,7 +240,7 @@ class BatchRunner:
 
     def give_up(self, r: QueuedRange, reason: str) -> None:
         """A request that kept killing its worker: an engine_error line, so the batch can finish."""
-        b, message = r.bounds, f"{reason}; it was not retried again"
+        b, message = r.bounds, f"{self._client_text(reason)}; it was not retried again"
         lines = read_lines(self.svc.store, r.batch.input_key, b.first_line, b.start, b.end)
         entries = [
             parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, "engine_error"))
@@ -247,6 +248,11 @@ class BatchRunner:
         ]
         parts.write_part(self.svc.store, self.batch_id, b.first_line, b.last_line, entries)
         self.range_done(RangeOutcome(b, parts.Tally(failed=len(entries))))
+
+    def _client_text(self, message: str) -> str:
+        """An internal error as the batch's client reads it: the storage root and the tenant's folder (in
+        an OS error's path, say) written `<storage>`; the log keeps them."""
+        return redact(message, self.svc.store.url, self.svc.root.url)
 
     def fatal(self, message: str) -> None:
         self._fatal = message
@@ -339,6 +345,7 @@ class BatchRunner:
     def fail(self, message: str) -> BatchRecord:
         log.error("batch %s failed: %s", self.batch_id, message)
         self._withdraw(None)
+        message = self._client_text(message)
 
         record = self.svc.batches.update(
             self.batch_id, lambda r: lifecycle.fail_unless_ended(r, "batch_failed", message)

@@ -81,6 +81,8 @@ class EngineWorker(EngineLoop, PartWriter):
         self._inbox: deque[Prepared] = deque()  # prepared, not yet in the engine
         self._aborts: list[str] = []
         self._preparing = 0
+        self._preparing_of: dict[str, int] = defaultdict(int)  # batch id -> its assign calls under way
+        self._forgotten: set[str] = set()  # stopped batches forgotten while an assign of theirs was under way
         self._stopped: set[str] = set()
         self._owner_of: dict[str, str] = {}  # batch id -> the driver that assigned it
         self._polled: dict[str, float] = {}  # driver -> when it last polled (self.clock)
@@ -95,6 +97,7 @@ class EngineWorker(EngineLoop, PartWriter):
         self.node_ip = node_ip()
         self.torch_threads: int | None = None  # set by the engine thread
         self._step_times = StepTimes()  # the loaded engine's step wall times, reported by poll
+        self._busy_s = 0.0  # seconds this worker's engine spent stepping, whatever batches (or none) it held
         self._ranks: list[dict] | None = None  # a tensor-parallel engine's ranks, reported by poll
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
@@ -164,9 +167,19 @@ class EngineWorker(EngineLoop, PartWriter):
                 return
             self._owner_of[batch.batch_id] = owner
             self._preparing += sum(b.size for b in ranges)
-        with self._prepare_lock:
-            for bounds in ranges:
-                self._prepare_range(batch, bounds)
+            self._preparing_of[batch.batch_id] += 1
+        try:
+            with self._prepare_lock:
+                for bounds in ranges:
+                    self._prepare_range(batch, bounds)
+        finally:
+            with self._cond:
+                self._preparing_of[batch.batch_id] -= 1
+                if not self._preparing_of[batch.batch_id]:
+                    del self._preparing_of[batch.batch_id]
+                    if batch.batch_id in self._forgotten:  # its stop mark outlived the preparation
+                        self._forgotten.discard(batch.batch_id)
+                        self._stopped.discard(batch.batch_id)
 
     def poll(self, owner: str = "", timeout: float = 0.5, for_work: bool = True) -> dict[str, Any]:
         """`owner`'s finished ranges and step records by batch, and how many more requests the engine
@@ -197,6 +210,7 @@ class EngineWorker(EngineLoop, PartWriter):
                 "want": self._want(),
                 "spare": self._spare(),
                 "held": len(self._live) + len(self._inbox) + self._preparing,
+                "busy_s": self._busy_s,  # every step since the worker started, of any batch or driver
             }
 
     def abort_batch(self, batch_id: str, code: str | None) -> int:
@@ -222,9 +236,14 @@ class EngineWorker(EngineLoop, PartWriter):
         return len(mine)
 
     def forget(self, batch_id: str) -> None:
-        """The batch ended: drop its stop mark (ids are unique, so it would never be seen again)."""
+        """The batch ended: drop its stop mark (ids are unique, so it would never be seen again), but only
+        once no assign of it is still preparing lines: a cancelled batch's range being tokenized when the
+        batch ended would otherwise find no stop mark and run in full, for no one."""
         with self._cond:
-            self._stopped.discard(batch_id)
+            if self._preparing_of.get(batch_id):
+                self._forgotten.add(batch_id)
+            else:
+                self._stopped.discard(batch_id)
             self._owner_of.pop(batch_id, None)
 
     # -- preparation (RPC threads) --------------------------------------------------------------------
@@ -263,6 +282,8 @@ class EngineWorker(EngineLoop, PartWriter):
         then prepare each line in order; a LineError refuses its line alone."""
         started = []
         for line, raw in lines:
+            if batch.batch_id in self._stopped:
+                return []  # stopped while this range was read or prepared: its lines never reach the engine
             try:
                 request = self._parse(raw, line, batch)
                 work.remaining[line] = request.custom_id
@@ -272,6 +293,8 @@ class EngineWorker(EngineLoop, PartWriter):
                 self._refuse(work, line, work.remaining.setdefault(line, custom_id_of(raw)), err)
         ready: list[Prepared] = []
         for line, request, loading in started:
+            if batch.batch_id in self._stopped:  # a cancel lands between lines, not after 2,048 inputs each
+                return []
             subs = split_prompts(request)
             try:
                 images = [image.result() for image in loading]
@@ -332,13 +355,15 @@ class EngineWorker(EngineLoop, PartWriter):
         if self._loras.get(name) == path:
             return
         if (name, path) not in self._lora_failed:
+            local = None
             try:
                 local = fetch_folder(path, ADAPTER_CONFIG, "adapter", endpoint_url=self.endpoint_url)
                 self._on_engine_thread(lambda: self._swap_lora(name, local))
                 self._loras[name] = path
                 return
             except (OSError, ValueError) as exc:  # the engine's LoraError (a refused feature) is a ValueError
-                self._lora_failed[(name, path)] = f"{type(exc).__name__}: {exc}"
+                log.error("worker %d: LoRA adapter %r (%s) cannot be loaded: %s", self.index, name, path, exc)
+                self._lora_failed[(name, path)] = _client_reason(exc, name, path, local)
         raise LineError(
             "model_not_loaded",
             f"body.model {name!r}: the LoRA adapter cannot be loaded: {self._lora_failed[(name, path)]}",
@@ -390,3 +415,18 @@ class EngineWorker(EngineLoop, PartWriter):
             return 0
         slots = self.engine.config.max_num_seqs
         return max(0, slots * 5 // 2 - len(self._live) - len(self._inbox) - self._preparing)
+
+
+def _client_reason(exc: Exception, name: str, path: str, local: str | None) -> str:
+    """Why an adapter cannot be loaded, as its line's 400 says it: the engine's refusal (DoRA, a rank
+    over the limit...) with the adapter's folder written as its name; never a path of the server (its
+    folder, the node's cache), which the service's log has. A folder that cannot be read is said so."""
+    if isinstance(exc, OSError):
+        return "its files could not be read (the service's log says why)"
+    message = str(exc)
+    paths = {path, path.removeprefix("file://")}
+    if local:
+        paths |= {str(local), os.path.realpath(local)}
+    for server_path in sorted((p.rstrip("/") for p in paths if p), key=len, reverse=True):
+        message = message.replace(server_path, name)
+    return f"{type(exc).__name__}: {message}"

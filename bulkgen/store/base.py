@@ -233,6 +233,15 @@ class Store(ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
+def redact(message: str, *locations: str) -> str:
+    """`message` with each of `locations` (store URLs, folders) and their local paths written `<storage>`,
+    longest first, so a tenant's folder under the root goes whole."""
+    forms = {form.rstrip("/") for url in locations if url for form in (url, url.removeprefix("file://"))}
+    for form in sorted((f for f in forms if f), key=len, reverse=True):
+        message = message.replace(form, "<storage>")
+    return message
+
+
 def split_lines(reader: BinaryIO) -> Iterator[bytes]:
     """Split a byte stream on '\\n' in bounded memory (one chunk plus the longest line)."""
     tail = b""

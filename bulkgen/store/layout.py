@@ -47,6 +47,7 @@ REPORTS = "reports/"
 WATCH_CLAIMS = "watch/claims/"
 WATCH_DONE = "watch/done/"
 TENANTS = "tenants/"
+TENANT_PATTERN = r"[a-z0-9][a-z0-9_-]{0,62}"  # a tenant name (bulkgen.tenants.check_tenant)
 ACTIVE = "active/"
 TOTALS = "meta/totals.json"
 PROFILES = "profiles/"

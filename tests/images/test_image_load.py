@@ -134,6 +134,11 @@ def test_s3_urls_must_be_inside_the_tenants_storage(root):
     error = _error([_ref("s3://bucket/elsewhere/cat.png")], store=root, check=True)
     assert (error.code, error.param) == ("invalid_image_url", P)
     assert "not inside this service's storage" in error.message
+    tenant = root.sub("tenants/acme")  # a tenant's store: neither its folder nor the root is the client's
+    error = _error([_ref("s3://bucket/elsewhere/cat.png")], store=tenant, check=True)
+    assert "s3://bucket/elsewhere/cat.png" in error.message
+    for server_path in (root.url, tenant.url, "tenants/acme"):
+        assert server_path.removeprefix("file://") not in error.message
 
 
 def test_s3_urls_inside_the_storage_load_and_other_tenants_folders_do_not(s3_bucket_url):

@@ -170,3 +170,23 @@ def test_a_watch_job_declares_its_adapters_and_a_bad_one_stops_it(tmp_path):
     job.write_text(f"input: {tmp_path / 'in'}\noutput: {tmp_path / 'out'}\nloras: x=/a\n")
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and "loras must be a list of NAME=PATH[@BASE] strings" in result.output
+
+
+def test_an_adapter_scoped_to_tenants_is_served_to_them_alone(tmp_path):
+    """`tenants=T1,T2` after a flag or a file line scopes the adapter; without it the adapter is global; the
+    runtime (tenant None) sees every adapter."""
+    a, b, c = (adapter(tmp_path, name, "base") for name in ("a", "b", "c"))
+    assert parse_lora_specs([f"a={a} tenants=acme,globex"])["a"] == LoraSpec(
+        "a", a, None, frozenset({"acme", "globex"})
+    )
+    listed = tmp_path / "adapters.txt"
+    listed.write_text(f"b={b}@base tenants=globex\nc={c}\n")
+    catalog = AdapterCatalog(parse_lora_specs([f"a={a} tenants=acme"]), MODELS, str(listed))
+    assert sorted(catalog.adapters("acme")) == ["a", "c"]
+    assert sorted(catalog.adapters("globex")) == ["b", "c"]
+    assert sorted(catalog.adapters("default")) == ["c"]
+    assert sorted(catalog.adapters()) == ["a", "b", "c"]
+    assert catalog.of_base("base", "acme") == {"a": a, "c": c}
+    for bad, why in [(f"a={a} tenants=", "names no tenant"), (f"a={a} tenants=Bad!", "tenant name 'Bad!'")]:
+        with pytest.raises(AdapterError, match=why):
+            parse_lora_specs([bad])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.slow
 
 def _create(client, path: Path, rows: list[dict]):
     file_id = upload(client, write_jsonl(path, rows)).id
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+    endpoint = rows[0]["url"]
+    return client.batches.create(input_file_id=file_id, endpoint=endpoint, completion_window="24h")
 
 
 def _rows(prefix: str, n: int, max_tokens: int) -> list[dict]:
@@ -220,3 +222,99 @@ def test_a_poison_line_costs_only_itself_and_no_other_batch(client, tmp_path):
     later_rows = _rows("after", 4, 4)
     later = wait_done(client, _create(client, tmp_path / "after.jsonl", later_rows).id, timeout=180)
     assert later.request_counts.completed == 4 and later.request_counts.failed == 0
+
+
+def _embedding_rows(prefix: str, lines: int, inputs: int = 2048) -> list[dict]:
+    """Lines of `inputs` embedding inputs each: 24 of them are 49,152 inputs, under OpenAI's 50,000."""
+    return [
+        {
+            "custom_id": f"{prefix}{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "bulkgen-tiny", "input": [f"text {i} {j} " * 5 for j in range(inputs)]},
+        }
+        for i in range(lines)
+    ]
+
+
+def _worker_held() -> int:
+    """Requests the worker holds (being prepared, queued or in its engine), whatever batch they are of."""
+    handle = ray.get_actor("bulkgen-worker-0", namespace=NAMESPACE)
+    return ray.get(handle.poll.remote("test-probe", 0.0, False), timeout=60)["held"]
+
+
+def _busy_ratio(service) -> float:
+    text = (
+        urllib.request.urlopen(service.base_url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    )
+    return max(
+        [
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("bulkgen_worker_busy_ratio{")
+        ]
+        or [0.0]
+    )
+
+
+def _cancelled_and_let_go(client, batch, rows) -> None:
+    """The batch ends cancelled with every line once (finished work kept, the rest batch_cancelled), and within
+    a few steps the worker holds none of its requests: nothing of it is prepared, queued or embedded on."""
+    batch = wait_done(client, batch.id, timeout=120)
+    assert batch.status == "cancelled"
+    _assert_exactly_once(client, batch, rows)
+    assert batch.request_counts.total == len(rows)
+    assert batch.request_counts.completed + batch.request_counts.failed == len(rows)
+    wait_until(lambda: _worker_held() == 0, 30, "the worker to drop the cancelled batch's requests")
+
+
+def test_a_cancelled_embeddings_batch_stops_on_the_worker_and_later_batches_run(service, client, tmp_path):
+    """A big embeddings batch cancelled while its first range is being prepared (2,048 inputs a line, one
+    engine request each), and another cancelled while the engine embeds it: each ends cancelled with its
+    counts whole, the worker lets go of its requests within seconds (it went on embedding 31,000 inputs of
+    the first for minutes, stepping for no batch, while the dashboard showed it idle), /metrics shows the
+    worker busy while it embeds, and a chat batch created after the cancels completes promptly."""
+    rows = _embedding_rows("pre", 24)
+    batch = _create(client, tmp_path / "e1.jsonl", rows)
+    wait_for(client, batch.id, lambda b: b.status != "validating", timeout=180)
+    time.sleep(0.5)  # its first range is being read and tokenized on the worker
+    client.batches.cancel(batch.id)
+    _cancelled_and_let_go(client, batch, rows)
+
+    rows = _embedding_rows("mid", 24)
+    batch = _create(client, tmp_path / "e2.jsonl", rows)
+    wait_until(lambda: _busy_ratio(service) > 0, 180, "/metrics to show the worker busy embedding")
+    client.batches.cancel(batch.id)
+    _cancelled_and_let_go(client, batch, rows)
+
+    chat_rows = _rows("after", 8, 4)
+    started = time.monotonic()
+    later = wait_done(client, _create(client, tmp_path / "after.jsonl", chat_rows).id, timeout=120)
+    assert later.status == "completed" and later.request_counts.completed == 8
+    assert time.monotonic() - started < 60  # the worker's own: not behind ~49,000 orphaned embeddings
+
+
+def test_an_internal_error_reaches_the_client_without_the_storage_path(
+    service, client, tmp_path, monkeypatch
+):
+    """A runner that fails on an OS error (its message holds the path of a stored object) fails its batch with
+    the error in the batch's errors, the storage's folder written `<storage>`: the log keeps the path."""
+    from bulkgen.runtime.runner import BatchRunner
+
+    root = str(service.svc.settings.storage)
+
+    def broken(self, record):
+        raise FileNotFoundError(
+            2, "No such file or directory", f"{root}/parts/{self.batch_id}/lines-1-16.jsonl"
+        )
+
+    monkeypatch.setattr(BatchRunner, "_execute", broken)
+    batch = _create(client, tmp_path / "broken.jsonl", _rows("x", 4, 2))
+    batch = wait_done(client, batch.id, timeout=120)
+    assert batch.status == "failed"
+    [error] = batch.errors.data
+    assert (
+        "FileNotFoundError" in error.message
+        and f"<storage>/parts/{batch.id}/lines-1-16.jsonl" in error.message
+    )
+    assert root not in error.message

@@ -129,6 +129,40 @@ def test_abort_with_a_code_stores_what_finished_and_marks_the_rest(tmp_path, eng
     )
 
 
+def test_a_batch_cancelled_and_ended_while_its_range_is_prepared_never_reaches_the_engine(
+    tmp_path, engine_gate
+):
+    """The runner cancels a batch (abort_batch) and, once it has ended, forgets it, while a range of it is
+    still being read and tokenized (a range of 2,048-input embedding lines takes seconds): the preparation
+    must still see the stop, and queue nothing. It found the stop mark dropped by forget() and queued the
+    whole range, which the engine then ran for no batch."""
+    import threading
+
+    store = LocalStore(tmp_path)
+    worker = _worker(store)
+    rows = [completion_row(f"r{i}", f"{HOLD} long", max_tokens=64) for i in range(4)]
+    job, specs = _stored_batch(store, "batch_p", rows)
+    entered, release = threading.Event(), threading.Event()
+    prepare = worker._prepare_lines
+
+    def slow_prepare(batch, work, lines):
+        entered.set()
+        release.wait(30)
+        return prepare(batch, work, lines)
+
+    worker._prepare_lines = slow_prepare
+    assigning = threading.Thread(target=worker.assign, args=(job, specs[:1]))
+    assigning.start()
+    assert entered.wait(30)
+    assert worker.abort_batch("batch_p", "batch_cancelled") == 0  # nothing of it is held yet
+    worker.forget("batch_p")  # the batch ended
+    release.set()
+    assigning.join(30)
+    # were its lines queued, the closed gate would hold them in the engine
+    assert worker.poll("", 0)["held"] == 0 and not worker.engine.has_unfinished()
+    assert "batch_p" not in worker._stopped  # the mark goes once the preparation is over
+
+
 def test_leases_exclude_a_second_owner_until_they_lapse(tmp_path):
     store = LocalStore(tmp_path)
     clock = FakeClock()

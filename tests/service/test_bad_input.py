@@ -183,3 +183,46 @@ def test_api_key_is_enforced_when_configured(tmp_path):
         assert json.loads(get(service.base_url.removesuffix("/v1") + "/health").read())["status"] == "ok"
     finally:
         service.stop()
+
+
+def _embedding_rows(lines: int, inputs: int) -> list[dict]:
+    return [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "bulkgen-tiny", "input": [f"t{j}" for j in range(inputs)]},
+        }
+        for i in range(lines)
+    ]
+
+
+def test_embedding_inputs_over_openais_limit_fail_the_file_naming_count_line_and_limit(client, tmp_path):
+    """OpenAI's limit is 50,000 embedding inputs per batch, summed over its lines (one line's `input` may be
+    a list of up to 2,048): 25 lines of 2,048 inputs (51,200) is 25 requests, far under the request limit,
+    and fails the file at the line that takes the total past 50,000."""
+    rows = _embedding_rows(25, 2048)
+    batch = _create(client, write_jsonl(tmp_path / "many.jsonl", rows), endpoint="/v1/embeddings")
+    assert batch.status == "failed"
+    [error] = batch.errors.data
+    assert (error.code, error.line, error.param) == ("too_many_embedding_inputs", 25, "body.input")
+    assert "51200" in error.message and "50000" in error.message
+    assert "--max-embedding-inputs-per-batch" in error.message
+
+
+def test_the_embedding_input_limit_counts_every_input_and_is_raised_by_its_setting():
+    import io
+
+    from bulkgen.batch.validate import Validator, validate_stream
+
+    def validate(rows, **limit):
+        data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+        return validate_stream(io.BytesIO(data), Validator("/v1/embeddings", ["bulkgen-tiny"], 100, **limit))
+
+    rows = _embedding_rows(3, 4) + [{**_embedding_rows(1, 1)[0], "custom_id": "one"}]  # 13 inputs
+    rows[-1]["body"]["input"] = "a single string is one input"
+    assert validate(rows, max_embedding_inputs=13).ok
+    over = validate(rows, max_embedding_inputs=12)
+    assert [(e["code"], e["line"]) for e in over.errors] == [("too_many_embedding_inputs", 4)]
+    assert validate(_embedding_rows(25, 2048)).errors[0]["code"] == "too_many_embedding_inputs"
+    assert validate(_embedding_rows(25, 2048), max_embedding_inputs=60_000).ok

@@ -17,7 +17,8 @@ from bulkgen.settings_flags import flag_fields, from_flags
 # The flags users have today: none may disappear or be renamed without this list changing with it.
 SHARED_FLAGS = {
     "--storage", "--endpoint-url", "--model", "--ray-address", "--workers", "--cpu-workers", "--max-num-seqs",
-    "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
+    "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-embedding-inputs-per-batch",
+    "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
     "--quantize", "--kv-cache-dtype", "--tensor-parallel", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
