@@ -28,6 +28,8 @@ from bulkgen.store import open_store
 from tests.support.images import data_url
 from tests.support.service import write_jsonl
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 FAMILIES = tuple(HUB_PROCESSORS)
 MAX_TOKENS = 6
 

@@ -26,6 +26,8 @@ from bulkgen.engine.multimodal import load_processor, process
 from bulkgen.engine.pixtral import PixtralPilProcessor
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 
+pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
+
 # (width, height): below one merged patch, wider than tall, taller than wide, square, beyond the longest edge
 SIZES = [(40, 30), (24, 50), (56, 56), (8, 60), (100, 13), (5, 5)]
 
