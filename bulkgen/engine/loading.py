@@ -42,14 +42,21 @@ DEQUANTIZED = {"fp8": "FineGrainedFP8Config", "mxfp4": "Mxfp4Config"}
 
 
 def no_hub_kernels() -> None:
-    """Keep transformers from downloading kernels: its hub integration reads USE_HUB_KERNELS once,
-    at import (so the module flag is cleared too if it was imported first), and the `kernels` package
-    honours HF_HUB_OFFLINE for the direct fetches some quantizers make."""
+    """Keep transformers from downloading kernels: its hub integration reads USE_HUB_KERNELS (before
+    5.25 once, at import, into a module flag, cleared here too if it was imported first; from 5.25 at
+    each use, through a function of that name), and the `kernels` package honours HF_HUB_OFFLINE for the
+    direct fetches some quantizers make."""
     os.environ["USE_HUB_KERNELS"] = "NO"
     os.environ["HF_HUB_OFFLINE"] = "1"
     from transformers.integrations import hub_kernels
 
-    hub_kernels._kernels_enabled = False
+    switch = getattr(hub_kernels, "_kernels_enabled", None)
+    if isinstance(switch, bool):
+        hub_kernels._kernels_enabled = False
+    elif not callable(switch):  # neither form: bulkgen could not tell whether a load fetches kernels
+        raise upstream.mismatch(
+            "transformers' hub_kernels has no _kernels_enabled switch to turn hub kernels off"
+        )
 
 
 def check_method_packages(method: str | None) -> None:
