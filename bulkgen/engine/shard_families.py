@@ -11,6 +11,7 @@ block's. Reducing the experts and the shared expert each as well would count the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -43,6 +44,28 @@ EXPERT_NAMES = {
     "w3": ("gate_up_proj", 1),
     "w2": ("down_proj", None),
 }
+
+
+def fused_experts_plan(model: nn.Module, prefix: str) -> dict[str, str]:
+    """The split of every fused-experts module under `prefix` (gate_up_proj [experts, 2 x inter, hidden],
+    down_proj [experts, hidden, inter]), relative to the base model as transformers' plans are: each rank
+    its rows of both halves of every expert's gate_up and the matching columns of its down_proj, the block
+    reduced once. A parallel layer type, so bulkgen's own: transformers' plans named it until 5.24 and 5.25
+    moved experts to its expert-parallel plan. A family's own plan, where it names them, comes first."""
+    plan = {}
+    for name, module in model.named_modules():
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)):
+            continue
+        standard = gate_up.dim() == down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2]
+        inside = not prefix or name.startswith(f"{prefix}.")
+        if not standard or gate_up.shape[2] != down.shape[1] or not inside:
+            continue
+        key = re.sub(r"\.\d+\.", ".*.", name[len(prefix) + 1 :] if prefix else name)
+        plan.update(
+            {f"{key}.gate_up_proj": "packed_colwise", f"{key}.down_proj": "rowwise", key: "moe_tp_experts"}
+        )
+    return plan
 
 
 def family_plan(model_type: str, base: dict[str, str]) -> dict[str, str]:

@@ -117,6 +117,7 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     base = family_plan(config) or families.family_plan(
         config.model_type, getattr(config, "base_model_tp_plan", None) or DEFAULT_PLAN
     )
+    base = {**families.fused_experts_plan(model, prefix), **base}
     base = {**base, **hybrid.linear_attention_plan(config), **hybrid.mamba_plan(config)}
     base = mla_plan(model, base)
     if (
