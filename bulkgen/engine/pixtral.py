@@ -71,11 +71,13 @@ class PixtralPilProcessor(ProcessorMixin):
         return "".join(replace_tokens)
 
     def _get_num_multimodal_tokens(self, image_sizes=None, **kwargs) -> MultiModalData:
-        """Placeholder tokens per image of each (height, width), `[IMG_BREAK]`/`[IMG_END]` included."""
+        """`[IMG]` placeholder tokens per image of each (height, width), as transformers counts them from 5.25
+        on (earlier releases counted each row's `[IMG_BREAK]`/`[IMG_END]` too, which matched no placeholder
+        count: multimodal._counts then fell back to none)."""
         vision_data = {}
         if image_sizes is not None:
-            images_kwargs = self._merge_kwargs(**kwargs)["images_kwargs"]
-            size = images_kwargs.get("size", None) or self.image_processor.size
+            # the one images setting the count reads (ProcessorMixin._merge_kwargs' signature differs by release)
+            size = kwargs.get("size") or self.image_processor.size
             patch_size = self.patch_size * self.spatial_merge_size
             num_image_tokens = []
             for height, width in image_sizes:
@@ -86,7 +88,7 @@ class PixtralPilProcessor(ProcessorMixin):
                 )
                 num_height_tokens = resized_height // patch_size
                 num_width_tokens = resized_width // patch_size
-                num_image_tokens.append((num_width_tokens + 1) * num_height_tokens)
+                num_image_tokens.append(num_width_tokens * num_height_tokens)
             num_image_patches = [1] * len(image_sizes)
             vision_data.update({"num_image_tokens": num_image_tokens, "num_image_patches": num_image_patches})
         return MultiModalData(**vision_data)
