@@ -19,6 +19,7 @@ SHARED_FLAGS = {
     "--storage", "--endpoint-url", "--model", "--ray-address", "--workers", "--cpu-workers", "--max-num-seqs",
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
+    "--model-load-deadline", "--model-load-seconds-per-gb",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
     "--quantize", "--kv-cache-dtype", "--tensor-parallel", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
     "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads",
