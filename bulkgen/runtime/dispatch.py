@@ -177,14 +177,18 @@ class Dispatcher:
     def _answer(self, index: int, ref) -> dict:
         """The worker's answer to a poll. Once its first load has finished, GetTimeoutError (lost) after
         --worker-poll-deadline; before, it is starting or loading, and the wait goes on while its load is
-        within its own deadline (LoadHung after)."""
+        within its own deadline (LoadHung after). A worker that started, loads nothing and was told to load
+        nothing (a service's idle worker) is judged by the poll deadline too."""
         deadline = self.pool.settings.poll_deadline_s
         while True:
             try:
                 poll = ray.get(ref, timeout=deadline)
                 break
             except GetTimeoutError:
-                if self._ready[index]:
+                idle = (
+                    self._answered[index] and self._loading[index] is None and self._model_of[index] is None
+                )
+                if self._ready[index] or idle:
                     raise
                 self._check_load(index, None)
         self._alive(index, poll)

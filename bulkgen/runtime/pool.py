@@ -258,7 +258,9 @@ class WorkerPool:
         for _ in range(attempts):
             try:
                 handle = self._create(index)
-                node = ray.get(handle.poll.remote("", 0.0), timeout=120).get("node_ip")
+                # its process starts (imports torch: minutes on a busy host) within the load deadline's base
+                started = ray.get(handle.poll.remote("", 0.0), timeout=self.settings.load_deadline_s)
+                node = started.get("node_ip")
                 self.workers[index] = handle
                 log.warning("worker %d replaced, on %s", index, node)
                 return handle

@@ -131,3 +131,12 @@ def test_a_worker_that_never_started_is_lost_after_the_deadlines_base_not_hung(m
     _answers(monkeypatch, None)
     with pytest.raises(GetTimeoutError, match="worker 0 did not start within --model-load-deadline 30 s"):
         d._answer(0, object())
+
+
+def test_a_started_worker_told_to_load_nothing_is_judged_by_the_poll_deadline(monkeypatch):
+    d, _, _, _ = _fresh()
+    d._model_of[0] = None  # a service's idle worker: no model asked of it yet
+    _answers(monkeypatch, _poll(0), None)
+    d._answer(0, object())  # it started, and loads nothing
+    with pytest.raises(GetTimeoutError):
+        d._answer(0, object())
