@@ -323,8 +323,34 @@ class WorkerSettings:
         ),
     )
 
+    # a load has its own deadline (the poll deadline applies once a worker's first load finished): a worker
+    # still loading answers liveness with its progress, and is failed only when its load outlasts this
+    load_deadline_s: float = setting(
+        600.0,
+        check=_over(0, "0 s"),
+        flag=Flag(
+            "--model-load-deadline",
+            help="Seconds a model load may take, plus --model-load-seconds-per-gb per GB of the checkpoint, "
+            "before the load counts as hung (its batch fails, naming this deadline). Until a worker's first "
+            "load finishes, this deadline, not --worker-poll-deadline, decides whether it is lost.",
+        ),
+    )
+    load_s_per_gb: float = setting(
+        60.0,
+        check=_at_least(0, "0"),
+        flag=Flag(
+            "--model-load-seconds-per-gb",
+            help="Seconds each GB of a checkpoint adds to --model-load-deadline (an s3:// model's copy "
+            "included): 60 allows ~17 MB/s.",
+        ),
+    )
+
     def __post_init__(self) -> None:
         _check_fields(self)
+
+    def load_deadline_for(self, checkpoint_bytes: int | None) -> float:
+        """The seconds a load of a checkpoint of `checkpoint_bytes` (None: not known yet) may take."""
+        return self.load_deadline_s + self.load_s_per_gb * (checkpoint_bytes or 0) / 1e9
 
     def ranks_of(self, model: str) -> int:
         """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""

@@ -217,7 +217,8 @@ def run(settings: Settings, file: Path, output: Path, endpoint: str | None, comp
     except OneShotError as exc:
         raise click.ClickException(str(exc)) from None
     if summary.status != BatchStatus.COMPLETED:
-        raise click.ClickException(f"batch ended {summary.status}")
+        reasons = [e.get("message") for e in (summary.errors or {}).get("data", []) if e.get("message")]
+        raise click.ClickException(f"batch ended {summary.status}" + (f": {reasons[0]}" if reasons else ""))
     counts = summary.request_counts
     if counts.total and not counts.completed:
         raise click.ClickException(f"no request succeeded: all {counts.failed} are in the error file")

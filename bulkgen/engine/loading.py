@@ -12,6 +12,7 @@ process before transformers loads anything.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import logging
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from . import upstream
+from . import load_progress, upstream
 from .quantize import quantize_layers
 from .weight_format import checkpoint_quantization
 
@@ -102,7 +103,8 @@ def load_model(
     check_method_packages(method)
     options = _quantizer_options(path, method, torch.device(device), auto_class)
     with (
-        warnings.catch_warnings()
+        warnings.catch_warnings(),
+        _counting_reads(),
     ):  # the loading attributes given below are meant to override the checkpoint's
         warnings.filterwarnings("ignore", message="You passed `quantization_config`")
         model = auto_class.from_pretrained(
@@ -117,6 +119,33 @@ def load_model(
     else:
         model.to(device)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _counting_reads():
+    """Count each checkpoint tensor transformers reads into the load under way (load_progress), so the
+    worker's liveness answers report tensors and bytes done; nothing changes without one, or when this
+    transformers reads its tensors elsewhere (then only the phase and the size are reported)."""
+    progress = load_progress.current()
+    from transformers import core_model_loading
+
+    original = getattr(core_model_loading, "_materialize_copy", None)
+    if progress is None or original is None:
+        yield
+        return
+
+    def materialize(tensor, *args, **kwargs):
+        out = original(tensor, *args, **kwargs)
+        stored = tensor.get_dtype() if hasattr(tensor, "get_dtype") else None  # a safetensors slice's
+        size = load_progress.DTYPE_BYTES.get(stored, 1) if stored else tensor.element_size()
+        progress.tensor_read(out.numel() * size)
+        return out
+
+    core_model_loading._materialize_copy = materialize
+    try:
+        yield
+    finally:
+        core_model_loading._materialize_copy = original
 
 
 def _quantizer_options(path: str | Path, method: str | None, device: torch.device, auto_class) -> dict:

@@ -60,6 +60,14 @@ def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: st
     return fetch_folder(path, "config.json", "model", cache_dir, endpoint_url)
 
 
+def model_cache_folder(path: str, cache_dir: str | None = None) -> Path:
+    """Where this node keeps its copy of the object-store folder `path` (BULKGEN_MODEL_CACHE)."""
+    cache = Path(
+        cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models")
+    )
+    return cache / hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
 def fetch_folder(
     path: str, marker: str, what: str, cache_dir: str | None = None, endpoint_url: str | None = None
 ) -> str:
@@ -72,10 +80,7 @@ def fetch_folder(
         return str(local)
     from bulkgen.store import open_store
 
-    cache = Path(
-        cache_dir or os.environ.get("BULKGEN_MODEL_CACHE", Path.home() / ".cache" / "bulkgen" / "models")
-    )
-    dest = cache / hashlib.sha256(path.encode()).hexdigest()[:16]
+    dest = model_cache_folder(path, cache_dir)
     if not (dest / marker).is_file():
         open_store(path, endpoint_url=endpoint_url).download_dir("", dest)
     if not (dest / marker).is_file():

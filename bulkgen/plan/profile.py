@@ -170,7 +170,9 @@ def measure(
         timeout=MEASURE_TIMEOUT_S,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"profiling {model} failed: {done.stderr.strip()[-2000:]}")
+        from bulkgen.plan.startup import failure_line
+
+        raise RuntimeError(f"profiling {model} failed: {failure_line(done.stderr)}")
     profile = Profile.from_json(done.stdout.strip().splitlines()[-1].encode())
     profile.busy = busy
     if startup:
@@ -194,8 +196,15 @@ def measure_here(
     """The grid (and a vision model's encoder) in this process, on one thread that loads the model and runs
     every step, as a worker's engine thread does. Meant for a fresh process (`measure`)."""
     result: list = []
+    failed: list[BaseException] = []
 
     def run() -> None:
+        try:
+            measure()
+        except BaseException as exc:  # raised in the caller's thread, below
+            failed.append(exc)
+
+    def measure() -> None:
         import torch
 
         from bulkgen.engine import Engine
@@ -210,8 +219,8 @@ def measure_here(
     worker = threading.Thread(target=run, name="bulkgen-profile")
     worker.start()
     worker.join()
-    if not result:
-        raise RuntimeError("profiling failed; see the error above")
+    if failed:
+        raise failed[0]
     return _profile(model, *result[0])
 
 
@@ -389,4 +398,11 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
 # `measure`'s fresh process: measure_here's arguments as JSON in, the profile as JSON out
 if __name__ == "__main__":
     _args = json.loads(sys.argv[1])
-    print(json.dumps(asdict(measure_here(**_args))))
+    try:
+        _measured = measure_here(**_args)
+    except Exception as _exc:  # `measure` reports the last line: the error in one line, not a traceback
+        if os.environ.get("BULKGEN_TRACEBACK"):
+            raise
+        print(f"{type(_exc).__name__}: {' '.join(str(_exc).split())}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(asdict(_measured)))

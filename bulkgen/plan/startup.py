@@ -38,6 +38,13 @@ def run_startup_seconds(model: str, path: str) -> float:
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=RUN_TIMEOUT_S)
         total = time.perf_counter() - started
         if done.returncode != 0:
-            raise RuntimeError(f"timing the start-up of `bulkgen run` failed: {done.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"timing the start-up of `bulkgen run` failed: {failure_line(done.stderr)}")
         metrics = json.loads(output.with_name("one.out.metrics.json").read_text())
     return round(max(0.0, total - metrics["wall_time_s"]), 2)
+
+
+def failure_line(stderr: str) -> str:
+    """What a failed subprocess said, in one line: its last line (a command's `Error: …`, a traceback's
+    exception), without click's `Error: ` prefix."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    return lines[-1].removeprefix("Error: ") if lines else "no message"

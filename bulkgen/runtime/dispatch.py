@@ -5,6 +5,12 @@ more of a batch new to it: `take_for`), which ranges finished (parts already sto
 steps per batch, which go to the batch runners. A worker that dies (killed, out of memory, node lost)
 shows up as a failed poll: its ranges in flight go back to the queue and a new actor takes its place
 under the same name.
+
+A worker is judged by `--worker-poll-deadline` only once its first load has finished (Kubernetes'
+startup probes): until then, starting or loading, it answers its polls with its load's progress
+(runtime/worker.py), and it is failed only when the load outlasts its own deadline, `--model-load-deadline`
+plus `--model-load-seconds-per-gb` per GB of the checkpoint (LoadHung, naming both). Loading 7 GB on a
+busy host is not a lost worker; killing it would only start the same load from zero.
 """
 
 from __future__ import annotations
@@ -26,7 +32,19 @@ POLL_WAIT_S = 0.5
 BUSY_WINDOW_S = 30.0  # a worker's busy share is measured over this recent window
 POLL_DEADLINE_S = 120.0  # calls other than polls (abort) may take this long before the worker counts as lost
 REPLACE_BACKOFF_S = (1.0, 60.0)  # first and longest wait between attempts to replace a lost worker
-LOAD_DEADLINE_S = 1800.0
+
+
+class LoadHung(Exception):
+    """A model load outlasted its deadline (its message names it, and the checkpoint's size)."""
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message)
+        self.model = model
+        self.reported = False  # a batch that asked for the model failed with it already
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def take_for(
@@ -63,6 +81,11 @@ class Dispatcher:
         self._busy: list[deque] = []  # per worker: (arrival time, step seconds) of recent polls
         self._busy_total: list[float] = []  # per worker: its `busy_s` at its last poll
         self._started = time.monotonic()
+        self._ready: list[bool] = []  # per worker: its actor finished a load (the poll deadline applies)
+        self._alive_at: list[float] = []  # per worker: when it last answered (or its actor was started)
+        self._answered: list[bool] = []  # per worker: its actor answered once (it started)
+        self._loading: list[dict | None] = []  # per worker: its load under way, as it last reported it
+        self._hung: dict[str, str] = {}  # model -> why its load was given up, for the next batch asking
 
     def start(self) -> None:
         self.inflight = [{} for _ in self.pool.workers]
@@ -78,6 +101,10 @@ class Dispatcher:
         self._busy = [deque(maxlen=4096) for _ in self.pool.workers]
         self._busy_total = [0.0 for _ in self.pool.workers]
         self._started = time.monotonic()
+        self._ready = [False for _ in self.pool.workers]
+        self._alive_at = [self._started for _ in self.pool.workers]
+        self._answered = [False for _ in self.pool.workers]
+        self._loading = [None for _ in self.pool.workers]
         for index in range(len(self.pool.workers)):
             threading.Thread(
                 target=self._loop, args=(index,), name=f"bulkgen-dispatch-{index}", daemon=True
@@ -117,6 +144,8 @@ class Dispatcher:
         while not self._stopped.is_set():
             try:
                 self._serve(index)
+            except LoadHung as exc:
+                self._load_hung(index, exc)
             except (RayError, GetTimeoutError) as exc:
                 self._lost(index, exc)
             except Exception:
@@ -127,7 +156,7 @@ class Dispatcher:
         handle = self.pool.workers[index]
         ref = handle.poll.remote(self.owner, POLL_WAIT_S, self._had_work[index])
         handed = not self._had_work[index] and self._hand_while_polling(index, handle, ref.future())
-        poll = ray.get(ref, timeout=self.pool.settings.poll_deadline_s)
+        poll = self._answer(index, ref)
         self.models_loaded[index] = poll["model"]
         self.nodes[index] = poll.get("node_ip")
         self.threads[index] = poll.get("threads")
@@ -146,6 +175,73 @@ class Dispatcher:
             self._last_poll[index] = poll
         if ranges:
             self._hand(index, handle, ranges, poll["model"])
+
+    def _answer(self, index: int, ref) -> dict:
+        """The worker's answer to a poll. Once its first load has finished, GetTimeoutError (lost) after
+        --worker-poll-deadline; before, it is starting or loading, and the wait goes on while its load is
+        within its own deadline (LoadHung after). A worker that started, loads nothing and was told to load
+        nothing (a service's idle worker) is judged by the poll deadline too."""
+        deadline = self.pool.settings.poll_deadline_s
+        while True:
+            try:
+                poll = ray.get(ref, timeout=deadline)
+                break
+            except GetTimeoutError:
+                idle = (
+                    self._answered[index] and self._loading[index] is None and self._model_of[index] is None
+                )
+                if self._ready[index] or idle:
+                    raise
+                self._check_load(index, None)
+        self._alive(index, poll)
+        return poll
+
+    def _alive(self, index: int, answer: dict) -> None:
+        """The worker answered (a poll, or liveness while it loads): note its load's progress, and whether
+        its first load has finished; a load past its deadline raises LoadHung."""
+        self._alive_at[index], self._answered[index] = time.monotonic(), True
+        if answer.get("loads", 1) >= 1:  # an answer without `loads`: a worker that predates them
+            self._ready[index] = True
+        self._loading[index] = answer.get("loading")
+        if answer.get("loading") is not None:
+            self._check_load(index, answer["loading"])
+
+    def _check_load(self, index: int, loading: dict | None) -> None:
+        """LoadHung if worker `index`'s load has run past its deadline: by the worker's own count when it
+        reported one (`loading`), else since it last answered. A worker that never answered is still
+        starting (a process that imports torch): GetTimeoutError (lost) once that outlasts the deadline's
+        base, --model-load-deadline."""
+        if loading is None and not self._answered[index]:
+            silent = time.monotonic() - self._alive_at[index]
+            if silent > self.pool.settings.load_deadline_s:
+                raise GetTimeoutError(
+                    f"worker {index} did not start within --model-load-deadline "
+                    f"{self.pool.settings.load_deadline_s:g} s"
+                )
+            return
+        took = (loading.get("elapsed_s") or 0.0) if loading is not None else None
+        loading = loading or self._loading[index] or {}
+        if took is None:  # no answer: its last report's time, and the silence since
+            took = (loading.get("elapsed_s") or 0.0) + time.monotonic() - self._alive_at[index]
+        size = loading.get("checkpoint_bytes")
+        size = max(size or 0, loading.get("bytes_done") or 0) or None  # an s3:// copy: what has landed
+        limit = self.pool.settings.load_deadline_for(size)
+        if took <= limit:
+            return
+        model = loading.get("model") or (self._model_of[index] or ("a model", ""))[0]
+        raise LoadHung(model, self._hung_message(model, limit, size, loading))
+
+    def _hung_message(self, model: str, limit: float, size: int | None, loading: dict) -> str:
+        s = self.pool.settings
+        what = f"{_size(size)} checkpoint" if size is not None else "checkpoint of unknown size"
+        where = ""
+        if loading.get("phase"):
+            where = f"; it was {loading['phase']}, {_size(loading.get('bytes_done') or 0)} read"
+        return (
+            f"model {model!r} did not load within its deadline of {limit:.1f} s "
+            f"(--model-load-deadline {s.load_deadline_s:g} s + --model-load-seconds-per-gb "
+            f"{s.load_s_per_gb:g} s x {what}){where}"
+        )
 
     def _hand_while_polling(self, index: int, handle, answered: Future) -> bool:
         """The worker had room and the queue nothing, so its poll waits for results alone: ranges queued
@@ -182,14 +278,27 @@ class Dispatcher:
         handle.assign.remote(batch, [r.bounds for r in ranges], self.owner)
 
     def _load(self, index: int, handle, ranges: list[QueuedRange]) -> bool:
+        """Have the worker load the ranges' model, however long that takes within the load's deadline:
+        while it loads, its progress is asked every --worker-poll-deadline. A load past its deadline (or
+        one that hung on another worker just before) fails the batch with that reason."""
         batch = ranges[0].batch
         model = batch.model
+        runner = self.runner_of(batch.batch_id)
+        if model in self._hung:
+            reason = self._hung.pop(model)
+            if runner is not None:
+                runner.fatal(reason)
+            return False
         try:
-            ray.get(handle.load.remote(model, batch.model_path, self.endpoint_url), timeout=LOAD_DEADLINE_S)
+            self._until_loaded(index, handle, handle.load.remote(model, batch.model_path, self.endpoint_url))
             return True
+        except LoadHung as exc:
+            if runner is not None:
+                runner.fatal(str(exc))
+                exc.reported = True
+            raise
         except (RayError, GetTimeoutError) as exc:
             if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails
-                runner = self.runner_of(ranges[0].batch.batch_id)
                 if runner is not None:
                     runner.fatal(
                         f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}"
@@ -197,6 +306,21 @@ class Dispatcher:
                 return False
             self.queue.put_back(ranges)
             raise
+
+    def _until_loaded(self, index: int, handle, load) -> None:
+        """Wait for the `load` call to finish; between waits of --worker-poll-deadline, the worker's
+        liveness (`progress`) says how its load goes: LoadHung once it is past its deadline."""
+        deadline = self.pool.settings.poll_deadline_s
+        while True:
+            try:
+                ray.get(load, timeout=deadline)
+                return
+            except GetTimeoutError:
+                pass
+            try:
+                self._alive(index, ray.get(handle.progress.remote(), timeout=deadline))
+            except GetTimeoutError:
+                self._check_load(index, None)
 
     def _route(self, index: int, poll: dict) -> None:
         holding = {r.batch_id: r for r in self._runners_in_flight(index)}  # before done ranges leave
@@ -251,6 +375,7 @@ class Dispatcher:
                         "step_time": self.step_times[index],
                         "ranks": self.ranks[index],  # None: one process; else each rank's pid, device, memory
                         "model": model.split("@", 1)[0] if model else None,
+                        "loading": self._loading[index] if index < len(self._loading) else None,
                         "busy_share": round(min(1.0, busy / window), 4),
                         "batches": [{"id": b, "requests_in_flight": n} for b, n in sorted(batches.items())],
                     }
@@ -280,6 +405,17 @@ class Dispatcher:
         self._give_up(self.queue.put_back(lost), f"the worker running this request died {MAX_ATTEMPTS} times")
         self._replace(index)
 
+    def _load_hung(self, index: int, exc: LoadHung) -> None:
+        """Worker `index`'s load outlasted its deadline: the next batch of that model fails with the reason
+        (unless a batch asking for it failed already), and the worker, stuck in its load, is replaced
+        without being told to load the model again."""
+        log.error("worker %d: %s; it is replaced", index, exc)
+        if self._model_of[index] is not None and self._model_of[index][0] == exc.model:
+            self._model_of[index] = None
+        if not exc.reported:
+            self._hung[exc.model] = str(exc)
+        self._lost(index, exc)
+
     def _replace(self, index: int) -> None:
         """A new actor in the lost one's place, however long that takes (no GPU may free for hours):
         retried with backoff while the dispatcher runs; then it loads the lost worker's model at once."""
@@ -295,6 +431,8 @@ class Dispatcher:
         else:
             return
         self.nodes[index] = None
+        self._ready[index], self._alive_at[index], self._loading[index] = False, time.monotonic(), None
+        self._answered[index] = False
         if self._model_of[index] is not None:
             name, path = self._model_of[index]
             handle.load.remote(name, path, self.endpoint_url)  # the worker serializes loads: no double load

@@ -28,6 +28,14 @@ from bulkgen.settings import WorkerSettings
 
 NAMESPACE = "bulkgen"
 JOIN_TIMEOUT_S = 5.0
+# A local Ray on a busy host: Ray's own start-up waits where it has a setting for them (an operator's own
+# value wins), and the raylet's (30 s, hard-coded in ray._private.node) by starting again
+RAY_START_WAITS = {
+    "RAY_gcs_server_port_wait_time_s": "120",  # the GCS's port, then its client's connect (default 30)
+    "RAY_gcs_server_request_timeout_seconds": "120",  # each GCS request while the node starts (default 60)
+}
+RAY_SYSTEM_CONFIG = {"worker_register_timeout_seconds": 180}  # a worker process's first call home (60)
+RAY_START_ATTEMPTS = 3
 log = logging.getLogger(__name__)
 
 
@@ -42,6 +50,23 @@ def init_ray(address: str | None = None) -> None:
         if address:
             _join(address)
         else:
+            _start_local()
+    except RayUnavailable:
+        raise
+    except Exception as exc:
+        what = f"cannot join the Ray cluster at {address}" if address else "cannot start a local Ray"
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise RayUnavailable(f"{what}: {reason}") from None
+
+
+def _start_local(attempts: int = RAY_START_ATTEMPTS) -> None:
+    """A private local Ray, started with waits that hold on a busy host, and started again when its node
+    still times out (what it left behind is ended first): the last failure is raised."""
+    for name, value in RAY_START_WAITS.items():
+        os.environ.setdefault(name, value)
+    for attempt in range(1, attempts + 1):
+        before = _children()
+        try:
             ray.init(
                 address="local",
                 namespace=NAMESPACE,
@@ -51,13 +76,45 @@ def init_ray(address: str | None = None) -> None:
                 log_to_driver=False,
                 configure_logging=False,
                 _node_ip_address="127.0.0.1",
+                _system_config=RAY_SYSTEM_CONFIG,
             )
-    except RayUnavailable:
-        raise
-    except Exception as exc:
-        what = f"cannot join the Ray cluster at {address}" if address else "cannot start a local Ray"
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise RayUnavailable(f"{what}: {reason}") from None
+            return
+        except Exception as exc:
+            _end_started(before)
+            if attempt == attempts or isinstance(exc, (TypeError, ValueError)):  # a bad argument: no retry
+                raise
+            log.warning(
+                "local Ray did not start (%s); starting it again (%d of %d)", exc, attempt + 1, attempts
+            )
+
+
+def _children() -> set[int]:
+    try:
+        import psutil  # Ray's own copy (ray/thirdparty_files), on the path once ray is imported
+
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except Exception:
+        return set()
+
+
+def _end_started(before: set[int]) -> None:
+    """End the processes a failed start left (its GCS, raylet, reaper): this process's children that were
+    not there before it, by their ids."""
+    try:
+        ray.shutdown()
+    except Exception:
+        pass
+    try:
+        import psutil
+
+        for proc in psutil.Process().children(recursive=True):
+            if proc.pid not in before:
+                try:
+                    proc.kill()
+                except psutil.Error:
+                    pass
+    except Exception:
+        pass
 
 
 def _join(address: str) -> None:
@@ -201,7 +258,9 @@ class WorkerPool:
         for _ in range(attempts):
             try:
                 handle = self._create(index)
-                node = ray.get(handle.poll.remote("", 0.0), timeout=120).get("node_ip")
+                # its process starts (imports torch: minutes on a busy host) within the load deadline's base
+                started = ray.get(handle.poll.remote("", 0.0), timeout=self.settings.load_deadline_s)
+                node = started.get("node_ip")
                 self.workers[index] = handle
                 log.warning("worker %d replaced, on %s", index, node)
                 return handle

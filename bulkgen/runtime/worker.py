@@ -30,10 +30,11 @@ from bulkgen.batch.images import check_images, check_model_takes_images, start_l
 from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
-from bulkgen.engine import heap
+from bulkgen.engine import heap, load_progress
+from bulkgen.engine.load_progress import LoadProgress
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
-from bulkgen.models.registry import fetch_folder, resolve_model_path
+from bulkgen.models.registry import fetch_folder, model_cache_folder, resolve_model_path
 from bulkgen.runtime import node_ip
 from bulkgen.runtime.engine_loop import EngineLoop
 from bulkgen.runtime.held import HeldRange, Prepared
@@ -99,6 +100,8 @@ class EngineWorker(EngineLoop, PartWriter):
         self._step_times = StepTimes()  # the loaded engine's step wall times, reported by poll
         self._busy_s = 0.0  # seconds this worker's engine spent stepping, whatever batches (or none) it held
         self._ranks: list[dict] | None = None  # a tensor-parallel engine's ranks, reported by poll
+        self._loading: LoadProgress | None = None  # the load under way, reported by poll and progress
+        self._loads = 0  # loads this actor finished: its dispatcher's poll deadline applies after the first
         threading.Thread(target=self._engine_loop, name=f"bulkgen-engine-{index}", daemon=True).start()
         threading.Thread(target=self._write_loop, name=f"bulkgen-writer-{index}", daemon=True).start()
 
@@ -111,19 +114,19 @@ class EngineWorker(EngineLoop, PartWriter):
         with self._load_lock:
             self.endpoint_url = endpoint_url
             if self.model_key != model_key(model_name, model_path) or self.engine is None:
-                from bulkgen.engine import engine_class
-
                 with self._cond:
                     old, self.engine, self.model_name, self.model_key = self.engine, None, None, None
                 if old is not None:  # its tensor-parallel ranks stop (follower actors then serve the next)
                     self._on_engine_thread(old.close)
                 del old
                 heap.thaw()  # the dropped engine's cycles become collectable (heap.py)
-                path = resolve_model_path(model_path, endpoint_url=endpoint_url)
-                launcher = {"launcher": self.launcher} if self.launcher is not None else {}
-                engine = self._on_engine_thread(
-                    lambda: engine_class().from_pretrained(path, **launcher, **self.engine_kwargs)
-                )
+                progress = self._loading = LoadProgress(model_name)
+                load_progress.begin(progress)
+                try:
+                    engine = self._load_engine(progress, model_path, endpoint_url)
+                finally:
+                    load_progress.begin(None)
+                    self._loading = None
                 heap.freeze_loaded()  # no full collection walks the loaded model during steps (heap.py)
                 ranks = self._rank_table(engine)
                 with self._cond:
@@ -132,8 +135,36 @@ class EngineWorker(EngineLoop, PartWriter):
                     self._loras, self._lora_failed = {}, {}
                     self._step_times = StepTimes()
                     self.model_key = model_key(model_name, model_path)
+                    self._loads += 1
                     self._cond.notify_all()
         return self.info()
+
+    def _load_engine(self, progress: LoadProgress, model_path: str, endpoint_url: str | None):
+        """The engine of the checkpoint at `model_path`, copied first if it is in object storage; each
+        step is reported in `progress` (what liveness answers meanwhile)."""
+        from bulkgen.engine import engine_class
+
+        if "://" in model_path and not model_path.startswith("file://"):
+            progress.set_phase("fetching")
+            progress.fetch_dir = model_cache_folder(model_path)
+        path = resolve_model_path(model_path, endpoint_url=endpoint_url)
+        progress.set_checkpoint(path)
+        progress.set_phase("reading")
+        launcher = {"launcher": self.launcher} if self.launcher is not None else {}
+        return self._on_engine_thread(
+            lambda: engine_class().from_pretrained(path, **launcher, **self.engine_kwargs)
+        )
+
+    def progress(self) -> dict[str, Any]:
+        """Liveness, answered at once whatever the worker does: the load under way (its phase, seconds,
+        checkpoint bytes, bytes and tensors read so far; None when none) and how many loads finished."""
+        loading = self._loading
+        return {
+            "worker": self.index,
+            "loading": loading.snapshot() if loading is not None else None,
+            "loads": self._loads,
+            "model": self.model_key,
+        }
 
     def _rank_table(self, engine) -> list[dict] | None:
         """A tensor-parallel engine's ranks for the dashboard: each one's pid, device and load memory, and
@@ -207,6 +238,8 @@ class EngineWorker(EngineLoop, PartWriter):
                 "step_time": self._step_times.summary(),  # whole steps, whatever batches shared them
                 "ranks": self._ranks,
                 "progress": self._progress(owner),
+                "loading": self._loading.snapshot() if self._loading is not None else None,
+                "loads": self._loads,
                 "want": self._want(),
                 "spare": self._spare(),
                 "held": len(self._live) + len(self._inbox) + self._preparing,

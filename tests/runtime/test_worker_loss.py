@@ -70,6 +70,8 @@ def _dispatcher(pool: _Pool, runner: _Runner) -> tuple[Dispatcher, WorkQueue]:
     d._model_of = [("tiny", "/models/tiny"), ("tiny", "/models/tiny")]
     d.nodes = ["10.0.0.2", "10.0.0.3"]
     d._had_work = [True, True]
+    d._ready, d._alive_at, d._loading = [True, True], [0.0, 0.0], [None, None]
+    d._answered = [True, True]
     return d, queue
 
 

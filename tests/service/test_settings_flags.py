@@ -20,6 +20,7 @@ SHARED_FLAGS = {
     "--max-num-batched-tokens", "--range-size", "--max-requests-per-batch", "--max-embedding-inputs-per-batch",
     "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
+    "--model-load-deadline", "--model-load-seconds-per-gb",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
     "--quantize", "--kv-cache-dtype", "--tensor-parallel", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
     "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads",

@@ -33,6 +33,14 @@ GATE_ENV = "BULKGEN_TEST_GATE"
 
 
 class HeldEngine(Engine):
+    @classmethod
+    def from_pretrained(cls, path, *args, **kwargs):
+        """The plain load; each one is recorded in the gate folder's `loads` file (a line per load: pid,
+        path), so a test counts how many times workers loaded a model (tests/runtime/test_slow_load.py)."""
+        with open(Path(os.environ[GATE_ENV]) / "loads", "a") as f:
+            f.write(f"{os.getpid()} {path}\n")
+        return super().from_pretrained(path, *args, **kwargs)
+
     def reset(self) -> None:
         super().reset()
         self._held: set[str] = set()
