@@ -24,7 +24,6 @@ not equal to, the single-process FP8 model's (tests/engine/test_tensor_parallel_
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -404,10 +403,9 @@ def _materialize(model: nn.Module, name: str, params: dict, dtype, device) -> nn
 
 
 def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(path.glob("*.safetensors"))
+    from .checkpoint_checks import checkpoint_files
+
+    files = checkpoint_files(path)
     if not files:
         raise ValueError(f"no safetensors weights at {path}: tensor parallel loads only safetensors")
     return files
