@@ -7,15 +7,15 @@ head, LoRA biases, LoRA on MoE experts (peft's `target_parameters` on fused expe
 rank above `EngineConfig.max_lora_rank`, and a target module the model lacks, that is not a plain linear
 layer, or that is inside a hybrid model's recurrent mixer (those run sequence by sequence, not on the
 packed row the slots' segments index). What passes is a host copy of each targeted linear's (A, B) with
-its scale folded into B, so a slot load (lora_slots.py) is a plain copy.
+its scale folded into B, so a slot load (lora_slots.py) is a plain copy. The scale is peft's:
+`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from its weights
+and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches). On a
+tensor-parallel rank the host copy is that rank's shard (lora_tp.py).
 
 The weights file is checked before use (LoraFileError, a LoraError and a checkpoint_checks.CheckpointError):
 its safetensors header (checkpoint_checks.read_header: a garbage file, an absurd header length), each
 lora_A / lora_B a matrix of one rank and of the target module's dimensions, and every value finite. Messages
-name the adapter and the file within its folder, never the folder's path on the server. The scale is peft's:
-`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from its weights
-and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches). On a
-tensor-parallel rank the host copy is that rank's shard (lora_tp.py).
+name the adapter and the file within its folder, never the folder's path on the server.
 """
 
 from __future__ import annotations
