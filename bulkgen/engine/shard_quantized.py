@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint_checks import SCALE_SUFFIX, check_checkpoint
+from .checkpoint_checks import SCALE_SUFFIX
 from .shard_gptoss import splits_quantized
 
 ACTIVATION_STRATEGIES = {"token", "tensor", "group"}
@@ -43,7 +43,6 @@ class Fp8Checkpoint:
     """An FP8 checkpoint's format, as the ranks read and run it."""
 
     def __init__(self, quant: dict, device: torch.device) -> None:
-        self.quant = quant
         self.method = quant["quant_method"]
         self.block = _block_size(quant)
         self.scale_files: dict[str, str] | None = None  # scale tensor -> its file (reader)
@@ -56,10 +55,8 @@ class Fp8Checkpoint:
 
     def reader(self, handle, dtype: torch.dtype, path) -> Fp8Handle:
         """`handle` (a safetensors file of the checkpoint at `path`) with its FP8 weights read as
-        dequantized slices. The first call checks the checkpoint as the single engine's load does
-        (checkpoint_checks.py: every FP8 tensor has its scale, every scale is finite)."""
+        dequantized slices (load_shards has checked the checkpoint: every FP8 tensor has its scale)."""
         if self.scale_files is None:
-            check_checkpoint(path, self.quant)
             self.scale_files = _scale_files(path, SCALE_SUFFIX[self.method])
         return Fp8Handle(handle, dtype, self)
 

@@ -283,8 +283,15 @@ def _style(plan: dict[str, str], name: str, vocab: set[str]) -> str | None:
 
 def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: int, dtype, device) -> None:
     """Fill every parameter from the safetensors files with this rank's slice only; ValueError naming a
-    parameter the checkpoint lacks. Peak memory: the rank's parameters plus one slice."""
+    parameter the checkpoint lacks. Peak memory: the rank's parameters plus one slice. The checkpoint is
+    checked first as the single engine's load checks it (checkpoint_checks.py: its headers, every
+    quantized tensor's scale, every scale finite): CheckpointError naming the file and tensor."""
     from safetensors import safe_open
+
+    from .checkpoint_checks import check_checkpoint
+
+    quant = getattr(model.config, "quantization_config", None)
+    check_checkpoint(path, quant.to_dict() if hasattr(quant, "to_dict") else quant)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()

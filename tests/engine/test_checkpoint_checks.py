@@ -1,7 +1,8 @@
 """Broken checkpoints and adapters are refused at load, with one line naming the file and the tensor, instead
 of serving garbage or escaping as an engine error: each case below is a real tiny checkpoint or adapter
 with one thing broken (a scale deleted, NaN or inf written into a scale, an all-NaN adapter, garbage bytes,
-a 2^40 header length, a 0-d lora_A)."""
+a 2^40 header length, a 0-d lora_A). Tensor-parallel loads run the same checker:
+test_tensor_parallel_fp8_checkpoints.py's test_an_fp8_weight_without_its_scales_is_refused_naming_it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from bulkgen.engine import Engine
 from bulkgen.engine.checkpoint_checks import CheckpointError
 from bulkgen.engine.lora import WEIGHTS_FILE
-from bulkgen.engine.shard_quantized import Fp8Checkpoint
 from bulkgen.lab.quantized import write_block_fp8, write_compressed_fp8
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_lora import save_random_adapter
@@ -73,17 +73,6 @@ def test_a_non_finite_scale_is_refused(method, bad, checkpoints, tmp_path):
     path = _broken_copy(checkpoints[method], tmp_path / "broken", poison)
     with pytest.raises(CheckpointError, match=rf"model\.safetensors: {SCALE[method]} .*(nan|inf)"):
         _load(path)
-
-
-def test_the_tensor_parallel_reader_refuses_with_the_same_check(checkpoints, tmp_path):
-    """shard_quantized's FP8 reader (each rank's load) runs the same checker as the single engine."""
-    from safetensors import safe_open
-
-    path = _broken_copy(checkpoints["fp8"], tmp_path / "broken", lambda t: t.pop(SCALE["fp8"]))
-    checkpoint = Fp8Checkpoint({"quant_method": "fp8", "weight_block_size": [32, 32]}, torch.device("cpu"))
-    with safe_open(str(path / "model.safetensors"), "pt") as handle:
-        with pytest.raises(CheckpointError, match=rf"{SCALE['fp8']} .*missing"):
-            checkpoint.reader(handle, torch.float32, path)
 
 
 def test_sound_quantized_checkpoints_still_load(checkpoints):
