@@ -19,6 +19,8 @@ from bulkgen.lab.quantized import write_block_fp8, write_compressed_fp8
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_lora import save_random_adapter
 
+pytestmark = pytest.mark.upstream  # transformers' quantizers and peft's files (README: tested ranges)
+
 LAYER = "model.layers.0.mlp.up_proj"
 
 
