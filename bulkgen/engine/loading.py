@@ -8,6 +8,10 @@ quantizer needs a package this install lacks fails here with one line naming the
 Nothing may reach the network at load: transformers can fetch compiled kernels from the Hugging Face
 hub (its `kernels` integration), so hub kernels are switched off and the hub is put offline for the
 process before transformers loads anything.
+
+Before transformers reads a weight, the checkpoint is checked (checkpoint_checks.py): its safetensors
+headers, and in a quantized checkpoint every quantized tensor's scale and every scale's values, so a
+broken checkpoint is refused with one line naming the file and tensor instead of serving garbage.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from pathlib import Path
 import torch
 
 from . import load_progress, upstream
+from .checkpoint_checks import check_checkpoint
 from .quantize import quantize_layers
-from .weight_format import checkpoint_quantization
+from .weight_format import checkpoint_quantization, read_config
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ def load_model(
         )
         quantize = None
     check_method_packages(method)
+    check_checkpoint(path, (read_config(path) or {}).get("quantization_config"))
     options = _quantizer_options(path, method, torch.device(device), auto_class)
     with (
         warnings.catch_warnings(),

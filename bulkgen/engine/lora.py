@@ -11,6 +11,11 @@ its scale folded into B, so a slot load (lora_slots.py) is a plain copy. The sca
 `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, each module's rank read from its weights
 and its alpha from `alpha_pattern` where a pattern matches its name (as peft matches). On a
 tensor-parallel rank the host copy is that rank's shard (lora_tp.py).
+
+The weights file is checked before use (LoraFileError, a LoraError and a checkpoint_checks.CheckpointError):
+its safetensors header (checkpoint_checks.read_header: a garbage file, an absurd header length), each
+lora_A / lora_B a matrix of one rank and of the target module's dimensions, and every value finite. Messages
+name the adapter and the file within its folder, never the folder's path on the server.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint_checks import CheckpointError, check_finite, read_header
 from .mla import lora_refusal
 
 CONFIG_FILE = "adapter_config.json"
@@ -46,6 +52,10 @@ class LoraError(ValueError):
     """An adapter the engine refuses (its message names the feature), or a request naming an unknown one."""
 
 
+class LoraFileError(LoraError, CheckpointError):
+    """An adapter whose weights file is corrupt or malformed (its message names the file and the tensor)."""
+
+
 @dataclass(eq=False)
 class LoraAdapter:
     """One adapter in the host cache: `weights[module] = (A [r, in], B·scale [out, r])` on the CPU.
@@ -65,10 +75,10 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
     from .lora_tp import shard_pair
 
     folder = Path(path)
-    config = _read_config(folder)
+    config = _read_config(name, folder)
     for key, feature in REFUSED_SETTINGS.items():
         if config.get(key) not in (None, False, "none", [], {}):
-            raise LoraError(f"adapter {name!r}: {feature} is not supported ({folder / CONFIG_FILE})")
+            raise LoraError(f"adapter {name!r}: {feature} is not supported ({CONFIG_FILE})")
     if config.get("bias", "none") != "none":
         raise LoraError(f"adapter {name!r}: LoRA bias {config['bias']!r} is not supported; use 'none'")
     weights, recurrent = {}, _recurrent_paths(model)
@@ -110,29 +120,42 @@ def _pattern(patterns: dict | None, module: str, default: object) -> object:
     return default
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(name: str, folder: Path) -> dict:
     file = folder / CONFIG_FILE
     if not file.is_file():
-        raise LoraError(f"{folder} is not a PEFT adapter folder: {CONFIG_FILE} is missing")
+        raise LoraError(f"adapter {name!r} is not a PEFT adapter folder: {CONFIG_FILE} is missing")
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
-        raise LoraError(f"{file}: not readable JSON ({exc})") from None
+        raise LoraError(f"adapter {name!r}: {CONFIG_FILE}: not readable JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"adapter {name!r}: {CONFIG_FILE}: not a JSON object")
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
-        raise LoraError(f"{file}: peft_type {peft_type!r} is not LoRA")
+        raise LoraError(f"adapter {name!r}: {CONFIG_FILE}: peft_type {peft_type!r} is not LoRA")
     return config
 
 
 def _read_pairs(name: str, folder: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module path in the model: (A, B)} from the safetensors file, refusing keys that are not a
-    linear layer's lora_A / lora_B (embeddings' lora_embedding_*, DoRA magnitudes, saved modules)."""
+    linear layer's lora_A / lora_B (embeddings' lora_embedding_*, DoRA magnitudes, saved modules), and a
+    file that is not whole (LoraFileError: its header, a tensor that is not a matrix, non-finite values,
+    A and B of different ranks)."""
     from safetensors.torch import load_file
 
     file = folder / WEIGHTS_FILE
     if not file.is_file():
-        raise LoraError(f"{folder} is not a PEFT adapter folder: {WEIGHTS_FILE} is missing")
-    tensors = load_file(str(file))
+        raise LoraError(f"adapter {name!r} is not a PEFT adapter folder: {WEIGHTS_FILE} is missing")
+    label = f"adapter {name!r}"
+    try:
+        read_header(file, label)
+    except CheckpointError as exc:
+        raise LoraFileError(str(exc)) from None
+    try:
+        tensors = load_file(str(file))
+    except Exception as exc:  # what the header check let through: safetensors' own refusal, one line
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise LoraFileError(f"{label}: {WEIGHTS_FILE}: not readable ({first})") from None
     embedding = next((key for key in tensors if ".lora_embedding_" in key), None)
     if embedding is not None:
         raise LoraError(f"adapter {name!r}: LoRA on an embedding layer ({embedding}) is not supported")
@@ -141,12 +164,27 @@ def _read_pairs(name: str, folder: Path) -> dict[str, tuple[torch.Tensor, torch.
         module, _, rest = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
         if not module or rest not in ("A.weight", "B.weight"):
             raise LoraError(f"adapter {name!r}: weight {key!r} is not a linear layer's lora_A / lora_B")
+        if tensor.dim() != 2 or 0 in tensor.shape:
+            raise LoraFileError(
+                f"{label}: {WEIGHTS_FILE}: {key} has shape {list(tensor.shape)} (lora_A and lora_B are matrices)"
+            )
+        if not tensor.is_floating_point():
+            raise LoraFileError(f"{label}: {WEIGHTS_FILE}: {key} is {tensor.dtype}, not floating point")
+        try:
+            check_finite(tensor, label, file, key)
+        except CheckpointError as exc:
+            raise LoraFileError(str(exc)) from None
         halves.setdefault(module, {})[rest[0]] = tensor
     if not halves:
-        raise LoraError(f"adapter {name!r}: {file} holds no LoRA weights")
+        raise LoraError(f"adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             raise LoraError(f"adapter {name!r}: module {module!r} has lora_A or lora_B but not both")
+        if pair["A"].shape[0] != pair["B"].shape[1]:
+            raise LoraFileError(
+                f"{label}: {WEIGHTS_FILE}: {module} has lora_A {list(pair['A'].shape)} and lora_B "
+                f"{list(pair['B'].shape)} of different ranks"
+            )
     return {module: (pair["A"], pair["B"]) for module, pair in halves.items()}
 
 
@@ -176,10 +214,12 @@ def _checked(
         )
     rank = a.shape[0]
     if a.dim() != 2 or b.dim() != 2 or b.shape[1] != rank:
-        raise LoraError(f"adapter {name!r}: {module} has LoRA shapes A {list(a.shape)}, B {list(b.shape)}")
+        raise LoraFileError(
+            f"adapter {name!r}: {WEIGHTS_FILE}: {module} has LoRA shapes A {list(a.shape)}, B {list(b.shape)}"
+        )
     if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
-        raise LoraError(
-            f"adapter {name!r}: {module} is {target.in_features} -> {target.out_features} in the model, "
+        raise LoraFileError(
+            f"adapter {name!r}: {WEIGHTS_FILE}: {module} is {target.in_features} -> {target.out_features} in the model, "
             f"but its LoRA is {a.shape[1]} -> {b.shape[0]} (an adapter of another base model?)"
         )
     return a.float().contiguous(), (b.float() * scale).contiguous()

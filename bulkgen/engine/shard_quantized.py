@@ -32,10 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoint_checks import SCALE_SUFFIX
 from .shard_gptoss import splits_quantized
 
-# the tensor that dequantizes a weight, by quantization method
-SCALE_SUFFIX = {"fp8": "_scale_inv", "compressed-tensors": "_scale"}
 ACTIVATION_STRATEGIES = {"token", "tensor", "group"}
 WEIGHT_STRATEGIES = {"tensor", "channel", "block"}
 
@@ -56,7 +55,7 @@ class Fp8Checkpoint:
 
     def reader(self, handle, dtype: torch.dtype, path) -> Fp8Handle:
         """`handle` (a safetensors file of the checkpoint at `path`) with its FP8 weights read as
-        dequantized slices."""
+        dequantized slices (load_shards has checked the checkpoint: every FP8 tensor has its scale)."""
         if self.scale_files is None:
             self.scale_files = _scale_files(path, SCALE_SUFFIX[self.method])
         return Fp8Handle(handle, dtype, self)
@@ -154,11 +153,8 @@ class Fp8Handle:
     def get_slice(self, name: str):
         view = self.handle.get_slice(name)
         scale = f"{name}{SCALE_SUFFIX[self.method]}"
-        if scale in self.checkpoint.scale_files:
-            return Fp8Slice(view, scale, self)
-        if view.get_dtype().startswith("F8"):  # read as plain numbers it would give garbage
-            raise ValueError(f"an FP8 tensor, but the checkpoint has no {scale} to dequantize it")
-        return view
+        # an FP8 tensor without its scale was refused by check_checkpoint before any was read
+        return Fp8Slice(view, scale, self) if scale in self.checkpoint.scale_files else view
 
     def file_of(self, scale: str):
         """The open file that holds tensor `scale`."""

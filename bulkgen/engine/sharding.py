@@ -24,7 +24,6 @@ not equal to, the single-process FP8 model's (tests/engine/test_tensor_parallel_
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -285,8 +284,15 @@ def _style(plan: dict[str, str], name: str, vocab: set[str]) -> str | None:
 
 def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: int, dtype, device) -> None:
     """Fill every parameter from the safetensors files with this rank's slice only; ValueError naming a
-    parameter the checkpoint lacks. Peak memory: the rank's parameters plus one slice."""
+    parameter the checkpoint lacks. Peak memory: the rank's parameters plus one slice. The checkpoint is
+    checked first as the single engine's load checks it (checkpoint_checks.py: its headers, every
+    quantized tensor's scale, every scale finite): CheckpointError naming the file and tensor."""
     from safetensors import safe_open
+
+    from .checkpoint_checks import check_checkpoint
+
+    quant = getattr(model.config, "quantization_config", None)
+    check_checkpoint(path, quant.to_dict() if hasattr(quant, "to_dict") else quant)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
@@ -405,10 +411,9 @@ def _materialize(model: nn.Module, name: str, params: dict, dtype, device) -> nn
 
 
 def _safetensors_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(path.glob("*.safetensors"))
+    from .checkpoint_checks import checkpoint_files
+
+    files = checkpoint_files(path)
     if not files:
         raise ValueError(f"no safetensors weights at {path}: tensor parallel loads only safetensors")
     return files

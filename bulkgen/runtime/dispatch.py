@@ -24,6 +24,7 @@ from concurrent.futures import Future
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from bulkgen.engine.checkpoint_checks import CheckpointError
 from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedRange, WorkQueue
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,14 @@ class Dispatcher:
             raise
         except (RayError, GetTimeoutError) as exc:
             if isinstance(exc, ray.exceptions.RayTaskError):  # the model itself cannot load: the batch fails
+                cause = getattr(exc, "cause", exc)
+                if isinstance(cause, CheckpointError):
+                    # refused at load (a broken checkpoint; the worker remembers it and refuses again at
+                    # once): these lines are 400s, never re-queued or halved, and the batch goes on
+                    for r in ranges if runner is not None else ():
+                        message = f"body.model {model!r}: the model cannot be loaded: {cause}"
+                        runner.refuse_range(r, "model_not_loaded", message, "body.model")
+                    return False
                 if runner is not None:
                     runner.fatal(
                         f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}"

@@ -240,10 +240,16 @@ class BatchRunner:
 
     def give_up(self, r: QueuedRange, reason: str) -> None:
         """A request that kept killing its worker: an engine_error line, so the batch can finish."""
-        b, message = r.bounds, f"{self._client_text(reason)}; it was not retried again"
+        self.refuse_range(r, "engine_error", f"{reason}; it was not retried again")
+
+    def refuse_range(self, r: QueuedRange, code: str, message: str, param: str | None = None) -> None:
+        """Every line of `r` fails with `code` (a 400 unless engine_error), written as its part, and the
+        batch goes on: e.g. model_not_loaded for the lines of a model its worker refused at load. The
+        message as the client reads it (_client_text)."""
+        b, message = r.bounds, self._client_text(message)
         lines = read_lines(self.svc.store, r.batch.input_key, b.first_line, b.start, b.end)
         entries = [
-            parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, "engine_error"))
+            parts.PartEntry.of(line, False, refused_line(custom_id_of(raw), message, code, param))
             for line, raw in lines
         ]
         parts.write_part(self.svc.store, self.batch_id, b.first_line, b.last_line, entries)

@@ -12,6 +12,12 @@ A step that raises resets the engine and isolates the culprit by bisection: the 
 re-run in halves, alone, until the one that fails by itself is reported as `engine_error`; the rest
 finish normally, and no other batch is touched. The class is plain Python (testable without Ray);
 `bulkgen.runtime.pool` makes it an actor.
+
+A model or LoRA adapter refused at load (a broken checkpoint: engine/checkpoint_checks.py; a refused
+adapter: engine/lora.py) is remembered per name, path and version of its files: later lines and batches
+naming it fail at once as `model_not_loaded` (400) without loading it again, and its ranges finish (their
+lines refused) instead of going back to the queue to be halved. Messages name the model or adapter and the
+file within it, never a server path.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
 from bulkgen.engine import heap, load_progress
+from bulkgen.engine.checkpoint_checks import CheckpointError
 from bulkgen.engine.load_progress import LoadProgress
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
@@ -74,7 +81,10 @@ class EngineWorker(EngineLoop, PartWriter):
         self.model_key: str | None = None
         self.endpoint_url: str | None = None  # the storage's S3 endpoint, for s3:// models and adapters
         self._loras: dict[str, str] = {}  # LoRA adapters in the loaded engine: name -> the path it came from
-        self._lora_failed: dict[tuple[str, str], str] = {}  # (name, path) -> why it could not be loaded
+        # (name, path, version of its files) -> why it could not be loaded: never tried again
+        self._lora_failed: dict[tuple[str, str, str], str] = {}
+        self._model_refused: dict[tuple[str, str], str] = {}  # (model key, version) -> why (a bad checkpoint)
+        self._versions: dict[str, str] = {}  # path -> version, read once per range (_prepare_range)
         self._cond = threading.Condition()
         self._prepare_lock = threading.Lock()
         self._ranges: dict[tuple, HeldRange] = {}
@@ -114,6 +124,10 @@ class EngineWorker(EngineLoop, PartWriter):
         with self._load_lock:
             self.endpoint_url = endpoint_url
             if self.model_key != model_key(model_name, model_path) or self.engine is None:
+                refused = (model_key(model_name, model_path), folder_version(model_path))
+                if refused in self._model_refused:  # refused before: at once, the loaded engine kept
+                    raise CheckpointError(self._model_refused[refused])
+
                 with self._cond:
                     old, self.engine, self.model_name, self.model_key = self.engine, None, None, None
                 if old is not None:  # its tensor-parallel ranks stop (follower actors then serve the next)
@@ -124,6 +138,12 @@ class EngineWorker(EngineLoop, PartWriter):
                 load_progress.begin(progress)
                 try:
                     engine = self._load_engine(progress, model_path, endpoint_url)
+                except CheckpointError as exc:
+                    log.error(
+                        "worker %d: model %s at %s refused: %s", self.index, model_name, model_path, exc
+                    )
+                    self._model_refused[refused] = str(exc)
+                    raise
                 finally:
                     load_progress.begin(None)
                     self._loading = None
@@ -282,6 +302,7 @@ class EngineWorker(EngineLoop, PartWriter):
     # -- preparation (RPC threads) --------------------------------------------------------------------
     def _prepare_range(self, batch: QueuedBatch, bounds: RangeBounds) -> None:
         work = HeldRange(bounds, batch.model, self._store(batch.store))
+        self._versions = {}  # adapters' file versions are read afresh once per range
         key = work.key
         try:
             lines = list(read_lines(work.store, batch.input_key, bounds.first_line, bounds.start, bounds.end))
@@ -384,22 +405,33 @@ class EngineWorker(EngineLoop, PartWriter):
     def _load_lora(self, name: str, path: str) -> None:
         """Have the adapter in the engine before the first line that names it is queued (its host copy stays
         there, the engine moves it into a device slot when a step needs it); LineError, that line's 400,
-        if it cannot be loaded. An adapter renamed to another path is loaded anew."""
+        if it cannot be loaded. An adapter renamed to another path is loaded anew. A refusal is
+        remembered for the adapter's name, path and files (a folder rewritten in place is tried again),
+        so its later lines and batches fail at once; whatever its load raised (a corrupt file the checks
+        refused, a feature the engine refuses, or anything else) refuses its lines, never their range."""
         if self._loras.get(name) == path:
             return
-        if (name, path) not in self._lora_failed:
+        if path not in self._versions:
+            self._versions[path] = folder_version(path)
+        key = (name, path, self._versions[path])
+        if key not in self._lora_failed:
             local = None
             try:
                 local = fetch_folder(path, ADAPTER_CONFIG, "adapter", endpoint_url=self.endpoint_url)
                 self._on_engine_thread(lambda: self._swap_lora(name, local))
                 self._loras[name] = path
                 return
-            except (OSError, ValueError) as exc:  # the engine's LoraError (a refused feature) is a ValueError
-                log.error("worker %d: LoRA adapter %r (%s) cannot be loaded: %s", self.index, name, path, exc)
-                self._lora_failed[(name, path)] = _client_reason(exc, name, path, local)
+            except Exception as exc:  # the engine's LoraError / CheckpointError are ValueErrors
+                if not isinstance(exc, (OSError, ValueError)):
+                    log.exception("worker %d: adapter %s at %s could not be loaded", self.index, name, path)
+                else:
+                    log.error(
+                        "worker %d: LoRA adapter %r (%s) cannot be loaded: %s", self.index, name, path, exc
+                    )
+                self._lora_failed[key] = _client_reason(exc, name, path, local)
         raise LineError(
             "model_not_loaded",
-            f"body.model {name!r}: the LoRA adapter cannot be loaded: {self._lora_failed[(name, path)]}",
+            f"body.model {name!r}: the LoRA adapter cannot be loaded: {self._lora_failed[key]}",
             "body.model",
         )
 
@@ -463,3 +495,17 @@ def _client_reason(exc: Exception, name: str, path: str, local: str | None) -> s
     for server_path in sorted((p.rstrip("/") for p in paths if p), key=len, reverse=True):
         message = message.replace(server_path, name)
     return f"{type(exc).__name__}: {message}"
+
+
+def folder_version(path: str) -> str:
+    """The version of a local model or adapter folder a refusal is remembered for: its files' names, sizes
+    and modification times (a folder rewritten in place is a new version); an object-store URL is copied to
+    the node once and kept, so its path is its version ("")."""
+    if "://" in path and not path.startswith("file://"):
+        return ""
+    try:
+        with os.scandir(path.removeprefix("file://")) as entries:
+            files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+    except OSError:
+        return ""
+    return repr(files)

@@ -167,3 +167,32 @@ def test_adapters_added_to_the_file_are_served_without_a_restart(service, client
     assert not failed, failed
     text = {cid: body["choices"][0]["message"]["content"] for cid, body in done.items()}
     assert text["terse-again"] == text["terse-s3"] == text[rows[1]["custom_id"]] != text[rows[0]["custom_id"]]
+
+
+def test_a_corrupt_adapter_fails_its_lines_as_model_not_loaded(service, client, tmp_path):
+    """An adapter whose weights file is corrupt (a 2^40 header length): each line naming it is a 400
+    `model_not_loaded` naming the adapter and its file (no server path), every other line of its ranges
+    completes (a range that failed would be re-queued and halved, its lines ending as 500
+    `engine_error`), and a second batch is refused the same way."""
+    import struct
+
+    corrupt = shutil.copytree(SAMPLES_DIR / "terse", tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(struct.pack("<Q", 2**40) + b"{}")
+    service.adapters_file.write_text(f"corrupt={corrupt}\n")
+    assert client.models.retrieve("corrupt").parent == BASE  # its config is sound: served, until loaded
+    rows = [json.loads(line) for line in (SAMPLES / "lora.jsonl").read_text().splitlines()]
+    bad = [
+        dict(row, custom_id=f"corrupt-{i}", body=dict(row["body"], model="corrupt"))
+        for i, row in enumerate(rows[:3])
+    ]
+    mixed = [*rows[:5], bad[0], *rows[5:10], bad[1], *rows[10:], bad[2]]  # in both ranges of 16
+    for attempt in range(2):
+        batch, done, failed = run(client, write_jsonl(tmp_path / f"in-{attempt}.jsonl", mixed))
+        assert sorted(done) == sorted(row["custom_id"] for row in rows)
+        assert sorted(failed) == sorted(row["custom_id"] for row in bad)
+        for response in failed.values():
+            error = response["body"]["error"]
+            assert response["status_code"] == 400 and error["code"] == "model_not_loaded", error
+            assert error["param"] == "body.model" and "'corrupt'" in error["message"], error
+            assert "adapter_model.safetensors: not a safetensors file" in error["message"], error
+            assert str(tmp_path) not in error["message"], error
