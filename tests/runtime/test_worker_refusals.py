@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import types
 
 import numpy as np
 import pytest
@@ -137,8 +138,12 @@ def test_the_dispatcher_refuses_the_lines_of_a_model_refused_at_load(monkeypatch
             raise AssertionError("a refused model's ranges must not go back to the queue")
 
     runner = Runner()
+
+    class Pool:  # the load is waited for in slices of the poll deadline (dispatch._until_loaded)
+        settings = types.SimpleNamespace(poll_deadline_s=1.0)
+
     dispatcher = dispatch.Dispatcher(
-        pool=None, queue=Queue(), endpoint_url=None, runner_of=lambda _: runner, owner=""
+        pool=Pool(), queue=Queue(), endpoint_url=None, runner_of=lambda _: runner, owner=""
     )
     job = QueuedBatch("b", "k", "/v1/completions", "fp8", "/models/fp8", 0.0, {})
     ranges = _ranges(job)
