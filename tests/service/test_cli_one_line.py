@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
-import pytest
-import ray
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from bulkgen.runtime import pool
 from tests.support.service import SAMPLES
 
 
@@ -21,50 +20,68 @@ def _stderr_lines(result) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
-@pytest.fixture
-def ray_node_times_out(monkeypatch):
-    """ray.init fails as Ray's node start does when its raylet does not register within 30 s."""
-    if ray.is_initialized():
-        pytest.skip("a Ray is running in this process")
-    calls = []
-
-    def init(*args, **kwargs):
-        calls.append(kwargs)
-        raise Exception(
-            "The current node timed out during startup. This could happen because some of the raylet "
-            "failed to startup or the GCS has become overloaded."
-        )
-
-    monkeypatch.setattr(pool.ray, "init", init)
-    monkeypatch.setattr(pool.ray, "shutdown", lambda: None)
-    for name in ("RAY_gcs_server_port_wait_time_s", "RAY_gcs_server_request_timeout_seconds"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    return calls
+# `bulkgen run` in a process of its own (this one may hold the suite's Ray), with ray.init failing as Ray's
+# node start does when its raylet does not register within 30 s
+_TIMED_OUT_RUN = """
+import json, os, sys
+from click.testing import CliRunner
+from bulkgen.runtime import pool
+calls = []
+def init(*args, **kwargs):
+    calls.append({"ip": kwargs.get("_node_ip_address"), "config": kwargs.get("_system_config") == pool.RAY_SYSTEM_CONFIG})
+    raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                    "failed to startup or the GCS has become overloaded.")
+pool.ray.init, pool.ray.shutdown = init, lambda: None
+from bulkgen.cli import cli
+result = CliRunner().invoke(cli, sys.argv[1:])
+print(json.dumps({"exit": result.exit_code, "stderr": result.stderr, "calls": calls,
+                  "attempts": pool.RAY_START_ATTEMPTS, "wait": os.environ.get("RAY_gcs_server_port_wait_time_s")}))
+"""
 
 
-def _run(tmp_path):
+def _run_with_ray_timing_out(tmp_path, **env) -> dict:
     out, storage = str(tmp_path / "o.jsonl"), str(tmp_path / "s")
-    return CliRunner().invoke(cli, ["run", str(SAMPLES / "chat.jsonl"), "-o", out, "--storage", storage])
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _TIMED_OUT_RUN,
+            "run",
+            str(SAMPLES / "chat.jsonl"),
+            "-o",
+            out,
+            "--storage",
+            storage,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**clean, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_a_local_ray_that_times_out_is_started_again_then_run_fails_in_one_line(ray_node_times_out, tmp_path):
-    result = _run(tmp_path)
-    assert result.exit_code == 1
-    lines = _stderr_lines(result)
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("Error: cannot start a local Ray: The current node timed out during startup")
-    assert len(ray_node_times_out) > 1  # started again before giving up
-    assert len(ray_node_times_out) == pool.RAY_START_ATTEMPTS
-    call = ray_node_times_out[0]
-    assert call["_node_ip_address"] == "127.0.0.1" and call["_system_config"] == pool.RAY_SYSTEM_CONFIG
-    assert os.environ["RAY_gcs_server_port_wait_time_s"] == "120"  # Ray's own wait, lengthened
+def test_a_local_ray_that_times_out_is_started_again_then_run_fails_in_one_line(tmp_path):
+    result = _run_with_ray_timing_out(tmp_path)
+    assert result["exit"] == 1
+    lines = [line for line in result["stderr"].splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("Error:")]
+    assert errors == lines[-1:] and "Traceback" not in result["stderr"], result["stderr"]
+    assert lines[-1].startswith("Error: cannot start a local Ray: The current node timed out during startup")
+    # before it, one line a new start says (the log's warning), nothing else
+    assert [line for line in lines[:-1] if "starting it again" not in line] == [], result["stderr"]
+    assert len(lines) - 1 == result["attempts"] - 1
+    assert len(result["calls"]) > 1  # started again before giving up
+    assert len(result["calls"]) == result["attempts"]
+    assert result["calls"][0] == {"ip": "127.0.0.1", "config": True}
+    assert result["wait"] == "120"  # Ray's own wait, lengthened
 
 
-def test_an_operators_own_ray_wait_wins(ray_node_times_out, monkeypatch, tmp_path):
-    monkeypatch.setenv("RAY_gcs_server_port_wait_time_s", "45")
-    result = _run(tmp_path)
-    assert result.exit_code == 1 and os.environ["RAY_gcs_server_port_wait_time_s"] == "45"
+def test_an_operators_own_ray_wait_wins(tmp_path):
+    result = _run_with_ray_timing_out(tmp_path, RAY_gcs_server_port_wait_time_s="45")
+    assert result["exit"] == 1 and result["wait"] == "45"
 
 
 def _broken_model(tmp_path):
