@@ -18,7 +18,9 @@ import time
 import weakref
 from collections.abc import Callable
 
-_COLLECT_AFTER_S = 2.0  # a wait this long collects garbage once: a freed request's cycle may hold tensors
+# a wait collects garbage this often: tensors of an ended request that a reference cycle still holds are
+# otherwise freed only when the collector next runs, and the wait may be what keeps it from running
+_COLLECT_EVERY_S = 1.0
 TRIM_AFTER_BYTES = 64 << 20  # a line whose images cost this much trims the C heap once it is processed
 
 
@@ -67,23 +69,23 @@ class ImageBudget:
         """Take `cost` bytes, waiting while they would not fit beside what is held; None if `stop()` turns
         true while waiting. A cost over the whole budget is the caller's to refuse first (`fits`): granted
         alone, it never waits on others forever."""
-        start, collected = time.monotonic(), False
+        collect_at = time.monotonic() + _COLLECT_EVERY_S
         while True:
             with self._cond:
-                if self.used == 0 or self.used + cost <= self.total:
+                if cost == 0 or self.used == 0 or self.used + cost <= self.total:
                     self._take(cost)
                     return Hold(self, cost)
                 if stop():
                     return None
                 self._cond.wait(0.25)
-            if not collected and time.monotonic() - start > _COLLECT_AFTER_S:
-                gc.collect()  # outside the lock: finalizers of freed tensors give their bytes back
-                collected = True
+            if time.monotonic() >= collect_at:
+                gc.collect()  # outside the lock: finalizers of tensors only a cycle kept give their bytes back
+                collect_at = time.monotonic() + _COLLECT_EVERY_S
 
     def try_acquire(self, cost: int) -> Hold | None:
         """Take `cost` bytes if they fit now, else None (no wait)."""
         with self._cond:
-            if self.used + cost > self.total:
+            if cost and self.used + cost > self.total:
                 return None
             self._take(cost)
             return Hold(self, cost)

@@ -313,14 +313,16 @@ class EngineWorker(EngineLoop, PartWriter):
         the engine runs, and frees, what is prepared while later lines wait."""
         pending, reads, prepared = deque(parsed), deque(), []
         stop = lambda: batch.batch_id in self._stopped  # noqa: E731
+
+        def flush() -> bool:  # before a line waits for image memory: what is prepared goes to the engine
+            queued = self._queue_prepared(work, prepared, counted)
+            prepared.clear()
+            return queued
+
         while pending or reads:
             self._read_ahead(pending, reads, work.store)
-            if reads[0][2] and prepared:  # the next line may wait for image memory
-                if not self._queue_prepared(work, prepared, counted):
-                    return  # the range was aborted meanwhile
-                prepared = []
-            group = self._next_group(work, reads, stop, counted)
-            if group is None:  # the batch stopped while its lines waited for image memory
+            group = self._next_group(work, reads, stop, counted, flush)
+            if group is None:  # the batch stopped (or the range was aborted) while a line waited
                 return
             try:
                 while group:
@@ -332,7 +334,9 @@ class EngineWorker(EngineLoop, PartWriter):
                         trim_heap()  # go back to the budget
                     hold.release()
                     if ready is not None:
+                        self._count_tensors(ready)
                         prepared.append(ready)
+                    ready = None  # no local of this frame keeps a line's tensors (and budget) while it waits
             finally:
                 for _, _, hold, decoding in group:  # a line raised: let its fellows' decodes end, free theirs
                     for image in decoding:
@@ -353,11 +357,11 @@ class EngineWorker(EngineLoop, PartWriter):
             reads.append((line, request, futures))
             images += len(futures)
 
-    def _next_group(self, work: HeldRange, reads: deque, stop, counted: list[int]) -> list | None:
+    def _next_group(self, work: HeldRange, reads: deque, stop, counted: list[int], flush) -> list | None:
         """The lines read ahead whose images may decode now, each with its hold on the image budget and its
-        decoding futures: the first waits for its share (None if the batch stops meanwhile), the others join
-        while their images are read and fit beside it. A line whose images cannot be read, or cost more than the
-        whole budget, is refused here."""
+        decoding futures: the first waits for its share, after `flush()` queued what is prepared (None if the
+        batch stops, or the range was aborted, meanwhile), the others join while their images are read and fit
+        beside it. A line whose images cannot be read, or cost more than the whole budget, is refused here."""
         group: list = []
         while reads:
             line, request, futures = reads[0]
@@ -370,11 +374,15 @@ class EngineWorker(EngineLoop, PartWriter):
                 reads.popleft()
                 self._refuse_prepared(work, line, request.custom_id, err, counted)
                 continue
-            hold = self.image_budget.try_acquire(cost) if group else self.image_budget.acquire(cost, stop)
+            hold = self.image_budget.try_acquire(cost)
+            if hold is None and not group:
+                if not flush():
+                    return None
+                hold = self.image_budget.acquire(cost, stop)
+                if hold is None:
+                    return None
             if hold is None:
-                if group:
-                    break
-                return None
+                break
             reads.popleft()
             group.append((line, request, hold, start_decoding(probed, self.image_policy) if probed else []))
         return group
@@ -388,8 +396,8 @@ class EngineWorker(EngineLoop, PartWriter):
         decoding: list[Future],
         counted: list[int],
     ) -> list[Prepared] | None:
-        """One line's engine requests (its images decoded and processed, their tensors counted in the image
-        budget until freed); None if it was refused (its 400 settled)."""
+        """One line's engine requests (its images decoded and processed); None if it was refused (its 400
+        settled)."""
         subs = split_prompts(request)
         try:
             images = [image.result() for image in decoding]
@@ -400,10 +408,14 @@ class EngineWorker(EngineLoop, PartWriter):
         except LineError as err:
             self._refuse_prepared(work, line, request.custom_id, err, counted)
             return None
-        for p in ready:
-            if p.images is not None:  # counted until the engine drops them (the request ended)
-                self.image_budget.add(p.images.nbytes).until_freed(p.images)
         return ready
+
+    def _count_tensors(self, ready: list[Prepared]) -> None:
+        """What stays of a line's image memory, its pixel tensors, counted in the budget until the engine drops
+        them (the request ended). A method of its own: no local of a waiting frame may keep them alive."""
+        for p in ready:
+            if p.images is not None:
+                self.image_budget.add(p.images.nbytes).until_freed(p.images)
 
     def _queue_prepared(self, work: HeldRange, lines: list[list[Prepared]], counted: list[int]) -> bool:
         """Prepared lines' requests to the engine; False if their range was aborted meanwhile."""
