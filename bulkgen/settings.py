@@ -225,7 +225,8 @@ def _check_ranks(ranks: dict[str, int]) -> None:
 @dataclass
 class ImageSettings:
     """Where image parts may point and how much of an image a worker holds: the limits that bound the memory
-    of decoding (max pixels per image, images per line, decoding threads) and the reach of a fetch."""
+    of decoding (max pixels per image, images per line, decoding threads, the worker's image memory budget)
+    and the reach of a fetch."""
 
     image_url_hosts: tuple[str, ...] = setting(
         (),
@@ -265,6 +266,17 @@ class ImageSettings:
         4,
         check=_positive_int,
         flag=Flag("--image-decode-threads", help="Threads per worker that read and decode images."),
+    )
+    image_memory_bytes: int = setting(
+        2048 * MIB,
+        check=_positive_int,
+        flag=Flag(
+            "--image-memory-mb",
+            scale=MIB,
+            help="Memory per worker for images being decoded and processed and the processor's pixel tensors "
+            "not yet freed, in MiB (an image is costed from its header before any pixel is decoded); a line whose "
+            "images cost more is refused, others wait for their share.",
+        ),
     )
 
     def __post_init__(self) -> None:

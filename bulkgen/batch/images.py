@@ -10,11 +10,13 @@ place. Where an image may come from:
   validation; another tenant's ids are not found in this tenant's folder);
 - an `s3://` URL inside the tenant's storage (it must exist at validation);
 - an `http(s)` URL on a host the operator allowed (`--image-url-hosts`), fetched by the worker
-  (bulkgen.batch.image_fetch: size cap, time limit, same-host redirects, public addresses only).
-A bad image refuses its line alone (`ImageError`, a LineError naming the part). Decoding runs on a bounded
-thread pool (`ImageSettings.image_decode_threads`), with the pixel count checked from the header before any
-pixel is decoded, so a worker's image memory is bounded by threads x max pixels plus the decoded images of
-the lines it holds.
+  (bulkgen.batch.image_fetch: size cap, one deadline, same-origin redirects, public addresses only).
+A bad image refuses its line alone (`ImageError`, a LineError naming the part). Reading and decoding run on
+a bounded thread pool (`ImageSettings.image_decode_threads`). Every image is opened from its header first
+(`Probed`): its pixel count is checked (`--max-image-pixels`, also PIL's own decompression-bomb guard) and
+its memory cost computed (`decoded_cost`: what its pixels take while decoded and processed) before any pixel
+is decoded, so the worker takes that much of its image memory budget (bulkgen.batch.image_budget,
+`--image-memory-mb`) before it decodes a line's images, and refuses a line whose images alone cost more.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import LineError
+from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, trim_heap
 from bulkgen.batch.image_fetch import Network, fetch, host_allowed
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.schema import quote
@@ -39,6 +42,18 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
     from bulkgen.settings import ImageSettings
+
+# What one pixel costs in memory while its image is decoded and processed, in bytes. Pillow keeps 1 byte a
+# pixel for modes 1, L and P, 2 for I;16 and 4 for the rest (RGB included: 3 bands padded to 4). Decoding
+# holds the decoded frame, its upright copy and the RGB result (with transparency: an RGBA copy and a white
+# background too); processing holds the RGB image and the processor's arrays of it (a uint8 array, its
+# resized copy and float32 rescaled pixels of the resized image, of at most as many pixels): 12 bytes a
+# pixel covers transformers' PIL processors (a 7000x7000 RGB PNG peaked at +654 MB, 13.3 bytes a pixel,
+# through tiny LLaVA's and Qwen2-VL's processors; this rule charges 16).
+PROCESSING_BYTES_PER_PIXEL = 12
+_ALPHA_MODES = {"RGBA", "RGBa", "LA", "La", "PA"}
+_ORIENTATION = 0x0112  # the EXIF tag
+_MIB = 1024 * 1024
 
 DETAILS = ("auto", "low", "high")  # chat's; responses adds "original"
 IMAGE_PURPOSES = ("vision", "user_data")  # the Files API purposes an image file may have
@@ -111,19 +126,23 @@ def check_model_takes_images(refs: list[ImageRef], accepts_images: bool, model: 
 
 
 def check_images(refs: list[ImageRef], *, store: Store | None, policy: ImageSettings) -> None:
-    """What validation can tell without fetching or decoding: the count, every data: URL whole, that file
-    ids and s3:// objects exist and may be read (skipped where `store` is None), and that http(s) hosts
-    are allowed."""
+    """What validation can tell without fetching or decoding: the count, every data: URL whole (its images'
+    cost within a worker's image memory too), that file ids and s3:// objects exist and may be read (skipped
+    where `store` is None), and that http(s) hosts are allowed."""
     _check_count(refs, policy)
+    inline = []
     for ref in refs:
         if ref.kind == "data":
-            _probe(_data_bytes(ref, policy), ref, policy)
+            data = _data_bytes(ref, policy)
+            inline.append(Probed(ref, _probe(data, ref, policy), len(data)))
         elif ref.kind == "http":
             _check_host(ref, policy)
         elif store is not None and ref.kind == "file":
             _file_meta(ref, store, policy)
         elif store is not None:
             _object_size(ref, store, _s3_key(ref, store), policy)
+    # a worker's image memory must hold the inline images at least (what the others cost it finds out)
+    check_line_cost(inline, policy.image_memory_bytes)
 
 
 def load_images(
@@ -132,21 +151,84 @@ def load_images(
     """The request's images, read and decoded (RGB, EXIF orientation applied, a GIF's first frame) on the
     worker's bounded pool, in order; the first bad one (in order) raises its ImageError. Call it off the
     engine thread: it waits on storage and the network. `network`: tests route fetches (image_fetch)."""
-    return [image.result() for image in start_loading(refs, store=store, policy=policy, network=network)]
+    probed = [p.result() for p in start_reading(refs, store=store, policy=policy, network=network)]
+    return [image.result() for image in start_decoding(probed, policy)]
 
 
-def start_loading(
+@dataclass
+class Probed:
+    """An image read and opened from its header, not yet decoded: its size, mode and what decoding and
+    processing it will cost (`cost`, bytes)."""
+
+    ref: ImageRef
+    image: Image | None  # PIL's lazily opened image (the header read, not the pixels); None once decoded
+    encoded: int  # bytes of the file
+
+    cost: int = 0  # its bytes held until it is decoded, plus what decoding and processing take (decoded_cost)
+
+    def __post_init__(self) -> None:
+        transparency = "transparency" in self.image.info
+        self.cost = self.encoded + decoded_cost(*self.image.size, self.image.mode, transparency)
+
+
+def decoded_cost(width: int, height: int, mode: str, transparency: bool = False) -> int:
+    """Bytes an image of this size and mode takes at most while decoded, made RGB and processed (see
+    PROCESSING_BYTES_PER_PIXEL): what the worker's image memory budget charges for it."""
+    if mode in ("1", "L", "P"):
+        stored = 1
+    elif mode.startswith("I;16"):
+        stored = 2
+    else:
+        stored = 4
+    decoding = 2 * stored + 4 + (8 if mode in _ALPHA_MODES or transparency else 0)
+    processing = 4 + PROCESSING_BYTES_PER_PIXEL
+    return width * height * max(decoding, processing)
+
+
+def start_reading(
     refs: list[ImageRef], *, store: Store | None, policy: ImageSettings, network: Network | None = None
 ) -> list[Future]:
-    """load_images without the wait: one future per image, each giving the image or raising its
-    ImageError, so a worker starts a whole range's images before it waits on the first."""
+    """Each image read (storage, a fetch) and opened from its header on the worker's pool: one future per
+    image, giving its `Probed` or raising its ImageError. No pixel is decoded."""
     _check_count(refs, policy)
     pool = _pool(policy.image_decode_threads)
-    return [pool.submit(_load, ref, store, policy, network) for ref in refs]
+    return [pool.submit(_read_probed, ref, store, policy, network) for ref in refs]
 
 
-def _load(ref: ImageRef, store: Store | None, policy: ImageSettings, network: Network | None) -> Image:
-    return decode(_read(ref, store, policy, network), ref, policy)
+def start_decoding(probed: list[Probed], policy: ImageSettings) -> list[Future]:
+    """Each probed image decoded on the pool (`decode_probed`): one future per image, giving the RGB image
+    or raising its ImageError. Take the images' `cost` from the budget first."""
+    pool = _pool(policy.image_decode_threads)
+    return [pool.submit(decode_probed, p) for p in probed]
+
+
+def check_line_cost(probed: list[Probed], budget_bytes: int) -> int:
+    """The bytes a line's images cost together; ImageError (image_too_large) naming the image with which they
+    pass `budget_bytes` (the worker's whole image memory, `--image-memory-mb`), whatever else is held."""
+    total = 0
+    for p in probed:
+        total += p.cost
+        if total > budget_bytes:
+            width, height = p.image.size
+            others = f"; with the line's images before it, {_mb(total)}" if total > p.cost else ""
+            raise ImageError(
+                p.ref,
+                f"is {width}x{height} pixels ({p.image.mode}), {_mb(p.cost)} once decoded and processed{others}: "
+                f"over a worker's image memory of {_mb(budget_bytes)} (--image-memory-mb)",
+                "image_too_large",
+            )
+    return total
+
+
+def _mb(size: int) -> str:
+    return f"{size / _MIB:,.0f} MiB" if size >= _MIB else f"{size:,} bytes"
+
+
+def _read_probed(
+    ref: ImageRef, store: Store | None, policy: ImageSettings, network: Network | None
+) -> Probed:
+    data = _read(ref, store, policy, network)
+    return Probed(ref, _probe(data, ref, policy), len(data))
 
 
 def _read(ref: ImageRef, store: Store | None, policy: ImageSettings, network: Network | None) -> bytes:
@@ -168,30 +250,43 @@ def _read(ref: ImageRef, store: Store | None, policy: ImageSettings, network: Ne
 def decode(data: bytes, ref: ImageRef, policy: ImageSettings) -> Image:
     """The image as a model's processor takes it: RGB (transparency over white, as transformers' own
     convert_to_rgb does), upright by its EXIF orientation, a GIF's or WebP animation's first frame."""
+    return decode_probed(Probed(ref, _probe(data, ref, policy), len(data)))
+
+
+def decode_probed(probed: Probed) -> Image:
+    """decode, of an image already opened from its header."""
     from PIL import Image, ImageOps
 
-    image = _probe(data, ref, policy)
+    image, ref = probed.image, probed.ref
+    large = image.width * image.height * 4 >= TRIM_AFTER_BYTES
+    probed.image = None  # the decoded frame is this call's alone: it goes as soon as its RGB copy is made
     try:
         image.seek(0)
         image.load()
-        image = ImageOps.exif_transpose(image)
+        if image.getexif().get(_ORIENTATION, 1) != 1:  # a copy only for an image that needs turning
+            image = ImageOps.exif_transpose(image)
         if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
             rgba = image.convert("RGBA")
             white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
             white.alpha_composite(rgba)
             image = white
-        return image.convert("RGB")
+        image = image.convert("RGB")
     except Exception as exc:  # PIL's decoders raise many types on corrupt data: each is this line's 400
         raise ImageError(ref, f"the image could not be decoded ({type(exc).__name__}: {exc})") from None
+    if large:
+        trim_heap()  # what decoding freed, back to the system before the processor allocates (image_budget.py)
+    return image
 
 
 def _probe(data: bytes, ref: ImageRef, policy: ImageSettings) -> Image:
-    """The image opened from its header only (PIL reads pixels lazily): format and pixel count checked."""
+    """The image opened from its header only (PIL reads pixels lazily): format and pixel count checked. PIL's
+    own decompression-bomb guard is set from --max-image-pixels too (it refuses twice that at open)."""
     from PIL import Image
 
+    Image.MAX_IMAGE_PIXELS = policy.max_image_pixels
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the check below refuses it
             image = Image.open(io.BytesIO(data))
     except Exception:  # UnidentifiedImageError, a decompression bomb, or a header PIL chokes on
         raise ImageError(ref, "is not an image (PNG, JPEG, WebP or GIF) that can be read") from None

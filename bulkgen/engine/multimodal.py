@@ -58,6 +58,11 @@ class ImageInputs:
     token_counts: list[int] | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # per-image encoder inputs (image_sizes)
 
+    @property
+    def nbytes(self) -> int:
+        """The host memory its tensors take: what the worker's image memory budget counts until they are freed."""
+        return self.pixel_values.nbytes + sum(t.nbytes for t in self.extras.values())
+
 
 def image_hash(image) -> str:
     """A content hash of one decoded image (a PIL image: its mode, size and pixels)."""

@@ -32,7 +32,15 @@ from collections import defaultdict, deque
 from concurrent.futures import Future
 from typing import Any
 
-from bulkgen.batch.images import check_images, check_model_takes_images, start_loading
+from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, ImageBudget, trim_heap
+from bulkgen.batch.images import (
+    Probed,
+    check_images,
+    check_line_cost,
+    check_model_takes_images,
+    start_decoding,
+    start_reading,
+)
 from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
@@ -73,6 +81,8 @@ class EngineWorker(EngineLoop, PartWriter):
         self.index = index
         self.launcher = launcher
         self.image_policy = images or ImageSettings()  # what load_images may read, and how much
+        # the bytes of images being decoded and processed and of pixel tensors not yet freed (image_budget.py)
+        self.image_budget = ImageBudget(self.image_policy.image_memory_bytes)
         self.engine_kwargs = dict(engine_kwargs or {})
         self.cpu_threads = cpu_threads
         self._stores: dict[str, Any] = {}
@@ -304,9 +314,16 @@ class EngineWorker(EngineLoop, PartWriter):
         work = HeldRange(bounds, batch.model, self._store(batch.store))
         self._versions = {}  # adapters' file versions are read afresh once per range
         key = work.key
+        counted = [bounds.size]  # lines still counted in _preparing (each leaves it once queued or refused)
         try:
             lines = list(read_lines(work.store, batch.input_key, bounds.first_line, bounds.start, bounds.end))
-            ready = self._prepare_lines(batch, work, lines)
+            parsed = self._parse_lines(batch, work, lines)
+            with self._cond:
+                if batch.batch_id in self._stopped:
+                    self._preparing -= counted[0]
+                    return
+                self._ranges[key] = work  # registered now: each line goes to the engine once it is prepared
+            self._prepare_lines(batch, work, parsed, counted)
         except Exception as exc:  # storage failed (the lines, or an image they name), or preparing a line
             # did: hand the range back to the driver, never hang it (it halves a range that fails again)
             if isinstance(exc, StorageUnavailable):
@@ -314,7 +331,8 @@ class EngineWorker(EngineLoop, PartWriter):
             else:
                 log.exception("worker %d: could not prepare %s", self.index, key)
             with self._cond:
-                self._preparing -= bounds.size
+                self._drop_range(key)
+                self._preparing -= counted[0]
                 error = f"{type(exc).__name__}: {exc}"
                 self._done[self._owner_of.get(batch.batch_id, "")].append(
                     RangeOutcome(bounds, error=error, storage_down=isinstance(exc, StorageUnavailable))
@@ -322,57 +340,185 @@ class EngineWorker(EngineLoop, PartWriter):
                 self._cond.notify_all()
             return
         with self._cond:
-            self._preparing -= bounds.size
-            if batch.batch_id in self._stopped:
-                return
-            self._ranges[key] = work
-            self._inbox.extend(ready)
-            if not work.remaining:
+            self._preparing -= counted[0]
+            if key in self._ranges and not work.remaining:
                 self._complete(key)
             self._cond.notify_all()
 
-    def _prepare_lines(self, batch: QueuedBatch, work: HeldRange, lines: list) -> list[Prepared]:
-        """Parse every line and start reading its images (the pool decodes a range's images side by side),
-        then prepare each line in order; a LineError refuses its line alone."""
-        started = []
+    def _drop_range(self, key: tuple) -> None:
+        """A range whose preparation failed, under the lock: its lines already queued or running are dropped
+        (the driver reruns the whole range), and nothing of it is written."""
+        self._ranges.pop(key, None)
+        running = [rid for rid, p in self._live.items() if p.range_key == key]
+        for rid in running:
+            del self._live[rid]
+        self._aborts += running
+        self._inbox = deque(p for p in self._inbox if p.range_key != key)
+        self._quarantine = deque([p for p in g if p.range_key != key] for g in self._quarantine)
+
+    def _parse_lines(
+        self, batch: QueuedBatch, work: HeldRange, lines: list
+    ) -> list[tuple[int, ParsedRequest]]:
+        """Every line parsed (and a text model's image lines refused); a LineError refuses its line alone."""
+        parsed = []
         for line, raw in lines:
             if batch.batch_id in self._stopped:
                 return []  # stopped while this range was read or prepared: its lines never reach the engine
             try:
                 request = self._parse(raw, line, batch)
                 work.remaining[line] = request.custom_id
-                started.append((line, request, self._start_images(request, work.store)))
+                if request.images and not getattr(self.engine, "accepts_images", False):
+                    # a text model refuses images after validation's own checks, so a line validation
+                    # refused gets that 400
+                    check_images(request.images, store=work.store, policy=self.image_policy)
+                    check_model_takes_images(request.images, False, request.model)
+                parsed.append((line, request))
             except LineError as err:  # a body error (validation counted the line and indexed it), a line
                 # validated under looser rules, or an image refused before reading it
                 self._refuse(work, line, work.remaining.setdefault(line, custom_id_of(raw)), err)
-        ready: list[Prepared] = []
-        for line, request, loading in started:
-            if batch.batch_id in self._stopped:  # a cancel lands between lines, not after 2,048 inputs each
-                return []
-            subs = split_prompts(request)
+        return parsed
+
+    def _prepare_lines(
+        self, batch: QueuedBatch, work: HeldRange, parsed: list[tuple[int, ParsedRequest]], counted: list[int]
+    ) -> None:
+        """Prepare the parsed lines in order. Images are read and opened from their headers a few lines ahead
+        (`_read_ahead`), and a line's images are decoded only once it holds their cost of the worker's image
+        budget (`_next_group`): never a whole range's images at once. Prepared lines are queued for the engine
+        together (a range of text lines at once, as it is read), and before a line waits for image memory, so
+        the engine runs, and frees, what is prepared while later lines wait."""
+        pending, reads, prepared = deque(parsed), deque(), []
+        stop = lambda: batch.batch_id in self._stopped  # noqa: E731
+
+        def flush() -> bool:  # before a line waits for image memory: what is prepared goes to the engine
+            queued = self._queue_prepared(work, prepared, counted)
+            prepared.clear()
+            return queued
+
+        while pending or reads:
+            self._read_ahead(pending, reads, work.store)
+            group = self._next_group(work, reads, stop, counted, flush)
+            if group is None:  # the batch stopped (or the range was aborted) while a line waited
+                return
             try:
-                images = [image.result() for image in loading]
-                ready += [
-                    self._prepared(f"{batch.batch_id}|{line}", work.key, sub, k, len(subs), images)
-                    for k, sub in enumerate(subs)
-                ]
+                while group:
+                    if stop():  # a cancel lands between lines, not after a group's 2,048 inputs each
+                        return
+                    line, request, hold, decoding = group[0]
+                    ready = self._prepare_line(batch, work, line, request, decoding, counted)
+                    group.pop(0)
+                    del decoding  # the decoded images go with their futures
+                    if hold.cost >= TRIM_AFTER_BYTES:  # their pages back to the system before the bytes
+                        trim_heap()  # go back to the budget
+                    hold.release()
+                    if ready is not None:
+                        self._count_tensors(ready)
+                        prepared.append(ready)
+                    ready = None  # no local of this frame keeps a line's tensors (and budget) while it waits
+            finally:
+                for _, _, hold, decoding in group:  # a line raised: let its fellows' decodes end, free theirs
+                    for image in decoding:
+                        image.exception()
+                    hold.release()
+        if prepared:
+            self._queue_prepared(work, prepared, counted)
+
+    def _read_ahead(self, pending: deque, reads: deque, store) -> None:
+        """Start reading (and opening from their headers) the images of the next lines: at least one line, and
+        more while fewer than the decoding threads' count of images are read ahead."""
+        images = sum(len(futures) for _, _, futures in reads)
+        while pending and (not reads or images < self.image_policy.image_decode_threads):
+            line, request = pending.popleft()
+            futures = (
+                start_reading(request.images, store=store, policy=self.image_policy) if request.images else []
+            )
+            reads.append((line, request, futures))
+            images += len(futures)
+
+    def _next_group(self, work: HeldRange, reads: deque, stop, counted: list[int], flush) -> list | None:
+        """The lines read ahead whose images may decode now, each with its hold on the image budget and its
+        decoding futures: the first waits for its share, after `flush()` queued what is prepared (None if the
+        batch stops, or the range was aborted, meanwhile), the others join while their images are read and fit
+        beside it. A line whose images cannot be read, or cost more than the whole budget, is refused here."""
+        group: list = []
+        while reads:
+            line, request, futures = reads[0]
+            if group and not all(f.done() for f in futures):
+                break
+            try:
+                probed: list[Probed] = [f.result() for f in futures]
+                cost = check_line_cost(probed, self.image_budget.total)
             except LineError as err:
-                self._refuse(work, line, request.custom_id, err)
+                reads.popleft()
+                self._refuse_prepared(work, line, request.custom_id, err, counted)
+                continue
+            hold = self.image_budget.try_acquire(cost)
+            if hold is None and not group:
+                if not flush():
+                    return None
+                hold = self.image_budget.acquire(cost, stop)
+                if hold is None:
+                    return None
+            if hold is None:
+                break
+            reads.popleft()
+            group.append((line, request, hold, start_decoding(probed, self.image_policy) if probed else []))
+        return group
+
+    def _prepare_line(
+        self,
+        batch: QueuedBatch,
+        work: HeldRange,
+        line: int,
+        request: ParsedRequest,
+        decoding: list[Future],
+        counted: list[int],
+    ) -> list[Prepared] | None:
+        """One line's engine requests (its images decoded and processed); None if it was refused (its 400
+        settled)."""
+        subs = split_prompts(request)
+        try:
+            images = [image.result() for image in decoding]
+            ready = [
+                self._prepared(f"{batch.batch_id}|{line}", work.key, sub, k, len(subs), images)
+                for k, sub in enumerate(subs)
+            ]
+        except LineError as err:
+            self._refuse_prepared(work, line, request.custom_id, err, counted)
+            return None
         return ready
+
+    def _count_tensors(self, ready: list[Prepared]) -> None:
+        """What stays of a line's image memory, its pixel tensors, counted in the budget until the engine drops
+        them (the request ended). A method of its own: no local of a waiting frame may keep them alive."""
+        for p in ready:
+            if p.images is not None:
+                self.image_budget.add(p.images.nbytes).until_freed(p.images)
+
+    def _queue_prepared(self, work: HeldRange, lines: list[list[Prepared]], counted: list[int]) -> bool:
+        """Prepared lines' requests to the engine; False if their range was aborted meanwhile."""
+        with self._cond:
+            if work.key not in self._ranges:
+                return False
+            for ready in lines:
+                self._inbox.extend(ready)
+            self._preparing -= len(lines)
+            counted[0] -= len(lines)
+            self._cond.notify_all()
+        return True
+
+    def _refuse_prepared(
+        self, work: HeldRange, line: int, custom_id: str, err: LineError, counted: list[int]
+    ) -> None:
+        """_refuse for a line of a range the engine may already be settling (registered): under the lock."""
+        with self._cond:
+            if work.key in self._ranges:
+                self._refuse(work, line, custom_id, err)
+            self._preparing -= 1
+            counted[0] -= 1
 
     def _refuse(self, work: HeldRange, line: int, custom_id: str, err: LineError) -> None:
         refused = refused_line(custom_id, err.message, err.code, err.param)
         self._settle(work, line, PartEntry.of(line, False, refused))
-
-    def _start_images(self, request: ParsedRequest, store) -> list[Future]:
-        """The line's images, being read and decoded on the image pool (never on the engine thread). A text
-        model refuses them after validation's own checks, so a line validation refused gets that 400."""
-        if not request.images:
-            return []
-        if not getattr(self.engine, "accepts_images", False):
-            check_images(request.images, store=store, policy=self.image_policy)
-            check_model_takes_images(request.images, False, request.model)
-        return start_loading(request.images, store=store, policy=self.image_policy)
 
     def _prepared(
         self, request_id: str, key: tuple, request: ParsedRequest, part: int, count: int, images: list

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -38,6 +39,17 @@ class _Handler(BaseHTTPRequestHandler):
                 b"",
             ),
             "/to-same-host": (302, {"Location": "/cat.png", "Content-Length": "0"}, b""),
+            "/to-other-port": (
+                302,
+                {"Location": f"http://images.example:{port + 1}/cat.png", "Content-Length": "0"},
+                b"",
+            ),
+            "/to-https": (
+                302,
+                {"Location": f"https://images.example:{port}/cat.png", "Content-Length": "0"},
+                b"",
+            ),
+            "/to-ftp": (302, {"Location": "ftp://images.example/cat.png", "Content-Length": "0"}, b""),
             "/big": (200, {"Content-Length": str(len(PNG) + 5000)}, PNG + b"\0" * 5000),
             "/big-undeclared": (200, {}, PNG + b"\0" * 5000),
             "/missing": (404, {}, b""),
@@ -69,7 +81,8 @@ def server():
 
 
 class Routed(Network):
-    """`names` resolve as given; connections to PUBLIC go to the local server (see the module docstring)."""
+    """`names` resolve as given; connections to PUBLIC, on any port, go to the local server (see the module
+    docstring)."""
 
     def __init__(self, port: int, names: dict[str, list[str]]):
         self.port, self.names, self.dialled = port, names, []
@@ -197,3 +210,71 @@ def test_allowed_hosts_match_whole_names_and_wildcard_subdomains():
         "http://example.com/",
     ]
     assert [host_allowed(url, hosts) for url in allowed + refused] == [True] * 4 + [False] * 4
+
+
+def test_a_redirect_to_another_port_or_scheme_of_the_same_host_is_refused(server):
+    """The allow-list names hosts: another port of an allowed host (say an admin service beside the image
+    server) or another scheme must not be reachable by redirect. The test network routes every port of the
+    public address to the server, so only the check refuses these."""
+    port = server.server_address[1]
+    message = _refused(f"http://images.example:{port}/to-other-port", server)
+    assert f"redirected to another port ({port + 1}, from {port})" in message
+    message = _refused(f"http://images.example:{port}/to-https", server)
+    assert "redirected from http to https" in message
+    assert "redirected to a ftp: URL; only http(s) is fetched" in _refused(
+        "http://images.example/to-ftp", server
+    )
+    assert server.paths == ["/to-other-port", "/to-https", "/to-ftp"]  # no redirect's target was asked for
+
+
+class _Drip:
+    """A server on loopback that answers every request one byte per `every` seconds: its status line and
+    headers (`what="headers"`), or promptly its headers and then its body (`what="body"`)."""
+
+    def __init__(self, what: str, every: float = 0.5):
+        self.what, self.every, self.stop = what, every, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(65536)
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nX-Pad: " + b"x" * 200
+            body = PNG + b"\0" * 200
+            head += b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+            try:
+                if self.what == "body":
+                    conn.sendall(head)
+                for byte in head + body if self.what == "headers" else body:
+                    if self.stop.wait(self.every):
+                        return
+                    conn.sendall(bytes([byte]))
+            except OSError:  # the fetch hung up
+                return
+
+    def close(self):
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("what", ["headers", "body"])
+def test_a_server_dripping_its_headers_or_body_is_cut_at_the_time_limit(what):
+    """One byte every 0.5 s answers each socket read within any per-read timeout: the limit must hold over the
+    whole request (before the fix a 3 s fetch of such a server ran for minutes)."""
+    drip = _Drip(what)
+    try:
+        network = Routed(drip.port, {"images.example": [PUBLIC]})
+        policy = ImageSettings(image_url_hosts=("images.example",), image_fetch_timeout_s=1.5)
+        start = time.monotonic()
+        with pytest.raises(ImageError, match="time limit"):
+            load_images(
+                [ImageRef("http://images.example/cat.png", "auto", P)],
+                store=None,
+                policy=policy,
+                network=network,
+            )
+        assert time.monotonic() - start < 1.5 + 0.5
+    finally:
+        drip.close()

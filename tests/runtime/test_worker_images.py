@@ -5,12 +5,15 @@ the driver instead of leaving the worker holding it forever."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+import threading
 
 import numpy as np
 import pytest
 
+from bulkgen.batch.image_budget import ImageBudget
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import index_file
@@ -97,3 +100,40 @@ def test_a_line_whose_preparation_raises_hands_its_range_back(worker, tmp_path):
     assert outcome.error == "RuntimeError: the processor cannot take this image" and not outcome.storage_down
     assert worker.poll("", 0)["held"] == 0  # nothing left counted as being prepared
     assert list(parts.iter_parts(store, "batch_w")) == []  # the driver reruns it (halved, to find the line)
+
+
+def test_lines_decode_within_the_image_budget_and_give_it_back(worker, tmp_path):
+    """A budget of two images' cost: six one-image lines and a two-image line all run, never more than the
+    budget held, and every byte comes back once their requests ended and their tensors were freed."""
+    store = LocalStore(tmp_path)
+    url = png_url((400, 400), (1, 2, 3))
+    budget = worker.image_budget = ImageBudget(2 * 400 * 400 * 16 + 4096)
+    rows = [_image_row(f"r{i}", url) for i in range(6)]
+    rows.append(_image_row("two", url))
+    rows[-1]["body"]["messages"][0]["content"].insert(0, {"type": "image_url", "image_url": {"url": url}})
+    job, ranges = _stored(store, "batch_b", rows)
+    worker.assign(job, ranges)
+    assert [o.error for o in _drain(worker, len(ranges))] == [None] * len(ranges)
+    entries = {}
+    for key, _, _ in parts.iter_parts(store, "batch_b"):
+        entries.update({e["line"]: e for e in map(json.loads, store.iter_lines(key))})
+    assert sorted(entries) == list(range(1, 8)) and all(e["ok"] for e in entries.values())
+    gc.collect()
+    assert 0 < budget.peak <= budget.total and budget.used == 0
+
+
+def test_a_line_waiting_for_image_memory_stops_with_its_batch(worker, tmp_path):
+    store = LocalStore(tmp_path)
+    budget = worker.image_budget = ImageBudget(400 * 400 * 16 + 4096)
+    elsewhere = budget.acquire(budget.total)  # what other lines hold, never given back in this test
+    job, ranges = _stored(store, "batch_c", [_image_row("waits", png_url((400, 400)))])
+    assigning = threading.Thread(target=worker.assign, args=(job, ranges))
+    assigning.start()
+    assigning.join(1.0)
+    assert assigning.is_alive()  # waiting for image memory
+    worker.abort_batch("batch_c", None)
+    assigning.join(5)
+    assert not assigning.is_alive() and worker.poll("", 0)["held"] == 0
+    assert budget.used == budget.total
+    elsewhere.release()
+    worker.forget("batch_c")

@@ -23,7 +23,7 @@ SHARED_FLAGS = {
     "--model-load-deadline", "--model-load-seconds-per-gb",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
     "--quantize", "--kv-cache-dtype", "--tensor-parallel", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
-    "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads",
+    "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads", "--image-memory-mb",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
 NO_FLAG = {
