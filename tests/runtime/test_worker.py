@@ -143,14 +143,14 @@ def test_a_batch_cancelled_and_ended_while_its_range_is_prepared_never_reaches_t
     rows = [completion_row(f"r{i}", f"{HOLD} long", max_tokens=64) for i in range(4)]
     job, specs = _stored_batch(store, "batch_p", rows)
     entered, release = threading.Event(), threading.Event()
-    prepare = worker._prepare_lines
+    parse = worker._parse_lines  # the lines are read and tokenized before their range is held
 
-    def slow_prepare(batch, work, lines):
+    def slow_parse(*args):
         entered.set()
         release.wait(30)
-        return prepare(batch, work, lines)
+        return parse(*args)
 
-    worker._prepare_lines = slow_prepare
+    worker._parse_lines = slow_parse
     assigning = threading.Thread(target=worker.assign, args=(job, specs[:1]))
     assigning.start()
     assert entered.wait(30)
