@@ -117,7 +117,9 @@ def test_the_device_script_runs_each_phase_with_python3_alone(tmp_path):
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
+    python3 = bin_dir / "python3"  # a script, not a link: a link to a venv's python leaves the venv
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python3.chmod(0o755)
     for tool in ("bash", "timeout", "tee", "ls", "mkdir", "env"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PATH")}
