@@ -172,7 +172,8 @@ class FollowerWatch:
             self.failure = f"tensor-parallel rank {call.rank} ({call.name}) failed: {cause}"
             log.error("%s", self.failure)
             return
-        log.warning("tensor-parallel rank %d (%s) left a model rank 0 had not closed", call.rank, call.name)
+        # returned: rank 0 posted the model's end (close) and its wait has not dropped the call yet
+        log.debug("tensor-parallel rank %d (%s) left its model", call.rank, call.name)
 
 
 def _exit_group(message: str) -> None:

@@ -138,3 +138,18 @@ def test_a_follower_killed_while_its_group_idles_fails_the_group_and_the_next_ba
     assert batch.status == "completed" and batch.request_counts.failed == 0
     _assert_exactly_once(client, batch, rows)
     assert _rank0_pid(service) != pid
+
+
+def test_a_follower_killed_while_its_group_steps_fails_the_group_within_seconds(service, tmp_path):
+    """Killed while rank 0 steps a batch (no gate: every step's collectives run): the group fails within
+    seconds, not after the collective timeout, and the batch completes with every custom_id once."""
+    client = service.client()
+    rows = _rows("step-", 160, 24)
+    batch = _create(client, tmp_path / "s.jsonl", rows)
+    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 16, timeout=300)
+    pid, took = _kill_follower()
+    assert took < FAILS_WITHIN_S
+    batch = wait_for(client, batch.id, lambda b: b.status in {"completed", "failed"}, timeout=400)
+    assert batch.status == "completed" and batch.request_counts.failed == 0
+    _assert_exactly_once(client, batch, rows)
+    assert wait_until(lambda: _rank0_pid(service), 120, "the new group's ranks") != pid
