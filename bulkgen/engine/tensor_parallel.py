@@ -8,7 +8,9 @@ publishes the step plan as one packed int64 tensor (plan_codec.py: per scheduled
 tokens and new block-table entries) and the followers rebuild light stand-ins of those sequences for
 their own ModelRunner, so its packing, block-table and logits-row logic exists once. A follower waits
 for the next plan in short polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
-ends it.
+ends it. Rank 0 waits for its followers in short polls too (their arrival at the rendezvous, their load's
+report), and between two it looks at the followers it started: one that ended fails the group (RankLost,
+naming it) instead of leaving rank 0 in the rendezvous's START_TIMEOUT_S.
 
 How the followers start is the caller's launcher: ProcessLauncher (the default) starts them as processes
 of this machine; a Ray worker's placed group (runtime/groups.py) has follower actors that join the

@@ -10,7 +10,9 @@ prove correctness, they are no serving setup) the group's bundles share the CPUs
 fractions, so a group is placed beside other workers on a small machine.
 
 The group lives and dies as one: PlacedGroup.remove kills rank 0 and removes the placement group, which
-ends the followers with it, and the pool replaces a lost group by placing a new one.
+ends the followers with it, and the pool replaces a lost group by placing a new one. Rank 0 watches its
+followers while a model is live (FollowerWatch): a follower that dies ends rank 0 within a second, in the
+load as in the steps, so the group is lost as one worker instead of waiting on a dead rank.
 """
 
 from __future__ import annotations
