@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,7 +153,12 @@ class FollowerWatch:
                 self._added.wait()
                 self._added.clear()
                 continue
-            ready, _ = ray.wait(refs, num_returns=1, timeout=WATCH_PERIOD_S)  # new calls join each period
+            try:
+                ready, _ = ray.wait(refs, num_returns=1, timeout=WATCH_PERIOD_S)  # new calls join each period
+            except Exception as exc:  # Ray shutting down in this process: nothing to watch for
+                log.warning("tensor-parallel follower watch: %s: %s", type(exc).__name__, exc)
+                time.sleep(WATCH_PERIOD_S)
+                continue
             for ref in ready:
                 with self._lock:
                     call = self._calls.pop(ref, None)

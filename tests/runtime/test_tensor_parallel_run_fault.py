@@ -10,16 +10,46 @@ import os
 import threading
 import time
 
+import pytest
 import ray
 from click.testing import CliRunner
+from ray.util.placement_group import get_placement_group, remove_placement_group
 
 from bulkgen.cli import cli
 from bulkgen.runtime.pool import NAMESPACE
 from tests.runtime.test_faults import _rows
 from tests.support.held_rank import RankGate
 from tests.support.service import MODEL, random_model, write_jsonl
+from tests.support.wait import wait_until
 
 GROUP = "bulkgen-worker-0-tp2"
+
+
+@pytest.fixture
+def group_removed():
+    """`bulkgen run` leaves its workers to the Ray it ran on (a service may share them), and in this process
+    that is the suite's Ray: its group is removed after the test, and its names freed, or the next pool of
+    that name would join it, or fail to name its own follower."""
+    yield
+    names = [GROUP, f"{GROUP}-rank1"]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, NAMESPACE))
+        except ValueError:  # none
+            pass
+    try:
+        remove_placement_group(get_placement_group(GROUP))
+    except ValueError:
+        pass
+    wait_until(lambda: not any(_named(name) for name in names), 60, "the run's group to be gone")
+
+
+def _named(name: str) -> bool:
+    try:
+        ray.get_actor(name, NAMESPACE)
+        return True
+    except ValueError:
+        return False
 
 
 def _kill_held_follower(gate: RankGate, took: list[float]) -> None:
@@ -42,7 +72,7 @@ def _kill_held_follower(gate: RankGate, took: list[float]) -> None:
         time.sleep(0.05)
 
 
-def test_run_with_a_follower_killed_while_its_group_loads_writes_every_line_once(tmp_path):
+def test_run_with_a_follower_killed_while_its_group_loads_writes_every_line_once(tmp_path, group_removed):
     gate = RankGate(os.environ["BULKGEN_TEST_GATE"])
     gate.close("load")
     rows = _rows("run-", 120, 8)
