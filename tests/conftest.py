@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
 # except for requests marked HOLD while a test keeps the gate closed. Set at import, before anything starts
 # Ray or a subprocess, so every worker process inherits both variables.
 os.environ["BULKGEN_TEST_ENGINE"] = "tests.support.held_engine:HeldEngine"
+# and every tensor-parallel follower the held rank (tests/support/held_rank.py), whose load a test can hold
+os.environ["BULKGEN_TEST_RANK_ACTOR"] = "tests.support.held_rank:HeldRankActor"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
 )  # to import it

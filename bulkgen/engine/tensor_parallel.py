@@ -8,7 +8,9 @@ publishes the step plan as one packed int64 tensor (plan_codec.py: per scheduled
 tokens and new block-table entries) and the followers rebuild light stand-ins of those sequences for
 their own ModelRunner, so its packing, block-table and logits-row logic exists once. A follower waits
 for the next plan in short polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
-ends it.
+ends it. Rank 0 waits for its followers in short polls too (their arrival at the rendezvous, their load's
+report), and between two it looks at the followers it started: one that ended fails the group (RankLost,
+naming it) instead of leaving rank 0 in the rendezvous's START_TIMEOUT_S.
 
 How the followers start is the caller's launcher: ProcessLauncher (the default) starts them as processes
 of this machine; a Ray worker's placed group (runtime/groups.py) has follower actors that join the
@@ -28,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +49,7 @@ from .replay_watchdog import ReplayWatchdog
 
 DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0  # for every rank to join the group
+POLL_S = 1.0  # a store wait's slice: between two, rank 0 looks at the followers it started
 _STOP = b"stop"
 
 
@@ -57,32 +61,67 @@ class RankLost(RuntimeError):
 class RankGroup:
     """This process's membership of a tensor-parallel group: its collectives and the plan channel."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout_s: float):
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world: int,
+        device: torch.device,
+        timeout_s: float,
+        followers: list | None = None,
+    ):
         self.store, self.rank, self.world, self.device = store, rank, world, device
+        self.processes: list = list(followers or [])  # the followers this rank started (Launcher.start)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its current device
         # a process group of its own, not torch.distributed's default one: a process may hold several
         # joining waits for every rank's start; each collective waits at most `timeout_s`
         self.timeout = timedelta(seconds=timeout_s)
         start = max(timeout_s, START_TIMEOUT_S)
+        self._arrive(
+            start
+        )  # every rank is here, or a follower that ended is named, before the blocking start
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
         self.overlapped = 0  # steps that read the previous step's tokens by broadcast (overlapped steps)
         self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
         self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
-        self.processes: list = []  # the followers this rank started (Launcher.start), joined at close
         self.loras = None  # this rank's lora_slots.LoraSlots, which registers itself (lora_tp.py)
         self.vlm = None  # a vision-language model's whole module (vision_shards.py): encoder on rank 0 only
         self.states = None  # a hybrid model's state_slots.StatePool: rank 0 sends each sequence's slot
 
     @classmethod
     def join(
-        cls, host: str, port: int, rank: int, world: int, device: str, timeout_s: float, store=None
+        cls,
+        host: str,
+        port: int,
+        rank: int,
+        world: int,
+        device: str,
+        timeout_s: float,
+        store=None,
+        followers: list | None = None,
     ) -> RankGroup:
         """Rank 0 hosts the store on `host:port` (or passes the one it opened: `store`); the others connect
-        to it. Joining waits for every rank (the process group's rendezvous)."""
+        to it. Joining waits for every rank (the process group's rendezvous); rank 0 watches `followers`
+        (the ranks it started) meanwhile, and one that ended fails the join (RankLost, naming it)."""
         store = store or cls.open_store(host, port, rank, world, timeout_s)
-        return cls(store, rank, world, torch.device(device), timeout_s)
+        return cls(store, rank, world, torch.device(device), timeout_s, followers)
+
+    def _arrive(self, start_s: float) -> None:
+        """Say this rank is here; rank 0 then waits for every follower to say so, in short polls between
+        which it looks at the followers it started: one that ended before joining fails the group at once,
+        instead of leaving rank 0 in the process group's rendezvous for `start_s` (it cannot be cut)."""
+        self.store.set(f"arrived/{self.rank}", b"1")
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + start_s
+        for rank in range(1, self.world):
+            while not self._poll(f"arrived/{rank}"):
+                if time.monotonic() > deadline:
+                    raise RankLost(
+                        f"tensor-parallel rank {rank} did not join the group within {start_s:.0f} s"
+                    )
 
     @staticmethod
     def open_store(host: str, port: int, rank: int, world: int, timeout_s: float) -> dist.TCPStore:
@@ -216,13 +255,31 @@ class RankGroup:
             self.store.delete_key(f"read/{step}")
 
     def _wait(self, key: str) -> bytes:
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=1))
-                return self.store.get(key)
-            except dist.DistStoreError as exc:  # a poll that timed out; a lost store raises otherwise
-                if "timeout" not in str(exc).lower():
-                    raise
+        while not self._poll(key):
+            pass
+        return self.store.get(key)
+
+    def _poll(self, key: str) -> bool:
+        """Whether `key` is in the store, after up to a second's wait; RankLost when a follower this rank
+        started has ended meanwhile (its key may never come)."""
+        try:
+            self.store.wait([key], timedelta(seconds=POLL_S))
+            return True
+        except dist.DistStoreError as exc:  # a poll that timed out; a lost store raises otherwise
+            if "timeout" not in str(exc).lower():
+                raise
+        for rank, follower in enumerate(self.processes, 1):
+            if (why := _ended(follower)) is not None:
+                raise RankLost(f"tensor-parallel rank {rank} {why}")
+        return False
+
+
+def _ended(follower) -> str | None:
+    """How a follower this rank started ended (a process's exit code), or None while it runs; a follower
+    that cannot tell (a Ray actor's call: runtime/groups.py watches those itself) runs."""
+    poll = getattr(follower, "poll", None)
+    code = poll() if callable(poll) else None
+    return None if code is None else f"exited with code {code}"
 
 
 def _keyed(replays: Counter) -> dict[str, int]:
@@ -381,9 +438,8 @@ def launch(
     group = None
     try:
         group = RankGroup.join(
-            "127.0.0.1", store.port, 0, world, launcher.device(device, 0), timeout_s, store
+            "127.0.0.1", store.port, 0, world, launcher.device(device, 0), timeout_s, store, followers
         )
-        group.processes = followers
         return load_shard(path, group, dtype, quantize)
     except BaseException:
         if group is not None:

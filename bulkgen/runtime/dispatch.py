@@ -313,7 +313,8 @@ class Dispatcher:
                         f"model {model!r} could not be loaded: {exc.cause if hasattr(exc, 'cause') else exc}"
                     )
                 return False
-            self.queue.put_back(ranges)
+            reason = f"the worker loading this request's model died {MAX_ATTEMPTS} times"
+            self._give_up(self.queue.put_back(ranges), reason)  # never dropped: each line ends once
             raise
 
     def _until_loaded(self, index: int, handle, load) -> None:

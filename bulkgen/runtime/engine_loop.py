@@ -14,6 +14,7 @@ from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, spli
 from bulkgen.runtime.parts import PartEntry
 
 log = logging.getLogger("bulkgen.runtime.worker")
+NAME_RANK_WITHIN_S = 2.0  # a lost group's rank 0 waits this long for its follower watch to name a dead rank
 
 
 class EngineLoop:
@@ -47,6 +48,8 @@ class EngineLoop:
                 try:
                     task.set_result(fn())
                 except BaseException as exc:  # the caller (load) raises it
+                    if self._group_lost(exc):  # a rank died while the group loaded: no model error
+                        self._die(exc)
                     task.set_exception(exc)
             if self.engine is None:
                 continue
@@ -68,8 +71,22 @@ class EngineLoop:
         """A rank of this worker's tensor-parallel group died or hung: the whole group is one lost worker.
         The actor exits, so the dispatcher puts its ranges back and the pool removes the group (its other
         ranks' actors and placement group: runtime/groups.py) and places a new one."""
-        log.error("worker %d: %s; exiting so the group is replaced", self.index, exc)
+        died = getattr(self.launcher, "died", None)  # which follower, when it is one that died
+        named = died(NAME_RANK_WITHIN_S) if died is not None else None
+        log.error(
+            "worker %d: %s%s; exiting so the group is replaced",
+            self.index,
+            exc,
+            f" ({named})" if named else "",
+        )
         os._exit(1)
+
+    def _group_lost(self, exc: BaseException) -> bool:
+        """A tensor-parallel load failed because the group lost a rank (tensor_parallel.RankLost: a peer's
+        connection closed or its collective timed out), not because a follower's own load raised (its
+        watch, runtime/groups.py, saw that first: the model cannot load, and the batch fails as before)."""
+        failure = getattr(self.launcher, "failure", None)
+        return type(exc).__name__ == "RankLost" and not (failure is not None and failure())
 
     def _has_work(self) -> bool:
         return self.engine is not None and bool(

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -20,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.tensor_parallel import RankLost
+from bulkgen.engine.tensor_parallel import ProcessLauncher, RankLost, launch
 from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12
@@ -107,3 +110,24 @@ def test_a_lost_rank_fails_the_step_within_the_timeout(tmp_path, prompts, one_th
     finally:
         follower.kill()
         follower.wait()
+
+
+class _DiesBeforeJoining(ProcessLauncher):
+    """Followers that never reach the rendezvous: killed while rank 0 waits for them (a rank whose start
+    crashed, or that was killed while it loaded its imports)."""
+
+    def start(self, specs: list[dict]) -> list[subprocess.Popen]:
+        followers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in specs]
+        threading.Timer(1.0, lambda: [f.kill() for f in followers]).start()
+        return followers
+
+
+def test_a_follower_that_dies_before_joining_fails_the_load_within_seconds(tmp_path, one_thread):
+    """Rank 0 waited in the process group's rendezvous for START_TIMEOUT_S (600 s) for a rank that was
+    already dead; it now looks at the followers it started between short polls and names the one that
+    ended."""
+    path = build_tiny_model(tmp_path / "llama", "llama", seed=5)
+    start = time.monotonic()
+    with pytest.raises(RankLost, match=r"tensor-parallel rank 1 exited with code -9"):
+        launch(path, 2, "cpu", torch.float32, timeout_s=30, launcher=_DiesBeforeJoining())
+    assert time.monotonic() - start < 15

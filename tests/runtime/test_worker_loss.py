@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import ray
 
 from bulkgen.runtime import dispatch
 from bulkgen.runtime.dispatch import Dispatcher
@@ -120,3 +121,28 @@ def test_a_stopped_dispatcher_gives_up_replacing():
     d.stop()
     d._lost(0, TimeoutError("poll unanswered"))
     assert pool.attempts == 0
+
+
+def test_ranges_of_a_worker_that_keeps_dying_while_it_loads_are_given_up_not_dropped(monkeypatch):
+    """A tensor-parallel group whose follower dies in every load (rank 0 exits: groups.FollowerWatch): each
+    load's ranges go back one attempt older, are halved, and a lone request is given up on after
+    MAX_ATTEMPTS with a reason; before, the ranges given up on by that put_back were dropped, and their
+    lines never ended."""
+    pool, runner = _Pool(failures=0), _Runner("b1")
+    d, queue = _dispatcher(pool, runner)
+
+    def dies(*_args, **_kwargs):
+        raise ray.exceptions.ActorDiedError()
+
+    monkeypatch.setattr(dispatch.ray, "get", dies)
+    taken = _ranges(queue, "b1")
+    for _ in range(1000):
+        if not taken:
+            break
+        with pytest.raises(ray.exceptions.RayActorError):
+            d._load(0, pool.workers[0], taken)
+        taken = queue.take(0, 32, "tiny@/models/tiny", idle=True)
+    assert queue.pending_requests() == 0
+    assert sorted(line for r in runner.given_up for line in range(r.bounds.lo, r.bounds.hi)) == list(
+        range(64)
+    )
