@@ -17,14 +17,23 @@ about `want` requests, chosen so that:
   gets a share and none is left with a long queue while the others idle.
 A range that was in flight on a worker that died comes back with one more attempt; after a second
 failure it is halved, so a request that kills its worker is isolated and, alone, given up on.
+
+Every call costs O(log n) in the ranges queued (plus O(batches) to choose a batch), never O(n): the
+queue keeps running counts of pending requests (per rank class, per batch) and of backlogged tenants,
+and each batch keeps its ranges as a short sorted front (the affinity look-ahead) over a heap. The
+prefix-affinity map keeps the most recently served AFFINITY_ENTRIES prefixes.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,6 +44,7 @@ from bulkgen.runtime.ranges import RangeBounds
 
 MAX_ATTEMPTS = 3
 AFFINITY_LOOKAHEAD = 16
+AFFINITY_ENTRIES = 1 << 16  # prefixes whose last worker is remembered (least recently served go first)
 
 
 @dataclass
@@ -113,15 +123,50 @@ def true_runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
+class _Ordered:
+    """A batch's pending ranges, longest work per request first (then by first line): the first
+    AFFINITY_LOOKAHEAD in a sorted list (what `_affine` looks through), the rest in a heap whose top
+    refills it. Adding or removing a range is O(log n); `requests` is their running total."""
+
+    def __init__(self) -> None:
+        self.front: list[tuple[tuple[float, int, int], QueuedRange]] = []  # sorted; <= every item in rest
+        self.rest: list[tuple[tuple[float, int, int], QueuedRange]] = []  # a heap; empty unless front is full
+        self.requests = 0
+        self._seq = itertools.count()  # keys are unique, so ranges themselves are never compared
+
+    def __len__(self) -> int:
+        return len(self.front) + len(self.rest)
+
+    def add(self, r: QueuedRange) -> None:
+        item = ((-r.work / r.size, r.bounds.lo, next(self._seq)), r)
+        self.requests += r.size
+        if len(self.front) < AFFINITY_LOOKAHEAD or item[0] < self.front[-1][0]:
+            bisect.insort(self.front, item)
+            if len(self.front) > AFFINITY_LOOKAHEAD:
+                heapq.heappush(self.rest, self.front.pop())
+        else:
+            heapq.heappush(self.rest, item)
+
+    def window(self) -> list[QueuedRange]:
+        return [r for _, r in self.front]
+
+    def first(self) -> QueuedRange:
+        return self.front[0][1]
+
+    def pop(self, i: int) -> QueuedRange:
+        _, r = self.front.pop(i)
+        if self.rest:  # the heap's top is >= every item left in front: appending keeps it sorted
+            self.front.append(heapq.heappop(self.rest))
+        self.requests -= r.size
+        return r
+
+
 @dataclass
 class _Pending:
     batch: QueuedBatch
     index: LineIndex
     last_served: float  # on the queue's clock
-    ranges: list[QueuedRange] = field(default_factory=list)  # longest work per request first
-
-    def sort(self) -> None:
-        self.ranges.sort(key=lambda r: (-r.work / r.size, r.bounds.lo))
+    ranges: _Ordered = field(default_factory=_Ordered)
 
 
 class WorkQueue:
@@ -139,7 +184,10 @@ class WorkQueue:
         self.fair_share_after_s = fair_share_after_s
         self.fair = FairShare(weights)  # tenant -> weight; missing tenants weigh 1
         self._batches: dict[str, _Pending] = {}
-        self._affinity: dict[int, int] = {}  # prefix key -> worker that served it last
+        self._affinity: OrderedDict[int, int] = OrderedDict()  # prefix key -> worker that served it last
+        self._requests: dict[int, int] = {}  # rank count -> pending requests of its batches
+        self._backlog: dict[str, int] = {}  # tenant -> its batches with pending ranges (none: absent)
+        self._waiting = 0  # batches with pending ranges
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
 
@@ -156,22 +204,23 @@ class WorkQueue:
         with self._lock:
             self._join(batch.tenant)
             pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index, self.clock()))
-            pending.ranges.extend(ranges)
-            pending.sort()
+            self._add(pending, ranges)
             self._queued()
 
     def remove_batch(self, batch_id: str) -> None:
         """Drop the batch's pending ranges (cancelled, expired, lease lost, or done)."""
         with self._lock:
-            self._batches.pop(batch_id, None)
+            pending = self._batches.pop(batch_id, None)
+            if pending is not None:
+                self._count(pending, -pending.ranges.requests, had=bool(pending.ranges), has=False)
 
     def pending_requests(self) -> int:
         with self._lock:
-            return sum(r.size for p in self._batches.values() for r in p.ranges)
+            return sum(self._requests.values())
 
     def batches_waiting(self) -> int:
         with self._lock:
-            return sum(1 for p in self._batches.values() if p.ranges)
+            return self._waiting
 
     def take(
         self,
@@ -193,13 +242,14 @@ class WorkQueue:
                 return []
             pending.last_served = self.clock()
             share = self._tail_share(ranks)
-            tail = share < pending.ranges[0].size  # split ranges only where they would cause stragglers
+            tail = share < pending.ranges.first().size  # split ranges only where they would cause stragglers
             want = min(want, share)
             taken: list[QueuedRange] = []
             count = 0
             while pending.ranges and count < want:
                 taken.append(self._pop(pending, worker, want - count if tail else None))
                 count += taken[-1].size
+            self._count(pending, -count, had=True, has=bool(pending.ranges))
             self.fair.charge(pending.batch.tenant, sum(r.work for r in taken))
             return taken
 
@@ -229,14 +279,16 @@ class WorkQueue:
                     given_up.append(r)
                 elif attempts >= 2 and r.size > 1:  # suspect a poison request: halve to isolate it
                     mid = (r.bounds.lo + r.bounds.hi) // 2
-                    pending.ranges += [
-                        cut_range(r.batch, pending.index, r.bounds.lo, mid, attempts),
-                        cut_range(r.batch, pending.index, mid, r.bounds.hi, attempts),
-                    ]
+                    self._add(
+                        pending,
+                        [
+                            cut_range(r.batch, pending.index, r.bounds.lo, mid, attempts),
+                            cut_range(r.batch, pending.index, mid, r.bounds.hi, attempts),
+                        ],
+                    )
                 else:
                     lo, hi = r.bounds.lo, r.bounds.hi
-                    pending.ranges.append(cut_range(r.batch, pending.index, lo, hi, attempts))
-                pending.sort()
+                    self._add(pending, [cut_range(r.batch, pending.index, lo, hi, attempts)])
             self._queued()
         return given_up
 
@@ -266,31 +318,54 @@ class WorkQueue:
 
     def _join(self, tenant: str) -> None:
         """Before `tenant`'s work is queued: if it had none queued, it joins the fair share anew."""
-        backlogged = {p.batch.tenant for p in self._batches.values() if p.ranges}
-        if tenant not in backlogged:
-            self.fair.join(tenant, backlogged)
+        if tenant not in self._backlog:
+            self.fair.join(tenant, self._backlog.keys())
+
+    def _add(self, pending: _Pending, ranges: Iterable[QueuedRange]) -> None:
+        had, before = bool(pending.ranges), pending.ranges.requests
+        for r in ranges:
+            pending.ranges.add(r)
+        self._count(pending, pending.ranges.requests - before, had=had, has=bool(pending.ranges))
+
+    def _count(self, pending: _Pending, requests: int, had: bool, has: bool) -> None:
+        """Keep the running counts: `requests` more pending in the batch's class; the batch went from
+        having ranges (`had`) to `has`."""
+        ranks, tenant = pending.batch.ranks, pending.batch.tenant
+        self._requests[ranks] = self._requests.get(ranks, 0) + requests
+        if had != has:
+            step = 1 if has else -1
+            self._waiting += step
+            left = self._backlog.get(tenant, 0) + step
+            if left:
+                self._backlog[tenant] = left
+            else:
+                self._backlog.pop(tenant, None)
 
     def _tail_share(self, ranks: int) -> int:
         """Requests one worker of `ranks` ranks should take now: all it wants, except at the tail, where
         its class's work is split among its class's workers."""
-        pending = sum(r.size for p in self._batches.values() if p.batch.ranks == ranks for r in p.ranges)
+        pending = self._requests.get(ranks, 0)
         return max(1, math.ceil(pending / max(1, self._num_workers(ranks))))
 
     def _pop(self, pending: _Pending, worker: int, limit: int | None) -> QueuedRange:
-        choice = self._affine(pending, worker)
-        r = pending.ranges.pop(choice)
+        """The next range for `worker`, at most `limit` requests of it (the rest stays queued). The
+        caller keeps the running counts (`_count`) for what it took."""
+        r = pending.ranges.pop(self._affine(pending, worker))
         if limit is not None and r.size > limit:  # keep the remainder queued
             lo, hi = r.bounds.lo, r.bounds.hi
-            pending.ranges.insert(choice, cut_range(r.batch, pending.index, lo + limit, hi, r.attempts))
+            pending.ranges.add(cut_range(r.batch, pending.index, lo + limit, hi, r.attempts))
             r = cut_range(r.batch, pending.index, lo, lo + limit, r.attempts)
         if r.prefix:
             self._affinity[r.prefix] = worker
+            self._affinity.move_to_end(r.prefix)
+            if len(self._affinity) > AFFINITY_ENTRIES:
+                self._affinity.popitem(last=False)
         return r
 
     def _affine(self, pending: _Pending, worker: int) -> int:
         """Among the next few longest ranges: one whose prefix this worker holds, else one no other
         worker holds, else the longest."""
-        window = pending.ranges[:AFFINITY_LOOKAHEAD]
+        window = pending.ranges.window()
         for i, r in enumerate(window):
             if r.prefix and self._affinity.get(r.prefix) == worker:
                 return i
