@@ -94,6 +94,11 @@ class QueuedRange:
         return self.bounds.key
 
 
+def _order_entry(pending: _Pending) -> tuple[tuple[int, float, str], int, str]:
+    b = pending.batch
+    return (b.priority, b.order_key, b.batch_id), pending.live, b.batch_id
+
+
 def cut_range(batch: QueuedBatch, index: LineIndex, lo: int, hi: int, attempts: int = 0) -> QueuedRange:
     bounds = RangeBounds(
         batch.batch_id,
@@ -167,6 +172,26 @@ class _Pending:
     index: LineIndex
     last_served: float  # on the queue's clock
     ranges: _Ordered = field(default_factory=_Ordered)
+    seq: int = 0  # when it was queued: ties in last_served go to the first queued
+    live: int = 0  # bumped each time it gets ranges again: older entries of it in _Choice heaps are stale
+
+    def levels(self) -> tuple[tuple, tuple]:
+        """The _Choice levels it is chosen in: its rank class, and its rank class and model."""
+        return ("ranks", self.batch.ranks), ("model", self.batch.ranks, self.batch.model_key)
+
+
+class _Choice:
+    """The batches with ranges of one level (a rank class, or a rank class and model), kept so a take
+    chooses among them in O(log n): the one least recently served (a heap; the starving rule), and
+    per tenant the first by (priority, order) (a heap each); `tenants` counts each tenant's batches.
+    Entries go stale (the batch was served, emptied or removed) and are dropped when they reach a top,
+    or all at once when stale ones outnumber the live."""
+
+    def __init__(self) -> None:
+        self.served: list[tuple[float, int, int, str]] = []  # (last_served, seq, live, batch id)
+        self.order: dict[str, list[tuple[tuple[int, float, str], int, str]]] = {}  # tenant -> heap
+        self.tenants: dict[str, int] = {}  # tenant -> its batches with ranges at this level
+        self.batches = 0
 
 
 class WorkQueue:
@@ -188,6 +213,8 @@ class WorkQueue:
         self._requests: dict[int, int] = {}  # rank count -> pending requests of its batches
         self._backlog: dict[str, int] = {}  # tenant -> its batches with pending ranges (none: absent)
         self._waiting = 0  # batches with pending ranges
+        self._choices: dict[tuple, _Choice] = {}  # level -> its batches with ranges (_Pending.levels)
+        self._seq = itertools.count(1)  # batch seq and live numbers: never reused
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
 
@@ -203,7 +230,11 @@ class WorkQueue:
     def add_batch(self, batch: QueuedBatch, index: LineIndex, ranges: list[QueuedRange]) -> None:
         with self._lock:
             self._join(batch.tenant)
-            pending = self._batches.setdefault(batch.batch_id, _Pending(batch, index, self.clock()))
+            pending = self._batches.get(batch.batch_id)
+            if pending is None:
+                pending = self._batches[batch.batch_id] = _Pending(
+                    batch, index, self.clock(), seq=next(self._seq)
+                )
             self._add(pending, ranges)
             self._queued()
 
@@ -241,6 +272,7 @@ class WorkQueue:
             if pending is None:
                 return []
             pending.last_served = self.clock()
+            self._push_served(pending)
             share = self._tail_share(ranks)
             tail = share < pending.ranges.first().size  # split ranges only where they would cause stragglers
             want = min(want, share)
@@ -296,25 +328,111 @@ class WorkQueue:
     def _next_batch(
         self, model: str | None, idle: bool, exclude: set[str] | frozenset[str], ranks: int
     ) -> _Pending | None:
-        candidates = [
-            p
-            for p in self._batches.values()
-            if p.ranges
-            and p.batch.ranks == ranks
-            and (idle or p.batch.model_key == model)
-            and p.batch.batch_id not in exclude
-        ]
-        if not candidates:
+        """Among the batches with ranges of the worker's rank class (of its model unless it is idle), not
+        in `exclude`: the one that waited longest if it waited fair_share_after_s, else the worker's own
+        model's where there is a choice (no reload), the tenant of least share, its first batch by
+        priority and order. O(log n) per call (plus the tenants of the level, and `exclude`)."""
+        level = ("ranks", ranks) if idle else ("model", ranks, model)
+        longest = self._first_served(level, exclude)
+        if longest is None:
             return None
-        now = self.clock()
-        starving = [p for p in candidates if now - p.last_served >= self.fair_share_after_s]
-        if starving:  # the one that waited longest, whatever its share, priority and order say
-            return min(starving, key=lambda p: p.last_served)
-        same_model = [p for p in candidates if p.batch.model_key == model]  # no reload when there is a choice
-        candidates = same_model or candidates
-        tenant = self.fair.pick({p.batch.tenant for p in candidates})
-        mine = [p for p in candidates if p.batch.tenant == tenant]
-        return min(mine, key=lambda p: (p.batch.priority, p.batch.order_key, p.batch.batch_id))
+        if self.clock() - longest.last_served >= self.fair_share_after_s:
+            return longest  # the one that waited longest, whatever its share, priority and order say
+        own = self._first_by_share(("model", ranks, model), exclude) if model is not None else None
+        return own or self._first_by_share(level, exclude)
+
+    def _valid(self, batch_id: str, live: int) -> _Pending | None:
+        pending = self._batches.get(batch_id)
+        return pending if pending is not None and pending.live == live and pending.ranges else None
+
+    def _first_served(self, level: tuple, exclude: set[str] | frozenset[str]) -> _Pending | None:
+        """The level's batch served least recently, not in `exclude`."""
+        choice = self._choices.get(level)
+        if choice is None:
+            return None
+        heap, skipped, found = choice.served, [], None
+        while heap:
+            last_served, _, live, batch_id = heap[0]
+            pending = self._valid(batch_id, live)
+            if pending is None or pending.last_served != last_served:
+                heapq.heappop(heap)  # stale
+            elif batch_id in exclude:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = pending
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _first_by_share(self, level: tuple, exclude: set[str] | frozenset[str]) -> _Pending | None:
+        """The level's tenant of least share (among those with a batch not in `exclude`), its first
+        batch by priority and order."""
+        choice = self._choices.get(level)
+        if choice is None:
+            return None
+        tenants = set(choice.tenants)
+        while tenants:
+            tenant = self.fair.pick(tenants)
+            heap, skipped, found = choice.order.get(tenant, []), [], None
+            while heap:
+                _, live, batch_id = heap[0]
+                pending = self._valid(batch_id, live)
+                if pending is None:
+                    heapq.heappop(heap)
+                elif batch_id in exclude:
+                    skipped.append(heapq.heappop(heap))
+                else:
+                    found = pending
+                    break
+            for entry in skipped:
+                heapq.heappush(heap, entry)
+            if found is not None:
+                return found
+            tenants.discard(tenant)
+        return None
+
+    def _push_served(self, pending: _Pending) -> None:
+        if not pending.ranges:
+            return
+        entry = (pending.last_served, pending.seq, pending.live, pending.batch.batch_id)
+        for level in pending.levels():
+            choice = self._choices[level]
+            heapq.heappush(choice.served, entry)
+            if len(choice.served) > 2 * choice.batches + 32:
+                self._rebuild(level, choice)
+
+    def _rebuild(self, level: tuple, choice: _Choice) -> None:
+        """Drop every stale entry of the level (amortized: it runs once its heaps are twice what is live)."""
+        live = [p for p in self._batches.values() if p.ranges and level in p.levels()]
+        choice.served = [(p.last_served, p.seq, p.live, p.batch.batch_id) for p in live]
+        heapq.heapify(choice.served)
+        choice.order = {}
+        for p in live:
+            choice.order.setdefault(p.batch.tenant, []).append(_order_entry(p))
+        for heap in choice.order.values():
+            heapq.heapify(heap)
+
+    def _listed(self, pending: _Pending, has: bool) -> None:
+        """The batch got ranges (`has`) or lost its last: its levels' counts and entries follow."""
+        tenant = pending.batch.tenant
+        if has:
+            pending.live = next(self._seq)
+        for level in pending.levels():
+            choice = self._choices.setdefault(level, _Choice())
+            choice.batches += 1 if has else -1
+            left = choice.tenants.get(tenant, 0) + (1 if has else -1)
+            if left:
+                choice.tenants[tenant] = left
+            else:
+                choice.tenants.pop(tenant, None)
+            if has:
+                heapq.heappush(choice.order.setdefault(tenant, []), _order_entry(pending))
+                heapq.heappush(
+                    choice.served, (pending.last_served, pending.seq, pending.live, pending.batch.batch_id)
+                )
+                if len(choice.served) > 2 * choice.batches + 32:
+                    self._rebuild(level, choice)
 
     def _join(self, tenant: str) -> None:
         """Before `tenant`'s work is queued: if it had none queued, it joins the fair share anew."""
@@ -333,6 +451,7 @@ class WorkQueue:
         ranks, tenant = pending.batch.ranks, pending.batch.tenant
         self._requests[ranks] = self._requests.get(ranks, 0) + requests
         if had != has:
+            self._listed(pending, has)
             step = 1 if has else -1
             self._waiting += step
             left = self._backlog.get(tenant, 0) + step

@@ -207,3 +207,34 @@ def test_the_affinity_map_is_bounded(monkeypatch):
         last = taken[-1]
     assert len(q._affinity) <= 100
     assert q._affinity[last.prefix] == 0  # the most recent are the ones kept
+
+
+def _choice_work_per_call(monkeypatch, batches: int, calls: int = 200) -> float:
+    clock = FakeClock()
+    q = WorkQueue(lambda _ranks: 4, fair_share_after_s=30.0, clock=clock)
+    index = _index([1] * 64)
+    for b in range(batches):
+        job = dataclasses.replace(_job(f"b{b}", float(b)), tenant=f"t{b % 3}")
+        _add(q, job, index, 8)
+    reads, plain = [0], QueuedBatch.model_key.fget
+
+    def model_key(self):
+        reads[0] += 1
+        return plain(self)
+
+    monkeypatch.setattr(QueuedBatch, "model_key", property(model_key))
+    for i in range(calls):  # takes on a worker's model and idle ones, starving batches, put-backs
+        clock.advance(1)
+        taken = q.take(i % 4, 8, "m@p", idle=i % 2 == 0, exclude={"b0", "b1"})
+        q.put_back(taken, count=False)
+    monkeypatch.undo()
+    return reads[0] / calls
+
+
+def test_choosing_a_batch_does_not_grow_with_the_batches_queued(monkeypatch):
+    """20 and 2,000 batches queued (10M lines are 200 batches at the default --max-requests-per-batch):
+    choosing the next batch reads about as many batches either way (the old queue read every batch's
+    model at every take: 100x more at 100x the batches)."""
+    small = _choice_work_per_call(monkeypatch, 20)
+    big = _choice_work_per_call(monkeypatch, 2_000)
+    assert big <= 2 * small + 8 and big < 40, (small, big)
