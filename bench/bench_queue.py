@@ -1,8 +1,8 @@
 """The work queue's CPU per line handed out, at 100k, 1M and 10M queued lines (no Ray, no engine).
 
-For each size: one LineIndex of that many requests (random work, prefixes shared by ~2,000 lines each),
-spread over four batches of two tenants, cut into ranges of 32 (the service's `--range-size` default)
-and queued; then 8 workers take 128 requests at a time in turn, and what each take got is put back 8 takes
+For each size: batches of `--batch-lines` requests each (50,000: the service's default
+`--max-requests-per-batch`, so 10M lines are 200 batches; random work, prefixes shared by ~2,000 lines
+each) of two tenants, cut into ranges of 32 (the service's `--range-size` default) and queued; then 8 workers take 128 requests at a time in turn, and what each take got is put back 8 takes
 later (as a lost worker's ranges come back), so every call sees the queue at its size; after each take
 `pending_requests()` is read, as the driver's /metrics does.
 The CPU seconds of those calls (process time: the queue runs under one lock, so its CPU is what every
@@ -34,7 +34,6 @@ sys.path.insert(0, str(ROOT))
 from bulkgen.runtime import workqueue  # noqa: E402
 from bulkgen.runtime.lineindex import LineIndex  # noqa: E402
 
-BATCHES = 4
 WORKERS = 8
 WANT = 128
 
@@ -51,11 +50,11 @@ def build_index(lines: int, seed: int = 0) -> LineIndex:
     )
 
 
-def run(module: types.ModuleType, lines: int, takes: int) -> dict:
+def run(module: types.ModuleType, lines: int, takes: int, batch_lines: int) -> dict:
     q = module.WorkQueue(lambda _ranks: WORKERS)
-    per = lines // BATCHES
+    per = min(lines, batch_lines)
     t0 = time.process_time()
-    for b in range(BATCHES):
+    for b in range(lines // per):
         index = build_index(per, seed=b)
         batch = module.QueuedBatch(
             f"batch_{b}", f"files/data/in{b}", "/v1/completions", "m", "p", float(b), {"url": "unused"}
@@ -91,14 +90,16 @@ def baseline_module(rev: str) -> types.ModuleType:
     return module
 
 
-def report(name: str, module: types.ModuleType, sizes: list[int], takes: int) -> None:
-    print(f"{name}: {takes} takes of {WANT} by {WORKERS} workers, each put back {WORKERS} takes later")
+def report(name: str, module: types.ModuleType, sizes: list[int], takes: int, batch_lines: int) -> None:
+    print(
+        f"{name}: batches of {batch_lines:,} lines; {takes} takes of {WANT} by {WORKERS} workers, each put back {WORKERS} takes later"
+    )
     print(
         f"{'queued lines':>14} {'queue add s':>12} {'take CPU s':>11} {'us/line':>9} {'ms/take':>8} {'ratio':>6}"
     )
     first = None
     for lines in sizes:
-        r = run(module, lines, takes)
+        r = run(module, lines, takes, batch_lines)
         per_line = r["cpu_s"] / max(1, r["handed"]) * 1e6
         first = first or per_line
         print(
@@ -113,12 +114,14 @@ def main() -> None:
     )
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 10_000_000])
     parser.add_argument("--takes", type=int, default=3000)
+    parser.add_argument("--batch-lines", type=int, default=50_000)
     parser.add_argument("--baseline", help="also run the queue of this git revision")
     args = parser.parse_args()
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    report("this queue", workqueue, args.sizes, args.takes)
+    report("this queue", workqueue, args.sizes, args.takes, args.batch_lines)
     if args.baseline:
-        report(f"queue at {args.baseline}", baseline_module(args.baseline), args.sizes, args.takes)
+        module = baseline_module(args.baseline)
+        report(f"queue at {args.baseline}", module, args.sizes, args.takes, args.batch_lines)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
