@@ -18,10 +18,12 @@ about `want` requests, chosen so that:
 A range that was in flight on a worker that died comes back with one more attempt; after a second
 failure it is halved, so a request that kills its worker is isolated and, alone, given up on.
 
-Every call costs O(log n) in the ranges queued (plus O(batches) to choose a batch), never O(n): the
-queue keeps running counts of pending requests (per rank class, per batch) and of backlogged tenants,
-and each batch keeps its ranges as a short sorted front (the affinity look-ahead) over a heap. The
-prefix-affinity map keeps the most recently served AFFINITY_ENTRIES prefixes.
+Every call costs O(log n) in the ranges and batches queued (plus the tenants with work, and the batches
+a take excludes), never O(n): the queue keeps running counts of pending requests (per rank class, per
+batch) and of backlogged tenants; each batch keeps its ranges as a short sorted front (the affinity
+look-ahead) over a heap; batches are chosen from heaps per rank class and model (_Choice). A range split
+at the tail leaves its remainder where its work per request sorts it. The prefix-affinity map keeps the
+most recently served AFFINITY_ENTRIES prefixes.
 """
 
 from __future__ import annotations
