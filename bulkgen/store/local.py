@@ -10,6 +10,11 @@ it lies under) is made only by `create()`, which `bulkgen serve` / `run` / `watc
 read, list and write tells "the folder is gone or is not a folder" (StorageUnavailable: a 503, /health
 degraded) from "no such key" (NotFound), so storage removed under a running service never comes back
 silently empty. Folders inside the anchor are made as needed, one level at a time, never the anchor.
+
+A listing reads each folder's names once and keeps them sorted (FolderIndex) while the folder's mtime
+says nothing was added, removed or renamed in it since: a page of a big folder is then one stat and a
+bisect, not a read and sort of every name. An index is kept only once the folder's mtime is RACY_S older
+than the reading (as git does with its index), so a change in the same clock tick is never missed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ import hashlib
 import os
 import stat
 import tempfile
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +48,8 @@ from bulkgen.store.base import (
 
 INTERNAL_DIR = ".bulkgen-store"
 LOCK_STRIPES = 64
+RACY_S = 2.0  # a folder changed this recently is read again at every listing (coarse or skewed clocks)
+INDEXED_FOLDERS = 64  # sorted folder indexes kept per process, least recently listed dropped first
 
 
 def _os_errors(method):
@@ -268,7 +278,7 @@ class LocalStore(Store):
     def _walk(self, folder: Path, folder_key: str, prefix: str, start_after: str | None) -> Iterator[str]:
         """Keys of one folder sorted once, then a bisect to the first that can follow `start_after`:
         a page of a big folder costs one directory read and a sort, not a Path per entry."""
-        keys = _sorted_keys(folder, folder_key)
+        keys = FOLDERS.keys(folder, folder_key)
         lo = bisect.bisect_left(
             keys, prefix
         )  # every match starts with prefix (its folder is the walk's root)
@@ -277,7 +287,8 @@ class LocalStore(Store):
             if after and keys[after - 1].endswith("/") and start_after.startswith(keys[after - 1]):
                 after -= 1  # the folder holding start_after: keys after it may be inside
             lo = max(lo, after)
-        for key in keys[lo:]:
+        for i in range(lo, len(keys)):  # no slice: a copy of the rest of a big folder per page
+            key = keys[i]
             if not key.startswith(prefix) and not prefix.startswith(key):
                 return  # sorted: past every key with the prefix
             if not key.endswith("/"):
@@ -285,6 +296,46 @@ class LocalStore(Store):
                     yield key
             elif _folder_may_match(key, prefix, start_after):
                 yield from self._walk(folder / key[len(folder_key) : -1], key, prefix, start_after)
+
+
+class FolderIndex:
+    """Sorted names of recently listed folders, each kept with the folder's stat signature (device, inode,
+    mtime) and reused while it is unchanged; `reads` counts the folders read (tests count it)."""
+
+    def __init__(self, size: int = INDEXED_FOLDERS) -> None:
+        self.size = size
+        self.reads = 0
+        self._kept: OrderedDict[str, tuple[tuple[int, int, int], list[str]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def keys(self, folder: Path, folder_key: str) -> list[str]:
+        """The folder's entries as sorted keys (callers must not change the list)."""
+        try:
+            st = os.stat(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        signature = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        name = f"{folder}\0{folder_key}"
+        with self._lock:
+            kept = self._kept.get(name)
+            if kept is not None and kept[0] == signature:
+                self._kept.move_to_end(name)
+                return kept[1]
+        before = time.time_ns()
+        keys = _sorted_keys(folder, folder_key)
+        with self._lock:
+            self.reads += 1
+            if before - st.st_mtime_ns >= RACY_S * 1e9:  # no change can share the tick of st_mtime_ns
+                self._kept[name] = (signature, keys)
+                self._kept.move_to_end(name)
+                while len(self._kept) > self.size:
+                    self._kept.popitem(last=False)
+            else:
+                self._kept.pop(name, None)
+        return keys
+
+
+FOLDERS = FolderIndex()
 
 
 def _sorted_keys(folder: Path, folder_key: str) -> list[str]:

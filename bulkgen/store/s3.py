@@ -36,6 +36,7 @@ from bulkgen.store.retry import call_with_retries, store_errors
 T = TypeVar("T")
 MiB = 1 << 20
 DELETE_BATCH = 1000
+FIRST_LIST_PAGE = 64  # keys asked for by a listing's first request (then twice as many each, to page_size)
 _SESSION: Session | None = None
 _SESSION_LOCK = threading.Lock()
 
@@ -266,9 +267,13 @@ class S3Store(Store):
         return self._list_pages(prefix, start_after)
 
     def _list_pages(self, prefix: str, start_after: str | None) -> Iterator[ObjectInfo]:
-        """Follow continuation tokens until S3 says the listing is complete: never stop at page one."""
+        """Follow continuation tokens until S3 says the listing is complete: never stop at page one.
+        The first request asks for FIRST_LIST_PAGE keys and each next one for twice as many, up to
+        `page_size`: a caller that wants a short page (an API list page of 20) gets an answer of that
+        size whatever is stored, and a whole listing costs a few requests more."""
         base = f"{self.root}/" if self.root else ""
-        request: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix, "MaxKeys": self.page_size}
+        size = min(FIRST_LIST_PAGE, self.page_size)
+        request: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + prefix, "MaxKeys": size}
         if start_after is not None:
             request["StartAfter"] = base + start_after
         while True:
@@ -279,6 +284,7 @@ class S3Store(Store):
             if not page.get("IsTruncated"):
                 return
             request["ContinuationToken"] = page["NextContinuationToken"]
+            request["MaxKeys"] = size = min(2 * size, self.page_size)
 
 
 def _new_client(**kwargs: Any) -> Any:

@@ -158,3 +158,83 @@ def test_scan_indexes_offsets_across_blank_and_crlf_lines(tmp_path):
     got = list(read_lines(store, "in.jsonl", 3, int(index.starts[1]), int(index.ends[2])))
     assert [(n, json.loads(raw)["custom_id"]) for n, raw in got] == [(3, "r1"), (5, "r2")]
     assert index.positions(2, 5) == (1, 3)
+
+
+def _counted_sizes(monkeypatch) -> list[int]:
+    """Count reads of `QueuedRange.size`: any pass over every queued range (a sum, a sort) reads it once
+    per range, so the count per call is the queue's work per call, whatever the machine's speed."""
+    reads = [0]
+    plain = QueuedRange.size.fget
+
+    def size(self):
+        reads[0] += 1
+        return plain(self)
+
+    monkeypatch.setattr(QueuedRange, "size", property(size))
+    return reads
+
+
+def _work_per_call(monkeypatch, lines: int, calls: int = 50) -> float:
+    q = _queue(workers=4)
+    job = _job("big", 0)
+    index = _index(list(np.arange(lines) % 97 + 1), prefix=list(np.arange(lines) % 1000 + 1))
+    _add(q, job, index, 32)
+    reads = _counted_sizes(monkeypatch)
+    for i in range(calls):  # a take, and a lost range put back (re-queued in order), per round
+        taken = q.take(i % 4, 64, "m@p", idle=False)
+        q.put_back(taken[:1], count=False)
+        q.pending_requests()
+    monkeypatch.undo()
+    return reads[0] / calls
+
+
+def test_queue_work_per_call_does_not_grow_with_what_is_queued(monkeypatch):
+    """take / put_back / pending_requests at 3,200 and 320,000 queued lines: the same work per call (the
+    old queue summed and re-sorted every pending range: 100x more reads at 100x the lines)."""
+    small = _work_per_call(monkeypatch, 3_200)
+    big = _work_per_call(monkeypatch, 320_000)
+    assert big <= small + 4 and big < 50, (small, big)
+
+
+def test_the_affinity_map_is_bounded(monkeypatch):
+    import bulkgen.runtime.workqueue as workqueue
+
+    monkeypatch.setattr(workqueue, "AFFINITY_ENTRIES", 100, raising=False)
+    q = _queue(workers=1)
+    _add(q, _job("b", 0), _index([1] * 1000, prefix=list(range(1, 1001))), 1)
+    last = None
+    while taken := q.take(0, 10, "m@p", idle=False):
+        last = taken[-1]
+    assert len(q._affinity) <= 100
+    assert q._affinity[last.prefix] == 0  # the most recent are the ones kept
+
+
+def _choice_work_per_call(monkeypatch, batches: int, calls: int = 200) -> float:
+    clock = FakeClock()
+    q = WorkQueue(lambda _ranks: 4, fair_share_after_s=30.0, clock=clock)
+    index = _index([1] * 64)
+    for b in range(batches):
+        job = dataclasses.replace(_job(f"b{b}", float(b)), tenant=f"t{b % 3}")
+        _add(q, job, index, 8)
+    reads, plain = [0], QueuedBatch.model_key.fget
+
+    def model_key(self):
+        reads[0] += 1
+        return plain(self)
+
+    monkeypatch.setattr(QueuedBatch, "model_key", property(model_key))
+    for i in range(calls):  # takes on a worker's model and idle ones, starving batches, put-backs
+        clock.advance(1)
+        taken = q.take(i % 4, 8, "m@p", idle=i % 2 == 0, exclude={"b0", "b1"})
+        q.put_back(taken, count=False)
+    monkeypatch.undo()
+    return reads[0] / calls
+
+
+def test_choosing_a_batch_does_not_grow_with_the_batches_queued(monkeypatch):
+    """20 and 2,000 batches queued (10M lines are 200 batches at the default --max-requests-per-batch):
+    choosing the next batch reads about as many batches either way (the old queue read every batch's
+    model at every take: 100x more at 100x the batches)."""
+    small = _choice_work_per_call(monkeypatch, 20)
+    big = _choice_work_per_call(monkeypatch, 2_000)
+    assert big <= 2 * small + 8 and big < 40, (small, big)

@@ -106,3 +106,87 @@ def test_expired_files_are_gone_before_gc(store):
     for order in ("asc", "desc"):
         assert [r["id"] for r in repo.list(None, 10, order)[0]] == [kept]
     assert repo.get(old, include_expired=True)["id"] == old
+
+
+def _counting_scandir(monkeypatch, folder) -> list[int]:
+    """Count the reads of `folder`'s names (every listing of a local folder starts with one)."""
+    import os
+
+    reads, plain = [0], os.scandir
+
+    def scandir(path="."):
+        reads[0] += os.fspath(path) == os.fspath(folder)
+        return plain(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    return reads
+
+
+def _age(folder, seconds: float = 60) -> None:
+    """As if the folder last changed `seconds` ago (a listing keeps an index only of a folder settled)."""
+    import os
+
+    old = time.time() - seconds
+    os.utime(folder, (old, old))
+
+
+def test_local_pages_read_the_folders_names_once_while_it_is_unchanged(tmp_path, monkeypatch):
+    """Ten pages of 20 out of 300 stored batches: the folder's names are read once, not once a page (a
+    page is a stat and a bisect); a batch added afterwards is listed at once."""
+    store = LocalStore(tmp_path / "s", fsync=False)
+    store.create()
+    repo = BatchRepo(store)
+    for _ in range(300):
+        repo.create(new_batch_record("file-x", "/v1/completions", "24h", None))
+    folder = tmp_path / "s" / "batches"
+    _age(folder)
+    reads = _counting_scandir(monkeypatch, folder)
+    after = None
+    for _ in range(10):
+        items, has_more = repo.list(after, 20)
+        assert len(items) == 20 and has_more
+        after = items[-1].id
+    assert reads[0] <= 1
+    new = repo.create(new_batch_record("file-x", "/v1/completions", "24h", None))
+    assert repo.list(None, 1)[0][0].id == new.id  # newest first: the changed folder is read again
+    assert reads[0] <= 2
+
+
+def test_a_folder_changed_within_its_clock_tick_is_never_listed_stale(tmp_path):
+    """A change that leaves the folder's mtime as it was (two writes in one coarse clock tick) is still
+    listed: a folder that changed in the last RACY_S seconds is read again at every listing."""
+    import os
+
+    store = LocalStore(tmp_path / "s", fsync=False)
+    store.create()
+    store.write_bytes("f/a", b"1")
+    folder = tmp_path / "s" / "f"
+    mtime = os.stat(folder).st_mtime_ns
+    assert list(store.list("f/")) == ["f/a"]
+    store.write_bytes("f/b", b"2")
+    os.utime(folder, ns=(mtime, mtime))  # the same tick as the listing above
+    assert list(store.list("f/")) == ["f/a", "f/b"]
+
+
+def test_an_s3_page_asks_for_a_page_of_keys_not_a_thousand(s3_bucket_url):
+    """A page of 20 out of 150 stored batches: S3 is asked for at most 64 keys (it was 1,000: the
+    answer, and its parsing, grew with what is stored up to 1,000 objects)."""
+    from bulkgen.store import open_store
+
+    store = open_store(s3_bucket_url)
+    repo = BatchRepo(store)
+    for _ in range(150):
+        repo.create(new_batch_record("file-x", "/v1/completions", "24h", None))
+    client, asked = store._client(), []
+    plain = client.list_objects_v2
+
+    def list_objects_v2(**request):
+        page = plain(**request)
+        asked.append(len(page.get("Contents", [])))
+        return page
+
+    client.list_objects_v2 = list_objects_v2
+    items, has_more = repo.list(None, 20)
+    assert len(items) == 20 and has_more
+    assert sum(asked) <= 64, asked
+    assert len(repo.list(None, 100)[0]) == 100  # a longer page asks for more
