@@ -28,7 +28,8 @@ from bulkgen.store import open_store
 from tests.support.images import data_url
 from tests.support.service import write_jsonl
 
-pytestmark = pytest.mark.canary  # the canary runs it on the newest releases; not the lower bound (docs/limits.md)
+# the canary runs it on the newest releases; not the lower bound (docs/limits.md)
+pytestmark = pytest.mark.canary
 
 FAMILIES = tuple(HUB_PROCESSORS)
 MAX_TOKENS = 6

@@ -19,7 +19,8 @@ from bulkgen.engine.multimodal import VisionTower, process, text_model
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_vision import VISION_FAMILIES, build_tiny_vlm, load_processor
 
-pytestmark = pytest.mark.canary  # the canary runs it on the newest releases; not the lower bound (docs/limits.md)
+# the canary runs it on the newest releases; not the lower bound (docs/limits.md)
+pytestmark = pytest.mark.canary
 
 MAX_TOKENS = 8
 
