@@ -352,13 +352,19 @@ class WorkQueue:
         choice = self._choices.get(level)
         if choice is None:
             return None
-        heap, skipped, found = choice.served, [], None
+        # an entry is stale once its batch was served again (a newer entry stands for it)
+        return self._first_live(choice.served, exclude, lambda entry, p: p.last_served != entry[0])
+
+    def _first_live(self, heap: list, exclude, stale=lambda entry, pending: False) -> _Pending | None:
+        """The batch of `heap`'s first entry that is live, not stale and not in `exclude` (entries ending
+        `(live, batch id)`): stale ones are dropped, excluded ones put back."""
+        skipped, found = [], None
         while heap:
-            last_served, _, live, batch_id = heap[0]
-            pending = self._valid(batch_id, live)
-            if pending is None or pending.last_served != last_served:
-                heapq.heappop(heap)  # stale
-            elif batch_id in exclude:
+            entry = heap[0]
+            pending = self._valid(entry[-1], entry[-2])
+            if pending is None or stale(entry, pending):
+                heapq.heappop(heap)
+            elif entry[-1] in exclude:
                 skipped.append(heapq.heappop(heap))
             else:
                 found = pending
@@ -376,19 +382,7 @@ class WorkQueue:
         tenants = set(choice.tenants)
         while tenants:
             tenant = self.fair.pick(tenants)
-            heap, skipped, found = choice.order.get(tenant, []), [], None
-            while heap:
-                _, live, batch_id = heap[0]
-                pending = self._valid(batch_id, live)
-                if pending is None:
-                    heapq.heappop(heap)
-                elif batch_id in exclude:
-                    skipped.append(heapq.heappop(heap))
-                else:
-                    found = pending
-                    break
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+            found = self._first_live(choice.order.get(tenant, []), exclude)
             if found is not None:
                 return found
             tenants.discard(tenant)
