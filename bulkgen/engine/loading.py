@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import load_progress, upstream
-from .checkpoint_checks import check_checkpoint
+from .checkpoint_checks import DTYPE_BYTES, check_checkpoint
 from .quantize import quantize_layers
 from .weight_format import checkpoint_quantization, read_config
 
@@ -143,7 +143,7 @@ def _counting_reads():
     def materialize(tensor, *args, **kwargs):
         out = original(tensor, *args, **kwargs)
         stored = tensor.get_dtype() if hasattr(tensor, "get_dtype") else None  # a safetensors slice's
-        size = load_progress.DTYPE_BYTES.get(stored, 1) if stored else tensor.element_size()
+        size = DTYPE_BYTES.get(stored, 1) if stored else tensor.element_size()
         progress.tensor_read(out.numel() * size)
         return out
 
