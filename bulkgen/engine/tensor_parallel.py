@@ -45,6 +45,7 @@ import torch.distributed as dist
 from .config import EngineConfig
 from .lora_tp import follow, publish
 from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
+from .process_memory import peak_rss, reset_peak_rss
 from .replay_watchdog import ReplayWatchdog
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -295,38 +296,13 @@ def load_shard(
     before, its peak while loading, and the weights' bytes as held."""
     from .sharding import build_shard_model
 
-    before = _reset_peak_rss()
+    before = reset_peak_rss()
     model = build_shard_model(path, group, dtype, quantize)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
-    memory.update(peak_rss=_peak_rss(), weight_bytes=weights)
+    memory.update(peak_rss=peak_rss(), weight_bytes=weights)
     group.store.set(f"memory/{group.rank}", json.dumps(memory))
     return model
-
-
-def _reset_peak_rss() -> int:
-    """The resident set size now, after resetting the kernel's peak (Linux: /proc/self/clear_refs)."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass  # elsewhere the peak stays the process's lifetime peak: an upper bound
-    return _status_bytes("VmRSS")
-
-
-def _peak_rss() -> int:
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _wait(work, rank: int) -> None:

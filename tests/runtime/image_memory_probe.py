@@ -1,28 +1,23 @@
 """Run by tests/runtime/test_worker_image_memory.py in a fresh process, so its peak RSS is the worker's alone:
 `python -m tests.runtime.image_memory_probe MODEL ROWS.json ROOT BUDGET_MIB` loads the tiny VLM in an
 EngineWorker, runs the rows (chat lines with images) as one batch, and prints JSON: how far the process's
-peak RSS rose above its RSS before the batch (`growth`), the image budget's peak and what it held after,
-and each line's outcome (its error code and param, or "ok")."""
+own peak RSS (bulkgen.engine.process_memory: reset before the batch) rose above its RSS then (`growth`), the
+image budget's peak and what it held after, and each line's outcome (its error code and param, or "ok")."""
 
 from __future__ import annotations
 
 import dataclasses
 import gc
 import json
-import resource
 import sys
 
+from bulkgen.engine.process_memory import peak_rss, reset_peak_rss
 from bulkgen.runtime import parts
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.settings import ImageSettings
 from bulkgen.store import LocalStore
 from tests.runtime.test_worker import _drain
 from tests.runtime.test_worker_images import VLM, _stored
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def main(model: str, rows_path: str, root: str, budget_mib: int) -> dict:
@@ -38,10 +33,10 @@ def main(model: str, rows_path: str, root: str, budget_mib: int) -> dict:
     job, ranges = _stored(store, "batch_mem", rows)
     del rows
     gc.collect()
-    before = _rss()
+    before = reset_peak_rss()
     worker.assign(job, ranges)
     outcomes = _drain(worker, len(ranges), timeout=600)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss()
     lines = {}
     for key, _, _ in parts.iter_parts(store, "batch_mem"):
         for entry in map(json.loads, store.iter_lines(key)):

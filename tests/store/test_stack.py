@@ -104,7 +104,9 @@ def test_dockerfile_installs_torch_for_its_base_and_bulkgen_non_editable():
     assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in envs
     runs = _all(docker, "RUN")
     assert any('--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in run for run in runs)
-    (install,) = [run for run in runs if "pip install /tmp/bulkgen-src" in run]
+    (install,) = [run for run in runs if "pip install" in run and "/tmp/bulkgen-src " in run]
+    # through the lock CI tests (requirements/lock.txt, copied in), not whatever is newest on build day
+    assert "-c /tmp/bulkgen-src/requirements/lock.txt /tmp/bulkgen-src " in install
     assert " -e " not in install and "--editable" not in install and "rm -rf /tmp/bulkgen-src" in install
     assert "BUNDLED_MODEL" in install  # the built image proves its installed copy finds the model
     assert _all(docker, "USER")[-1] == "ray"
