@@ -35,6 +35,7 @@ def sampling(body: dict, endpoint: str) -> dict[str, Any]:
     for name in ("presence_penalty", "frequency_penalty"):
         if value := _number(body, name, -2, 2, 0):
             out[name] = float(value)
+    _extensions(body, out)
     if bias := _logit_bias(body.get("logit_bias")):
         out["logit_bias"] = bias
     if endpoint == COMPLETIONS:
@@ -147,6 +148,21 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
             raise invalid("logit_bias", f"[{key}] must be a number between -100 and 100", value)
         out[int(key)] = float(value)
     return out or None
+
+
+def _extensions(body: dict, out: dict[str, Any]) -> None:
+    """vLLM's top_k (-1 or 0: off), min_p (0-1, 0: off) and repetition_penalty (> 0, 1: off)."""
+    if (top_k := _int(body, "top_k", -1, None)) is not None and top_k > 0:
+        out["top_k"] = top_k
+    if min_p := _number(body, "min_p", 0, 1, 0):
+        out["min_p"] = float(min_p)
+    penalty = body.get("repetition_penalty")
+    if penalty is None:
+        return
+    if not ((_is_int(penalty) or isinstance(penalty, float)) and math.isfinite(penalty) and penalty > 0):
+        raise invalid("repetition_penalty", "must be a number > 0 (1: off)", penalty)
+    if penalty != 1:
+        out["repetition_penalty"] = float(penalty)
 
 
 def _best_of(body: dict, out: dict[str, Any]) -> None:

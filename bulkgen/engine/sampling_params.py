@@ -24,12 +24,18 @@ class SamplingParams:
     negative int64 seed is its two's complement. `max_tokens` 0 generates nothing. Penalties count this
     completion's output tokens only (OpenAI's definition); `logit_bias` maps token ids to additive biases.
     `prompt_logprobs` asks for the logprob (and top-k) of every prompt token after the first. `guide`
-    constrains the output to JSON (any object, or a schema's documents; see grammar.py)."""
+    constrains the output to JSON (any object, or a schema's documents; see grammar.py).
+    `top_k` 0 keeps every token; `min_p` drops tokens whose probability (after temperature) is below
+    min_p times the most likely token's (0: off); `repetition_penalty` divides the positive logits and
+    multiplies the negative ones of every token seen in the prompt or the output (1: off; vLLM's and
+    transformers' definition)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -55,7 +61,9 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler must add penalties or biases to this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repetition_penalty != 1
+        )
 
     @property
     def num_sequences(self) -> int:
@@ -92,6 +100,10 @@ def check_sampling(values: dict) -> None:
         raise SamplingError("best_of", f"must be >= n ({values.get('n', 1)})", values["best_of"])
     _check_number(values, "temperature", 0.0, None)
     _check_number(values, "top_p", 0.0, 1.0)
+    _check_number(values, "min_p", 0.0, 1.0)
+    _check_number(values, "repetition_penalty", 0.0, None)
+    if values.get("repetition_penalty") == 0:
+        raise SamplingError("repetition_penalty", "must be a finite number > 0", 0)
     for name in ("presence_penalty", "frequency_penalty"):
         _check_number(values, name, -MAX_PENALTY, MAX_PENALTY)
     _check_logit_bias(values.get("logit_bias"))

@@ -303,3 +303,26 @@ def test_several_prompts_number_their_choices_across_prompts():
         (5, "c1"),
     ]
     assert (merged["prompt_tokens"], merged["completion_tokens"], merged["cached_tokens"]) == (12, 6, 3)
+
+
+@pytest.mark.parametrize("parse", [_chat, _completion])
+def test_vllm_sampling_extensions_are_accepted_and_checked(parse):
+    """top_k, min_p, repetition_penalty: vLLM's extensions, not OpenAI fields, honoured on both endpoints."""
+    request = parse(top_k=40, min_p=0.05, repetition_penalty=1.2)
+    assert (request.sampling["top_k"], request.sampling["min_p"]) == (40, 0.05)
+    assert request.sampling["repetition_penalty"] == 1.2
+    for off in ({"top_k": -1}, {"top_k": 0}, {"min_p": 0}, {"repetition_penalty": 1}, {"top_k": None}):
+        assert not {"top_k", "min_p", "repetition_penalty"} & set(parse(**off).sampling)  # neutral: left out
+    for name, bad in [
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("min_p", 1.01),
+        ("min_p", -0.1),
+        ("min_p", "0.1"),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+    ]:
+        assert _refused(parse, **{name: bad}) == ("invalid_parameter", f"body.{name}"), (name, bad)
+    assert _refused(parse, top_n=3) == ("unknown_parameter", "body.top_n")
