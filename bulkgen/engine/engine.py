@@ -47,7 +47,7 @@ from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish
 from .quantize import ensure_quantized
 from .rank_memory import check_device_fits
 from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
@@ -101,6 +101,12 @@ class Engine(OverlappedSteps):
             )
             self.config = replace(self.config, enable_prefix_caching=False)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # generation_config.json's sampling defaults, for requests that set none (sampling_params)
+        self.sampling_defaults = (
+            generation_defaults(getattr(model, "generation_config", None))
+            if self.config.generation_config == "auto"
+            else {}
+        )
         head = model.get_output_embeddings()
         self.vocab_size = (
             getattr(head, "vocab_size", None) or head.weight.shape[0]
@@ -176,6 +182,12 @@ class Engine(OverlappedSteps):
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
+
+    def sampling_params(self, kwargs: dict) -> SamplingParams:
+        """SamplingParams of a request's `kwargs`: a field they leave out takes the model's
+        generation_config.json default (sampling_defaults; none with generation_config="none"), else
+        SamplingParams' own (OpenAI's)."""
+        return SamplingParams(**{**self.sampling_defaults, **kwargs})
 
     def add_request(
         self,

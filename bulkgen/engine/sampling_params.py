@@ -71,6 +71,31 @@ class SamplingParams:
         return self.n if self.best_of is None else self.best_of
 
 
+# The sampling fields a model's generation_config.json may default (vLLM's list): a request that sets none of
+# one takes the model's value (Engine.sampling_params), else SamplingParams' own (OpenAI's).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: object) -> dict:
+    """The GENERATION_DEFAULTS a transformers GenerationConfig sets explicitly (its diff from the class
+    defaults, as vLLM reads it), as SamplingParams kwargs; a value the engine cannot run is left out."""
+    to_diff = getattr(generation_config, "to_diff_dict", None)
+    diff = to_diff() if callable(to_diff) else {}
+    out = {}
+    for name in GENERATION_DEFAULTS:
+        value = diff.get(name)
+        if name == "top_k" and _is_int(value) and value < 0:
+            value = 0  # -1: off, as vLLM
+        if value is None:
+            continue
+        try:
+            check_sampling({name: value})
+        except SamplingError:
+            continue
+        out[name] = float(value) if name != "top_k" else value
+    return out
+
+
 class SamplingError(ValueError):
     """A sampling value the engine cannot run; `field` names it (the request parser maps it to the body)."""
 

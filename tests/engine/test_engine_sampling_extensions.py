@@ -6,11 +6,16 @@ repetition_penalty is checked token for token against transformers' greedy `gene
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
+from transformers import GenerationConfig
 
-from bulkgen.engine import SamplingParams
-from bulkgen.engine.sampling_params import SamplingError
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.config import EngineConfig
+from bulkgen.engine.sampling_params import SamplingError, generation_defaults
 
 ARCH = "llama"
 MAX_NEW = 12
@@ -75,3 +80,60 @@ def test_bad_extension_values_name_the_field(field, value):
     with pytest.raises(SamplingError) as info:
         SamplingParams(**{field: value})
     assert info.value.field == field
+
+
+@pytest.fixture
+def defaults_model(model_dirs, tmp_path):
+    """The tiny llama with a generation_config.json that defaults top_k=1 and temperature=5."""
+    folder = tmp_path / "llama-defaults"
+    shutil.copytree(model_dirs[ARCH], folder)
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "top_k": 1, "temperature": 5.0}))
+    return str(folder)
+
+
+def test_generation_config_defaults_apply_where_the_request_sets_none(
+    defaults_model, reference, mixed_prompts
+):
+    prompt = mixed_prompts(seed=72, count=1, low=10, high=10)[0]
+    greedy = reference.greedy(ARCH, prompt, 8)
+    engine = Engine.from_pretrained(defaults_model, device="cpu")
+    assert engine.sampling_defaults == {"top_k": 1, "temperature": 5.0}  # nothing else: GenerationConfig's
+    # class defaults (top_k 50) are not the model's
+    line = {"max_tokens": 8, "seed": 0, "ignore_eos": True}
+    assert engine.generate([prompt], engine.sampling_params(line))[0].token_ids == greedy  # top_k 1
+    overridden = engine.sampling_params({**line, "top_k": 0})  # the line's "off" beats the model's 1
+    assert (overridden.top_k, overridden.temperature) == (0, 5.0)
+    assert engine.generate([prompt], overridden)[0].token_ids != greedy
+    off = Engine.from_pretrained(defaults_model, device="cpu", generation_config="none")
+    assert off.sampling_defaults == {}
+    plain = off.sampling_params(line)
+    assert (plain.top_k, plain.temperature) == (0, 1.0)  # OpenAI's defaults
+    assert off.generate([prompt], plain)[0].token_ids != greedy
+
+
+def test_generation_defaults_reads_only_what_the_config_sets():
+    assert generation_defaults(GenerationConfig(temperature=0.6, top_p=0.95)) == {
+        "temperature": 0.6,
+        "top_p": 0.95,
+    }
+    assert generation_defaults(GenerationConfig(top_k=-1, min_p=0.1, repetition_penalty=1.1)) == {
+        "top_k": 0,
+        "min_p": 0.1,
+        "repetition_penalty": 1.1,
+    }
+    assert generation_defaults(GenerationConfig(top_p=3.0, temperature=0.7)) == {
+        "temperature": 0.7
+    }  # unrunnable: left out
+    assert generation_defaults(None) == {}
+    with pytest.raises(ValueError, match="generation_config"):
+        EngineConfig(generation_config="vllm")
+
+
+def test_the_generation_config_flag_names_the_engine_modes():
+    from bulkgen import settings
+    from bulkgen.engine import config
+
+    assert settings.GENERATION_CONFIG_MODES == config.GENERATION_CONFIG_MODES
+    assert settings.ENGINE_FLAGS["generation_config"].choices == config.GENERATION_CONFIG_MODES

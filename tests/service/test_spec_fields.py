@@ -79,14 +79,13 @@ def test_null_means_default_for_every_nullable_field():
         == {
             "max_tokens": 8,
             "temperature": 0.0,
-            "top_p": 1.0,
             "n": 1,
             "seed": None,
             "stop": None,
             "logprobs": None,
         }
     )
-    assert _chat(temperature=None).sampling["temperature"] == 1.0
+    assert "temperature" not in _chat(temperature=None).sampling  # the model's default, else OpenAI's 1
     plain = _completion(**dict.fromkeys(["best_of", "echo", "suffix", "logprobs", "max_tokens"]))
     assert plain.sampling["max_tokens"] is None and plain.echo is False
 
@@ -311,8 +310,17 @@ def test_vllm_sampling_extensions_are_accepted_and_checked(parse):
     request = parse(top_k=40, min_p=0.05, repetition_penalty=1.2)
     assert (request.sampling["top_k"], request.sampling["min_p"]) == (40, 0.05)
     assert request.sampling["repetition_penalty"] == 1.2
-    for off in ({"top_k": -1}, {"top_k": 0}, {"min_p": 0}, {"repetition_penalty": 1}, {"top_k": None}):
-        assert not {"top_k", "min_p", "repetition_penalty"} & set(parse(**off).sampling)  # neutral: left out
+    # set, even to "off", it stays in the kwargs: the line's choice beats the model's generation_config default
+    for off, kwargs in [
+        ({"top_k": -1}, {"top_k": 0}),
+        ({"top_k": 0}, {"top_k": 0}),
+        ({"min_p": 0}, {"min_p": 0.0}),
+        ({"repetition_penalty": 1}, {"repetition_penalty": 1.0}),
+        ({"temperature": 1}, {"temperature": 1.0}),
+    ]:
+        assert parse(**off).sampling.items() >= kwargs.items()
+    unset = set(parse(top_k=None, temperature=None).sampling)  # null or absent: the model's default applies
+    assert not {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"} & unset
     for name, bad in [
         ("top_k", -2),
         ("top_k", 1.5),
