@@ -21,6 +21,7 @@ and recomputed, so the tokens are exactly those of a step-by-step run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -34,6 +35,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
+from .fingerprint import system_fingerprint
 from .grammar import GrammarRuntime
 from .image_blocks import longest
 from .loading import load_model
@@ -182,6 +184,21 @@ class Engine(OverlappedSteps):
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """A stable hash of the checkpoint, tokenizer and chat template, dtype and quantization, bulkgen's
+        version and the settings that change tokens (fingerprint.py): every line of a batch answers it."""
+        settings = {
+            "dtype": str(getattr(self.model, "dtype", None)),
+            "quantize": self.config.quantize,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "tensor_parallel": self.config.tensor_parallel,
+            "max_model_len": self.max_model_len,
+            "generation_config": self.config.generation_config,
+            "sampling_defaults": self.sampling_defaults,
+        }
+        return system_fingerprint(getattr(self.model.config, "_name_or_path", None), self.tokenizer, settings)
 
     def sampling_params(self, kwargs: dict) -> SamplingParams:
         """SamplingParams of a request's `kwargs`: a field they leave out takes the model's

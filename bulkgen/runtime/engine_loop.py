@@ -157,6 +157,7 @@ class EngineLoop:
         if work is None:
             return  # aborted meanwhile
         result = result_dict(out)
+        result["system_fingerprint"] = self.engine.system_fingerprint
         if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)
             result["metrics"]["lora"] = p.request.lora
         if p.request.echo:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,23 @@ def test_the_generation_config_flag_names_the_engine_modes():
 
     assert settings.GENERATION_CONFIG_MODES == config.GENERATION_CONFIG_MODES
     assert settings.ENGINE_FLAGS["generation_config"].choices == config.GENERATION_CONFIG_MODES
+
+
+def test_system_fingerprint_is_stable_and_tracks_what_changes_tokens(model_dirs, defaults_model):
+    path = str(model_dirs[ARCH])
+    first = Engine.from_pretrained(path, device="cpu").system_fingerprint
+    assert first.startswith("fp_") and len(first) == 15
+    assert (
+        Engine.from_pretrained(path, device="cpu", max_num_seqs=3).system_fingerprint == first
+    )  # no token change
+    copy = Path(defaults_model).parent / "copy"
+    shutil.copytree(path, copy)  # another folder, same checkpoint: the same fingerprint (no paths, no times)
+    assert Engine.from_pretrained(str(copy), device="cpu").system_fingerprint == first
+    others = {
+        Engine.from_pretrained(path, device="cpu", dtype="bfloat16").system_fingerprint,
+        Engine.from_pretrained(path, device="cpu", kv_cache_dtype="fp8").system_fingerprint,
+        Engine.from_pretrained(path, device="cpu", max_model_len=64).system_fingerprint,
+        Engine.from_pretrained(defaults_model, device="cpu").system_fingerprint,  # generation_config changed
+        Engine.from_pretrained(defaults_model, device="cpu", generation_config="none").system_fingerprint,
+    }
+    assert first not in others and len(others) == 5
