@@ -26,6 +26,7 @@ BODY_TIMEOUT_S = 60.0  # seconds a request body may stall before the API refuses
 MIB = 1024 * 1024
 # engine.kv_cache.KV_CACHE_DTYPES, spelled here so that settings import no torch (a test keeps them equal)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+GENERATION_CONFIG_MODES = ("auto", "none")  # engine.config.GENERATION_CONFIG_MODES, spelled here likewise
 
 
 class SettingError(ValueError):
@@ -164,6 +165,12 @@ ENGINE_FLAGS = {
         help="Quantize a float checkpoint's decoder-layer weights at load: fp8 (e4m3, per-channel weight and "
         "per-token activation scales, torch._scaled_mm); default none (a quantized checkpoint keeps its own).",
     ),
+    "generation_config": Flag(
+        "--generation-config",
+        choices=GENERATION_CONFIG_MODES,
+        help="auto: the model's generation_config.json sampling defaults (temperature, top_p, top_k, min_p, "
+        "repetition_penalty) apply to lines that set none; none: OpenAI's defaults (vLLM's flag).",
+    ),
 }
 
 
@@ -180,6 +187,8 @@ def _check_engine(engine_kwargs: dict[str, Any]) -> None:
                     raise ValueError("must be true or false (on/off)")
             elif key == "kv_cache_dtype":
                 _one_of(KV_CACHE_DTYPES)(value)
+            elif key == "generation_config":
+                _one_of(GENERATION_CONFIG_MODES)(value)
             elif key == "quantize":
                 if value is not None and value not in QUANTIZE_MODES:
                     raise ValueError(f"must be one of {', '.join(QUANTIZE_MODES)}")

@@ -117,6 +117,14 @@ BODY_FIELDS = {
 }
 
 
+# vLLM's sampling extensions to the two requests (not OpenAI fields, so not in BODY_FIELDS, which is the spec):
+# honoured as vLLM honours them (bulkgen.batch.sampling).
+EXTENSIONS = {
+    CHAT: {"top_k", "min_p", "repetition_penalty"},
+    COMPLETIONS: {"top_k", "min_p", "repetition_penalty"},
+}
+
+
 class LineError(ValueError):
     """A request line the service refuses: `code` and `param` follow OpenAI's batch error entries."""
 

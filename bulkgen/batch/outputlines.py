@@ -96,7 +96,7 @@ def chat_body(
         "model": model,
         "choices": choices,
         "usage": usage(result),
-        "system_fingerprint": None,
+        "system_fingerprint": result.get("system_fingerprint"),
     }
 
 
@@ -169,6 +169,7 @@ def completion_body(result: dict, model: str) -> dict[str, Any]:
         "model": model,
         "choices": choices,
         "usage": usage(result),
+        **({"system_fingerprint": result["system_fingerprint"]} if result.get("system_fingerprint") else {}),
     }
 
 

@@ -18,7 +18,15 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, LineError, check_ignored, check_refused
+from bulkgen.batch.bodyfields import (
+    BODY_FIELDS,
+    CHAT,
+    COMPLETIONS,
+    EXTENSIONS,
+    LineError,
+    check_ignored,
+    check_refused,
+)
 from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
 from bulkgen.batch.images import ImageRef
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
@@ -244,7 +252,7 @@ def _too_deep(body: dict[str, Any]) -> str:
 
 def _parse_body(line: RequestLine) -> ParsedRequest:
     body, endpoint = line.body, line.url
-    _refuse_unknown(body, BODY_FIELDS[endpoint], "body.")
+    _refuse_unknown(body, BODY_FIELDS[endpoint] | EXTENSIONS.get(endpoint, set()), "body.")
     request = ParsedRequest(line.custom_id, line.line, line.model, endpoint)
     if endpoint == RESPONSES:  # another front door to the chat request (its own refusals first)
         return responses_request(body, request)

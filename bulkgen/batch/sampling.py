@@ -1,7 +1,9 @@
 """A request body's sampling fields -> SamplingParams kwargs, with the API's limits, then the engine's rules.
 
-`null` is the default for every field. A field at its neutral value is left out of the kwargs (the engine's
-default is the same), so a request pays only for what it asks.
+`null` is the default for every field. A penalty or bias at its neutral value is left out of the kwargs (the
+engine's default is the same), so a request pays only for what it asks. temperature, top_p, top_k, min_p and
+repetition_penalty are in the kwargs exactly when the line sets them: a field left out takes the model's
+generation_config.json default in the worker (Engine.sampling_params), else OpenAI's.
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ def sampling(body: dict, endpoint: str) -> dict[str, Any]:
     limit = next((n for n in LIMIT_FIELDS if body.get(n) is not None), "max_tokens")
     out: dict[str, Any] = {
         "max_tokens": _int(body, limit, 0, None),
-        "temperature": float(_number(body, "temperature", 0, 2, 1.0)),
-        "top_p": float(_number(body, "top_p", 0, 1, 1.0)),
         "n": _int(body, "n", 1, MAX_N) or 1,
         "seed": _int(body, "seed", -INT64, INT64 - 1),
         "stop": _stop(body.get("stop")),
         "logprobs": _logprobs(body, endpoint),
     }
+    for name, high in (("temperature", 2), ("top_p", 1)):
+        if body.get(name) is not None:
+            out[name] = float(_number(body, name, 0, high, 1.0))
     for name in ("presence_penalty", "frequency_penalty"):
         if value := _number(body, name, -2, 2, 0):
             out[name] = float(value)
+    _extensions(body, out)
     if bias := _logit_bias(body.get("logit_bias")):
         out["logit_bias"] = bias
     if endpoint == COMPLETIONS:
@@ -147,6 +151,21 @@ def _logit_bias(bias: Any) -> dict[int, float] | None:
             raise invalid("logit_bias", f"[{key}] must be a number between -100 and 100", value)
         out[int(key)] = float(value)
     return out or None
+
+
+def _extensions(body: dict, out: dict[str, Any]) -> None:
+    """vLLM's top_k (-1 or 0: off), min_p (0-1, 0: off) and repetition_penalty (> 0, 1: off); set even
+    when off, so that the line's choice overrides the model's generation_config default."""
+    if (top_k := _int(body, "top_k", -1, None)) is not None:
+        out["top_k"] = max(top_k, 0)
+    if body.get("min_p") is not None:
+        out["min_p"] = float(_number(body, "min_p", 0, 1, 0))
+    penalty = body.get("repetition_penalty")
+    if penalty is None:
+        return
+    if not ((_is_int(penalty) or isinstance(penalty, float)) and math.isfinite(penalty) and penalty > 0):
+        raise invalid("repetition_penalty", "must be a number > 0 (1: off)", penalty)
+    out["repetition_penalty"] = float(penalty)
 
 
 def _best_of(body: dict, out: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from . import QUANTIZE_MODES
 from .kv_cache import KV_CACHE_DTYPES
 
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
+GENERATION_CONFIG_MODES = ("auto", "none")
 
 
 @dataclass
@@ -49,6 +50,10 @@ class EngineConfig:
     tensor_parallel: int = 1
     # seconds a rank waits in one collective before the step fails on every rank (a dead or hung rank)
     collective_timeout_s: float = 300.0
+    # the model's generation_config.json sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty) for requests that set none (Engine.sampling_params): "auto" applies them, "none"
+    # keeps OpenAI's defaults (vLLM's --generation-config)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_loras", "max_lora_rank", "tensor_parallel"):
@@ -77,6 +82,10 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantize not in (None, *QUANTIZE_MODES):
             raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {self.quantize!r}")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(
+                f"generation_config must be one of {GENERATION_CONFIG_MODES}, got {self.generation_config!r}"
+            )
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")

@@ -21,6 +21,7 @@ and recomputed, so the tokens are exactly those of a step-by-step run.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -34,6 +35,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig, resolve_limits
+from .fingerprint import system_fingerprint
 from .grammar import GrammarRuntime
 from .image_blocks import longest
 from .loading import load_model
@@ -47,7 +49,7 @@ from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish
 from .quantize import ensure_quantized
 from .rank_memory import check_device_fits
 from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
@@ -101,6 +103,12 @@ class Engine(OverlappedSteps):
             )
             self.config = replace(self.config, enable_prefix_caching=False)
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        # generation_config.json's sampling defaults, for requests that set none (sampling_params)
+        self.sampling_defaults = (
+            generation_defaults(getattr(model, "generation_config", None))
+            if self.config.generation_config == "auto"
+            else {}
+        )
         head = model.get_output_embeddings()
         self.vocab_size = (
             getattr(head, "vocab_size", None) or head.weight.shape[0]
@@ -176,6 +184,27 @@ class Engine(OverlappedSteps):
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return cls(model, tokenizer, **engine_kwargs)
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """A stable hash of the checkpoint, tokenizer and chat template, dtype and quantization, bulkgen's
+        version and the settings that change tokens (fingerprint.py): every line of a batch answers it."""
+        settings = {
+            "dtype": str(getattr(self.model, "dtype", None)),
+            "quantize": self.config.quantize,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "tensor_parallel": self.config.tensor_parallel,
+            "max_model_len": self.max_model_len,
+            "generation_config": self.config.generation_config,
+            "sampling_defaults": self.sampling_defaults,
+        }
+        return system_fingerprint(getattr(self.model.config, "_name_or_path", None), self.tokenizer, settings)
+
+    def sampling_params(self, kwargs: dict) -> SamplingParams:
+        """SamplingParams of a request's `kwargs`: a field they leave out takes the model's
+        generation_config.json default (sampling_defaults; none with generation_config="none"), else
+        SamplingParams' own (OpenAI's)."""
+        return SamplingParams(**{**self.sampling_defaults, **kwargs})
 
     def add_request(
         self,

@@ -1,4 +1,4 @@
-"""Presence/frequency penalties and logit_bias, applied to the logits of the rows that ask for them.
+"""Repetition, presence and frequency penalties and logit_bias, applied to the rows that ask for them.
 
 OpenAI's formula, per row: logits[t] += logit_bias[t] - frequency_penalty * count[t]
 - presence_penalty * (count[t] > 0), where count[t] counts t among the sequence's output tokens (the
@@ -7,7 +7,10 @@ whole additive term for every token. The row is built once (zeros plus the bias)
 rewrites only the entries of the tokens appended since the sequence's last step (usually one), with
 the value computed exactly on the host from the token's count, so the host work per step is
 O(asking rows) whatever the output length, and the device work two passes over those rows' logits.
-Rows without penalties or biases are not touched, and each row's result depends only on its own logits
+A repetition_penalty p (vLLM's and transformers' definition, applied first, as vLLM does) divides the
+positive logits and multiplies the negative ones of every token seen in the prompt or the output: a
+second, boolean pool marks each asking row's seen tokens (the prompt's when the row is built, then the
+new tokens each step). Rows without penalties or biases are not touched, and each row's result depends only on its own logits
 and tokens, so the counter-based sampling stays batch-independent.
 """
 
@@ -38,6 +41,7 @@ class LogitAdjustments:
 
     def __init__(self) -> None:
         self.pool: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None  # [rows, vocab] bool: tokens of the prompt or output
         self.free: list[int] = []
         self.rows: dict[int, _Row] = {}  # by seq_id
 
@@ -48,7 +52,12 @@ class LogitAdjustments:
             return
         device, vocab = logits.device, logits.shape[1]
         updates: dict[tuple[int, int], float] = {}
-        pool_rows = [self._catch_up(seqs[i], vocab, device, updates) for i in rows]
+        seen: list[tuple[int, int]] = []  # (pool row, token) newly seen by a repetition-penalty row
+        pool_rows = [self._catch_up(seqs[i], vocab, device, updates, seen) for i in rows]
+        if seen:
+            index = torch.tensor(seen, dtype=torch.int64).to(device, non_blocking=True)
+            self.seen.index_put_((index[:, 0], index[:, 1]), torch.ones((), dtype=torch.bool, device=device))
+        self._repetition(logits, seqs, rows, pool_rows)
         if updates:  # one (row, token) entry each: set, not added, so the values stay exact
             index = torch.tensor(list(zip(*updates, strict=True)), dtype=torch.int64).to(
                 device, non_blocking=True
@@ -58,20 +67,45 @@ class LogitAdjustments:
         ints = torch.tensor([rows, pool_rows], dtype=torch.int64).to(device, non_blocking=True)
         logits.index_add_(0, ints[0], self.pool.index_select(0, ints[1]))
 
+    def _repetition(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], pool_rows: list[int]):
+        picked = [
+            (i, r) for i, r in zip(rows, pool_rows, strict=True) if seqs[i].params.repetition_penalty != 1
+        ]
+        if not picked:
+            return
+        penalty = torch.tensor([[seqs[i].params.repetition_penalty] for i, _ in picked], dtype=logits.dtype)
+        ints = torch.tensor(list(zip(*picked, strict=True)), dtype=torch.int64).to(
+            logits.device, non_blocking=True
+        )
+        penalty = penalty.to(logits.device, non_blocking=True)
+        sub = logits.index_select(0, ints[0])
+        scaled = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits.index_copy_(0, ints[0], torch.where(self.seen.index_select(0, ints[1]), scaled, sub))
+
     def release(self, seq: Sequence) -> None:
         row = self.rows.pop(seq.seq_id, None)
         if row is not None:
             self.free.append(row.index)
 
     def _catch_up(
-        self, seq: Sequence, vocab: int, device: torch.device, updates: dict[tuple[int, int], float]
+        self,
+        seq: Sequence,
+        vocab: int,
+        device: torch.device,
+        updates: dict[tuple[int, int], float],
+        seen: list[tuple[int, int]],
     ) -> int:
         row = self.rows.get(seq.seq_id)
+        repeats = seq.params.repetition_penalty != 1
         if row is None:
             row = self.rows[seq.seq_id] = _Row(self._take(seq, vocab, device))
+            if repeats:
+                seen.extend((row.index, t) for t in set(seq.token_ids[: seq.num_prompt_tokens]))
         fresh = seq.token_ids[seq.num_prompt_tokens + row.counted :]
         if fresh:
             params = seq.params
+            if repeats:
+                seen.extend((row.index, t) for t in set(fresh))
             bias = params.logit_bias or {}
             for token in fresh:
                 count = row.counts[token] = row.counts.get(token, 0) + 1
@@ -87,9 +121,12 @@ class LogitAdjustments:
             grown = max(MIN_POOL_ROWS, 2 * size)
             extra = torch.zeros(grown - size, vocab, dtype=torch.float32, device=device)
             self.pool = extra if self.pool is None else torch.cat([self.pool, extra])
+            marks = torch.zeros(grown - size, vocab, dtype=torch.bool, device=device)
+            self.seen = marks if self.seen is None else torch.cat([self.seen, marks])
             self.free = list(range(grown - 1, size - 1, -1))
         index = self.free.pop()
         self.pool[index].zero_()
+        self.seen[index].zero_()
         bias = seq.params.logit_bias
         if bias:
             ids = torch.tensor(list(bias), dtype=torch.int64, device=device)

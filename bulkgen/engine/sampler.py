@@ -4,8 +4,9 @@ Rows whose request asks for presence/frequency penalties or a logit_bias first g
 their logits (penalties.py; other rows pay a flag check), so greedy argmax, sampling and the
 reported logprobs all see the processed distribution (vLLM's "processed" logprobs, before temperature).
 Greedy rows take the argmax. Random rows sample by inverse CDF: one counter-based uniform per draw
-(see counter_rng) against the cumulative sum of exp(logits / T) in vocabulary order. top-k masks
-below the k-th weight (ties kept). top-p needs no sort: a drawn token is in the nucleus iff the
+(see counter_rng) against the cumulative sum of exp(logits / T) in vocabulary order. min-p masks
+below min_p times the row's largest weight (one max, no sort), then top-k masks below the k-th
+weight (ties kept). top-p needs no sort: a drawn token is in the nucleus iff the
 mass of strictly heavier tokens is below top_p, so draws are tested and redrawn with the next
 counter (each round accepts with probability >= top_p); rows still unaccepted after REJECTION_ROUNDS
 fall back to an exact sorted nucleus. A row accepted at round r takes draw r; the fallback uses the
@@ -21,7 +22,7 @@ On CPU, where reading a flag waits on nothing, the rounds stop as soon as every 
 (same tokens; the fixed rounds cost 1.30x greedy in bench/bench_sampling.py, stopping early 1.15x).
 `sample_async` queues all of it, with the copy, and returns (the engine's overlapped steps read the
 tokens one step later, SampledTokens.result); `sample` is both at once.
-A random row's constants (1 / temperature, top_p, top_k, key) sit in a device pool written once per
+A random row's constants (1 / temperature, top_p, min_p, top_k, key) sit in a device pool written once per
 sequence (SamplingRows); a step sends each row's pool row and draw counter. Everything a row does
 depends only on its own logits, key, position and output tokens, so a seeded request samples the same
 tokens whatever shares its batch.
@@ -159,7 +160,7 @@ def _copy_to_host(parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], object
 
 class SamplingRows:
     """Random-sampling sequences' constants on the logits' device: row r of a float pool holds
-    (1 / temperature, top_p) and of an int pool (key low half, key high half, top_k), written once when
+    (1 / temperature, top_p, min_p) and of an int pool (key low half, key high half, top_k), written once when
     the sequence first samples. A step then sends one [2, B] int tensor, each row's pool row and draw
     counter (position * DRAWS_PER_POSITION), and gathers the rest on the device. The engine releases a
     sequence's row when its request finishes or is aborted and drops the pools on reset."""
@@ -173,7 +174,7 @@ class SamplingRows:
     def gather(
         self, seqs: list[Sequence], vocab: int, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """([B, 2] float32 constants, [B, 3] int64 constants, [B, 1] int64 counters) of `seqs`."""
+        """([B, 3] float32 constants, [B, 3] int64 constants, [B, 1] int64 counters) of `seqs`."""
         rows, counters, fresh = [], [], []
         for seq in seqs:
             row = self.rows.get(seq.seq_id)
@@ -196,7 +197,7 @@ class SamplingRows:
         if not self.free:
             size = 0 if self.floats is None else self.floats.shape[0]
             grown = max(64, 2 * size)
-            floats = torch.zeros(grown - size, 2, dtype=torch.float32, device=device)
+            floats = torch.zeros(grown - size, 3, dtype=torch.float32, device=device)
             ints = torch.zeros(grown - size, 3, dtype=torch.int64, device=device)
             self.floats = floats if self.floats is None else torch.cat([self.floats, floats])
             self.ints = ints if self.ints is None else torch.cat([self.ints, ints])
@@ -206,7 +207,8 @@ class SamplingRows:
     def _write(self, fresh: list[tuple[int, Sequence]], vocab: int, device: torch.device) -> None:
         index = torch.tensor([row for row, _ in fresh], dtype=torch.int64).to(device, non_blocking=True)
         floats = torch.tensor(
-            [[1.0 / s.params.temperature, s.params.top_p] for _, s in fresh], dtype=torch.float32
+            [[1.0 / s.params.temperature, s.params.top_p, s.params.min_p] for _, s in fresh],
+            dtype=torch.float32,
         )
         ints = torch.tensor(
             [[s.rng_key & MASK32, s.rng_key >> 32, min(s.params.top_k, vocab)] for _, s in fresh],
@@ -246,15 +248,17 @@ class RandomDraw:
 def sample_random(
     logits: torch.Tensor, seqs: list[Sequence], constants: SamplingRows | None = None
 ) -> RandomDraw:
-    """One token per row from softmax(logits / T) restricted to each row's top-k and top-p, without a
+    """One token per row from softmax(logits / T) restricted to each row's min-p, top-k and top-p, without a
     host synchronisation: rows whose round-0 draw misses the nucleus are moved to the front and a
     fixed number of them (sized on the host from the top-p values) are redrawn for the remaining
     rounds; any other row is left to RandomDraw.settle."""
     batch, vocab = logits.shape
     floats, ints, counter = (constants or SamplingRows()).gather(seqs, vocab, logits.device)
-    inv_temp, top_p = floats[:, 0:1], floats[:, 1:2]
+    inv_temp, top_p, min_p = floats[:, 0:1], floats[:, 1:2], floats[:, 2:3]
     key_lo, key_hi, top_k = (ints[:, i : i + 1] for i in range(3))
     weights = torch.softmax(logits * inv_temp, dim=-1)
+    if any(s.params.min_p > 0 for s in seqs):  # vLLM's order: min-p before top-k and top-p
+        weights = weights.masked_fill_(weights < min_p * weights.amax(dim=-1, keepdim=True), 0.0)
     max_k = max((s.params.top_k for s in seqs if s.params.top_k < vocab), default=0)
     if max_k > 0:
         weights = _mask_top_k(weights, torch.where(top_k < vocab, top_k, 0), max_k)

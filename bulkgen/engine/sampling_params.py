@@ -24,12 +24,18 @@ class SamplingParams:
     negative int64 seed is its two's complement. `max_tokens` 0 generates nothing. Penalties count this
     completion's output tokens only (OpenAI's definition); `logit_bias` maps token ids to additive biases.
     `prompt_logprobs` asks for the logprob (and top-k) of every prompt token after the first. `guide`
-    constrains the output to JSON (any object, or a schema's documents; see grammar.py)."""
+    constrains the output to JSON (any object, or a schema's documents; see grammar.py).
+    `top_k` 0 keeps every token; `min_p` drops tokens whose probability (after temperature) is below
+    min_p times the most likely token's (0: off); `repetition_penalty` divides the positive logits and
+    multiplies the negative ones of every token seen in the prompt or the output (1: off; vLLM's and
+    transformers' definition)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -55,12 +61,39 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler must add penalties or biases to this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.logit_bias or self.repetition_penalty != 1
+        )
 
     @property
     def num_sequences(self) -> int:
         """Completions generated (best_of when set, else n)."""
         return self.n if self.best_of is None else self.best_of
+
+
+# The sampling fields a model's generation_config.json may default (vLLM's list): a request that sets none of
+# one takes the model's value (Engine.sampling_params), else SamplingParams' own (OpenAI's).
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(generation_config: object) -> dict:
+    """The GENERATION_DEFAULTS a transformers GenerationConfig sets explicitly (its diff from the class
+    defaults, as vLLM reads it), as SamplingParams kwargs; a value the engine cannot run is left out."""
+    to_diff = getattr(generation_config, "to_diff_dict", None)
+    diff = to_diff() if callable(to_diff) else {}
+    out = {}
+    for name in GENERATION_DEFAULTS:
+        value = diff.get(name)
+        if name == "top_k" and _is_int(value) and value < 0:
+            value = 0  # -1: off, as vLLM
+        if value is None:
+            continue
+        try:
+            check_sampling({name: value})
+        except SamplingError:
+            continue
+        out[name] = float(value) if name != "top_k" else value
+    return out
 
 
 class SamplingError(ValueError):
@@ -92,6 +125,10 @@ def check_sampling(values: dict) -> None:
         raise SamplingError("best_of", f"must be >= n ({values.get('n', 1)})", values["best_of"])
     _check_number(values, "temperature", 0.0, None)
     _check_number(values, "top_p", 0.0, 1.0)
+    _check_number(values, "min_p", 0.0, 1.0)
+    _check_number(values, "repetition_penalty", 0.0, None)
+    if values.get("repetition_penalty") == 0:
+        raise SamplingError("repetition_penalty", "must be a finite number > 0", 0)
     for name in ("presence_penalty", "frequency_penalty"):
         _check_number(values, name, -MAX_PENALTY, MAX_PENALTY)
     _check_logit_bias(values.get("logit_bias"))

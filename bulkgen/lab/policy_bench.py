@@ -83,7 +83,11 @@ def _bench_request(request: ParsedRequest, tokenizer, index: int) -> BenchReques
         raise LineError("invalid_parameter", f"body.{request.limit_field} must be >= 1 for a bench run")
     seed = index if sampling["seed"] is None else sampling["seed"]  # every policy draws the same tokens
     return BenchRequest(
-        request.custom_id, tokenize(request, tokenizer), sampling["max_tokens"], sampling["temperature"], seed
+        request.custom_id,
+        tokenize(request, tokenizer),
+        sampling["max_tokens"],
+        sampling.get("temperature", 1.0),
+        seed,
     )
 
 

@@ -111,12 +111,14 @@ class EngineLoop:
             self._add(p)
 
     def _add(self, p: Prepared) -> None:
-        from bulkgen.engine import EmbedParams, SamplingParams
+        from bulkgen.engine import EmbedParams
         from bulkgen.engine.guide import GrammarError
 
         try:
             params = (
-                EmbedParams(**p.params) if p.request.embedding is not None else SamplingParams(**p.params)
+                EmbedParams(**p.params)
+                if p.request.embedding is not None
+                else self.engine.sampling_params(p.params)
             )
             self.engine.add_request(
                 p.request_id, p.prompt_ids, params, tag=p.range_key[0], lora=p.request.lora, images=p.images
@@ -155,6 +157,7 @@ class EngineLoop:
         if work is None:
             return  # aborted meanwhile
         result = result_dict(out)
+        result["system_fingerprint"] = self.engine.system_fingerprint
         if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)
             result["metrics"]["lora"] = p.request.lora
         if p.request.echo:

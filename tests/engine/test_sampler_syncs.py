@@ -89,7 +89,9 @@ def _seq(rng: random.Random, vocab: int, greedy: bool = False, logprobs: bool = 
     defaults.update(params)
     return SimpleNamespace(
         seq_id=next(SEQ_IDS),
-        params=SimpleNamespace(greedy=greedy, logprobs=None, **defaults),
+        params=SimpleNamespace(
+            greedy=greedy, logprobs=None, min_p=0.0, **defaults
+        ),  # the reference has no min_p
         rng_key=stream_key(rng.randrange(-(2**63), 2**64), rng.randrange(4)),
         num_output_tokens=rng.randrange(0, 5000),
         adjusts_logits=False,

@@ -61,6 +61,8 @@ def test_sample_batch_completes_with_one_output_line_per_request(client, sample)
         prompt_tokens += body["usage"]["prompt_tokens"]
         completion_tokens += body["usage"]["completion_tokens"]
     assert batch.usage.input_tokens == prompt_tokens and batch.usage.output_tokens == completion_tokens
+    fingerprints = {line["response"]["body"]["system_fingerprint"] for line in lines}
+    assert len(fingerprints) == 1 and fingerprints.pop().startswith("fp_")  # one for the whole batch
     metrics = batch.model_extra["metrics"]
     assert metrics["output_tokens"] == completion_tokens and metrics["ttft_s"]["p50"] > 0
     assert 0 < metrics["slot_efficiency"] <= 1

@@ -79,14 +79,13 @@ def test_null_means_default_for_every_nullable_field():
         == {
             "max_tokens": 8,
             "temperature": 0.0,
-            "top_p": 1.0,
             "n": 1,
             "seed": None,
             "stop": None,
             "logprobs": None,
         }
     )
-    assert _chat(temperature=None).sampling["temperature"] == 1.0
+    assert "temperature" not in _chat(temperature=None).sampling  # the model's default, else OpenAI's 1
     plain = _completion(**dict.fromkeys(["best_of", "echo", "suffix", "logprobs", "max_tokens"]))
     assert plain.sampling["max_tokens"] is None and plain.echo is False
 
@@ -303,3 +302,35 @@ def test_several_prompts_number_their_choices_across_prompts():
         (5, "c1"),
     ]
     assert (merged["prompt_tokens"], merged["completion_tokens"], merged["cached_tokens"]) == (12, 6, 3)
+
+
+@pytest.mark.parametrize("parse", [_chat, _completion])
+def test_vllm_sampling_extensions_are_accepted_and_checked(parse):
+    """top_k, min_p, repetition_penalty: vLLM's extensions, not OpenAI fields, honoured on both endpoints."""
+    request = parse(top_k=40, min_p=0.05, repetition_penalty=1.2)
+    assert (request.sampling["top_k"], request.sampling["min_p"]) == (40, 0.05)
+    assert request.sampling["repetition_penalty"] == 1.2
+    # set, even to "off", it stays in the kwargs: the line's choice beats the model's generation_config default
+    for off, kwargs in [
+        ({"top_k": -1}, {"top_k": 0}),
+        ({"top_k": 0}, {"top_k": 0}),
+        ({"min_p": 0}, {"min_p": 0.0}),
+        ({"repetition_penalty": 1}, {"repetition_penalty": 1.0}),
+        ({"temperature": 1}, {"temperature": 1.0}),
+    ]:
+        assert parse(**off).sampling.items() >= kwargs.items()
+    unset = set(parse(top_k=None, temperature=None).sampling)  # null or absent: the model's default applies
+    assert not {"temperature", "top_p", "top_k", "min_p", "repetition_penalty"} & unset
+    for name, bad in [
+        ("top_k", -2),
+        ("top_k", 1.5),
+        ("top_k", True),
+        ("min_p", 1.01),
+        ("min_p", -0.1),
+        ("min_p", "0.1"),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+    ]:
+        assert _refused(parse, **{name: bad}) == ("invalid_parameter", f"body.{name}"), (name, bad)
+    assert _refused(parse, top_n=3) == ("unknown_parameter", "body.top_n")
