@@ -41,7 +41,15 @@ from .image_blocks import longest
 from .loading import load_model
 from .lora import LoraError, load_adapter
 from .model_runner import ModelRunner, StepLogits
-from .multimodal import ImageInputs, RequestImages, VisionTower, is_vision_model, load_vision
+from .multimodal import (
+    ImageInputs,
+    RequestImages,
+    VisionTower,
+    check_vision_families,
+    is_vision_model,
+    load_processor,
+    load_vision,
+)
 from .outputs import CompletionOutput, RequestOutput, best_of
 from .overlap import OverlappedSteps, _InFlight
 from .penalties import LogitAdjustments
@@ -171,15 +179,24 @@ class Engine(OverlappedSteps):
         config = EngineConfig(
             **{k: v for k, v in engine_kwargs.items() if k in fields}
         )  # before any rank starts
-        if is_vision_model(path):
-            model, tower = load_vision(path, device, dtype, config, launcher)
-            return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
-        check_device_fits(path, dtype, config.tensor_parallel, device)
-        if config.tensor_parallel > 1:
+        vision = is_vision_model(path)
+        if vision:
+            check_vision_families(path)
+        else:
+            check_device_fits(path, dtype, config.tensor_parallel, device)
+        if (
+            config.tensor_parallel > 1
+        ):  # a vision-language model's encoder runs on rank 0 alone (vision_shards)
             from .tensor_parallel import launch
 
             timeout = config.collective_timeout_s
             model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
+            if vision:
+                tower = VisionTower(model.bulkgen_tp.vlm, load_processor(path))
+                return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
+        elif vision:
+            model, tower = load_vision(path, device, dtype, config)
+            return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
         else:
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

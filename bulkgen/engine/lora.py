@@ -56,6 +56,13 @@ class LoraFileError(LoraError, CheckpointError):
     """An adapter whose weights file is corrupt or malformed (its message names the file and the tensor)."""
 
 
+class LoraWrapper(torch.nn.Module):
+    """A layer that wraps a linear one to add adapters (lora_slots.LoraLinear): `base` is the layer wrapped.
+    Declared here so this module checks targets without importing the one that wraps them."""
+
+    base: torch.nn.Module
+
+
 @dataclass(eq=False)
 class LoraAdapter:
     """One adapter in the host cache: `weights[module] = (A [r, in], B·scale [out, r])` on the CPU.
@@ -72,8 +79,7 @@ class LoraAdapter:
 
 def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max_rank: int) -> LoraAdapter:
     """Read and check the PEFT folder at `path` against `model`; LoraError naming what is refused."""
-    from .lora_tp import shard_pair
-
+    group = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup: this rank's shard of each pair
     folder = Path(path)
     config = _read_config(name, folder)
     for key, feature in REFUSED_SETTINGS.items():
@@ -95,7 +101,8 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
             raise LoraError(f"adapter {name!r}: rank {rank} ({module}) is above max_lora_rank {max_rank}")
         alpha = float(_pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        a, b = shard_pair(model, module, a, b)  # this rank's shard on a tensor-parallel model
+        if group is not None:
+            a, b = group.shard_lora(model, module, a, b)
         weights[module] = _checked(name, model, module, a, b, scale)
         parent, _, child = module.rpartition(".")
         refusal = lora_refusal(model.get_submodule(parent), child)  # the module exists: _checked found it
@@ -197,13 +204,11 @@ def _checked(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(A, B·scale) in float32 for `module`, after checking it is a linear layer of matching shape."""
-    from .lora_slots import LoraLinear  # that module wraps what this one checks
-
     try:
         target = model.get_submodule(module)
     except AttributeError:
         raise LoraError(f"adapter {name!r}: target module {module!r} is not in the model") from None
-    if isinstance(target, LoraLinear):  # another adapter targets it too
+    if isinstance(target, LoraWrapper):  # another adapter targets it too
         target = target.base
     head = model.get_output_embeddings()
     if isinstance(target, torch.nn.Embedding) or target is head:

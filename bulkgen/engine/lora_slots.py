@@ -24,11 +24,10 @@ from contextlib import contextmanager
 
 import torch
 
-from .lora import LoraAdapter, LoraError
-from .lora_tp import row_parallel_reduce
+from .lora import LoraAdapter, LoraError, LoraWrapper
 
 
-class LoraLinear(torch.nn.Module):
+class LoraLinear(LoraWrapper):
     """A linear layer plus the LoRA slots of its module; the base layer's output when no step is active."""
 
     def __init__(self, base: torch.nn.Linear, pool: LoraSlots, reduce=None) -> None:
@@ -106,9 +105,11 @@ class LoraSlots:
         self.num_tokens = 0  # the packed row's length in the step running
         self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
         self.published: set[int] = set()  # tensor-parallel rank 0: uids whose folder followers can read
-        tp = getattr(model, "bulkgen_tp", None)
-        if tp is not None:  # its step plans carry these slots (rank 0) or fill them (followers): lora_tp.py
-            tp.loras = self
+        self.tp = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup: it splits and reduces LoRA
+        if (
+            self.tp is not None
+        ):  # its step plans carry these slots (rank 0) or fill them (followers): lora_tp.py
+            self.tp.loras = self
 
     def add(self, adapter: LoraAdapter) -> None:
         """Cache `adapter` on the host and wrap the layers it targets (each layer is wrapped once)."""
@@ -118,7 +119,7 @@ class LoraSlots:
             if module not in self.layers:
                 parent, _, child = module.rpartition(".")
                 owner = self.model.get_submodule(parent)
-                reduce = row_parallel_reduce(self.model, module)
+                reduce = tp.lora_reduce(self.model, module) if (tp := self.tp) is not None else None
                 self.layers[module] = LoraLinear(getattr(owner, child), self, reduce)
                 setattr(owner, child, self.layers[module])
         weight = next(self.model.parameters())

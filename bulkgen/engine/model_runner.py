@@ -33,7 +33,6 @@ from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
-from .shard_hybrid import check_split_mixers
 from .state_slots import StatePool
 from .step_plan import HostPack, StepPlan
 
@@ -112,9 +111,7 @@ class ModelRunner:
         self.tp = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup of a sharded model
         if self.tp is not None and self.tp.rank == 0:
             self.tp.publish_config(config, max_model_len)
-        mixers = _check_supported(model)
-        if mixers and self.tp is not None:
-            check_split_mixers(model, mixers)
+        mixers = _check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)

@@ -354,29 +354,24 @@ def is_vision_model(path: str) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
-def load_vision(
-    path: str, device, dtype: torch.dtype, config=None, launcher=None
-) -> tuple[torch.nn.Module, VisionTower]:
+def check_vision_families(path: str) -> None:
+    """ValueError naming a vision-language family bulkgen does not run, before any weight is read."""
+    from transformers import AutoConfig
+
+    for name in AutoConfig.from_pretrained(path, local_files_only=True).architectures or []:
+        _check_name(name)
+
+
+def load_vision(path: str, device, dtype: torch.dtype, config=None) -> tuple[torch.nn.Module, VisionTower]:
     """(the language half, the encoder with the processor) of the vision-language model at `path`;
     ValueError naming a family bulkgen does not run, before any weight is read. `config` (EngineConfig):
     its `quantize` quantizes as a text model is (loading.load_model): only the text model's decoder
-    layers, online or by the checkpoint (online on each rank's shard under tensor parallel); with
-    tensor_parallel > 1 the language half is rank 0's shard and
-    the encoder runs on rank 0 alone (vision_shards.py; `launcher` starts the other ranks,
-    tensor_parallel.launch)."""
-    from transformers import AutoConfig
-
+    layers, online or by the checkpoint. One process's: with tensor_parallel > 1 the engine launches the
+    ranks (tensor_parallel.launch; the language half is rank 0's shard, the encoder runs on rank 0 alone:
+    vision_shards.py)."""
     from .loading import load_model
 
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-    for name in hf_config.architectures or []:
-        _check_name(name)
-    if config is not None and config.tensor_parallel > 1:
-        from .tensor_parallel import launch
-
-        timeout = config.collective_timeout_s
-        model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
-        return model, VisionTower(model.bulkgen_tp.vlm, load_processor(path))
+    check_vision_families(path)
     vlm = load_model(path, device, dtype, None if config is None else config.quantize, vision=True)
     tower = VisionTower(vlm, load_processor(path))
     return text_model(vlm), tower

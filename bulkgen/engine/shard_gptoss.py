@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .shard_base import materialize, safetensors_files
+
 GPT_OSS_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.k_proj": "colwise",
@@ -71,11 +73,9 @@ def load_mxfp4_experts(model: nn.Module, path, rank: int, dtype, device) -> None
         return
     from safetensors import safe_open
 
-    from .sharding import _materialize, _safetensors_files
-
     params = dict(model.named_parameters(remove_duplicate=False))
     where = {}
-    for file in _safetensors_files(Path(path)):
+    for file in safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             where.update(dict.fromkeys(handle.keys(), file))
     for blocks in sorted(name for name in where if name.endswith("_blocks")):
@@ -84,7 +84,7 @@ def load_mxfp4_experts(model: nn.Module, path, rank: int, dtype, device) -> None
             raise ValueError(
                 f"checkpoint at {path}: MXFP4 tensor {blocks} fills no expert weight of the model"
             )
-        param = _materialize(model, name, params, dtype, device)
+        param = materialize(model, name, params, dtype, device)
         scales = f"{name}_scales"
         with safe_open(str(where[blocks]), "pt") as b, safe_open(str(where[scales]), "pt") as s:
             data = _dequantized_slice(

@@ -21,6 +21,8 @@ import re
 import torch
 from torch import nn
 
+from .shard_base import shard_slice, style_of
+
 # model types whose gather-output / split-input plan entries are what this module splits
 COVERED = {"olmo2", "olmo3", "minimax_m2", "phi3", "glm"}
 _GATHER, _SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
@@ -73,7 +75,6 @@ def _packed_qkv(model: nn.Module, key: str) -> PackedQKV:
 def qkv_rows(view, full: tuple[int, ...], style: PackedQKV, rank: int, world: int) -> torch.Tensor:
     """This rank's rows of a packed [q | k | v] checkpoint tensor (weight or bias): its query heads, and
     the KV heads its query heads read."""
-    from .sharding import shard_slice
 
     query = style.query_width * world
     kv = (full[0] - query) // 2
@@ -116,7 +117,6 @@ class WholeWidthRMSNorm(nn.Module):
 def whole_width_norms(model: nn.Module, plan: dict[str, str], config, group) -> None:
     """Replace each q_norm / k_norm the plan splits (covered_plan) with its WholeWidthRMSNorm; `config`:
     the whole model's, whose KV head count says how many ranks hold each KV head."""
-    from .sharding import style_of
 
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     holders = max(group.world // kv_heads, 1)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .checkpoint_checks import SCALE_SUFFIX
+from .shard_base import safetensors_files, style_of
 from .shard_gptoss import splits_quantized
 
 ACTIVATION_STRATEGIES = {"token", "tensor", "group"}
@@ -129,10 +130,8 @@ def _scale_files(path, suffix: str) -> dict[str, str]:
     another file of a sharded checkpoint than the weight."""
     from safetensors import safe_open
 
-    from .sharding import _safetensors_files
-
     files = {}
-    for file in _safetensors_files(Path(path)):
+    for file in safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             files.update((name, str(file)) for name in handle.keys() if name.endswith(suffix))
     return files
@@ -248,7 +247,6 @@ def _attach_compressed_tensors(model: nn.Module, path, plan: dict[str, str], gro
     from transformers import AutoModelForCausalLM
 
     from .loading import _config_ignoring_by_model_names
-    from .sharding import style_of
 
     config = _config_ignoring_by_model_names(path, AutoModelForCausalLM).quantization_config
     apply_quantization_config(model, QuantizationConfig.model_validate(config), show_progress=False)

@@ -25,8 +25,6 @@ not equal to, the single-process FP8 model's (tests/engine/test_tensor_parallel_
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 from copy import deepcopy
 from pathlib import Path
 
@@ -35,7 +33,9 @@ from torch import nn
 
 from . import shard_families as families
 from . import shard_hybrid as hybrid
+from .hybrid_layers import find_mixers
 from .quantize import Fp8Linear, quantize_layers
+from .shard_base import materialize, packed_half, parameters_on_meta, safetensors_files, shard_slice, style_of
 from .shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts
 from .shard_mla import mla_plan
 from .shard_packed import covered_plan, qkv_rows, whole_width_norms
@@ -134,43 +134,19 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def style_of(plan: dict[str, str], name: str) -> str | None:
-    """The plan's style for a module or parameter name (layer indices matched by `*`)."""
-    return plan.get(re.sub(r"\.\d+(?=\.|$)", ".*", name))
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Build modules whose parameters take no memory (they are allocated shard by shard at load) while
-    buffers (rotary frequencies) are computed for real, as accelerate's init_empty_weights does."""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        register(module, name, param)
-        if param is not None:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=False)
-
-    nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register
-
-
 def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str | None = None) -> nn.Module:
-    """Rank `group.rank`'s model (group: tensor_parallel.RankGroup, attached as `model.bulkgen_tp`):
-    built with no parameter memory, then filled from its slices of the checkpoint; `quantize`: its decoder
-    layers' linears quantized a layer at a time as they move to the device (quantize.quantize_layers)."""
+    """Rank `group.rank`'s model of a decoder-only checkpoint (group: tensor_parallel.RankGroup, attached as
+    `model.bulkgen_tp`; a vision-language checkpoint is vision_shards.build_vision_shard's, and
+    tensor_parallel.load_shard picks): built with no parameter memory, then filled from its slices of the
+    checkpoint; `quantize`: its decoder layers' linears quantized a layer at a time as they move to the
+    device (quantize.quantize_layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if getattr(config, "vision_config", None) is not None:
-        from .vision_shards import build_vision_shard
-
-        return build_vision_shard(path, config, group, dtype, quantize)
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(local_config(config, group.world), dtype=dtype)
         families.fit_modules(model, config, group.world)
+    hybrid.check_split_mixers(model, find_mixers(model))  # before any weight is read
     model.config._name_or_path = str(path)  # the engine reads the model's folder (pooling config)
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
@@ -219,17 +195,6 @@ def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
         )
 
 
-def shard_slice(full: tuple[int, ...], local: tuple[int, ...], rank: int, world: int) -> tuple | None:
-    """Index of this rank's part of a checkpoint tensor of shape `full` for a parameter of shape `local`
-    (None: the whole tensor): the one dimension where they differ is the split one."""
-    if full == local:
-        return None
-    dim = next(d for d in range(len(full)) if full[d] != local[d])
-    chunks = full[dim] // local[dim]
-    index = rank * chunks // world  # KV heads fewer than ranks: neighbours share one
-    return (slice(None),) * dim + (slice(index * local[dim], (index + 1) * local[dim]),)
-
-
 def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int, half: int | None):
     """This rank's slice of one checkpoint tensor (`view`: a safetensors slice) for a parameter of shape
     `shape`; for a legacy expert, `half` says which half of the packed gate_up it fills."""
@@ -261,14 +226,6 @@ def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int
             "that tensor parallel does not split"
         )
     return view[index] if index is not None else view[:]
-
-
-def packed_half(view, full: tuple[int, ...], part: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of half `part` of a packed gate_up (a checkpoint view or a tensor, e.g. a LoRA
-    B: lora_tp.py), so each half splits over the ranks like an unpacked one."""
-    rows = full[-2] // 2 // world
-    start = part * full[-2] // 2 + rank * rows
-    return view[(slice(None),) * (len(full) - 2) + (slice(start, start + rows),)]
 
 
 def _style(plan: dict[str, str], name: str, vocab: set[str]) -> str | None:
@@ -309,7 +266,7 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
     filled: set[str] = set()
     rename = _renamer(model)
     fp8 = fp8_checkpoint(model.config, world)
-    for file in _safetensors_files(Path(path)):
+    for file in safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             handle = fp8.reader(handle, dtype, path) if fp8 else handle
             for name in handle.keys():
@@ -317,7 +274,7 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
                 if target is None:
                     continue
                 style = _style(plan, target, vocab)
-                param = _materialize(model, target, params, dtype, device)
+                param = materialize(model, target, params, dtype, device)
                 if style == "rowwise" and target.endswith(".bias") and rank:
                     param.data.zero_()  # a row-parallel bias is added once, by rank 0, before the all-reduce
                 else:
@@ -393,27 +350,3 @@ def _place(
             f"checkpoint tensor {name}: slice of shape {tuple(data.shape)} does not fit {tuple(dest.shape)}"
         )
     dest.copy_(data)
-
-
-def _materialize(model: nn.Module, name: str, params: dict, dtype, device) -> nn.Parameter:
-    """The parameter `name`, allocated on `device` if it is still on meta (every module sharing it sees
-    the new one: tied embeddings)."""
-    old = params[name]
-    if not old.is_meta:
-        return old
-    new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device), requires_grad=False)
-    for other, param in list(params.items()):
-        if param is old:
-            owner, _, attr = other.rpartition(".")
-            setattr(model.get_submodule(owner), attr, new)
-            params[other] = new
-    return new
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    from .checkpoint_checks import checkpoint_files
-
-    files = checkpoint_files(path)
-    if not files:
-        raise ValueError(f"no safetensors weights at {path}: tensor parallel loads only safetensors")
-    return files

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from .config import EngineConfig
-from .lora_tp import follow, publish
+from .lora_tp import follow, publish, row_parallel_reduce, shard_pair
 from .plan_codec import FollowedStep, PlanDecoder, PlanEncoder
 from .process_memory import peak_rss, reset_peak_rss
 from .replay_watchdog import ReplayWatchdog
@@ -152,6 +152,16 @@ class RankGroup:
     def rank_memory(self) -> list[dict]:
         """Each rank's host memory at load (load_shard), in rank order."""
         return [json.loads(self._wait(f"memory/{rank}")) for rank in range(self.world)]
+
+    def shard_lora(
+        self, model, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A, B) of an adapter's `module` (lora.load_adapter asks; lora_tp.shard_pair)."""
+        return shard_pair(model, module, a, b)
+
+    def lora_reduce(self, model, module: str):
+        """The all-reduce a LoRA layer on `module` needs, or None (lora_slots asks; lora_tp.py)."""
+        return row_parallel_reduce(model, module)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or `op`) `tensor` over the ranks, in place; RankLost after the group's timeout."""
@@ -294,10 +304,17 @@ def load_shard(
     """This rank's shard of the model (`quantize`: its decoder layers' linears quantized, sharding.py), and
     what loading it cost in host memory, published for rank 0 (RankGroup.rank_memory): the resident set
     before, its peak while loading, and the weights' bytes as held."""
+    from transformers import AutoConfig
+
     from .sharding import build_shard_model
+    from .vision_shards import build_vision_shard
 
     before = reset_peak_rss()
-    model = build_shard_model(path, group, dtype, quantize)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if getattr(config, "vision_config", None) is not None:
+        model = build_vision_shard(path, config, group, dtype, quantize)
+    else:
+        model = build_shard_model(path, group, dtype, quantize)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
     memory.update(peak_rss=peak_rss(), weight_bytes=weights)

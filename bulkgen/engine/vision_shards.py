@@ -1,4 +1,4 @@
-"""A vision-language model's tensor-parallel shard (sharding.build_shard_model hands such a checkpoint
+"""A vision-language model's tensor-parallel shard (tensor_parallel.load_shard hands such a checkpoint
 here): its language model split as any decoder's, its encoder and projector whole on rank 0 and absent
 elsewhere. Rank 0 alone runs the encoder; multimodal.splice broadcasts each step's image rows to the
 other ranks, whose step plan says where they go (plan_codec.py).
@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .hybrid_layers import find_mixers
 from .multimodal import text_model
 from .quantize import quantize_layers
+from .shard_hybrid import check_split_mixers
 from .sharding import add_all_reduces, load_shards, local_config, parameters_on_meta, tp_plan
 from .vocab_parallel import split_vocab
 
@@ -34,6 +36,7 @@ def build_vision_shard(
         vlm = AutoModelForImageTextToText.from_config(local, dtype=dtype)
     vlm.config._name_or_path = str(path)
     fix_head_dim(vlm.get_decoder(), local.text_config)
+    check_split_mixers(vlm, find_mixers(vlm))  # before any weight is read
     if group.rank:
         drop_encoder(vlm)
     plan = tp_plan(vlm)

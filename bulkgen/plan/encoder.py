@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bulkgen.plan.fit import nonnegative_lstsq
+
 SIZES = ((224, 224), (448, 336))  # two sizes: a dynamic-resolution processor (Qwen-VL) gives two token counts
 COUNTS = (1, 2, 4)  # images per encoder call
 REPEATS = 3
@@ -56,8 +58,6 @@ def measure_encoder(engine) -> EncoderCost | None:
 def fit_encoder(rows: list[tuple[int, int, float]]) -> EncoderCost:
     """(images, image tokens, seconds) of each timed call -> EncoderCost, each cost kept >= 0; the token
     term only where image token counts differ (otherwise it cannot be told from the per-image one)."""
-    from bulkgen.plan.profile import nonnegative_lstsq
-
     images, tokens, seconds = (np.array(c, float) for c in zip(*rows, strict=True))
     varies = len({t / i for i, t, _ in rows}) > 1
     columns = [np.ones_like(images), images, *([tokens] if varies else [])]

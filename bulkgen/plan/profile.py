@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from bulkgen.plan.fit import nonnegative_lstsq
 from bulkgen.plan.timed import EngineLimits, attended
 from bulkgen.store import NotFound, Store, layout
 
@@ -382,17 +383,6 @@ def _fit_admission(rows: list[tuple], coef: tuple[float, float, float]) -> tuple
     y = np.array([r[3] - base - per_seq * r[0] - per_context * r[2] for r in steps]) * weight
     per_prefill, per_new_seq = nonnegative_lstsq(x, y)
     return per_prefill, per_new_seq
-
-
-def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
-    """Least squares, dropping a coefficient that comes out negative (a negative cost is noise)."""
-    keep = np.ones(x.shape[1], bool)
-    while True:
-        coef = np.zeros(x.shape[1])
-        coef[keep] = np.linalg.lstsq(x[:, keep], y, rcond=None)[0]
-        if (coef >= 0).all():
-            return [float(c) for c in coef]
-        keep &= coef > 0
 
 
 # `measure`'s fresh process: measure_here's arguments as JSON in, the profile as JSON out

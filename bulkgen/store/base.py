@@ -113,10 +113,10 @@ class Store(ABC):
     def sub(self, prefix: str) -> Store:
         """The same storage, rooted at `prefix` under this one (a tenant's folder): keys of the result are
         relative to it, so it can never name an object outside."""
-        from bulkgen.store import open_store
-
         check_key(prefix)
-        return open_store(**{**self.open_args(), "url": f"{self.url.rstrip('/')}/{prefix}"})
+        args = self.open_args()
+        del args["url"]  # its own class, not open_store's choice by URL: a base never imports its backends
+        return type(self)(f"{self.url.rstrip('/')}/{prefix}", **args)
 
     @abstractmethod
     def read_bytes(self, key: str) -> bytes:
