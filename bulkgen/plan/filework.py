@@ -13,6 +13,7 @@ MAX_BLOCK_HASHES, after which new blocks are assumed uncached).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,13 +37,16 @@ class FileWork:
     """What a file asks of the engine, one entry per sequence the engine will run."""
 
     validation: ValidationResult
-    prompt_tokens: list[int] = field(default_factory=list)  # the whole prompt (usage.input_tokens)
-    uncached_tokens: list[int] = field(
-        default_factory=list
-    )  # what prefill computes (prefix-cache hits removed)
-    max_tokens: list[int] = field(default_factory=list)  # as fit_context resolves it (0: embeddings)
+    # machine-word arrays, 8 bytes a value (a list of ints takes ~40): `bulkgen plan` holds a whole file's
+    prompt_tokens: array = field(default_factory=lambda: array("q"))  # the whole prompt (usage.input_tokens)
+    uncached_tokens: array = field(
+        default_factory=lambda: array("q")
+    )  # prefill's (prefix-cache hits removed)
+    max_tokens: array = field(
+        default_factory=lambda: array("q")
+    )  # as fit_context resolves it (0: embeddings)
     # what prefill computes without a prefix cache (hybrid models): every sequence its whole prompt
-    sequence_prompts: list[int] = field(default_factory=list)
+    sequence_prompts: array = field(default_factory=lambda: array("q"))
     refused: int = 0  # lines their worker would answer with a 400
     images: int = 0  # images of the lines that run (their tokens are in prompt_tokens, from the processor)
     # per sequence, what the vision encoder runs: (images, their placeholder tokens), (0, 0) where a

@@ -10,6 +10,7 @@ them all.
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -47,7 +48,8 @@ class IndexBuilder:
     batch in `validating` is checked and indexed in one streamed pass."""
 
     def __init__(self) -> None:
-        self._cols: tuple[list[int], ...] = ([], [], [], [], [])
+        # machine-word arrays, not lists: 40 bytes a request while validating (lists of ints took ~190)
+        self._cols: tuple[array, ...] = (array("q"), array("q"), array("q"), array("q"), array("Q"))
 
     def __len__(self) -> int:
         return len(self._cols[0])
@@ -58,14 +60,9 @@ class IndexBuilder:
             col.append(value)
 
     def build(self) -> LineIndex:
-        lines, starts, ends, work, prefix = self._cols
-        return LineIndex(
-            np.array(lines, np.int64),
-            np.array(starts, np.int64),
-            np.array(ends, np.int64),
-            np.array(work, np.int64),
-            np.array(prefix, np.uint64),
-        )
+        # views of the arrays' buffers, no copy: the builder cannot grow once built (BufferError)
+        kinds = (np.int64, np.int64, np.int64, np.int64, np.uint64)
+        return LineIndex(*(np.frombuffer(col, kind) for col, kind in zip(self._cols, kinds, strict=True)))
 
 
 def index_file(reader: BinaryIO, endpoint: str) -> LineIndex:
