@@ -45,7 +45,7 @@ def test_image_tokens_are_counted_by_the_processor(vlm):
         )
         for row in ROWS
     ]
-    assert (work.refused, work.images, work.prompt_tokens) == (0, 8, expected)
+    assert (work.refused, work.images, list(work.prompt_tokens)) == (0, 8, expected)
     assert expected[5] == text_tokens(processor, ROWS[5]) + 2 * per_image  # compare-two: two images
 
 
