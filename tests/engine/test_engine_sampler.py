@@ -9,6 +9,7 @@ import torch
 
 from bulkgen.engine import sampler
 from bulkgen.engine.counter_rng import MASK32, hash32, hash32_py, stream_key, uniforms
+from bulkgen.engine.sampling_params import SamplingParams
 
 
 def test_device_hash_matches_the_python_reference_and_uniforms_are_open_and_flat():
@@ -31,7 +32,7 @@ def test_stream_keys_are_distinct_across_seeds_and_completions():
 
 
 def _seqs(count, temperature=1.0, top_p=1.0, top_k=0, position=0, seed0=0):
-    params = SimpleNamespace(temperature=temperature, top_p=top_p, top_k=top_k, greedy=False, logprobs=None)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)  # the engine's own
     return [
         SimpleNamespace(
             seq_id=i,
@@ -81,7 +82,7 @@ def test_mixed_greedy_and_random_rows():
     torch.manual_seed(1)
     logits = torch.randn(4, 50)
     greedy = SimpleNamespace(
-        params=SimpleNamespace(greedy=True, logprobs=None), adjusts_logits=False, cumulative_logprob=None
+        params=SamplingParams(temperature=0.0), adjusts_logits=False, cumulative_logprob=None
     )
     seqs = [greedy, *_seqs(1, top_p=0.9), greedy, *_seqs(1, seed0=9)]
     tokens, logprobs = sampler.sample(logits, seqs)
