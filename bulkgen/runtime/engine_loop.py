@@ -10,6 +10,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from bulkgen.batch.outputlines import merge_results, refused_line
+from bulkgen.batch.reasoning import read_choices
 from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, split_step
 from bulkgen.runtime.parts import PartEntry
 
@@ -158,6 +159,11 @@ class EngineLoop:
             return  # aborted meanwhile
         result = result_dict(out)
         result["system_fingerprint"] = self.engine.system_fingerprint
+        if p.request.reasoning_parser is not None:
+            ids = [c.token_ids for c in out.outputs]
+            read_choices(
+                result, ids, p.request.reasoning_parser, p.request.reasoning_open, self.engine.tokenizer
+            )
         if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)
             result["metrics"]["lora"] = p.request.lora
         if p.request.echo:
