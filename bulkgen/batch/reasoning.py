@@ -102,8 +102,10 @@ def _read_harmony(token_ids: list[int], tokenizer) -> Reading:
         elif channel == "analysis":
             reasoning.append(body)
             spent += m.tokens
-        elif m.in_body or channel is not None:  # final, a commentary preamble, or a channel never named
+        elif m.in_body:  # final, a commentary preamble, or a channel never named
             answer.append(body)
+        elif "<|" in header:  # a header cut off by max_tokens: no text yet, spent before any answer
+            spent += m.tokens
         else:  # text outside any message (no markers at all): the model's plain answer
             answer.append(tokenizer.decode(m.header, skip_special_tokens=True))
     content = "".join(answer) if answer else None

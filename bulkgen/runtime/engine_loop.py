@@ -177,7 +177,12 @@ class EngineLoop:
             if len(done) < p.parts:
                 return
             result = merge_results([done.pop(k) for k in range(p.parts)], p.params.get("n", 1))
-        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
+        usage = (
+            result["prompt_tokens"],
+            result["completion_tokens"],
+            result["cached_tokens"],
+            result.get("reasoning_tokens", 0),
+        )
         entry = PartEntry(p.request.line, True, b"", usage)
         work.answers.append((entry, p.request, result))
         self._settle(work, p.request.line, entry)

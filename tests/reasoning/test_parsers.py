@@ -102,5 +102,7 @@ def test_harmony_tool_call(header):
 def test_harmony_cut_inside_analysis_and_plain_text():
     cut = _read(GPT_OSS, "<|channel|>analysis<|message|>Rayleigh sca")
     assert (cut.reasoning, cut.content) == ("Rayleigh sca", None)
+    header = _read(GPT_OSS, "<|channel|>analy")  # cut before its message began
+    assert (header.reasoning, header.content, header.reasoning_tokens) == (None, None, 6)
     plain = _read(GPT_OSS, "Just text.")
     assert (plain.reasoning, plain.content) == (None, "Just text.")
