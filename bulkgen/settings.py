@@ -17,7 +17,12 @@ from typing import Any
 
 from bulkgen.engine import QUANTIZE_MODES
 from bulkgen.models.loras import LoraSpec, parse_lora_specs
-from bulkgen.models.registry import EVERY_MODEL, parse_model_specs, parse_tensor_parallel
+from bulkgen.models.registry import (
+    EVERY_MODEL,
+    parse_model_specs,
+    parse_reasoning_parsers,
+    parse_tensor_parallel,
+)
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
@@ -330,6 +335,19 @@ class WorkerSettings:
             "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
         ),
     )
+    # model name (EVERY_MODEL: all not named) -> how its output's reasoning is read (bulkgen.batch.reasoning)
+    reasoning_parsers: dict[str, str] = setting(
+        factory=dict,
+        flag=Flag(
+            "--reasoning-parser",
+            metavar="PARSER|NAME=PARSER",
+            parse=parse_reasoning_parsers,
+            help="How a reasoning model's output is read into message.reasoning and content: auto (what its "
+            "chat template teaches: think for <think>…</think>, harmony for gpt-oss's channels), think, harmony "
+            "or none (the raw text as content). PARSER sets every model, NAME=PARSER the model served as NAME "
+            "(repeatable; wins over PARSER); default auto (docs/reasoning.md).",
+        ),
+    )
     images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
@@ -372,6 +390,11 @@ class WorkerSettings:
     def load_deadline_for(self, checkpoint_bytes: int | None) -> float:
         """The seconds a load of a checkpoint of `checkpoint_bytes` (None: not known yet) may take."""
         return self.load_deadline_s + self.load_s_per_gb * (checkpoint_bytes or 0) / 1e9
+
+    def reasoning_parser_of(self, model: str) -> str | None:
+        """The reasoning parser `--reasoning-parser` sets for `model`; None: what its chat template teaches."""
+        parser = self.reasoning_parsers.get(model, self.reasoning_parsers.get(EVERY_MODEL, "auto"))
+        return None if parser == "auto" else parser
 
     def ranks_of(self, model: str) -> int:
         """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""
@@ -521,14 +544,16 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        unknown = sorted(set(self.workers.tensor_parallel) - set(self.models) - {EVERY_MODEL})
-        if unknown:
-            raise SettingError(
-                "tensor_parallel",
-                self.workers.tensor_parallel,
-                f"no served model is named {unknown[0]!r} (--model NAME=PATH names them: "
-                f"{', '.join(sorted(self.models))})",
-            )
+        for name in ("tensor_parallel", "reasoning_parsers"):
+            per_model = getattr(self.workers, name)
+            unknown = sorted(set(per_model) - set(self.models) - {EVERY_MODEL})
+            if unknown:
+                raise SettingError(
+                    name,
+                    per_model,
+                    f"no served model is named {unknown[0]!r} (--model NAME=PATH names them: "
+                    f"{', '.join(sorted(self.models))})",
+                )
 
     def rank_counts(self) -> list[int]:
         """The rank counts of the served models' workers, smallest first: one class of workers each."""

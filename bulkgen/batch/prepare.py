@@ -91,7 +91,8 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
             f"the model's chat template refused {_input(request)}: {type(exc).__name__}: {str(exc)[:200]}",
             _input(request),
         ) from None
-    request.reasoning_parser = reasoning_parser(template, tokenizer)
+    if request.reasoning_parser is None:  # no --reasoning-parser for the model: what its template teaches
+        request.reasoning_parser = reasoning_parser(template, tokenizer)
     request.reasoning_open = opens_reasoning(prompt)
     return prompt
 

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 THINK, HARMONY, NONE = "think", "harmony", "none"
-PARSERS = (THINK, HARMONY, NONE)
 _THINK_START, _THINK_END = "<think>", "</think>"
 # harmony's markers: a message is `<|start|>HEADER<|message|>BODY` closed by one of _ENDS
 _START, _MESSAGE, _ENDS = "<|start|>", "<|message|>", ("<|end|>", "<|return|>", "<|call|>")

@@ -38,21 +38,45 @@ def parse_tensor_parallel(specs: tuple[str, ...] | list[str]) -> dict[str, int]:
     """`--tensor-parallel` values: `N` (every model) or `NAME=N` (the served model NAME), repeatable, to
     model name (EVERY_MODEL for `N`) -> ranks; ValueError naming the flag and the bad value. Whether each
     NAME is served is the settings' check (`Settings`), where the models are known."""
-    ranks: dict[str, int] = {}
+    return _per_model("--tensor-parallel", specs, _rank_count, "N or NAME=N, e.g. big=2")
+
+
+def parse_reasoning_parsers(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """`--reasoning-parser` values: `PARSER` (every model) or `NAME=PARSER`, as parse_tensor_parallel reads
+    its own; a PARSER is one of REASONING_PARSERS."""
+    return _per_model("--reasoning-parser", specs, _reasoning_parser, "PARSER or NAME=PARSER, e.g. r1=think")
+
+
+REASONING_PARSERS = ("auto", "think", "harmony", "none")  # auto: what the chat template teaches
+
+
+def _rank_count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError("the rank count must be a whole number of at least 1")
+    return int(value)
+
+
+def _reasoning_parser(value: str) -> str:
+    if value not in REASONING_PARSERS:
+        raise ValueError(f"the parser must be one of {', '.join(REASONING_PARSERS)}")
+    return value
+
+
+def _per_model(flag: str, specs, read, shape: str) -> dict:
+    """A per-model flag's values: model name (EVERY_MODEL for a bare value) -> `read(value)`."""
+    values: dict = {}
     for spec in specs:
-        name, sep, count = str(spec).rpartition("=")
+        name, sep, value = str(spec).rpartition("=")
         name = name.strip() if sep else EVERY_MODEL
         try:
             if sep and not name:
-                raise ValueError("expected N or NAME=N, e.g. big=2")
-            if name in ranks:
+                raise ValueError(f"expected {shape}")
+            if name in values:
                 raise ValueError(f"{'every model' if name == EVERY_MODEL else repr(name)} is given twice")
-            if not count.strip().isdigit() or int(count) < 1:
-                raise ValueError("the rank count must be a whole number of at least 1")
-            ranks[name] = int(count)
+            values[name] = read(value.strip())
         except ValueError as exc:
-            raise ValueError(f"--tensor-parallel {str(spec)[:80]!r}: {exc}") from None
-    return ranks
+            raise ValueError(f"{flag} {str(spec)[:80]!r}: {exc}") from None
+    return values
 
 
 def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: str | None = None) -> str:

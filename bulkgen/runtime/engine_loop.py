@@ -10,7 +10,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from bulkgen.batch.outputlines import merge_results, refused_line
-from bulkgen.batch.reasoning import read_choices
+from bulkgen.batch.reasoning import NONE, read_choices
 from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, split_step
 from bulkgen.runtime.parts import PartEntry
 
@@ -159,7 +159,7 @@ class EngineLoop:
             return  # aborted meanwhile
         result = result_dict(out)
         result["system_fingerprint"] = self.engine.system_fingerprint
-        if p.request.reasoning_parser is not None:
+        if p.request.reasoning_parser not in (None, NONE):
             ids = [c.token_ids for c in out.outputs]
             read_choices(
                 result, ids, p.request.reasoning_parser, p.request.reasoning_open, self.engine.tokenizer

@@ -543,6 +543,7 @@ class EngineWorker(EngineLoop, PartWriter):
         """The line as the engine runs it: parsed, its adapter picked (the same rule validation applied)
         and loaded; LineError refuses the line alone."""
         request = parse_line(raw, line, batch.endpoint)
+        request.reasoning_parser = batch.reasoning_parser  # None: render_chat reads it from the template
         request.lora = pick_adapter(request.model, batch.model, batch.loras)
         if request.lora is not None:
             self._load_lora(request.lora, batch.loras[request.lora])

@@ -66,6 +66,7 @@ class QueuedBatch:
     loras: dict[str, str] = field(default_factory=dict)  # the model's LoRA adapters its lines may name:
     # name -> folder or URL (workers load one when a line first names it)
     ranks: int = 1  # the model's ranks per worker (--tensor-parallel): only workers of that count run it
+    reasoning_parser: str | None = None  # --reasoning-parser for the model; None: what its template teaches
 
     @property
     def model_key(self) -> str:

@@ -1,0 +1,84 @@
+"""`bulkgen run` on a reasoning model (the scripted gpt-oss of bulkgen/lab/scripted.py, its real harmony
+template and special tokens): the harmony channels are read into reasoning, answer and tool calls, and
+`--reasoning-parser none` turns the reading off (the decoded text, channel names glued in, as content)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from bulkgen.cli import cli
+from tests.support.reasoning import GPT_OSS, build_family
+from tests.support.service import write_jsonl
+
+
+def _run(tmp_path, name: str, model_path, *flags: str) -> dict:
+    rows = [
+        {"custom_id": "oss", "method": "POST", "url": "/v1/chat/completions", "body": GPT_OSS.body("think")},
+        {"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions", "body": GPT_OSS.body("tool")},
+    ]
+    out = tmp_path / f"{name}.jsonl"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            str(write_jsonl(tmp_path / f"{name}-in.jsonl", rows)),
+            "--output",
+            str(out),
+            "--storage",
+            str(tmp_path / f"{name}-store"),
+            "--model",
+            f"{GPT_OSS.model}={model_path}",
+            *flags,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    return {line["custom_id"]: line["response"]["body"] for line in lines}
+
+
+@pytest.mark.slow
+def test_run_reads_harmony_and_the_flag_turns_it_off(tmp_path):
+    path = build_family(tmp_path / "models", GPT_OSS)
+    bodies = _run(tmp_path, "auto", path)
+    message = bodies["oss"]["choices"][0]["message"]
+    assert (message["content"], message["reasoning"]) == ("Blue light scatters most.", "Rayleigh scattering.")
+    assert bodies["oss"]["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+    tool = bodies["tool"]["choices"][0]
+    assert tool["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in tool["message"]["tool_calls"]] == ["get_weather"]
+
+    raw = _run(tmp_path, "off", path, "--reasoning-parser", f"{GPT_OSS.model}=none")
+    message = raw["oss"]["choices"][0]["message"]
+    assert message["content"] == "analysisRayleigh scattering.assistantfinalBlue light scatters most."
+    assert "reasoning" not in message
+    assert raw["oss"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+    assert raw["tool"]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_parser_for_a_model_not_served_or_of_no_known_name_is_refused(tmp_path):
+    rows = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": GPT_OSS.body("think")}
+    ]
+    path = str(write_jsonl(tmp_path / "x.jsonl", rows))
+    for flag, told in (
+        ("nobody=think", "no served model is named 'nobody'"),
+        (
+            "deepthought",
+            "--reasoning-parser 'deepthought': the parser must be one of auto, think, harmony, none",
+        ),
+    ):
+        args = [
+            "run",
+            path,
+            "-o",
+            str(tmp_path / "o.jsonl"),
+            "--storage",
+            str(tmp_path),
+            "--reasoning-parser",
+            flag,
+        ]
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code != 0 and told in result.output, result.output
