@@ -56,29 +56,3 @@ def test_run_reads_harmony_and_the_flag_turns_it_off(tmp_path):
     assert "reasoning" not in message
     assert raw["oss"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     assert raw["tool"]["choices"][0]["finish_reason"] == "stop"
-
-
-def test_a_parser_for_a_model_not_served_or_of_no_known_name_is_refused(tmp_path):
-    rows = [
-        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": GPT_OSS.body("think")}
-    ]
-    path = str(write_jsonl(tmp_path / "x.jsonl", rows))
-    for flag, told in (
-        ("nobody=think", "no served model is named 'nobody'"),
-        (
-            "deepthought",
-            "--reasoning-parser 'deepthought': the parser must be one of auto, think, harmony, none",
-        ),
-    ):
-        args = [
-            "run",
-            path,
-            "-o",
-            str(tmp_path / "o.jsonl"),
-            "--storage",
-            str(tmp_path),
-            "--reasoning-parser",
-            flag,
-        ]
-        result = CliRunner().invoke(cli, args)
-        assert result.exit_code != 0 and told in result.output, result.output
