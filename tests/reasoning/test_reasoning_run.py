@@ -4,14 +4,10 @@ template and special tokens): the harmony channels are read into reasoning, answ
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from click.testing import CliRunner
 
-from bulkgen.cli import cli
 from tests.support.reasoning import GPT_OSS, build_family
-from tests.support.service import write_jsonl
+from tests.support.service import run_bodies
 
 
 def _run(tmp_path, name: str, model_path, *flags: str) -> dict:
@@ -19,24 +15,7 @@ def _run(tmp_path, name: str, model_path, *flags: str) -> dict:
         {"custom_id": "oss", "method": "POST", "url": "/v1/chat/completions", "body": GPT_OSS.body("think")},
         {"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions", "body": GPT_OSS.body("tool")},
     ]
-    out = tmp_path / f"{name}.jsonl"
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            str(write_jsonl(tmp_path / f"{name}-in.jsonl", rows)),
-            "--output",
-            str(out),
-            "--storage",
-            str(tmp_path / f"{name}-store"),
-            "--model",
-            f"{GPT_OSS.model}={model_path}",
-            *flags,
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    return {line["custom_id"]: line["response"]["body"] for line in lines}
+    return run_bodies(tmp_path, name, rows, "--model", f"{GPT_OSS.model}={model_path}", *flags)
 
 
 @pytest.mark.slow

@@ -50,6 +50,12 @@ def _row(custom_id: str, body: dict, url: str = "/v1/chat/completions") -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
 
 
+def _rows(family, cut_at: int, *more: dict) -> list[dict]:
+    """The family's `think` question twice over, `n: 2` sampled, and cut after `cut_at` tokens; then `more`."""
+    think = _row(f"{family.name}-think", family.body("think", n=2, temperature=1.0, seed=3))
+    return [think, _row(f"{family.name}-cut", family.body("think", max_tokens=cut_at)), *more]
+
+
 def _tokens(family, text: str) -> int:
     return len(family.tokenizer().encode(text, add_special_tokens=False))
 
@@ -61,13 +67,9 @@ def _batch_reasoning(batch, bodies) -> None:
 
 
 def test_qwen3_reasoning_answer_and_enable_thinking(reasoning_client, tmp_path):
-    rows = [
-        _row("qwen-think", QWEN3.body("think", n=2, temperature=1.0, seed=3)),
-        _row("qwen-no-think", QWEN3.body("no_think")),
-        _row("qwen-cut", QWEN3.body("think", max_tokens=10)),
-    ]
+    rows = _rows(QWEN3, 10, _row("qwen-no-think", QWEN3.body("no_think")))
     batch, bodies = _run(reasoning_client, tmp_path, rows)
-    think = bodies["qwen-think"]
+    think = bodies["qwen3-think"]
     assert [c["index"] for c in think["choices"]] == [0, 1]
     for choice in think["choices"]:  # each choice read on its own
         message = choice["message"]
@@ -81,10 +83,10 @@ def test_qwen3_reasoning_answer_and_enable_thinking(reasoning_client, tmp_path):
     assert think["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * spent
     plain = bodies["qwen-no-think"]["choices"][0]["message"]
     assert (plain["content"], plain["reasoning"]) == (ANSWER, None)  # enable_thinking reached the template
-    cut = bodies["qwen-cut"]["choices"][0]
+    cut = bodies["qwen3-cut"]["choices"][0]
     assert (cut["message"]["content"], cut["finish_reason"]) == (None, "length")
     assert cut["message"]["reasoning"] == "The user"  # `<think>`, "\n" and 8 more tokens, kept
-    assert bodies["qwen-cut"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 10
+    assert bodies["qwen3-cut"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 10
     _batch_reasoning(batch, bodies)
 
 
@@ -106,13 +108,11 @@ def test_deepseek_r1_whose_prompt_opens_the_reasoning(reasoning_client, tmp_path
 
 
 def test_gpt_oss_harmony_channels_and_tool_call(reasoning_client, tmp_path):
-    rows = [
-        _row("oss", GPT_OSS.body("think", n=2, temperature=1.0, seed=5)),
-        _row("oss-tool", GPT_OSS.body("tool")),
-        _row("oss-cut", GPT_OSS.body("think", max_tokens=14)),
-    ]
-    batch, bodies = _run(reasoning_client, tmp_path, rows)
-    for choice in bodies["oss"]["choices"]:
+    batch, bodies = _run(
+        reasoning_client, tmp_path, _rows(GPT_OSS, 14, _row("oss-tool", GPT_OSS.body("tool")))
+    )
+    assert len(bodies["gpt_oss-think"]["choices"]) == 2
+    for choice in bodies["gpt_oss-think"]["choices"]:
         message = choice["message"]
         assert (message["content"], message["reasoning"], choice["finish_reason"]) == (
             ANSWER,
@@ -126,7 +126,7 @@ def test_gpt_oss_harmony_channels_and_tool_call(reasoning_client, tmp_path):
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {
         "city": "Paris"
     }
-    cut = bodies["oss-cut"]["choices"][0]
+    cut = bodies["gpt_oss-cut"]["choices"][0]
     assert (cut["message"]["content"], cut["finish_reason"]) == (None, "length")
     assert cut["message"]["reasoning"] == "Rayl"  # after <|channel|>, "analysis" (8 tokens) and <|message|>
     _batch_reasoning(batch, bodies)
