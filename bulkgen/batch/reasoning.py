@@ -49,8 +49,9 @@ def reasoning_parser(template: str | None, tokenizer) -> str | None:
 
 
 def opens_reasoning(prompt: str) -> bool:
-    """Whether the rendered prompt leaves a `<think>` open (its generation prompt starts the reasoning)."""
-    return prompt.rfind(_THINK_START) > prompt.rfind(_THINK_END)
+    """Whether the rendered prompt's generation prompt opens `<think>` (the output starts in its reasoning).
+    Only its end counts: a `<think>` a user wrote in a message opens nothing."""
+    return prompt.rstrip().endswith(_THINK_START)
 
 
 def read_output(parser: str, text: str, token_ids: list[int], tokenizer, opened: bool = False) -> Reading:

@@ -35,6 +35,10 @@ def test_which_generation_prompts_open_the_reasoning():
     assert not opens_reasoning(QWEN3.prompt(question))
     no_think = QWEN3.prompt(QWEN3.cases["no_think"])
     assert no_think.endswith("<think>\n\n</think>\n\n") and not opens_reasoning(no_think)
+    asks = QWEN3.tokenizer().apply_chat_template(
+        [{"role": "user", "content": "What does <think> mean?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert not opens_reasoning(asks)  # a tag in a message opens nothing
 
 
 def test_qwen3_think_block_then_answer():
