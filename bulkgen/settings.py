@@ -21,6 +21,7 @@ from bulkgen.models.registry import (
     EVERY_MODEL,
     parse_model_specs,
     parse_reasoning_parsers,
+    parse_template_options,
     parse_tensor_parallel,
 )
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
@@ -348,6 +349,18 @@ class WorkerSettings:
             "(repeatable; wins over PARSER); default auto (docs/reasoning.md).",
         ),
     )
+    # model name (EVERY_MODEL: all not named) -> chat template options its chat lines get where they set none
+    template_options: dict[str, dict] = setting(
+        factory=dict,
+        flag=Flag(
+            "--chat-template-kwargs",
+            metavar="JSON|NAME=JSON",
+            parse=parse_template_options,
+            help="Chat template options of a model's chat lines, as a JSON object, e.g. "
+            "'qwen={\"enable_thinking\": false}': each option a line's own chat_template_kwargs does not set. "
+            "JSON sets every model, NAME=JSON the model served as NAME (repeatable; wins over JSON).",
+        ),
+    )
     images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
@@ -395,6 +408,10 @@ class WorkerSettings:
         """The reasoning parser `--reasoning-parser` sets for `model`; None: what its chat template teaches."""
         parser = self.reasoning_parsers.get(model, self.reasoning_parsers.get(EVERY_MODEL, "auto"))
         return None if parser == "auto" else parser
+
+    def template_options_of(self, model: str) -> dict:
+        """The chat template options `--chat-template-kwargs` sets for `model`."""
+        return self.template_options.get(model, self.template_options.get(EVERY_MODEL, {}))
 
     def ranks_of(self, model: str) -> int:
         """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""
@@ -544,7 +561,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        for name in ("tensor_parallel", "reasoning_parsers"):
+        for name in ("tensor_parallel", "reasoning_parsers", "template_options"):
             per_model = getattr(self.workers, name)
             unknown = sorted(set(per_model) - set(self.models) - {EVERY_MODEL})
             if unknown:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -47,7 +48,27 @@ def parse_reasoning_parsers(specs: tuple[str, ...] | list[str]) -> dict[str, str
     return _per_model("--reasoning-parser", specs, _reasoning_parser, "PARSER or NAME=PARSER, e.g. r1=think")
 
 
+def parse_template_options(specs: tuple[str, ...] | list[str]) -> dict[str, dict]:
+    """`--chat-template-kwargs` values: `JSON` (every model) or `NAME=JSON`, a JSON object each (its text may
+    hold '=' itself, so a value that starts with '{' names no model)."""
+    return _per_model("--chat-template-kwargs", specs, _json_object, "JSON or NAME=JSON", named=_named_json)
+
+
 REASONING_PARSERS = ("auto", "think", "harmony", "none")  # auto: what the chat template teaches
+
+
+def _json_object(value: str) -> dict:
+    try:
+        options = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise ValueError('expected a JSON object of the template\'s options, e.g. {"enable_thinking": false}')
+    return options
+
+
+def _named_json(spec: str) -> tuple[str, str, str]:
+    return ("", "", spec) if spec.lstrip().startswith("{") else spec.partition("=")
 
 
 def _rank_count(value: str) -> int:
@@ -62,11 +83,12 @@ def _reasoning_parser(value: str) -> str:
     return value
 
 
-def _per_model(flag: str, specs, read, shape: str) -> dict:
-    """A per-model flag's values: model name (EVERY_MODEL for a bare value) -> `read(value)`."""
+def _per_model(flag: str, specs, read, shape: str, named=lambda spec: spec.rpartition("=")) -> dict:
+    """A per-model flag's values: model name (EVERY_MODEL for a bare value) -> `read(value)`; `named` splits
+    a value into (name, "=" or "", value)."""
     values: dict = {}
     for spec in specs:
-        name, sep, value = str(spec).rpartition("=")
+        name, sep, value = named(str(spec))
         name = name.strip() if sep else EVERY_MODEL
         try:
             if sep and not name:

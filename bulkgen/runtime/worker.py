@@ -544,6 +544,7 @@ class EngineWorker(EngineLoop, PartWriter):
         and loaded; LineError refuses the line alone."""
         request = parse_line(raw, line, batch.endpoint)
         request.reasoning_parser = batch.reasoning_parser  # None: render_chat reads it from the template
+        request.template_kwargs = {**batch.template_options, **request.template_kwargs}  # the line's win
         request.lora = pick_adapter(request.model, batch.model, batch.loras)
         if request.lora is not None:
             self._load_lora(request.lora, batch.loras[request.lora])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.reasoning import GPT_OSS, build_family
+from tests.support.reasoning import GPT_OSS, QWEN3, build_family
 from tests.support.service import run_bodies
 
 
@@ -35,3 +35,32 @@ def test_run_reads_harmony_and_the_flag_turns_it_off(tmp_path):
     assert "reasoning" not in message
     assert raw["oss"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
     assert raw["tool"]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.slow
+def test_model_template_options_apply_where_a_line_sets_none(tmp_path):
+    path = build_family(tmp_path / "models", QWEN3)
+    think = QWEN3.body("think", chat_template_kwargs={"enable_thinking": True})  # its own option wins
+    rows = [
+        {"custom_id": "own", "method": "POST", "url": "/v1/chat/completions", "body": think},
+        {
+            "custom_id": "model's",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": QWEN3.body("no_think"),
+        },
+    ]
+    rows[1]["body"].pop("chat_template_kwargs")  # the flag's enable_thinking: false makes its prompt
+    flags = (
+        "--model",
+        f"{QWEN3.model}={path}",
+        "--chat-template-kwargs",
+        f'{QWEN3.model}={{"enable_thinking": false}}',
+    )
+    bodies = run_bodies(tmp_path, "options", rows, *flags)
+    own, models = (bodies[k]["choices"][0]["message"] for k in ("own", "model's"))
+    assert (own["content"], own["reasoning"]) == (
+        "Blue light scatters most.",
+        "The user asks about the sky.\nRayleigh scattering.",
+    )
+    assert (models["content"], models["reasoning"]) == ("Blue light scatters most.", None)
