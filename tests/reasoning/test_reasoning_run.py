@@ -38,7 +38,7 @@ def test_run_reads_harmony_and_the_flag_turns_it_off(tmp_path):
 
 
 @pytest.mark.slow
-def test_model_template_options_apply_where_a_line_sets_none(tmp_path):
+def test_model_options_apply_where_a_line_sets_none_and_completions_are_never_read(tmp_path):
     path = build_family(tmp_path / "models", QWEN3)
     think = QWEN3.body("think", chat_template_kwargs={"enable_thinking": True})  # its own option wins
     rows = [
@@ -51,16 +51,23 @@ def test_model_template_options_apply_where_a_line_sets_none(tmp_path):
         },
     ]
     rows[1]["body"].pop("chat_template_kwargs")  # the flag's enable_thinking: false makes its prompt
+    prompt = QWEN3.prompt(QWEN3.cases["think"])  # the same tokens as a completions prompt: never read
+    raw = {"model": QWEN3.model, "prompt": prompt, "max_tokens": 100, "temperature": 0}
     flags = (
-        "--model",
-        f"{QWEN3.model}={path}",
         "--chat-template-kwargs",
         f'{QWEN3.model}={{"enable_thinking": false}}',
+        "--reasoning-parser",
+        "think",
     )
-    bodies = run_bodies(tmp_path, "options", rows, *flags)
+    model = ("--model", f"{QWEN3.model}={path}")
+    bodies = run_bodies(tmp_path, "options", rows, *model, *flags)
     own, models = (bodies[k]["choices"][0]["message"] for k in ("own", "model's"))
     assert (own["content"], own["reasoning"]) == (
         "Blue light scatters most.",
         "The user asks about the sky.\nRayleigh scattering.",
     )
     assert (models["content"], models["reasoning"]) == ("Blue light scatters most.", None)
+    completion = {"custom_id": "raw", "method": "POST", "url": "/v1/completions", "body": raw}
+    bodies = run_bodies(tmp_path, "raw", [completion], *model, *flags)
+    assert bodies["raw"]["choices"][0]["text"] == QWEN3.cases["think"].script.removesuffix("<|im_end|>")
+    assert bodies["raw"]["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
