@@ -75,7 +75,7 @@ def _read_think(text: str, token_ids: list[int], tokenizer, opened: bool) -> Rea
     spent = (
         token_ids.index(end_id) + 1
         if end_id in token_ids
-        else len(tokenizer.encode(text.partition(_THINK_END)[0]))
+        else len(tokenizer.encode(text.partition(_THINK_END)[0], add_special_tokens=False))
     )
     return Reading(answer.lstrip("\n"), reasoning or None, spent)
 
