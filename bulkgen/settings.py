@@ -180,6 +180,13 @@ ENGINE_FLAGS = {
 }
 
 
+def _per_model(usage: str, parse: Callable, help: str, check: Callable | None = None) -> Any:
+    """A setting per served model (`usage`: "--flag VALUE|NAME=VALUE"): model name (EVERY_MODEL for the
+    bare value) -> value; `Settings` checks that every NAME is served."""
+    name, metavar = usage.split(" ")
+    return setting(factory=dict, check=check, flag=Flag(name, metavar=metavar, parse=parse, help=help))
+
+
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
     if "tensor_parallel" in engine_kwargs:  # the pool sets it per class of workers from the field
         raise SettingError(
@@ -324,42 +331,30 @@ class WorkerSettings:
     engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
     # model name (EVERY_MODEL: all not named) -> ranks per worker; the pool starts one class of workers
     # per rank count in use, and a model's ranges go only to workers of its count (runtime/pool.py)
-    tensor_parallel: dict[str, int] = setting(
-        factory=dict,
+    tensor_parallel: dict[str, int] = _per_model(
+        "--tensor-parallel N|NAME=N",
+        parse_tensor_parallel,
+        "Ranks per worker, each holding 1/N of the model's weights and KV heads (one GPU each, on one "
+        "node, one Ray actor each, gloo ranks on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
+        "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
         check=_check_ranks,
-        flag=Flag(
-            "--tensor-parallel",
-            metavar="N|NAME=N",
-            parse=parse_tensor_parallel,
-            help="Ranks per worker, each holding 1/N of the model's weights and KV heads (one GPU each, on one "
-            "node, one Ray actor each, gloo ranks on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
-            "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
-        ),
     )
-    # model name (EVERY_MODEL: all not named) -> how its output's reasoning is read (bulkgen.batch.reasoning)
-    reasoning_parsers: dict[str, str] = setting(
-        factory=dict,
-        flag=Flag(
-            "--reasoning-parser",
-            metavar="PARSER|NAME=PARSER",
-            parse=parse_reasoning_parsers,
-            help="How a reasoning model's output is read into message.reasoning and content: auto (what its "
-            "chat template teaches: think for <think>…</think>, harmony for gpt-oss's channels), think, harmony "
-            "or none (the raw text as content). PARSER sets every model, NAME=PARSER the model served as NAME "
-            "(repeatable; wins over PARSER); default auto (docs/reasoning.md).",
-        ),
+    # model name -> how its output's reasoning is read (bulkgen.batch.reasoning)
+    reasoning_parsers: dict[str, str] = _per_model(
+        "--reasoning-parser PARSER|NAME=PARSER",
+        parse_reasoning_parsers,
+        "How a reasoning model's output is read into message.reasoning and content: auto (what its "
+        "chat template teaches: think for <think>…</think>, harmony for gpt-oss's channels), think, harmony "
+        "or none (the raw text as content). PARSER sets every model, NAME=PARSER the model served as NAME "
+        "(repeatable; wins over PARSER); default auto (docs/reasoning.md).",
     )
-    # model name (EVERY_MODEL: all not named) -> chat template options its chat lines get where they set none
-    template_options: dict[str, dict] = setting(
-        factory=dict,
-        flag=Flag(
-            "--chat-template-kwargs",
-            metavar="JSON|NAME=JSON",
-            parse=parse_template_options,
-            help="Chat template options of a model's chat lines, as a JSON object, e.g. "
-            "'qwen={\"enable_thinking\": false}': each option a line's own chat_template_kwargs does not set. "
-            "JSON sets every model, NAME=JSON the model served as NAME (repeatable; wins over JSON).",
-        ),
+    # model name -> chat template options its chat lines get where they set none
+    template_options: dict[str, dict] = _per_model(
+        "--chat-template-kwargs JSON|NAME=JSON",
+        parse_template_options,
+        "Chat template options of a model's chat lines, as a JSON object, e.g. "
+        "'qwen={\"enable_thinking\": false}': each option a line's own chat_template_kwargs does not set. "
+        "JSON sets every model, NAME=JSON the model served as NAME (repeatable; wins over JSON).",
     )
     images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
