@@ -17,7 +17,13 @@ from typing import Any
 
 from bulkgen.engine import QUANTIZE_MODES
 from bulkgen.models.loras import LoraSpec, parse_lora_specs
-from bulkgen.models.registry import EVERY_MODEL, parse_model_specs, parse_tensor_parallel
+from bulkgen.models.registry import (
+    EVERY_MODEL,
+    parse_model_specs,
+    parse_reasoning_parsers,
+    parse_template_options,
+    parse_tensor_parallel,
+)
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
 DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
@@ -174,6 +180,13 @@ ENGINE_FLAGS = {
 }
 
 
+def _per_model(usage: str, parse: Callable, help: str, check: Callable | None = None) -> Any:
+    """A setting per served model (`usage`: "--flag VALUE|NAME=VALUE"): model name (EVERY_MODEL for the
+    bare value) -> value; `Settings` checks that every NAME is served."""
+    name, metavar = usage.split(" ")
+    return setting(factory=dict, check=check, flag=Flag(name, metavar=metavar, parse=parse, help=help))
+
+
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
     if "tensor_parallel" in engine_kwargs:  # the pool sets it per class of workers from the field
         raise SettingError(
@@ -318,17 +331,30 @@ class WorkerSettings:
     engine_kwargs: dict[str, Any] = setting(factory=dict, check=_check_engine, keys=ENGINE_FLAGS)
     # model name (EVERY_MODEL: all not named) -> ranks per worker; the pool starts one class of workers
     # per rank count in use, and a model's ranges go only to workers of its count (runtime/pool.py)
-    tensor_parallel: dict[str, int] = setting(
-        factory=dict,
+    tensor_parallel: dict[str, int] = _per_model(
+        "--tensor-parallel N|NAME=N",
+        parse_tensor_parallel,
+        "Ranks per worker, each holding 1/N of the model's weights and KV heads (one GPU each, on one "
+        "node, one Ray actor each, gloo ranks on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
+        "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
         check=_check_ranks,
-        flag=Flag(
-            "--tensor-parallel",
-            metavar="N|NAME=N",
-            parse=parse_tensor_parallel,
-            help="Ranks per worker, each holding 1/N of the model's weights and KV heads (one GPU each, on one "
-            "node, one Ray actor each, gloo ranks on CPU): serve a model larger than one GPU. N sets every model, NAME=N the model "
-            "served as NAME (repeatable; wins over N); default 1. Each rank count gets its own workers.",
-        ),
+    )
+    # model name -> how its output's reasoning is read (bulkgen.batch.reasoning)
+    reasoning_parsers: dict[str, str] = _per_model(
+        "--reasoning-parser PARSER|NAME=PARSER",
+        parse_reasoning_parsers,
+        "How a reasoning model's output is read into message.reasoning and content: auto (what its "
+        "chat template teaches: think for <think>…</think>, harmony for gpt-oss's channels), think, harmony "
+        "or none (the raw text as content). PARSER sets every model, NAME=PARSER the model served as NAME "
+        "(repeatable; wins over PARSER); default auto (docs/reasoning.md).",
+    )
+    # model name -> chat template options its chat lines get where they set none
+    template_options: dict[str, dict] = _per_model(
+        "--chat-template-kwargs JSON|NAME=JSON",
+        parse_template_options,
+        "Chat template options of a model's chat lines, as a JSON object, e.g. "
+        "'qwen={\"enable_thinking\": false}': each option a line's own chat_template_kwargs does not set. "
+        "JSON sets every model, NAME=JSON the model served as NAME (repeatable; wins over JSON).",
     )
     images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
@@ -372,6 +398,15 @@ class WorkerSettings:
     def load_deadline_for(self, checkpoint_bytes: int | None) -> float:
         """The seconds a load of a checkpoint of `checkpoint_bytes` (None: not known yet) may take."""
         return self.load_deadline_s + self.load_s_per_gb * (checkpoint_bytes or 0) / 1e9
+
+    def reasoning_parser_of(self, model: str) -> str | None:
+        """The reasoning parser `--reasoning-parser` sets for `model`; None: what its chat template teaches."""
+        parser = self.reasoning_parsers.get(model, self.reasoning_parsers.get(EVERY_MODEL, "auto"))
+        return None if parser == "auto" else parser
+
+    def template_options_of(self, model: str) -> dict:
+        """The chat template options `--chat-template-kwargs` sets for `model`."""
+        return self.template_options.get(model, self.template_options.get(EVERY_MODEL, {}))
 
     def ranks_of(self, model: str) -> int:
         """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""
@@ -521,14 +556,16 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        unknown = sorted(set(self.workers.tensor_parallel) - set(self.models) - {EVERY_MODEL})
-        if unknown:
-            raise SettingError(
-                "tensor_parallel",
-                self.workers.tensor_parallel,
-                f"no served model is named {unknown[0]!r} (--model NAME=PATH names them: "
-                f"{', '.join(sorted(self.models))})",
-            )
+        for name in ("tensor_parallel", "reasoning_parsers", "template_options"):
+            per_model = getattr(self.workers, name)
+            unknown = sorted(set(per_model) - set(self.models) - {EVERY_MODEL})
+            if unknown:
+                raise SettingError(
+                    name,
+                    per_model,
+                    f"no served model is named {unknown[0]!r} (--model NAME=PATH names them: "
+                    f"{', '.join(sorted(self.models))})",
+                )
 
     def rank_counts(self) -> list[int]:
         """The rank counts of the served models' workers, smallest first: one class of workers each."""

@@ -117,10 +117,10 @@ BODY_FIELDS = {
 }
 
 
-# vLLM's sampling extensions to the two requests (not OpenAI fields, so not in BODY_FIELDS, which is the spec):
-# honoured as vLLM honours them (bulkgen.batch.sampling).
+# vLLM's extensions to the two requests (not OpenAI fields, so not in BODY_FIELDS, which is the spec): honoured
+# as vLLM honours them (sampling: bulkgen.batch.sampling; chat_template_kwargs: bulkgen.batch.messages).
 EXTENSIONS = {
-    CHAT: {"top_k", "min_p", "repetition_penalty"},
+    CHAT: {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"},
     COMPLETIONS: {"top_k", "min_p", "repetition_penalty"},
 }
 

@@ -259,11 +259,45 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, bool]:
     return tools or None, legacy
 
 
+# apply_chat_template's own arguments: a chat_template_kwargs entry of these names would change the call itself
+_RENDER_ARGUMENTS = {
+    "conversation",
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
+
+
 def template_kwargs(body: dict) -> dict[str, Any]:
-    """Options the chat template may take (prepare.tokenize passes those its source mentions)."""
+    """Options the chat template takes: `chat_template_kwargs` (vLLM's field, e.g. Qwen3's enable_thinking;
+    names the template does not know are passed and ignored by it, as vLLM does) and `reasoning_effort`."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", "must be an object of the chat template's options", kwargs)
+    taken = sorted(_RENDER_ARGUMENTS & kwargs.keys())
+    if taken:
+        raise LineError(
+            "invalid_parameter",
+            f"body.chat_template_kwargs.{taken[0]} is an argument of the template's rendering, not an option "
+            "of the template; set it through the request's own fields",
+            f"body.chat_template_kwargs.{taken[0]}",
+        )
     effort = body.get("reasoning_effort")
     if effort is None:
-        return {}
+        return dict(kwargs)
     if not isinstance(effort, str):
         raise invalid("reasoning_effort", "must be a string", effort)
-    return {"reasoning_effort": effort}
+    return {**kwargs, "reasoning_effort": effort}

@@ -9,10 +9,11 @@ from typing import Any
 
 from bulkgen.batch.embeddings import EMBEDDINGS, embedding_body
 from bulkgen.batch.ids import random_id
+from bulkgen.batch.reasoning import choice_fields
 from bulkgen.batch.requests import CHAT, RESPONSES, ParsedRequest
 from bulkgen.batch.resp_api import output_text, response_body
 from bulkgen.batch.structured import REQUIRED, forced_calls
-from bulkgen.batch.tools import parse_tool_calls
+from bulkgen.batch.tools import call_of, parse_tool_calls
 
 NOT_RUN_MESSAGES = {
     "batch_expired": "This request could not be executed before the completion window expired.",
@@ -59,7 +60,7 @@ def usage(result: dict) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": result.get("cached_tokens", 0)},
-        "completion_tokens_details": {"reasoning_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": result.get("reasoning_tokens", 0)},
     }
 
 
@@ -103,13 +104,17 @@ def chat_body(
 def _message(
     completion: dict, tool_format: str | None, legacy: bool, forced: str | None = None
 ) -> dict[str, Any]:
-    """The assistant message: its text, or the tool calls read from it. A forced call's output is a JSON
-    document (bulkgen.batch.structured); cut by max_tokens it is no whole document, and stays the content."""
-    text = completion["text"]
-    message = {"role": "assistant", "content": text, "refusal": None}
+    """The assistant message: its answer (content None where the reasoning took every token), its reasoning
+    (a reasoning model's: bulkgen.batch.reasoning), or the tool calls read from it. A forced call's output is
+    a JSON document (bulkgen.batch.structured); cut by max_tokens it is no whole document, and stays the
+    content."""
+    text = completion.get("content", completion["text"])
+    message = {"role": "assistant", "content": text, **choice_fields(completion), "refusal": None}
     if forced is not None:
-        content, calls = None, forced_calls(text, forced) or []
-    elif tool_format is not None:
+        content, calls = None, forced_calls(text or "", forced) or []
+    elif completion.get("calls"):  # read from harmony's channels
+        content, calls = text, [call_of(c["name"], c["arguments"]) for c in completion["calls"]]
+    elif tool_format is not None and text is not None:
         content, calls = parse_tool_calls(text, tool_format)
     else:
         return message

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
+from bulkgen.batch.reasoning import opens_reasoning, reasoning_parser
 from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
 from bulkgen.batch.tools import tool_format
 
@@ -60,7 +61,8 @@ def tokenize_with_images(request: ParsedRequest, processor, images: list) -> tup
 
 def render_chat(request: ParsedRequest, tokenizer) -> str:
     """The prompt text the model sees: messages, tools and template options through its own chat template.
-    Sets `request.tool_format` (how to read calls back) when tools are rendered."""
+    Sets `request.tool_format` (how to read calls back) when tools are rendered, and how to read reasoning
+    back (`request.reasoning_parser`, `request.reasoning_open`)."""
     template = getattr(tokenizer, "chat_template", None)
     if not template:
         raise LineError(
@@ -68,7 +70,7 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
         )
     if not isinstance(template, str):  # a dict of named templates: the default one renders chat
         template = template.get("tool_use") if request.tools else template.get("default", "")
-    kwargs: dict[str, Any] = {k: v for k, v in request.template_kwargs.items() if k in template}
+    kwargs: dict[str, Any] = dict(request.template_kwargs)  # options it does not know, it ignores
     if request.tools:
         request.tool_format = tool_format(template)
         if request.tool_format is None:
@@ -80,7 +82,7 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
             )
         kwargs["tools"] = request.tools
     try:
-        return tokenizer.apply_chat_template(
+        prompt = tokenizer.apply_chat_template(
             request.messages, add_generation_prompt=True, tokenize=False, **kwargs
         )
     except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
@@ -89,6 +91,10 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
             f"the model's chat template refused {_input(request)}: {type(exc).__name__}: {str(exc)[:200]}",
             _input(request),
         ) from None
+    if request.reasoning_parser is None:  # no --reasoning-parser for the model: what its template teaches
+        request.reasoning_parser = reasoning_parser(template, tokenizer)
+    request.reasoning_open = opens_reasoning(prompt)
+    return prompt
 
 
 def _input(request: ParsedRequest) -> str:

@@ -184,6 +184,9 @@ class ParsedRequest:
     )  # e.g. reasoning_effort, where the template takes it
     echo: bool = False  # completions: the prompt leads the text (and its logprobs)
     tool_format: str | None = None  # set by prepare.tokenize from the chat template: parse calls
+    reasoning_parser: str | None = None  # how to read reasoning out of the output (bulkgen.batch.reasoning):
+    # the model's --reasoning-parser (set by the worker), else what prepare.render_chat reads in the template
+    reasoning_open: bool = False  # the rendered prompt left `<think>` open: the output starts in reasoning
     forced_tool: str | None = None  # a forced call: "*" (tool_choice required) or the function's
     # name; its grammar is sampling["guide"]
     guide_param: str | None = None  # the body field sampling["guide"] came from: a grammar that fails as

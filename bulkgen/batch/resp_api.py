@@ -12,7 +12,8 @@ with its grammar, template options), so the worker, the chat template and the en
 - accepted and ignored, type-checked: hints about the hosted service that cannot change the text (store,
   user, service_tier, prompt caching, truncation, text.verbosity, ...), and tool settings with no tools;
 - refused by name as that line's 400: what needs tools, stored state (conversations, previous responses,
-  prompt templates), streaming, audio and file parts, logprobs or reasoning summaries.
+  prompt templates), streaming, audio and file parts, logprobs or reasoning summaries (a reasoning model's
+  reasoning comes whole, as a `reasoning` item before the message: bulkgen.batch.reasoning).
 """
 
 from __future__ import annotations
@@ -210,8 +211,9 @@ def _input_image(part: dict, where: str) -> ImageRef:
 
 
 def _effort(reasoning: Any) -> str | None:
-    """reasoning.effort goes to the chat template (where it takes one); summaries are refused, since no
-    reasoning item is ever returned."""
+    """reasoning.effort goes to the chat template (where it takes one); summaries are refused: a reasoning
+    model's reasoning is returned whole (the reasoning item's content), and a summary of it would need a
+    second generation bulkgen does not make."""
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict) or not set(reasoning) <= {
@@ -225,7 +227,9 @@ def _effort(reasoning: Any) -> str | None:
     for name in ("summary", "generate_summary"):
         if reasoning.get(name) is not None:
             raise unsupported(
-                f"reasoning.{name}", "asks for a reasoning summary, which bulkgen does not return"
+                f"reasoning.{name}",
+                "asks for a reasoning summary, which bulkgen does not write (a reasoning model's reasoning "
+                "comes whole, as the reasoning item's content)",
             )
     if reasoning.get("mode") not in (None, "standard"):
         raise unsupported("reasoning.mode", f"may only be 'standard'; got {quote(reasoning['mode'])}")
@@ -302,7 +306,6 @@ def response_body(result: dict, model: str, fields: dict[str, Any]) -> dict[str,
     cut = completion["finish_reason"] == "length"
     status = "incomplete" if cut else "completed"
     arrived = (result.get("metrics") or {}).get("arrival_time") or time.time()
-    part = {"type": "output_text", "text": completion["text"], "annotations": [], "logprobs": []}
     return {
         "id": random_id("resp_"),
         "object": "response",
@@ -312,15 +315,7 @@ def response_body(result: dict, model: str, fields: dict[str, Any]) -> dict[str,
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
         "model": model,
-        "output": [
-            {
-                "type": "message",
-                "id": random_id("msg_"),
-                "status": status,
-                "role": "assistant",
-                "content": [part],
-            }
-        ],
+        "output": _output(completion, status),
         "usage": _usage(result),
         "tools": [],
         "previous_response_id": None,
@@ -329,13 +324,28 @@ def response_body(result: dict, model: str, fields: dict[str, Any]) -> dict[str,
     }
 
 
+def _output(completion: dict, status: str) -> list[dict[str, Any]]:
+    """The output items: a reasoning model's reasoning item first (OpenAI's shape: the reasoning as its
+    `content`, no summary), then the message; a model cut inside its reasoning has no message."""
+    text = completion.get("content", completion["text"])
+    items = []
+    if completion.get("reasoning") is not None:
+        reasoning = [{"type": "reasoning_text", "text": completion["reasoning"]}]
+        items.append({"type": "reasoning", "id": random_id("rs_"), "summary": [], "content": reasoning})
+    if text is not None:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        message = {"type": "message", "id": random_id("msg_"), "status": status, "role": "assistant"}
+        items.append({**message, "content": [part]})
+    return items
+
+
 def _usage(result: dict) -> dict[str, Any]:
     prompt, output = result["prompt_tokens"], result["completion_tokens"]
     return {
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": result.get("cached_tokens", 0), "cache_write_tokens": 0},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": result.get("reasoning_tokens", 0)},
         "total_tokens": prompt + output,
     }
 

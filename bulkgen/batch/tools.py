@@ -3,6 +3,8 @@
 - hermes:  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2/2.5/3, many others)
 - llama3:  `{"name": ..., "parameters": {...}}` as the whole answer, optionally after `<|python_tag|>`
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+- harmony: gpt-oss's `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, whose
+  markers are special tokens: read from the token ids with its reasoning (bulkgen.batch.reasoning), not here
 
 The format is read from the chat template's source (`tool_format`): the template is what taught the model
 how to call, so it is also how to read the call back. Text that does not parse as a call stays content.
@@ -23,6 +25,8 @@ def tool_format(template: str | None) -> str | None:
     """The call format a chat template teaches; None when it does not render tools at all."""
     if not template or "tools" not in template:
         return None
+    if "<|channel|>" in template:
+        return "harmony"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template or "[AVAILABLE_TOOLS]" in template:
@@ -35,6 +39,8 @@ def tool_format(template: str | None) -> str | None:
 def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
     """-> (content before the calls, or None when there is none; the calls in the API's shape).
     No call found: (text, [])."""
+    if fmt == "harmony":  # its calls are read from the token ids (call_of)
+        return text, []
     if fmt == "hermes":
         calls = [_call(m) for m in _HERMES.findall(text)]
         before = text.split("<tool_call>", 1)[0]
@@ -76,3 +82,9 @@ def _call(raw: str | Any) -> dict[str, Any] | None:
         "type": "function",
         "function": {"name": raw["name"], "arguments": arguments},
     }
+
+
+def call_of(name: str, arguments: str) -> dict[str, Any]:
+    """A call read from a format's own structure (harmony's channels, bulkgen.batch.reasoning) in the API's
+    shape."""
+    return _call({"name": name, "arguments": arguments})

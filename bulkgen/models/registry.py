@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -38,21 +39,66 @@ def parse_tensor_parallel(specs: tuple[str, ...] | list[str]) -> dict[str, int]:
     """`--tensor-parallel` values: `N` (every model) or `NAME=N` (the served model NAME), repeatable, to
     model name (EVERY_MODEL for `N`) -> ranks; ValueError naming the flag and the bad value. Whether each
     NAME is served is the settings' check (`Settings`), where the models are known."""
-    ranks: dict[str, int] = {}
+    return _per_model("--tensor-parallel", specs, _rank_count, "N or NAME=N, e.g. big=2")
+
+
+def parse_reasoning_parsers(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """`--reasoning-parser` values: `PARSER` (every model) or `NAME=PARSER`, as parse_tensor_parallel reads
+    its own; a PARSER is one of REASONING_PARSERS."""
+    return _per_model("--reasoning-parser", specs, _reasoning_parser, "PARSER or NAME=PARSER, e.g. r1=think")
+
+
+def parse_template_options(specs: tuple[str, ...] | list[str]) -> dict[str, dict]:
+    """`--chat-template-kwargs` values: `JSON` (every model) or `NAME=JSON`, a JSON object each (its text may
+    hold '=' itself, so a value that starts with '{' names no model)."""
+    return _per_model("--chat-template-kwargs", specs, _json_object, "JSON or NAME=JSON", named=_named_json)
+
+
+REASONING_PARSERS = ("auto", "think", "harmony", "none")  # auto: what the chat template teaches
+
+
+def _json_object(value: str) -> dict:
+    try:
+        options = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(options, dict):
+        raise ValueError('expected a JSON object of the template\'s options, e.g. {"enable_thinking": false}')
+    return options
+
+
+def _named_json(spec: str) -> tuple[str, str, str]:
+    return ("", "", spec) if spec.lstrip().startswith("{") else spec.partition("=")
+
+
+def _rank_count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError("the rank count must be a whole number of at least 1")
+    return int(value)
+
+
+def _reasoning_parser(value: str) -> str:
+    if value not in REASONING_PARSERS:
+        raise ValueError(f"the parser must be one of {', '.join(REASONING_PARSERS)}")
+    return value
+
+
+def _per_model(flag: str, specs, read, shape: str, named=lambda spec: spec.rpartition("=")) -> dict:
+    """A per-model flag's values: model name (EVERY_MODEL for a bare value) -> `read(value)`; `named` splits
+    a value into (name, "=" or "", value)."""
+    values: dict = {}
     for spec in specs:
-        name, sep, count = str(spec).rpartition("=")
+        name, sep, value = named(str(spec))
         name = name.strip() if sep else EVERY_MODEL
         try:
             if sep and not name:
-                raise ValueError("expected N or NAME=N, e.g. big=2")
-            if name in ranks:
+                raise ValueError(f"expected {shape}")
+            if name in values:
                 raise ValueError(f"{'every model' if name == EVERY_MODEL else repr(name)} is given twice")
-            if not count.strip().isdigit() or int(count) < 1:
-                raise ValueError("the rank count must be a whole number of at least 1")
-            ranks[name] = int(count)
+            values[name] = read(value.strip())
         except ValueError as exc:
-            raise ValueError(f"--tensor-parallel {str(spec)[:80]!r}: {exc}") from None
-    return ranks
+            raise ValueError(f"{flag} {str(spec)[:80]!r}: {exc}") from None
+    return values
 
 
 def resolve_model_path(path: str, cache_dir: str | None = None, endpoint_url: str | None = None) -> str:

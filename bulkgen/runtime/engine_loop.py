@@ -10,6 +10,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from bulkgen.batch.outputlines import merge_results, refused_line
+from bulkgen.batch.reasoning import NONE, read_choices
 from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, split_step
 from bulkgen.runtime.parts import PartEntry
 
@@ -158,6 +159,11 @@ class EngineLoop:
             return  # aborted meanwhile
         result = result_dict(out)
         result["system_fingerprint"] = self.engine.system_fingerprint
+        if p.request.reasoning_parser not in (None, NONE):
+            ids = [c.token_ids for c in out.outputs]
+            read_choices(
+                result, ids, p.request.reasoning_parser, p.request.reasoning_open, self.engine.tokenizer
+            )
         if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)
             result["metrics"]["lora"] = p.request.lora
         if p.request.echo:
@@ -171,7 +177,12 @@ class EngineLoop:
             if len(done) < p.parts:
                 return
             result = merge_results([done.pop(k) for k in range(p.parts)], p.params.get("n", 1))
-        usage = (result["prompt_tokens"], result["completion_tokens"], result["cached_tokens"])
+        usage = (
+            result["prompt_tokens"],
+            result["completion_tokens"],
+            result["cached_tokens"],
+            result.get("reasoning_tokens", 0),
+        )
         entry = PartEntry(p.request.line, True, b"", usage)
         work.answers.append((entry, p.request, result))
         self._settle(work, p.request.line, entry)

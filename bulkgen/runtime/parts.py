@@ -36,10 +36,11 @@ class PartEntry:
     line: int  # the request's line in the input file
     ok: bool  # its line goes to the output file (else to the error file)
     envelope: bytes  # that line as `responses.json_line` encoded it (newline included)
-    usage: tuple[int, int, int] = (0, 0, 0)  # prompt, completion and cached tokens
+    usage: tuple[int, ...] = (0, 0, 0, 0)  # prompt, completion, cached and reasoning tokens (parts written
+    # before reasoning was counted hold the first three)
 
     @classmethod
-    def of(cls, line: int, ok: bool, envelope: dict, usage: tuple[int, int, int] = (0, 0, 0)) -> PartEntry:
+    def of(cls, line: int, ok: bool, envelope: dict, usage: tuple[int, ...] = (0, 0, 0, 0)) -> PartEntry:
         return cls(line, ok, json_line(envelope), tuple(usage))
 
     def encode(self) -> bytes:
@@ -79,16 +80,18 @@ class Tally:
     input_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    reasoning_tokens: int = 0
 
     def add(self, entry: PartEntry) -> None:
         if entry.ok:
             self.completed += 1
         else:
             self.failed += 1
-        prompt, completion, cached = entry.usage
+        prompt, completion, cached, *reasoning = entry.usage
         self.input_tokens += prompt
         self.output_tokens += completion
         self.cached_tokens += cached
+        self.reasoning_tokens += sum(reasoning)
 
     def merge(self, other: Tally) -> None:
         for name, value in other.__dict__.items():
@@ -102,6 +105,7 @@ class Tally:
             total_tokens=self.input_tokens + self.output_tokens,
         )
         record.usage["input_tokens_details"]["cached_tokens"] = self.cached_tokens
+        record.usage.setdefault("output_tokens_details", {})["reasoning_tokens"] = self.reasoning_tokens
 
 
 def iter_parts(store: Store, batch_id: str) -> list[tuple[str, int, int]]:

@@ -145,6 +145,8 @@ class BatchRunner:
             batch_priority(record.metadata),
             self.svc.catalog.of_base(record.model, self.svc.tenant),  # those its tenant may run
             self.svc.settings.workers.ranks_of(record.model),
+            self.svc.settings.workers.reasoning_parser_of(record.model),
+            self.svc.settings.workers.template_options_of(record.model),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)

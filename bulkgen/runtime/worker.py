@@ -543,6 +543,9 @@ class EngineWorker(EngineLoop, PartWriter):
         """The line as the engine runs it: parsed, its adapter picked (the same rule validation applied)
         and loaded; LineError refuses the line alone."""
         request = parse_line(raw, line, batch.endpoint)
+        if request.messages is not None:  # chat and responses lines: their output is read for reasoning
+            request.reasoning_parser = batch.reasoning_parser  # None: render_chat reads the template's
+            request.template_kwargs = {**batch.template_options, **request.template_kwargs}  # the line's win
         request.lora = pick_adapter(request.model, batch.model, batch.loras)
         if request.lora is not None:
             self._load_lora(request.lora, batch.loras[request.lora])

@@ -66,6 +66,9 @@ class QueuedBatch:
     loras: dict[str, str] = field(default_factory=dict)  # the model's LoRA adapters its lines may name:
     # name -> folder or URL (workers load one when a line first names it)
     ranks: int = 1  # the model's ranks per worker (--tensor-parallel): only workers of that count run it
+    reasoning_parser: str | None = None  # --reasoning-parser for the model; None: what its template teaches
+    template_options: dict = field(default_factory=dict)  # --chat-template-kwargs for the model: chat lines'
+    # template options where they set none
 
     @property
     def model_key(self) -> str:

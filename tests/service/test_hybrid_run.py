@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 
 import torch
-from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bulkgen.cli import cli
 from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
-from tests.support.service import write_jsonl
+from tests.support.service import run_bodies
 
 NAME = "hybrid-tiny"
 SCHEMA = {
@@ -28,24 +26,7 @@ def _line(custom_id: str, url: str, **body) -> dict:
 
 
 def _run(tmp_path, model, name: str, rows: list[dict]) -> dict:
-    out = tmp_path / f"{name}.out.jsonl"
-    result = CliRunner().invoke(
-        cli,
-        [
-            "run",
-            str(write_jsonl(tmp_path / f"{name}.jsonl", rows)),
-            "--output",
-            str(out),
-            "--storage",
-            str(tmp_path / "store"),
-            "--model",
-            f"{NAME}={model}",
-        ],
-    )
-    assert result.exit_code == 0, result.output
-    assert f"{len(rows)} completed, 0 failed" in result.output, result.output
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    return {x["custom_id"]: x["response"]["body"] for x in lines}
+    return run_bodies(tmp_path, name, rows, "--model", f"{NAME}={model}")
 
 
 def test_bulkgen_run_serves_a_hybrid_model_through_every_door(tmp_path):

@@ -214,3 +214,18 @@ def read_lines(client, file_id: str | None) -> list[dict]:
 def upload(client, path: Path):
     with path.open("rb") as f:
         return client.files.create(file=(path.name, f), purpose="batch")
+
+
+def run_bodies(tmp_path: Path, name: str, rows: list[dict], *flags: str) -> dict[str, dict]:
+    """`bulkgen run` in this process on `rows` with `flags` (e.g. --model NAME=PATH): each output line's body by
+    custom_id, once every line succeeded."""
+    from click.testing import CliRunner
+
+    from bulkgen.cli import cli
+
+    out = tmp_path / f"{name}.out.jsonl"
+    args = ["run", str(write_jsonl(tmp_path / f"{name}.jsonl", rows)), "--output", str(out)]
+    result = CliRunner().invoke(cli, [*args, "--storage", str(tmp_path / "store"), *flags])
+    assert result.exit_code == 0, result.output
+    assert f"{len(rows)} completed, 0 failed" in result.output, result.output
+    return {x["custom_id"]: x["response"]["body"] for x in map(json.loads, out.read_text().splitlines())}
