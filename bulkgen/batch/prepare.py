@@ -9,6 +9,7 @@ that line's 400.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -80,15 +81,38 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
             )
         kwargs["tools"] = request.tools
     try:
-        return tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        try:
+            return tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except TypeError:  # a template that concatenates a call's arguments text (DeepSeek-V3.1) not tojson
+            messages = _arguments_as_text(request.messages)
+            if messages is request.messages:
+                raise
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
         raise LineError(
             "invalid_messages",
             f"the model's chat template refused {_input(request)}: {type(exc).__name__}: {str(exc)[:200]}",
             _input(request),
         ) from None
+
+
+def _arguments_as_text(messages: list[dict]) -> list[dict]:
+    """The messages with each replayed call's arguments as JSON text (bulkgen.batch.messages hands templates
+    the object, which most render with `tojson`); the same list when no message has a call."""
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    return [
+        {**m, "tool_calls": [_call_as_text(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages
+    ]
+
+
+def _call_as_text(call: dict) -> dict:
+    arguments = call["function"]["arguments"]
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {**call, "function": {**call["function"], "arguments": text}}
 
 
 def _input(request: ParsedRequest) -> str:

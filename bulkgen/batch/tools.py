@@ -3,64 +3,119 @@
 - hermes:  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2/2.5/3, many others)
 - llama3:  `{"name": ..., "parameters": {...}}` as the whole answer, optionally after `<|python_tag|>`
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+- qwen3_coder, glm45, minimax_m2, kimi_k2, deepseek_v3, deepseek_v31, pythonic: bulkgen.batch.tool_markup
 
 The format is read from the chat template's source (`tool_format`): the template is what taught the model
-how to call, so it is also how to read the call back. Text that does not parse as a call stays content.
+how to call, so it is also how to read the call back. FORMATS is the table: each format's name, the marks
+of its template and its reader, tried in order (the first whose marks the template holds). Text that does
+not parse as a call stays content.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from bulkgen.batch import tool_markup
 from bulkgen.batch.ids import random_id
+from bulkgen.batch.tool_markup import Call, Parsed
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _hermes(text: str, params: dict[str, dict]) -> Parsed:
+    return text.split("<tool_call>", 1)[0], [_json_call(m) for m in _HERMES.findall(text)]
+
+
+def _mistral(text: str, params: dict[str, dict]) -> Parsed:
+    before, found, rest = text.partition("[TOOL_CALLS]")
+    return before, _json_calls(rest) if found else []
+
+
+def _llama3(text: str, params: dict[str, dict]) -> Parsed:
+    before, found, rest = text.rpartition("<|python_tag|>")
+    return (before if found else ""), _json_calls(rest.strip())
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A call syntax: the strings that mark a template teaching it (all of them present), its reader."""
+
+    name: str
+    marks: tuple[str, ...]
+    read: Callable[[str, dict[str, dict]], Parsed]
+
+
+# Most specific first: Qwen3-Coder and GLM also write `<tool_call>`, Llama 4's pythonic template names
+# `<|eom|>`-style Llama marks, DeepSeek-V3 and V3.1 share their tokens (V3 adds a ```json fence).
+FORMATS = (
+    ToolFormat("qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder),
+    ToolFormat("glm45", ("<arg_key>",), tool_markup.glm45),
+    ToolFormat("minimax_m2", ("<minimax:tool_call>", "<invoke name="), tool_markup.minimax_m2),
+    ToolFormat("kimi_k2", ("<|tool_call_begin|>",), tool_markup.kimi_k2),
+    ToolFormat("deepseek_v3", ("<｜tool▁call▁begin｜>", "```json"), tool_markup.deepseek_v3),
+    ToolFormat("deepseek_v31", ("<｜tool▁call▁begin｜>",), tool_markup.deepseek_v31),
+    ToolFormat("hermes", ("<tool_call>",), _hermes),
+    ToolFormat("mistral", ("[TOOL_CALLS]",), _mistral),
+    ToolFormat("mistral", ("[AVAILABLE_TOOLS]",), _mistral),
+    ToolFormat("pythonic", ("func_name1(",), tool_markup.pythonic),
+    ToolFormat("llama3", ("<|python_tag|>",), _llama3),
+    ToolFormat("llama3", ('"parameters"',), _llama3),
+    ToolFormat("llama3", ("<|eom_id|>",), _llama3),
+)
+READERS = {f.name: f.read for f in FORMATS}
 
 
 def tool_format(template: str | None) -> str | None:
     """The call format a chat template teaches; None when it does not render tools at all."""
     if not template or "tools" not in template:
         return None
-    if "<tool_call>" in template:
-        return "hermes"
-    if "[TOOL_CALLS]" in template or "[AVAILABLE_TOOLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template or '"parameters"' in template or "<|eom_id|>" in template:
-        return "llama3"
+    for fmt in FORMATS:
+        if all(mark in template for mark in fmt.marks):
+            return fmt.name
     return "hermes"  # a template that renders tools without naming a format: the most common one
 
 
-def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(
+    text: str, fmt: str, tools: list[dict] | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
     """-> (content before the calls, or None when there is none; the calls in the API's shape).
-    No call found: (text, [])."""
-    if fmt == "hermes":
-        calls = [_call(m) for m in _HERMES.findall(text)]
-        before = text.split("<tool_call>", 1)[0]
-    elif fmt == "mistral":
-        before, _, rest = text.partition("[TOOL_CALLS]")
-        calls = _json_calls(rest) if _ else []
-    else:
-        before, _, rest = text.rpartition("<|python_tag|>")
-        calls = _json_calls(rest.strip())
-        before = before if _ else ""
-    if not calls or any(c is None for c in calls):
+    No call found, or one malformed: (text, []). `tools`: the request's tools, whose parameter schemas
+    type the raw values of the formats that write them as text."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
+    parsed = READERS[fmt](text, params)
+    if parsed is None:
         return text, []
-    return (before.strip() or None), calls
+    before, calls = parsed
+    if not calls or any(c is None or c[1] is None for c in calls):
+        return text, []
+    return (before.strip() or None), [_api_call(*c) for c in calls]
 
 
-def _json_calls(text: str) -> list[dict | None]:
+def _api_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": call_id or random_id("call_"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _json_calls(text: str) -> list[Call | None]:
     """One call object, a list of them, or several separated by ';' (Llama 3.2's habit)."""
     try:
         value = json.loads(text)
     except ValueError:
         parts = [p for p in text.split(";") if p.strip()]
-        return [_call(p) for p in parts] if len(parts) > 1 else []
-    return [_call(v) for v in value] if isinstance(value, list) else [_call(value)]
+        return [_json_call(p) for p in parts] if len(parts) > 1 else []
+    return [_json_call(v) for v in value] if isinstance(value, list) else [_json_call(value)]
 
 
-def _call(raw: str | Any) -> dict[str, Any] | None:
+def _json_call(raw: str | Any) -> Call | None:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
@@ -68,11 +123,4 @@ def _call(raw: str | Any) -> dict[str, Any] | None:
             return None
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         return None
-    arguments = raw.get("arguments", raw.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {
-        "id": random_id("call_"),
-        "type": "function",
-        "function": {"name": raw["name"], "arguments": arguments},
-    }
+    return raw["name"], raw.get("arguments", raw.get("parameters", {})), None
