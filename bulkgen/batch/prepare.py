@@ -15,7 +15,7 @@ from typing import Any
 
 from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
 from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
-from bulkgen.batch.tools import tool_format
+from bulkgen.batch.tools import forced_guide, tool_format
 
 
 def split_prompts(request: ParsedRequest) -> list[ParsedRequest]:
@@ -80,6 +80,8 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
                 f"body.{name}",
             )
         kwargs["tools"] = request.tools
+        if request.forced_tool is not None:
+            _force_in_syntax(request, tokenizer)
     try:
         try:
             return tokenizer.apply_chat_template(
@@ -96,6 +98,15 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
             f"the model's chat template refused {_input(request)}: {type(exc).__name__}: {str(exc)[:200]}",
             _input(request),
         ) from None
+
+
+def _force_in_syntax(request: ParsedRequest, tokenizer) -> None:
+    """A forced call written in the template's own syntax where its format has a writer."""
+    special = set(tokenizer.all_special_tokens)
+    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    guide = forced_guide(request.tool_format, request.forced_tool, request.tools, special)
+    if guide is not None:
+        request.sampling["guide"], request.forced_syntax = guide, True
 
 
 def _arguments_as_text(messages: list[dict]) -> list[dict]:

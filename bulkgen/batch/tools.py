@@ -19,9 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bulkgen.batch import tool_markup
+from bulkgen.batch import forced_syntax, tool_markup
 from bulkgen.batch.ids import random_id
+from bulkgen.batch.structured import REQUIRED
 from bulkgen.batch.tool_markup import Call, Parsed
+from bulkgen.engine.guide import Guide
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
@@ -42,31 +44,34 @@ def _llama3(text: str, params: dict[str, dict]) -> Parsed:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """A call syntax: the strings that mark a template teaching it (all of them present), its reader."""
+    """A call syntax: the strings that mark a template teaching it (all of them present), its reader, and
+    the writer of a forced call in it (bulkgen.batch.forced_syntax; None: forced as a JSON document)."""
 
     name: str
     marks: tuple[str, ...]
     read: Callable[[str, dict[str, dict]], Parsed]
+    force: forced_syntax.Writer | None = None
 
 
 # Most specific first: Qwen3-Coder and GLM also write `<tool_call>`, Llama 4's pythonic template names
 # `<|eom|>`-style Llama marks, DeepSeek-V3 and V3.1 share their tokens (V3 adds a ```json fence).
 FORMATS = (
-    ToolFormat("qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder),
-    ToolFormat("glm45", ("<arg_key>",), tool_markup.glm45),
-    ToolFormat("minimax_m2", ("<minimax:tool_call>", "<invoke name="), tool_markup.minimax_m2),
-    ToolFormat("kimi_k2", ("<|tool_call_begin|>",), tool_markup.kimi_k2),
-    ToolFormat("deepseek_v3", ("<｜tool▁call▁begin｜>", "```json"), tool_markup.deepseek_v3),
-    ToolFormat("deepseek_v31", ("<｜tool▁call▁begin｜>",), tool_markup.deepseek_v31),
+    ToolFormat("qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder, forced_syntax.qwen3_coder),
+    ToolFormat("glm45", ("<arg_key>",), tool_markup.glm45, forced_syntax.glm45),
+    ToolFormat("minimax_m2", ("<minimax:tool_call>", "<invoke name="), tool_markup.minimax_m2, forced_syntax.minimax_m2),
+    ToolFormat("kimi_k2", ("<|tool_call_begin|>",), tool_markup.kimi_k2, forced_syntax.kimi_k2),
+    ToolFormat("deepseek_v3", ("<｜tool▁call▁begin｜>", "```json"), tool_markup.deepseek_v3, forced_syntax.deepseek_v3),
+    ToolFormat("deepseek_v31", ("<｜tool▁call▁begin｜>",), tool_markup.deepseek_v31, forced_syntax.deepseek_v31),
     ToolFormat("hermes", ("<tool_call>",), _hermes),
     ToolFormat("mistral", ("[TOOL_CALLS]",), _mistral),
     ToolFormat("mistral", ("[AVAILABLE_TOOLS]",), _mistral),
-    ToolFormat("pythonic", ("func_name1(",), tool_markup.pythonic),
+    ToolFormat("pythonic", ("func_name1(",), tool_markup.pythonic, forced_syntax.pythonic),
     ToolFormat("llama3", ("<|python_tag|>",), _llama3),
     ToolFormat("llama3", ('"parameters"',), _llama3),
     ToolFormat("llama3", ("<|eom_id|>",), _llama3),
 )
 READERS = {f.name: f.read for f in FORMATS}
+WRITERS = {f.name: f.force for f in FORMATS if f.force is not None}
 
 
 def tool_format(template: str | None) -> str | None:
@@ -77,6 +82,19 @@ def tool_format(template: str | None) -> str | None:
         if all(mark in template for mark in fmt.marks):
             return fmt.name
     return "hermes"  # a template that renders tools without naming a format: the most common one
+
+
+def forced_guide(fmt: str, forced: str, tools: list[dict], special: set[str]) -> Guide | None:
+    """The grammar of a forced call (`forced`: REQUIRED or the function's name) in the format's own syntax;
+    None where the format has no writer, or its markup holds a token the tokenizer keeps as special (the
+    grammar spells text, and decoding drops special tokens): the call is then forced as a JSON document."""
+    write = WRITERS.get(fmt)
+    if write is None:
+        return None
+    grammar = forced_syntax.forced_grammar(write, forced, tools, forced == REQUIRED)
+    if any(token in text for text in forced_syntax.literals(grammar) for token in special):
+        return None
+    return Guide.lark(grammar)
 
 
 def parse_tool_calls(
