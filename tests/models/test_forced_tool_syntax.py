@@ -36,38 +36,32 @@ NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "o
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, NOW)}
 
 
+CASES = [(fmt, forced) for fmt in sorted(WRITERS) for forced in ("get_weather", REQUIRED)]
+
+
 @pytest.fixture(scope="module")
-def tiny():
-    return Engine.from_pretrained(str(random_model()), max_num_seqs=16)
+def finished() -> dict[tuple[str, str], list[str]]:
+    """Every case's outputs that finished, sampled in one batch (n=3 each, temperature 1)."""
+    engine = Engine.from_pretrained(str(random_model()), max_num_seqs=48)
+    params = [
+        SamplingParams(
+            max_tokens=256, temperature=1.0, n=3, seed=5, guide=forced_guide(fmt, forced, [WEATHER, NOW], set())
+        )
+        for fmt, forced in CASES
+    ]
+    outputs = engine.generate(["What is the weather in Oslo?"] * len(CASES), params)
+    return {case: [c.text for c in o.outputs if c.finish_reason == "stop"] for case, o in zip(CASES, outputs, strict=True)}
 
 
-def _sample(engine, fmt: str, forced: str) -> list[str]:
-    guide = forced_guide(fmt, forced, [WEATHER, NOW], set())
-    assert guide is not None and guide.kind == "lark"
-    params = SamplingParams(max_tokens=256, temperature=1.0, n=3, seed=5, guide=guide)
-    outputs = engine.generate(["What is the weather in Oslo?"], params)[0].outputs
-    finished = [c.text for c in outputs if c.finish_reason == "stop"]
-    assert len(finished) >= 2, [(c.finish_reason, c.text) for c in outputs]
-    return finished
-
-
-@pytest.mark.parametrize("fmt", sorted(WRITERS))
-def test_a_named_forced_call_reads_back_as_that_call(tiny, fmt):
-    for text in _sample(tiny, fmt, "get_weather"):
-        content, calls = parse_tool_calls(text, fmt, [WEATHER, NOW])
-        assert content is None and [c["function"]["name"] for c in calls] == ["get_weather"], text
-        arguments = json.loads(calls[0]["function"]["arguments"])
-        if fmt == "pythonic":  # Python literals: the booleans are True/False, read back as JSON's
-            assert isinstance(arguments.get("metric", True), bool)
-        jsonschema.validate(arguments, SCHEMAS["get_weather"])
-
-
-@pytest.mark.parametrize("fmt", sorted(WRITERS))
-def test_required_calls_one_of_the_tools(tiny, fmt):
-    for text in _sample(tiny, fmt, REQUIRED):
+@pytest.mark.parametrize(("fmt", "forced"), CASES)
+def test_a_forced_call_reads_back_as_one_call_of_the_forced_tool(finished, fmt, forced):
+    assert forced_guide(fmt, forced, [WEATHER, NOW], set()).kind == "lark"
+    assert len(finished[fmt, forced]) >= 2, finished[fmt, forced]
+    for text in finished[fmt, forced]:
         content, calls = parse_tool_calls(text, fmt, [WEATHER, NOW])
         assert content is None and len(calls) == 1, text
         name = calls[0]["function"]["name"]
+        assert name == forced or forced == REQUIRED
         jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), SCHEMAS[name])
 
 
