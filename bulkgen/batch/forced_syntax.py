@@ -62,7 +62,9 @@ def _json_arguments(prefix: str, suffix: str) -> Writer:
 
     def write(name: str, schema: dict, rule: str) -> tuple[str, list[str]]:
         args = f"{rule}args"
-        return f"{_q(prefix.format(name=name))} {args} {_q(suffix.format(name=name))}", [_json_rule(args, schema)]
+        return f"{_q(prefix.format(name=name))} {args} {_q(suffix.format(name=name))}", [
+            _json_rule(args, schema)
+        ]
 
     return write
 
@@ -72,7 +74,8 @@ deepseek_v3 = _json_arguments(
     "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 )
 deepseek_v31 = _json_arguments(
-    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
 )
 kimi_k2 = _json_arguments(
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
@@ -115,9 +118,13 @@ def _raw_parameters(head: str, item: str, tail: str) -> Writer:
 
 
 qwen3_coder = _raw_parameters(
-    "<tool_call>\n<function={name}>\n", "<parameter={key}>\n{value}\n</parameter>\n", "</function>\n</tool_call>"
+    "<tool_call>\n<function={name}>\n",
+    "<parameter={key}>\n{value}\n</parameter>\n",
+    "</function>\n</tool_call>",
 )
-glm45 = _raw_parameters("<tool_call>{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n", "</tool_call>")
+glm45 = _raw_parameters(
+    "<tool_call>{name}\n", "<arg_key>{key}</arg_key>\n<arg_value>{value}</arg_value>\n", "</tool_call>"
+)
 minimax_m2 = _raw_parameters(
     '<minimax:tool_call>\n<invoke name="{name}">\n',
     '<parameter name="{key}">{value}</parameter>\n',
@@ -148,7 +155,7 @@ def _separated(items: list[tuple[str, bool]], rule: str) -> tuple[str, list[str]
     rules, first, rest = [], '""', '""'
     for i in range(len(items) - 1, -1, -1):
         item, required = items[i]
-        rules.append(f"{rule}rest{i}: {'' if required else '('}\", \" {item}{'' if required else ')?'} {rest}")
+        rules.append(f'{rule}rest{i}: {"" if required else "("}", " {item}{"" if required else ")?"} {rest}')
         choice = f"{item} {rest}" if required else f"{item} {rest} | {first}"
         rules.append(f"{rule}first{i}: {choice}")
         first, rest = f"{rule}first{i}", f"{rule}rest{i}"

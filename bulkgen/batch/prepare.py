@@ -91,7 +91,9 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
             messages = _arguments_as_text(request.messages)
             if messages is request.messages:
                 raise
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
     except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
         raise LineError(
             "invalid_messages",

@@ -56,12 +56,26 @@ class ToolFormat:
 # Most specific first: Qwen3-Coder and GLM also write `<tool_call>`, Llama 4's pythonic template names
 # `<|eom|>`-style Llama marks, DeepSeek-V3 and V3.1 share their tokens (V3 adds a ```json fence).
 FORMATS = (
-    ToolFormat("qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder, forced_syntax.qwen3_coder),
+    ToolFormat(
+        "qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder, forced_syntax.qwen3_coder
+    ),
     ToolFormat("glm45", ("<arg_key>",), tool_markup.glm45, forced_syntax.glm45),
-    ToolFormat("minimax_m2", ("<minimax:tool_call>", "<invoke name="), tool_markup.minimax_m2, forced_syntax.minimax_m2),
+    ToolFormat(
+        "minimax_m2",
+        ("<minimax:tool_call>", "<invoke name="),
+        tool_markup.minimax_m2,
+        forced_syntax.minimax_m2,
+    ),
     ToolFormat("kimi_k2", ("<|tool_call_begin|>",), tool_markup.kimi_k2, forced_syntax.kimi_k2),
-    ToolFormat("deepseek_v3", ("<｜tool▁call▁begin｜>", "```json"), tool_markup.deepseek_v3, forced_syntax.deepseek_v3),
-    ToolFormat("deepseek_v31", ("<｜tool▁call▁begin｜>",), tool_markup.deepseek_v31, forced_syntax.deepseek_v31),
+    ToolFormat(
+        "deepseek_v3",
+        ("<｜tool▁call▁begin｜>", "```json"),
+        tool_markup.deepseek_v3,
+        forced_syntax.deepseek_v3,
+    ),
+    ToolFormat(
+        "deepseek_v31", ("<｜tool▁call▁begin｜>",), tool_markup.deepseek_v31, forced_syntax.deepseek_v31
+    ),
     ToolFormat("hermes", ("<tool_call>",), _hermes),
     ToolFormat("mistral", ("[TOOL_CALLS]",), _mistral),
     ToolFormat("mistral", ("[AVAILABLE_TOOLS]",), _mistral),

@@ -1,7 +1,7 @@
 """Forced tool calls (`tool_choice` required or named) written in each family's own call syntax: on a tiny
-random model (which writes no call by itself; its byte-level tokenizer spells each marker byte by byte) under the grammar bulkgen builds for that format, every
-output that finishes is read back by the format's reader as one call of the forced tool, with arguments
-valid for its schema."""
+random model (which writes no call by itself; its byte-level tokenizer spells each marker byte by byte),
+under the grammar bulkgen builds for that format, every output that finishes is read back by the format's
+reader as one call of the forced tool, with arguments valid for its schema."""
 
 from __future__ import annotations
 
@@ -14,25 +14,10 @@ from bulkgen.batch.structured import REQUIRED
 from bulkgen.batch.tools import WRITERS, forced_guide, parse_tool_calls
 from bulkgen.engine import Engine, SamplingParams
 from tests.support.service import random_model
+from tests.support.tool_formats import BOUNDED_WEATHER, function_tool
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Oslo", "Lima"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 9},
-                "metric": {"type": "boolean"},
-                "note": {"type": "string", "maxLength": 6},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+WEATHER = BOUNDED_WEATHER  # every value bounded, so calls finish on a random model
+NOW = function_tool("now", {})
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, NOW)}
 
 
@@ -45,12 +30,19 @@ def finished() -> dict[tuple[str, str], list[str]]:
     engine = Engine.from_pretrained(str(random_model()), max_num_seqs=48)
     params = [
         SamplingParams(
-            max_tokens=256, temperature=1.0, n=3, seed=5, guide=forced_guide(fmt, forced, [WEATHER, NOW], set())
+            max_tokens=256,
+            temperature=1.0,
+            n=3,
+            seed=5,
+            guide=forced_guide(fmt, forced, [WEATHER, NOW], set()),
         )
         for fmt, forced in CASES
     ]
     outputs = engine.generate(["What is the weather in Oslo?"] * len(CASES), params)
-    return {case: [c.text for c in o.outputs if c.finish_reason == "stop"] for case, o in zip(CASES, outputs, strict=True)}
+    return {
+        case: [c.text for c in o.outputs if c.finish_reason == "stop"]
+        for case, o in zip(CASES, outputs, strict=True)
+    }
 
 
 @pytest.mark.parametrize(("fmt", "forced"), CASES)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -16,25 +15,20 @@ from bulkgen.batch.requests import CHAT, parse_line
 from bulkgen.batch.tools import parse_tool_calls, tool_format
 from bulkgen.lab.tiny import build_tokenizer
 from tests.support.service import HERMES_TEMPLATE, chat_row
+from tests.support.tool_formats import TEMPLATES, function_tool
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "days": {"type": "integer"},
-                "ratio": {"type": "number"},
-                "metric": {"type": "boolean"},
-                "where": {"type": "object"},
-                "tags": {"type": "array"},
-            },
-        },
+WEATHER = function_tool(
+    "get_weather",
+    {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "ratio": {"type": "number"},
+        "metric": {"type": "boolean"},
+        "where": {"type": "object"},
+        "tags": {"type": "array"},
     },
-}
+    closed=False,
+)
 NESTED = {"city": "Zürich", "days": 3, "where": {"lat": 47.4, "names": ["Zürich", "東京"]}, "metric": True}
 # template file -> (its format, the text that ends the assistant's turn in a rendered conversation)
 FAMILIES = {
@@ -69,7 +63,9 @@ def test_each_real_template_names_its_format(name, expected):
 
 def test_the_older_families_keep_their_format():
     assert tool_format(HERMES_TEMPLATE) == "hermes"
-    assert tool_format("{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}{% endif %}[TOOL_CALLS]") == "mistral"
+    assert (
+        tool_format("{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}{% endif %}[TOOL_CALLS]") == "mistral"
+    )
     assert tool_format('{% if tools %}<|python_tag|>{"name": .., "parameters": ..}{% endif %}') == "llama3"
     # DeepSeek-V3.1's template as llama.cpp keeps it writes calls but never the tool definitions: refused
     assert tool_format(_template("DeepSeek-V3.1.jinja")) is None
@@ -103,7 +99,11 @@ def _api_calls(arguments: list[dict], kimi_ids: bool) -> list[dict]:
 def test_calls_rendered_by_the_real_template_read_back_exactly(name):
     fmt, end = FAMILIES[name]
     # Llama 4's template writes every value quoted (`days="3"`), so only strings survive its round trip
-    arguments = [{"city": "Zürich", "days": "3"}, {"city": "Rome"}] if fmt == "pythonic" else [NESTED, {"city": "Rome"}]
+    arguments = (
+        [{"city": "Zürich", "days": "3"}, {"city": "Rome"}]
+        if fmt == "pythonic"
+        else [NESTED, {"city": "Rome"}]
+    )
     calls = _api_calls(arguments, kimi_ids=fmt == "kimi_k2")
     turn = _rendered_turn(_template(name), end, calls, "Let me check.")
     content, parsed = parse_tool_calls(turn, fmt, [WEATHER])
@@ -125,8 +125,11 @@ def test_a_plain_answer_under_each_template_stays_content(name):
 
 
 MALFORMED = {
-    "qwen3_coder": ["<tool_call>\n<function>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>", "<tool_call>\n"],
-    "glm45": ["<tool_call>{\"name\": \"f\"}</tool_call>", "<tool_call>two words\nmore\n</tool_call>"],
+    "qwen3_coder": [
+        "<tool_call>\n<function>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>\n",
+    ],
+    "glm45": ['<tool_call>{"name": "f"}</tool_call>', "<tool_call>two words\nmore\n</tool_call>"],
     "minimax_m2": ["<minimax:tool_call>\n<invoke>no name</invoke>\n</minimax:tool_call>"],
     "kimi_k2": [
         "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{oops<|tool_call_end|>",
@@ -164,7 +167,14 @@ def test_raw_parameter_values_take_the_type_their_schema_declares():
     assert _calls(calls) == [
         (
             "get_weather",
-            {"city": "007", "days": 21, "ratio": 0.5, "metric": False, "tags": ["a", "ü"], "note": '{"kept": "as text"}'},
+            {
+                "city": "007",
+                "days": 21,
+                "ratio": 0.5,
+                "metric": False,
+                "tags": ["a", "ü"],
+                "note": '{"kept": "as text"}',
+            },
         )
     ]
     _, calls = parse_tool_calls(text, "qwen3_coder", None)  # no schema: every value as written
@@ -173,14 +183,18 @@ def test_raw_parameter_values_take_the_type_their_schema_declares():
 
 def test_several_calls_and_multi_line_values():
     text = (
-        "<minimax:tool_call>\n<invoke name=\"write\">\n<parameter name=\"body\">line 1\nline 2</parameter>\n"
-        "</invoke>\n<invoke name=\"now\">\n</invoke>\n</minimax:tool_call>"
+        '<minimax:tool_call>\n<invoke name="write">\n<parameter name="body">line 1\nline 2</parameter>\n'
+        '</invoke>\n<invoke name="now">\n</invoke>\n</minimax:tool_call>'
     )
     content, calls = parse_tool_calls(text, "minimax_m2", [])
     assert content is None and _calls(calls) == [("write", {"body": "line 1\nline 2"}), ("now", {})]
     text = '[get_weather(city="Paris"), now(), add(x=1, y=[2, {"z": None}])]'
     _, calls = parse_tool_calls(text, "pythonic", [])
-    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("now", {}), ("add", {"x": 1, "y": [2, {"z": None}]})]
+    assert _calls(calls) == [
+        ("get_weather", {"city": "Paris"}),
+        ("now", {}),
+        ("add", {"x": 1, "y": [2, {"z": None}]}),
+    ]
 
 
 def test_a_call_cut_by_max_tokens_is_read_only_when_its_arguments_are_whole():

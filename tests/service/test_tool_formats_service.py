@@ -6,29 +6,14 @@ that family's own syntax and read back by its reader, landing in the output file
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
 
 from tests.support.service import chat_row, model_with_template, read_lines, upload, wait_done, write_jsonl
+from tests.support.tool_formats import BOUNDED_WEATHER, TEMPLATES
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Oslo", "Zürich"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 9},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER = BOUNDED_WEATHER
 
 
 @pytest.fixture(params=["Kimi-K2-Thinking.jinja", "Qwen3-Coder.jinja"])
