@@ -53,8 +53,9 @@ class ToolFormat:
     force: forced_syntax.Writer | None = None
 
 
-# Most specific first: Qwen3-Coder and GLM also write `<tool_call>`, Llama 4's pythonic template names
-# `<|eom|>`-style Llama marks, DeepSeek-V3 and V3.1 share their tokens (V3 adds a ```json fence).
+# Most specific first: Qwen3-Coder and GLM also write `<tool_call>`, DeepSeek-V3 and V3.1 share their
+# tokens (V3 adds a ```json fence), a pythonic Llama template may hold the JSON ones' marks as well. A
+# format several sets of marks point at has a row for each.
 FORMATS = (
     ToolFormat(
         "qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder, forced_syntax.qwen3_coder

@@ -20,25 +20,32 @@ from tests.support.tool_formats import TEMPLATES, function_tool
 WEATHER = function_tool(
     "get_weather",
     {
-        "city": {"type": "string"},
-        "days": {"type": "integer"},
-        "ratio": {"type": "number"},
-        "metric": {"type": "boolean"},
-        "where": {"type": "object"},
-        "tags": {"type": "array"},
+        name: {"type": kind, "description": f"a {kind}"}  # Hermes' template writes each description
+        for name, kind in [
+            ("city", "string"),
+            ("days", "integer"),
+            ("ratio", "number"),
+            ("metric", "boolean"),
+            ("where", "object"),
+            ("tags", "array"),
+        ]
     },
     closed=False,
 )
+WEATHER["function"]["description"] = "The weather in a city"
 NESTED = {"city": "Zürich", "days": 3, "where": {"lat": 47.4, "names": ["Zürich", "東京"]}, "metric": True}
-# template file -> (its format, the text that ends the assistant's turn in a rendered conversation)
+# template file -> (its format, the text that ends the assistant's turn in a rendered conversation (None:
+# the tokenizer's end of sequence), whether the template writes an assistant's text beside its calls)
 FAMILIES = {
-    "Qwen3-Coder.jinja": ("qwen3_coder", "<|im_end|>"),
-    "GLM-4.5.jinja": ("glm45", "<|assistant|>"),
-    "MiniMax-M2.jinja": ("minimax_m2", "[e~["),
-    "Kimi-K2-Thinking.jinja": ("kimi_k2", "<|im_end|>"),
-    "DeepSeek-V3.jinja": ("deepseek_v3", "<｜end▁of▁sentence｜>"),
-    "DeepSeek-V3.1-tools.jinja": ("deepseek_v31", "<｜end▁of▁sentence｜>"),
-    "Llama-4-pythonic.jinja": ("pythonic", "<|eot|>"),
+    "Qwen3-Coder.jinja": ("qwen3_coder", "<|im_end|>", True),
+    "GLM-4.5.jinja": ("glm45", "<|assistant|>", True),
+    "MiniMax-M2.jinja": ("minimax_m2", "[e~[", True),
+    "Kimi-K2-Thinking.jinja": ("kimi_k2", "<|im_end|>", True),
+    "DeepSeek-V3.jinja": ("deepseek_v3", "<｜end▁of▁sentence｜>", True),
+    "DeepSeek-V3.1-tools.jinja": ("deepseek_v31", "<｜end▁of▁sentence｜>", True),
+    "Llama-4-pythonic.jinja": ("pythonic", "<|eot|>", True),
+    "Hermes.jinja": ("hermes", "<|im_end|>", False),
+    "Mistral-Small-3.1.jinja": ("mistral", None, False),
 }
 
 
@@ -56,12 +63,12 @@ def _calls(calls: list[dict]) -> list[tuple[str, dict]]:
     return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
 
 
-@pytest.mark.parametrize(("name", "expected"), [(n, f) for n, (f, _) in FAMILIES.items()])
+@pytest.mark.parametrize(("name", "expected"), [(n, f[0]) for n, f in FAMILIES.items()])
 def test_each_real_template_names_its_format(name, expected):
     assert tool_format(_template(name)) == expected
 
 
-def test_the_older_families_keep_their_format():
+def test_templates_that_name_no_new_format_keep_theirs():
     assert tool_format(HERMES_TEMPLATE) == "hermes"
     assert (
         tool_format("{% if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}{% endif %}[TOOL_CALLS]") == "mistral"
@@ -71,23 +78,22 @@ def test_the_older_families_keep_their_format():
     assert tool_format(_template("DeepSeek-V3.1.jinja")) is None
 
 
-def _rendered_turn(template: str, end: str, calls: list[dict], content: str | None) -> str:
+def _rendered_turn(template: str, end: str | None, calls: list[dict], content: str | None) -> str:
     """The assistant's turn as the template writes it: the conversation with that turn, less the prompt
     before it, cut where the turn ends."""
     tok = _tokenizer(template)
     row = chat_row("a", "What is the weather?", tools=[WEATHER])
     prompt = render_chat(parse_line(json.dumps(row), 1, CHAT), tok)
     row["body"]["messages"].append({"role": "assistant", "content": content, "tool_calls": calls})
-    row["body"]["messages"].append({"role": "user", "content": "thanks"})
     full = render_chat(parse_line(json.dumps(row), 1, CHAT), tok)
     start = len(os.path.commonprefix([prompt, full]))  # some prompts end with what the turn replaces
-    return full[start : full.index(end, start + 1)]
+    return full[start : full.index(end or tok.eos_token, start + 1)]
 
 
 def _api_calls(arguments: list[dict], kimi_ids: bool) -> list[dict]:
     return [
         {
-            "id": f"functions.get_weather:{i}" if kimi_ids else f"call_{i}",
+            "id": f"functions.get_weather:{i}" if kimi_ids else f"call_{i:010d}",  # Mistral: 9+ characters
             "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps(a, ensure_ascii=False)},
         }
@@ -97,7 +103,7 @@ def _api_calls(arguments: list[dict], kimi_ids: bool) -> list[dict]:
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_calls_rendered_by_the_real_template_read_back_exactly(name):
-    fmt, end = FAMILIES[name]
+    fmt, end, writes_content = FAMILIES[name]
     # Llama 4's template writes every value quoted (`days="3"`), so only strings survive its round trip
     arguments = (
         [{"city": "Zürich", "days": "3"}, {"city": "Rome"}]
@@ -105,21 +111,24 @@ def test_calls_rendered_by_the_real_template_read_back_exactly(name):
         else [NESTED, {"city": "Rome"}]
     )
     calls = _api_calls(arguments, kimi_ids=fmt == "kimi_k2")
-    turn = _rendered_turn(_template(name), end, calls, "Let me check.")
+    turn = _rendered_turn(_template(name), end, calls, "Let me check." if writes_content else None)
     content, parsed = parse_tool_calls(turn, fmt, [WEATHER])
     assert _calls(parsed) == [("get_weather", a) for a in arguments], turn
+    assert all(c["type"] == "function" and c["id"] for c in parsed) and len({c["id"] for c in parsed}) == 2
+    if fmt == "kimi_k2":  # the id its template writes back when the call is replayed
+        assert [c["id"] for c in parsed] == ["functions.get_weather:0", "functions.get_weather:1"]
+    if not writes_content:
+        assert content is None, turn
+        return
     # the text before the calls is kept, and none of their markup: GLM and Kimi open every turn with an
     # empty <think></think> (reasoning is another parser's part), V3.1's own opening differs in spacing
     assert content.endswith("Let me check.") and "get_weather" not in content, turn
     assert content.removeprefix("<think></think>").strip() == "Let me check." or fmt == "deepseek_v31"
-    assert all(c["type"] == "function" and c["id"] for c in parsed) and len({c["id"] for c in parsed}) == 2
-    if fmt == "kimi_k2":  # the id its template writes back when the call is replayed
-        assert [c["id"] for c in parsed] == ["functions.get_weather:0", "functions.get_weather:1"]
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_plain_answer_under_each_template_stays_content(name):
-    fmt, _ = FAMILIES[name]
+    fmt = FAMILIES[name][0]
     for text in ("The weather is fine.", "", "[1, 2, 3]", "Use get_weather(city) later."):
         assert parse_tool_calls(text, fmt, [WEATHER]) == (text, [])
 
