@@ -10,11 +10,14 @@ import json
 import jsonschema
 import pytest
 
+from bulkgen.batch.prepare import tokenize
+from bulkgen.batch.requests import CHAT, parse_line
 from bulkgen.batch.structured import REQUIRED
 from bulkgen.batch.tools import WRITERS, forced_guide, parse_tool_calls
 from bulkgen.engine import Engine, SamplingParams
-from tests.support.service import random_model
-from tests.support.tool_formats import BOUNDED_WEATHER, function_tool
+from bulkgen.lab.tiny import build_tokenizer
+from tests.support.service import chat_row, random_model
+from tests.support.tool_formats import BOUNDED_WEATHER, TEMPLATES, function_tool
 
 WEATHER = BOUNDED_WEATHER  # every value bounded, so calls finish on a random model
 NOW = function_tool("now", {})
@@ -61,3 +64,20 @@ def test_markup_the_tokenizer_keeps_as_special_falls_back_to_a_json_document():
     assert forced_guide("kimi_k2", "now", [NOW], {"<|tool_call_begin|>"}) is None
     assert forced_guide("hermes", "now", [NOW], set()) is None  # hermes, llama3, mistral: JSON, as before
     assert forced_guide("qwen3_coder", "now", [NOW], {"<|tool_call_begin|>"}) is not None
+
+
+def test_a_tokenizer_holding_the_markers_as_special_tokens_gets_the_json_document():
+    """Kimi's markers as special tokens (its own tokenizer marks its <|...|> tokens so): the grammar could not
+    spell them and decoding would drop them, so the forced call is the JSON document of structured.py."""
+
+    def forced_syntax(special: list[str]) -> bool:
+        tok = build_tokenizer()
+        tok.chat_template = (TEMPLATES / "Kimi-K2-Thinking.jinja").read_text()
+        tok.add_special_tokens({"additional_special_tokens": special})
+        row = chat_row("a", "Weather?", tools=[NOW], tool_choice="required")
+        request = parse_line(json.dumps(row), 1, CHAT)
+        tokenize(request, tok)
+        return request.forced_syntax and request.sampling["guide"].kind == "lark"
+
+    assert forced_syntax([])
+    assert not forced_syntax(["<|tool_calls_section_begin|>", "<|tool_call_begin|>"])
