@@ -2,8 +2,9 @@
 template and shapes what it reads into the API's `tool_calls`).
 
 Each reader takes the model's text and the request's tool schemas (`params`: function name -> its
-`parameters`) and returns (the text before the calls, [(name, arguments, call id or None)]), or None when
-the text holds no well-formed call: then the whole text stays the answer's content. Formats whose
+`parameters`) and returns (the text before the calls, [(name, arguments, call id or None)]); bulkgen.batch.tools
+keeps the whole text as the answer's content when there is no call, or when the reader returned None, a
+None call or None arguments (a malformed call). Formats whose
 parameter values are raw text (Qwen3-Coder, GLM, MiniMax) are typed by the schema the tool declares, as
 vLLM's parsers do: a parameter declared `integer` written `21` becomes 21, a `string` stays as written.
 """
@@ -31,7 +32,7 @@ _KIMI_CALL = re.compile(
 )
 _KIMI_ID = re.compile(r"^(?:functions\.)?(.+?):\d+$")
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.DOTALL)
-_PY_LIST = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.]*\(")
+_PY_LIST = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_]*\(")
 _DS_V3_BODY = re.compile(r"^([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*$", re.DOTALL)
 
 
@@ -103,18 +104,17 @@ def pythonic(text: str, params: dict[str, dict]) -> Parsed:
     optionally inside `<|python_start|>...<|python_end|>`. Read with `ast`, never evaluated: only calls of
     plain names with keyword arguments of literal values are calls."""
     source = text.rstrip().removesuffix("<|python_end|>").rstrip()
-    if not source.endswith("]"):
+    start = _PY_LIST.search(source)
+    if start is None or not source.endswith("]"):
         return None
-    for start in _PY_LIST.finditer(source):
-        try:
-            tree = ast.parse(source[start.start() :].strip(), mode="eval").body
-            if isinstance(tree, ast.List):
-                return source[: start.start()].removesuffix("<|python_start|>"), [
-                    _python_call(node) for node in tree.elts
-                ]
-        except (SyntaxError, ValueError):
-            continue
-    return None
+    try:  # the first `[name(` opens the calls: one parse, whatever the text's length
+        tree = ast.parse(source[start.start() :], mode="eval").body
+        if not isinstance(tree, ast.List):
+            return None
+        calls = [_python_call(node) for node in tree.elts]
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    return source[: start.start()].removesuffix("<|python_start|>"), calls
 
 
 def _python_call(node: ast.expr) -> Call:
