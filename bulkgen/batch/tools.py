@@ -125,10 +125,11 @@ def parse_tool_calls(
     before, calls = parsed
     if not calls or any(c is None or c[1] is None for c in calls):
         return text, []
-    return (before.strip() or None), [_api_call(*c) for c in calls]
+    return (before.strip() or None), [call_of(*c) for c in calls]
 
 
-def _api_call(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+def call_of(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    """A call in the API's shape: `arguments` as JSON text, the model's own id or a new `call_...`."""
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return {
