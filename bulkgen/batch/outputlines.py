@@ -30,7 +30,15 @@ def success_line(request: ParsedRequest, result: dict, model: str) -> dict[str, 
     if request.endpoint == EMBEDDINGS:
         body = embedding_body(request.embedding, result, model)
     elif request.endpoint == CHAT:
-        body = chat_body(result, model, request.tool_format, request.legacy_functions, request.forced_tool)
+        body = chat_body(
+            result,
+            model,
+            request.tool_format,
+            request.legacy_functions,
+            request.forced_tool,
+            request.tools,
+            request.forced_syntax,
+        )
     elif request.endpoint == RESPONSES:
         body = response_body(result, model, request.response_fields)
     else:
@@ -65,17 +73,25 @@ def usage(result: dict) -> dict[str, Any]:
 
 
 def chat_body(
-    result: dict, model: str, tool_format: str | None = None, legacy: bool = False, forced: str | None = None
+    result: dict,
+    model: str,
+    tool_format: str | None = None,
+    legacy: bool = False,
+    forced: str | None = None,
+    tools: list[dict] | None = None,
+    forced_syntax: bool = False,
 ) -> dict[str, Any]:
     """`tool_format`: read tool calls out of the text (the request rendered tools; see bulkgen.batch.tools);
     `legacy`: they came as `functions`, so the (first) call is answered as message.function_call;
-    `forced`: the output is a forced call (bulkgen.batch.structured), a document of JSON, not free text.
+    `forced`: the output is a forced call (bulkgen.batch.structured), a document of JSON, not free text;
+    `tools`: the request's tools (their schemas type the values of formats that write them as text);
+    `forced_syntax`: the forced call is written in `tool_format`'s syntax, read back as a free call is.
     A call forced by name finishes with `stop`, as the hosted API answers; any other call with
     `tool_calls` (`function_call` for the legacy form)."""
     choices = [
         {
             "index": c["index"],
-            "message": _message(c, tool_format, legacy, forced),
+            "message": _message(c, tool_format, legacy, forced, tools, forced_syntax),
             "logprobs": {"content": [_chat_logprob(t) for t in c["logprobs"]], "refusal": None}
             if c.get("logprobs") is not None
             else None,
@@ -102,20 +118,25 @@ def chat_body(
 
 
 def _message(
-    completion: dict, tool_format: str | None, legacy: bool, forced: str | None = None
+    completion: dict,
+    tool_format: str | None,
+    legacy: bool,
+    forced: str | None = None,
+    tools: list[dict] | None = None,
+    forced_syntax: bool = False,
 ) -> dict[str, Any]:
     """The assistant message: its answer (content None where the reasoning took every token), its reasoning
     (a reasoning model's: bulkgen.batch.reasoning), or the tool calls read from it. A forced call's output is
-    a JSON document (bulkgen.batch.structured); cut by max_tokens it is no whole document, and stays the
-    content."""
+    a JSON document (bulkgen.batch.structured) unless it was forced in the format's own syntax (then its
+    reader reads it); cut by max_tokens it is no whole call, and stays the content."""
     text = completion.get("content", completion["text"])
     message = {"role": "assistant", "content": text, **choice_fields(completion), "refusal": None}
-    if forced is not None:
+    if forced is not None and not forced_syntax:
         content, calls = None, forced_calls(text or "", forced) or []
     elif completion.get("calls"):  # read from harmony's channels
         content, calls = text, [call_of(c["name"], c["arguments"]) for c in completion["calls"]]
     elif tool_format is not None and text is not None:
-        content, calls = parse_tool_calls(text, tool_format)
+        content, calls = parse_tool_calls(text, tool_format, tools)
     else:
         return message
     if calls:

@@ -9,13 +9,14 @@ that line's 400.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
 from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
 from bulkgen.batch.reasoning import opens_reasoning, reasoning_parser
 from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
-from bulkgen.batch.tools import tool_format
+from bulkgen.batch.tools import forced_guide, tool_format
 
 
 def split_prompts(request: ParsedRequest) -> list[ParsedRequest]:
@@ -81,10 +82,20 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
                 f"body.{name}",
             )
         kwargs["tools"] = request.tools
+        if request.forced_tool is not None:
+            _force_in_syntax(request, tokenizer)
     try:
-        prompt = tokenizer.apply_chat_template(
-            request.messages, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        try:
+            prompt = tokenizer.apply_chat_template(
+                request.messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except TypeError:  # a template that concatenates a call's arguments text (DeepSeek-V3.1) not tojson
+            messages = _arguments_as_text(request.messages)
+            if messages is request.messages:
+                raise
+            prompt = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
     except Exception as exc:  # the template's own checks (e.g. roles must alternate): this line's 400
         raise LineError(
             "invalid_messages",
@@ -95,6 +106,32 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
         request.reasoning_parser = reasoning_parser(template, tokenizer)
     request.reasoning_open = opens_reasoning(prompt)
     return prompt
+
+
+def _force_in_syntax(request: ParsedRequest, tokenizer) -> None:
+    """A forced call written in the template's own syntax where its format has a writer."""
+    special = set(tokenizer.all_special_tokens)
+    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+    guide = forced_guide(request.tool_format, request.forced_tool, request.tools, special)
+    if guide is not None:
+        request.sampling["guide"], request.forced_syntax = guide, True
+
+
+def _arguments_as_text(messages: list[dict]) -> list[dict]:
+    """The messages with each replayed call's arguments as JSON text (bulkgen.batch.messages hands templates
+    the object, which most render with `tojson`); the same list when no message has a call."""
+    if not any(m.get("tool_calls") for m in messages):
+        return messages
+    return [
+        {**m, "tool_calls": [_call_as_text(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+        for m in messages
+    ]
+
+
+def _call_as_text(call: dict) -> dict:
+    arguments = call["function"]["arguments"]
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {**call, "function": {**call["function"], "arguments": text}}
 
 
 def _input(request: ParsedRequest) -> str:

@@ -189,6 +189,8 @@ class ParsedRequest:
     reasoning_open: bool = False  # the rendered prompt left `<think>` open: the output starts in reasoning
     forced_tool: str | None = None  # a forced call: "*" (tool_choice required) or the function's
     # name; its grammar is sampling["guide"]
+    forced_syntax: bool = False  # set by prepare: the forced call is written in tool_format's own syntax
+    # (bulkgen.batch.forced_syntax), not as a JSON document
     guide_param: str | None = None  # the body field sampling["guide"] came from: a grammar that fails as
     # the request runs is that line's 400 naming it
     limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)

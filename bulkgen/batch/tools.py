@@ -3,70 +3,161 @@
 - hermes:  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2/2.5/3, many others)
 - llama3:  `{"name": ..., "parameters": {...}}` as the whole answer, optionally after `<|python_tag|>`
 - mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+- qwen3_coder, glm45, minimax_m2, kimi_k2, deepseek_v3, deepseek_v31, pythonic: bulkgen.batch.tool_markup
 - harmony: gpt-oss's `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`, whose
   markers are special tokens: read from the token ids with its reasoning (bulkgen.batch.reasoning), not here
 
 The format is read from the chat template's source (`tool_format`): the template is what taught the model
-how to call, so it is also how to read the call back. Text that does not parse as a call stays content.
+how to call, so it is also how to read the call back. FORMATS is the table: each format's name, the marks
+of its template and its reader, tried in order (the first whose marks the template holds). Text that does
+not parse as a call stays content.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from bulkgen.batch import forced_syntax, tool_markup
 from bulkgen.batch.ids import random_id
+from bulkgen.batch.structured import REQUIRED
+from bulkgen.batch.tool_markup import Call, Parsed
+from bulkgen.engine.guide import Guide
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+def _hermes(text: str, params: dict[str, dict]) -> Parsed:
+    return text.split("<tool_call>", 1)[0], [_json_call(m) for m in _HERMES.findall(text)]
+
+
+def _mistral(text: str, params: dict[str, dict]) -> Parsed:
+    before, found, rest = text.partition("[TOOL_CALLS]")
+    return before, _json_calls(rest) if found else []
+
+
+def _harmony(text: str, params: dict[str, dict]) -> Parsed:
+    """None: its calls are read from the token ids, with its channels (bulkgen.batch.reasoning)."""
+    return None
+
+
+def _llama3(text: str, params: dict[str, dict]) -> Parsed:
+    before, found, rest = text.rpartition("<|python_tag|>")
+    return (before if found else ""), _json_calls(rest.strip())
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """A call syntax: the strings that mark a template teaching it (all of them present), its reader, and
+    the writer of a forced call in it (bulkgen.batch.forced_syntax; None: forced as a JSON document)."""
+
+    name: str
+    marks: tuple[str, ...]
+    read: Callable[[str, dict[str, dict]], Parsed]
+    force: forced_syntax.Writer | None = None
+
+
+# Most specific first: Qwen3-Coder and GLM also write `<tool_call>`, DeepSeek-V3 and V3.1 share their
+# tokens (V3 adds a ```json fence), a pythonic Llama template may hold the JSON ones' marks as well. A
+# format several sets of marks point at has a row for each.
+FORMATS = (
+    ToolFormat("harmony", ("<|channel|>",), _harmony),
+    ToolFormat(
+        "qwen3_coder", ("<function=", "<parameter="), tool_markup.qwen3_coder, forced_syntax.qwen3_coder
+    ),
+    ToolFormat("glm45", ("<arg_key>",), tool_markup.glm45, forced_syntax.glm45),
+    ToolFormat(
+        "minimax_m2",
+        ("<minimax:tool_call>", "<invoke name="),
+        tool_markup.minimax_m2,
+        forced_syntax.minimax_m2,
+    ),
+    ToolFormat("kimi_k2", ("<|tool_call_begin|>",), tool_markup.kimi_k2, forced_syntax.kimi_k2),
+    ToolFormat(
+        "deepseek_v3",
+        ("<｜tool▁call▁begin｜>", "```json"),
+        tool_markup.deepseek_v3,
+        forced_syntax.deepseek_v3,
+    ),
+    ToolFormat(
+        "deepseek_v31", ("<｜tool▁call▁begin｜>",), tool_markup.deepseek_v31, forced_syntax.deepseek_v31
+    ),
+    ToolFormat("hermes", ("<tool_call>",), _hermes),
+    ToolFormat("mistral", ("[TOOL_CALLS]",), _mistral),
+    ToolFormat("mistral", ("[AVAILABLE_TOOLS]",), _mistral),
+    ToolFormat("pythonic", ("func_name1(",), tool_markup.pythonic, forced_syntax.pythonic),
+    ToolFormat("llama3", ("<|python_tag|>",), _llama3),
+    ToolFormat("llama3", ('"parameters"',), _llama3),
+    ToolFormat("llama3", ("<|eom_id|>",), _llama3),
+)
+READERS = {f.name: f.read for f in FORMATS}
+WRITERS = {f.name: f.force for f in FORMATS if f.force is not None}
 
 
 def tool_format(template: str | None) -> str | None:
     """The call format a chat template teaches; None when it does not render tools at all."""
     if not template or "tools" not in template:
         return None
-    if "<|channel|>" in template:
-        return "harmony"
-    if "<tool_call>" in template:
-        return "hermes"
-    if "[TOOL_CALLS]" in template or "[AVAILABLE_TOOLS]" in template:
-        return "mistral"
-    if "<|python_tag|>" in template or '"parameters"' in template or "<|eom_id|>" in template:
-        return "llama3"
+    for fmt in FORMATS:
+        if all(mark in template for mark in fmt.marks):
+            return fmt.name
     return "hermes"  # a template that renders tools without naming a format: the most common one
 
 
-def parse_tool_calls(text: str, fmt: str) -> tuple[str | None, list[dict[str, Any]]]:
+def forced_guide(fmt: str, forced: str, tools: list[dict], special: set[str]) -> Guide | None:
+    """The grammar of a forced call (`forced`: REQUIRED or the function's name) in the format's own syntax;
+    None where the format has no writer, or its markup holds a token the tokenizer keeps as special (the
+    grammar spells text, and decoding drops special tokens): the call is then forced as a JSON document."""
+    write = WRITERS.get(fmt)
+    if write is None:
+        return None
+    grammar = forced_syntax.forced_grammar(write, forced, tools, forced == REQUIRED)
+    if any(token in text for text in forced_syntax.literals(grammar) for token in special):
+        return None
+    return Guide.lark(grammar)
+
+
+def parse_tool_calls(
+    text: str, fmt: str, tools: list[dict] | None = None
+) -> tuple[str | None, list[dict[str, Any]]]:
     """-> (content before the calls, or None when there is none; the calls in the API's shape).
-    No call found: (text, [])."""
-    if fmt == "harmony":  # its calls are read from the token ids (call_of)
+    No call found, or one malformed: (text, []). `tools`: the request's tools, whose parameter schemas
+    type the raw values of the formats that write them as text."""
+    params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
+    parsed = READERS[fmt](text, params)
+    if parsed is None:
         return text, []
-    if fmt == "hermes":
-        calls = [_call(m) for m in _HERMES.findall(text)]
-        before = text.split("<tool_call>", 1)[0]
-    elif fmt == "mistral":
-        before, _, rest = text.partition("[TOOL_CALLS]")
-        calls = _json_calls(rest) if _ else []
-    else:
-        before, _, rest = text.rpartition("<|python_tag|>")
-        calls = _json_calls(rest.strip())
-        before = before if _ else ""
-    if not calls or any(c is None for c in calls):
+    before, calls = parsed
+    if not calls or any(c is None or c[1] is None for c in calls):
         return text, []
-    return (before.strip() or None), calls
+    return (before.strip() or None), [call_of(*c) for c in calls]
 
 
-def _json_calls(text: str) -> list[dict | None]:
+def call_of(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:
+    """A call in the API's shape: `arguments` as JSON text, the model's own id or a new `call_...`."""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return {
+        "id": call_id or random_id("call_"),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _json_calls(text: str) -> list[Call | None]:
     """One call object, a list of them, or several separated by ';' (Llama 3.2's habit)."""
     try:
         value = json.loads(text)
     except ValueError:
         parts = [p for p in text.split(";") if p.strip()]
-        return [_call(p) for p in parts] if len(parts) > 1 else []
-    return [_call(v) for v in value] if isinstance(value, list) else [_call(value)]
+        return [_json_call(p) for p in parts] if len(parts) > 1 else []
+    return [_json_call(v) for v in value] if isinstance(value, list) else [_json_call(value)]
 
 
-def _call(raw: str | Any) -> dict[str, Any] | None:
+def _json_call(raw: str | Any) -> Call | None:
     if isinstance(raw, str):
         try:
             raw = json.loads(raw)
@@ -74,17 +165,4 @@ def _call(raw: str | Any) -> dict[str, Any] | None:
             return None
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
         return None
-    arguments = raw.get("arguments", raw.get("parameters", {}))
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {
-        "id": random_id("call_"),
-        "type": "function",
-        "function": {"name": raw["name"], "arguments": arguments},
-    }
-
-
-def call_of(name: str, arguments: str) -> dict[str, Any]:
-    """A call read from a format's own structure (harmony's channels, bulkgen.batch.reasoning) in the API's
-    shape."""
-    return _call({"name": name, "arguments": arguments})
+    return raw["name"], raw.get("arguments", raw.get("parameters", {})), None

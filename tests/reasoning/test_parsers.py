@@ -1,5 +1,5 @@
 """The reasoning parsers on the exact texts each family emits, tokenized by tokenizers that give the markers
-their real status (bulkgen/lab/scripted.py), under the families' real chat templates (tests/data/templates)."""
+their real status (bulkgen/lab/scripted.py), under the families' real chat templates (tests/data/chat_templates)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reasoning families for tests: each family's real chat template (tests/data/templates), the questions the
+"""Reasoning families for tests: each family's real chat template (tests/data/chat_templates), the questions the
 tests ask, and the exact text its scripted model (bulkgen/lab/scripted.py) writes after each.
 
 A script is keyed by the length of its question's prompt as the family's template renders it, so each case's
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bulkgen.lab.scripted import FAMILIES, build_family_tokenizer, build_scripted_model
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 WEATHER = {
     "type": "function",
     "function": {

@@ -77,16 +77,21 @@ effort: {{ reasoning_effort }}<|end|>
 TOOLS_MODEL = "bulkgen-tools"
 
 
-@lru_cache(maxsize=1)
 def tool_model() -> Path:
     """The random model with HERMES_TEMPLATE as its chat template (a copy: the weights are the same)."""
+    return model_with_template(HERMES_TEMPLATE)
+
+
+@lru_cache(maxsize=8)
+def model_with_template(template: str) -> Path:
+    """A copy of the random model whose tokenizer carries `template` as its chat template."""
     from transformers import AutoTokenizer
 
     root = Path(tempfile.mkdtemp(prefix="bulkgen-tool-model-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     path = Path(shutil.copytree(random_model(), root / "model"))
     tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.chat_template = HERMES_TEMPLATE
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(path)
     return path
 
