@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PUBLISH_FLOOR_S = 2.0  # at most one progress write per this
-PUBLISH_STEPS = 20  # else one per 1/20 of the batch's lines (5%),
-PUBLISH_STEP_LINES = 200  # and never per fewer lines than this
+PUBLISH_STEPS = 10  # else one per 1/10 of the batch's lines,
+PUBLISH_STEP_LINES = 500  # and never per fewer lines than this
 PUBLISH_QUIET_S = 20.0  # or, with any progress, once per this
 CONTROL_QUIET_S = 10.0  # without a progress write (which reads the record), the runner reads it this often
 SCAN_EVERY_S = 2.0

@@ -168,7 +168,7 @@ class BatchRunner:
             try:
                 if finished:
                     self.queue.remove_batch(self.batch_id)
-                    self.publish(final=True)
+                    self._store_metrics_state()  # finalize writes the counts, with its status change
                     return None
                 stop = self._control()
                 if stop:
@@ -303,21 +303,19 @@ class BatchRunner:
             return "batch_expired"
         return None
 
-    def publish(self, final: bool = False) -> BatchRecord:
+    def publish(self) -> BatchRecord:
         """Keep request_counts, usage, metrics and the time-to-completion estimate current. The metrics
-        state (what a resumed runner reports from) is stored with the final write and otherwise at most
-        once per PUBLISH_QUIET_S: counts come back from the parts, metrics only from it."""
+        state (what a resumed runner reports from) is stored at most once per PUBLISH_QUIET_S, and when the
+        last range is in: counts come back from the parts, metrics only from it."""
         with self._lock:
             tally = parts.Tally(**self.tally.__dict__)
             for counts in self._live.values():  # written ranges, plus what finished in open ones
                 tally.completed += counts.get("completed", 0)
                 tally.failed += counts.get("failed", 0)
             summary = self.metrics.summary() if self.metrics.totals["requests"] else None
-            state = json.dumps(self.metrics.to_state()).encode()
             remaining = int((~self.done).sum()) if self.done is not None else None
-        if final or time.monotonic() - self._state_at >= PUBLISH_QUIET_S:
-            self.svc.store.write_bytes(self._metrics_key, state)
-            self._state_at = time.monotonic()
+        if time.monotonic() - self._state_at >= PUBLISH_QUIET_S:
+            self._store_metrics_state()
         if summary is not None:
             eta = self._eta(remaining)
             if eta["estimated_completion_at"] is None:  # nothing measured yet: keep the plan's estimate
@@ -332,6 +330,12 @@ class BatchRunner:
         self.last_record = self.svc.batches.update(self.batch_id, apply)
         self.progress_written.set()
         return self.last_record
+
+    def _store_metrics_state(self) -> None:
+        with self._lock:
+            state = json.dumps(self.metrics.to_state()).encode()
+        self.svc.store.write_bytes(self._metrics_key, state)
+        self._state_at = time.monotonic()
 
     def _eta(self, remaining: int | None) -> dict:
         """From the throughput this runner has measured: hosted APIs leave their users polling blind."""
