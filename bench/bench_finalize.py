@@ -89,7 +89,11 @@ def main() -> None:
     ap.add_argument("--parts", type=int, default=1000)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     args = ap.parse_args()
-    for name, value in {"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "x",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         os.environ.setdefault(name, value)
     load_before = os.getloadavg()
     moto, endpoint = start_moto()
@@ -107,10 +111,14 @@ def main() -> None:
         for readers in (1, parts.READERS):
             results[readers] = merge(store, proxy, readers, lines)
             seconds, per_1000, _ = results[readers]
-            print(f"readers={readers:>2}: {seconds:7.2f} s for {args.parts} parts ({lines} lines); per 1,000 lines {per_1000}")
+            print(
+                f"readers={readers:>2}: {seconds:7.2f} s for {args.parts} parts ({lines} lines); per 1,000 lines {per_1000}"
+            )
         assert results[1][2] == results[parts.READERS][2], "the two merges differ"
         print(f"one at a time / {parts.READERS} at once: {results[1][0] / results[parts.READERS][0]:.1f}x")
-        print(f"latency {args.latency_ms:g} ms per request; load average before {load_before}, after {os.getloadavg()}")
+        print(
+            f"latency {args.latency_ms:g} ms per request; load average before {load_before}, after {os.getloadavg()}"
+        )
     finally:
         proxy.server.shutdown()
         moto.kill()

@@ -35,8 +35,8 @@ from bulkgen.metrics import BatchMetrics
 from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
-from bulkgen.runtime.pacing import CONTROL_QUIET_S, PUBLISH_QUIET_S, ProgressPacer
 from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
+from bulkgen.runtime.pacing import CONTROL_QUIET_S, PUBLISH_QUIET_S, ProgressPacer
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
@@ -44,7 +44,6 @@ from bulkgen.store import NotFound, StorageUnavailable, layout
 from bulkgen.store.base import redact
 
 log = logging.getLogger(__name__)
-
 
 
 class StorageOutage(Exception):

@@ -35,7 +35,10 @@ def write_batch(store, lines: int, pad: int) -> tuple[bytes, bytes]:
         parts.write_part(store, BATCH, chunk[0], chunk[-1], entries)
         for e in entries:
             expected[e.ok].append(e.envelope)
-    for retried in (requests[RANGE // 2 : RANGE // 2 + RANGE], requests[2:9]):  # their lines are in parts above
+    for retried in (
+        requests[RANGE // 2 : RANGE // 2 + RANGE],
+        requests[2:9],
+    ):  # their lines are in parts above
         entries = [parts.PartEntry.of(n, n % 7 != 0, envelope(n, n % 7 != 0, pad)) for n in retried]
         parts.write_part(store, BATCH, retried[0], retried[-1], entries)
     return b"".join(expected[True]), b"".join(expected[False])
@@ -72,4 +75,3 @@ def test_parallel_merge_equals_the_sequential_one(counted_store, lines, pad):
     assert merged[1] == merged[parts.READERS] == (output, errors)
     assert tally.completed == output.count(b"\n") and tally.failed == errors.count(b"\n")
     assert [json.loads(x)["custom_id"] for x in errors.splitlines()][:2] == ["r7", "r14"]
-
