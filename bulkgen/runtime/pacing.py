@@ -3,10 +3,10 @@
 Each storage request costs money on S3, so the runtime's periodic writes and reads follow the work:
 
 - A runner writes its batch's progress (request_counts, usage, metrics) when it changed, at most once per
-  PUBLISH_FLOOR_S, and then only once PUBLISH_STEPS' share of the batch's lines (at least
-  PUBLISH_STEP_LINES) settled since the last write, or PUBLISH_QUIET_S passed (a slow batch still shows
-  its progress). A 10k-line batch thus writes its progress about PUBLISH_STEPS times, plus once per
-  PUBLISH_QUIET_S of its run at most. Status changes are not progress: they are
+  PUBLISH_FLOOR_S, and then only once a PUBLISH_STEPS'th of the batch's lines settled since the last
+  write, or PUBLISH_QUIET_S passed (a slow batch still shows its progress). A batch thus writes its
+  progress about PUBLISH_STEPS times, plus once per PUBLISH_QUIET_S of its run at most, however many
+  lines it has: per 1,000 lines of a 10k-line batch, one write. Status changes are not progress: they are
   written at once, by whoever makes them (bulkgen.batch.lifecycle through BatchRepo.update).
 - A manager lists the active batches with a back-off: every SCAN_EVERY_S at first, twice as long after
   each listing that found nothing new, up to SCAN_IDLE_MAX_S; a batch created or cancelled through this
@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PUBLISH_FLOOR_S = 2.0  # at most one progress write per this
-PUBLISH_STEPS = 10  # else one per 1/10 of the batch's lines,
-PUBLISH_STEP_LINES = 500  # and never per fewer lines than this
+PUBLISH_STEPS = 10  # else one per 1/10 of the batch's lines
 PUBLISH_QUIET_S = 20.0  # or, with any progress, once per this
 CONTROL_QUIET_S = 10.0  # without a progress write (which reads the record), the runner reads it this often
 SCAN_EVERY_S = 2.0
@@ -42,7 +41,7 @@ class ProgressPacer:
         if moved <= 0:
             return False
         since = now - self.last_at
-        step = min(self.total, max(PUBLISH_STEP_LINES, self.total // self.steps))
+        step = max(1, self.total // self.steps)
         return since >= self.quiet_s or (since >= self.floor_s and moved >= step)
 
     def written(self, settled: int, now: float) -> None:
