@@ -113,7 +113,8 @@ def test_slowed_batch_stays_within_the_budget_per_1000_lines(counted_svc, flaky_
         manager.stop(kill_workers=False)
     assert record.status == "completed", record.errors
     assert record.request_counts.completed == LINES
-    renewals_allowed = (time.monotonic() - began) / (counted_svc.settings.lease_ttl_s / 3) + 4
+    # a renewal per ttl/3 of the test, and per batch its lease taken and released (a read and a write each)
+    renewals_allowed = (time.monotonic() - began) / (counted_svc.settings.lease_ttl_s / 3) + 1 + 2 * 4
     grown = tally(flaky_proxy.log)
     grown.subtract(fixed)
     per_1000 = {k: round(v * 1000 / LINES, 1) for k, v in grown.items()}
