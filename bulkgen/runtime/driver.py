@@ -144,10 +144,12 @@ class Driver:
         self.manager.hand_over(batch_id, index)
 
     def ended(self, batch_id: str) -> BatchRecord | None:
-        """The final record once the batch has ended and no runner here still holds it; else None."""
+        """The final record once the batch has ended and no runner here still holds it; else None (without
+        reading the record while a runner here holds it: a watcher asks every second)."""
+        if self.manager is not None and self.manager.runner_of(batch_id) is not None:
+            return None
         record = self.svc.batches.get(batch_id)
-        running = self.manager is not None and self.manager.runner_of(batch_id) is not None
-        return record if record.status in TERMINAL_STATUSES and not running else None
+        return record if record.status in TERMINAL_STATUSES else None
 
     def finish(self, record: BatchRecord, write: Writer) -> list[str]:
         """Write an ended batch's results with `write`; the runtime forgets the batch."""

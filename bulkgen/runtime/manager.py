@@ -1,6 +1,7 @@
 """The batch manager of one service replica: claims active batches, runs them together, keeps leases.
 
-Every few seconds (and at once when a batch is created or cancelled here) it scans the storage's
+At once when a batch is created or cancelled here, and otherwise with a back-off (every 2 s at first,
+up to once a minute while nothing changes: bulkgen.runtime.pacing), it scans the storage's
 index of active batches and takes the lease of any that no live runner holds: batches accepted by
 this replica, left behind by a replica that died, or by a previous run of this one. Each claimed batch
 gets a runner thread; all runners share one work queue and the worker pool, so several batches run at
@@ -29,6 +30,7 @@ from bulkgen.batch.service import BatchService
 from bulkgen.runtime.dispatch import Dispatcher
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.pacing import CONTROL_QUIET_S, Backoff
 from bulkgen.runtime.pool import WorkerPool
 from bulkgen.runtime.runner import BatchRunner, NotCreatedYet
 from bulkgen.runtime.workqueue import WorkQueue
@@ -36,7 +38,6 @@ from bulkgen.store import StorageUnavailable
 
 log = logging.getLogger(__name__)
 
-SCAN_EVERY_S = 2.0
 UNCREATED_AFTER_S = 600.0  # an index entry this old without a record: its creator died
 
 
@@ -65,6 +66,9 @@ class BatchManager:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._renewed = 0.0
+        self._scan_pace = Backoff()
+        self._soon = threading.Event()
+        self._active_seen: set[str] = set()
 
     def start(self) -> None:
         self.pool.start()
@@ -111,9 +115,17 @@ class BatchManager:
 
     def wait(self, batch_id: str, poll_s: float = 0.5, on_poll=None) -> BatchRecord:
         """Block until the batch has ended (for `bulkgen run` and stored jobs); `on_poll(record)` sees
-        each look at it (a progress bar)."""
+        each look at it (a progress bar). While a runner here holds the batch, each look is the record its
+        last progress write left (no read of storage); otherwise the record is read every `poll_s`."""
         down_since = None
         while True:
+            runner = self.runner_of(batch_id)
+            if runner is not None:
+                if runner.progress_written.wait(CONTROL_QUIET_S):
+                    runner.progress_written.clear()
+                if on_poll is not None and runner.last_record is not None:
+                    on_poll(runner.last_record)
+                continue
             try:
                 record = self.svc.batches.get(batch_id)  # the caller's tenant: its own batch
                 down_since = None
@@ -131,23 +143,40 @@ class BatchManager:
 
     # -- the manager thread ---------------------------------------------------------------------------
     def _loop(self) -> None:
+        """Scan when woken or when the back-off says (bulkgen.runtime.pacing), renew leases every ttl/3."""
         ttl = self.svc.settings.lease_ttl_s
+        next_scan = 0.0
         while not self._stopped.is_set():
+            woken = self._wake.is_set() and not self._soon.is_set()
+            self._wake.clear()
+            if self._soon.is_set():  # a runner stopped: its batch may need another (after an outage)
+                self._soon.clear()
+                self._scan_pace.reset()
+                next_scan = min(next_scan, time.monotonic() + self._scan_pace.next())
             try:
-                self._scan()
-                if time.monotonic() - self._renewed >= ttl / 3:
+                if woken or time.monotonic() >= next_scan:
+                    if self._scan() or woken:
+                        self._scan_pace.reset()
+                    next_scan = time.monotonic() + self._scan_pace.next()
+                if self.runners and time.monotonic() - self._renewed >= ttl / 3:
                     self._renew()
-            except StorageUnavailable as exc:  # storage down: say so in one line, try again on the next tick
+            except StorageUnavailable as exc:  # storage down: say so in one line, try again soon
                 log.warning("batch manager: %s", exc)
+                self._scan_pace.reset()
+                next_scan = time.monotonic() + self._scan_pace.next()
             except Exception:
                 log.exception("batch manager: scan failed")
-            self._wake.wait(min(SCAN_EVERY_S, ttl / 3))
-            self._wake.clear()
+            wait = next_scan - time.monotonic()
+            if self.runners:
+                wait = min(wait, self._renewed + ttl / 3 - time.monotonic())
+            self._wake.wait(max(0.05, wait))
 
-    def _scan(self) -> None:
+    def _scan(self) -> bool:
+        """Claim the active batches no live runner holds; -> whether anything changed since the last scan
+        (a batch came or went, or one was claimed here)."""
         with self._lock:
             handed_before = set(self._indexes)
-        active = set()
+        active, claimed = set(), False
         for tenant, batch_id in self.svc.active_batches():
             active.add(batch_id)
             if (self.only is not None and batch_id not in self.only) or self.runner_of(batch_id):
@@ -156,6 +185,7 @@ class BatchManager:
             lease = Lease(svc.store, batch_id, self.owner, svc.settings.lease_ttl_s)
             if not lease.acquire():
                 continue
+            claimed = True
             with self._lock:
                 index = self._indexes.pop(batch_id, None)
                 runner = self.runners[batch_id] = BatchRunner(
@@ -167,6 +197,8 @@ class BatchManager:
         with self._lock:  # a handed-over batch that another replica ran to its end: its index is not needed
             for batch_id in handed_before - active:
                 self._indexes.pop(batch_id, None)
+        changed, self._active_seen = claimed or active != self._active_seen, active
+        return changed
 
     def _run(self, runner: BatchRunner) -> None:
         try:
@@ -180,6 +212,9 @@ class BatchManager:
             self.dispatcher.forget_batch(runner.batch_id)
             with self._lock:
                 self.runners.pop(runner.batch_id, None)
+            runner.progress_written.set()  # a waiter here looks now
+            self._soon.set()
+            self._wake.set()
             try:
                 if runner.svc.batches.get(runner.batch_id).status in TERMINAL_STATUSES:
                     runner.lease.release()

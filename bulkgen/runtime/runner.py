@@ -36,6 +36,7 @@ from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
+from bulkgen.runtime.pacing import CONTROL_QUIET_S, PUBLISH_QUIET_S, ProgressPacer
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
@@ -43,9 +44,6 @@ from bulkgen.store import NotFound, StorageUnavailable, layout
 from bulkgen.store.base import redact
 
 log = logging.getLogger(__name__)
-
-CONTROL_EVERY_S = 1.0
-PUBLISH_EVERY_S = 2.0
 
 
 class StorageOutage(Exception):
@@ -87,6 +85,12 @@ class BatchRunner:
         self._done_here = 0
         self._live: dict[str, dict] = {}  # per worker: requests settled in ranges not yet written
         self._outage_since: float | None = None
+        self._poked = threading.Event()
+        self._seen_at = time.monotonic()
+        self._settled_before = 0  # requests with a result when this runner started
+        self.progress_written = threading.Event()  # set by each progress write, for a waiter here
+        self.last_record: BatchRecord | None = None  # as the last progress write left it
+        self._state_at = float("-inf")  # when the metrics state was last stored
 
     # -- the runner's thread ---------------------------------------------------------------------------
     def run(self) -> BatchRecord | None:
@@ -119,6 +123,7 @@ class BatchRunner:
             if index is not None or self.index is None:  # else: handed over by the driver that validated it
                 self.index = index if index is not None else self._index_file(record)
             self.done, self.tally = parts.coverage(self.svc.store, self.batch_id, self.index)
+            self._settled_before = int(self.done.sum())
             if not stop and not self.done.all():
                 stop = self._execute(record)
             if stop:
@@ -150,7 +155,8 @@ class BatchRunner:
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)
-        next_control = next_publish = 0.0
+        self._pacer = ProgressPacer(len(self.index), last_settled=self.settled())
+        self._seen, self._seen_at = record, time.monotonic()  # the record as last read (cancel shows there)
         while True:
             self._wake.wait(0.5)
             self._wake.clear()
@@ -160,23 +166,36 @@ class BatchRunner:
                 raise BatchFailed(self._fatal)
             with self._lock:
                 finished = bool(self.done.all())
-            now = time.monotonic()
             try:
                 if finished:
                     self.queue.remove_batch(self.batch_id)
-                    self.publish()
+                    self._store_metrics_state()  # finalize writes the counts, with its status change
                     return None
-                if now >= next_control:
-                    next_control = now + CONTROL_EVERY_S
-                    stop = self.stop_reason()
-                    if stop:
-                        return stop
-                if now >= next_publish:
-                    next_publish = now + PUBLISH_EVERY_S
-                    self.publish()
+                stop = self._control()
+                if stop:
+                    return stop
                 self._outage_since = None
             except StorageUnavailable as exc:
                 self._storage_down(exc)
+
+    def _control(self) -> str | None:
+        """Progress written when due (bulkgen.runtime.pacing), and the stop reason: the record is read
+        when poked (a cancel here), with each progress write, or every CONTROL_QUIET_S without one."""
+        now = time.monotonic()
+        settled = self.settled()
+        if self._poked.is_set() or now - self._seen_at >= CONTROL_QUIET_S:
+            self._poked.clear()
+            self._seen, self._seen_at = self.svc.batches.get(self.batch_id), now
+        elif self._pacer.due(settled, now):
+            self._seen, self._seen_at = self.publish(), now
+            self._pacer.written(settled, now)
+        return self.stop_reason(self._seen)
+
+    def settled(self) -> int:
+        """Requests with a result: in written ranges, and those workers report in open ones."""
+        with self._lock:
+            live = sum(c.get("completed", 0) + c.get("failed", 0) for c in self._live.values())
+            return self._settled_before + self._done_here + live
 
     def _storage_down(self, exc: StorageUnavailable) -> None:
         """Keep the workers going (they hold their results) until the outage lasts too long."""
@@ -272,6 +291,7 @@ class BatchRunner:
 
     def poke(self) -> None:
         """Look at the record now (it was cancelled), not at the next control tick."""
+        self._poked.set()
         self._wake.set()
 
     # -- progress ----------------------------------------------------------------------------------------
@@ -285,16 +305,18 @@ class BatchRunner:
         return None
 
     def publish(self) -> BatchRecord:
-        """Keep request_counts, usage, metrics and the time-to-completion estimate current."""
+        """Keep request_counts, usage, metrics and the time-to-completion estimate current. The metrics
+        state (what a resumed runner reports from) is stored at most once per PUBLISH_QUIET_S, and when the
+        last range is in: counts come back from the parts, metrics only from it."""
         with self._lock:
             tally = parts.Tally(**self.tally.__dict__)
             for counts in self._live.values():  # written ranges, plus what finished in open ones
                 tally.completed += counts.get("completed", 0)
                 tally.failed += counts.get("failed", 0)
             summary = self.metrics.summary() if self.metrics.totals["requests"] else None
-            state = json.dumps(self.metrics.to_state()).encode()
             remaining = int((~self.done).sum()) if self.done is not None else None
-        self.svc.store.write_bytes(self._metrics_key, state)  # a resumed runner reports the whole batch
+        if time.monotonic() - self._state_at >= PUBLISH_QUIET_S:
+            self._store_metrics_state()
         if summary is not None:
             eta = self._eta(remaining)
             if eta["estimated_completion_at"] is None:  # nothing measured yet: keep the plan's estimate
@@ -306,7 +328,15 @@ class BatchRunner:
             r.metrics = {**(r.metrics or {}), **summary} if summary else r.metrics
             return r
 
-        return self.svc.batches.update(self.batch_id, apply)
+        self.last_record = self.svc.batches.update(self.batch_id, apply)
+        self.progress_written.set()
+        return self.last_record
+
+    def _store_metrics_state(self) -> None:
+        with self._lock:
+            state = json.dumps(self.metrics.to_state()).encode()
+        self.svc.store.write_bytes(self._metrics_key, state)
+        self._state_at = time.monotonic()
 
     def _eta(self, remaining: int | None) -> dict:
         """From the throughput this runner has measured: hosted APIs leave their users polling blind."""

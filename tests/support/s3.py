@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import random
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -42,7 +43,7 @@ class FlakyProxy:
 
     `fail` is a list consumed in order: "503" answers SlowDown, "500" InternalError, "drop" closes the
     connection unanswered, "lost" forwards the request (so it takes effect) but answers SlowDown, as when
-    a reply is lost; "403" answers AccessDenied and "badkey" InvalidAccessKeyId. Besides, `rate` fails
+    a reply is lost; `delay_s` holds every answer that long (S3's first-byte latency, for a benchmark); "403" answers AccessDenied and "badkey" InvalidAccessKeyId. Besides, `rate` fails
     that fraction of the other requests with a mode drawn from `rate_modes` (seeded), and while `down` is
     set every request fails that way (an outage window). `log` records (method, path, status).
     """
@@ -51,6 +52,7 @@ class FlakyProxy:
         self.upstream = urlparse(upstream)
         self.fail: list[str] = []
         self.rate, self.rate_modes, self.down = 0.0, ("503", "500", "drop", "lost"), None
+        self.delay_s = 0.0
         self.random = random.Random(1234)
         self.log: list[tuple[str, str, int]] = []
         self.lock = threading.Lock()
@@ -91,6 +93,7 @@ class FlakyProxy:
                 pass
 
             def _serve(self) -> None:
+                time.sleep(proxy.delay_s)
                 failure = proxy._next_failure()
                 if failure == "drop":
                     proxy.log.append((self.command, self.path, 0))
