@@ -6,7 +6,8 @@ Each storage request costs money on S3, so the runtime's periodic writes and rea
   PUBLISH_FLOOR_S, and then only once a PUBLISH_STEPS'th of the batch's lines settled since the last
   write, or PUBLISH_QUIET_S passed (a slow batch still shows its progress). A batch thus writes its
   progress about PUBLISH_STEPS times, plus once per PUBLISH_QUIET_S of its run at most, however many
-  lines it has: per 1,000 lines of a 10k-line batch, one write. Status changes are not progress: they are
+  lines it has: per 1,000 lines of a 10k-line batch, one write. That is on storage that bills each request
+  (S3: Store.billed_requests); on a local folder progress is written at every PUBLISH_FLOOR_S it moved. Status changes are not progress: they are
   written at once, by whoever makes them (bulkgen.batch.lifecycle through BatchRepo.update).
 - A manager lists the active batches with a back-off: every SCAN_EVERY_S at first, twice as long after
   each listing that found nothing new, up to SCAN_IDLE_MAX_S; a batch created or cancelled through this

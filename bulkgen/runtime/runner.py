@@ -36,7 +36,7 @@ from bulkgen.runtime import parts
 from bulkgen.runtime.finalize import finalize
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
-from bulkgen.runtime.pacing import CONTROL_QUIET_S, PUBLISH_QUIET_S, ProgressPacer
+from bulkgen.runtime.pacing import CONTROL_QUIET_S, PUBLISH_QUIET_S, PUBLISH_STEPS, ProgressPacer
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
 from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
@@ -155,7 +155,9 @@ class BatchRunner:
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)
-        self._pacer = ProgressPacer(len(self.index), last_settled=self.settled())
+        # on a local folder a write costs nothing: progress every PUBLISH_FLOOR_S, as `bulkgen run` shows it
+        steps = PUBLISH_STEPS if self.svc.store.billed_requests else max(1, len(self.index))
+        self._pacer = ProgressPacer(len(self.index), steps=steps, last_settled=self.settled())
         self._seen, self._seen_at = record, time.monotonic()  # the record as last read (cancel shows there)
         while True:
             self._wake.wait(0.5)

@@ -105,6 +105,8 @@ class Store(ABC):
     """One storage URL: a local folder or an S3 bucket/prefix. Picklable; see `open_args()`."""
 
     url: str
+    # each request is billed (S3): the runtime writes progress by the line, not by the second (runtime/pacing.py)
+    billed_requests: bool = False
 
     @abstractmethod
     def open_args(self) -> dict[str, Any]:

@@ -57,6 +57,8 @@ def parse_s3_url(url: str) -> tuple[str, str]:
 class S3Store(Store):
     """Objects are keys under `s3://bucket/prefix`; keys returned by `list` are relative to the prefix."""
 
+    billed_requests = True
+
     def __init__(
         self,
         url: str,
