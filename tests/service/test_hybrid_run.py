@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -48,6 +49,7 @@ def _run(tmp_path, model, name: str, rows: list[dict]) -> dict:
     return {x["custom_id"]: x["response"]["body"] for x in lines}
 
 
+@pytest.mark.ray  # `bulkgen run`: a local Ray and its worker
 def test_bulkgen_run_serves_a_hybrid_model_through_every_door(tmp_path):
     model = build_tiny_hybrid(tmp_path / "model", "qwen3_next", seed=1)
     chat = _run(
