@@ -39,9 +39,12 @@ FIXTURES = {
     "serve_process": {"ray", "server", "subprocess"},
     "watch_process": {"ray", "subprocess"},
 }
-# what starting each thing looks like in a test's source; `tensor_parallel=2` starts the follower ranks
+# what starting each thing looks like in a test's source: Ray itself, or bulkgen's doors to it (the runtime's
+# `init_ray` and `BatchManager`, the `run`, `serve` and `watch` commands); `tensor_parallel=2` starts ranks
 SIGNS = {
-    "ray": re.compile(r"\bray\.init\(|\binit_ray\(|\bimport ray\b|\bfrom ray\b"),
+    "ray": re.compile(
+        r"\bray\.init\(|\binit_ray\(|\bimport ray\b|\bfrom ray\b|\bBatchManager\(|\[\s*\"(run|serve|watch)\","
+    ),
     "server": re.compile(r"\buvicorn\b|ThreadedMotoServer|HTTPServer\(|\bServeProcess\(|\bService\("),
     "subprocess": re.compile(
         r"\bsubprocess\.|\bPopen\(|sys\.executable|\bmultiprocessing\b|tensor_parallel=(?![01]\b|None\b)\w"
