@@ -44,6 +44,24 @@ def engine_gate():
     gate.open()
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(arch, seed=..., builder=..., **config)`: the folder of a tiny model built once per test
+    session (tests/support/tiny_models.py); shared, so read only."""
+    from tests.support.tiny_models import TinyModels
+
+    return TinyModels(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def vlm_path(tiny_model):
+    """A tiny LLaVA (bulkgen.lab.tiny_vision) for the tests that send images: the service's, the planner's,
+    the worker's and the engine's."""
+    from bulkgen.lab.tiny_vision import build_tiny_vlm
+
+    return tiny_model("llava", seed=3, builder=build_tiny_vlm)
+
+
 # ---- object storage: moto S3 server over real HTTP (owner: store) ------------------------------
 # `s3_server` (session): endpoint URL of a moto ThreadedMotoServer on 127.0.0.1 with fake credentials.
 # `s3_bucket_url` (function): "s3://<fresh bucket>/prefix", with AWS_ENDPOINT_URL set for subprocesses.
@@ -130,42 +148,38 @@ def client(service):
     return service.client()
 
 
-# ---- the fast tier: `python -m pytest -m "not slow"` runs without Ray, servers or subprocesses ------------
-# These folders start them in nearly every test; elsewhere a test is slow by its fixtures, its store
-# parameter, or the mark written on it. A test left in the fast tier that starts Ray or a uvicorn server
-# fails (`_fast_tier_guard`), so the tier stays what it says whatever a later test does.
-SLOW_FOLDERS = {"runtime", "service", "watch", "dashboard", "cluster", "notify", "plan"}
-SLOW_FIXTURES = {"s3_server", "s3_bucket_url", "flaky_proxy", "service", "client", "seaweedfs_bucket_url"}
+# ---- the tiers (tests/support/tiers.py): each test is marked with what it starts (`ray`, `server`,
+# `subprocess`), and `fast` when it starts none of them and is not `slow`: `python -m pytest -m fast` is the
+# edit-test tier. A fast test that starts Ray, a uvicorn server or a subprocess fails (`fast_tier_guard`),
+# so the tier stays what it says whatever a later test does.
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.support.tiers import STARTS, tier_marks
+
     for item in items:
-        parts = Path(str(item.fspath)).resolve().relative_to(ROOT / "tests").parts
+        fixtures = getattr(item, "_fixtureinfo", None)
+        defs = fixtures.name2fixturedefs if fixtures else {}
+        functions = [getattr(item, "function", None)] + [d.func for ds in defs.values() for d in ds]
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if (
-            parts[0] in SLOW_FOLDERS
-            or SLOW_FIXTURES & set(item.fixturenames)
-            or params.get("store_url") in ("s3", "seaweedfs")
-        ):
-            item.add_marker(pytest.mark.slow)
+        marks = tier_marks(item.fixturenames, [f for f in functions if f is not None])
+        marks |= {m.name for m in item.iter_markers() if m.name in STARTS}  # written where the reading misses
+        if params.get("store_url") in ("s3", "seaweedfs"):
+            marks.add("server")
+        for mark in sorted(marks):
+            item.add_marker(mark)
+        if not marks and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.fast)
 
 
-@pytest.fixture(autouse=True)
-def _fast_tier_guard(request, monkeypatch):
-    """Fail a fast-tier test that starts Ray or a uvicorn server: it belongs in the slow tier."""
-    if request.node.get_closest_marker("slow"):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Fail a fast-tier test that starts Ray, a uvicorn server or a subprocess, in its body or in any fixture
+    it sets up (module and session ones included): it belongs in another tier."""
+    if not item.get_closest_marker("fast"):
         yield
         return
+    from tests.support.tiers import fast_tier_guard
 
-    def refuse(what):
-        def start(*args, **kwargs):
-            raise RuntimeError(f"{request.node.nodeid} starts {what}: mark it @pytest.mark.slow")
-
-        return start
-
-    import ray
-    import uvicorn
-
-    monkeypatch.setattr(ray, "init", refuse("Ray"))
-    monkeypatch.setattr(uvicorn.Server, "serve", refuse("a uvicorn server"))
-    yield
+    with fast_tier_guard(item.nodeid):
+        yield

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine
-from bulkgen.lab.tiny import build_tiny_model, build_tokenizer
+from bulkgen.lab.tiny import build_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 
@@ -18,9 +18,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {arch: build_tiny_model(root / arch, arch=arch, seed=1) for arch in ARCHS}
+def model_dirs(tiny_model):
+    return {arch: tiny_model(arch, seed=1) for arch in ARCHS}
 
 
 class Reference:

@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.layer_attention import ROUTED_FROM
-from bulkgen.lab.tiny import ARCHITECTURES, WINDOW, build_tiny_model
+from bulkgen.lab.tiny import ARCHITECTURES, WINDOW
 from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES
 
 pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)
@@ -54,14 +54,10 @@ ALL = [*(a for a in ARCHITECTURES if a not in HYBRID_ARCHITECTURES), *VARIANTS]
 
 
 @pytest.fixture(scope="module")
-def arch_dirs(tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("archs"), {}
-
+def arch_dirs(tiny_model):
     def path(name: str):
-        if name not in built:
-            family, extra = VARIANTS.get(name, (name, {}))
-            built[name] = build_tiny_model(root / name, family, seed=3, **extra)
-        return built[name]
+        family, extra = VARIANTS.get(name, (name, {}))
+        return tiny_model(family, seed=3, **extra)
 
     return path
 

@@ -47,10 +47,9 @@ IMAGES = [noise_image(1, (40, 30)), noise_image(2, (200, 150))]
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(tiny_model):
     """family -> the folder build_tiny_vlm wrote (its processor files without a video processor)."""
-    root = tmp_path_factory.mktemp("image-only")
-    return {family: build_tiny_vlm(root / family, family, seed=5) for family in FAMILIES}
+    return {family: tiny_model(family, seed=5, builder=build_tiny_vlm) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")

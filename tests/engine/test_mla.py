@@ -21,7 +21,6 @@ from bulkgen.engine.layer_attention import probe_layers
 from bulkgen.engine.mla import absorbed_weights, find_mla, wrap_mla
 from bulkgen.engine.quantize import Fp8Linear
 from bulkgen.engine.sequence import Request, Sequence
-from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.plan.memory import plan_memory
 
 LATENT = 32 + 8  # the tiny model's kv_lora_rank + qk_rope_head_dim
@@ -38,8 +37,8 @@ DEEPSEEK_V3 = dict(
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("mla") / "dsv3", "deepseek_v3", seed=3)
+def tiny(tiny_model):
+    return tiny_model("deepseek_v3", seed=3)
 
 
 def test_the_cache_holds_each_tokens_latent_once_per_layer(tiny):

@@ -17,7 +17,6 @@ import re
 import pytest
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 10
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
@@ -80,8 +79,8 @@ def _prompt_logprobs(engine: Engine, prompts: list[list[int]]) -> list[float]:
 
 
 @pytest.mark.parametrize("name", SPLIT)
-def test_two_ranks_give_the_single_engines_tokens(name, tmp_path, tp_prompts, one_thread):
-    path = str(build_tiny_model(tmp_path / name, name, seed=3))
+def test_two_ranks_give_the_single_engines_tokens(name, tiny_model, tp_prompts, one_thread):
+    path = str(tiny_model(name, seed=3))
     single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
     expected, logprobs = _greedy(single, tp_prompts), _prompt_logprobs(single, tp_prompts)
     blocks = single.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
@@ -99,7 +98,7 @@ def test_two_ranks_give_the_single_engines_tokens(name, tmp_path, tp_prompts, on
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_what_two_ranks_cannot_split_is_refused_at_load(name, tmp_path, one_thread):
-    path = str(build_tiny_model(tmp_path / name, name, seed=3))
+def test_what_two_ranks_cannot_split_is_refused_at_load(name, tiny_model, one_thread):
+    path = str(tiny_model(name, seed=3))
     with pytest.raises(ValueError, match=re.escape(REFUSED[name])):
         Engine.from_pretrained(path, tensor_parallel=2, **ENGINE)

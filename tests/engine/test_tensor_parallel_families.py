@@ -80,12 +80,12 @@ def test_codegen_groups_that_do_not_split_over_the_ranks_are_refused():
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama4", "phi", "gpt_neox", "gptj", "codegen"])
-def test_the_planners_rank_memory_is_a_loaded_ranks(arch, tmp_path):
+def test_the_planners_rank_memory_is_a_loaded_ranks(arch, tiny_model):
     """`bulkgen plan`'s per-rank weights (rank_memory, from the config alone) are the parameters rank 0
     of two loads: GPT-NeoX's, GPT-J's and CodeGen's attention and MLPs split, Phi's head bias too."""
     from transformers import AutoConfig
 
-    path = build_tiny_model(tmp_path / arch, arch, seed=3)
+    path = tiny_model(arch, seed=3)
     group = SimpleNamespace(rank=0, world=2, device=torch.device("cpu"))  # loading runs no collective
     model = build_shard_model(path, group, torch.float32)
     loaded = sum(p.numel() for p in model.parameters()) * 4

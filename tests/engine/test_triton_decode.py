@@ -151,6 +151,7 @@ def test_every_split_gets_blocks_of_a_short_context_in_a_wide_table(interpreted)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
 
 
+@pytest.mark.slow  # whole engine runs through the interpreted kernel: 9 s of CPU
 def test_engine_decodes_through_the_kernel_to_the_reference_tokens(
     interpreted, monkeypatch, model_dirs, reference, mixed_prompts
 ):
@@ -176,6 +177,7 @@ def test_engine_decodes_through_the_kernel_to_the_reference_tokens(
     assert graphs.capture(40) == len(buckets_up_to(engine.config.max_num_seqs)) == len(graphs.buckets)
 
 
+@pytest.mark.slow  # whole engine runs through the interpreted kernel: 3 s of CPU each
 @pytest.mark.parametrize("arch", ["gpt_oss", "gemma2"])
 def test_engine_decodes_windowed_sink_and_softcapped_layers_through_the_kernel(
     interpreted, monkeypatch, tmp_path, arch

@@ -32,13 +32,9 @@ def noise_image(seed: int, size: tuple[int, int] = (40, 30)) -> Image.Image:
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory):
-    root, built = tmp_path_factory.mktemp("vision"), {}
-
+def family_dirs(tiny_model):
     def path(family: str):
-        if family not in built:
-            built[family] = build_tiny_vlm(root / family, family, seed=5)
-        return built[family]
+        return tiny_model(family, seed=5, builder=build_tiny_vlm)
 
     return path
 

@@ -35,9 +35,8 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def float_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vision-quant")
-    return {family: build_tiny_vlm(root / family, family, seed=5) for family in FAMILIES}
+def float_dirs(tiny_model):
+    return {family: tiny_model(family, seed=5, builder=build_tiny_vlm) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.grammar import GrammarRuntime
 from bulkgen.engine.guide import Guide
 from bulkgen.engine.multimodal import process
-from bulkgen.lab.tiny_vision import build_tiny_vlm
 from tests.engine.test_engine_structured import GrammarProcessor
 from tests.support.schemas import ANIMAL
 
@@ -28,11 +27,6 @@ SEEDS = (1, 4, 7)  # noise images the tiny model answers differently (dog, bird,
 def noise_image(seed: int) -> Image.Image:
     gen = torch.Generator().manual_seed(seed)
     return Image.fromarray((torch.rand(30, 40, 3, generator=gen) * 255).to(torch.uint8).numpy())
-
-
-@pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "llava", "llava", seed=3)
 
 
 @pytest.fixture(scope="module")

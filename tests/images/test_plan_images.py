@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from transformers import AutoProcessor, AutoTokenizer
 
-from bulkgen.lab.tiny_vision import build_tiny_vlm
 from bulkgen.plan.filework import ImageReader, file_work
 from tests.support.images import image_tokens, text_tokens
 
@@ -19,8 +18,8 @@ ROWS = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", "llava", seed=3)
+def vlm(vlm_path):
+    path = vlm_path
     return AutoTokenizer.from_pretrained(path), AutoProcessor.from_pretrained(path, local_files_only=True)
 
 

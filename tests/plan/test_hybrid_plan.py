@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 from transformers import AutoTokenizer
 
 from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
@@ -22,6 +23,7 @@ def _line(custom_id: str, **body) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": body})
 
 
+@pytest.mark.subprocess  # the profile measures in a child process
 def test_a_hybrid_models_plan_shares_no_prompt_tokens(tmp_path):
     path = build_tiny_hybrid(tmp_path / "model", "lfm2", seed=1)
     engine = {"max_num_seqs": 1, "device": "cpu"}

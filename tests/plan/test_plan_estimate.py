@@ -14,6 +14,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from bulkgen.models.registry import DEFAULT_MODEL_NAME, default_model_path
@@ -43,6 +44,7 @@ def simulated_steps(work, outputs: list[int]) -> float:
     return batch_seconds(work.arrays()[1].tolist(), outputs, lambda *_: 1.0, limits)
 
 
+@pytest.mark.subprocess  # `bulkgen run` and the profile, as processes
 def test_plan_counts_tokens_exactly_and_simulates_the_steps_the_engine_took(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -73,6 +75,7 @@ def test_plan_counts_tokens_exactly_and_simulates_the_steps_the_engine_took(tmp_
         )
 
 
+@pytest.mark.subprocess  # `bulkgen run` and the profile, as processes
 def test_plan_tells_the_start_up_a_fresh_run_adds(tmp_path):
     """A user times the whole `bulkgen run`: the plan's start-up must be what the command spends beside
     its generation (Ray, the worker, the model load, the results), not the model load alone (0.2-0.5 s

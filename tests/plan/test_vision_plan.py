@@ -12,7 +12,6 @@ import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
-from bulkgen.lab.tiny_vision import build_tiny_vlm
 from bulkgen.plan import profile as profiles
 from bulkgen.plan.encoder import fit_encoder
 from bulkgen.plan.timed import Encoder, EngineLimits, batch_seconds
@@ -22,11 +21,6 @@ from tests.support.service import write_jsonl
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 LINES = 6
-
-
-@pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", "llava", seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,7 @@ def _kill_held_follower(gate: RankGate, took: list[float]) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.ray  # `bulkgen run`: a local Ray, its worker and follower ranks
 def test_run_with_a_follower_killed_while_its_group_loads_writes_every_line_once(tmp_path, group_removed):
     gate = RankGate(os.environ["BULKGEN_TEST_GATE"])
     gate.close("load")

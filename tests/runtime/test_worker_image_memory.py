@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from bulkgen.lab.tiny_vision import build_tiny_vlm
 from tests.runtime.test_worker_images import VLM
 from tests.support.images import data_url, image_bytes
 from tests.support.service import chat_row
@@ -30,8 +29,8 @@ BUDGET_MIB = 1024
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", "llava", seed=3))
+def model(vlm_path):
+    return str(vlm_path)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from bulkgen.batch.image_budget import ImageBudget
-from bulkgen.lab.tiny_vision import build_tiny_vlm
 from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import index_file
 from bulkgen.runtime.worker import EngineWorker
@@ -62,8 +61,8 @@ class _Faulty:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory):
-    path = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", "llava", seed=3)
+def worker(vlm_path):
+    path = vlm_path
     worker = EngineWorker(0, {"max_num_seqs": 8})
     worker.load(VLM, str(path))
     worker.engine.vision.processor = _Faulty(worker.engine.vision.processor)

@@ -5,13 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bulkgen.lab.tiny_vision import build_tiny_vlm
 from tests.support.images import VLM
-
-
-@pytest.fixture(scope="module")
-def vlm_path(tmp_path_factory):
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "model", "llava", seed=3)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from bulkgen.cli import cli
@@ -91,6 +92,7 @@ def _broken_model(tmp_path):
     return folder
 
 
+@pytest.mark.subprocess  # `bulkgen profile` measures in a child process
 def test_profile_of_a_model_that_does_not_load_fails_in_one_line(tmp_path):
     folder = _broken_model(tmp_path)
     result = CliRunner().invoke(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -29,6 +30,7 @@ def _run(tmp_path, model, name: str, rows: list[dict]) -> dict:
     return run_bodies(tmp_path, name, rows, "--model", f"{NAME}={model}")
 
 
+@pytest.mark.ray  # `bulkgen run`: a local Ray and its worker
 def test_bulkgen_run_serves_a_hybrid_model_through_every_door(tmp_path):
     model = build_tiny_hybrid(tmp_path / "model", "qwen3_next", seed=1)
     chat = _run(

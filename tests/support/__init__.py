@@ -12,4 +12,6 @@ gated_store    a LocalStore whose chosen calls a test holds, to interleave write
 receiver       a webhook receiver that verifies events with the `openai` package
 s3             a fault-injecting proxy in front of the moto S3 server
 screens        dashboard screenshots
+tiers          what a test starts (Ray, a server, a subprocess): the marks behind `pytest -m fast`
+tiny_models    tiny models built once per session, keyed by builder and config (the `tiny_model` fixture)
 """
