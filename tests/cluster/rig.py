@@ -79,13 +79,21 @@ def ns(name: str) -> str:
     return f"{PREFIX}-{name}"
 
 
+def _sbin(tool: str) -> str | None:
+    """`tool`'s path, looked for in the sbin folders too: a root shell's PATH may lack them (sysctl is
+    /usr/sbin's), and `ip netns exec` runs what it is given by PATH."""
+    return shutil.which(tool, path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"]))
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+    return subprocess.run(
+        [_sbin("ip") or "ip", *args], capture_output=True, text=True, check=check, timeout=30
+    )
 
 
 def check_available() -> None:
     """Fail loudly (never skip): CI runs as root on a machine with iproute2 and util-linux."""
-    missing = [tool for tool in ("ip", "unshare") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "unshare", "sysctl") if _sbin(tool) is None]
     if os.geteuid() != 0 or missing:
         raise RigUnavailable(
             f"the cluster tests build Ray nodes in network namespaces and need root and "
@@ -170,7 +178,7 @@ class Rig:
                 "netns",
                 "exec",
                 ns(name),
-                "sysctl",
+                _sbin("sysctl") or "sysctl",
                 "-qw",
                 "net.ipv6.conf.all.disable_ipv6=1",
                 "net.ipv6.conf.default.disable_ipv6=1",
@@ -208,7 +216,7 @@ class Rig:
             isolate = ["nsenter", f"--target={self.node_pid(where)}", "--pid", "--mount"]
         else:
             isolate = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"]
-        cmd = ["ip", "netns", "exec", ns(where), *isolate, *argv]
+        cmd = [_sbin("ip") or "ip", "netns", "exec", ns(where), *isolate, *argv]
         proc = subprocess.Popen(
             cmd,
             stdout=log,
