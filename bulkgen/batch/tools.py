@@ -94,6 +94,7 @@ FORMATS = (
     ToolFormat("llama3", ("<|eom_id|>",), _llama3),
 )
 READERS = {f.name: f.read for f in FORMATS}
+CALL_MARKS = {f.name: f.marks[0] for f in reversed(FORMATS)}  # the first row's first mark: a call's start
 WRITERS = {f.name: f.force for f in FORMATS if f.force is not None}
 
 
@@ -126,7 +127,7 @@ def parse_tool_calls(
     """-> (content before the calls, or None when there is none; the calls in the API's shape).
     No call found, or one malformed: (text, []). `tools`: the request's tools, whose parameter schemas
     type the raw values of the formats that write them as text."""
-    params = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
+    params = _parameters(tools)
     parsed = READERS[fmt](text, params)
     if parsed is None:
         return text, []
@@ -134,6 +135,21 @@ def parse_tool_calls(
     if not calls or any(c is None or c[1] is None for c in calls):
         return text, []
     return (before.strip() or None), [call_of(*c) for c in calls]
+
+
+def malformed_call(text: str, fmt: str, tools: list[dict] | None = None) -> bool:
+    """Whether `text` holds a call in format `fmt` that its reader found and could not read (what
+    parse_tool_calls then leaves as content): output health's `tool_call_unparsed`."""
+    params = _parameters(tools)
+    parsed = READERS[fmt](text, params) if fmt in READERS else None
+    if parsed is None:  # harmony: its calls are read from the token ids
+        return False
+    calls = parsed[1]
+    return any(c is None or c[1] is None for c in calls) or (not calls and CALL_MARKS[fmt] in text)
+
+
+def _parameters(tools: list[dict] | None) -> dict[str, dict]:
+    return {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or ()}
 
 
 def call_of(name: str, arguments: Any, call_id: str | None = None) -> dict[str, Any]:

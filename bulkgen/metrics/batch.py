@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 from bulkgen.engine.sketch import LogHistogram
+from bulkgen.metrics.health import OutputHealth
 from bulkgen.metrics.timeline import DEFAULT_MAX_BUCKETS, Timeline
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "queue_wait_s")
@@ -48,6 +49,7 @@ class BatchMetrics:
             str, dict[str, int]
         ] = {}  # per LoRA adapter its lines named (bounded: served ones)
         self.timeline = Timeline(max_timeline_buckets)
+        self.health = OutputHealth()  # what the answers are (bulkgen.batch.health classifies them)
 
     def add_request(self, metrics: dict) -> None:
         """Count one finished request; ``metrics`` is ``RequestMetrics.as_dict()``."""
@@ -128,6 +130,7 @@ class BatchMetrics:
             "preemptions": self.totals["num_preemptions"],
             # the requests and tokens of each LoRA adapter (the rest ran on the base model)
             "adapters": {name: dict(counts) for name, counts in sorted(self.adapters.items())},
+            "output_health": self.health.summary(),
         }
 
     def report(self, wall_time_s: float | None = None, bins: int = 40) -> dict:
@@ -173,6 +176,7 @@ class BatchMetrics:
             "batch_sizes": self.batch_sizes,
             "adapters": self.adapters,
             "timeline": self.timeline.to_state(),
+            "health": self.health.to_state(),
         }
 
     @classmethod
@@ -192,6 +196,7 @@ class BatchMetrics:
         metrics.batch_sizes = {k: int(v) for k, v in state["batch_sizes"].items()}
         metrics.adapters = {k: dict(v) for k, v in state.get("adapters", {}).items()}  # none before adapters
         metrics.timeline = Timeline.from_state(state["timeline"])
+        metrics.health = OutputHealth.from_state(state.get("health"))  # none in a state stored before it
         return metrics
 
 

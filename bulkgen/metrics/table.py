@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bulkgen.metrics.health import describe_health
+
 
 def text_table(rows: list[list[str]]) -> str:
     """Header row, a dashed rule, then the rows; the first column left-aligned, the rest right-aligned."""
@@ -51,4 +53,5 @@ def describe_summary(summary: dict) -> str:
         rows.append(
             [f"adapter {name}", f"{counts['requests']} requests, {counts['output_tokens']} output tokens"]
         )
+    rows += describe_health(summary.get("output_health"))
     return text_table(rows)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bulkgen.batch.requests import ParsedRequest
+from bulkgen.metrics.health import OutputHealth
 from bulkgen.runtime.parts import PartEntry, Tally
 from bulkgen.runtime.ranges import RangeBounds, RangeOutcome
 
@@ -36,6 +37,7 @@ class HeldRange:
     # successes whose output line the writer thread encodes, off the step loop: entry, request, engine result
     answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
+    health: OutputHealth = field(default_factory=OutputHealth)  # what its answers are (batch.health)
     partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
 
     @property
@@ -50,7 +52,7 @@ class HeldRange:
         tally = Tally()
         for e in self.entries:
             tally.add(e)
-        return RangeOutcome(self.bounds, tally, self.metrics)
+        return RangeOutcome(self.bounds, tally, self.metrics, health=self.health.to_state())
 
 
 def split_step(record: dict) -> dict[str, dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+from bulkgen.batch import health
 from bulkgen.batch.outputlines import json_line, success_line
 from bulkgen.runtime.engine_loop import os_thread_name
 from bulkgen.runtime.held import HeldRange
@@ -80,6 +81,8 @@ class PartWriter:
 
     def _store_part(self, work: HeldRange) -> None:
         for entry, request, result in work.answers:
-            entry.envelope = json_line(success_line(request, result, request.lora or work.model))
+            line = success_line(request, result, request.lora or work.model)
+            health.observe(work.health, request, line["response"]["body"])
+            entry.envelope = json_line(line)
         work.answers.clear()
         write_part(work.store, work.batch_id, work.bounds.first_line, work.bounds.last_line, work.entries)

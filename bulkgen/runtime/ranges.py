@@ -44,3 +44,4 @@ class RangeOutcome:
     storage_down: bool = (
         False  # the error was storage not answering: no fault of the requests, no attempt used
     )
+    health: dict | None = None  # its answers' output health (OutputHealth.to_state())

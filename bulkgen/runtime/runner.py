@@ -249,6 +249,8 @@ class BatchRunner:
                 self.tally.merge(outcome.tally)
                 for m in outcome.requests:
                     self.metrics.add_request(m)
+                if outcome.health:
+                    self.metrics.health.merge(outcome.health)
             self.done[lo:hi] = True
             self._done_here += hi - lo
         self._wake.set()

@@ -55,6 +55,10 @@ def test_create_watch_inspect_download(page, root_url, client, tmp_path):
     assert page.locator("#metrics svg.chart rect.bar").count() >= 3  # TTFT, TPOT, queue wait
     expect(page.get_by_text("Slot efficiency").first).to_be_visible()
     expect(page.locator("dl.facts")).to_contain_text(["Created", "Output tokens"])
+    health = page.locator("#output-health")  # what the answers are: 40 answered, each a finish reason
+    expect(health).to_contain_text("Answers40")
+    reasons = health.locator("dd").nth(1).inner_text()
+    assert sum(int(n.replace(",", "")) for n in re.findall(r": ([\d,]+)", reasons)) == len(rows)
     shot(page, "batch")
     page.set_viewport_size({"width": 390, "height": 844})
     expect(page.get_by_role("link", name="Download output")).to_be_visible()

@@ -319,13 +319,29 @@ async function batchView(id) {
         ["LoRA adapters", Object.entries(m.adapters || {}).map(([k, v]) => `${k}: ${fmtNum(v.requests, 0)} requests, ${fmtNum(v.output_tokens, 0)} output tokens`).join("; ") || "—"],
         ["Endpoint", b.endpoint], ["Window", b.completion_window],
         ["Input file", b.input_file_id], ["Output file", b.output_file_id || "—"], ["Error file", b.error_file_id || "—"],
-        ["Metadata", Object.entries(b.metadata || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "—"]])));
+        ["Metadata", Object.entries(b.metadata || {}).map(([k, v]) => `${k}=${v}`).join(", ") || "—"]])),
+      ...[healthCard(m.output_health, dl)].filter(Boolean));
     errs.replaceChildren(el("div", {}, errorsTable(b.errors), b.error_file_id ? el("p", { class: "muted" },
       "Requests that failed or did not run are listed, one line each, in the error file (Download errors).") : null));
     charts.replaceChildren(metricsPanel(tl, m));
     if (ACTIVE.has(b.status)) refresh(() => load().catch(showError), 1500);
   }
   await load();
+}
+
+const HEALTH_CHECKS = [["empty_answer", "Empty answers"], ["reasoning_without_answer", "Reasoning, no answer"],
+  ["schema_failed", "Failed their schema"], ["tool_call_unparsed", "Tool calls not parsed"]];
+
+function healthCard(h, dl) {
+  // what the answers are (bulkgen.metrics.health): finish reasons and problems, each with its first custom_ids
+  if (!h || !h.answers) return null;
+  const reasons = Object.entries(h.finish_reasons || {}).map(([k, v]) => `${k}: ${fmtNum(v, 0)}`).join(" · ") || "—";
+  const problem = ([key, label]) => {
+    const p = h[key] || { count: 0, custom_ids: [] };
+    return [label, p.count ? `${fmtNum(p.count, 0)} (${p.custom_ids.join(", ")}${p.count > p.custom_ids.length ? ", …" : ""})` : "0"];
+  };
+  return el("section", { class: "card", "aria-label": "Output health", id: "output-health" }, el("h2", {}, "Output health"),
+    dl([["Answers", fmtNum(h.answers, 0)], ["Finish reasons", reasons], ...HEALTH_CHECKS.map(problem)]));
 }
 
 function metricsPanel(tl, m) {
