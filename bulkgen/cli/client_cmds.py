@@ -119,6 +119,11 @@ def status(batch_id, metrics, as_json, base_url, api_key):
     click.echo(
         f"{batch.id}  {batch.status}  {counts.completed}/{counts.total} completed, {counts.failed} failed{left}"
     )
+    from bulkgen.metrics.health import health_line
+
+    health = health_line(((batch.model_extra or {}).get("metrics") or {}).get("output_health"))
+    if health:
+        click.echo(health)
     if batch.errors and batch.errors.data:
         click.echo(c.format_errors(batch))
     if metrics:

@@ -99,3 +99,16 @@ def describe_health(summary: dict | None) -> list[list[str]]:
             ids = ", ".join(found["custom_ids"][:3]) + (", ..." if found["count"] > 3 else "")
             rows.append([check.replace("_", " "), f"{found['count']} ({ids})"])
     return rows
+
+
+def health_line(summary: dict | None) -> str | None:
+    """One line for `bulkgen status`: the answers by finish reason, then each problem with its count."""
+    if not summary or not summary.get("answers"):
+        return None
+    reasons = ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items())
+    problems = [
+        f"{summary[check]['count']} {check.replace('_', ' ')}"
+        for check in CHECKS
+        if (summary.get(check) or {}).get("count")
+    ]
+    return f"answers: {summary['answers']} ({reasons}); " + (", ".join(problems) or "no problem found")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,6 +43,8 @@ def test_submit_wait_downloads_results(service, tmp_path):
     status = _invoke(service, "status", batch_id, "--metrics")
     assert status.exit_code == 0 and "completed  22/22 completed, 0 failed" in status.output
     assert "slot efficiency" in status.output and "TTFT p50/p95/p99 (ms)" in status.output
+    health = re.search(r"answers: 22 \(([^)]*)\); (.*)", status.output)  # the output health line
+    assert health and sum(int(n) for n in re.findall(r"\d+", health[1])) == 22, status.output
     listed = _invoke(service, "list", "--limit", "5")
     assert batch_id in listed.output
     again = tmp_path / "again.jsonl"
