@@ -137,6 +137,54 @@ def parse_tool_calls(
     return (before.strip() or None), [call_of(*c) for c in calls]
 
 
+_DEEPSEEK_MARKUP = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
+# The tokens each format writes its calls with. Where a tokenizer has them as special tokens (Kimi K2's,
+# Mistral's tekken, DeepSeek's where marked so), decoding that skips special tokens erases them and the call
+# can no longer be read (vLLM's parsers turn `skip_special_tokens` off for such requests): a line that
+# offers tools has its output decoded again with these kept (keep_call_markup).
+MARKUP = {
+    "kimi_k2": (
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ),
+    "deepseek_v3": _DEEPSEEK_MARKUP,
+    "deepseek_v31": _DEEPSEEK_MARKUP,
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
+    "llama3": ("<|python_tag|>",),
+    "pythonic": ("<|python_start|>", "<|python_end|>"),
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "qwen3_coder": ("<tool_call>", "</tool_call>"),
+    "glm45": ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>"),
+}
+
+
+def keep_call_markup(completions: list[dict], token_ids: list[list[int]], fmt: str, tokenizer) -> None:
+    """Decode again, in place, each completion whose tokens hold a call-markup token of `fmt` the tokenizer
+    has as special, with those tokens kept (other special tokens still dropped), so the format's reader sees
+    the call as the model wrote it."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {i for i, token in decoder.items() if token.special}
+    marks = set(MARKUP.get(fmt, ()))
+    keep = {i for i in special if decoder[i].content in marks}
+    if not keep:
+        return
+    for completion, ids in zip(completions, token_ids, strict=True):
+        if keep.isdisjoint(ids):
+            continue
+        kept = [t for t in ids if t in keep or t not in special]
+        completion["text"] = tokenizer.decode(kept, skip_special_tokens=False)
+
+
 def malformed_call(text: str, fmt: str, tools: list[dict] | None = None) -> bool:
     """Whether `text` holds a call in format `fmt` that its reader found and could not read (what
     parse_tool_calls then leaves as content): output health's `tool_call_unparsed`."""

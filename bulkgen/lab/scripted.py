@@ -59,6 +59,26 @@ FAMILIES = {
         added=(),
         eos=("<|return|>", "<|call|>", "<|endoftext|>"),
     ),
+    # Kimi K2: its role and tool-call markers are special tokens of its tokenizer (decoding that skips
+    # special tokens erases a call's markup); <think> and </think> are text
+    "kimi_k2": Family(
+        special=(
+            "[BOS]",
+            "[EOS]",
+            "<|im_end|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_system|>",
+            "<|im_middle|>",
+            "<|tool_calls_section_begin|>",
+            "<|tool_calls_section_end|>",
+            "<|tool_call_begin|>",
+            "<|tool_call_argument_begin|>",
+            "<|tool_call_end|>",
+        ),
+        added=("<think>", "</think>"),
+        eos=("<|im_end|>", "[EOS]"),
+    ),
 }
 
 

@@ -11,6 +11,7 @@ from concurrent.futures import Future
 
 from bulkgen.batch.outputlines import merge_results, refused_line
 from bulkgen.batch.reasoning import NONE, read_choices
+from bulkgen.batch.tools import keep_call_markup
 from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, split_step
 from bulkgen.runtime.parts import PartEntry
 
@@ -159,6 +160,13 @@ class EngineLoop:
             return  # aborted meanwhile
         result = result_dict(out)
         result["system_fingerprint"] = self.engine.system_fingerprint
+        if p.request.tools and p.request.tool_format:  # calls written in special tokens, kept to be read
+            keep_call_markup(
+                result["completions"],
+                [c.token_ids for c in out.outputs],
+                p.request.tool_format,
+                self.engine.tokenizer,
+            )
         if p.request.reasoning_parser not in (None, NONE):
             ids = [c.token_ids for c in out.outputs]
             read_choices(

@@ -1,0 +1,52 @@
+"""A family whose tool-call markers are special tokens (Kimi K2: `<|tool_call_begin|>` and the rest), with its
+real chat template and a scripted model that writes a free (unforced) call: decoding that skips special tokens
+would erase the call's markup and leave `functions.get_weather:0{...}` as content; the call comes back as
+`tool_calls`, its reasoning apart, through `bulkgen run`."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.reasoning import WEATHER, Case, Family, build_family
+from tests.support.service import run_bodies
+
+CALL = (
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>'
+)
+KIMI = Family(
+    "kimi_k2",
+    "Kimi-K2-Thinking.jinja",
+    {
+        "plain": Case("Why is the sky blue?", "<think>Rayleigh.</think>Blue light scatters most.<|im_end|>"),
+        "call": Case(
+            "What is the weather in Paris?",
+            f"<think>Need the weather tool.</think>{CALL}<|im_end|>",
+            tools=[WEATHER],
+        ),
+    },
+)
+
+
+@pytest.mark.slow
+def test_a_call_in_special_tokens_is_read(tmp_path):
+    tokenizer = KIMI.tokenizer()
+    assert tokenizer.decode(tokenizer.encode(CALL), skip_special_tokens=True) == (
+        'functions.get_weather:0{"city": "Paris"}'  # what the answer was before: the markup gone
+    )
+    path = build_family(tmp_path / "models", KIMI)
+    rows = [
+        {"custom_id": case, "method": "POST", "url": "/v1/chat/completions", "body": KIMI.body(case)}
+        for case in KIMI.cases
+    ]
+    bodies = run_bodies(tmp_path, "kimi", rows, "--model", f"{KIMI.model}={path}")
+    call = bodies["call"]["choices"][0]
+    assert call["finish_reason"] == "tool_calls"
+    assert call["message"]["content"] is None
+    assert call["message"]["reasoning"] == "Need the weather tool."
+    (tool_call,) = call["message"]["tool_calls"]
+    assert tool_call["id"] == "functions.get_weather:0"
+    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    plain = bodies["plain"]["choices"][0]  # an answer without a call: its special tokens still dropped
+    assert (plain["finish_reason"], plain["message"]["content"]) == ("stop", "Blue light scatters most.")
+    assert plain["message"]["reasoning"] == "Rayleigh."
