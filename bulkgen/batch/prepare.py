@@ -16,6 +16,7 @@ from typing import Any
 from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
 from bulkgen.batch.reasoning import opens_reasoning, reasoning_parser
 from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
+from bulkgen.batch.special_tokens import special_tokens
 from bulkgen.batch.tools import forced_guide, tool_format
 
 
@@ -110,9 +111,7 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
 
 def _force_in_syntax(request: ParsedRequest, tokenizer) -> None:
     """A forced call written in the template's own syntax where its format has a writer."""
-    special = set(tokenizer.all_special_tokens)
-    special |= {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    guide = forced_guide(request.tool_format, request.forced_tool, request.tools, special)
+    guide = forced_guide(request.tool_format, request.forced_tool, request.tools, special_tokens(tokenizer))
     if guide is not None:
         request.sampling["guide"], request.forced_syntax = guide, True
 

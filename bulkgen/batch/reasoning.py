@@ -140,6 +140,12 @@ def _single_token(tokenizer, text: str) -> bool:
     return len(ids) == 1
 
 
+def read_by(parser: str | None) -> tuple[str, ...]:
+    """The marker tokens `parser` reads an output by, kept when decoding it where they are special tokens
+    (bulkgen.batch.special_tokens); harmony reads the token ids themselves."""
+    return (_THINK_START, _THINK_END) if parser == THINK else ()
+
+
 def read_choices(
     result: dict[str, Any], token_ids: list[list[int]], parser: str, opened: bool, tokenizer
 ) -> None:

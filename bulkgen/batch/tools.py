@@ -147,7 +147,7 @@ _DEEPSEEK_MARKUP = (
 # The tokens each format writes its calls with. Where a tokenizer has them as special tokens (Kimi K2's,
 # Mistral's tekken, DeepSeek's where marked so), decoding that skips special tokens erases them and the call
 # can no longer be read (vLLM's parsers turn `skip_special_tokens` off for such requests): a line that
-# offers tools has its output decoded again with these kept (keep_call_markup).
+# offers tools has its output decoded again with these kept (bulkgen.batch.special_tokens).
 MARKUP = {
     "kimi_k2": (
         "<|tool_calls_section_begin|>",
@@ -168,21 +168,8 @@ MARKUP = {
 }
 
 
-def keep_call_markup(completions: list[dict], token_ids: list[list[int]], fmt: str, tokenizer) -> None:
-    """Decode again, in place, each completion whose tokens hold a call-markup token of `fmt` the tokenizer
-    has as special, with those tokens kept (other special tokens still dropped), so the format's reader sees
-    the call as the model wrote it."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", {})
-    special = {i for i, token in decoder.items() if token.special}
-    marks = set(MARKUP.get(fmt, ()))
-    keep = {i for i in special if decoder[i].content in marks}
-    if not keep:
-        return
-    for completion, ids in zip(completions, token_ids, strict=True):
-        if keep.isdisjoint(ids):
-            continue
-        kept = [t for t in ids if t in keep or t not in special]
-        completion["text"] = tokenizer.decode(kept, skip_special_tokens=False)
+def call_markup(fmt: str | None) -> tuple[str, ...]:
+    return MARKUP.get(fmt, ()) if fmt else ()
 
 
 def malformed_call(text: str, fmt: str, tools: list[dict] | None = None) -> bool:

@@ -10,8 +10,9 @@ from collections import deque
 from concurrent.futures import Future
 
 from bulkgen.batch.outputlines import merge_results, refused_line
-from bulkgen.batch.reasoning import NONE, read_choices
-from bulkgen.batch.tools import keep_call_markup
+from bulkgen.batch.reasoning import NONE, read_by, read_choices
+from bulkgen.batch.special_tokens import keep_markers
+from bulkgen.batch.tools import call_markup
 from bulkgen.runtime.held import HeldRange, Prepared, echo_of, result_dict, split_step
 from bulkgen.runtime.parts import PartEntry
 
@@ -160,18 +161,8 @@ class EngineLoop:
             return  # aborted meanwhile
         result = result_dict(out)
         result["system_fingerprint"] = self.engine.system_fingerprint
-        if p.request.tools and p.request.tool_format:  # calls written in special tokens, kept to be read
-            keep_call_markup(
-                result["completions"],
-                [c.token_ids for c in out.outputs],
-                p.request.tool_format,
-                self.engine.tokenizer,
-            )
-        if p.request.reasoning_parser not in (None, NONE):
-            ids = [c.token_ids for c in out.outputs]
-            read_choices(
-                result, ids, p.request.reasoning_parser, p.request.reasoning_open, self.engine.tokenizer
-            )
+        if p.request.embedding is None:
+            self._read(p.request, result, [c.token_ids for c in out.outputs])
         if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)
             result["metrics"]["lora"] = p.request.lora
         if p.request.echo:
@@ -194,6 +185,18 @@ class EngineLoop:
         entry = PartEntry(p.request.line, True, b"", usage)
         work.answers.append((entry, p.request, result))
         self._settle(work, p.request.line, entry)
+
+    def _read(self, request, result: dict, ids: list[list[int]]) -> None:
+        """Read the reasoning out of each choice (and harmony's calls), after decoding again with the markers
+        the output is read by kept where the tokenizer has them as special tokens."""
+        tokenizer = self.engine.tokenizer
+        markers = read_by(request.reasoning_parser) + (
+            call_markup(request.tool_format) if request.tools else ()
+        )
+        if markers:
+            keep_markers(result["completions"], ids, markers, tokenizer)
+        if request.reasoning_parser not in (None, NONE):
+            read_choices(result, ids, request.reasoning_parser, request.reasoning_open, tokenizer)
 
     def _fail(self, p: Prepared, message: str, code: str, param: str | None = None) -> None:
         with self._cond:

@@ -1,13 +1,17 @@
-"""A family whose tool-call markers are special tokens (Kimi K2: `<|tool_call_begin|>` and the rest), with its
+"""Markers an answer is read by that its tokenizer has as special tokens. A family whose tool-call markers are special tokens (Kimi K2: `<|tool_call_begin|>` and the rest), with its
 real chat template and a scripted model that writes a free (unforced) call: decoding that skips special tokens
 would erase the call's markup and leave `functions.get_weather:0{...}` as content; the call comes back as
-`tool_calls`, its reasoning apart, through `bulkgen run`."""
+`tool_calls`, its reasoning apart, through `bulkgen run`. And a Qwen3 whose tokenizer has `<think>` and `</think>` as
+special tokens (as some fine-tunes' do): the reasoning is still read apart from the answer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from tests.support.reasoning import WEATHER, Case, Family, build_family
+from bulkgen.lab.scripted import FAMILIES, build_scripted_model
+from tests.support.reasoning import QWEN3, TEMPLATES, WEATHER, Case, Family, build_family
 from tests.support.service import run_bodies
 
 CALL = (
@@ -50,3 +54,24 @@ def test_a_call_in_special_tokens_is_read(tmp_path):
     plain = bodies["plain"]["choices"][0]  # an answer without a call: its special tokens still dropped
     assert (plain["finish_reason"], plain["message"]["content"]) == ("stop", "Blue light scatters most.")
     assert plain["message"]["reasoning"] == "Rayleigh."
+
+
+@pytest.mark.slow
+def test_special_think_markers_are_read(tmp_path):
+    qwen = FAMILIES["qwen3"]
+    think_special = replace(  # <think> and </think> special, the rest as Qwen3's
+        qwen,
+        special=(*qwen.special, "<think>", "</think>"),
+        added=tuple(t for t in qwen.added if "think" not in t),
+    )
+    case = QWEN3.cases["think"]
+    template = (TEMPLATES / QWEN3.template).read_text()
+    prompt_len = len(QWEN3.prompt_ids(case))
+    path = build_scripted_model(tmp_path / "model", think_special, template, {prompt_len: case.script})
+    row = {"custom_id": "q", "method": "POST", "url": "/v1/chat/completions", "body": QWEN3.body("think")}
+    bodies = run_bodies(
+        tmp_path, "think", [row], "--model", f"{QWEN3.model}={path}", "--reasoning-parser", "think"
+    )
+    message = bodies["q"]["choices"][0]["message"]
+    assert message["content"] == "Blue light scatters most."
+    assert message["reasoning"] == "The user asks about the sky.\nRayleigh scattering."
