@@ -65,8 +65,8 @@ def _read_think(text: str, token_ids: list[int], tokenizer, opened: bool) -> Rea
     stripped = text.lstrip()
     started = stripped.startswith(_THINK_START)
     if _THINK_END not in text:
-        if not (opened or started):
-            return Reading(text)
+        if not (opened or started):  # no reasoning (e.g. closed by the template, as GLM's enable_thinking:
+            return Reading(text.lstrip("\n"))  # false): the answer, without the newline that follows </think>
         reasoning = stripped.removeprefix(_THINK_START) if started else text
         return Reading(None, reasoning.strip("\n") or None, len(token_ids))  # cut inside its reasoning
     reasoning, _, answer = text.partition(_THINK_END)

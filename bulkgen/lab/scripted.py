@@ -79,6 +79,37 @@ FAMILIES = {
         added=("<think>", "</think>"),
         eos=("<|im_end|>", "[EOS]"),
     ),
+    # GLM-4.5/4.6: role tokens special; its reasoning and call tags as text tokens; generation ends at
+    # <|endoftext|>, <|user|> or <|observation|> (its generation_config)
+    "glm45": Family(
+        special=(
+            "[gMASK]",
+            "<sop>",
+            "<|endoftext|>",
+            "<|system|>",
+            "<|user|>",
+            "<|assistant|>",
+            "<|observation|>",
+        ),
+        added=(
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<arg_key>",
+            "</arg_key>",
+            "<arg_value>",
+            "</arg_value>",
+        ),
+        eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
+    ),
+    # MiniMax-M2: `]~!b[` opens the text, `]~b]` a role, `[e~[` ends a turn (its EOS); its generation prompt
+    # opens <think>
+    "minimax_m2": Family(
+        special=("]~!b[", "]~b]", "[e~["),
+        added=("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+        eos=("[e~[",),
+    ),
 }
 
 

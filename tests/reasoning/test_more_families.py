@@ -1,0 +1,114 @@
+"""GLM-4.5 and MiniMax-M2, the other two reasoning families with their own tool-call syntax, end to end through
+`bulkgen serve` (the openai client) and `bulkgen run`: scripted models (bulkgen/lab/scripted.py) write what each
+family writes under its real chat template (tests/data/chat_templates), and the reasoning, the answer and a free
+tool call in the family's syntax land in their fields. GLM writes its own `<think>`; MiniMax-M2's generation
+prompt opens it (the DeepSeek-R1 shape); GLM's `enable_thinking: false` closes it in the prompt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.support.reasoning import WEATHER, Case, Family, build_family
+from tests.support.service import read_lines, run_bodies, upload, wait_done, write_jsonl
+
+ANSWER = "Blue light scatters most."
+GLM = Family(
+    "glm45",
+    "GLM-4.5.jinja",
+    {
+        "think": Case("Why is the sky blue?", f"\n<think>Rayleigh scattering.</think>\n{ANSWER}<|user|>"),
+        "tool": Case(
+            "What is the weather in Paris? " * 3,
+            "\n<think>Need the weather tool.</think>\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n</tool_call><|observation|>",
+            tools=[WEATHER],
+        ),
+        "no_think": Case(
+            "Why is the sky blue? Answer plainly. " * 3,
+            f"\n{ANSWER}<|user|>",
+            options={"enable_thinking": False},
+        ),
+    },
+)
+MINIMAX = Family(
+    "minimax_m2",
+    "MiniMax-M2.jinja",
+    {
+        "think": Case("Why is the sky blue?", f"Rayleigh scattering.\n</think>\n\n{ANSWER}[e~["),
+        "tool": Case(
+            "What is the weather in Paris? " * 3,
+            'Need the weather tool.\n</think>\n\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+            '<parameter name="city">Paris</parameter>\n</invoke>\n</minimax:tool_call>[e~[',
+            tools=[WEATHER],
+        ),
+    },
+)
+FAMILIES = (GLM, MINIMAX)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f.model: build_family(root, f) for f in FAMILIES}
+
+
+def _rows(family: Family) -> list[dict]:  # one model per file
+    url = "/v1/chat/completions"
+    return [
+        {"custom_id": f"{family.name}-{case}", "method": "POST", "url": url, "body": family.body(case)}
+        for case in family.cases
+    ]
+
+
+def _check(bodies: dict[str, dict]) -> None:
+    for family, reasoning in ((GLM, "Rayleigh scattering."), (MINIMAX, "Rayleigh scattering.")):
+        think = bodies[f"{family.name}-think"]
+        message = think["choices"][0]["message"]
+        assert (message["content"], message["reasoning"]) == (ANSWER, reasoning), family.name
+        assert think["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
+        tool = bodies[f"{family.name}-tool"]["choices"][0]
+        assert tool["finish_reason"] == "tool_calls", (family.name, tool)
+        assert (tool["message"]["content"], tool["message"]["reasoning"]) == (None, "Need the weather tool.")
+        (call,) = tool["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    plain = bodies["glm45-no_think"]["choices"][0]["message"]
+    assert (plain["content"], plain["reasoning"]) == (ANSWER, None)
+
+
+@pytest.mark.slow
+def test_glm_and_minimax_through_bulkgen_run(tmp_path, paths):
+    bodies = {}
+    for family in FAMILIES:
+        model = ("--model", f"{family.model}={paths[family.model]}")
+        bodies |= run_bodies(tmp_path, family.name, _rows(family), *model)
+    _check(bodies)
+
+
+def test_glm_and_minimax_through_the_service(service, client, paths, monkeypatch, tmp_path):
+    for name, path in paths.items():
+        monkeypatch.setitem(service.svc.settings.models, name, str(path))
+    batches = []
+    for family in FAMILIES:  # submitted together, one model per batch
+        path = write_jsonl(tmp_path / f"{family.name}.jsonl", _rows(family))
+        batches.append(
+            client.batches.create(
+                input_file_id=upload(client, path).id,
+                endpoint="/v1/chat/completions",
+                completion_window="24h",
+            )
+        )
+    bodies = {}
+    for batch in batches:
+        batch = wait_done(client, batch.id, timeout=300)
+        assert batch.status == "completed" and batch.request_counts.failed == 0, batch
+        lines = {
+            line["custom_id"]: line["response"]["body"] for line in read_lines(client, batch.output_file_id)
+        }
+        assert batch.usage.output_tokens_details.reasoning_tokens == sum(
+            b["usage"]["completion_tokens_details"]["reasoning_tokens"] for b in lines.values()
+        )
+        bodies |= lines
+    _check(bodies)
