@@ -4,7 +4,7 @@ It covers the checkpoint (its small files' bytes: config, generation_config, tok
 weight files' names and sizes, not their bytes, which would mean reading gigabytes at every load), the
 tokenizer's class, size and chat template as loaded, the engine's dtype and quantization, bulkgen's version,
 and the settings that change tokens (KV-cache dtype, tensor parallelism, context length, the
-generation_config defaults applied). Nothing of the machine (paths, times, devices) enters it, so workers
+generation_config defaults applied; a batch adds its model's default chat-template options). Nothing of the machine (paths, times, devices) enters it, so workers
 that load the same checkpoint with the same settings answer the same fingerprint.
 """
 
@@ -45,4 +45,13 @@ def system_fingerprint(path: str | None, tokenizer, settings: dict) -> str:
         "settings": settings,
     }
     blob = json.dumps(record, sort_keys=True, default=str).encode()
+    return "fp_" + hashlib.sha256(blob).hexdigest()[:12]
+
+
+def with_template_options(fingerprint: str, options: dict) -> str:
+    """The fingerprint of a batch whose model has default chat-template options (--chat-template-kwargs): they
+    change its prompts, so its tokens; the engine's own fingerprint where there are none."""
+    if not options:
+        return fingerprint
+    blob = json.dumps([fingerprint, options], sort_keys=True, default=str).encode()
     return "fp_" + hashlib.sha256(blob).hexdigest()[:12]

@@ -160,7 +160,7 @@ class EngineLoop:
         if work is None:
             return  # aborted meanwhile
         result = result_dict(out)
-        result["system_fingerprint"] = self.engine.system_fingerprint
+        result["system_fingerprint"] = work.fingerprint or self.engine.system_fingerprint
         if p.request.embedding is None:
             self._read(p.request, result, [c.token_ids for c in out.outputs])
         if p.request.lora is not None:  # the batch's per-adapter counts (BatchMetrics.adapters)

@@ -38,6 +38,7 @@ class HeldRange:
     answers: list[tuple[PartEntry, ParsedRequest, dict]] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)
     health: OutputHealth = field(default_factory=OutputHealth)  # what its answers are (batch.health)
+    fingerprint: str | None = None  # its lines' system_fingerprint (the engine's and the batch's options)
     partials: dict[int, dict[int, dict]] = field(default_factory=dict)  # line -> prompt part -> its result
 
     @property

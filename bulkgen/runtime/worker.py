@@ -46,6 +46,7 @@ from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
 from bulkgen.engine import heap, load_progress
 from bulkgen.engine.checkpoint_checks import CheckpointError
+from bulkgen.engine.fingerprint import with_template_options
 from bulkgen.engine.load_progress import LoadProgress
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
@@ -312,6 +313,7 @@ class EngineWorker(EngineLoop, PartWriter):
     # -- preparation (RPC threads) --------------------------------------------------------------------
     def _prepare_range(self, batch: QueuedBatch, bounds: RangeBounds) -> None:
         work = HeldRange(bounds, batch.model, self._store(batch.store))
+        work.fingerprint = with_template_options(self.engine.system_fingerprint, batch.template_options)
         self._versions = {}  # adapters' file versions are read afresh once per range
         key = work.key
         counted = [bounds.size]  # lines still counted in _preparing (each leaves it once queued or refused)

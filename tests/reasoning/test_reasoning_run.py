@@ -67,6 +67,10 @@ def test_model_options_apply_where_a_line_sets_none_and_completions_are_never_re
         "The user asks about the sky.\nRayleigh scattering.",
     )
     assert (models["content"], models["reasoning"]) == ("Blue light scatters most.", None)
+    (fingerprint,) = {b["system_fingerprint"] for b in bodies.values()}  # one for the batch
+    plain = run_bodies(tmp_path, "plain", rows[:1], *model, "--reasoning-parser", "think")
+    assert plain["own"]["choices"][0]["message"] == own  # the same tokens for the line that set its own
+    assert plain["own"]["system_fingerprint"] != fingerprint  # the model's default options change prompts
     completion = {"custom_id": "raw", "method": "POST", "url": "/v1/completions", "body": raw}
     bodies = run_bodies(tmp_path, "raw", [completion], *model, *flags)
     assert bodies["raw"]["choices"][0]["text"] == QWEN3.cases["think"].script.removesuffix("<|im_end|>")
