@@ -1,8 +1,8 @@
-"""GLM-4.5 and MiniMax-M2, the other two reasoning families with their own tool-call syntax, end to end through
-`bulkgen serve` (the openai client) and `bulkgen run`: scripted models (bulkgen/lab/scripted.py) write what each
-family writes under its real chat template (tests/data/chat_templates), and the reasoning, the answer and a free
-tool call in the family's syntax land in their fields. GLM writes its own `<think>`; MiniMax-M2's generation
-prompt opens it (the DeepSeek-R1 shape); GLM's `enable_thinking: false` closes it in the prompt."""
+"""GLM-4.5, MiniMax-M2, Kimi K2 Thinking and DeepSeek-R1 end to end through `bulkgen serve` (the openai client)
+and `bulkgen run`: scripted models (bulkgen/lab/scripted.py) write what each family writes under its real chat
+template (tests/data/chat_templates), and the reasoning, the answer and a free tool call in the family's syntax
+land in their fields. GLM and Kimi write their own `<think>`; MiniMax-M2's and R1's generation prompts open it;
+GLM's `enable_thinking: false` closes it in the prompt; Kimi's call markers are special tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import json
 
 import pytest
 
-from tests.support.reasoning import WEATHER, Case, Family, build_family
+from tests.reasoning.test_special_call_markup import KIMI
+from tests.support.reasoning import DEEPSEEK_R1, WEATHER, Case, Family, build_family
 from tests.support.service import read_lines, run_bodies, upload, wait_done, write_jsonl
 
 ANSWER = "Blue light scatters most."
@@ -45,7 +46,13 @@ MINIMAX = Family(
         ),
     },
 )
-FAMILIES = (GLM, MINIMAX)
+FAMILIES = (GLM, MINIMAX, KIMI, DEEPSEEK_R1)
+REASONING = (  # each family's scripted reasoning before its answer
+    (GLM, "Rayleigh scattering."),
+    (MINIMAX, "Rayleigh scattering."),
+    (KIMI, "Rayleigh."),
+    (DEEPSEEK_R1, "The user asks about the sky.\nRayleigh scattering."),
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,23 +70,26 @@ def _rows(family: Family) -> list[dict]:  # one model per file
 
 
 def _check(bodies: dict[str, dict]) -> None:
-    for family, reasoning in ((GLM, "Rayleigh scattering."), (MINIMAX, "Rayleigh scattering.")):
-        think = bodies[f"{family.name}-think"]
+    for family, reasoning in REASONING:
+        think = bodies[f"{family.name}-{'plain' if family is KIMI else 'think'}"]
         message = think["choices"][0]["message"]
         assert (message["content"], message["reasoning"]) == (ANSWER, reasoning), family.name
         assert think["usage"]["completion_tokens_details"]["reasoning_tokens"] > 0
-        tool = bodies[f"{family.name}-tool"]["choices"][0]
+        if "tool" not in family.cases and "call" not in family.cases:
+            continue  # R1's own template renders no tools
+        tool = bodies[f"{family.name}-{'call' if family is KIMI else 'tool'}"]["choices"][0]
         assert tool["finish_reason"] == "tool_calls", (family.name, tool)
         assert (tool["message"]["content"], tool["message"]["reasoning"]) == (None, "Need the weather tool.")
         (call,) = tool["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
+        assert (call["id"] == "functions.get_weather:0") is (family is KIMI)  # Kimi's own id, kept
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
     plain = bodies["glm45-no_think"]["choices"][0]["message"]
     assert (plain["content"], plain["reasoning"]) == (ANSWER, None)
 
 
 @pytest.mark.slow
-def test_glm_and_minimax_through_bulkgen_run(tmp_path, paths):
+def test_families_through_bulkgen_run(tmp_path, paths):
     bodies = {}
     for family in FAMILIES:
         model = ("--model", f"{family.model}={paths[family.model]}")
@@ -87,7 +97,7 @@ def test_glm_and_minimax_through_bulkgen_run(tmp_path, paths):
     _check(bodies)
 
 
-def test_glm_and_minimax_through_the_service(service, client, paths, monkeypatch, tmp_path):
+def test_families_through_the_service(service, client, paths, monkeypatch, tmp_path):
     for name, path in paths.items():
         monkeypatch.setitem(service.svc.settings.models, name, str(path))
     batches = []

@@ -1,7 +1,7 @@
 """Markers an answer is read by that its tokenizer has as special tokens. A family whose tool-call markers are special tokens (Kimi K2: `<|tool_call_begin|>` and the rest), with its
 real chat template and a scripted model that writes a free (unforced) call: decoding that skips special tokens
 would erase the call's markup and leave `functions.get_weather:0{...}` as content; the call comes back as
-`tool_calls`, its reasoning apart, through `bulkgen run`. And a Qwen3 whose tokenizer has `<think>` and `</think>` as
+`tool_calls`, its reasoning apart (through serve and run: test_more_families.py). And a Qwen3 whose tokenizer has `<think>` and `</think>` as
 special tokens (as some fine-tunes' do): the reasoning is still read apart from the answer."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from bulkgen.lab.scripted import FAMILIES, build_scripted_model
-from tests.support.reasoning import QWEN3, TEMPLATES, WEATHER, Case, Family, build_family
+from tests.support.reasoning import QWEN3, TEMPLATES, WEATHER, Case, Family
 from tests.support.service import run_bodies
 
 CALL = (
@@ -32,28 +32,11 @@ KIMI = Family(
 )
 
 
-@pytest.mark.slow
-def test_a_call_in_special_tokens_is_read(tmp_path):
+def test_skipping_special_tokens_would_erase_the_call():
     tokenizer = KIMI.tokenizer()
     assert tokenizer.decode(tokenizer.encode(CALL), skip_special_tokens=True) == (
-        'functions.get_weather:0{"city": "Paris"}'  # what the answer was before: the markup gone
+        'functions.get_weather:0{"city": "Paris"}'  # what a Kimi answer was before: the markup gone
     )
-    path = build_family(tmp_path / "models", KIMI)
-    rows = [
-        {"custom_id": case, "method": "POST", "url": "/v1/chat/completions", "body": KIMI.body(case)}
-        for case in KIMI.cases
-    ]
-    bodies = run_bodies(tmp_path, "kimi", rows, "--model", f"{KIMI.model}={path}")
-    call = bodies["call"]["choices"][0]
-    assert call["finish_reason"] == "tool_calls"
-    assert call["message"]["content"] is None
-    assert call["message"]["reasoning"] == "Need the weather tool."
-    (tool_call,) = call["message"]["tool_calls"]
-    assert tool_call["id"] == "functions.get_weather:0"
-    assert tool_call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    plain = bodies["plain"]["choices"][0]  # an answer without a call: its special tokens still dropped
-    assert (plain["finish_reason"], plain["message"]["content"]) == ("stop", "Blue light scatters most.")
-    assert plain["message"]["reasoning"] == "Rayleigh."
 
 
 @pytest.mark.slow
