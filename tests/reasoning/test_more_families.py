@@ -1,4 +1,4 @@
-"""GLM-4.5, MiniMax-M2, Kimi K2 Thinking and DeepSeek-R1 end to end through `bulkgen serve` (the openai client)
+"""GLM-4.5, MiniMax-M2, Kimi K2 Thinking, DeepSeek-R1 and Qwen3-Coder end to end through `bulkgen serve` (the openai client)
 and `bulkgen run`: scripted models (bulkgen/lab/scripted.py) write what each family writes under its real chat
 template (tests/data/chat_templates), and the reasoning, the answer and a free tool call in the family's syntax
 land in their fields. GLM and Kimi write their own `<think>`; MiniMax-M2's and R1's generation prompts open it;
@@ -46,7 +46,20 @@ MINIMAX = Family(
         ),
     },
 )
-FAMILIES = (GLM, MINIMAX, KIMI, DEEPSEEK_R1)
+QWEN3_CODER = Family(  # Qwen3's tokens, Qwen3-Coder's template: XML calls, no reasoning
+    "qwen3",
+    "Qwen3-Coder.jinja",
+    {
+        "tool": Case(
+            "What is the weather in Paris?",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+            "</tool_call><|im_end|>",
+            tools=[WEATHER],
+        ),
+        "plain": Case("Why is the sky blue? " * 8, f"{ANSWER}<|im_end|>"),
+    },
+)
+FAMILIES = (GLM, MINIMAX, KIMI, DEEPSEEK_R1, QWEN3_CODER)
 REASONING = (  # each family's scripted reasoning before its answer
     (GLM, "Rayleigh scattering."),
     (MINIMAX, "Rayleigh scattering."),
@@ -84,6 +97,14 @@ def _check(bodies: dict[str, dict]) -> None:
         assert call["function"]["name"] == "get_weather"
         assert (call["id"] == "functions.get_weather:0") is (family is KIMI)  # Kimi's own id, kept
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    coder = bodies["qwen3-tool"]["choices"][0]
+    (call,) = coder["message"]["tool_calls"]
+    assert (coder["finish_reason"], coder["message"]["content"]) == ("tool_calls", None)
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+        "get_weather",
+        {"city": "Paris"},
+    )
+    assert bodies["qwen3-plain"]["choices"][0]["message"]["content"] == ANSWER
     plain = bodies["glm45-no_think"]["choices"][0]["message"]
     assert (plain["content"], plain["reasoning"]) == (ANSWER, None)
 

@@ -117,6 +117,9 @@ def build_family(root: Path, family: Family) -> Path:
     """The family's scripted model in `root`: every case's script after its own prompt."""
     scripts = {len(family.prompt_ids(case)): case.script for case in family.cases.values()}
     assert len(scripts) == len(family.cases), f"two {family.name} cases have prompts of one length"
+    tokenizer = family.tokenizer()
+    reach = max(n + len(tokenizer.encode(text, add_special_tokens=False)) for n, text in scripts.items())
+    hidden = max(1024, -(-reach // 256) * 256)  # a position each: long tool prompts need more than 1,024
     return build_scripted_model(
-        root / family.name, family.name, (TEMPLATES / family.template).read_text(), scripts
+        root / family.name, family.name, (TEMPLATES / family.template).read_text(), scripts, hidden
     )
