@@ -23,6 +23,7 @@ from bulkgen.models.registry import (
     parse_reasoning_parsers,
     parse_template_options,
     parse_tensor_parallel,
+    parse_tool_parsers,
 )
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
@@ -348,6 +349,16 @@ class WorkerSettings:
         "or none (the raw text as content). PARSER sets every model, NAME=PARSER the model served as NAME "
         "(repeatable; wins over PARSER); default auto (docs/reasoning.md).",
     )
+    # model name -> how its output's tool calls are read (bulkgen.batch.tools)
+    tool_parsers: dict[str, str] = _per_model(
+        "--tool-parser FORMAT|NAME=FORMAT",
+        parse_tool_parsers,
+        "How a model's tool calls are read out of its answers (and forced calls written): auto (the format "
+        "its chat template teaches), a format of docs/structured-outputs.md's table (hermes, llama3, "
+        "mistral, qwen3_coder, glm45, minimax_m2, kimi_k2, deepseek_v3, deepseek_v31, pythonic, harmony) "
+        "or none (calls stay content). FORMAT sets every model, NAME=FORMAT the model served as NAME "
+        "(repeatable; wins over FORMAT); default auto.",
+    )
     # model name -> chat template options its chat lines get where they set none
     template_options: dict[str, dict] = _per_model(
         "--chat-template-kwargs JSON|NAME=JSON",
@@ -402,6 +413,11 @@ class WorkerSettings:
     def reasoning_parser_of(self, model: str) -> str | None:
         """The reasoning parser `--reasoning-parser` sets for `model`; None: what its chat template teaches."""
         parser = self.reasoning_parsers.get(model, self.reasoning_parsers.get(EVERY_MODEL, "auto"))
+        return None if parser == "auto" else parser
+
+    def tool_parser_of(self, model: str) -> str | None:
+        """The tool-call format `--tool-parser` sets for `model`; None: what its chat template teaches."""
+        parser = self.tool_parsers.get(model, self.tool_parsers.get(EVERY_MODEL, "auto"))
         return None if parser == "auto" else parser
 
     def template_options_of(self, model: str) -> dict:
@@ -556,7 +572,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        for name in ("tensor_parallel", "reasoning_parsers", "template_options"):
+        for name in ("tensor_parallel", "reasoning_parsers", "tool_parsers", "template_options"):
             per_model = getattr(self.workers, name)
             unknown = sorted(set(per_model) - set(self.models) - {EVERY_MODEL})
             if unknown:

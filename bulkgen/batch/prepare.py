@@ -74,8 +74,9 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
         template = template.get("tool_use") if request.tools else template.get("default", "")
     kwargs: dict[str, Any] = dict(request.template_kwargs)  # options it does not know, it ignores
     if request.tools:
-        request.tool_format = tool_format(template)
-        if request.tool_format is None:
+        taught = tool_format(template)
+        request.tool_format = request.tool_format or taught  # the model's --tool-parser wins
+        if taught is None:
             name = "functions" if request.legacy_functions else "tools"
             raise LineError(
                 "unsupported_parameter",

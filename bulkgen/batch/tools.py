@@ -93,7 +93,8 @@ FORMATS = (
     ToolFormat("llama3", ('"parameters"',), _llama3),
     ToolFormat("llama3", ("<|eom_id|>",), _llama3),
 )
-READERS = {f.name: f.read for f in FORMATS}
+NONE = "none"  # --tool-parser none: calls are not read, they stay content
+READERS = {f.name: f.read for f in FORMATS} | {NONE: lambda text, params: None}
 CALL_MARKS = {f.name: f.marks[0] for f in reversed(FORMATS)}  # the first row's first mark: a call's start
 WRITERS = {f.name: f.force for f in FORMATS if f.force is not None}
 

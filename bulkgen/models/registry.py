@@ -48,6 +48,11 @@ def parse_reasoning_parsers(specs: tuple[str, ...] | list[str]) -> dict[str, str
     return _per_model("--reasoning-parser", specs, _reasoning_parser, "PARSER or NAME=PARSER, e.g. r1=think")
 
 
+def parse_tool_parsers(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """`--tool-parser` values: `FORMAT` (every model) or `NAME=FORMAT`; a FORMAT is one of TOOL_PARSERS."""
+    return _per_model("--tool-parser", specs, _tool_parser, "FORMAT or NAME=FORMAT, e.g. coder=qwen3_coder")
+
+
 def parse_template_options(specs: tuple[str, ...] | list[str]) -> dict[str, dict]:
     """`--chat-template-kwargs` values: `JSON` (every model) or `NAME=JSON`, a JSON object each (its text may
     hold '=' itself, so a value that starts with '{' names no model)."""
@@ -55,6 +60,22 @@ def parse_template_options(specs: tuple[str, ...] | list[str]) -> dict[str, dict
 
 
 REASONING_PARSERS = ("auto", "think", "harmony", "none")  # auto: what the chat template teaches
+# auto: the format the chat template teaches (bulkgen.batch.tools.FORMATS); none: calls stay content
+TOOL_PARSERS = (
+    "auto",
+    "hermes",
+    "llama3",
+    "mistral",
+    "qwen3_coder",
+    "glm45",
+    "minimax_m2",
+    "kimi_k2",
+    "deepseek_v3",
+    "deepseek_v31",
+    "pythonic",
+    "harmony",
+    "none",
+)
 
 
 def _json_object(value: str) -> dict:
@@ -80,6 +101,12 @@ def _rank_count(value: str) -> int:
 def _reasoning_parser(value: str) -> str:
     if value not in REASONING_PARSERS:
         raise ValueError(f"the parser must be one of {', '.join(REASONING_PARSERS)}")
+    return value
+
+
+def _tool_parser(value: str) -> str:
+    if value not in TOOL_PARSERS:
+        raise ValueError(f"the format must be one of {', '.join(TOOL_PARSERS)}")
     return value
 
 
