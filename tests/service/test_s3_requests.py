@@ -27,6 +27,7 @@ from bulkgen.runtime.driver import Driver
 from bulkgen.runtime.manager import BatchManager
 from bulkgen.runtime.pacing import PUBLISH_STEPS
 from tests.support.held_engine import GATE_ENV, HOLD, EngineGate
+from tests.support.s3 import tally
 from tests.support.service import Service, completion_row, settings_for
 from tests.support.wait import wait_until
 
@@ -39,22 +40,6 @@ GET_CLASS_PER_1000 = 80  # GET and HEAD
 HELD_REQUESTS = 12  # in HELD_S, leases included: the old runtime sent ~60 (record, report, control, listing)
 IDLE_S = 60.0
 IDLE_LISTS = 6  # listings at 0, 2, 6, 14, 30 and 62 s (the old runtime: 30)
-
-
-def request_class(method: str, path: str) -> str:
-    """'put' (PUT, POST, COPY), 'list', 'get' (GET, HEAD), 'delete' (free on S3), or 'lease' (a lease's
-    renewal: one per ttl/3 of a batch's run, by design), of one logged request."""
-    if "/leases/" in path:
-        return "lease"
-    if method in ("PUT", "POST"):
-        return "put"
-    if method == "GET" and ("list-type=" in path or "/" not in path.split("?")[0].strip("/")):
-        return "list"
-    return {"GET": "get", "HEAD": "get", "DELETE": "delete"}[method]
-
-
-def tally(log: list) -> Counter:
-    return Counter(request_class(method, path) for method, path, _ in log)
 
 
 def batch_lines(count: int, held: bool) -> bytes:

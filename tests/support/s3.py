@@ -7,6 +7,7 @@ import http.client
 import random
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -122,3 +123,19 @@ class FlakyProxy:
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _serve
 
         return Handler
+
+
+def request_class(method: str, path: str) -> str:
+    """'put' (PUT, POST, COPY), 'list', 'get' (GET, HEAD), 'delete' (free on S3), or 'lease' (a lease's
+    renewal: one per ttl/3 of a batch's run, by design), of one logged request."""
+    if "/leases/" in path:
+        return "lease"
+    if method in ("PUT", "POST"):
+        return "put"
+    if method == "GET" and ("list-type=" in path or "/" not in path.split("?")[0].strip("/")):
+        return "list"
+    return {"GET": "get", "HEAD": "get", "DELETE": "delete"}[method]
+
+
+def tally(log: list) -> Counter:
+    return Counter(request_class(method, path) for method, path, _ in log)
