@@ -44,7 +44,7 @@ def build_index(lines: int, seed: int = 0) -> LineIndex:
     return LineIndex(
         np.arange(1, lines + 1, dtype=np.int64),
         starts,
-        starts + 199,
+        np.full(lines, 199, dtype=np.uint32),  # lengths
         rng.integers(10, 2000, lines).astype(np.int64),
         (np.arange(lines) // 2000 + 1).astype(np.uint64),
     )

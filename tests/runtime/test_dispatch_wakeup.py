@@ -55,7 +55,7 @@ def _add_batch(queue: WorkQueue, batch_id: str, n: int = 64) -> None:
     index = LineIndex(
         np.arange(1, n + 1),
         np.arange(n) * 10,
-        np.arange(n) * 10 + 9,
+        np.full(n, 9),  # lengths
         np.ones(n, dtype=np.int64),
         np.zeros(n, dtype=np.uint64),
     )

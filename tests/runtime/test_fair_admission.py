@@ -77,7 +77,7 @@ def _uniform_batch(store, batch_id: str, tenant: str, count: int, prompt: str, m
     index = LineIndex(
         np.arange(1, count + 1),
         np.arange(count) * step,
-        np.arange(count) * step + len(lines[0]),
+        np.full(count, len(lines[0])),  # lengths
         np.full(count, one.work[0]),
         np.full(count, one.prefix[0], dtype=np.uint64),
     )

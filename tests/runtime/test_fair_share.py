@@ -24,7 +24,7 @@ def _index(n: int, rng: random.Random) -> LineIndex:
     return LineIndex(
         np.arange(1, n + 1),
         np.arange(n) * 10,
-        np.arange(n) * 10 + 9,
+        np.full(n, 9),  # lengths
         np.array(work),
         np.zeros(n, dtype=np.uint64),
     )

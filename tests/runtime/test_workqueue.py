@@ -19,7 +19,7 @@ def _index(work: list[int], prefix: list[int] | None = None) -> LineIndex:
     return LineIndex(
         np.arange(1, n + 1),
         np.arange(n) * 10,
-        np.arange(n) * 10 + 9,
+        np.full(n, 9),  # lengths: each line ends 9 bytes after its start
         np.array(work),
         np.array(prefix or [0] * n, dtype=np.uint64),
     )
