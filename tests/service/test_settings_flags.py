@@ -22,7 +22,7 @@ SHARED_FLAGS = {
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--model-load-deadline", "--model-load-seconds-per-gb",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
-    "--quantize", "--kv-cache-dtype", "--generation-config", "--tensor-parallel", "--reasoning-parser", "--chat-template-kwargs", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
+    "--quantize", "--kv-cache-dtype", "--generation-config", "--tensor-parallel", "--reasoning-parser", "--tool-parser", "--chat-template-kwargs", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
     "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads", "--image-memory-mb",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
@@ -170,6 +170,8 @@ def test_defaults_come_from_the_dataclass_and_flags_reach_their_fields(tmp_path,
             "--reasoning-parser 'deepthought': the parser must be one of auto, think, harmony, none",
         ),
         ("--reasoning-parser", "big=think", "--reasoning-parser: no served model is named 'big'"),
+        ("--tool-parser", "yaml", "--tool-parser 'yaml': the format must be one of auto, hermes"),
+        ("--tool-parser", "big=hermes", "--tool-parser: no served model is named 'big'"),
         ("--chat-template-kwargs", "{nope", "--chat-template-kwargs '{nope': not JSON"),
         (
             "--chat-template-kwargs",
