@@ -1,10 +1,14 @@
-"""What every endpoint module defines (`Endpoint`), and the `usage` block chat and completions answer with."""
+"""What every endpoint module defines (`Endpoint`), and the body chat and completions answer with around their
+choices (`choices_body`, with its `usage`)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from bulkgen.batch.ids import random_id
 
 if TYPE_CHECKING:
     from bulkgen.batch.requests import ParsedRequest
@@ -36,4 +40,16 @@ def usage(result: dict) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": result.get("cached_tokens", 0)},
         "completion_tokens_details": {"reasoning_tokens": result.get("reasoning_tokens", 0)},
+    }
+
+
+def choices_body(id_prefix: str, kind: str, model: str, choices: list[dict], result: dict) -> dict[str, Any]:
+    """A chat.completion's or text_completion's fields up to its usage (the choices are the endpoint's)."""
+    return {
+        "id": random_id(id_prefix),
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage(result),
     }

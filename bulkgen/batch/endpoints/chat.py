@@ -3,12 +3,10 @@ sampling), a `chat.completion` out (the assistant message, its reasoning, or the
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import CHAT, LineError, check_ignored, check_refused
-from bulkgen.batch.endpoints.base import Endpoint, usage
-from bulkgen.batch.ids import random_id
+from bulkgen.batch.endpoints.base import Endpoint, choices_body
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.reasoning import choice_fields
 from bulkgen.batch.sampling import sampling
@@ -88,15 +86,8 @@ def chat_body(
             choice["finish_reason"] = "tool_calls"
         elif choice["message"].get("function_call"):
             choice["finish_reason"] = "function_call"
-    return {
-        "id": random_id("chatcmpl-"),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(result),
-        "system_fingerprint": result.get("system_fingerprint"),
-    }
+    body = choices_body("chatcmpl-", "chat.completion", model, choices, result)
+    return {**body, "system_fingerprint": result.get("system_fingerprint")}
 
 
 def _message(

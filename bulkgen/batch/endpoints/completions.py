@@ -4,12 +4,10 @@ engine request each (bulkgen.batch.prepare.split_prompts) and come back merged (
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import COMPLETIONS, LineError, check_ignored, check_refused, invalid
-from bulkgen.batch.endpoints.base import Endpoint, usage
-from bulkgen.batch.ids import random_id
+from bulkgen.batch.endpoints.base import Endpoint, choices_body
 from bulkgen.batch.sampling import best_of, completion_logprobs, sampling
 from bulkgen.batch.schema import quote
 
@@ -93,15 +91,9 @@ def completion_body(result: dict, model: str) -> dict[str, Any]:
                 "finish_reason": c["finish_reason"],
             }
         )
-    return {
-        "id": random_id("cmpl-"),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": usage(result),
-        **({"system_fingerprint": result["system_fingerprint"]} if result.get("system_fingerprint") else {}),
-    }
+    body = choices_body("cmpl-", "text_completion", model, choices, result)
+    fingerprint = result.get("system_fingerprint")
+    return {**body, "system_fingerprint": fingerprint} if fingerprint else body
 
 
 def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
