@@ -183,9 +183,7 @@ class ParsedRequest:
     # the request runs is that line's 400 naming it
     limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)
     response_fields: dict[str, Any] | None = None  # /v1/responses: the request fields its Response repeats
-    embedding: dict[str, Any] | None = (
-        None  # /v1/embeddings: encoding_format, dimensions (batch.endpoints.embeddings)
-    )
+    embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (its endpoint)
     lora: str | None = None  # the LoRA adapter `model` picks (pick_adapter); None: the base model itself
 
 
