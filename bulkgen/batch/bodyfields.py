@@ -1,6 +1,6 @@
 """The request bodies' fields: every field of OpenAI's CreateChatCompletionRequest and CreateCompletionRequest,
 and what bulkgen does with each one that it does not run (accepted and ignored, or refused with a 400);
-CreateResponse's fields, whose handling lives in bulkgen.batch.resp_api.
+CreateResponse's fields, whose handling lives in bulkgen.batch.endpoints.responses.
 
 `null` means "the default" for every field. The README's "Supported request fields" table mirrors these sets.
 """
@@ -72,7 +72,7 @@ _CHAT_ONLY = {
     "parallel_tool_calls",
 }
 RESPONSES = "/v1/responses"
-# CreateResponse's fields; bulkgen.batch.resp_api says which it honours, ignores and refuses.
+# CreateResponse's fields; bulkgen.batch.endpoints.responses says which it honours, ignores and refuses.
 _RESPONSES_FIELDS = {
     "model",
     "input",
@@ -113,7 +113,7 @@ BODY_FIELDS = {
     CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
     COMPLETIONS: _HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"},
     RESPONSES: _RESPONSES_FIELDS,
-    EMBEDDINGS: {"input", "model", "encoding_format", "dimensions", "user"},  # bulkgen.batch.embeddings
+    EMBEDDINGS: {"input", "model", "encoding_format", "dimensions", "user"},  # batch.endpoints.embeddings
 }
 
 

@@ -13,9 +13,9 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
+from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.reasoning import opens_reasoning, reasoning_parser
-from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
+from bulkgen.batch.requests import LineError, ParsedRequest
 from bulkgen.batch.special_tokens import special_tokens
 from bulkgen.batch.tools import forced_guide, tool_format
 
@@ -32,7 +32,7 @@ def tokenize(request: ParsedRequest, tokenizer) -> list[int]:
         ids = tokenizer(render_chat(request, tokenizer), add_special_tokens=False)["input_ids"]
     elif isinstance(request.prompt, list):
         if max(request.prompt) >= len(tokenizer):
-            where = "body.input" if request.endpoint == EMBEDDINGS else "body.prompt"
+            where = _input(request)
             raise LineError(
                 "invalid_prompt", f"a token id in {where} is outside the vocabulary ({len(tokenizer)})", where
             )
@@ -136,9 +136,7 @@ def _call_as_text(call: dict) -> dict:
 
 def _input(request: ParsedRequest) -> str:
     """The body field the prompt came from, as errors name it."""
-    if request.endpoint == RESPONSES:
-        return "body.input"
-    return "body.messages" if request.messages is not None else "body.prompt"
+    return ENDPOINTS[request.endpoint].input_field
 
 
 def _check_vocabulary(request: ParsedRequest, vocab: int) -> None:
@@ -154,9 +152,9 @@ def _check_vocabulary(request: ParsedRequest, vocab: int) -> None:
 
 def fit_context(request: ParsedRequest, prompt_len: int, max_model_len: int) -> dict[str, Any]:
     """Resolve max_tokens (None: the rest of the context) and refuse what cannot fit, as the hosted API does."""
-    if request.endpoint == EMBEDDINGS:  # prefill only: the engine's EmbedParams
-        fit_input(prompt_len, max_model_len)
-        return {"dimensions": request.embedding["dimensions"]}
+    fit = ENDPOINTS[request.endpoint].fit
+    if fit is not None:  # not a generation (embeddings: prefill only)
+        return fit(request, prompt_len, max_model_len)
     params = {k: v for k, v in request.sampling.items() if v is not None}
     budget = max_model_len - prompt_len
     asked = params.get("max_tokens")

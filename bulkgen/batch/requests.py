@@ -18,23 +18,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bulkgen.batch.bodyfields import (
-    BODY_FIELDS,
-    CHAT,
-    COMPLETIONS,
-    EXTENSIONS,
-    LineError,
-    check_ignored,
-    check_refused,
-)
-from bulkgen.batch.embeddings import EMBEDDINGS, parse_embedding
+from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, EXTENSIONS, RESPONSES, LineError
+from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.images import ImageRef
-from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
-from bulkgen.batch.resp_api import RESPONSES, responses_request
-from bulkgen.batch.sampling import prompts, sampling
 from bulkgen.batch.schema import check_endpoint, quote, versioned
-from bulkgen.batch.structured import forced_param, forced_tool, response_guide
 
 __all__ = [
     "CHAT",
@@ -195,7 +183,7 @@ class ParsedRequest:
     # the request runs is that line's 400 naming it
     limit_field: str = "max_tokens"  # the body field max_tokens came from (errors name it)
     response_fields: dict[str, Any] | None = None  # /v1/responses: the request fields its Response repeats
-    embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (batch.embeddings)
+    embedding: dict[str, Any] | None = None  # /v1/embeddings: encoding_format, dimensions (its endpoint)
     lora: str | None = None  # the LoRA adapter `model` picks (pick_adapter); None: the base model itself
 
 
@@ -259,36 +247,7 @@ def _parse_body(line: RequestLine) -> ParsedRequest:
     body, endpoint = line.body, line.url
     _refuse_unknown(body, BODY_FIELDS[endpoint] | EXTENSIONS.get(endpoint, set()), "body.")
     request = ParsedRequest(line.custom_id, line.line, line.model, endpoint)
-    if endpoint == RESPONSES:  # another front door to the chat request (its own refusals first)
-        return responses_request(body, request)
-    check_refused(body, endpoint)
-    check_ignored(body)
-    if endpoint == EMBEDDINGS:
-        return parse_embedding(body, request)
-    guide = None
-    if endpoint == CHAT:
-        request.messages = messages(body.get("messages"), request.images)
-        request.tools, request.legacy_functions = chat_tools(body)
-        request.template_kwargs = template_kwargs(body)
-        request.forced_tool, guide = forced_tool(body, request.tools)
-        if guide is not None and response_guide(body) is not None:
-            raise LineError(
-                "invalid_request",
-                "body.response_format cannot constrain a forced tool call's output; drop one of them",
-                "body.response_format",
-            )
-        request.guide_param = f"body.{forced_param(body)}" if guide is not None else "body.response_format"
-        guide = guide or response_guide(body)
-    else:
-        all_prompts = prompts(body.get("prompt"))
-        request.prompt, request.prompts = all_prompts[0], (all_prompts if len(all_prompts) > 1 else None)
-        request.echo = body.get("echo") is True
-    request.sampling = sampling(body, endpoint)
-    if guide is not None:
-        request.sampling["guide"] = guide
-    if body.get("max_completion_tokens") is not None:
-        request.limit_field = "max_completion_tokens"
-    return request
+    return ENDPOINTS[endpoint].parse(body, request)
 
 
 def _refuse_unknown(obj: dict, known: set[str], prefix: str) -> None:

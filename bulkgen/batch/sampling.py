@@ -9,10 +9,10 @@ generation_config.json default in the worker (Engine.sampling_params), else Open
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from bulkgen.batch.bodyfields import CHAT, COMPLETIONS, LineError, invalid
-from bulkgen.batch.schema import quote
+from bulkgen.batch.bodyfields import LineError, invalid
 from bulkgen.engine.sampling_params import SamplingError, check_sampling
 
 INT64 = 2**63
@@ -22,15 +22,22 @@ MAX_LOGPROBS = 20
 LIMIT_FIELDS = ("max_completion_tokens", "max_output_tokens")  # max_tokens by another name (chat, responses)
 
 
-def sampling(body: dict, endpoint: str) -> dict[str, Any]:
-    """The API's own limits here, then the engine's rules (`check_sampling`, the ones the run applies)."""
+def sampling(
+    body: dict,
+    logprobs: Callable[[dict], int | None] | None = None,
+    logprobs_param: str = "logprobs",
+    more: Callable[[dict, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The API's own limits here, then the engine's rules (`check_sampling`, the ones the run applies).
+    The endpoint's module says what differs: how it asks for `logprobs` (default `chat_logprobs`), the body
+    field the engine's logprobs rule names, and `more` fields of its own (completions' `best_of`)."""
     limit = next((n for n in LIMIT_FIELDS if body.get(n) is not None), "max_tokens")
     out: dict[str, Any] = {
         "max_tokens": _int(body, limit, 0, None),
         "n": _int(body, "n", 1, MAX_N) or 1,
         "seed": _int(body, "seed", -INT64, INT64 - 1),
         "stop": _stop(body.get("stop")),
-        "logprobs": _logprobs(body, endpoint),
+        "logprobs": (logprobs or chat_logprobs)(body),
     }
     for name, high in (("temperature", 2), ("top_p", 1)):
         if body.get(name) is not None:
@@ -41,49 +48,15 @@ def sampling(body: dict, endpoint: str) -> dict[str, Any]:
     _extensions(body, out)
     if bias := _logit_bias(body.get("logit_bias")):
         out["logit_bias"] = bias
-    if endpoint == COMPLETIONS:
-        _best_of(body, out)
-    names = {"max_tokens": limit, "logprobs": "top_logprobs" if endpoint == CHAT else "logprobs"}
+    if more is not None:
+        more(body, out)
+    names = {"max_tokens": limit, "logprobs": logprobs_param}
     try:
         check_sampling({k: v for k, v in out.items() if v is not None})
     except SamplingError as err:
         name = names.get(err.field, err.field)
         raise invalid(name, err.rule, body.get(name)) from None
     return out
-
-
-MAX_PROMPTS = 128
-
-
-def prompts(value: Any) -> list[str | list[int]]:
-    """The spec's four prompt forms as a list of prompts: a string (empty or null: the start of a document, as
-    the API's default), token ids, a list of strings, a list of token-id lists."""
-    if value is None or isinstance(value, str):
-        return [value or ""]
-    if _token_ids(value):
-        return [value]
-    if (
-        not isinstance(value, list)
-        or not value
-        or not all(isinstance(p, str) or _token_ids(p) for p in value)
-    ):
-        raise LineError(
-            "invalid_prompt",
-            "body.prompt must be a string, a non-empty list of token ids (ints "
-            f">= 0), or a list of either; got {quote(value)}",
-            "body.prompt",
-        )
-    if len(value) > MAX_PROMPTS:
-        raise invalid(
-            "prompt",
-            f"may hold at most {MAX_PROMPTS} prompts (put the rest on other lines)",
-            f"{len(value)} prompts",
-        )
-    return value
-
-
-def _token_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(type(t) is int and t >= 0 for t in value)
 
 
 def _is_int(value: Any) -> bool:
@@ -122,9 +95,13 @@ def _stop(stop: Any) -> list[str] | None:
     return [s for s in stops if s] or None  # an empty stop string can never match: it is no stop
 
 
-def _logprobs(body: dict, endpoint: str) -> int | None:
-    if endpoint == COMPLETIONS:
-        return _int(body, "logprobs", 0, MAX_LOGPROBS)
+def completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: how many alternatives per token (0-20)."""
+    return _int(body, "logprobs", 0, MAX_LOGPROBS)
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat's (and the Responses API's) `logprobs`: a flag, with the alternatives in `top_logprobs`."""
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS)
     flag = body.get("logprobs")
     if flag is not None and not isinstance(flag, bool):
@@ -168,7 +145,8 @@ def _extensions(body: dict, out: dict[str, Any]) -> None:
     out["repetition_penalty"] = float(penalty)
 
 
-def _best_of(body: dict, out: dict[str, Any]) -> None:
+def best_of(body: dict, out: dict[str, Any]) -> None:
+    """Completions' `best_of` (and `echo`'s prompt logprobs)."""
     best_of = _int(body, "best_of", 0, MAX_BEST_OF)
     if best_of is not None and best_of < out["n"]:
         raise invalid("best_of", f"must be >= n ({out['n']})", best_of)

@@ -6,7 +6,7 @@
   admitting no document: bulkgen.engine.schema_compiler) is this line's 400 naming `body.response_format`,
   found at validation (compiled once per distinct schema, then cached); one whose grammar fails only while
   decoding is the same 400 at run time (`ParsedRequest.guide_param` names the field). The Responses API's
-  `text.format` takes the same format object, flat (`json_schema_guide`, from bulkgen.batch.resp_api).
+  `text.format` takes the same format object, flat (`json_schema_guide`, from bulkgen.batch.endpoints.responses).
 - `tool_choice: "required"`: the output is one call of one of the request's tools, `{"name": ...,
   "arguments": {...}}` with the arguments valid for that function's `parameters`; a named function
   (`tool_choice: {"type": "function", "function": {"name"}}`, or the legacy `function_call: {"name"}`):

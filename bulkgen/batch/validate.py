@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from bulkgen.batch.embeddings import EMBEDDINGS
 from bulkgen.batch.images import ImageRef
 from bulkgen.batch.requests import Fill, LineError, NotABatchFile, ParsedRequest, RequestLine, pick_adapter
 from bulkgen.batch.schema import quote
@@ -136,7 +135,7 @@ class Validator:
                 self._undecided.append((number, line.model))
             if request.images and self.check_images is not None:
                 self.check_images(request.images)
-            if line.url == EMBEDDINGS:
+            if request.embedding is not None:  # an embeddings line
                 self._count_inputs(request, number)
             return request
         except LineError as err:

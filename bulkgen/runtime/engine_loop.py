@@ -9,7 +9,8 @@ import os
 from collections import deque
 from concurrent.futures import Future
 
-from bulkgen.batch.outputlines import merge_results, refused_line
+from bulkgen.batch.endpoints.completions import merge_results
+from bulkgen.batch.outputlines import refused_line
 from bulkgen.batch.reasoning import NONE, read_by, read_choices
 from bulkgen.batch.special_tokens import keep_markers
 from bulkgen.batch.tools import call_markup

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
+from bulkgen.batch import endpoints
+from bulkgen.batch.requests import CHAT, LineError, parse_line
 from bulkgen.batch.resultfiles import FORMATS
 from bulkgen.batch.schema import ENDPOINTS, InvalidRequest, parse_completion_window
 from bulkgen.settings import Flag, setting
@@ -195,11 +196,7 @@ class Job:
                 )
         endpoint = self.endpoint or CHAT
         body = {"model": self.model or "m", **self.defaults}
-        body.update(
-            {CHAT: {"messages": [{"role": "user", "content": "x"}]}, COMPLETIONS: {"prompt": "x"}}.get(
-                endpoint, {"input": "x"}
-            )
-        )
+        body.update(endpoints.ENDPOINTS[endpoint].sample_input)
         try:
             parse_line(_json({"custom_id": "defaults", "url": endpoint, "body": body}), 1, endpoint)
         except LineError as exc:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bulkgen.batch.outputlines import completion_body
+from bulkgen.batch.endpoints.completions import completion_body
 from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import COMPLETIONS, LineError, RequestLine, custom_id_of, parse_line
 from tests.support.service import MODEL, chat_row, completion_row

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bulkgen.batch.outputlines import completion_body, merge_results
+from bulkgen.batch.endpoints.completions import completion_body, merge_results
 from bulkgen.batch.prepare import fit_context, split_prompts
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
 from bulkgen.batch.validate import Validator, validate_stream

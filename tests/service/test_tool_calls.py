@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bulkgen.batch.outputlines import chat_body
+from bulkgen.batch.endpoints.chat import chat_body
 from bulkgen.batch.prepare import render_chat, tokenize
 from bulkgen.batch.requests import CHAT, LineError, parse_line
 from bulkgen.batch.tools import parse_tool_calls, tool_format

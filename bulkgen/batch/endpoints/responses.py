@@ -22,6 +22,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import RESPONSES, LineError, check_ignored, check_refused, invalid, unsupported
+from bulkgen.batch.endpoints.base import Endpoint
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.images import DETAILS, ImageRef, image_ref
 from bulkgen.batch.messages import ImageParts, template_kwargs, text_parts
@@ -81,7 +82,7 @@ def responses_request(body: dict, request: ParsedRequest) -> ParsedRequest:
     effort = _effort(body.get("reasoning"))
     request.template_kwargs = template_kwargs({"reasoning_effort": effort})
     _check_output_limit(body.get("max_output_tokens"))
-    request.sampling = sampling({name: body.get(name) for name in _SAMPLING}, RESPONSES)
+    request.sampling = sampling({name: body.get(name) for name in _SAMPLING})
     fmt, guide = _text_format(body.get("text"))
     if guide is not None:
         request.sampling["guide"], request.guide_param = guide, "body.text.format"
@@ -324,6 +325,10 @@ def response_body(result: dict, model: str, fields: dict[str, Any]) -> dict[str,
     }
 
 
+def answer(request: ParsedRequest, result: dict, model: str) -> dict[str, Any]:
+    return response_body(result, model, request.response_fields)
+
+
 def _output(completion: dict, status: str) -> list[dict[str, Any]]:
     """The output items: a reasoning model's reasoning item first (OpenAI's shape: the reasoning as its
     `content`, no summary), then the message; a model cut inside its reasoning has no message."""
@@ -359,3 +364,6 @@ def output_text(body: dict[str, Any]) -> str:
         for part in item["content"]
         if part["type"] == "output_text"
     )
+
+
+ENDPOINT = Endpoint(RESPONSES, "body.input", {"input": "x"}, parse=responses_request, answer=answer)

@@ -13,7 +13,8 @@ import base64
 import struct
 from typing import Any
 
-from bulkgen.batch.bodyfields import EMBEDDINGS, LineError, invalid
+from bulkgen.batch.bodyfields import EMBEDDINGS, LineError, check_ignored, check_refused, invalid
+from bulkgen.batch.endpoints.base import Endpoint
 
 __all__ = ["EMBEDDINGS", "embedding_body", "fit_input", "parse_embedding"]
 MAX_INPUTS = 2048
@@ -22,6 +23,8 @@ ENCODINGS = ("float", "base64")
 
 def parse_embedding(body: dict[str, Any], request) -> Any:
     """Fill `request` (a ParsedRequest) from an embeddings body; LineError names the field."""
+    check_refused(body, EMBEDDINGS)
+    check_ignored(body)
     inputs = parse_inputs(body.get("input"))
     request.prompt, request.prompts = inputs[0], (inputs if len(inputs) > 1 else None)
     encoding = body.get("encoding_format")
@@ -94,6 +97,16 @@ def fit_input(prompt_len: int, max_model_len: int) -> None:
         )
 
 
+def fit(request, prompt_len: int, max_model_len: int) -> dict[str, Any]:
+    """Prefill only: the engine's EmbedParams."""
+    fit_input(prompt_len, max_model_len)
+    return {"dimensions": request.embedding["dimensions"]}
+
+
+def answer(request, result: dict, model: str) -> dict[str, Any]:
+    return embedding_body(request.embedding, result, model)
+
+
 def embedding_body(options: dict, result: dict, model: str) -> dict[str, Any]:
     """The CreateEmbeddingResponse of one line (`options`: ParsedRequest.embedding): `result["completions"]`
     carry each input's vector by index."""
@@ -115,3 +128,6 @@ def encode(vector: list[float], encoding: str) -> list[float] | str:
     if encoding == "float":
         return vector
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+ENDPOINT = Endpoint(EMBEDDINGS, "body.input", {"input": "x"}, parse=parse_embedding, answer=answer, fit=fit)
