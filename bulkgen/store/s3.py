@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlparse
@@ -31,11 +33,15 @@ from bulkgen.store.base import (
     check_prefix,
     check_write,
 )
+from bulkgen.store.compose import Piece, Span, plan_pieces
 from bulkgen.store.retry import call_with_retries, store_errors
 
 T = TypeVar("T")
+log = logging.getLogger("bulkgen.store")
 MiB = 1 << 20
 DELETE_BATCH = 1000
+COMPOSE_PARTS = 4  # parts of a compose sent at once
+COMPOSE_READERS = 8  # spans read at once for each uploaded part (4 x 8: the client's 32 connections)
 FIRST_LIST_PAGE = 64  # keys asked for by a listing's first request (then twice as many each, to page_size)
 _SESSION: Session | None = None
 _SESSION_LOCK = threading.Lock()
@@ -227,6 +233,72 @@ class S3Store(Store):
             return response["Body"].read()
 
         return self._call(key, fetch)
+
+    def compose(self, key: str, spans: Iterable[Span]) -> int:
+        """A multipart upload whose parts are copied server-side (UploadPartCopy) where a span reaches
+        S3's 5 MiB minimum, and read and uploaded where spans are shorter (grouping: compose.plan_pieces).
+        The object appears only when the upload completes; a failure aborts it, leaving nothing at `key`."""
+        full = self._full(check_key(key))
+        pieces = plan_pieces(spans, self.transfer.multipart_chunksize)
+        if len(pieces) <= 1 and not any(p.copy for p in pieces):  # under one upload's size: one PUT
+            data = self._read_spans(pieces[0].spans) if pieces else b""
+            self.write_bytes(key, data)
+            return len(data)
+        client = self._client()
+        upload = self._call(key, lambda: client.create_multipart_upload(Bucket=self.bucket, Key=full))
+        upload_id = upload["UploadId"]
+        try:
+            with ThreadPoolExecutor(COMPOSE_PARTS, thread_name_prefix="bulkgen-compose") as pool:
+                numbered = enumerate(pieces, 1)
+                etags = list(pool.map(lambda n_p: self._compose_part(key, upload_id, *n_p), numbered))
+            done = {"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]}
+            self._call(
+                key,
+                lambda: client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload=done
+                ),
+            )
+        except BaseException:
+            self._abort_upload(key, upload_id)
+            raise
+        return sum(p.size for p in pieces)
+
+    def _compose_part(self, key: str, upload_id: str, number: int, piece: Piece) -> str:
+        request = {"Bucket": self.bucket, "Key": self._full(key), "UploadId": upload_id, "PartNumber": number}
+        if piece.copy:
+            (span,) = piece.spans
+            source = {"Bucket": self.bucket, "Key": self._full(span.key)}
+            copy_range = f"bytes={span.start}-{span.end - 1}"
+
+            def copy() -> str:
+                answer = self._client().upload_part_copy(
+                    **request, CopySource=source, CopySourceRange=copy_range
+                )
+                return answer["CopyPartResult"]["ETag"]
+
+            return self._call(span.key, copy)
+        body = self._read_spans(piece.spans)
+        return self._call(key, lambda: self._client().upload_part(**request, Body=body)["ETag"])
+
+    def _read_spans(self, spans: list[Span]) -> bytes:
+        with ThreadPoolExecutor(COMPOSE_READERS, thread_name_prefix="bulkgen-compose-read") as pool:
+            data = b"".join(pool.map(lambda s: self.read_range(s.key, s.start, s.end), spans))
+        if len(data) != sum(s.size for s in spans):  # a span past its object's end
+            raise ValueError(f"compose: {len(data)} bytes read of {sum(s.size for s in spans)} asked for")
+        return data
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Best effort: an upload left open holds its parts (billed) until a lifecycle rule ends it."""
+        full = self._full(key)
+        try:
+            self._call(
+                key,
+                lambda: self._client().abort_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id
+                ),
+            )
+        except Exception:
+            log.exception("could not abort the multipart upload %s of %s", upload_id, key)
 
     def _download_file(self, key: str, path: Path) -> None:
         with self._errors(key):
