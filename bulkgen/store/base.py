@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from bulkgen.store.compose import Span, SpanReader
+from bulkgen.store.compose import Source, SpanReader
 
 READ_CHUNK = 1 << 20
 
@@ -173,9 +173,10 @@ class Store(ABC):
     def _download_file(self, key: str, path: Path) -> None:
         """Copy one object to `path` (which the caller replaces atomically)."""
 
-    def compose(self, key: str, spans: Iterable[Span]) -> int:
-        """Write the concatenation of byte ranges of stored objects as the object `key`, all or nothing, and
-        return its size: how finalize writes an output file from its parts. Here the ranges are read and
+    def compose(self, key: str, spans: Iterable[Source]) -> int:
+        """Write the concatenation of byte ranges of stored objects (and bytes already read) as the object
+        `key`, all or nothing, and return its size: how finalize writes an output file from its parts, the
+        sources consumed as they come. Here the ranges are read and
         streamed into one upload; S3 copies ranges of 5 MiB and more server-side (S3Store.compose)."""
         return self.upload_fileobj(check_key(key), io.BufferedReader(SpanReader(self, spans), READ_CHUNK))
 

@@ -4,8 +4,10 @@ S3 builds an object from parts of 5 MiB to 5 GiB (the last may be smaller), at m
 a part may be copied server-side from a range of another object (UploadPartCopy) instead of uploaded.
 `plan_pieces` groups a run of spans into such parts: a span of at least 5 MiB is copied where it stands,
 smaller ones are read and concatenated into uploaded parts, and a short run before a long span borrows
-the long span's first bytes to reach 5 MiB, so the rest of the long span is still copied. The local
-store needs none of this: it concatenates (`Store.compose` in base.py).
+the long span's first bytes to reach 5 MiB, so the rest of the long span is still copied. A source may
+also be bytes already read (finalize reads small parts whole): they go into uploaded parts. The local
+store needs none of this: it concatenates (`Store.compose` in base.py). Pieces are planned as the
+sources come, so a composer holds one upload's bytes at a time, not the object.
 """
 
 from __future__ import annotations
@@ -34,46 +36,63 @@ class Span:
         return self.end - self.start
 
 
+Source = Span | bytes  # a range of a stored object, or bytes already read
+
+
+def source_size(source: Source) -> int:
+    return source.size if isinstance(source, Span) else len(source)
+
+
 @dataclass
 class Piece:
-    """One part of the composed object: a copy of one span (`copy`) or an upload of several read here."""
+    """One part of the composed object: a copy of one span (`copy`) or an upload of sources read here."""
 
-    spans: list[Span]
+    spans: list[Source]
     copy: bool
 
     @property
     def size(self) -> int:
-        return sum(s.size for s in self.spans)
+        return sum(source_size(s) for s in self.spans)
 
 
 def plan_pieces(
-    spans: Iterable[Span], upload_size: int, min_part: int = MIN_PART, max_part: int = MAX_PART
-) -> list[Piece]:
-    """The parts of a multipart upload that writes the spans' concatenation: every part but the last at
-    least `min_part`, a copy at most `max_part`, an upload closed once it holds `upload_size` bytes."""
-    pieces: list[Piece] = []
-    pending: list[Span] = []
-    held = 0
-    for span in (s for s in spans if s.size > 0):
+    sources: Iterable[Source], upload_size: int, min_part: int = MIN_PART, max_part: int = MAX_PART
+) -> Iterator[Piece]:
+    """The parts of a multipart upload that writes the sources' concatenation, in order: every part but
+    the last at least `min_part`, a copy at most `max_part`, an upload closed once it holds `upload_size`."""
+    pending: list[Source] = []
+    held = count = 0
+    for source in sources:
+        size = source_size(source)
         top_up = max(0, min_part - held) if pending else 0
-        if span.size - top_up >= min_part:
+        if isinstance(source, Span) and size - top_up >= min_part:
             if pending:
                 if top_up:
-                    pending.append(Span(span.key, span.start, span.start + top_up))
-                pieces.append(Piece(pending, copy=False))
+                    pending.append(Span(source.key, source.start, source.start + top_up))
+                yield Piece(pending, copy=False)
+                count, pending, held = count + 1, [], 0
+            for piece in _copies(Span(source.key, source.start + top_up, source.end), max_part):
+                count += 1
+                _check_count(count)
+                yield piece
+        elif size:
+            pending.append(source)
+            held += size
+            if held >= upload_size:
+                count += 1
+                _check_count(count)
+                yield Piece(pending, copy=False)
                 pending, held = [], 0
-            pieces.extend(_copies(Span(span.key, span.start + top_up, span.end), max_part))
-            continue
-        pending.append(span)
-        held += span.size
-        if held >= upload_size:
-            pieces.append(Piece(pending, copy=False))
-            pending, held = [], 0
     if pending:
-        pieces.append(Piece(pending, copy=False))
-    if len(pieces) > MAX_PARTS:
-        raise ValueError(f"{len(pieces)} parts: S3 composes at most {MAX_PARTS}; raise the upload size")
-    return pieces
+        _check_count(count + 1)
+        yield Piece(pending, copy=False)
+
+
+def _check_count(count: int) -> None:
+    if count > MAX_PARTS:
+        raise ValueError(
+            f"more than {MAX_PARTS} parts: S3 composes at most {MAX_PARTS}; raise the upload size"
+        )
 
 
 def _copies(span: Span, max_part: int) -> Iterator[Piece]:
@@ -85,9 +104,9 @@ def _copies(span: Span, max_part: int) -> Iterator[Piece]:
 
 
 class SpanReader(io.RawIOBase):
-    """The spans' concatenation as a stream, read a chunk at a time (`store.read_range`)."""
+    """The sources' concatenation as a stream, spans read a chunk at a time (`store.read_range`)."""
 
-    def __init__(self, store: Any, spans: Iterable[Span], chunk: int = MiB) -> None:
+    def __init__(self, store: Any, spans: Iterable[Source], chunk: int = MiB) -> None:
         self._store, self._spans, self._chunk = store, iter(spans), chunk
         self._span: Span | None = None
         self._at = 0
@@ -100,11 +119,23 @@ class SpanReader(io.RawIOBase):
             self._span = next(self._spans, None)
             if self._span is None:
                 return 0
+            if not isinstance(self._span, Span):
+                self._span = _Held(self._span)
             self._at = self._span.start
         end = min(self._span.end, self._at + min(len(buffer), self._chunk))
-        data = self._store.read_range(self._span.key, self._at, end)
+        if isinstance(self._span, _Held):
+            data = self._span.data[self._at : end]
+        else:
+            data = self._store.read_range(self._span.key, self._at, end)
         if len(data) != end - self._at:
             raise ValueError(f"{self._span.key}: {len(data)} bytes at {self._at}, expected {end - self._at}")
         buffer[: len(data)] = data
         self._at = end
         return len(data)
+
+
+class _Held:
+    """Bytes already read, as a span of themselves (`SpanReader` reads them with `read_range`)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.start, self.end, self.key = data, 0, len(data), None

@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import itertools
 import logging
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +35,7 @@ from bulkgen.store.base import (
     check_prefix,
     check_write,
 )
-from bulkgen.store.compose import Piece, Span, plan_pieces
+from bulkgen.store.compose import Piece, Source, Span, plan_pieces
 from bulkgen.store.retry import call_with_retries, store_errors
 
 T = TypeVar("T")
@@ -234,23 +236,22 @@ class S3Store(Store):
 
         return self._call(key, fetch)
 
-    def compose(self, key: str, spans: Iterable[Span]) -> int:
+    def compose(self, key: str, spans: Iterable[Source]) -> int:
         """A multipart upload whose parts are copied server-side (UploadPartCopy) where a span reaches
-        S3's 5 MiB minimum, and read and uploaded where spans are shorter (grouping: compose.plan_pieces).
+        S3's 5 MiB minimum, and read and uploaded where sources are shorter (grouping: compose.plan_pieces).
         The object appears only when the upload completes; a failure aborts it, leaving nothing at `key`."""
         full = self._full(check_key(key))
         pieces = plan_pieces(spans, self.transfer.multipart_chunksize)
-        if len(pieces) <= 1 and not any(p.copy for p in pieces):  # under one upload's size: one PUT
-            data = self._read_spans(pieces[0].spans) if pieces else b""
+        first, second = next(pieces, None), next(pieces, None)
+        if second is None and not (first and first.copy):  # one upload's size or less: one PUT
+            data = self._read_spans(first.spans) if first else b""
             self.write_bytes(key, data)
             return len(data)
         client = self._client()
         upload = self._call(key, lambda: client.create_multipart_upload(Bucket=self.bucket, Key=full))
         upload_id = upload["UploadId"]
         try:
-            with ThreadPoolExecutor(COMPOSE_PARTS, thread_name_prefix="bulkgen-compose") as pool:
-                numbered = enumerate(pieces, 1)
-                etags = list(pool.map(lambda n_p: self._compose_part(key, upload_id, *n_p), numbered))
+            etags, size = self._compose_parts(key, upload_id, itertools.chain((first, second), pieces))
             done = {"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]}
             self._call(
                 key,
@@ -261,7 +262,19 @@ class S3Store(Store):
         except BaseException:
             self._abort_upload(key, upload_id)
             raise
-        return sum(p.size for p in pieces)
+        return size
+
+    def _compose_parts(self, key: str, upload_id: str, pieces: Iterator[Piece]) -> tuple[list[str], int]:
+        """Send the pieces COMPOSE_PARTS at a time, planning the next ones as earlier ones finish."""
+        etags, window, size = [], deque(), 0
+        with ThreadPoolExecutor(COMPOSE_PARTS, thread_name_prefix="bulkgen-compose") as pool:
+            for number, piece in enumerate(pieces, 1):
+                size += piece.size
+                window.append(pool.submit(self._compose_part, key, upload_id, number, piece))
+                if len(window) >= COMPOSE_PARTS:
+                    etags.append(window.popleft().result())
+            etags.extend(f.result() for f in window)
+        return etags, size
 
     def _compose_part(self, key: str, upload_id: str, number: int, piece: Piece) -> str:
         request = {"Bucket": self.bucket, "Key": self._full(key), "UploadId": upload_id, "PartNumber": number}
@@ -280,12 +293,19 @@ class S3Store(Store):
         body = self._read_spans(piece.spans)
         return self._call(key, lambda: self._client().upload_part(**request, Body=body)["ETag"])
 
-    def _read_spans(self, spans: list[Span]) -> bytes:
+    def _read_spans(self, sources: list[Source]) -> bytes:
+        def read(source: Source) -> bytes:
+            if not isinstance(source, Span):
+                return source
+            data = self.read_range(source.key, source.start, source.end)
+            if len(data) != source.size:  # a span past its object's end
+                raise ValueError(f"compose: {len(data)} bytes of {source.key} where {source.size} were asked")
+            return data
+
+        if all(not isinstance(s, Span) for s in sources):
+            return b"".join(sources)
         with ThreadPoolExecutor(COMPOSE_READERS, thread_name_prefix="bulkgen-compose-read") as pool:
-            data = b"".join(pool.map(lambda s: self.read_range(s.key, s.start, s.end), spans))
-        if len(data) != sum(s.size for s in spans):  # a span past its object's end
-            raise ValueError(f"compose: {len(data)} bytes read of {sum(s.size for s in spans)} asked for")
-        return data
+            return b"".join(pool.map(read, sources))
 
     def _abort_upload(self, key: str, upload_id: str) -> None:
         """Best effort: an upload left open holds its parts (billed) until a lifecycle rule ends it."""
