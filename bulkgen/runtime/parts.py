@@ -92,17 +92,17 @@ class PartHead:
         entries = [PartEntry(r[0], bool(r[1]), b"", tuple(r[3:])) for r in rows]
         return cls(entries, [r[2] for r in rows], len(line) + 1)
 
-    def after(self, line: int) -> tuple[list[PartEntry], Span, Span]:
-        """The entries past input line `line` and their output and error bytes: (entries, [start, end)
-        of the outputs, of the errors) with key ''."""
+    def after(self, line: int) -> tuple[list[PartEntry], range, range]:
+        """The entries past input line `line` and where their output and error lines lie in the part:
+        (entries, the outputs' bytes, the errors' bytes)."""
         cut = bisect.bisect_right([e.line for e in self.entries], line)
         sums = {True: [0, 0], False: [0, 0]}  # per kind: bytes before the cut, bytes in all
         for i, (e, n) in enumerate(zip(self.entries, self.lengths, strict=True)):
             sums[e.ok][1] += n
             sums[e.ok][0] += n if i < cut else 0
         errors_at = self.start + sums[True][1]
-        outputs = Span("", self.start + sums[True][0], errors_at)
-        return self.entries[cut:], outputs, Span("", errors_at + sums[False][0], errors_at + sums[False][1])
+        outputs = range(self.start + sums[True][0], errors_at)
+        return self.entries[cut:], outputs, range(errors_at + sums[False][0], errors_at + sums[False][1])
 
 
 def encode_part(entries: list[PartEntry]) -> bytes:
@@ -248,8 +248,8 @@ def merge_parts(
             errors.write(b"".join(e.envelope for e in entries if not e.ok))
         else:
             entries, out, err = head.after(last)
-            outputs = data[out.start : out.end] if data else Span(key, out.start, out.end)
-            errors.write(data[err.start : err.end] if data else store.read_range(key, err.start, err.end))
+            outputs = data[out.start : out.stop] if data else Span(key, out.start, out.stop)
+            errors.write(data[err.start : err.stop] if data else store.read_range(key, err.start, err.stop))
         for e in entries:
             tally.add(e)
         last = entries[-1].line if entries else last
