@@ -30,3 +30,8 @@ def stored_entries(store, batch_id: str) -> dict[int, dict]:
                 "envelope": json.loads(e.envelope),
             }
     return found
+
+
+def envelopes(stored: dict[str, bytes]) -> list[dict]:
+    """The output and error lines (decoded) of parts read earlier as {key: bytes}."""
+    return [json.loads(e.envelope) for data in stored.values() for e in parts.decode_part(data)]
