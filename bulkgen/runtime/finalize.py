@@ -1,5 +1,8 @@
 """Finalize a batch once: merge its parts into output and error files, store the report, close it.
 
+The output file is composed from ranges of its parts (`Store.compose`, `parts.merge_parts`): on S3 a long
+part is copied server-side, never downloaded; elsewhere the parts are read READERS at a time and streamed.
+
 The output and error files get ids derived from the batch id, so a finalize that is retried (its
 runner died half way) overwrites the same files instead of leaving orphans, and the closing status
 change is conditional: a batch already ended is never closed twice. Once the batch is closed its
@@ -7,6 +10,8 @@ parts are deleted (a finalize that dies before leaves them to `bulkgen gc`).
 """
 
 from __future__ import annotations
+
+import tempfile
 
 from bulkgen.batch import lifecycle
 from bulkgen.batch.batchrecord import BatchRecord
@@ -29,14 +34,8 @@ def finalize(
         record = svc.batches.update(batch_id, lifecycle.begin_finalizing)
     else:
         record = svc.batches.get(batch_id)
-    expiry = record.internal.get("output_expires_after_s")  # the batch's output_expires_after
-    outputs, errors, tally = parts.merge_parts(svc.store, batch_id)
     output_id, error_id = result_file_ids(batch_id)
-    with outputs, errors:
-        if tally.completed:
-            svc.files.put(output_id, outputs, layout.output_filename(batch_id), "batch_output", expiry)
-        if tally.failed:
-            svc.files.put(error_id, errors, layout.error_filename(batch_id), "batch_output", expiry)
+    tally = _write_results(svc, batch_id, output_id, error_id, record.internal.get("output_expires_after_s"))
     report = _store_report(svc, batch_id, metrics)
 
     def close(r: BatchRecord) -> BatchRecord | None:
@@ -54,6 +53,25 @@ def finalize(
     if record.status in TERMINAL_STATUSES:
         parts.delete_parts(svc.store, batch_id)
     return record
+
+
+def _write_results(
+    svc: BatchService, batch_id: str, output_id: str, error_id: str, expiry: int | None
+) -> parts.Tally:
+    """The output file composed from its parts' bytes (S3: long parts copied server-side), the error file
+    from a spool; each file's record only if it has a line (an output without one is deleted)."""
+    tally = parts.Tally()
+    output_key = svc.files.data_key(output_id)
+    with tempfile.SpooledTemporaryFile(max_size=parts.SPOOL_BYTES) as errors:
+        size = svc.store.compose(output_key, parts.merge_parts(svc.store, batch_id, errors, tally))
+        if tally.completed:
+            svc.files.write_meta(output_id, size, layout.output_filename(batch_id), "batch_output", expiry)
+        else:
+            svc.store.delete(output_key)
+        if tally.failed:
+            errors.seek(0)
+            svc.files.put(error_id, errors, layout.error_filename(batch_id), "batch_output", expiry)
+    return tally
 
 
 def _store_report(svc: BatchService, batch_id: str, metrics: BatchMetrics | None) -> dict | None:

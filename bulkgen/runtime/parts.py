@@ -5,23 +5,29 @@ Whoever finishes a range writes its part (a retried range rewrites the same key)
 downstream de-duplicates by line: coverage for a resumed runner, counts, and the final merge, which
 streams the parts in input order. At-least-once execution thus yields exactly one line per custom_id.
 
-A request's output (or error) line is encoded once, where its part is written; the part keeps those
-bytes as its entry's last field, and the merge copies them into the output file without decoding them.
+A request's output (or error) line is encoded once, where its part is written, and the part keeps those
+bytes as they will stand in the output file: a part is a head line (`PartHead`: each entry's line, ok,
+usage and byte length) and then its output lines, then its error lines, each in input order. So any
+suffix of a part's entries is two byte ranges of it, and finalize writes the output file with
+`Store.compose` from those ranges: S3 copies a part of 5 MiB or more server-side without a download
+(store/compose.py), smaller parts are read whole (one GET) and their bytes go in as they are. A part
+written before this format (one JSON line per entry, `PartEntry.encode`) is still read.
 
-Parts are read READERS at a time (`read_parts`: a window of whole parts, consumed in input order), so a
-finalize or a resume of a million lines waits for about 1/READERS of the sum of S3's per-request
-latencies, not all of it (31,250 parts of 32 lines: minutes, one GET at a time), in memory bounded by
-the window.
+Parts are read READERS at a time (`_windowed`: whole parts, or the head of a part to copy, consumed in
+input order), so a finalize or a resume of a million lines waits for about 1/READERS of the sum of S3's
+per-request latencies, not all of it (31,250 parts of 32 lines: minutes, one GET at a time), in memory
+bounded by the window.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
-import tempfile
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import BinaryIO, TypeVar
 
 import numpy as np
 
@@ -29,12 +35,16 @@ from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.outputlines import json_line
 from bulkgen.runtime.lineindex import LineIndex
 from bulkgen.store import Store, layout
+from bulkgen.store.compose import MIN_PART, Source, Span
 
+T = TypeVar("T")
 SPOOL_BYTES = 64 * 1024 * 1024
 READERS = 16  # parts read at once (each a whole small object); the window ahead is twice this
+COPY_AT = MIN_PART  # a part this long is composed from its ranges, not read (S3's smallest copied part)
+HEAD_PROBE = 64 * 1024  # the first read of a long part's head (doubled until the head line ends)
 
-
-_ENVELOPE = b',"envelope":'  # what precedes an entry's output line in its part line
+_ENVELOPE = b',"envelope":'  # what precedes an entry's output line in its line (the format before PartHead)
+_HEAD = b'{"v":2,'  # how a part in today's format begins
 
 
 @dataclass
@@ -52,8 +62,8 @@ class PartEntry:
         return cls(line, ok, json_line(envelope), tuple(usage))
 
     def encode(self) -> bytes:
-        """{"line":..,"ok":..,"usage":[..],"envelope":{..}}: a JSON line whose last field is the output line's
-        bytes as they are, so `decode` finds them without parsing them (the fields before hold no string)."""
+        """{"line":..,"ok":..,"usage":[..],"envelope":{..}}: one entry as parts held it before PartHead (a
+        JSON line whose last field is the output line's bytes as they are); `decode` still reads it."""
         fields = {"line": self.line, "ok": self.ok, "usage": list(self.usage)}
         head = json.dumps(fields, separators=(",", ":"))
         return head[:-1].encode() + _ENVELOPE + self.envelope.rstrip(b"\n") + b"}\n"
@@ -66,11 +76,59 @@ class PartEntry:
         return cls(head["line"], head["ok"], envelope, tuple(head["usage"]))
 
 
+@dataclass
+class PartHead:
+    """A part's first line, {"v":2,"entries":[[line, ok, bytes, *usage], ..]}, and its length (`start`):
+    where each entry's line lies in the part (outputs from `start` on, then errors, both by line)."""
+
+    entries: list[PartEntry]  # in input order, their envelopes not read (b"")
+    lengths: list[int]  # each entry's line's bytes, newline included
+    start: int
+
+    @classmethod
+    def of(cls, data: bytes) -> PartHead:
+        line = data[: data.index(b"\n")]
+        rows = json.loads(line)["entries"]
+        entries = [PartEntry(r[0], bool(r[1]), b"", tuple(r[3:])) for r in rows]
+        return cls(entries, [r[2] for r in rows], len(line) + 1)
+
+    def after(self, line: int) -> tuple[list[PartEntry], range, range]:
+        """The entries past input line `line` and where their output and error lines lie in the part:
+        (entries, the outputs' bytes, the errors' bytes)."""
+        cut = bisect.bisect_right([e.line for e in self.entries], line)
+        sums = {True: [0, 0], False: [0, 0]}  # per kind: bytes before the cut, bytes in all
+        for i, (e, n) in enumerate(zip(self.entries, self.lengths, strict=True)):
+            sums[e.ok][1] += n
+            sums[e.ok][0] += n if i < cut else 0
+        errors_at = self.start + sums[True][1]
+        outputs = range(self.start + sums[True][0], errors_at)
+        return self.entries[cut:], outputs, range(errors_at + sums[False][0], errors_at + sums[False][1])
+
+
+def encode_part(entries: list[PartEntry]) -> bytes:
+    entries = sorted(entries, key=lambda e: e.line)
+    rows = [[e.line, int(e.ok), len(e.envelope), *e.usage] for e in entries]
+    head = json.dumps({"v": 2, "entries": rows}, separators=(",", ":")).encode()
+    return b"\n".join([head, b"".join(e.envelope for e in entries if e.ok)]) + b"".join(
+        e.envelope for e in entries if not e.ok
+    )
+
+
+def decode_part(data: bytes) -> list[PartEntry]:
+    if not data.startswith(_HEAD):
+        return [PartEntry.decode(raw) for raw in data.split(b"\n") if raw.strip()]
+    head = PartHead.of(data)
+    _, outputs, errors = head.after(-1)
+    at = {True: outputs.start, False: errors.start}
+    for e, n in zip(head.entries, head.lengths, strict=True):
+        e.envelope, at[e.ok] = data[at[e.ok] : at[e.ok] + n], at[e.ok] + n
+    return head.entries
+
+
 def write_part(
     store: Store, batch_id: str, first_line: int, last_line: int, entries: list[PartEntry]
 ) -> None:
-    data = b"".join(e.encode() for e in sorted(entries, key=lambda e: e.line))
-    store.write_bytes(layout.part(batch_id, first_line, last_line), data)
+    store.write_bytes(layout.part(batch_id, first_line, last_line), encode_part(entries))
 
 
 def delete_parts(store: Store, batch_id: str) -> int:
@@ -118,33 +176,41 @@ class Tally:
 
 def iter_parts(store: Store, batch_id: str) -> list[tuple[str, int, int]]:
     """(key, first line, last line), in input order (a wider part first where two start together)."""
+    return [(key, first, last) for key, first, last, _ in _listed_parts(store, batch_id)]
+
+
+def _listed_parts(store: Store, batch_id: str) -> list[tuple[str, int, int, int]]:
+    """As iter_parts, with each part's size (from the same listing)."""
     found = []
-    for key in store.list(layout.part_lines(batch_id)):
-        lines = layout.part_range(key)
+    for info in store.list_objects(layout.part_lines(batch_id)):
+        lines = layout.part_range(info.key)
         if lines:
-            found.append((key, *lines))
+            found.append((info.key, *lines, info.size))
     return sorted(found, key=lambda p: (p[1], -p[2]))
 
 
-def read_part(store: Store, key: str) -> Iterator[PartEntry]:
-    for raw in store.iter_lines(key):
-        if raw.strip():
-            yield PartEntry.decode(raw)
+def read_part(store: Store, key: str) -> list[PartEntry]:
+    return decode_part(store.read_bytes(key))
 
 
-def read_parts(store: Store, keys: Iterable[str], readers: int = READERS) -> Iterator[list[PartEntry]]:
-    """Each part's entries, in the order of `keys`, read `readers` at a time (1: one after the other)."""
+def _windowed(read: Callable[[str], T], keys: Iterable[str], readers: int) -> Iterator[T]:
+    """read(key) of each key, in the order of `keys`, `readers` at a time (1: one after the other)."""
     if readers <= 1:
-        yield from (list(read_part(store, key)) for key in keys)
+        yield from (read(key) for key in keys)
         return
     with ThreadPoolExecutor(readers, thread_name_prefix="bulkgen-parts") as pool:
         window: deque = deque()
         for key in keys:
-            window.append(pool.submit(lambda k=key: list(read_part(store, k))))
+            window.append(pool.submit(read, key))
             if len(window) >= 2 * readers:
                 yield window.popleft().result()
         while window:
             yield window.popleft().result()
+
+
+def read_parts(store: Store, keys: Iterable[str], readers: int = READERS) -> Iterator[list[PartEntry]]:
+    """Each part's entries, in the order of `keys`, read `readers` at a time (1: one after the other)."""
+    return _windowed(lambda key: read_part(store, key), keys, readers)
 
 
 def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray, Tally]:
@@ -161,25 +227,46 @@ def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray,
     return done, tally
 
 
-def merge_parts(store: Store, batch_id: str, readers: int = READERS):
-    """-> (output file, error file, tally): spooled temp files in input-line order, one line per
-    request; parts are read a window at a time (`read_parts`), so memory holds the window, not the batch."""
-    outputs = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-    errors = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
-    tally = Tally()
+def merge_parts(
+    store: Store, batch_id: str, errors: BinaryIO, tally: Tally, readers: int = READERS
+) -> Iterator[Source]:
+    """The output file's sources for `store.compose`, in input-line order, one line per request (a retried
+    range's lines once); the error lines are written to `errors` and every entry counted in `tally` as the
+    sources are consumed. A part under COPY_AT is read whole and gives its bytes; a longer one gives its
+    head and then a range of itself (S3 copies it), so memory holds the window, not the batch."""
     last = covered = 0
-    keys = []
-    for key, _, last_line in iter_parts(store, batch_id):
+    chosen = []
+    for key, _, last_line, size in _listed_parts(store, batch_id):
         if last_line > covered:  # else wholly covered by an earlier part (a retried range)
-            keys.append(key)
+            chosen.append((key, size))
             covered = last_line
-    for entries in read_parts(store, keys, readers):
+    sizes = dict(chosen)
+    for key, data, head in _windowed(lambda k: _read_for_merge(store, k, sizes[k]), sizes, readers):
+        if head is None:  # a part in the format before PartHead
+            entries = [e for e in decode_part(data) if e.line > last]
+            outputs = b"".join(e.envelope for e in entries if e.ok)
+            errors.write(b"".join(e.envelope for e in entries if not e.ok))
+        else:
+            entries, out, err = head.after(last)
+            outputs = data[out.start : out.stop] if data else Span(key, out.start, out.stop)
+            errors.write(data[err.start : err.stop] if data else store.read_range(key, err.start, err.stop))
         for e in entries:
-            if e.line <= last:
-                continue
-            last = e.line
-            (outputs if e.ok else errors).write(e.envelope)
             tally.add(e)
-    outputs.seek(0)
-    errors.seek(0)
-    return outputs, errors, tally
+        last = entries[-1].line if entries else last
+        yield outputs
+
+
+def _read_for_merge(store: Store, key: str, size: int) -> tuple[str, bytes | None, PartHead | None]:
+    """(key, the part's bytes or None, its head or None): a part under COPY_AT is read whole, a longer one
+    only as far as its head line ends (a part in the old format is read whole, headless)."""
+    if size < COPY_AT:
+        data = store.read_bytes(key)
+        return key, data, PartHead.of(data) if data.startswith(_HEAD) else None
+    probe = HEAD_PROBE
+    while True:
+        data = store.read_range(key, 0, min(probe, size))
+        if not data.startswith(_HEAD):
+            return key, store.read_bytes(key), None
+        if b"\n" in data or probe >= size:
+            return key, None, PartHead.of(data)
+        probe *= 2

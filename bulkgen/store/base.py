@@ -7,13 +7,16 @@ always `PreconditionFailed`, whichever backend holds the bytes.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from bulkgen.store.compose import Source, SpanReader
 
 READ_CHUNK = 1 << 20
 
@@ -169,6 +172,13 @@ class Store(ABC):
     @abstractmethod
     def _download_file(self, key: str, path: Path) -> None:
         """Copy one object to `path` (which the caller replaces atomically)."""
+
+    def compose(self, key: str, spans: Iterable[Source]) -> int:
+        """Write the concatenation of byte ranges of stored objects (and bytes already read) as the object
+        `key`, all or nothing, and return its size: how finalize writes an output file from its parts, the
+        sources consumed as they come. Here the ranges are read and
+        streamed into one upload; S3 copies ranges of 5 MiB and more server-side (S3Store.compose)."""
+        return self.upload_fileobj(check_key(key), io.BufferedReader(SpanReader(self, spans), READ_CHUNK))
 
     def create(self) -> None:
         """Make the storage where that is this program's job (a local folder), at startup only: a running

@@ -17,6 +17,7 @@ import pytest
 
 from tests.cluster.conftest import STORAGE, TERMINAL, Cluster
 from tests.cluster.rig import GCS, HEAD_IP, IP, PORTS, S3_IP
+from tests.support.parts import envelopes
 from tests.support.wait import wait_until
 
 pytestmark = [
@@ -296,8 +297,6 @@ def test_the_head_dies_mid_batch_and_head_and_service_restart_from_storage(clust
     assert not leftover, f"orphaned workers stored {len(leftover)} parts after the finalize: {leftover[:3]}"
     assert all(cluster.rig.procs[f"ray-{n}"].poll() is None for n in "ab"), "the orphans' raylets ended early"
     final = {json.dumps(x, sort_keys=True) for x in out}
-    kept = [
-        json.loads(raw)["envelope"] for data in at_kill.values() for raw in data.splitlines() if raw.strip()
-    ]
+    kept = envelopes(at_kill)
     assert kept and all(json.dumps(e, sort_keys=True) in final for e in kept)  # stored work kept, not redone
     assert len(cluster.keys(f"parts/{batch_id}/runner-")) == 2  # the restarted service's runner took it over

@@ -12,12 +12,12 @@ import json
 import sys
 
 from bulkgen.engine.process_memory import peak_rss, reset_peak_rss
-from bulkgen.runtime import parts
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.settings import ImageSettings
 from bulkgen.store import LocalStore
 from tests.runtime.test_worker import _drain
 from tests.runtime.test_worker_images import VLM, _stored
+from tests.support.parts import stored_entries
 
 
 def main(model: str, rows_path: str, root: str, budget_mib: int) -> dict:
@@ -38,12 +38,9 @@ def main(model: str, rows_path: str, root: str, budget_mib: int) -> dict:
     outcomes = _drain(worker, len(ranges), timeout=600)
     peak = peak_rss()
     lines = {}
-    for key, _, _ in parts.iter_parts(store, "batch_mem"):
-        for entry in map(json.loads, store.iter_lines(key)):
-            error = None if entry["ok"] else entry["envelope"]["response"]["body"]["error"]
-            lines[entry["line"]] = (
-                "ok" if error is None else [error["code"], error["param"], error["message"]]
-            )
+    for entry in stored_entries(store, "batch_mem").values():
+        error = None if entry["ok"] else entry["envelope"]["response"]["body"]["error"]
+        lines[entry["line"]] = "ok" if error is None else [error["code"], error["param"], error["message"]]
     gc.collect()
     budget = getattr(worker, "image_budget", None)
     return {

@@ -16,6 +16,7 @@ import ray
 from bulkgen.runtime.pool import NAMESPACE
 from bulkgen.store import LocalStore
 from tests.support.held_engine import HOLD
+from tests.support.parts import envelopes
 from tests.support.service import completion_row, read_lines, upload, wait_done, wait_for, write_jsonl
 from tests.support.wait import wait_until
 
@@ -58,9 +59,7 @@ def _assert_kept(client, batch, before: dict[str, bytes]) -> None:
         json.dumps(line, sort_keys=True)
         for line in read_lines(client, batch.output_file_id) + read_lines(client, batch.error_file_id)
     }
-    kept = [
-        json.loads(raw)["envelope"] for data in before.values() for raw in data.splitlines() if raw.strip()
-    ]
+    kept = envelopes(before)
     assert kept and all(json.dumps(e, sort_keys=True) in final for e in kept)
 
 

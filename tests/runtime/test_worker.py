@@ -17,6 +17,7 @@ from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
 from bulkgen.store import LocalStore
 from tests.support.clock import FakeClock
 from tests.support.held_engine import HOLD
+from tests.support.parts import merged, stored_entries
 from tests.support.service import MODEL, completion_row, random_model
 from tests.support.wait import wait_until
 
@@ -45,13 +46,7 @@ def _drain(worker: EngineWorker, ranges: int, timeout: float = 90) -> list[Range
 
 
 def _lines(store, batch_id: str) -> dict[int, dict]:
-    out = {}
-    for key, _, _ in parts.iter_parts(store, batch_id):
-        for raw in store.iter_lines(key):
-            e = json.loads(raw)
-            assert e["line"] not in out
-            out[e["line"]] = e
-    return out
+    return stored_entries(store, batch_id)
 
 
 def test_ranges_become_parts_with_one_entry_per_line(tmp_path):
@@ -192,10 +187,10 @@ def test_merge_keeps_one_line_per_request_in_input_order(tmp_path):
     parts.write_part(store, "b", 5, 8, [e(5, "x"), e(8, "x")])
     parts.write_part(store, "b", 1, 4, [e(1, "x"), e(2, "x"), e(4, "x")])
     parts.write_part(store, "b", 1, 2, [e(1, "retry"), e(2, "retry")])  # a retried half: a duplicate
-    out, err, tally = parts.merge_parts(store, "b")
-    lines = [json.loads(x) for x in out.read().splitlines()]
+    out, err, tally = merged(store, "b")
+    lines = [json.loads(x) for x in out.splitlines()]
     assert [x["custom_id"] for x in lines] == ["c1", "c2", "c4", "c5", "c8"]
-    assert tally.completed == 5 and tally.input_tokens == 5 and err.read() == b""
+    assert tally.completed == 5 and tally.input_tokens == 5 and err == b""
 
 
 def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_path):
@@ -205,8 +200,8 @@ def test_a_part_keeps_each_output_line_as_encoded_and_the_merge_copies_it(tmp_pa
     assert parts.PartEntry.decode(entry.encode()) == entry
     assert json.loads(entry.encode()) == {"line": 7, "ok": True, "usage": [3, 2, 1], "envelope": envelope}
     parts.write_part(store, "b", 7, 7, [entry])
-    out, err, tally = parts.merge_parts(store, "b")
-    assert out.read() == json_line(envelope) and err.read() == b""
+    out, err, tally = merged(store, "b")
+    assert out == json_line(envelope) and err == b""
     assert (tally.completed, tally.input_tokens, tally.output_tokens, tally.cached_tokens) == (1, 3, 2, 1)
 
 

@@ -21,6 +21,7 @@ from bulkgen.runtime.workqueue import QueuedBatch, make_ranges
 from bulkgen.store import LocalStore
 from tests.runtime.test_worker import _drain
 from tests.support.images import data_url, image_bytes, png_url
+from tests.support.parts import stored_entries
 from tests.support.service import chat_row
 
 VLM = "tiny-vlm"
@@ -81,9 +82,7 @@ def test_image_lines_run_and_a_bad_image_is_its_lines_400(worker, tmp_path):
     worker.assign(job, ranges)
     (outcome,) = _drain(worker, 1)
     assert outcome.error is None
-    entries = {}
-    for key, _, _ in parts.iter_parts(store, "batch_v"):
-        entries.update({e["line"]: e for e in map(json.loads, store.iter_lines(key))})
+    entries = stored_entries(store, "batch_v")
     assert entries[1]["ok"] and entries[3]["ok"] and entries[1]["usage"][1] == 3
     assert entries[1]["usage"][0] > entries[3]["usage"][0]  # the image's placeholder tokens are prompt tokens
     error = entries[2]["envelope"]["response"]["body"]["error"]
@@ -113,9 +112,7 @@ def test_lines_decode_within_the_image_budget_and_give_it_back(worker, tmp_path)
     job, ranges = _stored(store, "batch_b", rows)
     worker.assign(job, ranges)
     assert [o.error for o in _drain(worker, len(ranges))] == [None] * len(ranges)
-    entries = {}
-    for key, _, _ in parts.iter_parts(store, "batch_b"):
-        entries.update({e["line"]: e for e in map(json.loads, store.iter_lines(key))})
+    entries = stored_entries(store, "batch_b")
     assert sorted(entries) == list(range(1, 8)) and all(e["ok"] for e in entries.values())
     gc.collect()
     assert 0 < budget.peak <= budget.total and budget.used == 0

@@ -39,6 +39,9 @@ ANSWERS = {
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "host"}
 
 
+RANGED_HEADERS = ("range", "x-amz-copy-source", "x-amz-copy-source-range")
+
+
 class FlakyProxy:
     """A real HTTP hop in front of moto: fails the first requests as told by `fail`, then forwards.
 
@@ -56,6 +59,8 @@ class FlakyProxy:
         self.delay_s = 0.0
         self.random = random.Random(1234)
         self.log: list[tuple[str, str, int]] = []
+        self.ranged: list[tuple[str, str, dict]] = []  # (method, path, RANGED_HEADERS it carries) of each
+        # request that carries one (a ranged GET, a copy): which bytes it read or copied
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -95,6 +100,8 @@ class FlakyProxy:
 
             def _serve(self) -> None:
                 time.sleep(proxy.delay_s)
+                if found := {h: self.headers[h] for h in RANGED_HEADERS if h in self.headers}:
+                    proxy.ranged.append((self.command, self.path, found))
                 failure = proxy._next_failure()
                 if failure == "drop":
                     proxy.log.append((self.command, self.path, 0))
