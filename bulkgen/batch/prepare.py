@@ -16,6 +16,7 @@ from typing import Any
 from bulkgen.batch.embeddings import EMBEDDINGS, fit_input
 from bulkgen.batch.reasoning import opens_reasoning, reasoning_parser
 from bulkgen.batch.requests import RESPONSES, LineError, ParsedRequest
+from bulkgen.batch.thinking_budget import gate_reasoning
 from bulkgen.batch.tools import forced_guide, tool_format
 
 
@@ -105,6 +106,14 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
     if request.reasoning_parser is None:  # no --reasoning-parser for the model: what its template teaches
         request.reasoning_parser = reasoning_parser(template, tokenizer)
     request.reasoning_open = opens_reasoning(prompt)
+    gate_reasoning(
+        request.sampling,
+        request.reasoning_parser,
+        request.reasoning_open,
+        prompt,
+        request.thinking_budget,
+        tokenizer,
+    )
     return prompt
 
 
