@@ -546,6 +546,8 @@ class EngineWorker(EngineLoop, PartWriter):
         if request.messages is not None:  # chat and responses lines: their output is read for reasoning
             request.reasoning_parser = batch.reasoning_parser  # None: render_chat reads the template's
             request.template_kwargs = {**batch.template_options, **request.template_kwargs}  # the line's win
+            if request.thinking_budget is None:
+                request.thinking_budget = batch.thinking_budget
         request.lora = pick_adapter(request.model, batch.model, batch.loras)
         if request.lora is not None:
             self._load_lora(request.lora, batch.loras[request.lora])

@@ -69,6 +69,7 @@ class QueuedBatch:
     reasoning_parser: str | None = None  # --reasoning-parser for the model; None: what its template teaches
     template_options: dict = field(default_factory=dict)  # --chat-template-kwargs for the model: chat lines'
     # template options where they set none
+    thinking_budget: int | None = None  # --thinking-token-budget for the model: where a line sets none
 
     @property
     def model_key(self) -> str:

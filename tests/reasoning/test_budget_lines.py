@@ -111,3 +111,17 @@ def test_budget_through_run_on_chat_and_responses(tmp_path):
     assert items["reasoning"]["content"][0]["text"] == two
     assert items["message"]["content"][0]["text"] == choice["message"]["content"]
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == spent
+
+    own = {**chat, "custom_id": "own", "body": QWEN3.body("think", thinking_token_budget=1000)}
+    flagged = run_bodies(
+        tmp_path,
+        "flag",
+        [{**rows[1], "custom_id": "model's"}, own],
+        *flags,
+        "--thinking-token-budget",
+        f"{QWEN3.model}=2",
+    )
+    assert (
+        flagged["model's"]["choices"] == bodies["chat"]["choices"]
+    )  # the model's budget, where a line sets none
+    assert flagged["own"]["choices"] == bodies["free"]["choices"]  # the line's own budget wins
