@@ -7,19 +7,20 @@ script from that position: the tokens expected are the script's, with the forced
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from bulkgen.engine import SamplingParams, engine_class
 from bulkgen.engine.guide import Guide
 from bulkgen.engine.reasoning_gate import ReasoningSpec
-from tests.support.reasoning import DEEPSEEK_R1, QWEN3, build_family
+from tests.support.reasoning import DEEPSEEK_R1, GPT_OSS, QWEN3, build_family
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("scripted")
-    return {f.name: build_family(root, f) for f in (QWEN3, DEEPSEEK_R1)}
+    return {f.name: build_family(root, f) for f in (QWEN3, DEEPSEEK_R1, GPT_OSS)}
 
 
 def _spec(tok, opened: bool, budget: int | None) -> ReasoningSpec:
@@ -59,6 +60,21 @@ def test_a_budget_counts_from_a_generated_think(paths, overlap):
     forced = list(spec.end_ids + spec.answer_ids)
     assert got == script[: opened + 2] + forced + script[opened + 2 + len(forced) :]
     assert reason == "stop"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_budget_cuts_harmony_analysis_into_the_final_channel(paths, overlap):
+    tok = GPT_OSS.tokenizer()
+    ids = lambda text: tuple(tok.encode(text, add_special_tokens=False))  # noqa: E731
+    final = ids("<|start|>assistant<|channel|>final<|message|>")
+    spec = ReasoningSpec(ids("<|channel|>analysis<|message|>"), ids("<|end|>"), final, False, 1)
+    got, reason, script = _generate(paths["gpt_oss"], GPT_OSS, overlap, reasoning=spec)
+    opened = len(spec.open_ids)  # the script opens the analysis channel at once
+    forced = list(spec.end_ids + final)
+    assert got == script[: opened + 1] + forced + script[opened + 1 + len(forced) :]
+    assert reason == "stop"
+    free, _, _ = _generate(paths["gpt_oss"], GPT_OSS, overlap, reasoning=replace(spec, budget=1000))
+    assert free == script
 
 
 @pytest.mark.parametrize("overlap", [False, True])
