@@ -72,14 +72,16 @@ class GrammarRuntime:
         parallel threads (the GIL is released), on the host; `unpacked`: as [len, vocab] bool instead
         (for a CPU engine, whose mask thread then does the unpacking too)."""
         bitmask = self._llt.allocate_token_bitmask(len(matchers), self.vocab_size)
-        grammars = []
+        grammars, gates = [], []
         for i, m in enumerate(matchers):
             if isinstance(m, ReasoningGate):
+                gates.append((i, m))
                 m = _gate_row(m, bitmask[i])
             if m is not None:
                 grammars.append((m, i))
         if grammars:
             self._llt.fill_next_token_bitmask_par(self.executor, grammars, bitmask)
+        _open_bits(gates, bitmask)
         return unpack(bitmask, self.vocab_size) if unpacked else bitmask
 
     @staticmethod
@@ -108,6 +110,15 @@ def _gate_row(gate: ReasoningGate, row: torch.Tensor):
     if gate.grammar() is None:
         row.fill_(-1)
     return gate.grammar()
+
+
+def _open_bits(gates: list[tuple[int, ReasoningGate]], bitmask: torch.Tensor) -> None:
+    """Let each gate's opening token through beside its grammar's mask (ReasoningGate.opening_token)."""
+    for i, gate in gates:
+        token = gate.opening_token()
+        if token is not None:
+            word = int(bitmask[i, token // 32]) & 0xFFFFFFFF | (1 << (token % 32))
+            bitmask[i, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
 
 _POW2: dict[torch.device, torch.Tensor] = {}

@@ -59,8 +59,15 @@ class ReasoningGate:
         return None
 
     def grammar(self):
-        """The matcher that masks the next token now: the inner one once the answer has begun."""
-        return self.inner if self.phase == _ANSWER else None
+        """The matcher that masks the next token now: the inner one once the answer has begun, and at the
+        first token, where the model may answer at once instead of opening its reasoning (opening_token)."""
+        return self.inner if self.phase == _ANSWER or self.opening_token() is not None else None
+
+    def opening_token(self) -> int | None:
+        """The open sequence's first token, allowed beside the grammar's own at the output's first token (a
+        grammar's line whose model answers without reasoning is constrained from its first token)."""
+        first = self.phase == _BEFORE and not self._recent and self.inner is not None
+        return self.spec.open_ids[0] if first else None
 
     def consume_token(self, token: int) -> bool:
         if self.phase == _ANSWER:
@@ -75,6 +82,9 @@ class ReasoningGate:
             if not self.forced:
                 self.phase = _ANSWER
             return True
+        if self.opening_token() not in (None, token):  # an answer from the first token: the grammar's
+            self.phase = _ANSWER
+            return self.inner.consume_token(token)
         self._recent = (self._recent + [token])[-max(len(self.spec.open_ids), len(self.spec.end_ids)) :]
         if self.phase == _BEFORE:
             if self._ends_with(self.spec.open_ids):

@@ -114,3 +114,25 @@ def test_invalid_budgets_are_refused():
     for bad in (-1, True):
         with pytest.raises(ValueError, match="thinking_token_budget"):
             ReasoningSpec((1,), (2,), (), False, bad)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_applies_from_the_first_token_of_an_answer_without_reasoning(paths, overlap):
+    tok = QWEN3.tokenizer()
+    engine = engine_class().from_pretrained(str(paths["qwen3"]), async_scheduling=overlap)
+    case = QWEN3.cases["no_think"]  # its script answers at once, no `<think>`
+    schema = {
+        "type": "object",
+        "properties": {"a": {"enum": [1, 2]}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=50,
+        temperature=0,
+        reasoning=_spec(tok, False, 5),
+        guide=Guide("json_schema", json.dumps(schema)),
+    )
+    choice = engine.generate([QWEN3.prompt_ids(case)], params)[0].outputs[0]
+    assert json.loads(tok.decode(choice.token_ids, skip_special_tokens=True))["a"] in (1, 2)
+    assert choice.finish_reason == "stop"
