@@ -125,3 +125,12 @@ def test_budget_through_run_on_chat_and_responses(tmp_path):
         flagged["model's"]["choices"] == bodies["chat"]["choices"]
     )  # the model's budget, where a line sets none
     assert flagged["own"]["choices"] == bodies["free"]["choices"]  # the line's own budget wins
+
+
+def test_the_model_flag_reads_budgets_and_refuses_bad_ones():
+    from bulkgen.models.registry import EVERY_MODEL, parse_thinking_budgets
+
+    assert parse_thinking_budgets(["r1=512", "0"]) == {"r1": 512, EVERY_MODEL: 0}
+    for bad in ("-1", "r1=many", "r1=2.5"):
+        with pytest.raises(ValueError, match="--thinking-token-budget"):
+            parse_thinking_budgets([bad])
