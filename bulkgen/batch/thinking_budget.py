@@ -3,8 +3,8 @@
 With a reasoning parser on (bulkgen.batch.reasoning), a request that has a budget or a grammar (response_format,
 a forced tool call) runs under the engine's reasoning gate (bulkgen.engine.reasoning_gate): the budget forces
 the family's end of reasoning, and the grammar constrains only the answer after it. Without a parser (none
-taught by the template, or `--reasoning-parser NAME=none`) a budget is accepted and ignored, as vLLM does
-when no reasoning parser is configured; the grammar then applies from the first token, as before.
+taught by the template, or `--reasoning-parser NAME=none`) a budget is accepted and ignored (vLLM's acts only
+where its reasoning config names start and end tokens); the grammar then applies from the first token.
 """
 
 from __future__ import annotations
