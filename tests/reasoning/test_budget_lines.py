@@ -126,6 +126,10 @@ def test_budget_through_run_on_chat_and_responses(tmp_path):
     )  # the model's budget, where a line sets none
     assert flagged["own"]["choices"] == bodies["free"]["choices"]  # the line's own budget wins
 
+    unread = run_bodies(tmp_path, "none", [rows[0]], *flags, "--reasoning-parser", "none")["chat"]
+    text = tok.decode(script, skip_special_tokens=True)  # no parser: the budget is accepted and ignored
+    assert unread["choices"][0]["message"]["content"] == text
+
 
 def test_the_model_flag_reads_budgets_and_refuses_bad_ones():
     from bulkgen.models.registry import EVERY_MODEL, parse_thinking_budgets
