@@ -23,6 +23,7 @@ from bulkgen.models.registry import (
     parse_reasoning_parsers,
     parse_template_options,
     parse_tensor_parallel,
+    parse_thinking_budgets,
     parse_tool_parsers,
 )
 from bulkgen.tenants import DEFAULT_TENANT, check_tenant, check_weight
@@ -367,6 +368,14 @@ class WorkerSettings:
         "'qwen={\"enable_thinking\": false}': each option a line's own chat_template_kwargs does not set. "
         "JSON sets every model, NAME=JSON the model served as NAME (repeatable; wins over JSON).",
     )
+    # model name -> the thinking_token_budget its chat and responses lines get where they set none
+    thinking_budgets: dict[str, int] = _per_model(
+        "--thinking-token-budget N|NAME=N",
+        parse_thinking_budgets,
+        "Reasoning tokens a reasoning model's chat and responses lines may spend before the engine forces the "
+        "end of their reasoning, where a line sets no thinking_token_budget of its own. N sets every model, "
+        "NAME=N the model served as NAME (repeatable; wins over N); default: no budget (docs/reasoning.md).",
+    )
     images: ImageSettings = setting(factory=ImageSettings)  # validation reads them too (BatchService)
     # a worker that leaves a poll (answered within 0.5 s) unanswered this long is presumed lost (node dead or
     # cut off): its ranges go elsewhere
@@ -423,6 +432,10 @@ class WorkerSettings:
     def template_options_of(self, model: str) -> dict:
         """The chat template options `--chat-template-kwargs` sets for `model`."""
         return self.template_options.get(model, self.template_options.get(EVERY_MODEL, {}))
+
+    def thinking_budget_of(self, model: str) -> int | None:
+        """The thinking budget `--thinking-token-budget` sets for `model`; None: none."""
+        return self.thinking_budgets.get(model, self.thinking_budgets.get(EVERY_MODEL))
 
     def ranks_of(self, model: str) -> int:
         """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""
@@ -572,7 +585,13 @@ class Settings:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        for name in ("tensor_parallel", "reasoning_parsers", "tool_parsers", "template_options"):
+        for name in (
+            "tensor_parallel",
+            "reasoning_parsers",
+            "tool_parsers",
+            "template_options",
+            "thinking_budgets",
+        ):
             per_model = getattr(self.workers, name)
             unknown = sorted(set(per_model) - set(self.models) - {EVERY_MODEL})
             if unknown:

@@ -120,8 +120,9 @@ BODY_FIELDS = {
 # vLLM's extensions to the two requests (not OpenAI fields, so not in BODY_FIELDS, which is the spec): honoured
 # as vLLM honours them (sampling: bulkgen.batch.sampling; chat_template_kwargs: bulkgen.batch.messages).
 EXTENSIONS = {
-    CHAT: {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"},
+    CHAT: {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "thinking_token_budget"},
     COMPLETIONS: {"top_k", "min_p", "repetition_penalty"},
+    RESPONSES: {"thinking_token_budget"},
 }
 
 

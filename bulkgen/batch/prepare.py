@@ -17,6 +17,7 @@ from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.reasoning import opens_reasoning, reasoning_parser
 from bulkgen.batch.requests import LineError, ParsedRequest
 from bulkgen.batch.special_tokens import special_tokens
+from bulkgen.batch.thinking_budget import gate_reasoning
 from bulkgen.batch.tools import forced_guide, tool_format
 
 
@@ -107,6 +108,14 @@ def render_chat(request: ParsedRequest, tokenizer) -> str:
     if request.reasoning_parser is None:  # no --reasoning-parser for the model: what its template teaches
         request.reasoning_parser = reasoning_parser(template, tokenizer)
     request.reasoning_open = opens_reasoning(prompt)
+    gate_reasoning(
+        request.sampling,
+        request.reasoning_parser,
+        request.reasoning_open,
+        prompt,
+        request.thinking_budget,
+        tokenizer,
+    )
     return prompt
 
 

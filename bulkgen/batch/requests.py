@@ -23,6 +23,7 @@ from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.images import ImageRef
 from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
 from bulkgen.batch.schema import check_endpoint, quote, versioned
+from bulkgen.batch.thinking_budget import thinking_budget
 
 __all__ = [
     "CHAT",
@@ -174,6 +175,7 @@ class ParsedRequest:
     tool_format: str | None = None  # set by prepare.tokenize from the chat template: parse calls
     reasoning_parser: str | None = None  # how to read reasoning out of the output (bulkgen.batch.reasoning):
     # the model's --reasoning-parser (set by the worker), else what prepare.render_chat reads in the template
+    thinking_budget: int | None = None  # body.thinking_token_budget (bulkgen.batch.thinking_budget)
     reasoning_open: bool = False  # the rendered prompt left `<think>` open: the output starts in reasoning
     forced_tool: str | None = None  # a forced call: "*" (tool_choice required) or the function's
     # name; its grammar is sampling["guide"]
@@ -247,6 +249,7 @@ def _parse_body(line: RequestLine) -> ParsedRequest:
     body, endpoint = line.body, line.url
     _refuse_unknown(body, BODY_FIELDS[endpoint] | EXTENSIONS.get(endpoint, set()), "body.")
     request = ParsedRequest(line.custom_id, line.line, line.model, endpoint)
+    request.thinking_budget = thinking_budget(body)
     return ENDPOINTS[endpoint].parse(body, request)
 
 

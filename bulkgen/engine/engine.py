@@ -273,11 +273,11 @@ class Engine(OverlappedSteps):
         request.seqs = [Sequence(next(self._seq_ids), request, i, max_tokens) for i in range(count)]
         for seq in request.seqs:
             seq.pools_every_position = seq.pools and self.pooling.method != "last"
-        if params.guide is not None:
+        if params.constrained:
             for seq in request.seqs:  # one matcher per completion
-                seq.matcher = self.grammars.matcher(params.guide)
+                seq.matcher = self.grammars.matcher(params.guide, params.reasoning)
             self._guided.add(request_id)
-        if params.guide is not None or params.adjusts_logits:
+        if params.constrained or params.adjusts_logits:
             self._host_bound.add(request_id)
         for seq in request.seqs:
             self.scheduler.add(seq)

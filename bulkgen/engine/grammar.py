@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .guide import GrammarError, Guide, grammar
+from .reasoning_gate import ReasoningGate, ReasoningSpec
 from .schema_compiler import LIMITS, reason
 
 
@@ -48,9 +49,14 @@ class GrammarRuntime:
         # waking threads than filling on small batches, and competes with the forward's own threads.
         self.executor = llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)))
 
-    def matcher(self, guide: Guide):
+    def matcher(self, guide: Guide | None, reasoning: ReasoningSpec | None = None):
         """A fresh matcher at the start of the document; one per sequence (n > 1 gets one each): a copy
-        of the guide's pristine matcher (100x cheaper than parsing the grammar again)."""
+        of the guide's pristine matcher (100x cheaper than parsing the grammar again). With `reasoning`,
+        a ReasoningGate in front of it (reasoning_gate.py): the grammar applies from the answer on."""
+        inner = None if guide is None else self._guide_matcher(guide)
+        return inner if reasoning is None else ReasoningGate(reasoning, inner)
+
+    def _guide_matcher(self, guide: Guide):
         pristine = self._pristine.get(guide)
         if pristine is None:
             pristine = self._ll.LLMatcher(self.tokenizer, grammar(guide), limits=self._limits, log_level=0)
@@ -66,9 +72,16 @@ class GrammarRuntime:
         parallel threads (the GIL is released), on the host; `unpacked`: as [len, vocab] bool instead
         (for a CPU engine, whose mask thread then does the unpacking too)."""
         bitmask = self._llt.allocate_token_bitmask(len(matchers), self.vocab_size)
-        self._llt.fill_next_token_bitmask_par(
-            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
-        )
+        grammars, gates = [], []
+        for i, m in enumerate(matchers):
+            if isinstance(m, ReasoningGate):
+                gates.append((i, m))
+                m = _gate_row(m, bitmask[i])
+            if m is not None:
+                grammars.append((m, i))
+        if grammars:
+            self._llt.fill_next_token_bitmask_par(self.executor, grammars, bitmask)
+        _open_bits(gates, bitmask)
         return unpack(bitmask, self.vocab_size) if unpacked else bitmask
 
     @staticmethod
@@ -84,6 +97,28 @@ class GrammarRuntime:
         if not matcher.is_error():
             return ""
         return f"the schema's grammar failed during decoding: {reason(matcher.get_error())}"
+
+
+def _gate_row(gate: ReasoningGate, row: torch.Tensor):
+    """Fill `row` for a gate that decides it alone (every token, or its one forced token); the grammar
+    matcher that fills it otherwise."""
+    forced = gate.forced_token()
+    if forced is not None:
+        row.zero_()
+        row[forced // 32] = (1 << (forced % 32)) - (1 << 32 if forced % 32 == 31 else 0)
+        return None
+    if gate.grammar() is None:
+        row.fill_(-1)
+    return gate.grammar()
+
+
+def _open_bits(gates: list[tuple[int, ReasoningGate]], bitmask: torch.Tensor) -> None:
+    """Let each gate's opening token through beside its grammar's mask (ReasoningGate.opening_token)."""
+    for i, gate in gates:
+        token = gate.opening_token()
+        if token is not None:
+            word = int(bitmask[i, token // 32]) & 0xFFFFFFFF | (1 << (token % 32))
+            bitmask[i, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
 
 
 _POW2: dict[torch.device, torch.Tensor] = {}

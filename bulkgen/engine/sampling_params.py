@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from .guide import GrammarError, Guide, check
+from .reasoning_gate import ReasoningSpec
 
 GREEDY_TEMPERATURE = (
     1e-5  # smaller temperatures sample the argmax anyway, and near 1e-38 1/T overflows to NaN
@@ -24,7 +25,8 @@ class SamplingParams:
     negative int64 seed is its two's complement. `max_tokens` 0 generates nothing. Penalties count this
     completion's output tokens only (OpenAI's definition); `logit_bias` maps token ids to additive biases.
     `prompt_logprobs` asks for the logprob (and top-k) of every prompt token after the first. `guide`
-    constrains the output to JSON (any object, or a schema's documents; see grammar.py).
+    constrains the output to JSON (any object, or a schema's documents; see grammar.py); with `reasoning`,
+    only the answer after the reasoning, which may have a token budget (reasoning_gate.py).
     `top_k` 0 keeps every token; `min_p` drops tokens whose probability (after temperature) is below
     min_p times the most likely token's (0: off); `repetition_penalty` divides the positive logits and
     multiplies the negative ones of every token seen in the prompt or the output (1: off; vLLM's and
@@ -48,6 +50,7 @@ class SamplingParams:
     best_of: int | None = None
     prompt_logprobs: int | None = None
     guide: Guide | None = None
+    reasoning: ReasoningSpec | None = None  # a thinking budget, and `guide` only after the reasoning
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +60,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_p == 0
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a matcher masks this request's tokens (a grammar, a reasoning gate, or both)."""
+        return self.guide is not None or self.reasoning is not None
 
     @property
     def adjusts_logits(self) -> bool:

@@ -59,6 +59,18 @@ def parse_template_options(specs: tuple[str, ...] | list[str]) -> dict[str, dict
     return _per_model("--chat-template-kwargs", specs, _json_object, "JSON or NAME=JSON", named=_named_json)
 
 
+def parse_thinking_budgets(specs: tuple[str, ...] | list[str]) -> dict[str, int]:
+    """`--thinking-token-budget` values: `N` (every model) or `NAME=N`, as parse_tensor_parallel reads its own;
+    N a non-negative integer (a line's own thinking_token_budget wins)."""
+    return _per_model("--thinking-token-budget", specs, _budget, "N or NAME=N, e.g. r1=512")
+
+
+def _budget(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError("the budget must be a whole number of tokens, 0 or more")
+    return int(value)
+
+
 REASONING_PARSERS = ("auto", "think", "harmony", "none")  # auto: what the chat template teaches
 # auto: the format the chat template teaches (bulkgen.batch.tools.FORMATS); none: calls stay content
 TOOL_PARSERS = (

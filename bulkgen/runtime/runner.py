@@ -153,6 +153,7 @@ class BatchRunner:
             self.svc.settings.workers.reasoning_parser_of(record.model),
             self.svc.settings.workers.template_options_of(record.model),
             self.svc.settings.workers.tool_parser_of(record.model),
+            self.svc.settings.workers.thinking_budget_of(record.model),
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)

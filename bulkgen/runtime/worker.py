@@ -550,6 +550,8 @@ class EngineWorker(EngineLoop, PartWriter):
             request.template_kwargs = {**batch.template_options, **request.template_kwargs}  # the line's win
             if request.tools:
                 request.tool_format = batch.tool_parser  # None: render_chat reads the template's
+            if request.thinking_budget is None:
+                request.thinking_budget = batch.thinking_budget
         request.lora = pick_adapter(request.model, batch.model, batch.loras)
         if request.lora is not None:
             self._load_lora(request.lora, batch.loras[request.lora])

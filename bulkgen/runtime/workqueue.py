@@ -70,6 +70,7 @@ class QueuedBatch:
     template_options: dict = field(default_factory=dict)  # --chat-template-kwargs for the model: chat lines'
     # template options where they set none
     tool_parser: str | None = None  # --tool-parser for the model; None: what its template teaches
+    thinking_budget: int | None = None  # --thinking-token-budget for the model: where a line sets none
 
     @property
     def model_key(self) -> str:

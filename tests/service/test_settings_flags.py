@@ -22,7 +22,7 @@ SHARED_FLAGS = {
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--model-load-deadline", "--model-load-seconds-per-gb",
     "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
-    "--quantize", "--kv-cache-dtype", "--generation-config", "--tensor-parallel", "--reasoning-parser", "--tool-parser", "--chat-template-kwargs", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
+    "--quantize", "--kv-cache-dtype", "--generation-config", "--tensor-parallel", "--reasoning-parser", "--tool-parser", "--chat-template-kwargs", "--thinking-token-budget", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
     "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads", "--image-memory-mb",
 }  # fmt: skip
 SERVE_ONLY = {"--refuse-infeasible"}
