@@ -28,7 +28,6 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,6 +60,7 @@ from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
+from .step_features import StepFeature
 from .stopping import check_stop, completion_text
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SchedulerFactory = Callable[[EngineConfig, BlockManager], Scheduler]
+SchedulerFactory = Callable[[EngineConfig, BlockManager, StepFeature], Scheduler]
 
 
 class Engine(OverlappedSteps):
@@ -105,11 +105,7 @@ class Engine(OverlappedSteps):
                 "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
             )
         self.runner = ModelRunner(model, self.config, self.max_model_len, vision)
-        if self.runner.states is not None and self.config.enable_prefix_caching:
-            log.info(
-                "prefix caching is off: a hybrid model's recurrent state cannot be rebuilt from cached blocks"
-            )
-            self.config = replace(self.config, enable_prefix_caching=False)
+        self.config = self.runner.states.configure(self.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # generation_config.json's sampling defaults, for requests that set none (sampling_params)
         self.sampling_defaults = (
@@ -147,10 +143,8 @@ class Engine(OverlappedSteps):
             self.config.enable_prefix_caching,
             self.runner.layout.kinds,
         )
-        self.scheduler = self._make_scheduler(self.config, self.block_manager)
-        if self.runner.states is not None:
-            self.runner.states.reset()
-            self.scheduler.states = self.runner.states
+        self.runner.states.reset()
+        self.scheduler = self._make_scheduler(self.config, self.block_manager, self.runner.states)
 
     @classmethod
     def from_pretrained(
@@ -680,8 +674,7 @@ class Engine(OverlappedSteps):
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op for a single-process engine)."""
-        if self.runner.tp is not None:
-            self.runner.tp.close()
+        self.runner.tp.close()
 
     @property
     def accepts_images(self) -> bool:

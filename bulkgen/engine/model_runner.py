@@ -17,23 +17,15 @@ from .attention import LayerCaches, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
-from .hybrid_layers import (
-    CHECKED_MIXERS,
-    StateStep,
-    attention_layers,
-    find_mixers,
-    probe_states,
-    state_scope,
-    wrap_mixers,
-)
+from .hybrid_layers import check_supported, state_slots
 from .image_blocks import route, step_blocks
 from .kv_layout import KVLayout
-from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
+from .layer_attention import describe, probe_layers
 from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
-from .state_slots import StatePool
+from .step_features import SingleRank
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -108,10 +100,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.tp = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup of a sharded model
-        if self.tp is not None and self.tp.rank == 0:
-            self.tp.publish_config(config, max_model_len)
-        mixers = _check_supported(model)  # a sharded model's were checked to split (sharding.py)
+        # a sharded model's tensor_parallel.RankGroup; one process's SingleRank (step_features.py)
+        self.tp = getattr(model, "bulkgen_tp", None) or SingleRank()
+        self.tp.publish_config(config, max_model_len)  # rank 0's, for the followers
+        mixers = check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
@@ -122,7 +114,9 @@ class ModelRunner:
             layout.slots,
         )
         self.block_size = config.block_size
-        self.states = self._state_pool(mixers)  # hybrid models' recurrent state: None otherwise
+        # hybrid models' recurrent state (state_slots.StatePool); the no-op step feature otherwise
+        slots = config.num_state_slots or config.max_num_seqs
+        self.states = state_slots(model, mixers, slots, self.device, self.tp)
         attending = [layer for layer in self.layers if layer is not None]
         self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
         if vision is not None and vision.bidirectional:  # steps reaching image blocks run plain
@@ -169,8 +163,8 @@ class ModelRunner:
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
-            states=self.states,
-            agree=None if self.tp is None else self.tp.agree_min,
+            states=self.states.graph_pool,
+            agree=self.tp.agree_min,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
@@ -179,24 +173,8 @@ class ModelRunner:
     def _num_blocks(self, max_model_len: int) -> int:
         block_bytes = self.layout.block_bytes(self.block_size, self.kv_dtype)
         per_seq = self.peak_blocks(max_model_len)
-        reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
-        blocks = kv_cache_blocks(self.config, self.device, block_bytes, per_seq, reserved)
-        return blocks if self.tp is None else self.tp.agree_min(blocks)
-
-    def _state_pool(self, mixers: dict) -> StatePool | None:
-        """Hybrid models: one state slot per running sequence (`num_state_slots`, default `max_num_seqs`),
-        reserved from the cache budget before KV blocks; every layer with attention gets KV blocks."""
-        if not mixers:
-            return None
-        pool = StatePool(
-            probe_states(mixers, self.model.config.hidden_size),
-            self.config.num_state_slots or self.config.max_num_seqs,
-            self.device,
-        )
-        wrap_mixers(mixers, pool)
-        if self.tp is not None:
-            self.tp.states = pool
-        return pool
+        blocks = kv_cache_blocks(self.config, self.device, block_bytes, per_seq, self.states.reserved_bytes)
+        return self.tp.agree_min(blocks)
 
     def peak_blocks(self, num_tokens: int, longest_chunk: int = 0) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout), its chunks
@@ -205,29 +183,27 @@ class ModelRunner:
         return self.layout.peak_blocks(num_tokens, step, self.block_size)
 
     @torch.inference_mode()
-    def run(
-        self,
-        batch: list[tuple[Sequence, int]],
-        pending: torch.Tensor | None = None,
-        graph: tuple[int, int] | None = None,
-    ) -> StepLogits:
+    def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), then for the prompt positions of
         prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
         advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
-        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up.
-        `graph`: a tensor-parallel follower's decode-graph bucket, the one rank 0 chose (its step plan)."""
-        if self.tp is None or self.tp.rank == 0:
-            graph = self._graph_bucket(batch)
-        if self.tp is not None:
-            with self.tp.step(batch, pending, graph):  # the other ranks run this same step
-                return self._run(batch, pending, graph)
-        if self.states is None:
-            return self._run(batch, pending, graph)
-        self.states.begin(batch)
-        step = self._run(batch, pending, graph)
-        self.states.commit(batch)
+        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        graph = self._graph_bucket(batch)
+        with self.tp.step(batch, pending, graph):  # the other ranks run this same step (follow)
+            self.states.begin(batch)
+            step = self._run(batch, pending, graph)
+            self.states.commit(batch)
         return step
+
+    @torch.inference_mode()
+    def follow(
+        self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None, graph: tuple[int, int] | None
+    ) -> StepLogits:
+        """A tensor-parallel follower's step: rank 0's `run`, in the decode-graph bucket rank 0 chose (its step
+        plan). Its sequences are stand-ins carrying rank 0's state slots (plan_codec), held nowhere here."""
+        with self.tp.step(batch, pending, graph):
+            return self._run(batch, pending, graph)
 
     def _graph_bucket(self, batch: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
         """The decode-graph bucket of a step of decodes alone, or None for the packed path: a step with a
@@ -272,8 +248,8 @@ class ModelRunner:
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
-        states, state_slots = self._state_step(ordered, plan.num_prefill)
-        decode_slots = pack.add(state_slots)
+        states, state_rows = self.states.packed(ordered, plan.num_prefill)
+        decode_slots = pack.add(state_rows)
         metas = [
             self.backend.prepare(p, pack, kind) for p, kind in zip(plans, self.layout.kinds, strict=True)
         ]
@@ -292,13 +268,11 @@ class ModelRunner:
         else:  # images spliced in, positions by the model's rule (multimodal.py)
             kwargs = self.vision.inputs(ordered, input_ids, flat[positions], self.embedding)
         kwargs.update(use_cache=False, bulkgen_ctx=ctx)
-        if states is not None:
-            states.decode_slots = flat[decode_slots] if state_slots else None
         with (
             self.loras.scope(segments, len(tokens)),
             attention_scope(self.model),
             _capture_hidden(self.model, step),
-            state_scope(self.states, states),
+            self.states.scope(states, flat, decode_slots),
         ):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
@@ -323,20 +297,6 @@ class ModelRunner:
                     out.append((slot, q_off, q_off + n))
             q_off += n
         return out
-
-    def _state_step(
-        self, ordered: list[tuple[Sequence, int]], num_prefill: int
-    ) -> tuple[StateStep | None, list[int]]:
-        """A hybrid model's StateStep for the packed row (its decode slots still to be read from the
-        upload) and the decodes' slots to upload; (None, []) for a pure transformer."""
-        if self.states is None:
-            return None, []
-        slot, step, q_off = self.states.slot, StateStep(), 0
-        for seq, n in ordered[:num_prefill]:
-            step.prefill.append((q_off, n, slot(seq), seq.num_computed_tokens > 0))
-            q_off += n
-        step.decode_start = q_off
-        return step, [slot(seq) for seq, _ in ordered[num_prefill:]]
 
     def _group_plans(self, plan: StepPlan, ordered: list[tuple[Sequence, int]], on_device) -> list[StepPlan]:
         """Each KV group's view of the step: the plan with that group's block tables."""
@@ -423,23 +383,3 @@ def _capture_hidden(model: torch.nn.Module, step: StepLogits):
         yield
     finally:
         handle.remove()
-
-
-def _check_supported(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The model's recurrent mixers (hybrid_layers.find_mixers; empty for a transformer); refuse models
-    with layers that are neither attention nor a mixer bulkgen has checked: they would mix the sequences
-    of a packed row."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
-    mixers = find_mixers(model)
-    unchecked = sorted({type(m).__name__ for m in mixers.values()} - CHECKED_MIXERS)
-    if unchecked:
-        raise ValueError(
-            f"{type(model).__name__} has recurrent layers {unchecked} that bulkgen has not checked against "
-            f"transformers; it runs {sorted(CHECKED_MIXERS)}"
-        )
-    if other and not set(mixers) | attention_layers(model) >= set(range(len(layer_types))):
-        raise ValueError(
-            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
-        )
-    return mixers

@@ -31,6 +31,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .image_blocks import whole_blocks
 from .sequence import Sequence, SequenceStatus
+from .step_features import NO_FEATURE, StepFeature
 from .waiting import WaitingQueue
 
 PROMPT_LOGIT_ROWS = 1024
@@ -52,13 +53,12 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the queues (waiting, preempted, running); the engine calls schedule() per step."""
 
-    # a hybrid model's state slots (state_slots.StatePool), set by the engine: a running sequence holds
-    # one, so admission stops when slots or blocks run out, whichever first
-    states = None
-
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, features: StepFeature = NO_FEATURE):
+        """`features`: the engine's step feature that holds something per running sequence (a hybrid model's
+        state slots: step_features.py); admission asks it for room, as it asks the block manager."""
         self.config = config
         self.bm = block_manager
+        self.features = features
         self.waiting = WaitingQueue(config.admission)  # fair between tags, then the admission order
         self.preempted: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -160,12 +160,9 @@ class Scheduler:
             skipped = len(cached) * self.bm.block_size if cached else 0
             n = self._prompt_rows(seq, min(len(seq) - skipped, budget))
             n = whole_blocks(seq, skipped, n)
-            if self.states is not None and not self.states.num_free:
+            if not n or not self.features.has_room() or not self.bm.admit(seq, cached, skipped + n):
                 return
-            if not n or not self.bm.admit(seq, cached, skipped + n):
-                return
-            if self.states is not None:
-                self.states.take(seq)
+            self.features.take(seq)
             self._pop_candidate(seq)
             if first is not None:
                 computing.add(first)
@@ -230,10 +227,9 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Give back what `seq` holds: its KV blocks and, in a hybrid model, its state slot."""
+        """Give back what `seq` holds: its KV blocks and what the step feature holds for it."""
         self.bm.release(seq)
-        if self.states is not None:
-            self.states.release(seq)
+        self.features.release(seq)
 
     def recompute(self, seq: Sequence) -> None:
         """Send a running `seq` back to be recomputed from its tokens (a hybrid model's state absorbed a

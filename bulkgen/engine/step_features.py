@@ -1,0 +1,88 @@
+"""The step-feature seam: what the scheduler, the model runner and the overlapped path call on a feature that
+changes what a step is, so that none of them names the feature (issue 47: "the less common the feature, the
+more it should be hidden").
+
+A feature is chosen once, when the runner is built: a hybrid model's state slots are a `StatePool`
+(state_slots.py), a vision-language model's images a `VisionTower` (multimodal.py), a sharded model's ranks
+a `RankGroup` (tensor_parallel.py); a model without one gets the no-op object of this module in its place,
+never an `if` in the step. The hooks are those the step path needs, derived from the branches they replace:
+the scheduler asks `has_room` before admitting and calls `take`/`release` around a sequence's life; the runner
+wraps each forward in `begin`/`commit` and `scope`, hands the packed row's rows to `packed` and the model's
+inputs to `inputs`; the overlapped path calls `on_void` for a sequence whose launched token was corrected late.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from .sequence import Sequence
+
+NO_SCOPE = nullcontext()  # reusable: entering it does nothing
+
+
+class StepFeature:
+    """The seam's hooks, each a no-op: the object a model without the feature holds. A feature overrides
+    the hooks it needs."""
+
+    reserved_bytes = 0  # bytes of the cache budget the feature takes before KV blocks are sized
+    graph_pool = None  # what decode graphs index per sequence (decode_graphs.DecodeGraphs `states`)
+
+    def configure(self, config):
+        """The engine's config as the feature allows it (an EngineConfig)."""
+        return config
+
+    def reset(self) -> None:
+        """Forget every sequence (an engine reset)."""
+
+    def has_room(self) -> bool:
+        """Whether one more sequence may start running."""
+        return True
+
+    def take(self, seq: Sequence) -> None:
+        """An admitted `seq` starts running."""
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` stops running (finish, abort, preemption)."""
+
+    def on_void(self, seq: Sequence, recompute) -> None:
+        """`seq`'s token of an overlapped step was corrected after the next step launched on it; `recompute`
+        sends it back to be computed again from its tokens (Scheduler.recompute)."""
+
+    def begin(self, items: list[tuple[Sequence, int]]) -> None:
+        """Before a step's forward runs its (sequence, new tokens) pairs."""
+
+    def commit(self, items: list[tuple[Sequence, int]]) -> None:
+        """After the forward completed."""
+
+    def packed(self, ordered: list[tuple[Sequence, int]], num_prefill: int) -> tuple[object, list[int]]:
+        """What the forward needs of the packed row, and int rows to upload with the step (none here)."""
+        return None, []
+
+    def scope(self, step, flat: torch.Tensor, uploaded: slice):
+        """A context for the forward, given `packed`'s first value and where its rows landed in `flat`."""
+        return NO_SCOPE
+
+
+class SingleRank:
+    """The rank group of a model on one process: the transport that carries nothing (tensor_parallel.RankGroup
+    is the real one)."""
+
+    rank = 0
+    states = None  # RankGroup's: the state slots rank 0 sends each sequence's slot from
+
+    def publish_config(self, config, max_model_len: int) -> None:
+        """Nothing to tell: no other rank."""
+
+    def agree_min(self, value: int) -> int:
+        return value
+
+    def step(self, batch: list, pending: torch.Tensor | None = None, graph: tuple[int, int] | None = None):
+        return NO_SCOPE
+
+    def close(self) -> None:
+        """No other rank to stop."""
+
+
+NO_FEATURE = StepFeature()
