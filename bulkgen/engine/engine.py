@@ -39,6 +39,7 @@ from .grammar import GrammarRuntime
 from .image_blocks import longest
 from .loading import load_model
 from .lora import LoraError, load_adapter
+from .lora_slots import AdapterRows
 from .model_runner import ModelRunner, StepLogits
 from .multimodal import (
     ImageInputs,
@@ -60,7 +61,7 @@ from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
-from .step_features import StepFeature
+from .step_features import Features, StepFeature
 from .stopping import check_stop, completion_text
 
 if TYPE_CHECKING:
@@ -144,7 +145,8 @@ class Engine(OverlappedSteps):
             self.runner.layout.kinds,
         )
         self.runner.states.reset()
-        self.scheduler = self._make_scheduler(self.config, self.block_manager, self.runner.states)
+        features = Features(self.runner.states, AdapterRows(self.config.max_loras))
+        self.scheduler = self._make_scheduler(self.config, self.block_manager, features)
 
     @classmethod
     def from_pretrained(
@@ -411,9 +413,6 @@ class Engine(OverlappedSteps):
         its sampling queued on the device when `sample`, its prompt logprobs and pooled chunks. Changes no
         sequence but the pooled ones' running sums."""
         self._mark_scheduled(batch.items, now)
-        adapters = {seq.lora for seq, _ in batch.items if seq.lora is not None}
-        if adapters:  # slots are filled before the forward is launched, never inside it
-            self.runner.loras.activate(adapters)
         masks = self._start_masks(batch.items) if sample else None  # on a GPU: filled during the forward
         try:
             step = self.runner.run(batch.items, pending)

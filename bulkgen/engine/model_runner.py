@@ -18,14 +18,13 @@ from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
 from .hybrid_layers import check_supported, state_slots
-from .image_blocks import route, step_blocks
 from .kv_layout import KVLayout
 from .layer_attention import describe, probe_layers
 from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
-from .step_features import SingleRank
+from .step_features import NO_FEATURE, SingleRank
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,9 @@ class ModelRunner:
         pick the attention backend, and capture decode graphs where they run. Kept as one body (just over 50
         lines): each allocation depends on the one before it (layout -> blocks -> caches -> tables -> graphs)."""
         self.model = model
-        self.vision = vision  # a vision-language model's encoder: image embeddings spliced into prefills
+        # the forward's inputs: a vision-language model's encoder splices image embeddings into prefills
+        # (multimodal.VisionTower); a text model's no-op step feature passes token ids and positions
+        self.forward_inputs = vision or NO_FEATURE
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -119,8 +120,7 @@ class ModelRunner:
         self.states = state_slots(model, mixers, slots, self.device, self.tp)
         attending = [layer for layer in self.layers if layer is not None]
         self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
-        if vision is not None and vision.bidirectional:  # steps reaching image blocks run plain
-            self.backend = route(self.backend)
+        self.backend = self.forward_inputs.route(self.backend)
         self.num_blocks = self._num_blocks(max_model_len)
         rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
         k_slots = [
@@ -148,9 +148,7 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
         wanted = self.config.cuda_graphs
-        if not (wanted or (wanted is None and on_cuda)):
-            return None
-        if self.vision is not None and self.vision.mrope:  # the static buffers hold 1-D positions only
+        if not (wanted or (wanted is None and on_cuda)) or not self.forward_inputs.decode_graphs:
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -189,6 +187,7 @@ class ModelRunner:
         prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
         advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
         device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        self.loras.prepare(batch)
         graph = self._graph_bucket(batch)
         with self.tp.step(batch, pending, graph):  # the other ranks run this same step (follow)
             self.states.begin(batch)
@@ -212,7 +211,7 @@ class ModelRunner:
         if self.graphs is None or not batch:
             return None
         for seq, n in batch:
-            if n != 1 or not seq.num_computed_tokens or seq.pools or seq.lora is not None:
+            if n != 1 or not seq.num_computed_tokens or seq.packed_only:
                 return None
         return self.graphs.key([s for s, _ in batch])
 
@@ -224,7 +223,6 @@ class ModelRunner:
         back from the uploaded tensor right below; split apart, those offsets would travel between functions."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
-        segments = self._lora_segments(ordered)
         if graph is not None:  # decodes alone (_graph_bucket); one row per sequence: row = query offset
             logits = self.graphs.run([s for s, _ in ordered], pending, graph)
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
@@ -263,13 +261,10 @@ class ModelRunner:
             slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
-        if self.vision is None:
-            kwargs = dict(input_ids=input_ids[None], position_ids=flat[positions][None])
-        else:  # images spliced in, positions by the model's rule (multimodal.py)
-            kwargs = self.vision.inputs(ordered, input_ids, flat[positions], self.embedding)
+        kwargs = self.forward_inputs.inputs(ordered, input_ids, flat[positions], self.embedding)
         kwargs.update(use_cache=False, bulkgen_ctx=ctx)
         with (
-            self.loras.scope(segments, len(tokens)),
+            self.loras.scope(ordered, len(tokens)),
             attention_scope(self.model),
             _capture_hidden(self.model, step),
             self.states.scope(states, flat, decode_slots),
@@ -280,23 +275,6 @@ class ModelRunner:
             out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
         step.logits = out.logits[0].float()
         return step
-
-    def _lora_segments(self, ordered: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
-        """(slot, first row, end) of each run of packed rows of one adapter; the slots were filled when
-        the step was scheduled (LoraSlots.activate)."""
-        out: list[tuple[int, int, int]] = []
-        if not self.loras.resident:  # no adapter was ever used: no row has one
-            return out
-        q_off, resident = 0, self.loras.resident
-        for seq, n in ordered:
-            if seq.lora is not None:
-                slot = resident[seq.lora.uid]
-                if out and out[-1][0] == slot and out[-1][2] == q_off:
-                    out[-1] = (slot, out[-1][1], q_off + n)
-                else:
-                    out.append((slot, q_off, q_off + n))
-            q_off += n
-        return out
 
     def _group_plans(self, plan: StepPlan, ordered: list[tuple[Sequence, int]], on_device) -> list[StepPlan]:
         """Each KV group's view of the step: the plan with that group's block tables."""
@@ -346,9 +324,8 @@ class ModelRunner:
         adapter when any row has one, so an adapter's rows are one segment of each (lora_slots.py)."""
         prefill = [(s, n) for s, n in batch if not (n == 1 and s.num_computed_tokens > 0)]
         decode = [(s, n) for s, n in batch if n == 1 and s.num_computed_tokens > 0]
-        if self.loras.resident and any(s.lora is not None for s, _ in batch):
-            prefill.sort(key=_adapter_uid)
-            decode.sort(key=_adapter_uid)
+        self.loras.order(prefill)
+        self.loras.order(decode)
         ordered = prefill + decode
         plan = StepPlan(
             [s.num_computed_tokens for s, _ in ordered],
@@ -357,13 +334,8 @@ class ModelRunner:
             len(prefill),
             self.block_size,
         )
-        if self.vision is not None and self.vision.bidirectional:
-            plan.image_blocks = step_blocks(prefill)
+        self.forward_inputs.plan(plan, prefill)
         return ordered, plan
-
-
-def _adapter_uid(item: tuple[Sequence, int]) -> int:
-    return 0 if item[0].lora is None else item[0].lora.uid
 
 
 @contextmanager

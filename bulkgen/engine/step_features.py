@@ -27,7 +27,12 @@ class StepFeature:
     the hooks it needs."""
 
     reserved_bytes = 0  # bytes of the cache budget the feature takes before KV blocks are sized
+    decode_graphs = True  # whether decode steps may replay CUDA graphs (their static buffers: 1-D positions)
     graph_pool = None  # what decode graphs index per sequence (decode_graphs.DecodeGraphs `states`)
+
+    def route(self, backend):
+        """The attention backend the feature's steps run on (an attn_backends backend)."""
+        return backend
 
     def configure(self, config):
         """The engine's config as the feature allows it (an EngineConfig)."""
@@ -38,6 +43,10 @@ class StepFeature:
 
     def has_room(self) -> bool:
         """Whether one more sequence may start running."""
+        return True
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may run beside the sequences running now (when not, admission tries another)."""
         return True
 
     def take(self, seq: Sequence) -> None:
@@ -56,6 +65,13 @@ class StepFeature:
     def commit(self, items: list[tuple[Sequence, int]]) -> None:
         """After the forward completed."""
 
+    def plan(self, plan, prefill: list[tuple[Sequence, int]]) -> None:
+        """Add what the attention backend needs to the step's StepPlan (step_plan.py), given its prefill chunks."""
+
+    def inputs(self, ordered: list, input_ids: torch.Tensor, positions: torch.Tensor, embedding) -> dict:
+        """The model's forward inputs for a packed row of `ordered` (sequence, new tokens) pairs."""
+        return {"input_ids": input_ids[None], "position_ids": positions[None]}
+
     def packed(self, ordered: list[tuple[Sequence, int]], num_prefill: int) -> tuple[object, list[int]]:
         """What the forward needs of the packed row, and int rows to upload with the step (none here)."""
         return None, []
@@ -63,6 +79,27 @@ class StepFeature:
     def scope(self, step, flat: torch.Tensor, uploaded: slice):
         """A context for the forward, given `packed`'s first value and where its rows landed in `flat`."""
         return NO_SCOPE
+
+
+class Features(StepFeature):
+    """Several features where the scheduler takes one: each admission hook asks or tells them all."""
+
+    def __init__(self, *features: StepFeature) -> None:
+        self.features = features
+
+    def has_room(self) -> bool:
+        return all(f.has_room() for f in self.features)
+
+    def fits(self, seq: Sequence) -> bool:
+        return all(f.fits(seq) for f in self.features)
+
+    def take(self, seq: Sequence) -> None:
+        for f in self.features:
+            f.take(seq)
+
+    def release(self, seq: Sequence) -> None:
+        for f in self.features:
+            f.release(seq)
 
 
 class SingleRank:
