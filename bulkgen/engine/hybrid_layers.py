@@ -11,6 +11,9 @@ rows together with a view over their slots gathered by index (a device tensor: a
 it with no host work) and scattered back. The mixer therefore uses whatever kernels its transformers
 implementation picks (flash-linear-attention, causal-conv1d, mamba-ssm when installed; torch on CPU).
 Outside the engine's forward calls the wrapper passes straight through, so `model.generate` still works.
+
+The runner takes its state slots from `state_slots` once, when it is built (the no-op step feature for a
+transformer), after `check_supported` refused layers that are neither attention nor a checked mixer.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ CACHE_ARGS = ("cache", "cache_params", "past_key_values")  # the mixer's cache a
 
 
 def state_scope(pool: StatePool | None, step: StateStep | None):
-    """The pool `holding` a decode graph's `step` for one forward; nothing for a model without state slots."""
+    """The pool `holding` a decode graph's `step` for one forward (StatePool.holding); nothing for a model
+    without state slots."""
     return NO_SCOPE if pool is None else pool.holding(step)
 
 

@@ -11,7 +11,8 @@ are in no segment and pay nothing; a step without adapters runs the plain layer.
 
 Slots are filled (`activate`) when a step is scheduled, before its forward launches, from the host
 cache (lora.LoraAdapter), least recently used slot first among those the step does not use. The
-scheduler admits sequences of at most `max_loras` distinct adapters at once, so a step's adapters always fit.
+scheduler admits sequences of at most `max_loras` distinct adapters at once (AdapterRows, the scheduler's
+step feature: step_features.py), so a step's adapters always fit.
 On CUDA the host copies are kept pinned in the model's dtype, so a load is queued on the stream (behind
 the step in flight, ahead of the one about to launch) without the host waiting for it. Not run on a GPU
 yet. Decode CUDA graphs hold no LoRA ops: a decode step with adapter rows runs eagerly (model_runner).

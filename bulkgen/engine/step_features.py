@@ -6,9 +6,12 @@ A feature is chosen once, when the runner is built: a hybrid model's state slots
 (state_slots.py), a vision-language model's images a `VisionTower` (multimodal.py), a sharded model's ranks
 a `RankGroup` (tensor_parallel.py); a model without one gets the no-op object of this module in its place,
 never an `if` in the step. The hooks are those the step path needs, derived from the branches they replace:
-the scheduler asks `has_room` before admitting and calls `take`/`release` around a sequence's life; the runner
-wraps each forward in `begin`/`commit` and `scope`, hands the packed row's rows to `packed` and the model's
-inputs to `inputs`; the overlapped path calls `on_void` for a sequence whose launched token was corrected late.
+the scheduler asks `has_room` and `fits` before admitting and calls `take`/`release` around a sequence's
+life (`Features` when it takes several: state slots and lora_slots.AdapterRows); the runner takes its
+attention backend from `route`, adds to the step plan with `plan`, wraps each forward in `begin`/`commit`
+and `scope`, hands the packed row to `packed` and builds the model's inputs with `inputs`; the overlapped
+path calls `on_void` for a sequence whose launched token was corrected late. LoRA's rows in the runner are
+lora_slots.LoraSlots' own (`prepare`, `order`, `scope`): always there, a no-op while no adapter is used.
 """
 
 from __future__ import annotations
