@@ -371,17 +371,33 @@ class Engine(OverlappedSteps):
         The forward pass and sampling change no sequence: if either raises, every sequence still
         holds its blocks and counts (and a pending token its in-flight step), so the next step
         recomputes the same tokens (or the caller aborts a request, or calls reset())."""
-        done = self._finish_instant()
-        if not self.overlap and self._inflight is not None:  # switched off with a step in flight: read it
-            done += self._drain()  # first, so what it finishes is not scheduled again
+        return self._step_function(self._finish_instant())
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps overlap (the module docstring). Setting it, between steps, chooses the step function
+        once; a step left in flight by overlapped steps is read by the next plain one."""
+        return self._step_function == self._next_overlapped
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self._step_function = self._next_overlapped if on else self._next_in_order
+
+    def _next_in_order(self, done: list[RequestOutput]) -> list[RequestOutput]:
+        if self._inflight is not None:  # switched off with a step in flight: read it first, so what it
+            done += self._drain()  # finishes is not scheduled again
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return done or self._idle()
+        return done + self._step_in_order(batch)
+
+    def _next_overlapped(self, done: list[RequestOutput]) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.items:
             if self._inflight is not None:
                 return done + self._drain()
             return done or self._idle()
-        if self.overlap:
-            return done + self._step_overlapped(batch)
-        return done + self._step_in_order(batch)
+        return done + self._step_overlapped(batch)
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing to schedule: wait a moment for a request the scheduler holds back (fair admission)."""
@@ -673,7 +689,7 @@ class Engine(OverlappedSteps):
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op for a single-process engine)."""
-        self.runner.tp.close()
+        self.runner.ranks.close()
 
     @property
     def accepts_images(self) -> bool:

@@ -101,9 +101,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
-        # a sharded model's tensor_parallel.RankGroup; one process's SingleRank (step_features.py)
-        self.tp = getattr(model, "bulkgen_tp", None) or SingleRank()
-        self.tp.publish_config(config, max_model_len)  # rank 0's, for the followers
+        self.tp = getattr(model, "bulkgen_tp", None)  # a sharded model's tensor_parallel.RankGroup, else None
+        self.ranks = self.tp or SingleRank()  # what the step runs through: one process's is step_features'
+        self.ranks.publish_config(config, max_model_len)  # rank 0's, for the followers
         mixers = check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
@@ -117,7 +117,7 @@ class ModelRunner:
         self.block_size = config.block_size
         # hybrid models' recurrent state (state_slots.StatePool); the no-op step feature otherwise
         slots = config.num_state_slots or config.max_num_seqs
-        self.states = state_slots(model, mixers, slots, self.device, self.tp)
+        self.states = state_slots(model, mixers, slots, self.device, self.ranks)
         attending = [layer for layer in self.layers if layer is not None]
         self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
         self.backend = self.forward_inputs.route(self.backend)
@@ -162,7 +162,7 @@ class ModelRunner:
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
             states=self.states.graph_pool,
-            agree=self.tp.agree_min,
+            agree=self.ranks.agree_min,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
@@ -172,7 +172,7 @@ class ModelRunner:
         block_bytes = self.layout.block_bytes(self.block_size, self.kv_dtype)
         per_seq = self.peak_blocks(max_model_len)
         blocks = kv_cache_blocks(self.config, self.device, block_bytes, per_seq, self.states.reserved_bytes)
-        return self.tp.agree_min(blocks)
+        return self.ranks.agree_min(blocks)
 
     def peak_blocks(self, num_tokens: int, longest_chunk: int = 0) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout), its chunks
@@ -189,7 +189,7 @@ class ModelRunner:
         device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
         self.loras.prepare(batch)
         graph = self._graph_bucket(batch)
-        with self.tp.step(batch, pending, graph):  # the other ranks run this same step (follow)
+        with self.ranks.step(batch, pending, graph):  # the other ranks run this same step (follow)
             self.states.begin(batch)
             step = self._run(batch, pending, graph)
             self.states.commit(batch)
@@ -201,7 +201,7 @@ class ModelRunner:
     ) -> StepLogits:
         """A tensor-parallel follower's step: rank 0's `run`, in the decode-graph bucket rank 0 chose (its step
         plan). Its sequences are stand-ins carrying rank 0's state slots (plan_codec), held nowhere here."""
-        with self.tp.step(batch, pending, graph):
+        with self.ranks.step(batch, pending, graph):
             return self._run(batch, pending, graph)
 
     def _graph_bucket(self, batch: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
