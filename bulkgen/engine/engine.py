@@ -28,7 +28,6 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +39,7 @@ from .grammar import GrammarRuntime
 from .image_blocks import longest
 from .loading import load_model
 from .lora import LoraError, load_adapter
+from .lora_slots import AdapterRows
 from .model_runner import ModelRunner, StepLogits
 from .multimodal import (
     ImageInputs,
@@ -61,6 +61,7 @@ from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
+from .step_features import Features, StepFeature
 from .stopping import check_stop, completion_text
 
 if TYPE_CHECKING:
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SchedulerFactory = Callable[[EngineConfig, BlockManager], Scheduler]
+SchedulerFactory = Callable[[EngineConfig, BlockManager, StepFeature], Scheduler]
 
 
 class Engine(OverlappedSteps):
@@ -105,11 +106,7 @@ class Engine(OverlappedSteps):
                 "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
             )
         self.runner = ModelRunner(model, self.config, self.max_model_len, vision)
-        if self.runner.states is not None and self.config.enable_prefix_caching:
-            log.info(
-                "prefix caching is off: a hybrid model's recurrent state cannot be rebuilt from cached blocks"
-            )
-            self.config = replace(self.config, enable_prefix_caching=False)
+        self.config = self.runner.states.configure(self.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # generation_config.json's sampling defaults, for requests that set none (sampling_params)
         self.sampling_defaults = (
@@ -147,10 +144,9 @@ class Engine(OverlappedSteps):
             self.config.enable_prefix_caching,
             self.runner.layout.kinds,
         )
-        self.scheduler = self._make_scheduler(self.config, self.block_manager)
-        if self.runner.states is not None:
-            self.runner.states.reset()
-            self.scheduler.states = self.runner.states
+        self.runner.states.reset()
+        features = Features(self.runner.states, AdapterRows(self.config.max_loras))
+        self.scheduler = self._make_scheduler(self.config, self.block_manager, features)
 
     @classmethod
     def from_pretrained(
@@ -375,17 +371,33 @@ class Engine(OverlappedSteps):
         The forward pass and sampling change no sequence: if either raises, every sequence still
         holds its blocks and counts (and a pending token its in-flight step), so the next step
         recomputes the same tokens (or the caller aborts a request, or calls reset())."""
-        done = self._finish_instant()
-        if not self.overlap and self._inflight is not None:  # switched off with a step in flight: read it
-            done += self._drain()  # first, so what it finishes is not scheduled again
+        return self._step_function(self._finish_instant())
+
+    @property
+    def overlap(self) -> bool:
+        """Whether steps overlap (the module docstring). Setting it, between steps, chooses the step function
+        once; a step left in flight by overlapped steps is read by the next plain one."""
+        return self._step_function == self._next_overlapped
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self._step_function = self._next_overlapped if on else self._next_in_order
+
+    def _next_in_order(self, done: list[RequestOutput]) -> list[RequestOutput]:
+        if self._inflight is not None:  # switched off with a step in flight: read it first, so what it
+            done += self._drain()  # finishes is not scheduled again
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return done or self._idle()
+        return done + self._step_in_order(batch)
+
+    def _next_overlapped(self, done: list[RequestOutput]) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.items:
             if self._inflight is not None:
                 return done + self._drain()
             return done or self._idle()
-        if self.overlap:
-            return done + self._step_overlapped(batch)
-        return done + self._step_in_order(batch)
+        return done + self._step_overlapped(batch)
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing to schedule: wait a moment for a request the scheduler holds back (fair admission)."""
@@ -417,9 +429,6 @@ class Engine(OverlappedSteps):
         its sampling queued on the device when `sample`, its prompt logprobs and pooled chunks. Changes no
         sequence but the pooled ones' running sums."""
         self._mark_scheduled(batch.items, now)
-        adapters = {seq.lora for seq, _ in batch.items if seq.lora is not None}
-        if adapters:  # slots are filled before the forward is launched, never inside it
-            self.runner.loras.activate(adapters)
         masks = self._start_masks(batch.items) if sample else None  # on a GPU: filled during the forward
         try:
             step = self.runner.run(batch.items, pending)
@@ -680,8 +689,7 @@ class Engine(OverlappedSteps):
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (a no-op for a single-process engine)."""
-        if self.runner.tp is not None:
-            self.runner.tp.close()
+        self.runner.ranks.close()
 
     @property
     def accepts_images(self) -> bool:

@@ -11,21 +11,23 @@ rows together with a view over their slots gathered by index (a device tensor: a
 it with no host work) and scattered back. The mixer therefore uses whatever kernels its transformers
 implementation picks (flash-linear-attention, causal-conv1d, mamba-ssm when installed; torch on CPU).
 Outside the engine's forward calls the wrapper passes straight through, so `model.generate` still works.
+
+The runner takes its state slots from `state_slots` once, when it is built (the no-op step feature for a
+transformer), after `check_supported` refused layers that are neither attention nor a checked mixer.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from . import upstream
-from .state_slots import LayerStates, StatePool, StateShape
+from .layer_attention import ATTENTION_LAYER_TYPES
+from .state_slots import LayerStates, StatePool, StateShape, StateStep
+from .step_features import NO_FEATURE, NO_SCOPE, StepFeature
 
 MIXER_NAMES = ("linear_attn", "mamba", "conv")  # decoder-layer attributes holding a recurrent mixer
 # the mixers checked token for token against transformers (tests/engine/test_hybrid_models.py); another
@@ -43,28 +45,10 @@ CHECKED_MIXERS = frozenset(
 CACHE_ARGS = ("cache", "cache_params", "past_key_values")  # the mixer's cache argument, by release
 
 
-@dataclass
-class StateStep:
-    """Where each sequence of a packed step sits in the row and which slot holds its state."""
-
-    # (query offset, tokens, slot, continues a state) of each prefill chunk, in row order
-    prefill: list[tuple[int, int, int, bool]] = field(default_factory=list)
-    decode_start: int = 0  # row of the first decode (one token each, to the end of the row)
-    decode_slots: torch.Tensor | None = None  # int64 [decodes] on the device
-
-
-@contextmanager
-def state_scope(pool: StatePool | None, step: StateStep | None) -> Iterator[None]:
-    """Hand `step` to the wrapped mixers for one engine forward. The pool carries it, not a forward
-    kwarg: some decoder layers call their mixer without passing kwargs on (LFM2 in transformers 5.17)."""
-    if pool is None:
-        yield
-        return
-    pool.step = step
-    try:
-        yield
-    finally:
-        pool.step = None
+def state_scope(pool: StatePool | None, step: StateStep | None):
+    """The pool `holding` a decode graph's `step` for one forward (StatePool.holding); nothing for a model
+    without state slots."""
+    return NO_SCOPE if pool is None else pool.holding(step)
 
 
 def find_mixers(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -279,3 +263,37 @@ def _packed_forward(original, cache_arg: str, pool: StatePool, layer: int, hidde
         for pooled, gathered in zip(conv + recurrent, view.conv + view.recurrent, strict=True):
             pooled.index_copy_(0, idx, gathered)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def check_supported(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The model's recurrent mixers (hybrid_layers.find_mixers; empty for a transformer); refuse models
+    with layers that are neither attention nor a mixer bulkgen has checked: they would mix the sequences
+    of a packed row."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    mixers = find_mixers(model)
+    unchecked = sorted({type(m).__name__ for m in mixers.values()} - CHECKED_MIXERS)
+    if unchecked:
+        raise ValueError(
+            f"{type(model).__name__} has recurrent layers {unchecked} that bulkgen has not checked against "
+            f"transformers; it runs {sorted(CHECKED_MIXERS)}"
+        )
+    if other and not set(mixers) | attention_layers(model) >= set(range(len(layer_types))):
+        raise ValueError(
+            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
+        )
+    return mixers
+
+
+def state_slots(
+    model: torch.nn.Module, mixers: dict, num_slots: int, device: torch.device, group
+) -> StepFeature:
+    """A hybrid model's step feature: one state slot per running sequence, the `mixers` wrapped to read and
+    write them, the rank `group` told of the pool (its plan carries each sequence's slot). A transformer
+    without mixers gets the no-op feature."""
+    if not mixers:
+        return NO_FEATURE
+    pool = StatePool(probe_states(mixers, model.config.hidden_size), num_slots, device)
+    wrap_mixers(mixers, pool)
+    group.states = pool
+    return pool

@@ -11,7 +11,8 @@ are in no segment and pay nothing; a step without adapters runs the plain layer.
 
 Slots are filled (`activate`) when a step is scheduled, before its forward launches, from the host
 cache (lora.LoraAdapter), least recently used slot first among those the step does not use. The
-scheduler admits sequences of at most `max_loras` distinct adapters at once, so a step's adapters always fit.
+scheduler admits sequences of at most `max_loras` distinct adapters at once (AdapterRows, the scheduler's
+step feature: step_features.py), so a step's adapters always fit.
 On CUDA the host copies are kept pinned in the model's dtype, so a load is queued on the stream (behind
 the step in flight, ahead of the one about to launch) without the host waiting for it. Not run on a GPU
 yet. Decode CUDA graphs hold no LoRA ops: a decode step with adapter rows runs eagerly (model_runner).
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 import torch
 
 from .lora import LoraAdapter, LoraError, LoraWrapper
+from .sequence import Sequence
+from .step_features import StepFeature
 
 
 class LoraLinear(LoraWrapper):
@@ -142,6 +145,13 @@ class LoraSlots:
             raise LoraError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.adapters) or 'none'}")
         return adapter
 
+    def prepare(self, items: list) -> None:
+        """Fill the slots of the adapters of a step's (sequence, new tokens) pairs before its forward is
+        launched (and, under tensor parallel, before the plan that names the slots is posted), never inside it."""
+        adapters = {seq.lora for seq, _ in items if seq.lora is not None}
+        if adapters:
+            self.activate(adapters)
+
     def activate(self, adapters: set[LoraAdapter]) -> dict[int, int]:
         """Slots for `adapters` (at most max_loras: the scheduler's rule), loading those not resident into
         free or least recently used slots; {uid: slot}."""
@@ -179,12 +189,65 @@ class LoraSlots:
         self.resident[adapter.uid] = slot
         self.loads += 1
 
+    def order(self, rows: list) -> None:
+        """Sort a part of a step's (sequence, new tokens) rows by adapter when any has one, so each adapter's
+        rows are one segment (the base model's first)."""
+        if self.resident and any(seq.lora is not None for seq, _ in rows):
+            rows.sort(key=_adapter_uid)
+
+    def segments(self, ordered: list) -> list[tuple[int, int, int]]:
+        """(slot, first row, end) of each run of packed rows of one adapter; the slots were filled when the
+        step was scheduled (activate)."""
+        out: list[tuple[int, int, int]] = []
+        if not self.resident:  # no adapter was ever used: no row has one
+            return out
+        q_off, resident = 0, self.resident
+        for seq, n in ordered:
+            if seq.lora is not None:
+                slot = resident[seq.lora.uid]
+                if out and out[-1][0] == slot and out[-1][2] == q_off:
+                    out[-1] = (slot, out[-1][1], q_off + n)
+                else:
+                    out.append((slot, q_off, q_off + n))
+            q_off += n
+        return out
+
     @contextmanager
-    def scope(self, segments: list[tuple[int, int, int]], num_tokens: int):
-        """The wrapped layers add the deltas of these (slot, first row, end) segments of the packed row
-        inside the block (the engine's forward only)."""
-        self.step, self.num_tokens = segments, num_tokens
+    def scope(self, ordered: list, num_tokens: int):
+        """The wrapped layers add the deltas of the adapters of the packed row of `ordered` (sequence, new
+        tokens) pairs inside the block (the engine's forward only)."""
+        self.step, self.num_tokens = self.segments(ordered), num_tokens
         try:
             yield
         finally:
             self.step = None
+
+
+def _adapter_uid(item: tuple) -> int:
+    return 0 if item[0].lora is None else item[0].lora.uid
+
+
+class AdapterRows(StepFeature):
+    """The scheduler's side of LoRA: a step holds rows of at most `max_loras` distinct adapters (the device
+    slots), so a sequence of another adapter waits while sequences of running adapters (or the base model)
+    go ahead."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.running: dict[int, set[int]] = {}  # adapter uid -> ids of its running sequences
+
+    def fits(self, seq: Sequence) -> bool:
+        lora = seq.lora
+        return lora is None or lora.uid in self.running or len(self.running) < self.max_loras
+
+    def take(self, seq: Sequence) -> None:
+        if seq.lora is not None:
+            self.running.setdefault(seq.lora.uid, set()).add(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        """Idempotent: a sequence preempted, then finished, is released twice."""
+        held = self.running.get(seq.lora.uid) if seq.lora is not None else None
+        if held is not None:
+            held.discard(seq.seq_id)
+            if not held:
+                del self.running[seq.lora.uid]

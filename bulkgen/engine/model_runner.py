@@ -17,23 +17,14 @@ from .attention import LayerCaches, StepContext, attention_scope
 from .attn_select import select_backend
 from .config import EngineConfig
 from .decode_graphs import DecodeGraphs, SlotTables, read_pending
-from .hybrid_layers import (
-    CHECKED_MIXERS,
-    StateStep,
-    attention_layers,
-    find_mixers,
-    probe_states,
-    state_scope,
-    wrap_mixers,
-)
-from .image_blocks import route, step_blocks
+from .hybrid_layers import check_supported, state_slots
 from .kv_layout import KVLayout
-from .layer_attention import ATTENTION_LAYER_TYPES, describe, probe_layers
+from .layer_attention import describe, probe_layers
 from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
-from .state_slots import StatePool
+from .step_features import NO_FEATURE, SingleRank
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -103,15 +94,17 @@ class ModelRunner:
         pick the attention backend, and capture decode graphs where they run. Kept as one body (just over 50
         lines): each allocation depends on the one before it (layout -> blocks -> caches -> tables -> graphs)."""
         self.model = model
-        self.vision = vision  # a vision-language model's encoder: image embeddings spliced into prefills
+        # the forward's inputs: a vision-language model's encoder splices image embeddings into prefills
+        # (multimodal.VisionTower); a text model's no-op step feature passes token ids and positions
+        self.forward_inputs = vision or NO_FEATURE
         self.config = config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.tp = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup of a sharded model
-        if self.tp is not None and self.tp.rank == 0:
-            self.tp.publish_config(config, max_model_len)
-        mixers = _check_supported(model)  # a sharded model's were checked to split (sharding.py)
+        self.tp = getattr(model, "bulkgen_tp", None)  # a sharded model's tensor_parallel.RankGroup, else None
+        self.ranks = self.tp or SingleRank()  # what the step runs through: one process's is step_features'
+        self.ranks.publish_config(config, max_model_len)  # rank 0's, for the followers
+        mixers = check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
         self.layers = probe_layers(model, recurrent=set(mixers))  # None for a layer without attention
         self.layout = layout = KVLayout(self.layers)
@@ -122,11 +115,12 @@ class ModelRunner:
             layout.slots,
         )
         self.block_size = config.block_size
-        self.states = self._state_pool(mixers)  # hybrid models' recurrent state: None otherwise
+        # hybrid models' recurrent state (state_slots.StatePool); the no-op step feature otherwise
+        slots = config.num_state_slots or config.max_num_seqs
+        self.states = state_slots(model, mixers, slots, self.device, self.ranks)
         attending = [layer for layer in self.layers if layer is not None]
         self.backend = select_backend(self.device, self.dtype, attending, self.block_size, self.kv_dtype)
-        if vision is not None and vision.bidirectional:  # steps reaching image blocks run plain
-            self.backend = route(self.backend)
+        self.backend = self.forward_inputs.route(self.backend)
         self.num_blocks = self._num_blocks(max_model_len)
         rows = (self.num_blocks + 1, self.block_size, layout.kv_heads)  # + a scratch block
         k_slots = [
@@ -154,9 +148,7 @@ class ModelRunner:
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
         on_cuda = self.device.type == "cuda"
         wanted = self.config.cuda_graphs
-        if not (wanted or (wanted is None and on_cuda)):
-            return None
-        if self.vision is not None and self.vision.mrope:  # the static buffers hold 1-D positions only
+        if not (wanted or (wanted is None and on_cuda)) or not self.forward_inputs.decode_graphs:
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -169,8 +161,8 @@ class ModelRunner:
             capture=on_cuda,
             decode_kernel=getattr(self.backend, "decode_kernel", None),
             tables=self.tables,
-            states=self.states,
-            agree=None if self.tp is None else self.tp.agree_min,
+            states=self.states.graph_pool,
+            agree=self.ranks.agree_min,
         )
         if on_cuda and graphs.paged:  # one graph per batch size: all captured now, none mid-run
             graphs.capture()
@@ -179,24 +171,8 @@ class ModelRunner:
     def _num_blocks(self, max_model_len: int) -> int:
         block_bytes = self.layout.block_bytes(self.block_size, self.kv_dtype)
         per_seq = self.peak_blocks(max_model_len)
-        reserved = 0 if self.states is None else self.states.bytes_per_slot * (self.states.num_slots + 1)
-        blocks = kv_cache_blocks(self.config, self.device, block_bytes, per_seq, reserved)
-        return blocks if self.tp is None else self.tp.agree_min(blocks)
-
-    def _state_pool(self, mixers: dict) -> StatePool | None:
-        """Hybrid models: one state slot per running sequence (`num_state_slots`, default `max_num_seqs`),
-        reserved from the cache budget before KV blocks; every layer with attention gets KV blocks."""
-        if not mixers:
-            return None
-        pool = StatePool(
-            probe_states(mixers, self.model.config.hidden_size),
-            self.config.num_state_slots or self.config.max_num_seqs,
-            self.device,
-        )
-        wrap_mixers(mixers, pool)
-        if self.tp is not None:
-            self.tp.states = pool
-        return pool
+        blocks = kv_cache_blocks(self.config, self.device, block_bytes, per_seq, self.states.reserved_bytes)
+        return self.ranks.agree_min(blocks)
 
     def peak_blocks(self, num_tokens: int, longest_chunk: int = 0) -> int:
         """The most block ids one sequence of `num_tokens` tokens holds at once (kv_layout), its chunks
@@ -205,29 +181,28 @@ class ModelRunner:
         return self.layout.peak_blocks(num_tokens, step, self.block_size)
 
     @torch.inference_mode()
-    def run(
-        self,
-        batch: list[tuple[Sequence, int]],
-        pending: torch.Tensor | None = None,
-        graph: tuple[int, int] | None = None,
-    ) -> StepLogits:
+    def run(self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None = None) -> StepLogits:
         """Forward the scheduled (sequence, num_new_tokens) pairs; return float32 logits for sequences
         whose scheduled tokens reach their end (they sample now), then for the prompt positions of
         prompt-logprob prefills (see StepLogits). Changes no sequence (a hybrid model's state slots
         advance with the forward: state_slots.py). `pending`: the previous step's sampled tokens on the
-        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up.
-        `graph`: a tensor-parallel follower's decode-graph bucket, the one rank 0 chose (its step plan)."""
-        if self.tp is None or self.tp.rank == 0:
-            graph = self._graph_bucket(batch)
-        if self.tp is not None:
-            with self.tp.step(batch, pending, graph):  # the other ranks run this same step
-                return self._run(batch, pending, graph)
-        if self.states is None:
-            return self._run(batch, pending, graph)
-        self.states.begin(batch)
-        step = self._run(batch, pending, graph)
-        self.states.commit(batch)
+        device, where stand-ins for tokens the host has not read (sequence.pending_id) are looked up."""
+        self.loras.prepare(batch)
+        graph = self._graph_bucket(batch)
+        with self.ranks.step(batch, pending, graph):  # the other ranks run this same step (follow)
+            self.states.begin(batch)
+            step = self._run(batch, pending, graph)
+            self.states.commit(batch)
         return step
+
+    @torch.inference_mode()
+    def follow(
+        self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None, graph: tuple[int, int] | None
+    ) -> StepLogits:
+        """A tensor-parallel follower's step: rank 0's `run`, in the decode-graph bucket rank 0 chose (its step
+        plan). Its sequences are stand-ins carrying rank 0's state slots (plan_codec), held nowhere here."""
+        with self.ranks.step(batch, pending, graph):
+            return self._run(batch, pending, graph)
 
     def _graph_bucket(self, batch: list[tuple[Sequence, int]]) -> tuple[int, int] | None:
         """The decode-graph bucket of a step of decodes alone, or None for the packed path: a step with a
@@ -236,7 +211,7 @@ class ModelRunner:
         if self.graphs is None or not batch:
             return None
         for seq, n in batch:
-            if n != 1 or not seq.num_computed_tokens or seq.pools or seq.lora is not None:
+            if n != 1 or not seq.num_computed_tokens or seq.packed_only:
                 return None
         return self.graphs.key([s for s, _ in batch])
 
@@ -248,7 +223,6 @@ class ModelRunner:
         back from the uploaded tensor right below; split apart, those offsets would travel between functions."""
         ordered, plan = self._plan(batch)
         step, rows = self._rows(ordered)
-        segments = self._lora_segments(ordered)
         if graph is not None:  # decodes alone (_graph_bucket); one row per sequence: row = query offset
             logits = self.graphs.run([s for s, _ in ordered], pending, graph)
             if len(rows) != len(ordered) or step.prompt_spans:  # 1-token prefill chunks ride along
@@ -272,8 +246,8 @@ class ModelRunner:
         at = pack.add(updates)
         pack.add(values)
         keep = pack.add(rows)
-        states, state_slots = self._state_step(ordered, plan.num_prefill)
-        decode_slots = pack.add(state_slots)
+        states, state_rows = self.states.packed(ordered, plan.num_prefill)
+        decode_slots = pack.add(state_rows)
         metas = [
             self.backend.prepare(p, pack, kind) for p, kind in zip(plans, self.layout.kinds, strict=True)
         ]
@@ -287,18 +261,13 @@ class ModelRunner:
             slot_rows, self.caches, self.backend, [self.backend.bind(m, flat) for m in metas], flat[positions]
         )
         input_ids = flat[ids] if pending is None else read_pending(flat[ids], pending)
-        if self.vision is None:
-            kwargs = dict(input_ids=input_ids[None], position_ids=flat[positions][None])
-        else:  # images spliced in, positions by the model's rule (multimodal.py)
-            kwargs = self.vision.inputs(ordered, input_ids, flat[positions], self.embedding)
+        kwargs = self.forward_inputs.inputs(ordered, input_ids, flat[positions], self.embedding)
         kwargs.update(use_cache=False, bulkgen_ctx=ctx)
-        if states is not None:
-            states.decode_slots = flat[decode_slots] if state_slots else None
         with (
-            self.loras.scope(segments, len(tokens)),
+            self.loras.scope(ordered, len(tokens)),
             attention_scope(self.model),
             _capture_hidden(self.model, step),
-            state_scope(self.states, states),
+            self.states.scope(states, flat, decode_slots),
         ):
             if not rows:  # only prefill chunks: the base model fills the cache, no logits needed
                 self.model.get_decoder()(**kwargs)
@@ -306,37 +275,6 @@ class ModelRunner:
             out = self.model(logits_to_keep=flat[keep], **kwargs)  # lm_head on the kept rows only
         step.logits = out.logits[0].float()
         return step
-
-    def _lora_segments(self, ordered: list[tuple[Sequence, int]]) -> list[tuple[int, int, int]]:
-        """(slot, first row, end) of each run of packed rows of one adapter; the slots were filled when
-        the step was scheduled (LoraSlots.activate)."""
-        out: list[tuple[int, int, int]] = []
-        if not self.loras.resident:  # no adapter was ever used: no row has one
-            return out
-        q_off, resident = 0, self.loras.resident
-        for seq, n in ordered:
-            if seq.lora is not None:
-                slot = resident[seq.lora.uid]
-                if out and out[-1][0] == slot and out[-1][2] == q_off:
-                    out[-1] = (slot, out[-1][1], q_off + n)
-                else:
-                    out.append((slot, q_off, q_off + n))
-            q_off += n
-        return out
-
-    def _state_step(
-        self, ordered: list[tuple[Sequence, int]], num_prefill: int
-    ) -> tuple[StateStep | None, list[int]]:
-        """A hybrid model's StateStep for the packed row (its decode slots still to be read from the
-        upload) and the decodes' slots to upload; (None, []) for a pure transformer."""
-        if self.states is None:
-            return None, []
-        slot, step, q_off = self.states.slot, StateStep(), 0
-        for seq, n in ordered[:num_prefill]:
-            step.prefill.append((q_off, n, slot(seq), seq.num_computed_tokens > 0))
-            q_off += n
-        step.decode_start = q_off
-        return step, [slot(seq) for seq, _ in ordered[num_prefill:]]
 
     def _group_plans(self, plan: StepPlan, ordered: list[tuple[Sequence, int]], on_device) -> list[StepPlan]:
         """Each KV group's view of the step: the plan with that group's block tables."""
@@ -386,9 +324,8 @@ class ModelRunner:
         adapter when any row has one, so an adapter's rows are one segment of each (lora_slots.py)."""
         prefill = [(s, n) for s, n in batch if not (n == 1 and s.num_computed_tokens > 0)]
         decode = [(s, n) for s, n in batch if n == 1 and s.num_computed_tokens > 0]
-        if self.loras.resident and any(s.lora is not None for s, _ in batch):
-            prefill.sort(key=_adapter_uid)
-            decode.sort(key=_adapter_uid)
+        self.loras.order(prefill)
+        self.loras.order(decode)
         ordered = prefill + decode
         plan = StepPlan(
             [s.num_computed_tokens for s, _ in ordered],
@@ -397,13 +334,8 @@ class ModelRunner:
             len(prefill),
             self.block_size,
         )
-        if self.vision is not None and self.vision.bidirectional:
-            plan.image_blocks = step_blocks(prefill)
+        self.forward_inputs.plan(plan, prefill)
         return ordered, plan
-
-
-def _adapter_uid(item: tuple[Sequence, int]) -> int:
-    return 0 if item[0].lora is None else item[0].lora.uid
 
 
 @contextmanager
@@ -423,23 +355,3 @@ def _capture_hidden(model: torch.nn.Module, step: StepLogits):
         yield
     finally:
         handle.remove()
-
-
-def _check_supported(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
-    """The model's recurrent mixers (hybrid_layers.find_mixers; empty for a transformer); refuse models
-    with layers that are neither attention nor a mixer bulkgen has checked: they would mix the sequences
-    of a packed row."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
-    mixers = find_mixers(model)
-    unchecked = sorted({type(m).__name__ for m in mixers.values()} - CHECKED_MIXERS)
-    if unchecked:
-        raise ValueError(
-            f"{type(model).__name__} has recurrent layers {unchecked} that bulkgen has not checked against "
-            f"transformers; it runs {sorted(CHECKED_MIXERS)}"
-        )
-    if other and not set(mixers) | attention_layers(model) >= set(range(len(layer_types))):
-        raise ValueError(
-            f"{type(model).__name__} has non-attention layers {other}; bulkgen packs attention only"
-        )
-    return mixers

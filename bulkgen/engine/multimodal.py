@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import image_blocks
+from .step_features import StepFeature
 
 # model classes checked against transformers' generate (tests/engine/test_vision.py)
 CHECKED = {
@@ -203,9 +204,11 @@ def text_model(vlm: torch.nn.Module) -> torch.nn.Module:
     return causal.eval()
 
 
-class VisionTower:
+class VisionTower(StepFeature):
     """The encoder and projector of a vision-language model: pixel tensors in, one row of embeddings
-    per placeholder token out."""
+    per placeholder token out. The step feature of such a model (step_features.py): it splices the
+    embeddings into the forward's inputs and, where image tokens attend to their whole image, plans and
+    routes the steps that reach image blocks."""
 
     def __init__(self, vlm: torch.nn.Module, processor=None) -> None:
         """`processor`: the model's processor as load_processor gives it (process() takes it)."""
@@ -235,6 +238,18 @@ class VisionTower:
             )
             images.mrope, images.mrope_delta = positions[:, 0].cpu(), int(delta.reshape(-1)[0])
         return images
+
+    @property
+    def decode_graphs(self) -> bool:
+        return not self.mrope  # the graphs' static buffers hold 1-D positions only
+
+    def route(self, backend):
+        """Steps reaching image blocks run plain (image_blocks.route) where images attend bidirectionally."""
+        return image_blocks.route(backend) if self.bidirectional else backend
+
+    def plan(self, plan, prefill: list) -> None:
+        if self.bidirectional:
+            plan.image_blocks = image_blocks.step_blocks(prefill)
 
     def inputs(self, ordered: list, input_ids: torch.Tensor, positions: torch.Tensor, embedding) -> dict:
         """The language model's inputs for a packed step: token ids, or embeddings with images spliced in;

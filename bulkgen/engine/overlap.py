@@ -50,10 +50,8 @@ class OverlappedSteps:
             self._inflight = None
             done, voided = self._resolve(prev, theirs)
         discarded = self._advance(batch, voided)
-        if voided and self.runner.states is not None:  # their state absorbed the wrong token: start over
-            for seq, _ in batch.items:
-                if seq.seq_id in voided:
-                    self.scheduler.recompute(seq)
+        if voided:
+            self._void(batch, voided)
         for seq, entries in scored:
             seq.request.prompt_logprobs.extend(entries)
         sampling = step.sampling
@@ -63,6 +61,13 @@ class OverlappedSteps:
         done += self._finish_prefilled(step.prefilled)
         self.stats_.record_step(batch, time.time() - start, held, discarded)
         return done
+
+    def _void(self, batch: ScheduledBatch, voided: set[int]) -> None:
+        """Tell the step feature of each sequence launched on a token corrected late (a hybrid model's
+        state absorbed the wrong token: it starts over)."""
+        for seq, _ in batch.items:
+            if seq.seq_id in voided:
+                self.runner.states.on_void(seq, self.scheduler.recompute)
 
     def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
         """A row whose logits processing reads its tokens on the host: a grammar's matcher, or penalties

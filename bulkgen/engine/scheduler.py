@@ -31,6 +31,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .image_blocks import whole_blocks
 from .sequence import Sequence, SequenceStatus
+from .step_features import NO_FEATURE, StepFeature
 from .waiting import WaitingQueue
 
 PROMPT_LOGIT_ROWS = 1024
@@ -52,13 +53,13 @@ class ScheduledBatch:
 class Scheduler:
     """Owns the queues (waiting, preempted, running); the engine calls schedule() per step."""
 
-    # a hybrid model's state slots (state_slots.StatePool), set by the engine: a running sequence holds
-    # one, so admission stops when slots or blocks run out, whichever first
-    states = None
-
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, features: StepFeature = NO_FEATURE):
+        """`features`: the engine's step features that hold something per running sequence (a hybrid model's
+        state slots, LoRA adapters' rows: step_features.Features); admission asks them for room and fit, as
+        it asks the block manager."""
         self.config = config
         self.bm = block_manager
+        self.features = features
         self.waiting = WaitingQueue(config.admission)  # fair between tags, then the admission order
         self.preempted: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -145,11 +146,11 @@ class Scheduler:
         if not self._admission_open():
             return
         computing: set[int] = set()  # first-block hashes that sequences admitted now compute from scratch
-        adapters = {s.lora.uid for s in self.running if s.lora is not None}
+        features = self.features
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self._next_candidate()
-            if seq is not None and not self._adapter_fits(seq, adapters):
-                seq = self._other_candidate(lambda s: self._adapter_fits(s, adapters))
+            if seq is not None and not features.fits(seq):
+                seq = self._other_candidate(features.fits)
             if seq is None:
                 return
             scoring = seq.computes_whole_prompt  # a cache hit would skip prompt logits or pooled rows
@@ -160,12 +161,9 @@ class Scheduler:
             skipped = len(cached) * self.bm.block_size if cached else 0
             n = self._prompt_rows(seq, min(len(seq) - skipped, budget))
             n = whole_blocks(seq, skipped, n)
-            if self.states is not None and not self.states.num_free:
+            if not n or not features.has_room() or not self.bm.admit(seq, cached, skipped + n):
                 return
-            if not n or not self.bm.admit(seq, cached, skipped + n):
-                return
-            if self.states is not None:
-                self.states.take(seq)
+            features.take(seq)
             self._pop_candidate(seq)
             if first is not None:
                 computing.add(first)
@@ -175,18 +173,10 @@ class Scheduler:
             self.running.append(seq)
             batch.items.append((seq, n))
             budget -= n
-            if seq.lora is not None:
-                adapters.add(seq.lora.uid)
-
-    def _adapter_fits(self, seq: Sequence, adapters: set[int]) -> bool:
-        """Whether `seq` can run beside sequences of `adapters` (LoRA uids): a step holds rows of at most
-        `max_loras` distinct adapters, the device slots (lora_slots.py); base-model rows always fit."""
-        lora = seq.lora
-        return lora is None or lora.uid in adapters or len(adapters) < self.config.max_loras
 
     def _other_candidate(self, accept) -> Sequence | None:
-        """A waiting sequence `accept` takes, when the next in line cannot run yet: its adapter waits for a
-        free slot while sequences of running adapters (or the base model) go ahead."""
+        """A waiting sequence `accept` takes, when the next in line does not fit beside the running ones (a
+        LoRA adapter waits for a free slot while sequences of running adapters go ahead: lora_slots.py)."""
         return self.waiting.peek(accept)
 
     def _admission_open(self) -> bool:
@@ -230,10 +220,9 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        """Give back what `seq` holds: its KV blocks and, in a hybrid model, its state slot."""
+        """Give back what `seq` holds: its KV blocks and what the step feature holds for it."""
         self.bm.release(seq)
-        if self.states is not None:
-            self.states.release(seq)
+        self.features.release(seq)
 
     def recompute(self, seq: Sequence) -> None:
         """Send a running `seq` back to be recomputed from its tokens (a hybrid model's state absorbed a

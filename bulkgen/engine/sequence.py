@@ -92,6 +92,8 @@ class Sequence:
         # the root of its prefix-cache hash chain (block_manager): KV computed under one adapter is never
         # shared with another or with the base model
         self.hash_root = None if self.lora is None else ("lora", self.lora.uid)
+        # its rows never replay a decode graph: the graphs hold neither pooling nor LoRA ops
+        self.packed_only = self.pools or self.lora is not None
 
     def __len__(self) -> int:
         return len(self.token_ids)

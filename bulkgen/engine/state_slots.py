@@ -16,11 +16,17 @@ sequence whose slot does not match its computed tokens is an error, never a sile
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .sequence import Sequence
+from .step_features import StepFeature
+
+log = logging.getLogger(__name__)
 
 DIRTY = -1  # a slot whose state a failed forward may have half-written
 
@@ -52,14 +58,26 @@ class LayerStates:
         return sum(s.nbytes for s in self.conv + self.recurrent)
 
 
+@dataclass
+class StateStep:
+    """Where each sequence of a packed step sits in the row and which slot holds its state."""
+
+    # (query offset, tokens, slot, continues a state) of each prefill chunk, in row order
+    prefill: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    decode_start: int = 0  # row of the first decode (one token each, to the end of the row)
+    decode_slots: torch.Tensor | None = None  # int64 [decodes] on the device
+
+
 def slot_bytes(layers: dict[int, LayerStates]) -> int:
     """Bytes of one sequence's slot across every hybrid layer: what each running sequence costs beside
     its KV blocks, whatever its context length."""
     return sum(layer.nbytes for layer in layers.values())
 
 
-class StatePool:
-    """Slot tensors for every hybrid layer, and which sequence holds which slot."""
+class StatePool(StepFeature):
+    """Slot tensors for every hybrid layer, and which sequence holds which slot: the step feature of a hybrid
+    model (step_features.py). A running sequence holds a slot, so admission stops when slots or blocks run
+    out, whichever first."""
 
     def __init__(self, layers: dict[int, LayerStates], num_slots: int, device: torch.device) -> None:
         self.layers = layers
@@ -71,7 +89,7 @@ class StatePool:
             self.conv[idx] = [self._zeros(s, device) for s in spec.conv]
             self.recurrent[idx] = [self._zeros(s, device) for s in spec.recurrent]
         self.bytes_per_slot = slot_bytes(layers)
-        self.step = None  # the forward in progress' hybrid_layers.StateStep (hybrid_layers.state_scope)
+        self.step = None  # the forward in progress' StateStep (scope, hybrid_layers.state_scope)
         self.reset()
 
     def _zeros(self, state: StateShape, device: torch.device) -> torch.Tensor:
@@ -86,6 +104,55 @@ class StatePool:
     @property
     def num_free(self) -> int:
         return len(self.free)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The slots' bytes (and the scratch row's), taken from the cache budget before KV blocks."""
+        return self.bytes_per_slot * (self.num_slots + 1)
+
+    def configure(self, config):
+        """Prefix caching off: a state cannot be rebuilt from cached KV blocks."""
+        if config.enable_prefix_caching:
+            log.info(
+                "prefix caching is off: a hybrid model's recurrent state cannot be rebuilt from cached blocks"
+            )
+        return replace(config, enable_prefix_caching=False)
+
+    @property
+    def graph_pool(self) -> StatePool:
+        return self
+
+    def has_room(self) -> bool:
+        return bool(self.free)
+
+    def on_void(self, seq: Sequence, recompute) -> None:
+        """Its state absorbed the wrong token: start it over."""
+        recompute(seq)
+
+    def packed(self, ordered: list[tuple[Sequence, int]], num_prefill: int) -> tuple[StateStep, list[int]]:
+        """The StateStep of a packed row (its decode slots still to be read from the upload) and the
+        decodes' slots to upload."""
+        slot, step, q_off = self.slot, StateStep(), 0
+        for seq, n in ordered[:num_prefill]:
+            step.prefill.append((q_off, n, slot(seq), seq.num_computed_tokens > 0))
+            q_off += n
+        step.decode_start = q_off
+        return step, [slot(seq) for seq, _ in ordered[num_prefill:]]
+
+    def scope(self, step: StateStep, flat: torch.Tensor, uploaded: slice):
+        """`holding` a packed row's `step`, its decode slots read from the step's upload."""
+        step.decode_slots = flat[uploaded] if uploaded.stop > uploaded.start else None
+        return self.holding(step)
+
+    @contextmanager
+    def holding(self, step: StateStep | None) -> Iterator[None]:
+        """Hand `step` to the wrapped mixers for one engine forward. The pool carries it, not a forward
+        kwarg: some decoder layers call their mixer without passing kwargs on (LFM2 in transformers 5.17)."""
+        self.step = step
+        try:
+            yield
+        finally:
+            self.step = None
 
     def take(self, seq: Sequence) -> None:
         """Give an admitted `seq` a slot; the caller checked `num_free`."""

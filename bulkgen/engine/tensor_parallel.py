@@ -133,8 +133,10 @@ class RankGroup:
         return dist.TCPStore(host, port, world, is_master=rank == 0, timeout=start, wait_for_workers=False)
 
     def publish_config(self, config: EngineConfig, max_model_len: int) -> None:
-        """Rank 0's resolved limits: every rank sizes its runner (slots, KV blocks) from the same ones."""
-        self.store.set("config", json.dumps({"config": asdict(config), "max_model_len": max_model_len}))
+        """Rank 0's resolved limits: every rank sizes its runner (slots, KV blocks) from the same ones (a
+        follower, which received them, has nothing to publish)."""
+        if self.rank == 0:
+            self.store.set("config", json.dumps({"config": asdict(config), "max_model_len": max_model_len}))
 
     def receive_config(self) -> tuple[EngineConfig, int] | None:
         """Rank 0's limits, or None when rank 0 gave the model up (abandon)."""
@@ -399,7 +401,7 @@ def serve_rank(
     vision = None if group.vlm is None else VisionTower(group.vlm)  # image rows come from rank 0
     runner = ModelRunner(model, *limits, vision)
     while (step := group.receive_plan()) is not None:
-        runner.run(step.batch, step.pending, step.graph)
+        runner.follow(step.batch, step.pending, step.graph)
     group.report(runner.graphs.replays if runner.graphs is not None else Counter())
 
 

@@ -19,6 +19,7 @@ from bulkgen.engine.config import EngineConfig
 from bulkgen.engine.engine import SchedulerFactory
 from bulkgen.engine.scheduler import Scheduler
 from bulkgen.engine.sequence import Sequence, SequenceStatus
+from bulkgen.engine.step_features import NO_FEATURE, StepFeature
 
 POLICIES = ("continuous", "static", "dynamic")
 DEFAULT_MAX_QUEUE_DELAY = 0.05
@@ -27,8 +28,10 @@ DEFAULT_MAX_QUEUE_DELAY = 0.05
 class StaticScheduler(Scheduler):
     """Admits whole groups; a group's members hold their slots until every one has finished."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
-        super().__init__(config, block_manager)
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, features: StepFeature = NO_FEATURE
+    ) -> None:
+        super().__init__(config, block_manager, features)
         self.group: list[Sequence] = []
         self.group_pending: deque[Sequence] = deque()  # members not admitted yet
 
@@ -90,9 +93,10 @@ class DynamicScheduler(StaticScheduler):
         self,
         config: EngineConfig,
         block_manager: BlockManager,
+        features: StepFeature = NO_FEATURE,
         max_queue_delay: float = DEFAULT_MAX_QUEUE_DELAY,
     ) -> None:
-        super().__init__(config, block_manager)
+        super().__init__(config, block_manager, features)
         self.max_queue_delay = max_queue_delay
 
     def _group_ready(self) -> bool:

@@ -2,7 +2,7 @@
 state slots, grammar, prompt logprobs, pooling, tensor parallel). Each such `if` is a feature the
 scheduler, runner or engine knows by name instead of calling through a seam (issue 47: "the less common the
 feature, the more it should be hidden"); the count may fall, never grow. Lower CEILING when a feature moves
-behind its seam; the goal is 15 over the three modules.
+behind its seam; the goal is 15 over the four modules.
 
 Counted: the test of every `if`/`elif`, `while`, conditional expression and comprehension filter whose source
 matches a feature's pattern (the first matching feature counts it once)."""
@@ -23,8 +23,10 @@ FEATURES = {
     "pooling": r"pool|embed",
     "tensor_parallel": r"\btp\b|tensor_parallel|rank",
 }
-# measured on 2026-12-04 (after the import-cycle change): engine.py 25, scheduler.py 8, model_runner.py 25
-CEILING = {"engine.py": 25, "scheduler.py": 8, "model_runner.py": 25}
+# measured on 2026-12-04: engine.py 25, scheduler.py 8, model_runner.py 25, overlap.py 2 before the step-feature
+# seam (step_features.py, 60 in all); after state slots, images, LoRA and the rank group moved behind it (26 in all;
+# what remains in engine.py is mostly loading, the request edge, grammar and pooling):
+CEILING = {"engine.py": 20, "scheduler.py": 2, "model_runner.py": 3, "overlap.py": 1}
 
 
 def feature_checks(source: str) -> dict[str, list[str]]:

@@ -97,7 +97,7 @@ def test_state_slots_limit_admission(hybrid_dirs, prompts):
 
 def test_prefix_caching_off_and_said(hybrid_dirs, prompts, caplog):
     """A repeated prompt reuses no block: a cached block cannot restore a recurrent state."""
-    with caplog.at_level(logging.INFO, logger="bulkgen.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="bulkgen.engine"):
         engine = _engine(hybrid_dirs["qwen3_5"], max_num_seqs=2, block_size=8, admission="fifo")
     assert "prefix caching is off" in caplog.text
     assert engine.config.enable_prefix_caching is False
