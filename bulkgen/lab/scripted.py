@@ -33,6 +33,27 @@ class Family:
     bos: str | None = None
 
 
+DEEPSEEK_V3 = Family(
+    special=("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    added=(
+        "<｜User｜>",
+        "<｜Assistant｜>",
+        "<think>",
+        "</think>",
+        "<｜tool▁calls▁begin｜>",
+        "<｜tool▁calls▁end｜>",
+        "<｜tool▁call▁begin｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁sep｜>",
+        "<｜tool▁outputs▁begin｜>",
+        "<｜tool▁outputs▁end｜>",
+        "<｜tool▁output▁begin｜>",
+        "<｜tool▁output▁end｜>",
+    ),
+    eos=("<｜end▁of▁sentence｜>",),
+    bos="<｜begin▁of▁sentence｜>",
+)
+
 FAMILIES = {
     "qwen3": Family(
         special=("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
@@ -102,6 +123,25 @@ FAMILIES = {
             "</arg_value>",
         ),
         eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
+    ),
+    # DeepSeek-V3 / V3.1: sentence markers special; roles, <think> and the tool-call tokens added as text
+    "deepseek_v3": DEEPSEEK_V3,
+    "deepseek_v31": DEEPSEEK_V3,
+    # Llama 4: its headers, end-of-turn and python markers special
+    "llama4": Family(
+        special=(
+            "<|begin_of_text|>",
+            "<|header_start|>",
+            "<|header_end|>",
+            "<|eot|>",
+            "<|eom|>",
+            "<|python_start|>",
+            "<|python_end|>",
+            "<|image|>",
+        ),
+        added=(),
+        eos=("<|eot|>", "<|eom|>"),
+        bos="<|begin_of_text|>",
     ),
     # MiniMax-M2: `]~!b[` opens the text, `]~b]` a role, `[e~[` ends a turn (its EOS); its generation prompt
     # opens <think>
