@@ -8,7 +8,7 @@ the call or the reasoning can no longer be found (vLLM turns `skip_special_token
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from functools import lru_cache
 
 
 def special_tokens(tokenizer) -> set[str]:
@@ -18,14 +18,11 @@ def special_tokens(tokenizer) -> set[str]:
 
 
 def keep_markers(
-    completions: list[dict], token_ids: list[list[int]], markers: Collection[str], tokenizer
+    completions: list[dict], token_ids: list[list[int]], markers: tuple[str, ...], tokenizer
 ) -> None:
     """Decode again, in place, each completion whose tokens hold one of `markers` as a special token, with
     those kept (other special tokens still dropped). Nothing changes where the markers are plain text."""
-    decoder = getattr(tokenizer, "added_tokens_decoder", {})
-    special = {i for i, token in decoder.items() if token.special}
-    special |= set(getattr(tokenizer, "all_special_ids", ()))
-    keep = {i for i, token in decoder.items() if token.special and token.content in markers}
+    special, keep = _marker_ids(tokenizer, markers)
     if not keep:
         return
     for completion, ids in zip(completions, token_ids, strict=True):
@@ -33,3 +30,15 @@ def keep_markers(
             continue
         kept = [t for t in ids if t in keep or t not in special]
         completion["text"] = tokenizer.decode(kept, skip_special_tokens=False)
+
+
+@lru_cache(maxsize=16)
+def _marker_ids(tokenizer, markers: tuple[str, ...]) -> tuple[frozenset[int], frozenset[int]]:
+    """(every special token id, the ids of `markers` among them), once per tokenizer and marker set: the
+    worker reads each finished request with them, on its step loop."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {})
+    special = {i for i, token in decoder.items() if token.special} | set(
+        getattr(tokenizer, "all_special_ids", ())
+    )
+    keep = {i for i, token in decoder.items() if token.special and token.content in markers}
+    return frozenset(special), frozenset(keep)
