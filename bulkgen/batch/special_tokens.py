@@ -22,7 +22,10 @@ def keep_markers(
 ) -> None:
     """Decode again, in place, each completion whose tokens hold one of `markers` as a special token, with
     those kept (other special tokens still dropped). Nothing changes where the markers are plain text."""
-    special, keep = _marker_ids(tokenizer, markers)
+    try:
+        special, keep = _marker_ids(tokenizer, markers)
+    except TypeError:  # a tokenizer class that cannot be hashed: worked out each time
+        special, keep = _marker_ids.__wrapped__(tokenizer, markers)
     if not keep:
         return
     for completion, ids in zip(completions, token_ids, strict=True):
