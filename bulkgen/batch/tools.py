@@ -95,7 +95,6 @@ FORMATS = (
 )
 NONE = "none"  # --tool-parser none: calls are not read, they stay content
 READERS = {f.name: f.read for f in FORMATS} | {NONE: lambda text, params: None}
-CALL_MARKS = {f.name: f.marks[0] for f in reversed(FORMATS)}  # the first row's first mark: a call's start
 WRITERS = {f.name: f.force for f in FORMATS if f.force is not None}
 
 
@@ -180,8 +179,8 @@ def malformed_call(text: str, fmt: str, tools: list[dict] | None = None) -> bool
     parsed = READERS[fmt](text, params) if fmt in READERS else None
     if parsed is None:  # harmony: its calls are read from the token ids
         return False
-    calls = parsed[1]
-    return any(c is None or c[1] is None for c in calls) or (not calls and CALL_MARKS[fmt] in text)
+    calls, start = parsed[1], call_markup(fmt)[:1]  # the token a call opens with
+    return any(c is None or c[1] is None for c in calls) or (not calls and any(m in text for m in start))
 
 
 def _parameters(tools: list[dict] | None) -> dict[str, dict]:

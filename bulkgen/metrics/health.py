@@ -91,8 +91,7 @@ def describe_health(summary: dict | None) -> list[list[str]]:
     that occurred with its first custom_ids."""
     if not summary or not summary.get("answers"):
         return []
-    reasons = ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items()) or "-"
-    rows = [["answers", str(summary["answers"])], ["finish reasons", reasons]]
+    rows = [["answers", str(summary["answers"])], ["finish reasons", _reasons(summary) or "-"]]
     for check in CHECKS:
         found = summary.get(check) or {}
         if found.get("count"):
@@ -105,10 +104,15 @@ def health_line(summary: dict | None) -> str | None:
     """One line for `bulkgen status`: the answers by finish reason, then each problem with its count."""
     if not summary or not summary.get("answers"):
         return None
-    reasons = ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items())
     problems = [
         f"{summary[check]['count']} {check.replace('_', ' ')}"
         for check in CHECKS
         if (summary.get(check) or {}).get("count")
     ]
-    return f"answers: {summary['answers']} ({reasons}); " + (", ".join(problems) or "no problem found")
+    return f"answers: {summary['answers']} ({_reasons(summary)}); " + (
+        ", ".join(problems) or "no problem found"
+    )
+
+
+def _reasons(summary: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items())
