@@ -1,6 +1,6 @@
-"""The request bodies' fields: every field of OpenAI's CreateChatCompletionRequest and CreateCompletionRequest,
-and what bulkgen does with each one that it does not run (accepted and ignored, or refused with a 400);
-CreateResponse's fields, whose handling lives in bulkgen.batch.endpoints.responses.
+"""The body field rules the endpoints share: the sampling fields chat and completions both honour, and what
+bulkgen does with each field it does not run (accepted and ignored, or refused with a 400). Each endpoint's
+own list of fields (OpenAI's create params) is in its module, bulkgen.batch.endpoints.
 
 `null` means "the default" for every field. The README's "Supported request fields" table mirrors these sets.
 """
@@ -16,7 +16,7 @@ COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 
 # Honoured: these change what the model generates (bulkgen.batch.sampling, bulkgen.batch.messages).
-_HONOURED_COMMON = {
+HONOURED_COMMON = {
     "model",
     "max_tokens",
     "temperature",
@@ -46,84 +46,7 @@ IGNORED = {
     "verbosity": str,
     "parallel_tool_calls": bool,
 }
-_CHAT_ONLY = {
-    "messages",
-    "max_completion_tokens",
-    "top_logprobs",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "modalities",
-    "reasoning_effort",
-    "audio",
-    "web_search_options",
-    "moderation",
-    "store",
-    "metadata",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "prompt_cache_options",
-    "prediction",
-    "verbosity",
-    "parallel_tool_calls",
-}
 RESPONSES = "/v1/responses"
-# CreateResponse's fields; bulkgen.batch.endpoints.responses says which it honours, ignores and refuses.
-_RESPONSES_FIELDS = {
-    "model",
-    "input",
-    "instructions",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "text",
-    "metadata",
-    "reasoning",
-    "store",
-    "user",
-    "service_tier",
-    "safety_identifier",
-    "prompt_cache_key",
-    "prompt_cache_retention",
-    "prompt_cache_options",
-    "stream",
-    "stream_options",
-    "truncation",
-    "parallel_tool_calls",
-    "tools",
-    "tool_choice",
-    "max_tool_calls",
-    "include",
-    "top_logprobs",
-    "background",
-    "background_options",
-    "conversation",
-    "previous_response_id",
-    "prompt",
-    "context_management",
-    "moderation",
-    "image",
-    "access_programs",
-}
-BODY_FIELDS = {
-    CHAT: _HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"},
-    COMPLETIONS: _HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"},
-    RESPONSES: _RESPONSES_FIELDS,
-    EMBEDDINGS: {"input", "model", "encoding_format", "dimensions", "user"},  # batch.endpoints.embeddings
-}
-
-
-# vLLM's extensions to the two requests (not OpenAI fields, so not in BODY_FIELDS, which is the spec): honoured
-# as vLLM honours them (sampling: bulkgen.batch.sampling; chat_template_kwargs: bulkgen.batch.messages).
-EXTENSIONS = {
-    CHAT: {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "thinking_token_budget"},
-    COMPLETIONS: {"top_k", "min_p", "repetition_penalty"},
-    RESPONSES: {"thinking_token_budget"},
-}
 
 
 class LineError(ValueError):

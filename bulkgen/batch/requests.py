@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bulkgen.batch.bodyfields import BODY_FIELDS, CHAT, COMPLETIONS, EXTENSIONS, RESPONSES, LineError
+from bulkgen.batch.bodyfields import CHAT, COMPLETIONS, RESPONSES, LineError
 from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.images import ImageRef
 from bulkgen.batch.nesting import MAX_NESTING, holds_marker, load
@@ -247,13 +247,14 @@ def _too_deep(body: dict[str, Any]) -> str:
 
 def _parse_body(line: RequestLine) -> ParsedRequest:
     body, endpoint = line.body, line.url
-    _refuse_unknown(body, BODY_FIELDS[endpoint] | EXTENSIONS.get(endpoint, set()), "body.")
+    handler = ENDPOINTS[endpoint]
+    _refuse_unknown(body, handler.fields | handler.extensions, "body.")
     request = ParsedRequest(line.custom_id, line.line, line.model, endpoint)
     request.thinking_budget = thinking_budget(body)
-    return ENDPOINTS[endpoint].parse(body, request)
+    return handler.parse(body, request)
 
 
-def _refuse_unknown(obj: dict, known: set[str], prefix: str) -> None:
+def _refuse_unknown(obj: dict, known: set[str] | frozenset[str], prefix: str) -> None:
     unknown = [key for key in obj if key not in known]
     if unknown:
         names = ", ".join(prefix + quote(key, 40).strip("'\"") for key in unknown[:5])

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bulkgen.batch.bodyfields import BODY_FIELDS
+from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.prepare import fit_context, tokenize
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
 from bulkgen.batch.validate import Validator, validate_stream
@@ -114,7 +114,7 @@ def _validate_and_index(raw: str, endpoint: str) -> None:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_json_value_in_any_body_field(endpoint, data):
-    field = data.draw(st.sampled_from(sorted(BODY_FIELDS[endpoint] - {"model"})), label="field")
+    field = data.draw(st.sampled_from(sorted(ENDPOINTS[endpoint].fields - {"model"})), label="field")
     value = data.draw(EDGES | JSON, label="value")
     raw = _line(endpoint, field, value)
     _run_like_a_worker(raw, endpoint, field)

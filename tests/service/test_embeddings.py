@@ -165,9 +165,9 @@ def test_models_list_their_endpoints(client):
 def test_the_body_fields_are_the_sdks():
     from openai.types import EmbeddingCreateParams
 
-    from bulkgen.batch.bodyfields import BODY_FIELDS
+    from bulkgen.batch.endpoints import ENDPOINTS
 
-    assert BODY_FIELDS["/v1/embeddings"] == set(EmbeddingCreateParams.__annotations__)
+    assert ENDPOINTS["/v1/embeddings"].fields == set(EmbeddingCreateParams.__annotations__)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from openai.types.responses import Response
 from openai.types.responses.response_create_params import ResponseCreateParamsBase
 
-from bulkgen.batch.bodyfields import BODY_FIELDS
+from bulkgen.batch.endpoints import ENDPOINTS
 from bulkgen.batch.outputlines import success_line
 from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
@@ -53,7 +53,7 @@ def _refused(**body) -> tuple[str, str]:
 
 def test_the_parser_knows_exactly_the_sdks_fields():
     """Every field of the openai package's ResponseCreateParams (plus `stream`, which it splits off)."""
-    assert BODY_FIELDS[RESPONSES] == set(typing.get_type_hints(ResponseCreateParamsBase)) | {"stream"}
+    assert ENDPOINTS[RESPONSES].fields == set(typing.get_type_hints(ResponseCreateParamsBase)) | {"stream"}
 
 
 def test_a_responses_line_is_the_chat_request():
@@ -370,7 +370,7 @@ RESPONSE_JSON = st.recursive(
 def test_any_json_value_in_any_field(finish, data):
     """The worker's path takes the line or refuses it naming the field; what it takes answers with a Response
     the openai package parses (every echoed field included)."""
-    field = data.draw(st.sampled_from(sorted(BODY_FIELDS[RESPONSES] - {"model"})), label="field")
+    field = data.draw(st.sampled_from(sorted(ENDPOINTS[RESPONSES].fields - {"model"})), label="field")
     value = data.draw(EDGES | JSON | RESPONSE_JSON, label="value")
     row = _row(max_output_tokens=16)
     row["body"][field] = value

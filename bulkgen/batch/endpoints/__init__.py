@@ -5,8 +5,8 @@ and how it fits the context, and the response body shaped from the worker's resu
 Shared code looks the line's url up in `ENDPOINTS` once and never branches on it (tests/batch/
 test_endpoints.py holds that). The parts endpoints share stay where they are and are called from here:
 body field checks (bulkgen.batch.bodyfields), messages, tools, structured outputs, reasoning, sampling's
-field rules. Adding an endpoint is a module here and its line in `ENDPOINTS`, plus its fields in
-bodyfields.BODY_FIELDS and its url in schema.ENDPOINTS (the list the API accepts).
+field rules. Adding an endpoint is a module here (its body's fields, its extensions, parse and answer) and its
+line in `ENDPOINTS`, plus its url in schema.ENDPOINTS (the list the API accepts).
 """
 
 from __future__ import annotations

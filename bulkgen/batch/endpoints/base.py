@@ -23,6 +23,9 @@ class Endpoint:
     sample_input: dict[
         str, Any
     ]  # the least body input a request needs (a watcher job tries its defaults with it)
+    fields: frozenset[
+        str
+    ]  # the body's fields in OpenAI's spec (the request's create params); others are refused
     parse: Callable[[dict[str, Any], ParsedRequest], ParsedRequest]
     # fill the request from the body (its unknown fields already refused); any LineError refuses the line
     answer: Callable[[ParsedRequest, dict, str], dict[str, Any]]
@@ -30,6 +33,7 @@ class Endpoint:
     fit: Callable[[ParsedRequest, int, int], dict[str, Any]] | None = None
     # (request, prompt_len, max_model_len) -> the engine's params, where they are not a generation's
     # (bulkgen.batch.prepare.fit_context); LineError where the prompt cannot fit
+    extensions: frozenset[str] = frozenset()  # vLLM's fields beyond the spec, honoured as vLLM honours them
 
 
 def usage(result: dict) -> dict[str, Any]:

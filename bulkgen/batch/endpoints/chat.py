@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bulkgen.batch.bodyfields import CHAT, LineError, check_ignored, check_refused
+from bulkgen.batch.bodyfields import CHAT, HONOURED_COMMON, LineError, check_ignored, check_refused
 from bulkgen.batch.endpoints.base import Endpoint, choices_body
 from bulkgen.batch.messages import chat_tools, messages, template_kwargs
 from bulkgen.batch.reasoning import choice_fields
@@ -133,6 +133,45 @@ def _chat_logprob(token: dict) -> dict[str, Any]:
     }
 
 
+# CreateChatCompletionRequest's fields (tests/service/spec_compat checks them against the spec)
+_CHAT_ONLY = {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "modalities",
+    "reasoning_effort",
+    "audio",
+    "web_search_options",
+    "moderation",
+    "store",
+    "metadata",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "prediction",
+    "verbosity",
+    "parallel_tool_calls",
+}
+FIELDS = frozenset(HONOURED_COMMON | _CHAT_ONLY | {"user", "stream_options"})
+# vLLM's extensions (not OpenAI fields): sampling (bulkgen.batch.sampling), chat_template_kwargs
+# (bulkgen.batch.messages), thinking_token_budget (bulkgen.batch.thinking_budget)
+EXTENSIONS = frozenset(
+    {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "thinking_token_budget"}
+)
+
 ENDPOINT = Endpoint(
-    CHAT, "body.messages", {"messages": [{"role": "user", "content": "x"}]}, parse=parse, answer=answer
+    CHAT,
+    "body.messages",
+    {"messages": [{"role": "user", "content": "x"}]},
+    fields=FIELDS,
+    parse=parse,
+    answer=answer,
+    extensions=EXTENSIONS,
 )

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bulkgen.batch.bodyfields import COMPLETIONS, LineError, check_ignored, check_refused, invalid
+from bulkgen.batch.bodyfields import (
+    COMPLETIONS,
+    HONOURED_COMMON,
+    LineError,
+    check_ignored,
+    check_refused,
+    invalid,
+)
 from bulkgen.batch.endpoints.base import Endpoint, choices_body
 from bulkgen.batch.sampling import best_of, completion_logprobs, sampling
 from bulkgen.batch.schema import quote
@@ -114,4 +121,16 @@ def _completion_logprobs(tokens: list[dict] | None) -> dict[str, Any] | None:
     }
 
 
-ENDPOINT = Endpoint(COMPLETIONS, "body.prompt", {"prompt": "x"}, parse=parse, answer=answer)
+# CreateCompletionRequest's fields, and vLLM's sampling extensions (bulkgen.batch.sampling)
+FIELDS = frozenset(HONOURED_COMMON | {"prompt", "best_of", "echo", "suffix", "user", "stream_options"})
+EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty"})
+
+ENDPOINT = Endpoint(
+    COMPLETIONS,
+    "body.prompt",
+    {"prompt": "x"},
+    fields=FIELDS,
+    parse=parse,
+    answer=answer,
+    extensions=EXTENSIONS,
+)

@@ -130,4 +130,8 @@ def encode(vector: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-ENDPOINT = Endpoint(EMBEDDINGS, "body.input", {"input": "x"}, parse=parse_embedding, answer=answer, fit=fit)
+FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})  # EmbeddingCreateParams
+
+ENDPOINT = Endpoint(
+    EMBEDDINGS, "body.input", {"input": "x"}, fields=FIELDS, parse=parse_embedding, answer=answer, fit=fit
+)

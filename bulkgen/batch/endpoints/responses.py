@@ -366,4 +366,53 @@ def output_text(body: dict[str, Any]) -> str:
     )
 
 
-ENDPOINT = Endpoint(RESPONSES, "body.input", {"input": "x"}, parse=responses_request, answer=answer)
+# CreateResponse's fields: the parse above says which it honours, ignores and refuses
+FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "text",
+        "metadata",
+        "reasoning",
+        "store",
+        "user",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "stream",
+        "stream_options",
+        "truncation",
+        "parallel_tool_calls",
+        "tools",
+        "tool_choice",
+        "max_tool_calls",
+        "include",
+        "top_logprobs",
+        "background",
+        "background_options",
+        "conversation",
+        "previous_response_id",
+        "prompt",
+        "context_management",
+        "moderation",
+        "image",
+        "access_programs",
+    }
+)
+EXTENSIONS = frozenset({"thinking_token_budget"})  # vLLM's (bulkgen.batch.thinking_budget)
+
+ENDPOINT = Endpoint(
+    RESPONSES,
+    "body.input",
+    {"input": "x"},
+    fields=FIELDS,
+    parse=responses_request,
+    answer=answer,
+    extensions=EXTENSIONS,
+)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bulkgen.batch.bodyfields import BODY_FIELDS
+from bulkgen.batch.endpoints import ENDPOINTS
 from tests.service.spec_compat.cases import TOOL, USER
 from tests.service.spec_compat.generate import FILES, SCHEMAS, properties, validator
 from tests.support.service import TOOLS_MODEL, read_lines, tool_model, upload, wait_done
@@ -47,7 +47,7 @@ def test_the_corpus_is_spec_valid_and_covers_every_field(endpoint):
     fields = properties(SCHEMA, SCHEMAS[endpoint])
     assert fields == {row["custom_id"].split(".")[0] for row in rows}
     assert len(fields) == {"/v1/chat/completions": 37, "/v1/completions": 18}[endpoint]
-    assert BODY_FIELDS[endpoint] == fields  # the parser knows exactly the spec's fields
+    assert ENDPOINTS[endpoint].fields == fields  # the parser knows exactly the spec's fields
 
 
 @pytest.fixture(scope="module")
