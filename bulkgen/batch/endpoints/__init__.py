@@ -2,7 +2,7 @@
 module (the body parsed into a ParsedRequest, its sampling mapping, the body field its prompt comes from
 and how it fits the context, and the response body shaped from the worker's result), as an `Endpoint`.
 
-Shared code looks the line's url up in `ENDPOINTS` once and never branches on it (tests/batch/
+Shared code looks the line's url up in `ENDPOINTS` once and never branches on it (tests/service/
 test_endpoints.py holds that). The parts endpoints share stay where they are and are called from here:
 body field checks (bulkgen.batch.bodyfields), messages, tools, structured outputs, reasoning, sampling's
 field rules. Adding an endpoint is a module here (its body's fields, its extensions, parse and answer) and its
