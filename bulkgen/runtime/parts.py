@@ -34,6 +34,7 @@ import numpy as np
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.outputlines import json_line
 from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.not_run import NotRun
 from bulkgen.store import Store, layout
 from bulkgen.store.compose import MIN_PART, Source, Span
 
@@ -228,20 +229,29 @@ def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray,
 
 
 def merge_parts(
-    store: Store, batch_id: str, errors: BinaryIO, tally: Tally, readers: int = READERS
+    store: Store,
+    batch_id: str,
+    errors: BinaryIO,
+    tally: Tally,
+    readers: int = READERS,
+    not_run: NotRun | None = None,
 ) -> Iterator[Source]:
     """The output file's sources for `store.compose`, in input-line order, one line per request (a retried
     range's lines once); the error lines are written to `errors` and every entry counted in `tally` as the
     sources are consumed. A part under COPY_AT is read whole and gives its bytes; a longer one gives its
-    head and then a range of itself (S3 copies it), so memory holds the window, not the batch."""
+    head and then a range of itself (S3 copies it), so memory holds the window, not the batch. `not_run` (a
+    stopped batch): the requests no part covers get its error lines, in input order among the parts' own."""
     last = covered = 0
     chosen = []
-    for key, _, last_line, size in _listed_parts(store, batch_id):
+    for key, first_line, last_line, size in _listed_parts(store, batch_id):
         if last_line > covered:  # else wholly covered by an earlier part (a retried range)
-            chosen.append((key, size))
+            chosen.append((key, first_line, covered, size))  # covered: the last line before it
             covered = last_line
-    sizes = dict(chosen)
-    for key, data, head in _windowed(lambda k: _read_for_merge(store, k, sizes[k]), sizes, readers):
+    sizes = {key: size for key, _, _, size in chosen}
+    reads = _windowed(lambda k: _read_for_merge(store, k, sizes[k]), sizes, readers)
+    for (key, data, head), (_, first_line, before, _) in zip(reads, chosen, strict=True):
+        if not_run is not None and first_line > before + 1:
+            tally.failed += not_run.gap(before, first_line, errors)
         if head is None:  # a part in the format before PartHead
             entries = [e for e in decode_part(data) if e.line > last]
             outputs = b"".join(e.envelope for e in entries if e.ok)
@@ -254,6 +264,8 @@ def merge_parts(
             tally.add(e)
         last = entries[-1].line if entries else last
         yield outputs
+    if not_run is not None:
+        tally.failed += not_run.gap(covered, None, errors)
 
 
 def _read_for_merge(store: Store, key: str, size: int) -> tuple[str, bytes | None, PartHead | None]:
