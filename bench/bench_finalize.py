@@ -6,8 +6,8 @@ S3 store (`compose`: a multipart upload whose parts of 5 MiB or more are copied 
 A moto server runs in a subprocess (its own interpreter: the merge's threads do not share its lock) behind
 the tests' proxy (tests/support/s3.py), which counts every request and holds each answer `--latency-ms`
 (S3's first-byte latency is tens of ms; moto on this machine answers in about 2 ms). `--parts` parts of
-`--lines-per-part` lines (each `--pad` bytes of text longer than a short answer) are written straight to
-moto, then finalized each way; the outputs must be equal.
+`--lines-per-part` lines (each answer `--pad` bytes of text longer than a short one; every tenth line a short
+refusal, an error line) are written straight to moto, then finalized each way; the outputs must be equal.
 
     python bench/bench_finalize.py [--parts 1000] [--lines-per-part 32] [--pad 0] [--latency-ms 20]
 
@@ -68,8 +68,11 @@ def write_parts(store, count: int, per_part: int, pad: int) -> int:
         entries = []
         for line in range(first, first + per_part):
             ok = line % 10 != 0
-            text = f"answer {line} " + "x" * pad
-            envelope = {"custom_id": f"r{line}", "response": {"text": text}, "error": None}
+            if ok:
+                response = {"text": f"answer {line} " + "x" * pad}
+            else:  # a refusal (context_length_exceeded): short, whatever the answers' length
+                response = {"status_code": 400, "body": {"error": {"code": "context_length_exceeded"}}}
+            envelope = {"custom_id": f"r{line}", "response": response, "error": None}
             entries.append(parts.PartEntry.of(line, ok, envelope, (12, 3, 0)))
         parts.write_part(store, BATCH, first, first + per_part - 1, entries)
 

@@ -9,12 +9,13 @@ the first page and half a page after a cursor in the middle:
 
 - GET /v1/files?limit=20 and GET /v1/batches (the default limit, 20): pages of a fixed size, which
   should cost the same whatever is stored (goal: p90 within 1.5x up to 10,000; the ratios are to the
-  first size whose page is full, 20: with 1 stored the answer holds 1 record, not 20);
+  first size at which both pages are full, FULL (41): with 20 stored the page after the middle holds
+  9 records, not 20, and with 1 stored the first page holds 1);
   the CPU column (this process's CPU per request, app and client) is the figure a busy machine moves least;
 - GET /v1/files (no limit: OpenAI's default of 10,000, which bulkgen keeps): the whole list, O(stored) by
   contract; timed `--default-requests` times only, for scale.
 
-    python bench/bench_listing.py [--sizes 1 20 100 1000 10000] [--requests 200]
+    python bench/bench_listing.py [--sizes 1 20 50 100 1000 10000] [--requests 200]
     python bench/bench_listing.py --s3 s3://bucket/prefix --endpoint http://127.0.0.1:5000 --sizes 1 20 100 1000
 
 Ratios are measured in one run; the load average before and after is printed with them.
@@ -44,6 +45,8 @@ from bulkgen.store import local, open_store  # noqa: E402
 
 RACY_S = getattr(local, "RACY_S", 2.0)  # (an older tree, for a comparison, has none)
 
+PAGE = 20  # the page size timed (files: limit=20; batches: the default limit)
+FULL = 2 * PAGE + 1  # the fewest stored for which the page after the middle cursor is full too
 CPU: dict[str, float] = {}  # route -> CPU ms of this process (app and client) over the last timing
 
 
@@ -69,7 +72,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 20, 100, 1000, 10000])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 20, 50, 100, 1000, 10000])
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--default-requests", type=int, default=3)
     parser.add_argument("--s3", help="an s3:// URL to list in (default: a fresh local folder)")
@@ -87,7 +90,7 @@ def main() -> None:
     file_ids: list[str] = []
     batch_ids: list[str] = []
     print(f"storage: {'S3 ' + url if args.s3 else 'local folder'}; load average before: {os.getloadavg()}")
-    routes = ("GET /v1/files?limit=20", "GET /v1/batches", "GET /v1/files (default limit)")
+    routes = (f"GET /v1/files?limit={PAGE}", "GET /v1/batches", "GET /v1/files (default limit)")
     rows: dict[str, list[tuple[int, float, float, float]]] = {r: [] for r in routes}
     with TestClient(app) as client:
         for size in args.sizes:
@@ -103,7 +106,7 @@ def main() -> None:
             mid_file, mid_batch = sorted(file_ids)[size // 2], sorted(batch_ids)[size // 2]
             half = args.requests // 2
             urls = {
-                routes[0]: ["/v1/files?limit=20", f"/v1/files?limit=20&after={mid_file}"],
+                routes[0]: [f"/v1/files?limit={PAGE}", f"/v1/files?limit={PAGE}&after={mid_file}"],
                 routes[1]: ["/v1/batches", f"/v1/batches?after={mid_batch}"],
                 routes[2]: ["/v1/files"],
             }
@@ -115,9 +118,9 @@ def main() -> None:
             print(f"  {size:>6,} stored files and batches (added in {fill_s:.1f} s)", flush=True)
     for route in routes:
         print(f"\n{route}")
-        # a page of 20 is full from 20 stored on: ratios are to the first full page (to the first row if no
-        # size reaches 20); below it the answer itself is smaller
-        base = next((r for r in rows[route] if r[0] >= 20), rows[route][0])
+        # both pages timed are full from FULL stored on: ratios are to the first such size (to the first row
+        # if no size reaches it); below it the answers themselves are smaller
+        base = next((r for r in rows[route] if r[0] >= FULL), rows[route][0])
         print(f"{'stored':>8} {'p50 ms':>8} {'p90 ms':>8} {'p90 ratio':>10} {'CPU ms':>8} {'CPU ratio':>10}")
         for size, p50, p90, cpu in rows[route]:
             print(

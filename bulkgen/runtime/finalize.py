@@ -5,8 +5,10 @@ part is copied server-side, never downloaded; elsewhere the parts are read READE
 
 The output and error files get ids derived from the batch id, so a finalize that is retried (its
 runner died half way) overwrites the same files instead of leaving orphans, and the closing status
-change is conditional: a batch already ended is never closed twice. Once the batch is closed its
-parts are deleted (a finalize that dies before leaves them to `bulkgen gc`).
+change is conditional: a batch already ended is never closed twice. A cancelled or expired batch's
+requests that never ran get their error lines in the same pass, read from the input (not_run.py), never
+as parts of their own. Once the batch is closed its parts are deleted (a finalize that dies before
+leaves them to `bulkgen gc`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.batch.service import BatchService
 from bulkgen.metrics import BatchMetrics, report_files
 from bulkgen.runtime import parts
+from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.not_run import NotRun
 from bulkgen.store import layout
 
 
@@ -28,14 +32,24 @@ def result_file_ids(batch_id: str) -> tuple[str, str]:
 
 
 def finalize(
-    svc: BatchService, batch_id: str, stop: str | None, metrics: BatchMetrics | None = None
+    svc: BatchService,
+    batch_id: str,
+    stop: str | None,
+    metrics: BatchMetrics | None = None,
+    index: LineIndex | None = None,
 ) -> BatchRecord:
+    """`stop` (batch_cancelled / batch_expired): the batch ends early, and each request of `index` that no
+    part holds gets `stop` in the error file (bulkgen.runtime.not_run)."""
     if stop is None:
         record = svc.batches.update(batch_id, lifecycle.begin_finalizing)
     else:
         record = svc.batches.get(batch_id)
     output_id, error_id = result_file_ids(batch_id)
-    tally = _write_results(svc, batch_id, output_id, error_id, record.internal.get("output_expires_after_s"))
+    not_run = None
+    if stop is not None and index is not None:
+        not_run = NotRun(svc.store, svc.files.data_key(record.input_file_id), index, stop)
+    expiry = record.internal.get("output_expires_after_s")
+    tally = _write_results(svc, batch_id, output_id, error_id, expiry, not_run)
     report = _store_report(svc, batch_id, metrics)
 
     def close(r: BatchRecord) -> BatchRecord | None:
@@ -56,14 +70,21 @@ def finalize(
 
 
 def _write_results(
-    svc: BatchService, batch_id: str, output_id: str, error_id: str, expiry: int | None
+    svc: BatchService,
+    batch_id: str,
+    output_id: str,
+    error_id: str,
+    expiry: int | None,
+    not_run: NotRun | None,
 ) -> parts.Tally:
     """The output file composed from its parts' bytes (S3: long parts copied server-side), the error file
     from a spool; each file's record only if it has a line (an output without one is deleted)."""
     tally = parts.Tally()
     output_key = svc.files.data_key(output_id)
     with tempfile.SpooledTemporaryFile(max_size=parts.SPOOL_BYTES) as errors:
-        size = svc.store.compose(output_key, parts.merge_parts(svc.store, batch_id, errors, tally))
+        size = svc.store.compose(
+            output_key, parts.merge_parts(svc.store, batch_id, errors, tally, not_run=not_run)
+        )
         if tally.completed:
             svc.files.write_meta(output_id, size, layout.output_filename(batch_id), "batch_output", expiry)
         else:

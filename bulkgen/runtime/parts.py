@@ -7,11 +7,13 @@ streams the parts in input order. At-least-once execution thus yields exactly on
 
 A request's output (or error) line is encoded once, where its part is written, and the part keeps those
 bytes as they will stand in the output file: a part is a head line (`PartHead`: each entry's line, ok,
-usage and byte length) and then its output lines, then its error lines, each in input order. So any
+usage and byte length) and then its error lines, then its output lines, each in input order. So any
 suffix of a part's entries is two byte ranges of it, and finalize writes the output file with
 `Store.compose` from those ranges: S3 copies a part of 5 MiB or more server-side without a download
-(store/compose.py), smaller parts are read whole (one GET) and their bytes go in as they are. A part
-written before this format (one JSON line per entry, `PartEntry.encode`) is still read.
+(store/compose.py), and the one ranged read of its start that finds the head holds its (usually few)
+error lines too; smaller parts are read whole (one GET) and their bytes go in as they are. Parts written
+before this format are still read: outputs before errors ({"v":2}), or one JSON line per entry
+(`PartEntry.encode`).
 
 Parts are read READERS at a time (`_windowed`: whole parts, or the head of a part to copy, consumed in
 input order), so a finalize or a resume of a million lines waits for about 1/READERS of the sum of S3's
@@ -34,6 +36,7 @@ import numpy as np
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.outputlines import json_line
 from bulkgen.runtime.lineindex import LineIndex
+from bulkgen.runtime.not_run import NotRun
 from bulkgen.store import Store, layout
 from bulkgen.store.compose import MIN_PART, Source, Span
 
@@ -44,7 +47,8 @@ COPY_AT = MIN_PART  # a part this long is composed from its ranges, not read (S3
 HEAD_PROBE = 64 * 1024  # the first read of a long part's head (doubled until the head line ends)
 
 _ENVELOPE = b',"envelope":'  # what precedes an entry's output line in its line (the format before PartHead)
-_HEAD = b'{"v":2,'  # how a part in today's format begins
+_HEAD = b'{"v":'  # how a part with a head line begins (v2: outputs before errors; v3: errors first)
+VERSION = 3
 
 
 @dataclass
@@ -78,19 +82,21 @@ class PartEntry:
 
 @dataclass
 class PartHead:
-    """A part's first line, {"v":2,"entries":[[line, ok, bytes, *usage], ..]}, and its length (`start`):
-    where each entry's line lies in the part (outputs from `start` on, then errors, both by line)."""
+    """A part's first line, {"v":3,"entries":[[line, ok, bytes, *usage], ..]}, and its length (`start`):
+    where each entry's line lies in the part (errors from `start` on, then outputs, both by line; v2 had
+    the outputs first)."""
 
     entries: list[PartEntry]  # in input order, their envelopes not read (b"")
     lengths: list[int]  # each entry's line's bytes, newline included
     start: int
+    errors_first: bool = True
 
     @classmethod
     def of(cls, data: bytes) -> PartHead:
         line = data[: data.index(b"\n")]
-        rows = json.loads(line)["entries"]
-        entries = [PartEntry(r[0], bool(r[1]), b"", tuple(r[3:])) for r in rows]
-        return cls(entries, [r[2] for r in rows], len(line) + 1)
+        head = json.loads(line)
+        entries = [PartEntry(r[0], bool(r[1]), b"", tuple(r[3:])) for r in head["entries"]]
+        return cls(entries, [r[2] for r in head["entries"]], len(line) + 1, head["v"] >= VERSION)
 
     def after(self, line: int) -> tuple[list[PartEntry], range, range]:
         """The entries past input line `line` and where their output and error lines lie in the part:
@@ -100,18 +106,18 @@ class PartHead:
         for i, (e, n) in enumerate(zip(self.entries, self.lengths, strict=True)):
             sums[e.ok][1] += n
             sums[e.ok][0] += n if i < cut else 0
-        errors_at = self.start + sums[True][1]
-        outputs = range(self.start + sums[True][0], errors_at)
-        return self.entries[cut:], outputs, range(errors_at + sums[False][0], errors_at + sums[False][1])
+        first = not self.errors_first  # the kind whose lines come first: False, the errors (v2: outputs)
+        at = {first: self.start, not first: self.start + sums[first][1]}
+        spans = {ok: range(at[ok] + sums[ok][0], at[ok] + sums[ok][1]) for ok in (True, False)}
+        return self.entries[cut:], spans[True], spans[False]
 
 
 def encode_part(entries: list[PartEntry]) -> bytes:
     entries = sorted(entries, key=lambda e: e.line)
     rows = [[e.line, int(e.ok), len(e.envelope), *e.usage] for e in entries]
-    head = json.dumps({"v": 2, "entries": rows}, separators=(",", ":")).encode()
-    return b"\n".join([head, b"".join(e.envelope for e in entries if e.ok)]) + b"".join(
-        e.envelope for e in entries if not e.ok
-    )
+    head = json.dumps({"v": VERSION, "entries": rows}, separators=(",", ":")).encode()
+    errors = b"".join(e.envelope for e in entries if not e.ok)
+    return head + b"\n" + errors + b"".join(e.envelope for e in entries if e.ok)
 
 
 def decode_part(data: bytes) -> list[PartEntry]:
@@ -228,45 +234,66 @@ def coverage(store: Store, batch_id: str, index: LineIndex) -> tuple[np.ndarray,
 
 
 def merge_parts(
-    store: Store, batch_id: str, errors: BinaryIO, tally: Tally, readers: int = READERS
+    store: Store,
+    batch_id: str,
+    errors: BinaryIO,
+    tally: Tally,
+    readers: int = READERS,
+    not_run: NotRun | None = None,
 ) -> Iterator[Source]:
     """The output file's sources for `store.compose`, in input-line order, one line per request (a retried
     range's lines once); the error lines are written to `errors` and every entry counted in `tally` as the
     sources are consumed. A part under COPY_AT is read whole and gives its bytes; a longer one gives its
-    head and then a range of itself (S3 copies it), so memory holds the window, not the batch."""
+    head and then a range of itself (S3 copies it), so memory holds the window, not the batch. `not_run` (a
+    stopped batch): the requests no part covers get its error lines, in input order among the parts' own."""
     last = covered = 0
     chosen = []
-    for key, _, last_line, size in _listed_parts(store, batch_id):
+    for key, first_line, last_line, size in _listed_parts(store, batch_id):
         if last_line > covered:  # else wholly covered by an earlier part (a retried range)
-            chosen.append((key, size))
+            chosen.append((key, first_line, covered, size))  # covered: the last line before it
             covered = last_line
-    sizes = dict(chosen)
-    for key, data, head in _windowed(lambda k: _read_for_merge(store, k, sizes[k]), sizes, readers):
+    sizes = {key: size for key, _, _, size in chosen}
+    reads = _windowed(lambda k: _read_for_merge(store, k, sizes[k]), sizes, readers)
+    for (key, data, head, whole), (_, first_line, before, _) in zip(reads, chosen, strict=True):
+        if not_run is not None and first_line > before + 1:
+            tally.failed += not_run.gap(before, first_line, errors)
         if head is None:  # a part in the format before PartHead
             entries = [e for e in decode_part(data) if e.line > last]
             outputs = b"".join(e.envelope for e in entries if e.ok)
             errors.write(b"".join(e.envelope for e in entries if not e.ok))
         else:
             entries, out, err = head.after(last)
-            outputs = data[out.start : out.stop] if data else Span(key, out.start, out.stop)
-            errors.write(data[err.start : err.stop] if data else store.read_range(key, err.start, err.stop))
+            outputs = data[out.start : out.stop] if whole else Span(key, out.start, out.stop)
+            errors.write(_bytes_of(store, key, data, err))
         for e in entries:
             tally.add(e)
         last = entries[-1].line if entries else last
         yield outputs
+    if not_run is not None:
+        tally.failed += not_run.gap(covered, None, errors)
 
 
-def _read_for_merge(store: Store, key: str, size: int) -> tuple[str, bytes | None, PartHead | None]:
-    """(key, the part's bytes or None, its head or None): a part under COPY_AT is read whole, a longer one
-    only as far as its head line ends (a part in the old format is read whole, headless)."""
+def _read_for_merge(store: Store, key: str, size: int) -> tuple[str, bytes, PartHead | None, bool]:
+    """(key, bytes read, the part's head or None, whether they are the whole part): a part under COPY_AT is
+    read whole, a longer one from its start as far as its head line ends, at least HEAD_PROBE bytes (its
+    error lines follow the head, so that read usually holds them too); a part in the old format whole."""
     if size < COPY_AT:
         data = store.read_bytes(key)
-        return key, data, PartHead.of(data) if data.startswith(_HEAD) else None
+        return key, data, PartHead.of(data) if data.startswith(_HEAD) else None, True
     probe = HEAD_PROBE
     while True:
         data = store.read_range(key, 0, min(probe, size))
         if not data.startswith(_HEAD):
-            return key, store.read_bytes(key), None
+            return key, store.read_bytes(key), None, True
         if b"\n" in data or probe >= size:
-            return key, None, PartHead.of(data)
+            return key, data, PartHead.of(data), len(data) == size
         probe *= 2
+
+
+def _bytes_of(store: Store, key: str, data: bytes, span: range) -> bytes:
+    """Bytes `span` of the part at `key`, of which `data` holds the first len(data): a ranged read only for
+    what `data` lacks."""
+    held = data[span.start : span.stop]
+    if span.start + len(held) >= span.stop:
+        return held
+    return held + store.read_range(key, span.start + len(held), span.stop)

@@ -26,7 +26,7 @@ import numpy as np
 from bulkgen.batch import lifecycle
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.lifecycle import needs_validation
-from bulkgen.batch.outputlines import not_run_line, refused_line
+from bulkgen.batch.outputlines import refused_line
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.requests import custom_id_of
 from bulkgen.batch.schema import TERMINAL_STATUSES, BatchStatus, batch_priority
@@ -39,7 +39,7 @@ from bulkgen.runtime.lineindex import LineIndex, index_file, read_lines
 from bulkgen.runtime.pacing import CONTROL_QUIET_S, PUBLISH_QUIET_S, PUBLISH_STEPS, ProgressPacer
 from bulkgen.runtime.ranges import RangeOutcome
 from bulkgen.runtime.validation import validate_and_index
-from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges, true_runs
+from bulkgen.runtime.workqueue import QueuedBatch, QueuedRange, make_ranges
 from bulkgen.store import NotFound, StorageUnavailable, layout
 from bulkgen.store.base import redact
 
@@ -127,10 +127,9 @@ class BatchRunner:
             if not stop and not self.done.all():
                 stop = self._execute(record)
             if stop:
-                self._withdraw(stop)
-                self._write_not_run(stop)
+                self._withdraw(stop)  # the rest never run: finalize writes their error lines
         self.lease.wait_for_orphans(self._check_lease)  # a dead driver's workers may still store parts
-        return finalize(self.svc, self.batch_id, stop, self.metrics)
+        return finalize(self.svc, self.batch_id, stop, self.metrics, self.index)
 
     def _check_lease(self) -> None:
         if self._lease_lost:
@@ -359,24 +358,6 @@ class BatchRunner:
         self.dispatcher.abort_batch(self.batch_id, code)
         with self._lock:
             self._live.clear()
-
-    def _write_not_run(self, code: str) -> None:
-        """Every request without a result yet gets `code` (cancelled / expired) in the error file."""
-        done, _ = parts.coverage(self.svc.store, self.batch_id, self.index)
-        key = FileRepo.data_key(self.svc.batches.get(self.batch_id).input_file_id)
-        size = self.svc.settings.range_size * 32
-        for lo, hi in true_runs(~done):
-            for start in range(lo, hi, size):
-                end = min(hi, start + size)
-                first, last = int(self.index.lines[start]), int(self.index.lines[end - 1])
-                lines = read_lines(
-                    self.svc.store, key, first, int(self.index.starts[start]), int(self.index.ends[end - 1])
-                )
-                entries = [
-                    parts.PartEntry.of(line, False, not_run_line(custom_id_of(raw), code))
-                    for line, raw in lines
-                ]
-                parts.write_part(self.svc.store, self.batch_id, first, last, entries)
 
     def _recount(self, lo: int, hi: int) -> None:
         """A range overlapping results already counted: count only its new lines, from its stored part."""

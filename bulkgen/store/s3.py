@@ -30,12 +30,13 @@ from bulkgen.store.base import (
     NotFound,
     ObjectInfo,
     PreconditionFailed,
+    StorageUnavailable,
     Store,
     check_key,
     check_prefix,
     check_write,
 )
-from bulkgen.store.compose import Piece, Source, Span, plan_pieces
+from bulkgen.store.compose import Piece, Source, Span, multipart_etag, plan_pieces
 from bulkgen.store.retry import call_with_retries, store_errors
 
 T = TypeVar("T")
@@ -252,17 +253,47 @@ class S3Store(Store):
         upload_id = upload["UploadId"]
         try:
             etags, size = self._compose_parts(key, upload_id, itertools.chain((first, second), pieces))
-            done = {"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]}
-            self._call(
-                key,
-                lambda: client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload=done
-                ),
-            )
         except BaseException:
             self._abort_upload(key, upload_id)
             raise
+        self._complete(key, upload_id, etags, size)
         return size
+
+    def _complete(self, key: str, upload_id: str, etags: list[str], size: int) -> None:
+        """Complete the upload. A try whose answer was lost may have completed it: the retry then finds no
+        such upload (404 NoSuchUpload), and the object is ours if S3 gives it the ETag of these parts and
+        the composed size (as a put's retry checks its body: `_own_write_landed`). Otherwise the object
+        is not what was composed: StorageUnavailable, so the caller's work is redone, not trusted."""
+        full, tries = self._full(key), []
+        done = {"Parts": [{"PartNumber": n, "ETag": etag} for n, etag in enumerate(etags, 1)]}
+
+        def complete() -> None:
+            tries.append(1)
+            self._client().complete_multipart_upload(
+                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload=done
+            )
+
+        try:
+            self._call(key, complete)
+            return
+        except NotFound:
+            if len(tries) < 2:  # the upload was gone before any try reached it (aborted by someone)
+                raise StorageUnavailable(self.url, f"the multipart upload of {key} is gone") from None
+        except BaseException:
+            self._abort_upload(key, upload_id)
+            raise
+        try:
+            head = self._call(key, lambda: self._client().head_object(Bucket=self.bucket, Key=full))
+            found = f"{head['ContentLength']} bytes, ETag {head['ETag']}"
+        except NotFound:
+            found = "no object"
+        wanted = f"{size} bytes, ETag {multipart_etag(etags)}"
+        if found != wanted:
+            raise StorageUnavailable(
+                self.url,
+                f"the multipart upload of {key} was gone when its completion was retried, and {key} holds "
+                f"{found}, not the {wanted} composed",
+            )
 
     def _compose_parts(self, key: str, upload_id: str, pieces: Iterator[Piece]) -> tuple[list[str], int]:
         """Send the pieces COMPOSE_PARTS at a time, planning the next ones as earlier ones finish."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import boto3
 import pytest
 
-from bulkgen.store import NotFound, open_store
+from bulkgen.store import NotFound, StorageUnavailable, open_store
 from bulkgen.store.compose import MIN_PART, MiB, Span, plan_pieces
 from bulkgen.store.s3 import parse_s3_url
 from tests.support.s3 import FAST_RETRY
@@ -133,3 +133,64 @@ def test_a_failed_compose_leaves_no_object_and_no_open_upload(stores, s3_server)
     with pytest.raises(NotFound):
         s3.compose("out/all", spans)
     assert s3.read_bytes("out/all") == b"before"
+
+
+def _completion(method: str, path: str) -> bool:
+    """CompleteMultipartUpload: a POST naming the upload (its parts are PUTs)."""
+    return method == "POST" and "uploadId=" in path
+
+
+@pytest.mark.parametrize("retry_answer", [None, "nosuchupload"], ids=["moto-200", "NoSuchUpload"])
+def test_a_completion_whose_answer_was_lost_is_recognized_by_its_etag(stores, flaky_proxy, retry_answer):
+    """The first CompleteMultipartUpload lands but its answer is lost (SlowDown instead). The retry is
+    answered 200 (moto, and S3 for a while: the completion is idempotent) or NoSuchUpload (S3 later, and
+    MinIO); then the object, its ETag the one these parts give and its size the composed one, is taken as
+    written with one HEAD. Either way compose returns and aborts nothing."""
+    data = objects()
+    fill(stores[1:], data)
+    _, s3 = stores
+    spans = spans_of(data, ["parts/small-000", "parts/big-2"])
+    flaky_proxy.aimed = [(_completion, "lost"), (_completion, retry_answer)]
+    start = len(flaky_proxy.log)
+    assert s3.compose("out/all", spans) == len(expected(data, spans))
+    assert s3.read_bytes("out/all") == expected(data, spans)
+    log = flaky_proxy.log[start:]
+    assert [status for m, p, status in log if _completion(m, p)] == [503, 404 if retry_answer else 200]
+    assert [m for m, _, _ in log].count("HEAD") == (1 if retry_answer else 0)
+    assert not [p for m, p, _ in log if m == "DELETE"]  # no abort
+
+
+def test_a_lost_completion_over_an_object_changed_since_fails_clearly(stores, flaky_proxy, s3_server):
+    """As above, but another writer replaced the object before the retry (answered NoSuchUpload): compose
+    fails, saying what the key holds and what was composed, rather than report bytes that are not there."""
+    data = objects()
+    fill(stores[1:], data)
+    _, s3 = stores
+    spans = spans_of(data, ["parts/small-000", "parts/big-2"])
+    bucket, root = parse_s3_url(s3.url)
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1")
+
+    def overwritten_before_the_retry(method: str, path: str) -> bool:
+        if _completion(method, path):
+            client.put_object(Bucket=bucket, Key=f"{root}/out/all", Body=b"another writer's bytes")
+            return True
+        return False
+
+    flaky_proxy.aimed = [(_completion, "lost"), (overwritten_before_the_retry, "nosuchupload")]
+    with pytest.raises(StorageUnavailable, match=r"out/all holds 22 bytes, ETag .* not the \d+ bytes"):
+        s3.compose("out/all", spans)
+    assert s3.read_bytes("out/all") == b"another writer's bytes"
+
+
+def test_an_upload_gone_before_its_first_completion_fails_clearly(stores, flaky_proxy):
+    """NoSuchUpload at the first try (the upload was aborted meanwhile, e.g. by a lifecycle rule): nothing
+    of ours can be there, so compose fails naming the upload, without looking at the key."""
+    data = objects()
+    fill(stores[1:], data)
+    _, s3 = stores
+    flaky_proxy.aimed = [(_completion, "nosuchupload")]
+    start = len(flaky_proxy.log)
+    with pytest.raises(StorageUnavailable, match="the multipart upload of out/all is gone"):
+        s3.compose("out/all", spans_of(data, ["parts/small-000", "parts/big-2"]))
+    assert "HEAD" not in [m for m, _, _ in flaky_proxy.log[start:]]
+    assert not s3.exists("out/all")

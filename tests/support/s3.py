@@ -8,6 +8,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -30,6 +31,12 @@ ANSWERS = {
         b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
         b"<Message>Access Denied</Message></Error>",
     ),
+    "nosuchupload": (  # S3's answer to a completion retried after the upload completed (moto answers 200)
+        404,
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>NoSuchUpload</Code>'
+        b"<Message>The specified upload does not exist. The upload ID may be invalid, or the upload may have "
+        b"been aborted or completed.</Message></Error>",
+    ),
     "badkey": (
         403,
         b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InvalidAccessKeyId</Code>'
@@ -47,14 +54,17 @@ class FlakyProxy:
 
     `fail` is a list consumed in order: "503" answers SlowDown, "500" InternalError, "drop" closes the
     connection unanswered, "lost" forwards the request (so it takes effect) but answers SlowDown, as when
-    a reply is lost; `delay_s` holds every answer that long (S3's first-byte latency, for a benchmark); "403" answers AccessDenied and "badkey" InvalidAccessKeyId. Besides, `rate` fails
+    a reply is lost; `delay_s` holds every answer that long (S3's first-byte latency, for a benchmark); "403" answers AccessDenied, "badkey" InvalidAccessKeyId and "nosuchupload" NoSuchUpload. Besides, `rate` fails
     that fraction of the other requests with a mode drawn from `rate_modes` (seeded), and while `down` is
-    set every request fails that way (an outage window). `log` records (method, path, status).
+    set every request fails that way (an outage window). `aimed` fails chosen requests: a list of
+    (match(method, path), mode), each used by the first request it matches, in order (mode None: forwarded
+    as it is). `log` records (method, path, status).
     """
 
     def __init__(self, upstream: str) -> None:
         self.upstream = urlparse(upstream)
         self.fail: list[str] = []
+        self.aimed: list[tuple[Callable[[str, str], bool], str | None]] = []
         self.rate, self.rate_modes, self.down = 0.0, ("503", "500", "drop", "lost"), None
         self.delay_s = 0.0
         self.random = random.Random(1234)
@@ -67,8 +77,12 @@ class FlakyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
 
-    def _next_failure(self) -> str | None:
+    def _next_failure(self, method: str, path: str) -> str | None:
         with self.lock:
+            for i, (match, mode) in enumerate(self.aimed):
+                if match(method, path):
+                    del self.aimed[i]
+                    return mode
             if self.fail:
                 return self.fail.pop(0)
             if self.down:
@@ -102,7 +116,7 @@ class FlakyProxy:
                 time.sleep(proxy.delay_s)
                 if found := {h: self.headers[h] for h in RANGED_HEADERS if h in self.headers}:
                     proxy.ranged.append((self.command, self.path, found))
-                failure = proxy._next_failure()
+                failure = proxy._next_failure(self.command, self.path)
                 if failure == "drop":
                     proxy.log.append((self.command, self.path, 0))
                     self.close_connection = True
