@@ -70,12 +70,14 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, prompts, tmp_path, one_thread):
+def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(
+    name, prompts, tmp_path, one_thread, rank_pool
+):
     arch, overrides, write = CHECKPOINTS[name]
     checkpoint = str(write(build_tiny_model(tmp_path / "float", arch, seed=3, **overrides), tmp_path / "fp8"))
     single = Engine.from_pretrained(checkpoint, **ENGINE)
     tokens, logprobs = _run(single, prompts)
-    sharded = Engine.from_pretrained(checkpoint, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(checkpoint, tensor_parallel=2, launcher=rank_pool, **ENGINE)
     try:
         sharded_tokens, sharded_logprobs = _run(sharded, prompts)
         scales = [n for n, _ in sharded.model.named_parameters() if "scale" in n]
