@@ -6,7 +6,8 @@ prompts), prefix caching (two prompts share a 96-token prefix) and a KV cache th
 longest prompt alone, so shorter sequences are preempted and recomputed. Llama splits its two KV heads
 one per rank; Qwen3 has one KV head, replicated on both ranks; Qwen3-MoE splits every expert's width.
 The vocabulary (261 tokens) does not divide by two, so the last shard of the embedding and the head is
-padded.
+padded. Those engines' followers are the session's kept ranks (`rank_pool`); the tests of a rank that
+dies, hangs or never joins start fresh follower processes (ProcessLauncher), whose ends they observe.
 """
 
 from __future__ import annotations
