@@ -133,13 +133,14 @@ class Serving:
 def _serve_forever() -> None:
     """The kept interpreter's loop: serve each spec read from stdin until stdin closes. Its stdout is the
     answers' channel alone; anything the model code prints goes to stderr."""
-    from bulkgen.engine import model_runner, tensor_parallel  # noqa: F401  (imported before the first spec)
+    from bulkgen.engine.model_runner import ModelRunner  # noqa: F401  (imported before the first spec)
+    from bulkgen.engine.tensor_parallel import serve_rank
 
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     for line in sys.stdin:
         try:
-            tensor_parallel.serve_rank(**json.loads(line))
+            serve_rank(**json.loads(line))
             answers.write(_DONE + "\n")
         except Exception:
             traceback.print_exc()
