@@ -85,6 +85,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
+def rank_pool():
+    """Follower ranks kept for the session (tests/support/rank_pool.py): `launcher=rank_pool` on a
+    tensor-parallel engine reuses them instead of starting fresh interpreters for every model."""
+    from tests.support.rank_pool import RankPool
+
+    pool = RankPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
 def tp_prompts():
     """Tensor-parallel runs' prompts: 7 to 300 tokens, and two that share the longest one's first 96
     (prefix caching)."""

@@ -31,7 +31,7 @@ def prompts():
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def pair(request, tmp_path_factory, one_thread):
+def pair(request, tmp_path_factory, one_thread, rank_pool):
     """(model folder, {adapter: folder}, single-process engine, two-rank engine), both with the adapters."""
     root = tmp_path_factory.mktemp(f"lora-tp-{request.param}")
     path = build_tiny_model(root / "model", request.param, seed=3, **MODELS[request.param])
@@ -39,7 +39,9 @@ def pair(request, tmp_path_factory, one_thread):
         name: _save_adapter(path, root / name, i + 10, rank, alpha, rslora, targets)
         for i, (name, (rank, alpha, rslora, targets)) in enumerate(ADAPTERS.items())
     }
-    engines = [Engine.from_pretrained(str(path), tensor_parallel=tp, **ENGINE) for tp in (1, 2)]
+    engines = [
+        Engine.from_pretrained(str(path), tensor_parallel=tp, launcher=rank_pool, **ENGINE) for tp in (1, 2)
+    ]
     for engine in engines:
         for name, folder in adapters.items():
             engine.add_lora(name, folder)

@@ -6,7 +6,8 @@ prompts), prefix caching (two prompts share a 96-token prefix) and a KV cache th
 longest prompt alone, so shorter sequences are preempted and recomputed. Llama splits its two KV heads
 one per rank; Qwen3 has one KV head, replicated on both ranks; Qwen3-MoE splits every expert's width.
 The vocabulary (261 tokens) does not divide by two, so the last shard of the embedding and the head is
-padded.
+padded. Those engines' followers are the session's kept ranks (`rank_pool`); the tests of a rank that
+dies, hangs or never joins start fresh follower processes (ProcessLauncher), whose ends they observe.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.parallel.tensor_parallel import ProcessLauncher, RankLost, launch
-from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
@@ -37,15 +37,17 @@ def prompts(tp_prompts):
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def pair(request, tmp_path_factory, prompts, one_thread):
+def pair(request, tiny_model, prompts, one_thread, rank_pool):
     """(name, path, single-process engine, two-rank engine) with the same limits; the cache holds the
     longest prompt alone."""
     name = request.param
-    path = str(build_tiny_model(tmp_path_factory.mktemp(name) / name, name, seed=5, **MODELS[name]))
+    path = str(tiny_model(name, seed=5, **MODELS[name]))
     probe = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
     blocks = probe.runner.peak_blocks(max(map(len, prompts)) + MAX_TOKENS)
     single = Engine.from_pretrained(path, num_kv_blocks=blocks, **ENGINE)
-    sharded = Engine.from_pretrained(path, num_kv_blocks=blocks, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(
+        path, num_kv_blocks=blocks, tensor_parallel=2, launcher=rank_pool, **ENGINE
+    )
     yield name, path, single, sharded
     sharded.close()
 
@@ -96,8 +98,8 @@ def test_seeded_sampling_equals_single_engine(pair, prompts):
 
 
 @pytest.mark.parametrize("signal_to_send", [signal.SIGKILL, signal.SIGSTOP], ids=["dead", "hung"])
-def test_a_lost_rank_fails_the_step_within_the_timeout(tmp_path, prompts, one_thread, signal_to_send):
-    path = str(build_tiny_model(tmp_path / "llama", "llama", seed=5))
+def test_a_lost_rank_fails_the_step_within_the_timeout(tiny_model, prompts, one_thread, signal_to_send):
+    path = str(tiny_model("llama", seed=5))
     engine = Engine.from_pretrained(path, tensor_parallel=2, collective_timeout_s=10, **ENGINE)
     follower = engine.runner.tp.processes[0]
     try:
@@ -122,11 +124,11 @@ class _DiesBeforeJoining(ProcessLauncher):
         return followers
 
 
-def test_a_follower_that_dies_before_joining_fails_the_load_within_seconds(tmp_path, one_thread):
+def test_a_follower_that_dies_before_joining_fails_the_load_within_seconds(tiny_model, one_thread):
     """Rank 0 waited in the process group's rendezvous for START_TIMEOUT_S (600 s) for a rank that was
     already dead; it now looks at the followers it started between short polls and names the one that
     ended."""
-    path = build_tiny_model(tmp_path / "llama", "llama", seed=5)
+    path = tiny_model("llama", seed=5)
     start = time.monotonic()
     with pytest.raises(RankLost, match=r"tensor-parallel rank 1 exited with code -9"):
         launch(path, 2, "cpu", torch.float32, timeout_s=30, launcher=_DiesBeforeJoining())

@@ -79,13 +79,15 @@ def _prompt_logprobs(engine: Engine, prompts: list[list[int]]) -> list[float]:
 
 
 @pytest.mark.parametrize("name", SPLIT)
-def test_two_ranks_give_the_single_engines_tokens(name, tiny_model, tp_prompts, one_thread):
+def test_two_ranks_give_the_single_engines_tokens(name, tiny_model, tp_prompts, one_thread, rank_pool):
     path = str(tiny_model(name, seed=3))
     single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
     expected, logprobs = _greedy(single, tp_prompts), _prompt_logprobs(single, tp_prompts)
     blocks = single.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
     del single
-    sharded = Engine.from_pretrained(path, num_kv_blocks=blocks, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(
+        path, num_kv_blocks=blocks, tensor_parallel=2, launcher=rank_pool, **ENGINE
+    )
     try:
         assert _greedy(sharded, tp_prompts) == expected
         gap = max(abs(a - b) for a, b in zip(_prompt_logprobs(sharded, tp_prompts), logprobs, strict=True))
@@ -98,7 +100,7 @@ def test_two_ranks_give_the_single_engines_tokens(name, tiny_model, tp_prompts, 
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
-def test_what_two_ranks_cannot_split_is_refused_at_load(name, tiny_model, one_thread):
+def test_what_two_ranks_cannot_split_is_refused_at_load(name, tiny_model, one_thread, rank_pool):
     path = str(tiny_model(name, seed=3))
     with pytest.raises(ValueError, match=re.escape(REFUSED[name])):
-        Engine.from_pretrained(path, tensor_parallel=2, **ENGINE)
+        Engine.from_pretrained(path, tensor_parallel=2, launcher=rank_pool, **ENGINE)

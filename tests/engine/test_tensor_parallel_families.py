@@ -26,13 +26,16 @@ MLP = ("gate_proj", "up_proj", "down_proj", "o_proj")
 
 
 @pytest.fixture(scope="module")
-def qwen2_moe(tmp_path_factory, one_thread):
+def qwen2_moe(tmp_path_factory, one_thread, rank_pool):
     """(single-process engine, two-rank engine) on a Qwen2-MoE whose layer 1 is a dense MLP, both serving
     a LoRA adapter on its attention output and MLP linears (the shared expert's among them)."""
     root = tmp_path_factory.mktemp("tp-qwen2-moe")
     path = build_tiny_model(root / "model", "qwen2_moe", seed=3, mlp_only_layers=[1])
     adapter = save_random_adapter(path, root / "adapter", 5, 4, 8, MLP)
-    engines = [Engine.from_pretrained(str(path), tensor_parallel=tp, max_loras=1, **ENGINE) for tp in (1, 2)]
+    engines = [
+        Engine.from_pretrained(str(path), tensor_parallel=tp, max_loras=1, launcher=rank_pool, **ENGINE)
+        for tp in (1, 2)
+    ]
     for engine in engines:
         engine.add_lora("mlp", str(adapter))
     yield engines

@@ -38,7 +38,7 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], tor
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def engines(request, tmp_path_factory, one_thread):
+def engines(request, tmp_path_factory, one_thread, rank_pool):
     """(float engine, single-process FP8 engine, two-rank FP8 engine, prompts); closed at the end."""
     name = request.param
     path = str(build_tiny_model(tmp_path_factory.mktemp(name) / name, name, seed=5, **MODELS[name]))
@@ -47,7 +47,13 @@ def engines(request, tmp_path_factory, one_thread):
     float_engine = Engine.from_pretrained(path, **ENGINE)
     fp8 = Engine.from_pretrained(path, quantize="fp8", **ENGINE)
     sharded = Engine.from_pretrained(
-        path, quantize="fp8", tensor_parallel=2, async_scheduling=True, cuda_graphs=True, **ENGINE
+        path,
+        quantize="fp8",
+        tensor_parallel=2,
+        async_scheduling=True,
+        cuda_graphs=True,
+        launcher=rank_pool,
+        **ENGINE,
     )
     yield float_engine, fp8, sharded, prompts
     sharded.close()

@@ -70,12 +70,14 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
-def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, prompts, tmp_path, one_thread):
+def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(
+    name, prompts, tmp_path, one_thread, rank_pool
+):
     arch, overrides, write = CHECKPOINTS[name]
     checkpoint = str(write(build_tiny_model(tmp_path / "float", arch, seed=3, **overrides), tmp_path / "fp8"))
     single = Engine.from_pretrained(checkpoint, **ENGINE)
     tokens, logprobs = _run(single, prompts)
-    sharded = Engine.from_pretrained(checkpoint, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(checkpoint, tensor_parallel=2, launcher=rank_pool, **ENGINE)
     try:
         sharded_tokens, sharded_logprobs = _run(sharded, prompts)
         scales = [n for n, _ in sharded.model.named_parameters() if "scale" in n]
@@ -94,17 +96,17 @@ def test_two_ranks_give_the_single_engines_tokens_on_an_fp8_checkpoint(name, pro
         assert torch.equal(o, whole.self_attn.o_proj.weight[:, : o.shape[1]])
 
 
-def test_a_rank_share_of_partial_scale_blocks_is_refused_naming_the_tensor(tmp_path, one_thread):
+def test_a_rank_share_of_partial_scale_blocks_is_refused_naming_the_tensor(tmp_path, one_thread, rank_pool):
     """Blocks of 32 rows: a rank's 16 rows of k_proj (two KV heads of 16) would split every block."""
     src = build_tiny_model(tmp_path / "float", "llama", seed=3)
     checkpoint = write_block_fp8(src, tmp_path / "fp8", block=32)
     with pytest.raises(
         ValueError, match=r"self_attn\.k_proj\.weight: .*0:16 of 32 .*32-wide FP8 scale blocks"
     ):
-        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
+        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, launcher=rank_pool, **ENGINE)
 
 
-def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, one_thread):
+def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, one_thread, rank_pool):
     """Read as plain numbers, an e4m3 weight would run as garbage: refused by the single engine's checker
     (checkpoint_checks.py) before any rank reads a weight."""
     from safetensors.torch import load_file, save_file
@@ -118,7 +120,7 @@ def test_an_fp8_weight_without_its_scales_is_refused_naming_it(tmp_path, one_thr
         match=r"model\.safetensors: model\.layers\.1\.mlp\.up_proj\.weight is F8_E4M3 but its scale "
         r"model\.layers\.1\.mlp\.up_proj\.weight_scale_inv is missing",
     ):
-        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, **ENGINE)
+        Engine.from_pretrained(str(checkpoint), tensor_parallel=2, launcher=rank_pool, **ENGINE)
 
 
 @pytest.mark.parametrize(

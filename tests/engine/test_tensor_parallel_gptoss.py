@@ -29,9 +29,9 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], tor
     return [o.outputs[0].token_ids for o in outs], torch.tensor(logprobs)
 
 
-def _two_ranks(path: str, prompts, check, **options) -> tuple[list[list[int]], torch.Tensor]:
+def _two_ranks(path: str, prompts, check, launcher, **options) -> tuple[list[list[int]], torch.Tensor]:
     """`_run` on a two-rank engine, after `check(rank 0's model)`; the ranks closed after."""
-    sharded = Engine.from_pretrained(path, tensor_parallel=2, **options, **ENGINE)
+    sharded = Engine.from_pretrained(path, tensor_parallel=2, launcher=launcher, **options, **ENGINE)
     try:
         check(sharded.model)
         return _run(sharded, prompts)
@@ -70,7 +70,9 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 32, 100, 60)]
 
 
-def test_two_ranks_give_the_single_engines_tokens_with_biases_and_sinks(gptoss, prompts, one_thread):
+def test_two_ranks_give_the_single_engines_tokens_with_biases_and_sinks(
+    gptoss, prompts, one_thread, rank_pool
+):
     single = Engine.from_pretrained(gptoss, **ENGINE)
     tokens, logprobs = _run(single, prompts)
 
@@ -82,10 +84,10 @@ def test_two_ranks_give_the_single_engines_tokens_with_biases_and_sinks(gptoss, 
             assert torch.equal(experts.down_proj, full_experts.down_proj[:, :64])
             assert torch.equal(experts.down_proj_bias, full_experts.down_proj_bias)  # rank 0 adds it
 
-    _assert_same(_two_ranks(gptoss, prompts, rank0_holds_its_slices), (tokens, logprobs))
+    _assert_same(_two_ranks(gptoss, prompts, rank0_holds_its_slices, rank_pool), (tokens, logprobs))
 
 
-def test_two_rank_fp8_is_close_to_single_process_fp8(gptoss, prompts, one_thread):
+def test_two_rank_fp8_is_close_to_single_process_fp8(gptoss, prompts, one_thread, rank_pool):
     """quantize="fp8" at tp=2: each rank quantizes its shard (sharding.py). The experts' gate/up and
     q/k/v shards hold whole output channels, so rank 0's e4m3 rows and scales are the single FP8 model's;
     the row-parallel down and o_proj slices get their own scales, so the logprobs are close to single
@@ -107,12 +109,12 @@ def test_two_rank_fp8_is_close_to_single_process_fp8(gptoss, prompts, one_thread
             assert torch.equal(shard.gate_up_proj_scale, full.gate_up_proj_scale[:, :128])
             assert (shard.down_proj_scale <= full.down_proj_scale).all()  # a slice's max, not the row's
 
-    _, logprobs = _two_ranks(gptoss, prompts, rank0_rows_are_single_fp8s, quantize="fp8")
+    _, logprobs = _two_ranks(gptoss, prompts, rank0_rows_are_single_fp8s, rank_pool, quantize="fp8")
     sharding, quantizing = (logprobs - fp8_logprobs).abs(), (fp8_logprobs - float_logprobs).abs()
     assert sharding.mean() <= quantizing.mean(), (sharding.mean(), quantizing.mean())
 
 
-def test_an_mxfp4_checkpoint_splits_into_the_single_engines_tokens(tmp_path, prompts, one_thread):
+def test_an_mxfp4_checkpoint_splits_into_the_single_engines_tokens(tmp_path, prompts, one_thread, rank_pool):
     """gpt-oss' own MXFP4 checkpoint (`*_blocks` / `*_scales` experts): each rank dequantizes its slice as
     the single engine dequantizes the whole, so both hold the same numbers. An intermediate width of 96
     puts each rank's 48 down-projection inputs across the checkpoint's 32-wide scale groups (rank 1 starts
@@ -129,4 +131,4 @@ def test_an_mxfp4_checkpoint_splits_into_the_single_engines_tokens(tmp_path, pro
         assert torch.equal(mine.gate_up_proj, whole.gate_up_proj[..., :96])
         assert torch.equal(mine.down_proj, whole.down_proj[:, :48])
 
-    _assert_same(_two_ranks(path, prompts, rank0_holds_its_dequantized_slices), (tokens, logprobs))
+    _assert_same(_two_ranks(path, prompts, rank0_holds_its_dequantized_slices, rank_pool), (tokens, logprobs))

@@ -49,14 +49,16 @@ def _outputs(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]],
 
 
 @pytest.mark.parametrize("arch", sorted(SPLIT))
-def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts, one_thread):
+def test_two_ranks_give_the_single_engines_tokens(arch, hybrid_dirs, tp_prompts, one_thread, rank_pool):
     path = hybrid_dirs[arch]
     single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
     want_tokens, want_logprobs = _outputs(single, tp_prompts)
     blocks = single.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
     whole_slot = single.runner.states.bytes_per_slot
     del single
-    sharded = Engine.from_pretrained(path, num_kv_blocks=blocks, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(
+        path, num_kv_blocks=blocks, tensor_parallel=2, launcher=rank_pool, **ENGINE
+    )
     try:
         tokens, logprobs = _outputs(sharded, tp_prompts)
         assert tokens == want_tokens
@@ -92,13 +94,15 @@ def test_what_the_ranks_cannot_split_is_refused_at_load(name, tmp_path):
         Engine.from_pretrained(str(path), tensor_parallel=ranks, **ENGINE)
 
 
-def test_overlapped_steps_and_decode_graphs_keep_each_ranks_states(hybrid_dirs, tp_prompts, one_thread):
+def test_overlapped_steps_and_decode_graphs_keep_each_ranks_states(
+    hybrid_dirs, tp_prompts, one_thread, rank_pool
+):
     """Steps launched before the previous step's tokens are read, and decodes through the graph path
     (eager on CPU), whose slots come from the step plan: the follower's states stay rank 0's."""
     path = hybrid_dirs["qwen3_next"]
     want = _greedy(Engine.from_pretrained(path, **ENGINE), tp_prompts)
     sharded = Engine.from_pretrained(
-        path, tensor_parallel=2, async_scheduling=True, cuda_graphs=True, **ENGINE
+        path, tensor_parallel=2, async_scheduling=True, cuda_graphs=True, launcher=rank_pool, **ENGINE
     )
     try:
         assert _greedy(sharded, tp_prompts) == want

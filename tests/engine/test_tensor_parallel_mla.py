@@ -39,7 +39,7 @@ HEADS = 4  # the tiny MLA models' attention heads: two per rank
 
 
 @pytest.fixture(scope="module")
-def yarn_engines(tmp_path_factory, tp_prompts, one_thread):
+def yarn_engines(tmp_path_factory, tp_prompts, one_thread, rank_pool):
     """(single engine, two-rank engine, model path) of a yarn-scaled tiny DeepSeek-V3."""
     path = str(
         build_tiny_model(
@@ -48,7 +48,9 @@ def yarn_engines(tmp_path_factory, tp_prompts, one_thread):
     )
     single = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
     blocks = single.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
-    sharded = Engine.from_pretrained(path, num_kv_blocks=blocks, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(
+        path, num_kv_blocks=blocks, tensor_parallel=2, launcher=rank_pool, **ENGINE
+    )
     yield single, sharded, path
     sharded.close()
 
@@ -117,14 +119,16 @@ def test_deepseek_v3_rank_memory_keeps_the_latent_whole():
 
 
 @pytest.fixture(scope="module")
-def fp8_engines(tmp_path_factory, one_thread):
+def fp8_engines(tmp_path_factory, one_thread, rank_pool):
     """(float engine, single-process FP8 engine, two-rank FP8 engine, prompts) of a tiny DeepSeek-V3."""
     path = str(build_tiny_model(tmp_path_factory.mktemp("fp8") / "dsv3", "deepseek_v3", seed=3))
     gen = torch.Generator().manual_seed(39)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 32, 100, 60, 45)]
     float_engine = Engine.from_pretrained(path, **FP8_ENGINE)
     fp8 = Engine.from_pretrained(path, quantize="fp8", **FP8_ENGINE)
-    sharded = Engine.from_pretrained(path, quantize="fp8", tensor_parallel=2, **FP8_ENGINE)
+    sharded = Engine.from_pretrained(
+        path, quantize="fp8", tensor_parallel=2, launcher=rank_pool, **FP8_ENGINE
+    )
     yield float_engine, fp8, sharded, prompts
     sharded.close()
 
@@ -152,7 +156,9 @@ def test_two_rank_fp8_mla_is_close_to_single_process_fp8(fp8_engines):
     close_to_single_fp8(fp8_engines)
 
 
-def test_lora_on_split_and_replicated_mla_projections_gives_the_single_engines_tokens(tmp_path, one_thread):
+def test_lora_on_split_and_replicated_mla_projections_gives_the_single_engines_tokens(
+    tmp_path, one_thread, rank_pool
+):
     """Adapters on the replicated latent projections (whole A and B on every rank), on q_b_proj (B split
     by heads' rows) and on o_proj (A split by columns): the two-rank engine's tokens are the single
     engine's with the same adapters (MLP adapters split as on any model: test_lora_tp.py)."""
@@ -165,7 +171,10 @@ def test_lora_on_split_and_replicated_mla_projections_gives_the_single_engines_t
     }
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in LENGTHS]
-    engines = [Engine.from_pretrained(str(path), tensor_parallel=tp, **LORA_ENGINE) for tp in (1, 2)]
+    engines = [
+        Engine.from_pretrained(str(path), tensor_parallel=tp, launcher=rank_pool, **LORA_ENGINE)
+        for tp in (1, 2)
+    ]
     try:
         for engine in engines:
             for name, folder in adapters.items():

@@ -48,12 +48,14 @@ def _run(engine: Engine, prompts: list[list[int]]) -> tuple[list[list[int]], tor
 
 
 @pytest.mark.parametrize("name", ["olmo3", "phi3", "minimax_m2"])
-def test_one_kv_head_on_two_ranks_gives_the_single_engines_tokens(name, tmp_path, tp_prompts, one_thread):
+def test_one_kv_head_on_two_ranks_gives_the_single_engines_tokens(
+    name, tmp_path, tp_prompts, one_thread, rank_pool
+):
     path = _random_norms(
         build_tiny_model(tmp_path, name, seed=3, num_key_value_heads=1), name == "minimax_m2"
     )
     tokens, logprobs = _run(Engine.from_pretrained(path, **ENGINE), tp_prompts)
-    sharded = Engine.from_pretrained(path, tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(path, tensor_parallel=2, launcher=rank_pool, **ENGINE)
     try:
         got, got_logprobs = _run(sharded, tp_prompts)
     finally:
@@ -63,7 +65,7 @@ def test_one_kv_head_on_two_ranks_gives_the_single_engines_tokens(name, tmp_path
 
 
 def test_olmo3_fp8_on_two_ranks_is_as_close_to_single_fp8_as_that_is_to_float(
-    tmp_path, tp_prompts, one_thread
+    tmp_path, tp_prompts, one_thread, rank_pool
 ):
     """Online FP8 quantizes each rank's shard (sharding.py: row-parallel shards get their own scales, so
     close to, not equal to, single FP8); the whole-width norms stay float. Measured on these prompts,
@@ -72,7 +74,7 @@ def test_olmo3_fp8_on_two_ranks_is_as_close_to_single_fp8_as_that_is_to_float(
     path = _random_norms(build_tiny_model(tmp_path, "olmo3", seed=3))
     _, float_logprobs = _run(Engine.from_pretrained(path, **ENGINE), tp_prompts)
     _, logprobs = _run(Engine.from_pretrained(path, quantize="fp8", **ENGINE), tp_prompts)
-    sharded = Engine.from_pretrained(path, quantize="fp8", tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(path, quantize="fp8", tensor_parallel=2, launcher=rank_pool, **ENGINE)
     try:
         _, got_logprobs = _run(sharded, tp_prompts)
     finally:
@@ -107,7 +109,7 @@ def _adapter_run(engine: Engine, prompts: list[list[int]], loras: list[str | Non
     return outs
 
 
-def test_phi3_lora_on_packed_projections_on_two_ranks(tmp_path, tp_prompts, one_thread):
+def test_phi3_lora_on_packed_projections_on_two_ranks(tmp_path, tp_prompts, one_thread, rank_pool):
     """An adapter on Phi-3's packed qkv_proj and gate_up_proj: each rank's B rows are its part of each of
     q, k, v (the one KV head on both) and of each half, as the base weight's (lora_tp.py)."""
     from bulkgen.lab.tiny_lora import save_random_adapter
@@ -122,7 +124,7 @@ def test_phi3_lora_on_packed_projections_on_two_ranks(tmp_path, tp_prompts, one_
         _adapter_run(single, tp_prompts, [None] * len(loras)),
     )
     assert all(want[i][0] != base[i][0] for i in ("1", "3", "5"))  # the adapter changes every such row
-    sharded = Engine.from_pretrained(str(path), tensor_parallel=2, **ENGINE)
+    sharded = Engine.from_pretrained(str(path), tensor_parallel=2, launcher=rank_pool, **ENGINE)
     try:
         sharded.add_lora("a", str(adapter))
         got = _adapter_run(sharded, tp_prompts, loras)

@@ -17,7 +17,6 @@ import pytest
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.features.guide import Guide
-from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, admission="shortest_first")
@@ -41,10 +40,10 @@ def _tokens(engine: Engine, prompts: list[list[int]]) -> tuple[list, list]:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory, tp_prompts, one_thread):
+def model(tiny_model, tp_prompts, one_thread):
     """(path, KV blocks that hold the longest prompt alone, the single-process engine's tokens step by
     step)."""
-    path = str(build_tiny_model(tmp_path_factory.mktemp("llama") / "llama", "llama", seed=5))
+    path = str(tiny_model("llama", seed=5))
     probe = Engine.from_pretrained(path, num_kv_blocks=1024, **ENGINE)
     blocks = probe.runner.peak_blocks(max(map(len, tp_prompts)) + MAX_TOKENS)
     single = Engine.from_pretrained(
@@ -58,10 +57,16 @@ def model(tmp_path_factory, tp_prompts, one_thread):
     [(True, True), (True, False), (False, True)],
     ids=["overlap+graphs", "overlap", "graphs"],
 )
-def test_two_ranks_match_the_single_engine(model, tp_prompts, overlap, graphs):
+def test_two_ranks_match_the_single_engine(model, tp_prompts, overlap, graphs, rank_pool):
     path, blocks, want = model
     engine = Engine.from_pretrained(
-        path, num_kv_blocks=blocks, tensor_parallel=2, async_scheduling=overlap, cuda_graphs=graphs, **ENGINE
+        path,
+        num_kv_blocks=blocks,
+        tensor_parallel=2,
+        async_scheduling=overlap,
+        cuda_graphs=graphs,
+        launcher=rank_pool,
+        **ENGINE,
     )
     try:
         assert engine.overlap is overlap and (engine.runner.graphs is not None) is graphs

@@ -29,7 +29,7 @@ LIMITS = dict(max_num_seqs=4, block_size=2, max_num_batched_tokens=5, admission=
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def pair(request, tmp_path_factory, one_thread):
+def pair(request, tmp_path_factory, one_thread, rank_pool):
     """(Fixture, single-process engine, two-rank engine) of one family under the same limits; the cache
     holds the longest request alone, so the two shortest, admitted together, outgrow it."""
     path = tiny_vision.build_tiny_vlm(
@@ -41,7 +41,7 @@ def pair(request, tmp_path_factory, one_thread):
     cache = max(peak(lengths[0]) + peak(lengths[1]) + 1, peak(lengths[-1] + 8))
     single = fx.engine(num_kv_blocks=cache, **LIMITS)
     sharded = Engine.from_pretrained(
-        str(path), device="cpu", tensor_parallel=2, num_kv_blocks=cache, **LIMITS
+        str(path), device="cpu", tensor_parallel=2, num_kv_blocks=cache, launcher=rank_pool, **LIMITS
     )
     yield fx, single, sharded
     sharded.close()
@@ -83,7 +83,9 @@ def test_a_repeated_image_hits_the_prefix_cache_on_both_ranks(pair):
     assert cached[1] >= image_end - image_end % 2, "the repeated image was computed again"
 
 
-def test_online_fp8_quantizes_each_ranks_text_shard_and_keeps_the_encoder_float(tmp_path, one_thread):
+def test_online_fp8_quantizes_each_ranks_text_shard_and_keeps_the_encoder_float(
+    tmp_path, one_thread, rank_pool
+):
     """`quantize="fp8"` with tensor_parallel: each rank's decoder linears are its own FP8 shard (half of
     the single-process FP8 engine's rows), rank 0's encoder and projector stay float as in one process, and
     the image prompts' logprobs are as close to the single FP8 engine's as FP8 itself is to float: row-
@@ -94,7 +96,9 @@ def test_online_fp8_quantizes_each_ranks_text_shard_and_keeps_the_encoder_float(
     fx = Fixture(path)
     float_ = Engine.from_pretrained(str(path), device="cpu")
     single = Engine.from_pretrained(str(path), device="cpu", quantize="fp8")
-    sharded = Engine.from_pretrained(str(path), device="cpu", tensor_parallel=2, quantize="fp8")
+    sharded = Engine.from_pretrained(
+        str(path), device="cpu", tensor_parallel=2, quantize="fp8", launcher=rank_pool
+    )
     try:
         q_tp, q_one = (e.model.model.layers[0].self_attn.q_proj for e in (sharded, single))
         assert isinstance(q_tp, Fp8Linear) and isinstance(q_one, Fp8Linear)

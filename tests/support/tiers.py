@@ -38,6 +38,7 @@ FIXTURES = {
     "seaweedfs_bucket_url": {"server", "subprocess"},
     "serve_process": {"ray", "server", "subprocess"},
     "watch_process": {"ray", "subprocess"},
+    "rank_pool": {"subprocess"},
 }
 # what starting each thing looks like in a test's source: Ray itself, or bulkgen's doors to it (the runtime's
 # `init_ray` and `BatchManager`, the `run`, `serve` and `watch` commands); `tensor_parallel=2` starts ranks
