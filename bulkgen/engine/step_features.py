@@ -32,6 +32,7 @@ class StepFeature:
     reserved_bytes = 0  # bytes of the cache budget the feature takes before KV blocks are sized
     decode_graphs = True  # whether decode steps may replay CUDA graphs (their static buffers: 1-D positions)
     graph_pool = None  # what decode graphs index per sequence (decode_graphs.DecodeGraphs `states`)
+    processor = None  # what prepares a request's images (a vision-language model's AutoProcessor)
 
     def route(self, backend):
         """The attention backend the feature's steps run on (an attn_backends backend)."""
@@ -43,6 +44,11 @@ class StepFeature:
 
     def reset(self) -> None:
         """Forget every sequence (an engine reset)."""
+
+    def admit(self, prompt: list[int], inputs):
+        """A request's images (multimodal.ImageInputs) as the engine keeps them (multimodal.RequestImages);
+        ValueError if they do not fit its prompt, or, as here, if the model takes none."""
+        raise ValueError("this model takes no images")
 
     def has_room(self) -> bool:
         """Whether one more sequence may start running."""

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from bulkgen.batch.outputlines import json_line
+from bulkgen.engine.config import EngineConfig
 from bulkgen.runtime import parts
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import index_file
@@ -32,7 +33,7 @@ def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[QueuedBatch, 
 
 
 def _worker(store) -> EngineWorker:
-    worker = EngineWorker(0, {"max_num_seqs": 8})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=8))
     worker.load(MODEL, str(random_model()))
     return worker
 
