@@ -6,7 +6,8 @@ A feature is chosen once, when the runner is built: a hybrid model's state slots
 (state_slots.py), a vision-language model's images a `VisionTower` (multimodal.py), a sharded model's ranks
 a `RankGroup` (tensor_parallel.py); a model without one gets the no-op object of this module in its place,
 never an `if` in the step. The hooks are those the step path needs, derived from the branches they replace:
-the scheduler asks `has_room` and `fits` before admitting and calls `take`/`release` around a sequence's
+the engine hands a request's images to `admit` at intake (the no-op object refuses them); the scheduler asks
+`has_room` and `fits` before admitting and calls `take`/`release` around a sequence's
 life (`Features` when it takes several: state slots and lora_slots.AdapterRows); the runner takes its
 attention backend from `route`, adds to the step plan with `plan`, wraps each forward in `begin`/`commit`
 and `scope`, hands the packed row to `packed` and builds the model's inputs with `inputs`; the overlapped
