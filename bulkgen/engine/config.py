@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from . import QUANTIZE_MODES
+from bulkgen.engine import QUANTIZE_MODES
 
 if TYPE_CHECKING:
     import torch

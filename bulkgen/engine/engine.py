@@ -32,31 +32,38 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_manager import BlockManager
-from .config import EngineConfig, engine_config, resolve_limits
-from .fingerprint import system_fingerprint
-from .grammar import GrammarRuntime
-from .image_blocks import longest
-from .lora import LoraError, load_adapter
-from .lora_slots import AdapterRows
-from .model_runner import ModelRunner, StepLogits
-from .multimodal import ImageInputs, RequestImages, VisionTower
-from .outputs import CompletionOutput, RequestOutput, best_of
-from .overlap import OverlappedSteps
-from .penalties import LogitAdjustments
-from .pooling import EmbedParams, PoolingConfig, add_chunks, finish, model_pooling, split_params
-from .pretrained import check_parallel, device_and_dtype, load_pretrained
-from .quantize import ensure_quantized
-from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
-from .sampling_params import SamplingParams, generation_defaults
-from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Request, Sequence, SequenceStatus, pending_id
-from .stats import EngineStats
-from .step_features import NO_FEATURE, Features, StepFeature
-from .stopping import check_stop, completion_text
+from bulkgen.engine.config import EngineConfig, engine_config, resolve_limits
+from bulkgen.engine.features.grammar import GrammarRuntime
+from bulkgen.engine.features.image_blocks import longest
+from bulkgen.engine.features.lora import LoraError, load_adapter
+from bulkgen.engine.features.lora_slots import AdapterRows
+from bulkgen.engine.features.multimodal import ImageInputs, RequestImages, VisionTower
+from bulkgen.engine.features.pooling import (
+    EmbedParams,
+    PoolingConfig,
+    add_chunks,
+    finish,
+    model_pooling,
+    split_params,
+)
+from bulkgen.engine.kv.block_manager import BlockManager
+from bulkgen.engine.model.fingerprint import system_fingerprint
+from bulkgen.engine.model.quantize import ensure_quantized
+from bulkgen.engine.model_runner import ModelRunner, StepLogits
+from bulkgen.engine.outputs import CompletionOutput, RequestOutput, best_of
+from bulkgen.engine.overlap import OverlappedSteps
+from bulkgen.engine.pretrained import check_parallel, device_and_dtype, load_pretrained
+from bulkgen.engine.sampling.penalties import LogitAdjustments
+from bulkgen.engine.sampling.sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
+from bulkgen.engine.sampling.sampling_params import SamplingParams, generation_defaults
+from bulkgen.engine.sampling.stopping import check_stop, completion_text
+from bulkgen.engine.scheduler import ScheduledBatch, Scheduler
+from bulkgen.engine.sequence import Request, Sequence, SequenceStatus, pending_id
+from bulkgen.engine.stats import EngineStats
+from bulkgen.engine.step_features import NO_FEATURE, Features, StepFeature
 
 if TYPE_CHECKING:
-    from .tensor_parallel import Launcher
+    from bulkgen.engine.parallel.tensor_parallel import Launcher
 
 log = logging.getLogger(__name__)
 

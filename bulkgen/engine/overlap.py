@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .outputs import RequestOutput
-from .sampler import SampledTokens
-from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, SequenceStatus, pending_id
-from .stats import EngineStats
-from .step_features import StepFeature
+from bulkgen.engine.outputs import RequestOutput
+from bulkgen.engine.sampling.sampler import SampledTokens
+from bulkgen.engine.scheduler import ScheduledBatch, Scheduler
+from bulkgen.engine.sequence import Sequence, SequenceStatus, pending_id
+from bulkgen.engine.stats import EngineStats
+from bulkgen.engine.step_features import StepFeature
 
 if TYPE_CHECKING:
-    from .model_runner import StepLogits
+    from bulkgen.engine.model_runner import StepLogits
 
 
 class _InFlight:

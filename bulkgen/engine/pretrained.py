@@ -8,13 +8,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import EngineConfig
-from .loading import load_model
-from .multimodal import VisionTower, check_vision_families, is_vision_model, load_processor, load_vision
-from .rank_memory import check_device_fits
+from bulkgen.engine.config import EngineConfig
+from bulkgen.engine.features.multimodal import (
+    VisionTower,
+    check_vision_families,
+    is_vision_model,
+    load_processor,
+    load_vision,
+)
+from bulkgen.engine.model.loading import load_model
+from bulkgen.engine.parallel.rank_memory import check_device_fits
 
 if TYPE_CHECKING:
-    from .tensor_parallel import Launcher
+    from bulkgen.engine.parallel.tensor_parallel import Launcher
 
 
 def load_pretrained(
@@ -30,7 +36,7 @@ def load_pretrained(
     else:
         check_device_fits(path, dtype, config.tensor_parallel, device)
     if config.tensor_parallel > 1:
-        from .tensor_parallel import launch
+        from bulkgen.engine.parallel.tensor_parallel import launch
 
         timeout = config.collective_timeout_s
         model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
