@@ -180,14 +180,11 @@ def _collect(manager, count: int, timeout_s: float = 600.0) -> int:
 
 def run_bulkgen(path: Path, work: Workload, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
     """bulkgen's engine on the same requests; slot efficiency from its own counters, warm-up excluded."""
-    from bulkgen.engine import Engine, SamplingParams
+    from bulkgen.engine import Engine, EngineConfig, SamplingParams
     from bulkgen.metrics.batch import slot_efficiency
 
-    engine = Engine.from_pretrained(
-        str(path),
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-    )
+    config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    engine = Engine.from_pretrained(str(path), config)
     engine.generate([work.prompts[0]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     before = engine.stats()
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in work.output_lengths]

@@ -59,7 +59,7 @@ def stub_engine(spec: dict, overlap: bool = False):
     """The real engine over a 1-layer Llama whose forwards return zero logits (the device's work gone)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from bulkgen.engine import Engine
+    from bulkgen.engine import Engine, EngineConfig
     from bulkgen.lab.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -79,15 +79,14 @@ def stub_engine(spec: dict, overlap: bool = False):
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    engine = Engine(
-        model,
-        tokenizer,
+    config = EngineConfig(
         max_num_seqs=SLOTS,
         max_num_batched_tokens=16384,
         num_kv_blocks=spec["kv_blocks"],
         cuda_graphs=True,
         async_scheduling=overlap,
     )
+    engine = Engine(model, tokenizer, config)
 
     class Out:
         def __init__(self, rows: int) -> None:

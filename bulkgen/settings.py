@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from bulkgen.engine import QUANTIZE_MODES
+from bulkgen.engine.config import GENERATION_CONFIG_MODES, KV_CACHE_DTYPES, EngineConfig
 from bulkgen.models.loras import LoraSpec, parse_lora_specs
 from bulkgen.models.registry import (
     EVERY_MODEL,
@@ -32,9 +33,6 @@ DEFAULT_STORAGE = os.path.join(".bulkgen", "storage")
 SCHEDULING = ("fifo", "deadline")
 BODY_TIMEOUT_S = 60.0  # seconds a request body may stall before the API refuses it (`serve --body-timeout`)
 MIB = 1024 * 1024
-# engine.kv_cache.KV_CACHE_DTYPES, spelled here so that settings import no torch (a test keeps them equal)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-GENERATION_CONFIG_MODES = ("auto", "none")  # engine.config.GENERATION_CONFIG_MODES, spelled here likewise
 
 
 class SettingError(ValueError):
@@ -190,6 +188,14 @@ def _per_model(usage: str, parse: Callable, help: str, check: Callable | None = 
 
 
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
+    """The flags' values with one line naming the flag's field; then the rest as EngineConfig takes them, so an
+    option that is no engine setting is refused here, not when a worker builds its engine."""
+    unknown = sorted(engine_kwargs.keys() - EngineConfig.__dataclass_fields__.keys())
+    if unknown:
+        key = unknown[0]
+        raise SettingError(
+            key, engine_kwargs[key], "is not an engine setting (bulkgen.engine.config.EngineConfig)"
+        )
     if "tensor_parallel" in engine_kwargs:  # the pool sets it per class of workers from the field
         raise SettingError(
             "tensor_parallel", engine_kwargs["tensor_parallel"], "set WorkerSettings.tensor_parallel instead"
@@ -211,6 +217,10 @@ def _check_engine(engine_kwargs: dict[str, Any]) -> None:
                 _positive_int(value)
         except ValueError as exc:
             raise SettingError(key, value, str(exc)) from None
+    try:
+        EngineConfig(**engine_kwargs)
+    except ValueError as exc:
+        raise SettingError("engine_kwargs", engine_kwargs, str(exc)) from None
 
 
 def _check_fields(settings: Any) -> None:
@@ -440,6 +450,11 @@ class WorkerSettings:
     def ranks_of(self, model: str) -> int:
         """Ranks per worker of the workers that run `model` (`--tensor-parallel`)."""
         return self.tensor_parallel.get(model, self.tensor_parallel.get(EVERY_MODEL, 1))
+
+    def engine_config(self, ranks: int = 1) -> EngineConfig:
+        """The config of a worker's engine of `ranks` ranks (the pool's classes of workers): engine_kwargs typed,
+        built in this one place."""
+        return EngineConfig(**self.engine_kwargs, tensor_parallel=ranks)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """bulkgen.engine: continuous batching, packed varlen prompts and a paged KV cache over HF models.
 
     engine = Engine.from_pretrained(path)  # step limits sized for the device (64 / 2,048 on CPU)
+    engine = Engine.from_pretrained(path, EngineConfig(max_num_seqs=8))  # or max_num_seqs=8: the same
     outputs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
     vectors = engine.embed(texts)  # pooled final hidden states (bulkgen.engine.features.pooling), same packed steps
 
@@ -49,6 +50,7 @@ QUANTIZE_MODES = ("fp8",)
 
 _LAZY = {
     "Engine": ".engine",
+    "EngineConfig": ".config",
     "CompletionOutput": ".outputs",
     "RequestMetrics": ".outputs",
     "RequestOutput": ".outputs",

@@ -1,16 +1,20 @@
-"""Engine settings, validated once at construction (ValueError naming the field, never `assert`)."""
+"""Engine settings, validated once at construction (ValueError naming the field, never `assert`; TypeError
+naming an option that is no field). Imports no torch: the service's settings build and check an EngineConfig
+without loading the model's side."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bulkgen.engine import QUANTIZE_MODES
-from bulkgen.engine.kv.kv_cache import KV_CACHE_DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
 GENERATION_CONFIG_MODES = ("auto", "none")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # what K/V rows are stored in (kv_cache.kv_dtype)
 
 
 @dataclass
@@ -91,6 +95,19 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
 
 
+def engine_config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
+    """The config an engine is built with: `config`, or one made of EngineConfig fields passed as keywords
+    (`Engine.from_pretrained(path, max_num_seqs=8)`, the short form for library callers). An option that is
+    no field is a TypeError naming it; both forms at once is a TypeError too."""
+    if config is None:
+        return EngineConfig(**options)
+    if options:
+        raise TypeError(
+            f"pass the engine's settings as config or as keywords, not both: got config and {sorted(options)}"
+        )
+    return config
+
+
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -104,6 +121,8 @@ def resolve_limits(config: EngineConfig, device: torch.device) -> EngineConfig:
     """Fill unset step limits for the device. A GPU is only busy with hundreds of sequences per
     step: with >= 40 GiB free (an H100/H200 after a small model) 512 sequences and 16k tokens,
     with >= 16 GiB 256 / 8k, else 128 / 4k. Explicit values always win."""
+    import torch
+
     seqs, tokens = CPU_DEFAULTS
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

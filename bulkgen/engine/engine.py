@@ -32,36 +32,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bulkgen.engine.config import EngineConfig, resolve_limits
+from bulkgen.engine.config import EngineConfig, engine_config, resolve_limits
 from bulkgen.engine.features.grammar import GrammarRuntime
 from bulkgen.engine.features.image_blocks import longest
 from bulkgen.engine.features.lora import LoraError, load_adapter
 from bulkgen.engine.features.lora_slots import AdapterRows
-from bulkgen.engine.features.multimodal import (
-    ImageInputs,
-    RequestImages,
-    VisionTower,
-    check_vision_families,
-    is_vision_model,
-    load_processor,
-    load_vision,
-)
+from bulkgen.engine.features.multimodal import ImageInputs, RequestImages, VisionTower
 from bulkgen.engine.features.pooling import (
     EmbedParams,
     PoolingConfig,
     add_chunks,
-    check_embed,
     finish,
     model_pooling,
+    split_params,
 )
 from bulkgen.engine.kv.block_manager import BlockManager
 from bulkgen.engine.model.fingerprint import system_fingerprint
-from bulkgen.engine.model.loading import load_model
 from bulkgen.engine.model.quantize import ensure_quantized
 from bulkgen.engine.model_runner import ModelRunner, StepLogits
 from bulkgen.engine.outputs import CompletionOutput, RequestOutput, best_of
-from bulkgen.engine.overlap import OverlappedSteps, _InFlight
-from bulkgen.engine.parallel.rank_memory import check_device_fits
+from bulkgen.engine.overlap import OverlappedSteps
+from bulkgen.engine.pretrained import check_parallel, device_and_dtype, load_pretrained
 from bulkgen.engine.sampling.penalties import LogitAdjustments
 from bulkgen.engine.sampling.sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
 from bulkgen.engine.sampling.sampling_params import SamplingParams, generation_defaults
@@ -69,7 +60,7 @@ from bulkgen.engine.sampling.stopping import check_stop, completion_text
 from bulkgen.engine.scheduler import ScheduledBatch, Scheduler
 from bulkgen.engine.sequence import Request, Sequence, SequenceStatus, pending_id
 from bulkgen.engine.stats import EngineStats
-from bulkgen.engine.step_features import Features, StepFeature
+from bulkgen.engine.step_features import NO_FEATURE, Features, StepFeature
 
 if TYPE_CHECKING:
     from bulkgen.engine.parallel.tensor_parallel import Launcher
@@ -79,7 +70,7 @@ log = logging.getLogger(__name__)
 SchedulerFactory = Callable[[EngineConfig, BlockManager, StepFeature], Scheduler]
 
 
-class Engine(OverlappedSteps):
+class Engine:
     """Continuous-batching generation over any HF decoder-only model.
 
     The model's attention is switched to bulkgen's paged implementation only inside the engine's
@@ -89,29 +80,31 @@ class Engine(OverlappedSteps):
         self,
         model: torch.nn.Module,
         tokenizer,
+        config: EngineConfig | None = None,
+        *,
         pooling: PoolingConfig | None = None,
         scheduler: SchedulerFactory = Scheduler,
         vision: VisionTower | None = None,
-        **engine_kwargs,
+        **options,
     ) -> None:
-        """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
+        """`config`: the engine's settings (EngineConfig; None: its defaults, or the fields given as keyword
+        `options`, TypeError naming one that is no field).
+        `pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
         `scheduler`: the admission rule, continuous batching unless a caller brings another
         (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against).
         `vision`: a vision-language model's encoder, `model` being its language half (multimodal.py)."""
         self._make_scheduler = scheduler
         self.vision = vision
+        self.images = vision or NO_FEATURE  # a request's images at intake: refused without an encoder
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
-        self.config = resolve_limits(EngineConfig(**engine_kwargs), self.device)
+        self.config = resolve_limits(engine_config(config, options), self.device)
         ensure_quantized(model, self.config.quantize)
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
-        if (self.config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
-            raise ValueError(
-                "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
-            )
+        check_parallel(model, self.config)
         self.runner = ModelRunner(model, self.config, self.max_model_len, vision)
         self.config = self.runner.states.configure(self.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
@@ -129,7 +122,6 @@ class Engine(OverlappedSteps):
         self.stats_ = EngineStats(self.config.max_num_seqs)
         self._seq_ids = itertools.count()
         self._order = itertools.count()
-        self._grammars: GrammarRuntime | None = None  # built with the first constrained request
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="bulkgen-masks")
         self.reset()
 
@@ -141,7 +133,6 @@ class Engine(OverlappedSteps):
         self.requests: dict[str, Request] = {}
         self._guided: set[str] = set()  # requests under a grammar: steps without any skip the mask work
         self._host_bound: set[str] = set()  # requests whose rows need their tokens on the host (see step)
-        self._inflight: _InFlight | None = None  # a launched step whose tokens the host has not read
         self._instant: list[Request] = []  # max_tokens 0 without prompt logprobs: done at the next step
         self.adjustments = LogitAdjustments()  # penalty and logit_bias rows, on the logits' device
         self.constants = SamplingRows()  # random rows' temperature, top_p, top_k and key, on that device
@@ -154,56 +145,41 @@ class Engine(OverlappedSteps):
         self.runner.states.reset()
         features = Features(self.runner.states, AdapterRows(self.config.max_loras))
         self.scheduler = self._make_scheduler(self.config, self.block_manager, features)
+        # the overlapped path, holding the step it leaves in flight (dropped here with everything else)
+        self.overlapped = OverlappedSteps(
+            launch=self._launch,
+            advance=self._advance,
+            take_tokens=self._take_tokens,
+            finish_prefilled=self._finish_prefilled,
+            sample=self._sample_now,
+            scheduler=self.scheduler,
+            feature=self.runner.states,
+            stats=self.stats_,
+            host_bound=self._host_bound,
+        )
 
     @classmethod
     def from_pretrained(
         cls,
         path: str,
+        config: EngineConfig | None = None,
+        *,
         device: str | None = None,
         dtype: torch.dtype | str | None = None,
         launcher: Launcher | None = None,
-        **engine_kwargs,
+        pooling: PoolingConfig | None = None,
+        scheduler: SchedulerFactory = Scheduler,
+        **options,
     ) -> Engine:
-        """Load a local HF checkpoint (never a hub download). Defaults: CUDA+bf16 if available, else CPU+fp32.
-        A quantized checkpoint loads through transformers' quantizer; `quantize="fp8"` quantizes a float one.
-        A vision-language checkpoint loads with its processor (multimodal.load_vision).
-        `launcher` starts the other ranks of a tensor_parallel > 1 engine (tensor_parallel.Launcher): processes
-        of this machine unless the caller places them (a Ray worker's group, runtime/groups.py)."""
-        from transformers import AutoTokenizer
-
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if dtype is None:
-            dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
-        elif isinstance(dtype, str):
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'float32', 'bfloat16')")
-            dtype = getattr(torch, dtype)
-        fields = EngineConfig.__dataclass_fields__  # engine_kwargs also carry the Engine's own (scheduler)
-        config = EngineConfig(
-            **{k: v for k, v in engine_kwargs.items() if k in fields}
-        )  # before any rank starts
-        vision = is_vision_model(path)
-        if vision:
-            check_vision_families(path)
-        else:
-            check_device_fits(path, dtype, config.tensor_parallel, device)
-        if (
-            config.tensor_parallel > 1
-        ):  # a vision-language model's encoder runs on rank 0 alone (vision_shards)
-            from bulkgen.engine.parallel.tensor_parallel import launch
-
-            timeout = config.collective_timeout_s
-            model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
-            if vision:
-                tower = VisionTower(model.bulkgen_tp.vlm, load_processor(path))
-                return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
-        elif vision:
-            model, tower = load_vision(path, device, dtype, config)
-            return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
-        else:
-            model = load_model(path, device, dtype, config.quantize)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(model, tokenizer, **engine_kwargs)
+        """Load a local HF checkpoint (never a hub download; pretrained.load_pretrained) and build its engine.
+        `config` as Engine's (or its fields as keyword `options`). Defaults: CUDA+bf16 if available, else
+        CPU+fp32. A quantized checkpoint loads through transformers' quantizer; `quantize="fp8"` quantizes a
+        float one. `launcher` starts the other ranks of a tensor_parallel > 1 engine (tensor_parallel.Launcher):
+        processes of this machine unless the caller places them (a Ray worker's group, runtime/groups.py)."""
+        config = engine_config(config, options)  # before any rank starts
+        device, dtype = device_and_dtype(device, dtype)
+        model, tokenizer, vision = load_pretrained(path, config, device, dtype, launcher)
+        return cls(model, tokenizer, config, pooling=pooling, scheduler=scheduler, vision=vision)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:
@@ -250,10 +226,7 @@ class Engine(OverlappedSteps):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         adapter = None if lora is None else self.runner.loras.get(lora)
-        embed = params if isinstance(params, EmbedParams) else None
-        if embed is not None:
-            check_embed(self.pooling, embed, self.model.config.hidden_size)
-            params = SamplingParams(max_tokens=0)
+        params, embed = split_params(params, self.pooling, self.model.config.hidden_size)
         if not isinstance(params, SamplingParams):
             raise ValueError(
                 f"request {request_id!r}: params must be SamplingParams, got {type(params).__name__}"
@@ -334,10 +307,8 @@ class Engine(OverlappedSteps):
     def _images(self, request_id: str, ids: list[int], images: ImageInputs | None) -> RequestImages | None:
         if images is None:
             return None
-        if self.vision is None:
-            raise ValueError(f"request {request_id!r}: this model takes no images")
         try:
-            return self.vision.admit(ids, images)
+            return self.images.admit(ids, images)
         except ValueError as exc:
             raise ValueError(f"request {request_id!r}: {exc}") from None
 
@@ -391,8 +362,8 @@ class Engine(OverlappedSteps):
         self._step_function = self._next_overlapped if on else self._next_in_order
 
     def _next_in_order(self, done: list[RequestOutput]) -> list[RequestOutput]:
-        if self._inflight is not None:  # switched off with a step in flight: read it first, so what it
-            done += self._drain()  # finishes is not scheduled again
+        # switched off with a step in flight: read it first, so what it finishes is not scheduled again
+        done += self.overlapped.drain()
         batch = self.scheduler.schedule()
         if not batch.items:
             return done or self._idle()
@@ -401,10 +372,10 @@ class Engine(OverlappedSteps):
     def _next_overlapped(self, done: list[RequestOutput]) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.items:
-            if self._inflight is not None:
-                return done + self._drain()
+            if self.overlapped.inflight is not None:
+                return done + self.overlapped.drain()
             return done or self._idle()
-        return done + self._step_overlapped(batch)
+        return done + self.overlapped.step(batch)
 
     def _idle(self) -> list[RequestOutput]:
         """Nothing to schedule: wait a moment for a request the scheduler holds back (fair admission)."""
@@ -464,11 +435,10 @@ class Engine(OverlappedSteps):
                 self.block_manager.commit(seq)
         return discarded
 
-    @property
+    @functools.cached_property
     def grammars(self) -> GrammarRuntime:
-        if self._grammars is None:
-            self._grammars = GrammarRuntime(self.tokenizer, self.vocab_size)
-        return self._grammars
+        """Built with the first constrained request."""
+        return GrammarRuntime(self.tokenizer, self.vocab_size)
 
     def _start_masks(self, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], Future] | None:
         """Constrained sequences that sample this step (their scheduled tokens reach their end): their
@@ -489,6 +459,16 @@ class Engine(OverlappedSteps):
             done.set_result(self.grammars.masks(matchers, unpacked=True))
             return guided, done
         return guided, self._mask_thread.submit(self.grammars.masks, matchers)
+
+    def _sample_now(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledTokens:
+        """Sample `seqs`' rows of `logits` now, their grammars' masks filled first (the overlapped path's
+        rows that wait for the previous step's tokens: overlap.py)."""
+        guided = [s for s in seqs if s.matcher is not None]
+        masks = None
+        if guided:
+            _, fill = self._fill_masks(guided)
+            masks = self._constrained_rows(seqs, guided, fill.result())
+        return sample_async(logits, seqs, self.adjustments, masks, self.constants)
 
     @staticmethod
     def _constrained_rows(
@@ -706,7 +686,7 @@ class Engine(OverlappedSteps):
     @property
     def processor(self):
         """The vision-language model's AutoProcessor (multimodal.process takes it); None for a text model."""
-        return None if self.vision is None else self.vision.processor
+        return self.images.processor
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)

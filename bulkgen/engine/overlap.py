@@ -5,18 +5,29 @@ step-by-step path (`Engine._step_in_order`) reads as one straight line beside it
 sampled in the launched step holds a stand-in token (sequence.pending_id) until the host reads the step's
 tokens one step later (`_InFlight`); a sequence that ended, or whose stand-in was corrected late, in the
 meantime has its token of the step launched on it discarded.
+
+`OverlappedSteps` is a collaborator of the engine, not a part of it: it is built with what it uses (the
+scheduler, the step feature, the stats and the engine's few step functions, passed explicitly) and holds
+the step in flight itself.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from bulkgen.engine.outputs import RequestOutput
-from bulkgen.engine.sampling.sampler import SampledTokens, sample_async
-from bulkgen.engine.scheduler import ScheduledBatch
+from bulkgen.engine.sampling.sampler import SampledTokens
+from bulkgen.engine.scheduler import ScheduledBatch, Scheduler
 from bulkgen.engine.sequence import Sequence, SequenceStatus, pending_id
+from bulkgen.engine.stats import EngineStats
+from bulkgen.engine.step_features import StepFeature
+
+if TYPE_CHECKING:
+    from bulkgen.engine.model_runner import StepLogits
 
 
 class _InFlight:
@@ -28,26 +39,49 @@ class _InFlight:
 
 
 class OverlappedSteps:
-    """Engine methods of the overlapped path (a mixin: they use the engine's scheduler, runner and
-    result building, and its `_inflight` step)."""
+    """The overlapped path and the step it leaves in flight. Built by Engine.reset with each scheduler, so
+    a reset drops the step in flight with everything else.
 
-    _inflight: _InFlight | None
+    The engine's step functions it calls: `launch(batch, pending, sample, now)` (Engine._launch: the forward,
+    sampling queued when `sample`), `advance(batch, voided)` (count computed tokens), `take_tokens(seqs,
+    tokens, logprobs, placed)` (fill tokens in, run the stop checks), `finish_prefilled(seqs)` and
+    `sample(logits, seqs)` (sample rows now, after their matchers and penalty rows caught up)."""
 
-    def _step_overlapped(self, batch: ScheduledBatch) -> list[RequestOutput]:
+    def __init__(
+        self,
+        *,
+        launch: Callable,
+        advance: Callable[[ScheduledBatch, set[int]], int],
+        take_tokens: Callable[..., list[RequestOutput]],
+        finish_prefilled: Callable[[list[Sequence]], list[RequestOutput]],
+        sample: Callable[[torch.Tensor, list[Sequence]], SampledTokens],
+        scheduler: Scheduler,
+        feature: StepFeature,
+        stats: EngineStats,
+        host_bound: set[str],
+    ) -> None:
+        """`feature`: the step feature told of a sequence whose launched token was corrected late;
+        `host_bound`: the ids of requests whose rows need their tokens on the host (the engine keeps it)."""
+        self._launch, self._advance, self._take_tokens = launch, advance, take_tokens
+        self._finish_prefilled, self._sample = finish_prefilled, sample
+        self.scheduler, self.feature, self.stats, self.host_bound = scheduler, feature, stats, host_bound
+        self.inflight: _InFlight | None = None  # a launched step whose tokens the host has not read
+
+    def step(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """Launch this step on the previous step's stand-in tokens, then read the previous step's tokens
         while this one runs, and leave this one in flight."""
         start = time.time()
-        prev = self._inflight
+        prev = self.inflight
         # rows whose logits processing reads their tokens on the host (a grammar's matcher, penalties,
         # logit_bias) sample once the previous step's tokens are read; the forward still runs meanwhile
-        late = prev is not None and bool(self._host_bound) and self._needs_host_tokens(batch)
+        late = prev is not None and bool(self.host_bound) and self._needs_host_tokens(batch)
         pending = None if prev is None else prev.sampled.tokens
         step, sampled, scored = self._launch(batch, pending, sample=not late, now=start)
         theirs = prev.sampled.result() if prev is not None else None
         # no sequence changed up to here
         done, voided = [], set()
         if prev is not None:
-            self._inflight = None
+            self.inflight = None
             done, voided = self._resolve(prev, theirs)
         discarded = self._advance(batch, voided)
         if voided:
@@ -59,22 +93,31 @@ class OverlappedSteps:
             sampling, sampled = self._sample_late(step, voided)
         held = self._hold(sampling, sampled, voided) if sampled is not None else []
         done += self._finish_prefilled(step.prefilled)
-        self.stats_.record_step(batch, time.time() - start, held, discarded)
+        self.stats.record_step(batch, time.time() - start, held, discarded)
         return done
+
+    def drain(self) -> list[RequestOutput]:
+        """Read the step in flight, if any, when there is no step to launch (or the next one runs in order)."""
+        prev = self.inflight
+        if prev is None:
+            return []
+        result = prev.sampled.result()
+        self.inflight = None
+        return self._resolve(prev, result)[0]
 
     def _void(self, batch: ScheduledBatch, voided: set[int]) -> None:
         """Tell the step feature of each sequence launched on a token corrected late (a hybrid model's
         state absorbed the wrong token: it starts over)."""
         for seq, _ in batch.items:
             if seq.seq_id in voided:
-                self.runner.states.on_void(seq, self.scheduler.recompute)
+                self.feature.on_void(seq, self.scheduler.recompute)
 
     def _needs_host_tokens(self, batch: ScheduledBatch) -> bool:
         """A row whose logits processing reads its tokens on the host: a grammar's matcher, or penalties
         and logit_bias (their device rows catch up from the host's tokens)."""
         return any(s.matcher is not None or s.adjusts_logits for s, _ in batch.items)
 
-    def _sample_late(self, step, voided: set[int]) -> tuple[list[Sequence], SampledTokens | None]:
+    def _sample_late(self, step: StepLogits, voided: set[int]) -> tuple[list[Sequence], SampledTokens | None]:
         """Sample the step's rows whose sequences still run, once the previous step's tokens are in
         (matchers advanced, penalty counts caught up); returns those sequences and their tokens."""
         finished = SequenceStatus.FINISHED
@@ -85,12 +128,7 @@ class OverlappedSteps:
         logits = step.logits[: len(step.sampling)]
         if len(live) < len(step.sampling):
             logits = logits.index_select(0, torch.tensor(rows).to(logits.device, non_blocking=True))
-        guided = [s for s in live if s.matcher is not None]
-        masks = None
-        if guided:
-            _, fill = self._fill_masks(guided)
-            masks = self._constrained_rows(live, guided, fill.result())
-        return live, sample_async(logits, live, self.adjustments, masks, self.constants)
+        return live, self._sample(logits, live)
 
     def _hold(self, sampling: list[Sequence], sampled: SampledTokens, voided: set[int]) -> list[Sequence]:
         """Give each sequence that sampled in the step just launched a stand-in token (read by the next
@@ -108,7 +146,7 @@ class OverlappedSteps:
                 kept.append(seq)
             if len(tokens) - seq.num_prompt_tokens >= seq.max_tokens:
                 self.scheduler.finish(seq)  # whatever the token, it ends the sequence
-        self._inflight = _InFlight(sampled, sampling)
+        self.inflight = _InFlight(sampled, sampling)
         return kept
 
     def _resolve(self, prev: _InFlight, result: tuple) -> tuple[list[RequestOutput], set[int]]:
@@ -119,10 +157,3 @@ class OverlappedSteps:
         seqs = prev.seqs
         voided = {seqs[row].seq_id for row in late if seqs[row].token_ids[-1] == pending_id(row)}
         return self._take_tokens(seqs, chosen, logprobs, placed=True), voided
-
-    def _drain(self) -> list[RequestOutput]:
-        """Read the in-flight step's tokens when there is no step to launch."""
-        prev = self._inflight
-        result = prev.sampled.result()
-        self._inflight = None
-        return self._resolve(prev, result)[0]

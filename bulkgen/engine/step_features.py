@@ -6,7 +6,8 @@ A feature is chosen once, when the runner is built: a hybrid model's state slots
 (state_slots.py), a vision-language model's images a `VisionTower` (multimodal.py), a sharded model's ranks
 a `RankGroup` (tensor_parallel.py); a model without one gets the no-op object of this module in its place,
 never an `if` in the step. The hooks are those the step path needs, derived from the branches they replace:
-the scheduler asks `has_room` and `fits` before admitting and calls `take`/`release` around a sequence's
+the engine hands a request's images to `admit` at intake (the no-op object refuses them); the scheduler asks
+`has_room` and `fits` before admitting and calls `take`/`release` around a sequence's
 life (`Features` when it takes several: state slots and lora_slots.AdapterRows); the runner takes its
 attention backend from `route`, adds to the step plan with `plan`, wraps each forward in `begin`/`commit`
 and `scope`, hands the packed row to `packed` and builds the model's inputs with `inputs`; the overlapped
@@ -32,6 +33,7 @@ class StepFeature:
     reserved_bytes = 0  # bytes of the cache budget the feature takes before KV blocks are sized
     decode_graphs = True  # whether decode steps may replay CUDA graphs (their static buffers: 1-D positions)
     graph_pool = None  # what decode graphs index per sequence (decode_graphs.DecodeGraphs `states`)
+    processor = None  # what prepares a request's images (a vision-language model's AutoProcessor)
 
     def route(self, backend):
         """The attention backend the feature's steps run on (an attn_backends backend)."""
@@ -43,6 +45,11 @@ class StepFeature:
 
     def reset(self) -> None:
         """Forget every sequence (an engine reset)."""
+
+    def admit(self, prompt: list[int], inputs):
+        """A request's images (multimodal.ImageInputs) as the engine keeps them (multimodal.RequestImages);
+        ValueError if they do not fit its prompt, or, as here, if the model takes none."""
+        raise ValueError("this model takes no images")
 
     def has_room(self) -> bool:
         """Whether one more sequence may start running."""

@@ -237,7 +237,7 @@ class EngineLoop:
             self.engine.reset()
         except Exception:
             log.exception("worker %d: engine reset failed; rebuilding it", self.index)
-            self.engine = type(self.engine)(self.engine.model, self.engine.tokenizer, **self.engine_kwargs)
+            self.engine = type(self.engine)(self.engine.model, self.engine.tokenizer, self.engine_config)
             self._loras = {}  # a new engine holds no adapters: lines load theirs again
 
 

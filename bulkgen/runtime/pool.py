@@ -222,7 +222,7 @@ class WorkerPool:
         """Worker `index`'s actor: one per GPU, spread over the nodes; a tensor-parallel worker is a placed
         group of one actor per rank (runtime/groups.py), and this returns its rank 0."""
         ranks = self.ranks[index]
-        engine = {**self.settings.engine_kwargs, **({"tensor_parallel": ranks} if ranks > 1 else {})}
+        engine = self.settings.engine_config(ranks)
         env = None
         if self._threads:  # Ray sets OMP_NUM_THREADS to the actor's num_cpus; the BLAS must see ours
             threads = str(self._threads)

@@ -45,6 +45,7 @@ from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
 from bulkgen.engine import heap
+from bulkgen.engine.config import EngineConfig
 from bulkgen.engine.model import load_progress
 from bulkgen.engine.model.checkpoint_checks import CheckpointError
 from bulkgen.engine.model.fingerprint import with_template_options
@@ -73,19 +74,20 @@ class EngineWorker(EngineLoop, PartWriter):
     def __init__(
         self,
         index: int,
-        engine_kwargs: dict[str, Any] | None = None,
+        engine_config: EngineConfig | None = None,
         cpu_threads: int | None = None,
         images: ImageSettings | None = None,
         launcher=None,
     ):
-        """`launcher`: how a tensor-parallel engine's follower ranks start (runtime/groups.py's actors of
+        """`engine_config`: the settings of the engines this worker builds (WorkerSettings.engine_config).
+        `launcher`: how a tensor-parallel engine's follower ranks start (runtime/groups.py's actors of
         this worker's placed group); None starts them as processes (tensor_parallel.ProcessLauncher)."""
         self.index = index
         self.launcher = launcher
         self.image_policy = images or ImageSettings()  # what load_images may read, and how much
         # the bytes of images being decoded and processed and of pixel tensors not yet freed (image_budget.py)
         self.image_budget = ImageBudget(self.image_policy.image_memory_bytes)
-        self.engine_kwargs = dict(engine_kwargs or {})
+        self.engine_config = engine_config or EngineConfig()
         self.cpu_threads = cpu_threads
         self._stores: dict[str, Any] = {}
         self.engine = None
@@ -182,9 +184,8 @@ class EngineWorker(EngineLoop, PartWriter):
         path = resolve_model_path(model_path, endpoint_url=endpoint_url)
         progress.set_checkpoint(path)
         progress.set_phase("reading")
-        launcher = {"launcher": self.launcher} if self.launcher is not None else {}
         return self._on_engine_thread(
-            lambda: engine_class().from_pretrained(path, **launcher, **self.engine_kwargs)
+            lambda: engine_class().from_pretrained(path, self.engine_config, launcher=self.launcher)
         )
 
     def progress(self) -> dict[str, Any]:

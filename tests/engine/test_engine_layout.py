@@ -20,6 +20,7 @@ TOP = {
     "model_runner",
     "outputs",
     "overlap",
+    "pretrained",
     "process_memory",
     "scheduler",
     "sequence",

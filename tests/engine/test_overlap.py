@@ -13,6 +13,7 @@ from bulkgen.engine import engine as engine_module
 from bulkgen.engine.features.guide import Guide
 from bulkgen.engine.features.pooling import EmbedParams
 from bulkgen.engine.model_runner import ModelRunner
+from bulkgen.engine.overlap import OverlappedSteps
 from bulkgen.engine.sampling import sampler
 
 ARCH = "llama"
@@ -124,9 +125,9 @@ def test_grammar_and_penalty_rows_sample_after_the_previous_read(make_engine, mi
     """Every request under a JSON grammar or penalties: their steps still overlap the forward with the
     previous step's read, and sample once the matchers and penalty rows have seen its tokens."""
     late = []
-    sample_late = engine_module.Engine._sample_late
+    sample_late = OverlappedSteps._sample_late
     monkeypatch.setattr(
-        engine_module.Engine, "_sample_late", lambda self, *a: late.append(1) or sample_late(self, *a)
+        OverlappedSteps, "_sample_late", lambda self, *a: late.append(1) or sample_late(self, *a)
     )
     prompts = mixed_prompts(seed=95, count=10, low=3, high=30)
     sampled = dict(temperature=0.9, seed=4, max_tokens=24)
@@ -192,7 +193,7 @@ def test_abort_and_reset_with_a_step_in_flight(make_engine, mixed_prompts):
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, two if i % 2 else greedy)
     done = {}
-    while engine._inflight is None or not any(
+    while engine.overlapped.inflight is None or not any(
         len(s) > s.num_prompt_tokens + 2 for s in engine.requests["1"].seqs
     ):
         done.update((o.request_id, o) for o in engine.step())
@@ -211,10 +212,10 @@ def test_abort_and_reset_with_a_step_in_flight(make_engine, mixed_prompts):
 
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, greedy)
-    while engine._inflight is None:
+    while engine.overlapped.inflight is None:
         engine.step()
     engine.reset()  # drops the step in flight with everything else
-    assert engine._inflight is None and not engine.requests
+    assert engine.overlapped.inflight is None and not engine.requests
     again = engine.generate(prompts[:2], greedy)
     assert [o.token_ids for o in again] == [w.token_ids for w in alone.generate(prompts[:2], greedy)]
 
@@ -247,7 +248,10 @@ def test_switching_overlap_off_with_a_step_in_flight(make_engine, mixed_prompts)
         for out in engine.step():
             assert out.request_id not in done
             done[out.request_id] = out
-    assert engine._inflight is None and engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    assert (
+        engine.overlapped.inflight is None
+        and engine.block_manager.num_free_blocks == engine.runner.num_blocks
+    )
     assert [done[str(i)].token_ids for i in range(len(prompts))] == [w.token_ids for w in want]
 
 

@@ -11,6 +11,7 @@ import gc
 import json
 import sys
 
+from bulkgen.engine.config import EngineConfig
 from bulkgen.engine.process_memory import peak_rss, reset_peak_rss
 from bulkgen.runtime.worker import EngineWorker
 from bulkgen.settings import ImageSettings
@@ -24,7 +25,9 @@ def main(model: str, rows_path: str, root: str, budget_mib: int) -> dict:
     settings = {"image_memory_bytes": budget_mib << 20}
     known = {f.name for f in dataclasses.fields(ImageSettings)}  # runs against the code before the budget too
     worker = EngineWorker(
-        0, {"max_num_seqs": 8}, images=ImageSettings(**{k: v for k, v in settings.items() if k in known})
+        0,
+        EngineConfig(max_num_seqs=8),
+        images=ImageSettings(**{k: v for k, v in settings.items() if k in known}),
     )
     worker.load(VLM, model)
     with open(rows_path) as f:

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from bulkgen.engine.config import EngineConfig
 from bulkgen.runtime.dispatch import take_for
 from bulkgen.runtime.lineindex import LineIndex, index_file
 from bulkgen.runtime.worker import EngineWorker
@@ -107,7 +108,7 @@ class Feeder:
 
 def test_a_small_batch_starts_within_a_few_steps_behind_a_huge_one(tmp_path):
     store = LocalStore(tmp_path)
-    worker = EngineWorker(0, {"max_num_seqs": 8})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=8))
     worker.load(MODEL, str(random_model()))
     gate = StepGate(worker.engine)
     queue = WorkQueue(lambda _ranks: 1)

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from bulkgen.batch.outputlines import json_line
+from bulkgen.engine.config import EngineConfig
 from bulkgen.runtime import parts
 from bulkgen.runtime.lease import Lease, LeaseLost
 from bulkgen.runtime.lineindex import index_file
@@ -32,7 +33,7 @@ def _stored_batch(store, batch_id: str, rows: list[dict]) -> tuple[QueuedBatch, 
 
 
 def _worker(store) -> EngineWorker:
-    worker = EngineWorker(0, {"max_num_seqs": 8})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=8))
     worker.load(MODEL, str(random_model()))
     return worker
 
@@ -240,3 +241,21 @@ def test_the_worker_reports_its_engine_step_time_over_every_step_it_ran(tmp_path
     step_time = last["step_time"]
     assert step_time["steps"] == worker.engine.stats_.counters["steps"] == records > 0
     assert step_time["mean_ms"] > 0 and 0 < step_time["p50_ms"] <= step_time["p90_ms"]
+
+
+def test_the_worker_builds_every_engine_from_its_typed_config():
+    """The engine a worker loads and the one it rebuilds after a failed reset both take the worker's
+    EngineConfig, not a dict filtered on the way."""
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=3, block_size=8))
+    worker.load(MODEL, str(random_model()))
+    first = worker.engine
+    assert (first.config.max_num_seqs, first.config.block_size) == (3, 8)
+
+    def broken():
+        raise RuntimeError("reset failed")
+
+    first.reset = broken
+    worker._on_engine_thread(worker._reset_engine)
+    rebuilt = worker.engine
+    assert rebuilt is not first and rebuilt.model is first.model
+    assert (rebuilt.config.max_num_seqs, rebuilt.config.block_size) == (3, 8)

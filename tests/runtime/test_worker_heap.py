@@ -8,6 +8,7 @@ import weakref
 import pytest
 
 from bulkgen.engine import heap
+from bulkgen.engine.config import EngineConfig
 from bulkgen.runtime.worker import EngineWorker
 from tests.support.service import MODEL, random_model
 
@@ -27,7 +28,7 @@ def _tracked(obj) -> bool:
 
 
 def test_a_loaded_engine_is_out_of_every_collection_and_a_dropped_one_is_collected(thawed):
-    worker = EngineWorker(0, {"max_num_seqs": 4})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=4))
     worker.load(MODEL, str(random_model()))
     first = worker.engine
     assert gc.get_freeze_count() > 0

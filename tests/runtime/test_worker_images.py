@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from bulkgen.batch.image_budget import ImageBudget
+from bulkgen.engine.config import EngineConfig
 from bulkgen.runtime import parts
 from bulkgen.runtime.lineindex import index_file
 from bulkgen.runtime.worker import EngineWorker
@@ -64,7 +65,7 @@ class _Faulty:
 @pytest.fixture(scope="module")
 def worker(vlm_path):
     path = vlm_path
-    worker = EngineWorker(0, {"max_num_seqs": 8})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=8))
     worker.load(VLM, str(path))
     worker.engine.vision.processor = _Faulty(worker.engine.vision.processor)
     return worker

@@ -13,6 +13,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import bulkgen.runtime.worker as worker_module
+from bulkgen.engine.config import EngineConfig
 from bulkgen.engine.features.lora import WEIGHTS_FILE
 from bulkgen.engine.model.checkpoint_checks import CheckpointError
 from bulkgen.lab.quantized import write_block_fp8
@@ -45,7 +46,7 @@ def test_a_corrupt_adapter_fails_its_lines_once_and_never_its_ranges(tmp_path, m
     monkeypatch.setattr(
         worker_module, "fetch_folder", lambda path, *a, **k: fetched.append(path) or real_fetch(path, *a, **k)
     )
-    worker = EngineWorker(0, {"max_num_seqs": 8})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=8))
     worker.load(MODEL, str(random_model()))
     loras = {"good": str(good), "broken": str(broken)}
     models = [MODEL, "good", "broken"]
@@ -91,7 +92,7 @@ def test_a_broken_checkpoint_is_refused_at_load_and_remembered(tmp_path, monkeyp
     tensors = load_file(str(checkpoint / "model.safetensors"))
     tensors["model.layers.0.mlp.up_proj.weight_scale_inv"].fill_(float("nan"))
     save_file(tensors, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-    worker = EngineWorker(0, {"max_num_seqs": 8})
+    worker = EngineWorker(0, EngineConfig(max_num_seqs=8))
     worker.load(MODEL, str(random_model()))
     loads = []
     real = worker._on_engine_thread

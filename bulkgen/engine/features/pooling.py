@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from bulkgen.engine.sampling.sampling_params import SamplingParams
+
 METHODS = ("last", "mean", "cls")
 _ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
 _LEGACY_FLAGS = {
@@ -199,6 +201,15 @@ def _st_method(config: dict, root: Path) -> str:
 
 def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def split_params(params, config: PoolingConfig, hidden_size: int) -> tuple[object, EmbedParams | None]:
+    """A request's (generation params, EmbedParams or None) at intake: an embedding request is checked against
+    this model (check_embed) and runs as a prefill that samples nothing (max_tokens 0); others pass as they are."""
+    if not isinstance(params, EmbedParams):
+        return params, None
+    check_embed(config, params, hidden_size)
+    return SamplingParams(max_tokens=0), params
 
 
 def check_embed(config: PoolingConfig, params: EmbedParams, hidden_size: int) -> None:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+from bulkgen.engine.config import KV_CACHE_DTYPES  # noqa: F401  (kv_dtype takes one of them)
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 SCALE_DTYPE = torch.float32
