@@ -38,7 +38,7 @@ from .fingerprint import system_fingerprint
 from .grammar import GrammarRuntime
 from .image_blocks import longest
 from .loading import load_model
-from .lora import LoraError, load_adapter
+from .lora import LoraError
 from .lora_slots import AdapterRows
 from .model_runner import ModelRunner, StepLogits
 from .multimodal import (
@@ -61,11 +61,11 @@ from .sampling_params import SamplingParams, generation_defaults
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Request, Sequence, SequenceStatus, pending_id
 from .stats import EngineStats
-from .step_features import Features, StepFeature
+from .step_features import ONE_RANK, Features, StepFeature
 from .stopping import check_stop, completion_text
 
 if TYPE_CHECKING:
-    from .tensor_parallel import Launcher
+    from .tensor_parallel import Launcher, RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,14 @@ class Engine(OverlappedSteps):
         pooling: PoolingConfig | None = None,
         scheduler: SchedulerFactory = Scheduler,
         vision: VisionTower | None = None,
+        ranks: RankGroup | None = None,
         **engine_kwargs,
     ) -> None:
         """`pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
         `scheduler`: the admission rule, continuous batching unless a caller brings another
         (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against).
-        `vision`: a vision-language model's encoder, `model` being its language half (multimodal.py)."""
+        `vision`: a vision-language model's encoder, `model` being its language half (multimodal.py).
+        `ranks`: the tensor-parallel group `model` is rank 0's shard of (from_pretrained loads both)."""
         self._make_scheduler = scheduler
         self.vision = vision
         self.model = model.eval()
@@ -101,11 +103,11 @@ class Engine(OverlappedSteps):
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
-        if (self.config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
+        if (self.config.tensor_parallel > 1) != (ranks is not None):
             raise ValueError(
                 "tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard"
             )
-        self.runner = ModelRunner(model, self.config, self.max_model_len, vision)
+        self.runner = ModelRunner(model, self.config, self.max_model_len, vision, ranks or ONE_RANK)
         self.config = self.runner.states.configure(self.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # generation_config.json's sampling defaults, for requests that set none (sampling_params)
@@ -180,23 +182,25 @@ class Engine(OverlappedSteps):
             check_vision_families(path)
         else:
             check_device_fits(path, dtype, config.tensor_parallel, device)
+        ranks = None  # the tensor-parallel group the model is rank 0's shard of
         if (
             config.tensor_parallel > 1
         ):  # a vision-language model's encoder runs on rank 0 alone (vision_shards)
             from .tensor_parallel import launch
 
             timeout = config.collective_timeout_s
-            model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
+            shard = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
+            model, ranks = shard.model, shard.group
             if vision:
-                tower = VisionTower(model.bulkgen_tp.vlm, load_processor(path))
-                return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
+                tower = VisionTower(shard.vlm, load_processor(path), ranks)
+                return cls(model, tower.processor.tokenizer, vision=tower, ranks=ranks, **engine_kwargs)
         elif vision:
             model, tower = load_vision(path, device, dtype, config)
             return cls(model, tower.processor.tokenizer, vision=tower, **engine_kwargs)
         else:
             model = load_model(path, device, dtype, config.quantize)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        return cls(model, tokenizer, **engine_kwargs)
+        return cls(model, tokenizer, ranks=ranks, **engine_kwargs)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:
@@ -289,7 +293,7 @@ class Engine(OverlappedSteps):
         loras = self.runner.loras
         if name in loras.adapters:
             raise LoraError(f"adapter {name!r} is already loaded; remove it first")
-        loras.add(load_adapter(name, path, self.model, self.config.max_lora_rank))
+        loras.add(loras.load(name, path))
 
     def remove_lora(self, name: str) -> None:
         """Drop adapter `name`; LoraError if unknown or if requests in the engine still run with it."""

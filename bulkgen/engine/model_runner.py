@@ -24,7 +24,7 @@ from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
-from .step_features import NO_FEATURE, SingleRank
+from .step_features import NO_FEATURE, ONE_RANK
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,12 @@ class ModelRunner:
         config: EngineConfig,
         max_model_len: int,
         vision: VisionTower | None = None,
+        ranks=ONE_RANK,
     ):
         """Probe the model's layers, size and allocate the paged KV cache (and a hybrid model's state slots),
-        pick the attention backend, and capture decode graphs where they run. Kept as one body (just over 50
+        pick the attention backend, and capture decode graphs where they run. `ranks`: a sharded model's
+        tensor_parallel.RankGroup (what each step runs through, and what the features' plan sections travel
+        in), or one process's step_features.SingleRank. Kept as one body (just over 50
         lines): each allocation depends on the one before it (layout -> blocks -> caches -> tables -> graphs)."""
         self.model = model
         # the forward's inputs: a vision-language model's encoder splices image embeddings into prefills
@@ -101,8 +104,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.tp = getattr(model, "bulkgen_tp", None)  # a sharded model's tensor_parallel.RankGroup, else None
-        self.ranks = self.tp or SingleRank()  # what the step runs through: one process's is step_features'
+        self.ranks = ranks
         self.ranks.publish_config(config, max_model_len)  # rank 0's, for the followers
         mixers = check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
@@ -142,7 +144,7 @@ class ModelRunner:
         width = -(-max_model_len // self.block_size)
         self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
-        self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank, self.ranks)
         self.embedding = model.get_input_embeddings()
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
