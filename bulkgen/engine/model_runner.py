@@ -202,7 +202,8 @@ class ModelRunner:
         self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None, graph: tuple[int, int] | None
     ) -> StepLogits:
         """A tensor-parallel follower's step: rank 0's `run`, in the decode-graph bucket rank 0 chose (its step
-        plan). Its sequences are stand-ins carrying rank 0's state slots (plan_codec), held nowhere here."""
+        plan). Its sequences are stand-ins (plan_codec.StandIn) carrying what the features' plan sections sent
+        (rank 0's state slots, adapters, image positions), held nowhere here."""
         with self.ranks.step(batch, pending, graph):
             return self._run(batch, pending, graph)
 

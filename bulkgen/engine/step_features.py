@@ -12,6 +12,11 @@ attention backend from `route`, adds to the step plan with `plan`, wraps each fo
 and `scope`, hands the packed row to `packed` and builds the model's inputs with `inputs`; the overlapped
 path calls `on_void` for a sequence whose launched token was corrected late. LoRA's rows in the runner are
 lora_slots.LoraSlots' own (`prepare`, `order`, `scope`): always there, a no-op while no adapter is used.
+
+Tensor parallel is a transport, not a feature the step names: the engine passes the rank group to the runner
+and to the features that need it as a constructor argument (never an attribute of the model), and each
+feature whose state a follower rank needs registers a `PlanSection` with it; the group posts those sections
+beside the core plan (plan_codec.py). `SingleRank` is the group of one process, the no-op transport.
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ CPU, NCCL on CUDA), each bounded by the group's timeout, so a rank that dies or 
 step on every rank instead of blocking it. The control plane is the rendezvous store: once per step rank 0
 publishes the step plan as one packed int64 tensor (plan_codec.py: per scheduled sequence its position,
 tokens and new block-table entries) and the followers rebuild light stand-ins of those sequences for
-their own ModelRunner, so its packing, block-table and logits-row logic exists once. A follower waits
+their own ModelRunner, so its packing, block-table and logits-row logic exists once. What a feature
+adds to a step (LoRA's slots, images' positions, state slots) travels in the section it registered with the
+group when it was built (step_features.PlanSection, `register`): the group carries it without naming it.
+The group is handed on as an argument (load_shard and launch return a Shard; the engine passes it to its
+runner and features), never set on the model. A follower waits
 for the next plan in short polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
 ends it. Rank 0 waits for its followers in short polls too (their arrival at the rendezvous, their load's
 report), and between two it looks at the followers it started: one that ended fails the group (RankLost,
