@@ -24,7 +24,7 @@ from .lora_slots import LoraSlots
 from .mla import find_mla, wrap_mla
 from .multimodal import VisionTower
 from .sequence import Sequence
-from .step_features import NO_FEATURE, ONE_RANK
+from .step_features import NO_FEATURE, ONE_RANK, PlanSection
 from .step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
         self.ranks = ranks
+        ranks.register(LogitRowsSection())
         self.ranks.publish_config(config, max_model_len)  # rank 0's, for the followers
         mixers = check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
@@ -339,6 +340,27 @@ class ModelRunner:
         )
         self.forward_inputs.plan(plan, prefill)
         return ordered, plan
+
+
+class LogitRowsSection(PlanSection):
+    """The runner's section of the tensor-parallel step plan: what `_rows` reads of a sequence beyond its
+    tokens (whether it scores its prompt and how many positions it has scored, whether it pools), so a
+    follower's forward keeps rank 0's rows for the head and its collectives."""
+
+    name = "logit_rows"
+
+    def encode(self, batch: list) -> list[int]:
+        return [
+            x
+            for seq, _ in batch
+            for x in (int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools))
+        ]
+
+    def decode(self, ints: list[int], batch: list) -> None:
+        for (stand_in, _), at in zip(batch, range(0, len(ints), 3), strict=True):
+            scores, scored, pools = ints[at : at + 3]
+            stand_in.needs_prompt_logprobs, stand_in.pools = bool(scores), bool(pools)
+            stand_in.request.prompt_logprobs = [None] * scored
 
 
 @contextmanager

@@ -2,8 +2,7 @@
 sequences a follower's ModelRunner reads back from it (tensor_parallel.py sends and receives it).
 
 A plan holds a header (items, pending rows, decode-graph bucket) and, per scheduled sequence, the fields
-the runner reads (prompt-logprob and pooling rows: which logits and hidden states it keeps), the tokens
-this step computes and the block tables. The tables travel as deltas: a sequence's tables only grow at their
+the runner reads (its position and lengths), the tokens this step computes and the block tables. The tables travel as deltas: a sequence's tables only grow at their
 end while it keeps them (a preemption or a release gives it new
 ones; a sliding window's blocks behind it become the null block in place, never read again, as
 decode_graphs.SlotTables keeps them on the device), so the encoder remembers which table objects each
@@ -15,7 +14,7 @@ is 53 KB instead of 2.1 MB, and packs 21x and unpacks 15x faster than with whole
 2-core development machine: 0.7 against 15.8 ms, 1.2 against 18.7 ms).
 
 After the items come the plan sections the features registered with the rank group (step_features.PlanSection:
-LoRA's slots and rows, images' positions, hybrid state slots), in name order, each framed by its length; the
+the runner's prompt-logprob and pooling rows, LoRA's slots and rows, images' positions, hybrid state slots), in name order, each framed by its length; the
 codec names none of them.
 """
 
@@ -28,7 +27,7 @@ import torch
 from .step_features import PlanSection
 
 _HEADER = 4  # items, pending rows, decode-graph bucket (batch, width; 0, 0: the packed path)
-_ITEM = 12  # ints before each item's tokens and table entries (see PlanEncoder.encode)
+_ITEM = 9  # ints before each item's tokens and table entries (see PlanEncoder.encode)
 
 
 @dataclass
@@ -60,7 +59,6 @@ class PlanEncoder:
             sent[seq.seq_id] = (tables, length)
             tokens = seq.token_ids[seq.num_computed_tokens :][:n]
             flat += [seq.seq_id, seq.num_computed_tokens, n, len(seq), seq.num_prompt_tokens, seq.max_tokens]
-            flat += [int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools)]
             flat += [len(tables), start, length - start, *tokens]
             for table in tables:
                 flat += table[start:]
@@ -85,7 +83,7 @@ class PlanDecoder:
         held: dict[int, list[list[int]]] = {}
         for _ in range(flat[0]):
             fields = flat[at : at + _ITEM]
-            seq_id, n, groups, start, width = fields[0], fields[2], fields[9], fields[10], fields[11]
+            seq_id, n, groups, start, width = fields[0], fields[2], fields[6], fields[7], fields[8]
             at += _ITEM
             tokens, at = flat[at : at + n], at + n
             new = [flat[at + g * width : at + (g + 1) * width] for g in range(groups)]
@@ -109,14 +107,14 @@ class PlanDecoder:
 
 class StandIn:
     """What a follower's ModelRunner reads of a scheduled sequence, rebuilt from the step plan; the
-    features' sections add what theirs read (LoRA's adapter, images' positions, a state slot)."""
+    sections add what their readers read (the runner's logit rows, LoRA's adapter, images' positions, a
+    state slot), on it or on its `request`."""
 
     def __init__(self, fields: list[int], tokens: list[int], tables: list[list[int]]) -> None:
-        seq_id, computed, _, length, prompt, max_tokens, scores, scored, pools = fields[:9]
+        seq_id, computed, _, length, prompt, max_tokens = fields[:6]
         self.seq_id, self.num_computed_tokens, self.length = seq_id, computed, length
-        self.num_prompt_tokens, self.max_tokens, self.pools = prompt, max_tokens, bool(pools)
-        self.needs_prompt_logprobs = bool(scores)
-        self.request = _Scored([None] * scored)
+        self.num_prompt_tokens, self.max_tokens = prompt, max_tokens
+        self.request = _Request()
         self.token_ids = _Tail(computed, tokens)
         self.block_tables = tables
 
@@ -128,11 +126,8 @@ class StandIn:
         return self.block_tables[0] if self.block_tables else []
 
 
-class _Scored:
-    """A stand-in's request: the prompt logprobs computed so far (their count is what the runner reads)."""
-
-    def __init__(self, prompt_logprobs: list) -> None:
-        self.prompt_logprobs = prompt_logprobs
+class _Request:
+    """A stand-in's request: what the sections set on it (nothing of its own)."""
 
 
 class _Tail:

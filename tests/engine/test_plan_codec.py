@@ -181,6 +181,5 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
     assert decode.request.images.rows == [] and decode.request.images.blocks == []
     assert plain.request.images is None
     ((stand_in, _),) = PlanDecoder([ImagesSection()]).decode(text)[0]
-    assert stand_in.request.images is None and len(text) == 8 * (
-        4 + 12 + 1 + 1
-    )  # header, item, token, size 0
+    assert stand_in.request.images is None
+    assert len(text) == 8 * (4 + 9 + 1 + 1)  # header, item, its token, the empty images section's size
