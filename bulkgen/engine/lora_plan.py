@@ -41,8 +41,11 @@ class LoraSection(PlanSection):
         slots = self.slots
         ints = [len(slots.resident), *(v for pair in slots.resident.items() for v in pair)]
         loaded = sorted(a.uid for a in slots.adapters.values())
-        ints += [-1] if loaded == self.loaded else [len(loaded), *loaded]
-        self.loaded = loaded
+        if loaded == self.loaded:
+            ints.append(-1)
+        else:
+            ints += [len(loaded), *loaded]
+            self.loaded, self.named = loaded, self.named & set(loaded)  # a uid never comes back once removed
         new = [a for a in slots.adapters.values() if a.uid not in self.named]
         ints.append(len(new))
         for adapter in new:
@@ -76,7 +79,7 @@ class LoraSection(PlanSection):
         held = {a.uid for a in slots.adapters.values()}
         for uid in loaded:
             if uid not in held:
-                name, folder = self.folders[uid]
+                name, folder = self.folders.pop(uid)
                 adapter = slots.load(name, folder)
                 adapter.uid = uid  # rank 0's: rows are sorted and slotted by it
                 slots.add(adapter)
