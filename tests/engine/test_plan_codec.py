@@ -10,14 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import SamplingParams
-from bulkgen.engine.block_manager import BlockManager
-from bulkgen.engine.image_plan import ImagesSection
-from bulkgen.engine.layer_attention import FULL, AttnKind
-from bulkgen.engine.lora_slots import LoraSlots
-from bulkgen.engine.plan_codec import PlanDecoder, PlanEncoder
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind
+from bulkgen.engine.features.image_plan import ImagesSection
+from bulkgen.engine.features.lora_slots import LoraSlots
+from bulkgen.engine.kv.block_manager import BlockManager
+from bulkgen.engine.parallel.plan_codec import PlanDecoder, PlanEncoder
+from bulkgen.engine.parallel.tensor_parallel import RankGroup
 from bulkgen.engine.sequence import Request, Sequence
 from bulkgen.engine.step_features import PlanSection
-from bulkgen.engine.tensor_parallel import RankGroup
 from bulkgen.lab.tiny_lora import save_random_adapter
 
 BLOCK = 4
@@ -152,8 +152,8 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
     """A prefill chunk reaching an image, a decode past the prompt (M-RoPE: p + delta) and a text
     sequence in one step: the follower's stand-ins hold what rank 0's splice, positions and image blocks
     read of them; a text-only step's images section is empty."""
-    from bulkgen.engine.image_blocks import runs
-    from bulkgen.engine.multimodal import ImageInputs, RequestImages
+    from bulkgen.engine.features.image_blocks import runs
+    from bulkgen.engine.features.multimodal import ImageInputs, RequestImages
 
     prompt = [1, 2, 3, 99, 99, 99, 99, 4, 99, 99, 5, 6]
     seqs = _sequences(3)

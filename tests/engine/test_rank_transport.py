@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bulkgen.engine.tensor_parallel import RankGroup, load_shard
+from bulkgen.engine.parallel.tensor_parallel import RankGroup, load_shard
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bulkgen"
 ENGINE = PACKAGE / "engine"
