@@ -52,7 +52,7 @@ def run(path: Path, tp: int, prompts: list[list[int]], max_tokens: int) -> dict:
     kwargs = dict(device="cpu", num_kv_blocks=512, tensor_parallel=tp)
     if tp > 1:
         engine = Engine.from_pretrained(str(path), **kwargs)
-        ranks = engine.runner.tp.rank_memory()
+        ranks = engine.runner.ranks.rank_memory()
     else:  # the whole model through the same loader as a rank's, in a group of one, then a plain engine
         group = RankGroup.join("127.0.0.1", 0, 0, 1, "cpu", 60)
         del kwargs["tensor_parallel"]

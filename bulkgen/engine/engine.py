@@ -35,7 +35,7 @@ import torch
 from bulkgen.engine.config import EngineConfig, engine_config, resolve_limits
 from bulkgen.engine.features.grammar import GrammarRuntime
 from bulkgen.engine.features.image_blocks import longest
-from bulkgen.engine.features.lora import LoraError, load_adapter
+from bulkgen.engine.features.lora import LoraError
 from bulkgen.engine.features.lora_slots import AdapterRows
 from bulkgen.engine.features.multimodal import ImageInputs, RequestImages, VisionTower
 from bulkgen.engine.features.pooling import (
@@ -60,10 +60,10 @@ from bulkgen.engine.sampling.stopping import check_stop, completion_text
 from bulkgen.engine.scheduler import ScheduledBatch, Scheduler
 from bulkgen.engine.sequence import Request, Sequence, SequenceStatus, pending_id
 from bulkgen.engine.stats import EngineStats
-from bulkgen.engine.step_features import NO_FEATURE, Features, StepFeature
+from bulkgen.engine.step_features import NO_FEATURE, ONE_RANK, Features, StepFeature
 
 if TYPE_CHECKING:
-    from bulkgen.engine.parallel.tensor_parallel import Launcher
+    from bulkgen.engine.parallel.tensor_parallel import Launcher, RankGroup
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class Engine:
         pooling: PoolingConfig | None = None,
         scheduler: SchedulerFactory = Scheduler,
         vision: VisionTower | None = None,
+        ranks: RankGroup | None = None,
         **options,
     ) -> None:
         """`config`: the engine's settings (EngineConfig; None: its defaults, or the fields given as keyword
@@ -92,7 +93,8 @@ class Engine:
         `pooling`: how embedding requests pool; None reads the model's own folder (pooling.load_pooling).
         `scheduler`: the admission rule, continuous batching unless a caller brings another
         (bulkgen/lab/grouped.py: the static and dynamic batching it is measured against).
-        `vision`: a vision-language model's encoder, `model` being its language half (multimodal.py)."""
+        `vision`: a vision-language model's encoder, `model` being its language half (multimodal.py).
+        `ranks`: the tensor-parallel group `model` is rank 0's shard of (from_pretrained loads both)."""
         self._make_scheduler = scheduler
         self.vision = vision
         self.images = vision or NO_FEATURE  # a request's images at intake: refused without an encoder
@@ -104,8 +106,8 @@ class Engine:
         overlap = self.config.async_scheduling
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.max_model_len = _max_model_len(model.config, self.config.max_model_len)
-        check_parallel(model, self.config)
-        self.runner = ModelRunner(model, self.config, self.max_model_len, vision)
+        check_parallel(ranks, self.config)
+        self.runner = ModelRunner(model, self.config, self.max_model_len, vision, ranks or ONE_RANK)
         self.config = self.runner.states.configure(self.config)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         # generation_config.json's sampling defaults, for requests that set none (sampling_params)
@@ -178,8 +180,8 @@ class Engine:
         processes of this machine unless the caller places them (a Ray worker's group, runtime/groups.py)."""
         config = engine_config(config, options)  # before any rank starts
         device, dtype = device_and_dtype(device, dtype)
-        model, tokenizer, vision = load_pretrained(path, config, device, dtype, launcher)
-        return cls(model, tokenizer, config, pooling=pooling, scheduler=scheduler, vision=vision)
+        model, tokenizer, vision, ranks = load_pretrained(path, config, device, dtype, launcher)
+        return cls(model, tokenizer, config, pooling=pooling, scheduler=scheduler, vision=vision, ranks=ranks)
 
     @functools.cached_property
     def system_fingerprint(self) -> str:
@@ -269,7 +271,7 @@ class Engine:
         loras = self.runner.loras
         if name in loras.adapters:
             raise LoraError(f"adapter {name!r} is already loaded; remove it first")
-        loras.add(load_adapter(name, path, self.model, self.config.max_lora_rank))
+        loras.add(loras.load(name, path))
 
     def remove_lora(self, name: str) -> None:
         """Drop adapter `name`; LoraError if unknown or if requests in the engine still run with it."""

@@ -24,7 +24,7 @@ from bulkgen.engine.features.multimodal import VisionTower
 from bulkgen.engine.kv import kv_cache
 from bulkgen.engine.kv.kv_layout import KVLayout
 from bulkgen.engine.sequence import Sequence
-from bulkgen.engine.step_features import NO_FEATURE, SingleRank
+from bulkgen.engine.step_features import NO_FEATURE, ONE_RANK, PlanSection
 from bulkgen.engine.step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
@@ -89,9 +89,12 @@ class ModelRunner:
         config: EngineConfig,
         max_model_len: int,
         vision: VisionTower | None = None,
+        ranks=ONE_RANK,
     ):
         """Probe the model's layers, size and allocate the paged KV cache (and a hybrid model's state slots),
-        pick the attention backend, and capture decode graphs where they run. Kept as one body (just over 50
+        pick the attention backend, and capture decode graphs where they run. `ranks`: a sharded model's
+        tensor_parallel.RankGroup (what each step runs through, and what the features' plan sections travel
+        in), or one process's step_features.SingleRank. Kept as one body (just over 50
         lines): each allocation depends on the one before it (layout -> blocks -> caches -> tables -> graphs)."""
         self.model = model
         # the forward's inputs: a vision-language model's encoder splices image embeddings into prefills
@@ -101,8 +104,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.kv_dtype = kv_cache.cache_dtype(config.kv_cache_dtype, self.dtype)
-        self.tp = getattr(model, "bulkgen_tp", None)  # a sharded model's tensor_parallel.RankGroup, else None
-        self.ranks = self.tp or SingleRank()  # what the step runs through: one process's is step_features'
+        self.ranks = ranks
+        ranks.register(LogitRowsSection())
         self.ranks.publish_config(config, max_model_len)  # rank 0's, for the followers
         mixers = check_supported(model)  # a sharded model's were checked to split (sharding.py)
         wrap_mla(find_mla(model))  # MLA layers hand attention their latent: the cache stores only it
@@ -142,7 +145,7 @@ class ModelRunner:
         width = -(-max_model_len // self.block_size)
         self.tables = SlotTables(config.max_num_seqs, width, self.num_blocks, self.device, len(layout.groups))
         self.graphs = self._decode_graphs(max_model_len)
-        self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank)
+        self.loras = LoraSlots(model, config.max_loras, config.max_lora_rank, self.ranks)
         self.embedding = model.get_input_embeddings()
 
     def _decode_graphs(self, max_model_len: int) -> DecodeGraphs | None:
@@ -200,7 +203,8 @@ class ModelRunner:
         self, batch: list[tuple[Sequence, int]], pending: torch.Tensor | None, graph: tuple[int, int] | None
     ) -> StepLogits:
         """A tensor-parallel follower's step: rank 0's `run`, in the decode-graph bucket rank 0 chose (its step
-        plan). Its sequences are stand-ins carrying rank 0's state slots (plan_codec), held nowhere here."""
+        plan). Its sequences are stand-ins (plan_codec.StandIn) carrying what the features' plan sections sent
+        (rank 0's state slots, adapters, image positions), held nowhere here."""
         with self.ranks.step(batch, pending, graph):
             return self._run(batch, pending, graph)
 
@@ -336,6 +340,27 @@ class ModelRunner:
         )
         self.forward_inputs.plan(plan, prefill)
         return ordered, plan
+
+
+class LogitRowsSection(PlanSection):
+    """The runner's section of the tensor-parallel step plan: what `_rows` reads of a sequence beyond its
+    tokens (whether it scores its prompt and how many positions it has scored, whether it pools), so a
+    follower's forward keeps rank 0's rows for the head and its collectives."""
+
+    name = "logit_rows"
+
+    def encode(self, batch: list) -> list[int]:
+        return [
+            x
+            for seq, _ in batch
+            for x in (int(seq.needs_prompt_logprobs), len(seq.request.prompt_logprobs or ()), int(seq.pools))
+        ]
+
+    def decode(self, ints: list[int], batch: list) -> None:
+        for (stand_in, _), at in zip(batch, range(0, len(ints), 3), strict=True):
+            scores, scored, pools = ints[at : at + 3]
+            stand_in.needs_prompt_logprobs, stand_in.pools = bool(scores), bool(pools)
+            stand_in.request.prompt_logprobs = [None] * scored
 
 
 @contextmanager

@@ -20,13 +20,14 @@ from bulkgen.engine.model.loading import load_model
 from bulkgen.engine.parallel.rank_memory import check_device_fits
 
 if TYPE_CHECKING:
-    from bulkgen.engine.parallel.tensor_parallel import Launcher
+    from bulkgen.engine.parallel.tensor_parallel import Launcher, RankGroup
 
 
 def load_pretrained(
     path: str, config: EngineConfig, device: str, dtype: torch.dtype, launcher: Launcher | None
-) -> tuple[torch.nn.Module, object, VisionTower | None]:
-    """(model, tokenizer, vision encoder or None) of the local checkpoint at `path` (never a hub download).
+) -> tuple[torch.nn.Module, object, VisionTower | None, RankGroup | None]:
+    """(model, tokenizer, vision encoder or None, the rank group `model` is rank 0's shard of or None) of the
+    local checkpoint at `path` (never a hub download).
     A vision-language checkpoint loads with its processor, whose tokenizer the engine uses (multimodal.load_vision);
     `config.tensor_parallel` > 1 starts the other ranks through `launcher` (tensor_parallel.launch), a
     vision-language model's encoder then running on rank 0 alone (vision_shards)."""
@@ -39,18 +40,19 @@ def load_pretrained(
         from bulkgen.engine.parallel.tensor_parallel import launch
 
         timeout = config.collective_timeout_s
-        model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
+        shard = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)
         if vision:
-            tower = VisionTower(model.bulkgen_tp.vlm, load_processor(path))
-            return model, tower.processor.tokenizer, tower
+            tower = VisionTower(shard.vlm, load_processor(path), shard.group)
+            return shard.model, tower.processor.tokenizer, tower, shard.group
+        model, ranks = shard.model, shard.group
     elif vision:
         model, tower = load_vision(path, device, dtype, config)
-        return model, tower.processor.tokenizer, tower
+        return model, tower.processor.tokenizer, tower, None
     else:
-        model = load_model(path, device, dtype, config.quantize)
+        model, ranks = load_model(path, device, dtype, config.quantize), None
     from transformers import AutoTokenizer
 
-    return model, AutoTokenizer.from_pretrained(path, local_files_only=True), None
+    return model, AutoTokenizer.from_pretrained(path, local_files_only=True), None, ranks
 
 
 def device_and_dtype(device: str | None, dtype: torch.dtype | str | None) -> tuple[str, torch.dtype]:
@@ -66,7 +68,7 @@ def device_and_dtype(device: str | None, dtype: torch.dtype | str | None) -> tup
     return device, dtype
 
 
-def check_parallel(model: torch.nn.Module, config: EngineConfig) -> None:
+def check_parallel(ranks: RankGroup | None, config: EngineConfig) -> None:
     """An engine of tensor_parallel > 1 runs on a model a rank group loaded (its shard), and only then."""
-    if (config.tensor_parallel > 1) != hasattr(model, "bulkgen_tp"):
+    if (config.tensor_parallel > 1) != (ranks is not None):
         raise ValueError("tensor_parallel > 1 needs Engine.from_pretrained: each rank loads its own shard")

@@ -13,6 +13,11 @@ attention backend from `route`, adds to the step plan with `plan`, wraps each fo
 and `scope`, hands the packed row to `packed` and builds the model's inputs with `inputs`; the overlapped
 path calls `on_void` for a sequence whose launched token was corrected late. LoRA's rows in the runner are
 lora_slots.LoraSlots' own (`prepare`, `order`, `scope`): always there, a no-op while no adapter is used.
+
+Tensor parallel is a transport, not a feature the step names: the engine passes the rank group to the runner
+and to the features that need it as a constructor argument (never an attribute of the model), and each
+feature whose state a follower rank needs registers a `PlanSection` with it; the group posts those sections
+beside the core plan (plan_codec.py). `SingleRank` is the group of one process, the no-op transport.
 """
 
 from __future__ import annotations
@@ -112,18 +117,52 @@ class Features(StepFeature):
             f.release(seq)
 
 
+class PlanSection:
+    """What a feature sends tensor-parallel followers each step, beside the core plan (plan_codec.py): rank 0
+    `encode`s a step's (sequence, new tokens) pairs into ints, a follower `decode`s them onto its stand-ins
+    of the same pairs. A feature registers its section with its rank group when it is built
+    (`register`); the codec frames each section's ints by its length and iterates the sections in name
+    order, so it names no feature and every rank reads them in one order."""
+
+    name = ""  # unique per group: the order sections travel in
+
+    def encode(self, batch: list) -> list[int]:
+        """Rank 0: this step's ints for the followers (empty: nothing this step)."""
+        return []
+
+    def decode(self, ints: list[int], batch: list) -> None:
+        """A follower: apply rank 0's `ints` (as `encode` gave them, possibly empty) to the stand-ins of
+        `batch`, in rank 0's order."""
+
+
 class SingleRank:
     """The rank group of a model on one process: the transport that carries nothing (tensor_parallel.RankGroup
-    is the real one)."""
+    is the real one). Features built without a group get it: its collectives return their input, its LoRA
+    split keeps the whole pair, and a plan section registered with it is never sent."""
 
-    rank = 0
-    states = None  # RankGroup's: the state slots rank 0 sends each sequence's slot from
+    rank, world = 0, 1
+
+    def register(self, section: PlanSection) -> None:
+        """No follower to send a section to."""
 
     def publish_config(self, config, max_model_len: int) -> None:
         """Nothing to tell: no other rank."""
 
     def agree_min(self, value: int) -> int:
         return value
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def shard_lora(
+        self, model, module: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An adapter's whole (A, B): the model is whole."""
+        return a, b
+
+    def lora_reduce(self, model, module: str):
+        """No partial sums to reduce."""
+        return None
 
     def step(self, batch: list, pending: torch.Tensor | None = None, graph: tuple[int, int] | None = None):
         return NO_SCOPE
@@ -132,4 +171,5 @@ class SingleRank:
         """No other rank to stop."""
 
 
+ONE_RANK = SingleRank()  # stateless: shared by every model on one process
 NO_FEATURE = StepFeature()

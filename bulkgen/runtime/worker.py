@@ -202,10 +202,10 @@ class EngineWorker(EngineLoop, PartWriter):
     def _rank_table(self, engine) -> list[dict] | None:
         """A tensor-parallel engine's ranks for the dashboard: each one's pid, device and load memory, and
         for a placed group its node and GPUs; None for a single-process engine."""
-        tp = getattr(engine.runner, "tp", None)
-        if tp is None:
+        ranks = engine.runner.ranks
+        if ranks.world == 1:
             return None
-        memory = tp.rank_memory()
+        memory = ranks.rank_memory()
         return self.launcher.ranks(memory) if hasattr(self.launcher, "ranks") else memory
 
     def info(self) -> dict[str, Any]:

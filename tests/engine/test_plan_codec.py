@@ -1,18 +1,24 @@
 """The tensor-parallel step plan over steps of real sequences whose tables a real BlockManager grows,
 releases (a preemption) and gives again: the follower's stand-ins always hold rank 0's tables, while a
-steady decode step sends only the entries added since the last one."""
+steady decode step sends only the entries added since the last one. The features' plan sections (LoRA,
+images) travel beside it, registered with real rank groups, in name order."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import SamplingParams
 from bulkgen.engine.attention.layer_attention import FULL, AttnKind
-from bulkgen.engine.features.lora import LoraAdapter
+from bulkgen.engine.features.image_plan import ImagesSection
 from bulkgen.engine.features.lora_slots import LoraSlots
 from bulkgen.engine.kv.block_manager import BlockManager
 from bulkgen.engine.parallel.plan_codec import PlanDecoder, PlanEncoder
+from bulkgen.engine.parallel.tensor_parallel import RankGroup
 from bulkgen.engine.sequence import Request, Sequence
+from bulkgen.engine.step_features import PlanSection
+from bulkgen.lab.tiny_lora import save_random_adapter
 
 BLOCK = 4
 
@@ -60,37 +66,92 @@ def test_followers_rebuild_every_table_from_entries_sent_once():
     assert batch[1][0].block_tables is not kept and batch[0][0].block_tables is decoder.held[0]
 
 
-def test_lora_section_carries_slots_rows_and_the_adapter_set_when_it_changes():
-    """Rank 0's slot of each resident adapter every step, each row's adapter, and the set of adapters it
-    holds only in the plan after that set changed (lora_tp.follow loads or drops them on a follower)."""
-    slots = LoraSlots(torch.nn.Linear(2, 2), max_loras=2, max_rank=4)  # adapters targeting no layer
-    a, b = (LoraAdapter(name, f"/adapters/{name}", 4, {}) for name in "ab")
-    slots.add(a)
-    slots.add(b)
-    slots.activate({b})
+@pytest.fixture
+def groups():
+    """Rank 0's and a follower's rank groups: real groups of one process each (no collective runs here),
+    whose features register their plan sections with them as on two ranks."""
+    pair = [RankGroup.join("127.0.0.1", 0, 0, 1, "cpu", 30) for _ in range(2)]
+    yield pair
+    for group in pair:
+        group.close()
+
+
+def test_lora_section_gives_the_follower_rank_0s_adapters_slots_and_rows(groups, tiny_model, tmp_path):
+    """Rank 0's slot of each resident adapter every step, each row's adapter, and the adapters it holds:
+    a follower's LoraSlots loads each new adapter from the folder the plan names once, drops a removed
+    one, and ends with rank 0's slots holding the same weights."""
+    path = tiny_model("llama", seed=3)
+    leader, follower = groups
+    slots = [
+        LoraSlots(AutoModelForCausalLM.from_pretrained(path), 2, 8, group) for group in (leader, follower)
+    ]
+    for name, seed in (("a", 1), ("b", 2)):
+        folder = save_random_adapter(path, tmp_path / name, seed, 4, 8, ("q_proj", "o_proj"))
+        slots[0].add(slots[0].load(name, folder))
+    a, b = slots[0].adapters["a"], slots[0].adapters["b"]
+    slots[0].activate({b})
     seqs = _sequences(3)
     seqs[1].lora = b
-    encoder, decoder = PlanEncoder(), PlanDecoder()
 
-    def step() -> list:
-        batch, _, _ = decoder.decode(encoder.encode([(s, 1) for s in seqs], 0, None, slots))
-        return [None if s.lora is None else s.lora.uid for s, _ in batch]
+    def step() -> tuple[list, int]:
+        raw = leader.encoder.encode([(s, 1) for s in seqs], 0, None)
+        batch, _, _ = follower.decoder.decode(raw)
+        held = {n: x.uid for n, x in slots[1].adapters.items()}
+        assert dict(slots[1].resident) == dict(slots[0].resident) and held == {
+            n: x.uid for n, x in slots[0].adapters.items()
+        }
+        return [None if s.lora is None else s.lora.uid for s, _ in batch], len(raw)
 
-    assert step() == [None, b.uid, None]
-    assert decoder.loras.resident == {b.uid: 0} and decoder.loras.loaded == sorted([a.uid, b.uid])
+    rows, first = step()
+    assert rows == [None, b.uid, None] and dict(slots[1].resident) == {b.uid: 0}
+    layer = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(slots[1].layers[layer].lora_a[0], slots[0].layers[layer].lora_a[0])
     seqs[1].lora, seqs[2].lora = None, a
-    slots.activate({a})
-    assert step() == [None, None, a.uid]
-    assert decoder.loras.resident == {b.uid: 0, a.uid: 1} and decoder.loras.loaded is None  # unchanged
-    slots.remove("b")
-    step()
-    assert decoder.loras.resident == {a.uid: 1} and decoder.loras.loaded == [a.uid]
+    slots[0].activate({a})
+    rows, size = step()
+    assert rows == [None, None, a.uid] and dict(slots[1].resident) == {b.uid: 0, a.uid: 1}
+    assert size < first  # the adapter set did not change: neither it nor a folder is sent again
+    assert torch.equal(slots[1].layers[layer].lora_b[1], slots[0].layers[layer].lora_b[1])
+    seqs[2].lora = None
+    slots[0].remove("b")
+    assert step()[0] == [None, None, None] and set(slots[1].adapters) == {"a"}
+
+
+def test_sections_travel_in_name_order_whatever_order_features_register_them(groups):
+    """Each rank builds its features in its own order; the plan carries their sections by name, and a
+    second section of one name is refused."""
+    leader, follower = groups
+    leader.register(ImagesSection())
+    leader.register(_Counting("b"))
+    leader.register(_Counting("a"))
+    for section in (_Counting("a"), ImagesSection(), _Counting("b")):
+        follower.register(section)
+    assert [s.name for s in leader.sections] == [s.name for s in follower.sections] == ["a", "b", "images"]
+    seqs = _sequences(2)
+    batch, _, _ = follower.decoder.decode(leader.encoder.encode([(s, 1) for s in seqs], 0, None))
+    assert [s.seen for s in follower.sections[:2]] == [["a", 0, 1], ["b", 0, 1]]
+    assert all(stand_in.request.images is None for stand_in, _ in batch)  # text only: no images section ints
+    with pytest.raises(ValueError, match="'a' is registered already"):
+        leader.register(_Counting("a"))
+
+
+class _Counting(PlanSection):
+    """A section that sends its name's letter and each row's index, and keeps what it decoded."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.seen = name, None
+
+    def encode(self, batch: list) -> list[int]:
+        return [ord(self.name), *range(len(batch))]
+
+    def decode(self, ints: list[int], batch: list) -> None:
+        self.seen = [chr(ints[0]), *ints[1:]]
 
 
 def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_positions():
     """A prefill chunk reaching an image, a decode past the prompt (M-RoPE: p + delta) and a text
     sequence in one step: the follower's stand-ins hold what rank 0's splice, positions and image blocks
-    read of them, with the LoRA section after it; a text-only step carries no images section."""
+    read of them; a text-only step's images section is empty."""
     from bulkgen.engine.features.image_blocks import runs
     from bulkgen.engine.features.multimodal import ImageInputs, RequestImages
 
@@ -104,14 +165,11 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
     seqs[0].num_computed_tokens = 5  # a chunk of 5: positions 5..9
     seqs[1].token_ids.extend([7] * 4)
     seqs[1].num_computed_tokens = len(prompt) + 2  # decoding past its prompt
-    text = PlanEncoder().encode([(seqs[2], 1)], 0, None)
-    slots = LoraSlots(torch.nn.Linear(2, 2), max_loras=2, max_rank=4)
-    slots.add(LoraAdapter("a", "/adapters/a", 4, {}))
-    decoder = PlanDecoder()
+    text = PlanEncoder([ImagesSection()]).encode([(seqs[2], 1)], 0, None)
+    decoder = PlanDecoder([ImagesSection()])
     batch, _, _ = decoder.decode(
-        PlanEncoder().encode([(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)], 0, None, slots)
+        PlanEncoder([ImagesSection()]).encode([(seqs[0], 5), (seqs[1], 1), (seqs[2], 1)], 0, None)
     )
-    assert decoder.loras.loaded == [slots.adapters["a"].uid]
     (chunk, _), (decode, _), (plain, _) = batch
     assert chunk.request.images.rows == [5, 6, 8, 9]
     assert (chunk.request.images.first_row, chunk.request.images.last_row) == (3, 9)
@@ -122,4 +180,6 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
         assert torch.equal(stand_in.request.images.mrope_rows(start, n), want)
     assert decode.request.images.rows == [] and decode.request.images.blocks == []
     assert plain.request.images is None
-    assert len(PlanDecoder().decode(text)[0]) == 1 and len(text) == 8 * (5 + 13 + 1)
+    ((stand_in, _),) = PlanDecoder([ImagesSection()]).decode(text)[0]
+    assert stand_in.request.images is None
+    assert len(text) == 8 * (4 + 9 + 1 + 1)  # header, item, its token, the empty images section's size

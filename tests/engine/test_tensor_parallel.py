@@ -101,7 +101,7 @@ def test_seeded_sampling_equals_single_engine(pair, prompts):
 def test_a_lost_rank_fails_the_step_within_the_timeout(tiny_model, prompts, one_thread, signal_to_send):
     path = str(tiny_model("llama", seed=5))
     engine = Engine.from_pretrained(path, tensor_parallel=2, collective_timeout_s=10, **ENGINE)
-    follower = engine.runner.tp.processes[0]
+    follower = engine.runner.ranks.processes[0]
     try:
         _greedy(engine, prompts[:1])
         os.kill(follower.pid, signal_to_send)

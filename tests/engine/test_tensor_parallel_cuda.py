@@ -62,7 +62,7 @@ def test_two_gpu_ranks_replay_rank_zeros_graphs(model_dirs, reference):
         assert _tokens(engine, prompts) == want
     finally:
         engine.close()
-    (follower,) = engine.runner.tp.reports()
+    (follower,) = engine.runner.ranks.reports()
     mine = {f"{b},{w}": n for (b, w), n in sorted(engine.runner.graphs.replays.items())}
     assert follower["replays"] == mine and mine
     assert follower["overlapped"] > 0

@@ -113,7 +113,7 @@ def test_each_rank_holds_half_the_sharded_fp8_weights(engines):
         for name, p in sharded.model.named_parameters()
         if name in whole and p.shape == whole[name].shape
     )
-    ranks = [m["weight_bytes"] for m in sharded.runner.tp.rank_memory()]
+    ranks = [m["weight_bytes"] for m in sharded.runner.ranks.rank_memory()]
     assert ranks[0] == weight_bytes(sharded.model)
     split = weight_bytes(fp8.model) - replicated
     for held in ranks:

@@ -110,7 +110,7 @@ def test_overlapped_steps_and_decode_graphs_keep_each_ranks_states(
         sharded.close()
     # the follower replayed rank 0's buckets, and read stand-in tokens from rank 0's broadcast
     replays = {f"{b},{w}": n for (b, w), n in sharded.runner.graphs.replays.items()}
-    report = sharded.runner.tp.reports()[0]
+    report = sharded.runner.ranks.reports()[0]
     assert replays and (report["replays"], report["overlapped"] > 0) == (replays, True)
 
 

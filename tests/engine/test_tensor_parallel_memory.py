@@ -42,7 +42,7 @@ def _rank_memory(path) -> list[dict]:
     torch.set_num_threads(1)
     engine = Engine.from_pretrained(str(path), device="cpu", tensor_parallel=2, num_kv_blocks=16)
     try:
-        return engine.runner.tp.rank_memory()
+        return engine.runner.ranks.rank_memory()
     finally:
         engine.close()
         torch.set_num_threads(threads)

@@ -91,7 +91,7 @@ def test_each_ranks_latent_cache_is_the_single_engines(yarn_engines):
     for ranks in (1, 2):
         assert rank_memory(config, ranks, torch.float32)["kv_bytes_per_token"] == latent
         assert plan_memory(path, ranks)["kv_bytes_per_token"] == latent // 2  # the plan counts bf16
-    held = [m["weight_bytes"] for m in sharded.runner.tp.rank_memory()]
+    held = [m["weight_bytes"] for m in sharded.runner.ranks.rank_memory()]
     assert held == [rank_memory(config, 2, torch.float32)["weight_bytes"]] * 2
 
 

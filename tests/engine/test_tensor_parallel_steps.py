@@ -73,12 +73,12 @@ def test_two_ranks_match_the_single_engine(model, tp_prompts, overlap, graphs, r
         assert _tokens(engine, tp_prompts) == want
         assert engine.stats()["preemptions"] > 0, "the small cache never preempted"
         assert engine.block_manager.num_free_blocks == engine.runner.num_blocks
-        store, steps = engine.runner.tp.store, engine.runner.tp.steps
+        store, steps = engine.runner.ranks.store, engine.runner.ranks.steps
         # the follower deletes each plan once it has run its step: the store holds the last one at most
         assert not any(store.check([f"plan/{k}"]) for k in range(steps - 1))
     finally:
         engine.close()
-    group = engine.runner.tp
+    group = engine.runner.ranks
     (follower,) = group.reports()
     assert follower["steps"] == group.steps - 1  # every plan but the closing one
     if graphs:  # the follower ran every decode step in the bucket rank 0 chose

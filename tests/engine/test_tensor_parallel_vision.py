@@ -49,7 +49,7 @@ def pair(request, tmp_path_factory, one_thread, rank_pool):
 
 def test_encoder_on_rank_0_and_half_the_language_model(pair):
     fx, single, sharded = pair
-    assert sharded.vision.tp is sharded.runner.tp and sharded.vision.tp.rank == 0
+    assert sharded.vision.ranks is sharded.runner.ranks and sharded.vision.ranks.rank == 0
     q_proj = sharded.model.model.layers[0].self_attn.q_proj.weight
     assert q_proj.shape[0] * 2 == single.model.model.layers[0].self_attn.q_proj.weight.shape[0]
     encoder = sum(p.numel() for p in sharded.vision.vlm.parameters()) - sum(

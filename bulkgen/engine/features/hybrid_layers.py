@@ -25,7 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from bulkgen.engine.attention.layer_attention import ATTENTION_LAYER_TYPES
-from bulkgen.engine.features.state_slots import LayerStates, StatePool, StateShape, StateStep
+from bulkgen.engine.features.state_slots import (
+    LayerStates,
+    StatePool,
+    StateShape,
+    StateSlotsSection,
+    StateStep,
+)
 from bulkgen.engine.model import upstream
 from bulkgen.engine.step_features import NO_FEATURE, NO_SCOPE, StepFeature
 
@@ -289,11 +295,11 @@ def state_slots(
     model: torch.nn.Module, mixers: dict, num_slots: int, device: torch.device, group
 ) -> StepFeature:
     """A hybrid model's step feature: one state slot per running sequence, the `mixers` wrapped to read and
-    write them, the rank `group` told of the pool (its plan carries each sequence's slot). A transformer
-    without mixers gets the no-op feature."""
+    write them, the pool's section of the step plan registered with the rank `group` (it carries each
+    sequence's slot to the followers). A transformer without mixers gets the no-op feature."""
     if not mixers:
         return NO_FEATURE
     pool = StatePool(probe_states(mixers, model.config.hidden_size), num_slots, device)
     wrap_mixers(mixers, pool)
-    group.states = pool
+    group.register(StateSlotsSection(pool))
     return pool

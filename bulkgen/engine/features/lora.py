@@ -32,6 +32,7 @@ import torch
 
 from bulkgen.engine.attention.mla import lora_refusal
 from bulkgen.engine.model.checkpoint_checks import CheckpointError, check_finite, read_header
+from bulkgen.engine.step_features import ONE_RANK
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -77,9 +78,12 @@ class LoraAdapter:
     uid: int = field(default_factory=lambda: next(_uids))
 
 
-def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max_rank: int) -> LoraAdapter:
-    """Read and check the PEFT folder at `path` against `model`; LoraError naming what is refused."""
-    group = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup: this rank's shard of each pair
+def load_adapter(
+    name: str, path: str | os.PathLike, model: torch.nn.Module, max_rank: int, ranks=ONE_RANK
+) -> LoraAdapter:
+    """Read and check the PEFT folder at `path` against `model`; LoraError naming what is refused.
+    `ranks`: the model's rank group, which gives this rank's shard of each pair (tensor_parallel.RankGroup;
+    one process's step_features.SingleRank keeps the pair whole)."""
     folder = Path(path)
     config = _read_config(name, folder)
     for key, feature in REFUSED_SETTINGS.items():
@@ -101,8 +105,7 @@ def load_adapter(name: str, path: str | os.PathLike, model: torch.nn.Module, max
             raise LoraError(f"adapter {name!r}: rank {rank} ({module}) is above max_lora_rank {max_rank}")
         alpha = float(_pattern(config.get("alpha_pattern"), module, config.get("lora_alpha", 8)))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        if group is not None:
-            a, b = group.shard_lora(model, module, a, b)
+        a, b = ranks.shard_lora(model, module, a, b)
         weights[module] = _checked(name, model, module, a, b, scale)
         parent, _, child = module.rpartition(".")
         refusal = lora_refusal(model.get_submodule(parent), child)  # the module exists: _checked found it

@@ -25,9 +25,10 @@ from contextlib import contextmanager
 
 import torch
 
-from bulkgen.engine.features.lora import LoraAdapter, LoraError, LoraWrapper
+from bulkgen.engine.features.lora import LoraAdapter, LoraError, LoraWrapper, load_adapter
+from bulkgen.engine.features.lora_plan import LoraSection
 from bulkgen.engine.sequence import Sequence
-from bulkgen.engine.step_features import StepFeature
+from bulkgen.engine.step_features import ONE_RANK, StepFeature
 
 
 class LoraLinear(LoraWrapper):
@@ -97,22 +98,25 @@ class LoraLinear(LoraWrapper):
 class LoraSlots:
     """The host cache of adapters (by name) and the `max_loras` device slots they are loaded into."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int) -> None:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, ranks=ONE_RANK) -> None:
+        """`ranks`: the model's rank group (tensor_parallel.RankGroup, or one process's step_features.SingleRank):
+        it splits each adapter like the weights it adds to and reduces a row-parallel target's shrink, and
+        its step plans carry these slots (rank 0) or fill them (followers: lora_plan.LoraSection)."""
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
+        self.ranks = ranks
         self.adapters: dict[str, LoraAdapter] = {}
         self.layers: dict[str, LoraLinear] = {}  # wrapped module path -> its layer
         self.resident: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self.step: list[tuple[int, int, int]] | None = None  # (slot, first row, end) while a forward runs
         self.num_tokens = 0  # the packed row's length in the step running
         self.loads = 0  # slot loads so far (a test reads it: LRU reuse)
-        self.published: set[int] = set()  # tensor-parallel rank 0: uids whose folder followers can read
-        self.tp = getattr(model, "bulkgen_tp", None)  # tensor_parallel.RankGroup: it splits and reduces LoRA
-        if (
-            self.tp is not None
-        ):  # its step plans carry these slots (rank 0) or fill them (followers): lora_tp.py
-            self.tp.loras = self
+        ranks.register(LoraSection(self))
+
+    def load(self, name: str, path) -> LoraAdapter:
+        """The PEFT adapter folder at `path`, checked against this model and split for this rank (lora.py)."""
+        return load_adapter(name, path, self.model, self.max_rank, self.ranks)
 
     def add(self, adapter: LoraAdapter) -> None:
         """Cache `adapter` on the host and wrap the layers it targets (each layer is wrapped once)."""
@@ -122,7 +126,7 @@ class LoraSlots:
             if module not in self.layers:
                 parent, _, child = module.rpartition(".")
                 owner = self.model.get_submodule(parent)
-                reduce = tp.lora_reduce(self.model, module) if (tp := self.tp) is not None else None
+                reduce = self.ranks.lora_reduce(self.model, module)
                 self.layers[module] = LoraLinear(getattr(owner, child), self, reduce)
                 setattr(owner, child, self.layers[module])
         weight = next(self.model.parameters())
@@ -175,7 +179,7 @@ class LoraSlots:
         return self.resident.pop(victim)
 
     def place(self, assignment: dict[int, int]) -> None:
-        """A tensor-parallel follower: exactly rank 0's {uid: slot}, loading what moved (lora_tp.follow)."""
+        """A tensor-parallel follower: exactly rank 0's {uid: slot}, loading what moved (lora_plan.LoraSection)."""
         by_uid = {a.uid: a for a in self.adapters.values()}
         for uid in [u for u, slot in self.resident.items() if assignment.get(u) != slot]:
             del self.resident[uid]

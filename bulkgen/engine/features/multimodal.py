@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from bulkgen.engine.features import image_blocks
-from bulkgen.engine.step_features import StepFeature
+from bulkgen.engine.features.image_plan import ImagesSection
+from bulkgen.engine.step_features import ONE_RANK, StepFeature
 
 # model classes checked against transformers' generate (tests/engine/test_vision.py)
 CHECKED = {
@@ -210,8 +211,11 @@ class VisionTower(StepFeature):
     embeddings into the forward's inputs and, where image tokens attend to their whole image, plans and
     routes the steps that reach image blocks."""
 
-    def __init__(self, vlm: torch.nn.Module, processor=None) -> None:
-        """`processor`: the model's processor as load_processor gives it (process() takes it)."""
+    def __init__(self, vlm: torch.nn.Module, processor=None, ranks=ONE_RANK) -> None:
+        """`processor`: the model's processor as load_processor gives it (process() takes it). `ranks`: the
+        model's rank group (tensor_parallel.RankGroup, or one process's step_features.SingleRank): rank 0
+        encodes and broadcasts each step's image rows, the other ranks (no encoder: drop_encoder) receive
+        them, placed by the images section of the step plan (image_plan.py)."""
         check_family(vlm)
         self.vlm = vlm.eval()
         self.processor = processor
@@ -221,9 +225,8 @@ class VisionTower(StepFeature):
             self.image_token_id = config.image_token_index
         self.mrope = hasattr(vlm.model, "get_rope_index")  # 3-D positions (Qwen-VL's M-RoPE)
         self.bidirectional = type(vlm).__name__ in BIDIRECTIONAL_IMAGES
-        # tensor parallel (tensor_parallel.RankGroup): rank 0 encodes and sends each step's image rows,
-        # the other ranks (no encoder: drop_encoder) receive them; None: one process
-        self.tp = getattr(vlm, "bulkgen_tp", None)
+        self.ranks = ranks
+        ranks.register(ImagesSection())
 
     def admit(self, prompt: list[int], inputs: ImageInputs) -> RequestImages:
         """A request's images as the engine keeps them; ValueError if they do not match its prompt."""
@@ -324,7 +327,7 @@ def splice(
         q_off += n
     if not reached:
         return None, {}
-    leader = tower.tp is None or tower.tp.rank == 0  # the rank that runs the encoder
+    leader = tower.ranks.rank == 0  # the rank that runs the encoder
     if leader:
         tower.encode(list({id(r[0]): r[0] for r in reached if r[0].embeds is None}.values()))
     embeds = embedding(input_ids)
@@ -353,12 +356,11 @@ def splice(
 def _image_rows(tower: VisionTower, parts: list, count: int, embeds: torch.Tensor) -> torch.Tensor:
     """The step's `count` image rows in splice order: rank 0's encoded `parts`, sent to the other ranks of
     a tensor-parallel group in one broadcast; a follower's, received from it (a follower knows `count`
-    from the step plan: plan_codec.ImagesStandIn)."""
-    if tower.tp is not None and tower.tp.rank:
+    from the step plan: image_plan.ImagesStandIn); one process's broadcast returns its input."""
+    if tower.ranks.rank:
         rows = torch.empty(count, tower.row_width(embeds.shape[-1]), dtype=embeds.dtype, device=embeds.device)
-        return tower.tp.broadcast(rows)
-    rows = torch.cat(parts).to(embeds.device, embeds.dtype)
-    return rows if tower.tp is None else tower.tp.broadcast(rows.contiguous())
+        return tower.ranks.broadcast(rows)
+    return tower.ranks.broadcast(torch.cat(parts).to(embeds.device, embeds.dtype).contiguous())
 
 
 def is_vision_model(path: str) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from bulkgen.engine.sequence import Sequence
-from bulkgen.engine.step_features import StepFeature
+from bulkgen.engine.step_features import PlanSection, StepFeature
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class StatePool(StepFeature):
             self.free.append(slot)
 
     def slot(self, seq: Sequence) -> int:
-        """`seq`'s slot; a tensor-parallel follower's stand-in carries rank 0's (plan_codec.StandIn)."""
+        """`seq`'s slot; a tensor-parallel follower's stand-in carries rank 0's (StateSlotsSection)."""
         held = getattr(seq, "state_slot", None)
         return self.slot_of[seq.seq_id] if held is None else held
 
@@ -188,3 +188,20 @@ class StatePool(StepFeature):
         """The step's forward completed: each slot now holds its sequence's tokens up to the step's end."""
         for seq, n in items:
             self.absorbed[self.slot_of[seq.seq_id]] = seq.num_computed_tokens + n
+
+
+class StateSlotsSection(PlanSection):
+    """The state slots' section of the tensor-parallel step plan: rank 0's scheduler gives each sequence its
+    slot, and every rank's forward reads and writes that row of its own shard of the states."""
+
+    name = "state_slots"
+
+    def __init__(self, pool: StatePool) -> None:
+        self.pool = pool
+
+    def encode(self, batch: list) -> list[int]:
+        return [self.pool.slot(seq) for seq, _ in batch]
+
+    def decode(self, ints: list[int], batch: list) -> None:
+        for (stand_in, _), slot in zip(batch, ints, strict=True):
+            stand_in.state_slot = slot

@@ -15,53 +15,29 @@ column_parallel_linear / row_parallel_linear LoRA layers, written for our slots)
   delta, its slice's shrink times the whole B, before the base's all-reduce: no extra collective, its
   sum in the collective's order; one all-reduce of tokens × rank per layer is what ours costs.)
 
-Rank 0 decides which adapter sits in which slot (LoraSlots.activate, its LRU); the step plan
-(plan_codec.py) carries that assignment, the set of adapters loaded when it changed, and each row's
-adapter uid. Rank 0 publishes each adapter's folder in the rendezvous store under its uid, once; a
-follower loads its own shard from there and copies the assignment (`follow`), so its slots, its row order
-(sorted by uid) and its segments are rank 0's.
+The rank group (tensor_parallel.RankGroup.shard_lora / lora_reduce) hands these to the LoRA feature, which
+never imports this module: lora.load_adapter asks for each pair's shard, lora_slots.LoraSlots for the
+reduce of each layer it wraps. Which adapter sits in which slot travels in the step plan (lora_plan.py).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from bulkgen.engine.features.lora import load_adapter
-
-
-@dataclass
-class LoraPlan:
-    """One step's LoRA section of the plan: rank 0's slot of each resident adapter (by uid) and, when it
-    changed since the previous step, the uids of every adapter rank 0 holds (None: unchanged)."""
-
-    resident: dict[int, int]
-    loaded: list[int] | None
-
-
-class AdapterRef:
-    """A follower stand-in's adapter: the uid rank 0 gave it, which the runner sorts and slots rows by."""
-
-    __slots__ = ("uid",)
-
-    def __init__(self, uid: int) -> None:
-        self.uid = uid
+from bulkgen.engine.parallel.shard_families import in_block
+from bulkgen.engine.parallel.shard_packed import qkv_rows
+from bulkgen.engine.parallel.sharding import packed_half, shard_slice, style_of, tp_plan
 
 
 def shard_pair(
-    model: torch.nn.Module, module: str, a: torch.Tensor, b: torch.Tensor
+    model: torch.nn.Module, module: str, a: torch.Tensor, b: torch.Tensor, rank: int, world: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (A, B) of `module` on a tensor-parallel model (unchanged on a whole model, or where the
-    shapes do not split: lora._checked then names the mismatch)."""
-    group = getattr(model, "bulkgen_tp", None)
-    if group is None:
+    """Rank `rank`'s (A, B) of `module` on a model split over `world` ranks (unchanged where the shapes do
+    not split: lora._checked then names the mismatch; whole in a group of one)."""
+    if world == 1:
         return a, b
-    from bulkgen.engine.parallel.shard_packed import qkv_rows
-    from bulkgen.engine.parallel.sharding import packed_half, shard_slice, style_of, tp_plan
-
     try:
         target = model.get_submodule(module)
     except AttributeError:
@@ -69,7 +45,7 @@ def shard_pair(
     target = getattr(target, "base", target)  # a LoraLinear another adapter already wrapped
     if not isinstance(target, torch.nn.Linear) or a.dim() != 2 or b.dim() != 2:
         return a, b
-    style, rank, world = style_of(tp_plan(model), module), group.rank, group.world
+    style = style_of(tp_plan(model), module)
     out, width = target.out_features, b.shape[0]
     if style == "colwise" and width != out and width % out == 0:
         b = b[shard_slice((width, b.shape[1]), (out, b.shape[1]), rank, world)]
@@ -82,39 +58,10 @@ def shard_pair(
     return a, b
 
 
-def row_parallel_reduce(model: torch.nn.Module, module: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The all-reduce a row-parallel target's shrink needs (its A holds a slice of the input columns);
-    None for any other layer, and for one inside an MoE block reduced once at its output."""
-    group = getattr(model, "bulkgen_tp", None)
-    if group is None:
-        return None
-    from bulkgen.engine.parallel.shard_families import in_block
-    from bulkgen.engine.parallel.sharding import style_of, tp_plan
-
+def row_parallel_reduce(
+    model: torch.nn.Module, module: str, all_reduce: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The all-reduce (the group's `all_reduce`) a row-parallel target's shrink needs (its A holds a slice of
+    the input columns); None for any other layer, and for one inside an MoE block reduced once at its output."""
     rowwise = style_of(tp_plan(model), module) == "rowwise" and not in_block(model, module)
-    return group.all_reduce if rowwise else None
-
-
-def publish(slots, store) -> None:
-    """Rank 0: put each adapter's name and folder in the store under its uid, once per adapter."""
-    for adapter in slots.adapters.values():
-        if adapter.uid not in slots.published:
-            store.set(f"lora/{adapter.uid}", json.dumps({"name": adapter.name, "path": adapter.path}))
-            slots.published.add(adapter.uid)
-
-
-def follow(slots, plan: LoraPlan, store) -> None:
-    """A follower: hold the adapters rank 0 holds (dropping removed ones, loading new ones' shards from
-    the folders rank 0 published), then put them in rank 0's slots."""
-    if plan.loaded is not None:
-        keep = set(plan.loaded)
-        for name in [n for n, a in slots.adapters.items() if a.uid not in keep]:
-            slots.remove(name)
-        held = {a.uid for a in slots.adapters.values()}
-        for uid in plan.loaded:
-            if uid not in held:
-                meta = json.loads(store.get(f"lora/{uid}"))
-                adapter = load_adapter(meta["name"], meta["path"], slots.model, slots.max_rank)
-                adapter.uid = uid  # rank 0's: rows are sorted and slotted by it
-                slots.add(adapter)
-    slots.place(plan.resident)
+    return all_reduce if rowwise else None

@@ -26,7 +26,7 @@ bit-equal, for row-parallel layers).
 
 from __future__ import annotations
 
-import types
+import functools
 from pathlib import Path
 
 import torch
@@ -265,13 +265,13 @@ def _attach_compressed_tensors(model: nn.Module, path, plan: dict[str, str], gro
                     f"{name}: a rank's {module.in_features} input columns are not whole groups of "
                     f"{inputs.group_size} (its activation quantization groups would straddle ranks)"
                 )
-            module.bulkgen_tp = group
-            module.forward = types.MethodType(_row_parallel_forward, module)
+            module.forward = functools.partial(_row_parallel_forward, module, group.all_reduce)
 
 
-def _row_parallel_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
+def _row_parallel_forward(self: nn.Linear, all_reduce, input: torch.Tensor) -> torch.Tensor:
     """A row-parallel linear's forward with compressed-tensors' dynamic input quantization, its scale
-    taken over the whole row: the maximum of the ranks' scales (per group: each rank's own)."""
+    taken over the whole row: the maximum of the ranks' scales (per group: each rank's own), by the
+    group's `all_reduce`, bound as the forward is swapped in (no group on the module)."""
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
     from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
 
@@ -279,6 +279,6 @@ def _row_parallel_forward(self: nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if input.numel():
         scale, zero_point = compute_dynamic_scales_and_zp(value=input, args=args, module=self)
         if args.strategy != "group":
-            scale = self.bulkgen_tp.all_reduce(scale.contiguous(), torch.distributed.ReduceOp.MAX)
+            scale = all_reduce(scale.contiguous(), torch.distributed.ReduceOp.MAX)
         input = fake_quantize(x=input, scale=scale, zero_point=zero_point, args=args)
     return nn.Linear.forward(self, input)

@@ -142,9 +142,9 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
 
 
 def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str | None = None) -> nn.Module:
-    """Rank `group.rank`'s model of a decoder-only checkpoint (group: tensor_parallel.RankGroup, attached as
-    `model.bulkgen_tp`; a vision-language checkpoint is vision_shards.build_vision_shard's, and
-    tensor_parallel.load_shard picks): built with no parameter memory, then filled from its slices of the
+    """Rank `group.rank`'s model of a decoder-only checkpoint (group: tensor_parallel.RankGroup, which the
+    parallel layers and hooks take as they are built and tensor_parallel.load_shard hands on beside the
+    model; a vision-language checkpoint is vision_shards.build_vision_shard's, and load_shard picks): built with no parameter memory, then filled from its slices of the
     checkpoint; `quantize`: its decoder layers' linears quantized a layer at a time as they move to the
     device (quantize.quantize_layers)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -171,7 +171,6 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     elif fp8:
         fp8.attach_activations(model, path, plan, group)
     add_all_reduces(model, plan, group)  # on the modules the model runs: quantized ones replaced the float
-    model.bulkgen_tp = group
     return model.to(group.device).eval()
 
 

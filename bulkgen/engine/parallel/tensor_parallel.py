@@ -6,7 +6,11 @@ CPU, NCCL on CUDA), each bounded by the group's timeout, so a rank that dies or 
 step on every rank instead of blocking it. The control plane is the rendezvous store: once per step rank 0
 publishes the step plan as one packed int64 tensor (plan_codec.py: per scheduled sequence its position,
 tokens and new block-table entries) and the followers rebuild light stand-ins of those sequences for
-their own ModelRunner, so its packing, block-table and logits-row logic exists once. A follower waits
+their own ModelRunner, so its packing, block-table and logits-row logic exists once. What a feature
+adds to a step (LoRA's slots, images' positions, state slots) travels in the section it registered with the
+group when it was built (step_features.PlanSection, `register`): the group carries it without naming it.
+The group is handed on as an argument (load_shard and launch return a Shard; the engine passes it to its
+runner and features), never set on the model. A follower waits
 for the next plan in short polls: an idle leader keeps it waiting without a timeout, a dead leader (whose process hosts the store)
 ends it. Rank 0 waits for its followers in short polls too (their arrival at the rendezvous, their load's
 report), and between two it looks at the followers it started: one that ended fails the group (RankLost,
@@ -34,7 +38,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -43,10 +47,11 @@ import torch
 import torch.distributed as dist
 
 from bulkgen.engine.config import EngineConfig
-from bulkgen.engine.parallel.lora_tp import follow, publish, row_parallel_reduce, shard_pair
+from bulkgen.engine.parallel.lora_tp import row_parallel_reduce, shard_pair
 from bulkgen.engine.parallel.plan_codec import FollowedStep, PlanDecoder, PlanEncoder
 from bulkgen.engine.parallel.replay_watchdog import ReplayWatchdog
 from bulkgen.engine.process_memory import peak_rss, reset_peak_rss
+from bulkgen.engine.step_features import PlanSection
 
 DEFAULT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0  # for every rank to join the group
@@ -85,11 +90,12 @@ class RankGroup:
         self.group = _process_group(dist.PrefixStore("collectives", store), rank, world, device, start)
         self.steps = 0
         self.overlapped = 0  # steps that read the previous step's tokens by broadcast (overlapped steps)
-        self.encoder, self.decoder = PlanEncoder(), PlanDecoder()  # rank 0's, a follower's
+        self.sections: list[PlanSection] = []  # what the features send beside the plan, in name order
+        self.encoder, self.decoder = (
+            PlanEncoder(self.sections),
+            PlanDecoder(self.sections),
+        )  # rank 0's, a follower's
         self.watchdog = ReplayWatchdog(timeout_s)  # graph steps: their collectives are NCCL's blind spot
-        self.loras = None  # this rank's lora_slots.LoraSlots, which registers itself (lora_tp.py)
-        self.vlm = None  # a vision-language model's whole module (vision_shards.py): encoder on rank 0 only
-        self.states = None  # a hybrid model's state_slots.StatePool: rank 0 sends each sequence's slot
 
     @classmethod
     def join(
@@ -155,15 +161,23 @@ class RankGroup:
         """Each rank's host memory at load (load_shard), in rank order."""
         return [json.loads(self._wait(f"memory/{rank}")) for rank in range(self.world)]
 
+    def register(self, section: PlanSection) -> None:
+        """A feature's section of every step plan (step_features.PlanSection), registered as the feature is
+        built, on every rank alike; sections travel in name order, so every rank reads them in one order."""
+        if any(s.name == section.name for s in self.sections):
+            raise ValueError(f"a plan section named {section.name!r} is registered already")
+        self.sections.append(section)
+        self.sections.sort(key=lambda s: s.name)
+
     def shard_lora(
         self, model, module: str, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (A, B) of an adapter's `module` (lora.load_adapter asks; lora_tp.shard_pair)."""
-        return shard_pair(model, module, a, b)
+        return shard_pair(model, module, a, b, self.rank, self.world)
 
     def lora_reduce(self, model, module: str):
         """The all-reduce a LoRA layer on `module` needs, or None (lora_slots asks; lora_tp.py)."""
-        return row_parallel_reduce(model, module)
+        return row_parallel_reduce(model, module, self.all_reduce)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or `op`) `tensor` over the ranks, in place; RankLost after the group's timeout."""
@@ -192,16 +206,14 @@ class RankGroup:
     def step(
         self, batch: list, pending: torch.Tensor | None = None, graph: tuple[int, int] | None = None
     ) -> Iterator[None]:
-        """Rank 0: publish this step's (sequence, new tokens) pairs, the previous step's sampled tokens
-        its stand-ins read (`pending`) and its decode-graph bucket, then run it. A failure once the
+        """Rank 0: publish this step's (sequence, new tokens) pairs with the registered sections' ints, the
+        previous step's sampled tokens its stand-ins read (`pending`) and its decode-graph bucket, then run it. A failure once the
         other ranks are in the step leaves them waiting in a collective this rank left, so any error
         in it is RankLost: the group cannot take another step. A step that replays a CUDA graph is
         watched until the device finishes it (replay_watchdog.py)."""
         if self.rank == 0:
             rows = 0 if pending is None else pending.numel()
-            if self.loras is not None:
-                publish(self.loras, self.store)  # each new adapter's folder, before a plan names it
-            self._post(self.encoder.encode(batch, rows, graph, self.loras, self.states))
+            self._post(self.encoder.encode(batch, rows, graph))
             if pending is not None:
                 self.broadcast(pending.to(torch.int64))
         try:
@@ -218,7 +230,8 @@ class RankGroup:
             self.watchdog.watch(done)
 
     def receive_plan(self) -> FollowedStep | None:
-        """The next step as this follower runs it, or None when rank 0 closes the group."""
+        """The next step as this follower runs it, or None when rank 0 closes the group; the registered
+        sections have applied theirs (a new adapter is loaded, each stand-in has its slot and images)."""
         if self.steps:  # the previous step is launched: its plan is no longer needed here
             self._release(self.steps - 1)
         raw = self._wait(f"plan/{self.steps}")
@@ -226,8 +239,6 @@ class RankGroup:
         if raw == _STOP:
             return None
         batch, rows, graph = self.decoder.decode(raw)
-        if self.decoder.loras is not None and self.loras is not None:
-            follow(self.loras, self.decoder.loras, self.store)  # rank 0's adapters in rank 0's slots
         pending = None
         if rows:  # rank 0 broadcasts them right after the plan
             pending = self.broadcast(torch.empty(rows, dtype=torch.int64, device=self.device))
@@ -300,9 +311,19 @@ def _keyed(replays: Counter) -> dict[str, int]:
     return {f"{b},{w}": n for (b, w), n in sorted(replays.items())}
 
 
-def load_shard(
-    path: str | Path, group: RankGroup, dtype: torch.dtype, quantize: str | None = None
-) -> torch.nn.Module:
+@dataclass
+class Shard:
+    """A rank's loaded model with its group, handed on as arguments (the engine, its runner and the features
+    that need the group take it from here: nothing rides on the model)."""
+
+    model: torch.nn.Module  # the language model the runner drives
+    group: RankGroup
+    vlm: torch.nn.Module | None = (
+        None  # a vision-language model whole (vision_shards.py): encoder on rank 0 only
+    )
+
+
+def load_shard(path: str | Path, group: RankGroup, dtype: torch.dtype, quantize: str | None = None) -> Shard:
     """This rank's shard of the model (`quantize`: its decoder layers' linears quantized, sharding.py), and
     what loading it cost in host memory, published for rank 0 (RankGroup.rank_memory): the resident set
     before, its peak while loading, and the weights' bytes as held."""
@@ -314,14 +335,15 @@ def load_shard(
     before = reset_peak_rss()
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if getattr(config, "vision_config", None) is not None:
-        model = build_vision_shard(path, config, group, dtype, quantize)
+        model, vlm = build_vision_shard(path, config, group, dtype, quantize)
+        shard = Shard(model, group, vlm)
     else:
-        model = build_shard_model(path, group, dtype, quantize)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        shard = Shard(build_shard_model(path, group, dtype, quantize), group)
+    weights = sum(p.numel() * p.element_size() for p in shard.model.parameters())
     memory = {"rank": group.rank, "pid": os.getpid(), "device": str(group.device), "rss_before": before}
     memory.update(peak_rss=peak_rss(), weight_bytes=weights)
     group.store.set(f"memory/{group.rank}", json.dumps(memory))
-    return model
+    return shard
 
 
 def _wait(work, rank: int) -> None:
@@ -395,11 +417,11 @@ def serve_rank(
 
     torch.set_num_threads(threads)
     group = RankGroup.join(host, port, rank, world, device, timeout_s)
-    model = load_shard(path, group, getattr(torch, dtype), quantize)
+    shard = load_shard(path, group, getattr(torch, dtype), quantize)
     if (limits := group.receive_config()) is None:
         return
-    vision = None if group.vlm is None else VisionTower(group.vlm)  # image rows come from rank 0
-    runner = ModelRunner(model, *limits, vision)
+    vision = None if shard.vlm is None else VisionTower(shard.vlm, ranks=group)  # image rows come from rank 0
+    runner = ModelRunner(shard.model, *limits, vision, group)
     while (step := group.receive_plan()) is not None:
         runner.follow(step.batch, step.pending, step.graph)
     group.report(runner.graphs.replays if runner.graphs is not None else Counter())
@@ -413,10 +435,10 @@ def launch(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     launcher: Launcher | None = None,
     quantize: str | None = None,
-):
+) -> Shard:
     """Start ranks 1..world-1 with `launcher` (processes of this machine by default; one torch thread each
-    on CPU, unless this process uses more) and load rank 0's shard here; returns rank 0's model, its
-    group attached as `model.bulkgen_tp`, and the followers as `group.processes`."""
+    on CPU, unless this process uses more) and load rank 0's shard here; returns rank 0's Shard (its model
+    and group, the followers as `group.processes`), which the Engine is built from."""
     from transformers import AutoConfig
 
     from bulkgen.engine.parallel.sharding import check_splittable

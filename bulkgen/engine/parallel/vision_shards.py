@@ -28,10 +28,11 @@ from bulkgen.engine.parallel.vocab_parallel import split_vocab
 
 def build_vision_shard(
     path: str | Path, config, group, dtype: torch.dtype, quantize: str | None = None
-) -> nn.Module:
+) -> tuple[nn.Module, nn.Module]:
     """A vision-language model's language half, sharded like any decoder; rank 0 alone also loads the
     encoder and projector whole (the only rank that runs them: multimodal.splice sends their rows to the
-    others), the other ranks drop them before any weight is read. The model is kept as `group.vlm`.
+    others), the other ranks drop them before any weight is read. Returns (its language model, the whole
+    model): the runner drives the first, the VisionTower encodes with the second.
     `quantize`: the language model's decoder layers quantized as a text shard's are (the encoder and
     projector stay float, as in one process: quantize.quantize_layers converts decoder layers only)."""
     from transformers import AutoModelForImageTextToText
@@ -51,11 +52,8 @@ def build_vision_shard(
     if quantize:
         quantize_layers(vlm, group.device, quantize)
     add_all_reduces(vlm, plan, group)  # on the modules the model runs: quantized ones replaced the float
-    vlm.bulkgen_tp = group
-    group.vlm = vlm.to(group.device).eval()
-    model = text_model(vlm)
-    model.bulkgen_tp = group
-    return model
+    vlm = vlm.to(group.device).eval()
+    return text_model(vlm), vlm
 
 
 def fix_head_dim(decoder: nn.Module, local) -> None:
