@@ -3,7 +3,7 @@ bytes a line while tracemalloc found only the 28-byte line index held by Python)
 
 Most of the rest was memory freed but not given back: validation's custom_id table (~110 bytes a request)
 freed into glibc's arenas stayed in the process's resident set under whatever was allocated next, so a
-100k-line `bulkgen run` held 148 bytes a request after validation, not the index's and tally's 40. Each
+100k-line intake held ~150 bytes a request after validation, not the index's and tally's 40. Each
 check runs in a process of its own (the test process's heap is whatever earlier tests left), and counts
 resident bytes (/proc/self/statm), which tracemalloc cannot see."""
 
@@ -65,7 +65,7 @@ def _run(script: str, *args: str) -> str:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_validating_a_batch_keeps_its_index_not_the_pass():
     """After the driver validated a file the process holds its line index (28 bytes a request) and tally (12),
-    not what the pass freed: 148 bytes a request were still resident before validation trimmed the heap."""
+    not what the pass freed: ~140 bytes a request were still resident at 60,000 lines before validation trimmed the heap."""
     held = int(_run(_INTAKE, str(LINES)))
     print(f"validating {LINES:,} lines in the driver: {held / LINES:.0f} resident bytes a request kept")
     assert held < 80 * LINES
