@@ -12,8 +12,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 LINES = 60_000
 
 # store, validate and index a warm-up file (imports, caches), then one of LINES lines, as `bulkgen run` does
@@ -62,10 +60,10 @@ def _run(script: str, *args: str) -> str:
     return out.stdout
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 def test_validating_a_batch_keeps_its_index_not_the_pass():
-    """After the driver validated a file the process holds its line index (28 bytes a request) and tally (12),
-    not what the pass freed: ~140 bytes a request were still resident at 60,000 lines before validation trimmed the heap."""
+    """After the driver validated a file the process holds its line index (28 bytes a request) and tally
+    (12), not what the pass freed: ~140 bytes a request stayed resident at 60,000 lines before validation
+    trimmed the heap."""
     held = int(_run(_INTAKE, str(LINES)))
     print(f"validating {LINES:,} lines in the driver: {held / LINES:.0f} resident bytes a request kept")
     assert held < 80 * LINES
@@ -92,7 +90,6 @@ print(freed, not_due, rss_mb(), len(kept))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_periodic_trim_gives_freed_heap_back_when_due():
     freed, not_due, trimmed, kept = map(int, _run(_TRIM).split())
     print(f"resident MB: {freed} with 9/10 freed, {not_due} before the trim is due, {trimmed} after it")
