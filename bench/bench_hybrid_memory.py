@@ -33,9 +33,9 @@ def _model(all_attention: bool):
 def _held(model, config, context: int, budget: int, block_size: int) -> dict:
     """Sequences of `context` tokens held in `budget` bytes, by the engine's accounting."""
     from bulkgen.engine.config import EngineConfig
-    from bulkgen.engine.hybrid_layers import attention_layers, find_mixers, probe_states
+    from bulkgen.engine.features.hybrid_layers import attention_layers, find_mixers, probe_states
+    from bulkgen.engine.features.state_slots import slot_bytes
     from bulkgen.engine.model_runner import kv_block_bytes, kv_cache_blocks
-    from bulkgen.engine.state_slots import slot_bytes
 
     mixers = find_mixers(model)
     attn = attention_layers(model)

@@ -9,10 +9,10 @@ the bytes of a block, with every layer kept whole ("before": one full group, wha
 a window limited reading only) and with windowed groups giving back what is behind their window
 ("after"), and how many such sequences one KV budget (64 GiB of bf16) holds each way. For MLA
 (DeepSeek-V3), the bytes per token the cache holds: the compressed latent (kv_lora_rank + the rope
-part per token and layer, one KV head: engine/mla.py, as vLLM and SGLang cache it) against K and V of
+part per token and layer, one KV head: engine/attention/mla.py, as vLLM and SGLang cache it) against K and V of
 every head expanded from it (what bulkgen cached before the latent cache), and the sequences one
 budget holds each way. And for each cache dtype (`--kv-cache-dtype`: bf16, or FP8
-e4m3 with its float32 scale per token and KV head, engine/kv_cache.py): the bytes a token takes over all
+e4m3 with its float32 scale per token and KV head, engine/kv/kv_cache.py): the bytes a token takes over all
 layers and how many sequences of `--context` tokens one GiB holds (windows freed, as the engine runs).
 
     python bench/bench_kv_memory.py [--context 8192] [--budget-gib 64] [--json]
@@ -30,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bulkgen.engine.block_manager import BlockManager  # noqa: E402
-from bulkgen.engine.kv_cache import FP8  # noqa: E402
-from bulkgen.engine.kv_layout import KVLayout  # noqa: E402
-from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention  # noqa: E402
-from bulkgen.engine.sampling_params import SamplingParams  # noqa: E402
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind, LayerAttention  # noqa: E402
+from bulkgen.engine.kv.block_manager import BlockManager  # noqa: E402
+from bulkgen.engine.kv.kv_cache import FP8  # noqa: E402
+from bulkgen.engine.kv.kv_layout import KVLayout  # noqa: E402
+from bulkgen.engine.sampling.sampling_params import SamplingParams  # noqa: E402
 from bulkgen.engine.sequence import Request, Sequence  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from bulkgen.engine.quantize import quantize_layers, weight_bytes  # noqa: E402
+from bulkgen.engine.model.quantize import quantize_layers, weight_bytes  # noqa: E402
 from bulkgen.lab.quantized import write_compressed_fp8  # noqa: E402
 from bulkgen.lab.tiny import build_tiny_model  # noqa: E402
 

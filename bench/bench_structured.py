@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mixed", action="store_true", help="every request its own schema (goal >= 0.5)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    from bulkgen.engine.guide import Guide
+    from bulkgen.engine.features.guide import Guide
 
     engine = build(args)
     requests = prompts(engine, args.requests)

@@ -47,7 +47,7 @@ def build(path: Path, layers: int, hidden: int) -> Path:
 def run(path: Path, tp: int, prompts: list[list[int]], max_tokens: int) -> dict:
     """Load at `tp` ranks, generate, and return per-rank memory and the mean step wall time."""
     from bulkgen.engine import Engine, SamplingParams
-    from bulkgen.engine.tensor_parallel import RankGroup, load_shard
+    from bulkgen.engine.parallel.tensor_parallel import RankGroup, load_shard
 
     kwargs = dict(device="cpu", num_kv_blocks=512, tensor_parallel=tp)
     if tp > 1:

@@ -110,7 +110,7 @@ def bulkgen(engine, prepared: list, work, run: str) -> tuple[float, int]:
 
 def measure(model, engine, work, args) -> dict:
     """Both methods warmed up, then timed in turn `args.repeat` times: the best seconds of each."""
-    from bulkgen.engine.multimodal import process
+    from bulkgen.engine.features.multimodal import process
 
     processor = engine.processor
     inputs = hf_inputs(model, processor, work, args.batch)

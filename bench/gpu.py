@@ -40,7 +40,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from bench_engine import _hf_static_groups, make_workload  # noqa: E402
 
-from bulkgen.engine.attn_backends import SDPA_CHOICES  # noqa: E402
+from bulkgen.engine.attention.attn_backends import SDPA_CHOICES  # noqa: E402
 
 ANCHOR = {
     "requests": 512,

@@ -74,14 +74,14 @@ def versions() -> dict:
 def decode_attention() -> dict:
     from torch.nn.attention import sdpa_kernel
 
-    from bulkgen.engine.attention import SDPA_ORDER
+    from bulkgen.engine.attention.interface import SDPA_ORDER
 
     with sdpa_kernel(SDPA_ORDER, set_priority=True):  # the kernel order the engine's forwards run under
         return _decode_attention()
 
 
 def _decode_attention() -> dict:
-    from bulkgen.engine.attn_backends import DecodeMeta, sdpa_choice
+    from bulkgen.engine.attention.attn_backends import DecodeMeta, sdpa_choice
 
     b, w, bs, hkv, group, d = 512, 96, 16, 8, 4, 64
     kc = torch.randn(b * w + 1, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -113,8 +113,8 @@ def _decode_attention() -> dict:
 def decode_kernels(q, k_cache, v_cache, meta, scale: float) -> dict:
     """Each decode kernel the engine can run, under the name its time is reported as; each is named
     explicitly (on CUDA the default is triton, so an unnamed call would time triton as "padded")."""
-    from bulkgen.engine import triton_decode
-    from bulkgen.engine.attn_backends import paged_decode
+    from bulkgen.engine.attention import triton_decode
+    from bulkgen.engine.attention.attn_backends import paged_decode
 
     kernels = {"padded_decode_ms_per_layer": "padded"}
     if triton_decode.available():

@@ -14,7 +14,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Without a GPU, triton kernels (bulkgen/engine/triton_decode.py) run in triton's CPU interpreter. It is
+# Without a GPU, triton kernels (bulkgen/engine/attention/triton_decode.py) run in triton's CPU interpreter. It is
 # chosen when triton.language is first imported, so it is set here, before any test imports bulkgen.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

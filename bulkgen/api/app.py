@@ -17,7 +17,7 @@ from bulkgen.api.guard import Guard
 from bulkgen.api.prometheus import RecordCache, render_metrics
 from bulkgen.api.protocol import Health, Model, ModelList, answers
 from bulkgen.batch.schema import ENDPOINTS
-from bulkgen.engine.weight_format import served_weights
+from bulkgen.engine.model.weight_format import served_weights
 from bulkgen.settings import BODY_TIMEOUT_S
 from bulkgen.store import StorageUnavailable
 from bulkgen.tenants import KeyRing
@@ -99,9 +99,9 @@ def create_app(
 
 def _install_models(app: FastAPI, svc) -> None:
     """/v1/models: every served model answers every endpoint (embeddings pool its final hidden states:
-    bulkgen.engine.pooling), and so does each LoRA adapter, with its model as `parent` (vLLM's field).
+    bulkgen.engine.features.pooling), and so does each LoRA adapter, with its model as `parent` (vLLM's field).
     Each entry says how the workers hold the weights: quantization, weight and KV-cache dtypes
-    (bulkgen.engine.weight_format), read once from the model's config.json and the engine settings; an
+    (bulkgen.engine.model.weight_format), read once from the model's config.json and the engine settings; an
     adapter runs on its parent's weights and reports the parent's."""
     engine = svc.settings.workers.engine_kwargs
     weights = {

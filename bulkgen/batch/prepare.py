@@ -51,11 +51,11 @@ def tokenize_with_images(request: ParsedRequest, processor, images: list) -> tup
     """A vision-language model's prompt: the chat rendered by the model's template (image parts stay
     `{"type": "image"}` placeholders, which the template writes as the model's image token) and tokenized by
     its processor, which expands each image into its placeholder tokens; with the images as the engine takes
-    them (bulkgen.engine.multimodal.ImageInputs). A line without images takes the text path. CPU work for
+    them (bulkgen.engine.features.multimodal.ImageInputs). A line without images takes the text path. CPU work for
     the worker's preparing threads: `images` are the decoded PIL images of the line's image parts, in order."""
     if not images:
         return tokenize(request, processor.tokenizer), None
-    from bulkgen.engine.multimodal import process  # torch: only workers prepare image lines
+    from bulkgen.engine.features.multimodal import process  # torch: only workers prepare image lines
 
     ids, inputs = process(processor, render_chat(request, processor.tokenizer), images)
     _check_vocabulary(request, len(processor.tokenizer))

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bulkgen.batch.bodyfields import LineError, invalid
-from bulkgen.engine.sampling_params import SamplingError, check_sampling
+from bulkgen.engine.sampling.sampling_params import SamplingError, check_sampling
 
 INT64 = 2**63
 MAX_N = 128

@@ -3,7 +3,7 @@
 - `response_format: {"type": "json_object"}`: any JSON object. `{"type": "json_schema", "json_schema":
   {"name", "schema", "strict", "description"}}`: a document of that schema (strict or not: the engine
   always enforces the schema). A schema the grammar compiler cannot take (refused, too large, too slow,
-  admitting no document: bulkgen.engine.schema_compiler) is this line's 400 naming `body.response_format`,
+  admitting no document: bulkgen.engine.features.schema_compiler) is this line's 400 naming `body.response_format`,
   found at validation (compiled once per distinct schema, then cached); one whose grammar fails only while
   decoding is the same 400 at run time (`ParsedRequest.guide_param` names the field). The Responses API's
   `text.format` takes the same format object, flat (`json_schema_guide`, from bulkgen.batch.endpoints.responses).
@@ -23,7 +23,7 @@ from typing import Any
 from bulkgen.batch.bodyfields import LineError, invalid
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.schema import quote
-from bulkgen.engine.guide import GrammarError, Guide, check
+from bulkgen.engine.features.guide import GrammarError, Guide, check
 
 REQUIRED = "*"  # forced_tool of tool_choice "required": any of the tools
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -1,7 +1,7 @@
 """A line's `thinking_token_budget` (vLLM's field) and the reasoning gate its request runs under.
 
 With a reasoning parser on (bulkgen.batch.reasoning), a request that has a budget or a grammar (response_format,
-a forced tool call) runs under the engine's reasoning gate (bulkgen.engine.reasoning_gate): the budget forces
+a forced tool call) runs under the engine's reasoning gate (bulkgen.engine.features.reasoning_gate): the budget forces
 the family's end of reasoning, and the grammar constrains only the answer after it. Without a parser (none
 taught by the template, or `--reasoning-parser NAME=none`) a budget is accepted and ignored (vLLM's acts only
 where its reasoning config names start and end tokens); the grammar then applies from the first token.
@@ -44,7 +44,9 @@ def gate_reasoning(
         return
     if parser == THINK and prompt.rstrip().endswith(marks[1]):
         return
-    from bulkgen.engine.reasoning_gate import ReasoningSpec  # the engine's: only workers prepare lines
+    from bulkgen.engine.features.reasoning_gate import (
+        ReasoningSpec,  # the engine's: only workers prepare lines
+    )
 
     ids = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in marks]
     sampling["reasoning"] = ReasoningSpec(*ids, opened=opened, budget=budget)

@@ -25,7 +25,7 @@ from bulkgen.batch import forced_syntax, tool_markup
 from bulkgen.batch.ids import random_id
 from bulkgen.batch.structured import REQUIRED
 from bulkgen.batch.tool_markup import Call, Parsed
-from bulkgen.engine.guide import Guide
+from bulkgen.engine.features.guide import Guide
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 

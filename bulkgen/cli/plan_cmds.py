@@ -218,7 +218,7 @@ def _report(result: dict, storage: str, memory: dict | None, as_json: bool) -> N
 def _image_reader(path: str, store, hosts: tuple[str, ...]):
     """How the plan reads images as the service's workers would: a vision model's processor (None for a text
     model), file ids and s3:// URLs in `--storage`, http(s) on `--image-url-hosts`."""
-    from bulkgen.engine.multimodal import is_vision_model, load_processor
+    from bulkgen.engine.features.multimodal import is_vision_model, load_processor
     from bulkgen.plan.filework import ImageReader
     from bulkgen.settings import ImageSettings, parse_hosts
 

@@ -2,7 +2,7 @@
 
     engine = Engine.from_pretrained(path)  # step limits sized for the device (64 / 2,048 on CPU)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=64, temperature=0))
-    vectors = engine.embed(texts)  # pooled final hidden states (bulkgen.engine.pooling), same packed steps
+    vectors = engine.embed(texts)  # pooled final hidden states (bulkgen.engine.features.pooling), same packed steps
 
 Sampling runs on the logits' device with counter-based random numbers keyed by (seed, completion,
 position). On CUDA, attention uses the fastest fused varlen kernel this torch offers that passes a
@@ -38,7 +38,7 @@ shapes.
 
 import os
 
-from .sampling_params import SamplingParams
+from bulkgen.engine.sampling.sampling_params import SamplingParams
 
 # Tests set this to an Engine subclass ("module:Class") whose steps they can hold at a gate
 # (tests/support/held_engine.py); workers inherit it, so a test holds a batch mid-run in any process.
@@ -52,9 +52,9 @@ _LAZY = {
     "CompletionOutput": ".outputs",
     "RequestMetrics": ".outputs",
     "RequestOutput": ".outputs",
-    "EmbedParams": ".pooling",
-    "PoolingConfig": ".pooling",
-    "LoraError": ".lora",
+    "EmbedParams": ".features.pooling",
+    "PoolingConfig": ".features.pooling",
+    "LoraError": ".features.lora",
 }
 
 

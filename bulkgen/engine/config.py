@@ -6,8 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import QUANTIZE_MODES
-from .kv_cache import KV_CACHE_DTYPES
+from bulkgen.engine import QUANTIZE_MODES
+from bulkgen.engine.kv.kv_cache import KV_CACHE_DTYPES
 
 ADMISSIONS = ("longest_first", "shortest_first", "fifo")
 GENERATION_CONFIG_MODES = ("auto", "none")

@@ -40,13 +40,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import triton_decode
-from .attention import LayerCaches, StepContext, attention_scope
-from .attn_plain import DecodeMeta, PlainBackend
-from .hybrid_layers import StateStep, state_scope
-from .layer_attention import AttnKind
-from .sequence import Sequence
-from .step_plan import HostPack
+from bulkgen.engine.attention import triton_decode
+from bulkgen.engine.attention.attn_plain import DecodeMeta, PlainBackend
+from bulkgen.engine.attention.interface import LayerCaches, StepContext, attention_scope
+from bulkgen.engine.attention.layer_attention import AttnKind
+from bulkgen.engine.features.hybrid_layers import StateStep, state_scope
+from bulkgen.engine.sequence import Sequence
+from bulkgen.engine.step_plan import HostPack
 
 log = logging.getLogger(__name__)
 MIN_WIDTH = 4

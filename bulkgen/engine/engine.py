@@ -32,16 +32,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .block_manager import BlockManager
-from .config import EngineConfig, resolve_limits
-from .fingerprint import system_fingerprint
-from .grammar import GrammarRuntime
-from .image_blocks import longest
-from .loading import load_model
-from .lora import LoraError, load_adapter
-from .lora_slots import AdapterRows
-from .model_runner import ModelRunner, StepLogits
-from .multimodal import (
+from bulkgen.engine.config import EngineConfig, resolve_limits
+from bulkgen.engine.features.grammar import GrammarRuntime
+from bulkgen.engine.features.image_blocks import longest
+from bulkgen.engine.features.lora import LoraError, load_adapter
+from bulkgen.engine.features.lora_slots import AdapterRows
+from bulkgen.engine.features.multimodal import (
     ImageInputs,
     RequestImages,
     VisionTower,
@@ -50,22 +46,33 @@ from .multimodal import (
     load_processor,
     load_vision,
 )
-from .outputs import CompletionOutput, RequestOutput, best_of
-from .overlap import OverlappedSteps, _InFlight
-from .penalties import LogitAdjustments
-from .pooling import EmbedParams, PoolingConfig, add_chunks, check_embed, finish, model_pooling
-from .quantize import ensure_quantized
-from .rank_memory import check_device_fits
-from .sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
-from .sampling_params import SamplingParams, generation_defaults
-from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Request, Sequence, SequenceStatus, pending_id
-from .stats import EngineStats
-from .step_features import Features, StepFeature
-from .stopping import check_stop, completion_text
+from bulkgen.engine.features.pooling import (
+    EmbedParams,
+    PoolingConfig,
+    add_chunks,
+    check_embed,
+    finish,
+    model_pooling,
+)
+from bulkgen.engine.kv.block_manager import BlockManager
+from bulkgen.engine.model.fingerprint import system_fingerprint
+from bulkgen.engine.model.loading import load_model
+from bulkgen.engine.model.quantize import ensure_quantized
+from bulkgen.engine.model_runner import ModelRunner, StepLogits
+from bulkgen.engine.outputs import CompletionOutput, RequestOutput, best_of
+from bulkgen.engine.overlap import OverlappedSteps, _InFlight
+from bulkgen.engine.parallel.rank_memory import check_device_fits
+from bulkgen.engine.sampling.penalties import LogitAdjustments
+from bulkgen.engine.sampling.sampler import SampledTokens, SamplingRows, prompt_logprobs, sample_async
+from bulkgen.engine.sampling.sampling_params import SamplingParams, generation_defaults
+from bulkgen.engine.sampling.stopping import check_stop, completion_text
+from bulkgen.engine.scheduler import ScheduledBatch, Scheduler
+from bulkgen.engine.sequence import Request, Sequence, SequenceStatus, pending_id
+from bulkgen.engine.stats import EngineStats
+from bulkgen.engine.step_features import Features, StepFeature
 
 if TYPE_CHECKING:
-    from .tensor_parallel import Launcher
+    from bulkgen.engine.parallel.tensor_parallel import Launcher
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +190,7 @@ class Engine(OverlappedSteps):
         if (
             config.tensor_parallel > 1
         ):  # a vision-language model's encoder runs on rank 0 alone (vision_shards)
-            from .tensor_parallel import launch
+            from bulkgen.engine.parallel.tensor_parallel import launch
 
             timeout = config.collective_timeout_s
             model = launch(path, config.tensor_parallel, device, dtype, timeout, launcher, config.quantize)

@@ -12,20 +12,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import kv_cache
-from .attention import LayerCaches, StepContext, attention_scope
-from .attn_select import select_backend
-from .config import EngineConfig
-from .decode_graphs import DecodeGraphs, SlotTables, read_pending
-from .hybrid_layers import check_supported, state_slots
-from .kv_layout import KVLayout
-from .layer_attention import describe, probe_layers
-from .lora_slots import LoraSlots
-from .mla import find_mla, wrap_mla
-from .multimodal import VisionTower
-from .sequence import Sequence
-from .step_features import NO_FEATURE, SingleRank
-from .step_plan import HostPack, StepPlan
+from bulkgen.engine.attention.attn_select import select_backend
+from bulkgen.engine.attention.interface import LayerCaches, StepContext, attention_scope
+from bulkgen.engine.attention.layer_attention import describe, probe_layers
+from bulkgen.engine.attention.mla import find_mla, wrap_mla
+from bulkgen.engine.config import EngineConfig
+from bulkgen.engine.decode_graphs import DecodeGraphs, SlotTables, read_pending
+from bulkgen.engine.features.hybrid_layers import check_supported, state_slots
+from bulkgen.engine.features.lora_slots import LoraSlots
+from bulkgen.engine.features.multimodal import VisionTower
+from bulkgen.engine.kv import kv_cache
+from bulkgen.engine.kv.kv_layout import KVLayout
+from bulkgen.engine.sequence import Sequence
+from bulkgen.engine.step_features import NO_FEATURE, SingleRank
+from bulkgen.engine.step_plan import HostPack, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from .outputs import RequestOutput
-from .sampler import SampledTokens, sample_async
-from .scheduler import ScheduledBatch
-from .sequence import Sequence, SequenceStatus, pending_id
+from bulkgen.engine.outputs import RequestOutput
+from bulkgen.engine.sampling.sampler import SampledTokens, sample_async
+from bulkgen.engine.scheduler import ScheduledBatch
+from bulkgen.engine.sequence import Sequence, SequenceStatus, pending_id
 
 
 class _InFlight:

@@ -27,12 +27,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .image_blocks import whole_blocks
-from .sequence import Sequence, SequenceStatus
-from .step_features import NO_FEATURE, StepFeature
-from .waiting import WaitingQueue
+from bulkgen.engine.config import EngineConfig
+from bulkgen.engine.features.image_blocks import whole_blocks
+from bulkgen.engine.kv.block_manager import BlockManager
+from bulkgen.engine.sequence import Sequence, SequenceStatus
+from bulkgen.engine.step_features import NO_FEATURE, StepFeature
+from bulkgen.engine.waiting import WaitingQueue
 
 PROMPT_LOGIT_ROWS = 1024
 

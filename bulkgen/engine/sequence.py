@@ -6,9 +6,9 @@ import enum
 import secrets
 import time
 
-from .counter_rng import stream_key
-from .outputs import RequestMetrics
-from .sampling_params import SamplingParams
+from bulkgen.engine.outputs import RequestMetrics
+from bulkgen.engine.sampling.counter_rng import stream_key
+from bulkgen.engine.sampling.sampling_params import SamplingParams
 
 
 def pending_id(row: int) -> int:

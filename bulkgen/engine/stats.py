@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
-from .sketch import LogHistogram
+from bulkgen.engine.scheduler import ScheduledBatch
+from bulkgen.engine.sequence import Sequence
+from bulkgen.engine.sketch import LogHistogram
 
 
 class EngineStats:

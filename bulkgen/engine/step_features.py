@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from .sequence import Sequence
+from bulkgen.engine.sequence import Sequence
 
 NO_SCOPE = nullcontext()  # reusable: entering it does nothing
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from .sequence import Sequence
+from bulkgen.engine.sequence import Sequence
 
 
 class WaitingQueue:

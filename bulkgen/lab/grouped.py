@@ -14,9 +14,9 @@ import time
 from collections import deque
 from functools import partial
 
-from bulkgen.engine.block_manager import BlockManager
 from bulkgen.engine.config import EngineConfig
 from bulkgen.engine.engine import SchedulerFactory
+from bulkgen.engine.kv.block_manager import BlockManager
 from bulkgen.engine.scheduler import Scheduler
 from bulkgen.engine.sequence import Sequence, SequenceStatus
 from bulkgen.engine.step_features import NO_FEATURE, StepFeature

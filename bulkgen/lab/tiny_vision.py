@@ -164,10 +164,10 @@ def _qwen2_vl(tok, hidden_size: int):
 def image_only_qwen_processor(model_type: str, image_processor, tokenizer):
     """Qwen-VL's own processor (its placeholder expansion, its mm_token_type_ids) without the video
     processor, which needs torchvision (not installed here), as multimodal.load_processor builds it there
-    (engine/image_only.py); `load_processor` builds it again from the folder's image processor alone."""
+    (engine/features/image_only.py); `load_processor` builds it again from the folder's image processor alone."""
     import transformers as tf
 
-    from bulkgen.engine.image_only import without_video
+    from bulkgen.engine.features.image_only import without_video
 
     base = {
         "qwen2_vl": tf.Qwen2VLProcessor,
@@ -185,7 +185,7 @@ def load_processor(path: str | Path):
     (multimodal.load_processor), except Qwen-VL's and SmolVLM's, built again without a video processor."""
     import transformers as tf
 
-    from bulkgen.engine import multimodal
+    from bulkgen.engine.features import multimodal
 
     config = tf.AutoConfig.from_pretrained(path, local_files_only=True)
     if config.model_type == "smolvlm":
@@ -244,10 +244,10 @@ def _smolvlm(tok, hidden_size: int):
 
 def image_only_smolvlm_processor(image_processor, tokenizer):
     """SmolVLM's own processor (its placeholder expansion) without the video processor, as
-    multimodal.load_processor builds it without torchvision (engine/image_only.py)."""
+    multimodal.load_processor builds it without torchvision (engine/features/image_only.py)."""
     import transformers as tf
 
-    from bulkgen.engine.image_only import without_video
+    from bulkgen.engine.features.image_only import without_video
 
     return without_video(tf.SmolVLMProcessor)(
         image_processor, tokenizer, image_seq_len=4, chat_template=chat_template("<image>")
@@ -258,10 +258,10 @@ def _mistral3(tok, hidden_size: int):
     """Mistral 3: a Pixtral encoder (7-pixel patches, 2-D RoPE, images up to 56 pixels) whose patches the
     projector merges 2 x 2 into up to 4 x 4 tokens, laid out by the processor as rows of [IMG] ending in
     [IMG_BREAK] and a final [IMG_END], and a Mistral text model. Its processor is transformers'
-    PixtralProcessor where torchvision exists, bulkgen's mirror of it otherwise (engine/pixtral.py)."""
+    PixtralProcessor where torchvision exists, bulkgen's mirror of it otherwise (engine/features/pixtral.py)."""
     import transformers as tf
 
-    from bulkgen.engine.pixtral import pixtral_processor
+    from bulkgen.engine.features.pixtral import pixtral_processor
 
     tok.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})
     config = tf.Mistral3Config(

@@ -2,7 +2,7 @@
 
 The grid of bulkgen.plan.profile times steps over token prompts, so it never runs the vision encoder. In
 the engine the encoder runs inside the step whose prefill reaches a request's images, one call for all of
-that step's new images (bulkgen.engine.multimodal.VisionTower.encode). `measure_encoder` times that same
+that step's new images (bulkgen.engine.features.multimodal.VisionTower.encode). `measure_encoder` times that same
 call on the engine thread, over seeded noise images of SIZES in groups of COUNTS, and fits
 
     encoder call seconds = encoder_call_s + per_image_s × images + per_image_token_s × image tokens
@@ -69,7 +69,7 @@ def _admit(tower, rng: np.random.Generator, width: int, height: int):
     """One request of a chat prompt with one noise image, as the engine keeps it (its pixels processed)."""
     from PIL import Image
 
-    from bulkgen.engine.multimodal import process
+    from bulkgen.engine.features.multimodal import process
 
     image = Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
     content = [{"type": "image"}, {"type": "text", "text": PROMPT}]

@@ -87,7 +87,7 @@ def _prompt(request: ParsedRequest, tokenizer, images: ImageReader) -> _Prompt:
     if not request.images:
         ids = tokenize(request, tokenizer)
         return _Prompt(ids, ids)
-    from bulkgen.engine.multimodal import RequestImages  # torch: only a vision model's plan needs it
+    from bulkgen.engine.features.multimodal import RequestImages  # torch: only a vision model's plan needs it
 
     processor = images.processor
     check_model_takes_images(request.images, processor is not None, request.model)

@@ -1,5 +1,5 @@
 """`bulkgen plan --tensor-parallel N`: each rank's memory for a model split over N GPUs, from its config
-alone (engine/rank_memory.py), so a model too large for one GPU is sized before any weights are fetched."""
+alone (engine/parallel/rank_memory.py), so a model too large for one GPU is sized before any weights are fetched."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def plan_memory(path: str, ranks: int) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
 
-    from bulkgen.engine.rank_memory import rank_memory
+    from bulkgen.engine.parallel.rank_memory import rank_memory
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     memory = rank_memory(config, ranks, getattr(torch, PLAN_DTYPE))
@@ -42,7 +42,9 @@ def describe_memory(memory: dict[str, Any]) -> str:
         ),
         ("KV cache per rank", f"{kv / 1024:,.0f} KiB per token ({GIB // kv:,} tokens per GiB)"),
     ]
-    if memory.get("state_bytes_per_sequence"):  # a hybrid's recurrent layers (engine/shard_hybrid.py)
+    if memory.get(
+        "state_bytes_per_sequence"
+    ):  # a hybrid's recurrent layers (engine/parallel/shard_hybrid.py)
         rows.append(
             ("recurrent state", f"{memory['state_bytes_per_sequence'] / 1024:,.1f} KiB per sequence per rank")
         )

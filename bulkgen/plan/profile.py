@@ -68,10 +68,10 @@ class Profile:
     host: str = field(default_factory=platform.node)
     points: list[dict] = field(default_factory=list)
     version: int = PROFILE_VERSION
-    # the engine's prefix cache: off for hybrid models (engine/state_slots.py), so plans count every
+    # the engine's prefix cache: off for hybrid models (engine/features/state_slots.py), so plans count every
     # sequence's whole prompt
     prefix_caching: bool = True
-    # the measured engine's KV cache (engine/kv_cache.py): what it stores, the bytes one token's K/V take
+    # the measured engine's KV cache (engine/kv/kv_cache.py): what it stores, the bytes one token's K/V take
     # over all layers (an FP8 cache's scales counted), and how many tokens its blocks held
     kv_cache_dtype: str = "auto"
     kv_bytes_per_token: int = 0
@@ -287,8 +287,8 @@ def fit_steps(cells: list, churn: list) -> tuple[float, float, float, float, flo
 def decode_padded(engine) -> bool:
     """Whether the engine's decode attention pads every decoding sequence to the longest one (the plain
     backend's SDPA path: CPU, and CUDA without triton) rather than reading each one's own blocks."""
-    from bulkgen.engine import triton_decode
-    from bulkgen.engine.attn_backends import PlainBackend
+    from bulkgen.engine.attention import triton_decode
+    from bulkgen.engine.attention.attn_backends import PlainBackend
 
     backend = engine.runner.backend
     kernel = getattr(backend, "decode_kernel", None) or triton_decode.default_kernel(engine.device)

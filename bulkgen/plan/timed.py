@@ -19,7 +19,7 @@ Several workers: ranges of `range_size` requests are dealt longest first to the 
 idle workers pull the longest range left); the batch ends when the last worker does.
 
 A vision model's encoder runs inside the step whose prefill reaches a request's images, once for all of
-that step's new images (bulkgen.engine.multimodal.splice): each request may carry its encoder seconds
+that step's new images (bulkgen.engine.features.multimodal.splice): each request may carry its encoder seconds
 (`Encoder`), added to the step that admits it, with one call's fixed cost per step that encodes any.
 """
 

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
-from bulkgen.engine.checkpoint_checks import CheckpointError
+from bulkgen.engine.model.checkpoint_checks import CheckpointError
 from bulkgen.runtime.workqueue import MAX_ATTEMPTS, QueuedRange, WorkQueue
 
 log = logging.getLogger(__name__)

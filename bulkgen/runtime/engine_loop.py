@@ -116,7 +116,7 @@ class EngineLoop:
 
     def _add(self, p: Prepared) -> None:
         from bulkgen.engine import EmbedParams
-        from bulkgen.engine.guide import GrammarError
+        from bulkgen.engine.features.guide import GrammarError
 
         try:
             params = (

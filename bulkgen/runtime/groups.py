@@ -51,7 +51,7 @@ class RankActor:
     def serve(self, spec: dict) -> None:
         """Follow rank 0 through one model: join its rendezvous, load this rank's shard, run its steps
         until rank 0 closes the group (or gives the model up)."""
-        from bulkgen.engine.tensor_parallel import serve_rank
+        from bulkgen.engine.parallel.tensor_parallel import serve_rank
 
         with self._lock:
             self._serving += 1

@@ -13,8 +13,8 @@ re-run in halves, alone, until the one that fails by itself is reported as `engi
 finish normally, and no other batch is touched. The class is plain Python (testable without Ray);
 `bulkgen.runtime.pool` makes it an actor.
 
-A model or LoRA adapter refused at load (a broken checkpoint: engine/checkpoint_checks.py; a refused
-adapter: engine/lora.py) is remembered per name, path and version of its files: later lines and batches
+A model or LoRA adapter refused at load (a broken checkpoint: engine/model/checkpoint_checks.py; a refused
+adapter: engine/features/lora.py) is remembered per name, path and version of its files: later lines and batches
 naming it fail at once as `model_not_loaded` (400) without loading it again, and its ranges finish (their
 lines refused) instead of going back to the queue to be halved. Messages name the model or adapter and the
 file within it, never a server path.
@@ -44,10 +44,11 @@ from bulkgen.batch.images import (
 from bulkgen.batch.outputlines import not_run_line, refused_line
 from bulkgen.batch.prepare import fit_context, split_prompts, tokenize, tokenize_with_images
 from bulkgen.batch.requests import LineError, ParsedRequest, custom_id_of, parse_line, pick_adapter
-from bulkgen.engine import heap, load_progress
-from bulkgen.engine.checkpoint_checks import CheckpointError
-from bulkgen.engine.fingerprint import with_template_options
-from bulkgen.engine.load_progress import LoadProgress
+from bulkgen.engine import heap
+from bulkgen.engine.model import load_progress
+from bulkgen.engine.model.checkpoint_checks import CheckpointError
+from bulkgen.engine.model.fingerprint import with_template_options
+from bulkgen.engine.model.load_progress import LoadProgress
 from bulkgen.engine.stats import StepTimes
 from bulkgen.models.loras import ADAPTER_CONFIG
 from bulkgen.models.registry import fetch_folder, model_cache_folder, resolve_model_path

@@ -31,7 +31,7 @@ from packaging.version import Version
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.layer_attention import ROUTED_FROM
+from bulkgen.engine.attention.layer_attention import ROUTED_FROM
 from bulkgen.lab.tiny import ARCHITECTURES, WINDOW
 from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES
 

@@ -160,8 +160,8 @@ def test_the_probe_times_each_decode_kernel_under_its_own_name(monkeypatch):
     """On CUDA the default decode kernel is triton: the padded figure must call the padded path by name."""
     import torch
 
-    from bulkgen.engine import triton_decode
-    from bulkgen.engine.attn_backends import DecodeMeta
+    from bulkgen.engine.attention import triton_decode
+    from bulkgen.engine.attention.attn_backends import DecodeMeta
 
     probe = _load("gpu_probe")
     called = []

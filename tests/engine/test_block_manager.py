@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 
 from bulkgen.engine import SamplingParams
-from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.kv.block_manager import BlockManager
 from bulkgen.engine.sequence import Request, Sequence
 
 

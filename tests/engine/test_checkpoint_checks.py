@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bulkgen.engine import Engine
-from bulkgen.engine.checkpoint_checks import CheckpointError
-from bulkgen.engine.lora import WEIGHTS_FILE
+from bulkgen.engine.features.lora import WEIGHTS_FILE
+from bulkgen.engine.model.checkpoint_checks import CheckpointError
 from bulkgen.lab.quantized import write_block_fp8, write_compressed_fp8
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_lora import save_random_adapter
@@ -158,7 +158,7 @@ def test_a_sound_adapter_still_loads(engine, adapter):
 
 def test_an_mxfp4_block_without_its_scales_is_refused(tmp_path):
     """gpt-oss' layout: each `*_blocks` tensor needs its `*_scales` (checked from the header alone)."""
-    from bulkgen.engine.checkpoint_checks import check_checkpoint
+    from bulkgen.engine.model.checkpoint_checks import check_checkpoint
 
     name = "model.layers.0.mlp.experts.down_proj"
     blocks = {f"{name}_blocks": torch.zeros(2, 4, 1, 16, dtype=torch.uint8)}

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulkgen.engine import Engine, SamplingParams, attn_select
-from bulkgen.engine.attn_backends import BACKENDS, cuda_candidates
-from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.attention import attn_select
+from bulkgen.engine.attention.attn_backends import BACKENDS, cuda_candidates
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind, LayerAttention
 from tests.support.divergence import bf16_greedy_against_hf
 
 # Sized from free memory, a tiny model's cache would be ~30 M blocks (a Python object each: a minute of

@@ -9,9 +9,9 @@ import torch
 
 from bulkgen.engine import SamplingParams
 from bulkgen.engine import engine as engine_module
-from bulkgen.engine.attn_backends import PlainBackend
-from bulkgen.engine.attn_select import run_backend
-from bulkgen.engine.layer_attention import FULL, LayerAttention
+from bulkgen.engine.attention.attn_backends import PlainBackend
+from bulkgen.engine.attention.attn_select import run_backend
+from bulkgen.engine.attention.layer_attention import FULL, LayerAttention
 from bulkgen.engine.step_plan import StepPlan
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bulkgen.engine import EmbedParams, Engine, SamplingParams
-from bulkgen.engine.pooling import EmbedError, PoolingConfig, load_pooling
+from bulkgen.engine.features.pooling import EmbedError, PoolingConfig, load_pooling
 from bulkgen.lab.tiny import add_sentence_transformers_config, build_tiny_model
 
 # mixed lengths: 1 byte token to several chunks of the small budget below

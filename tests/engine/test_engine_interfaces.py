@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulkgen.engine import SamplingParams, attn_select
-from bulkgen.engine.attn_backends import PlainBackend
+from bulkgen.engine import SamplingParams
+from bulkgen.engine.attention import attn_select
+from bulkgen.engine.attention.attn_backends import PlainBackend
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind, LayerAttention
 from bulkgen.engine.config import EngineConfig, resolve_limits
-from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
 from tests.support.attention import reference_varlen
 
 
@@ -155,7 +156,7 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch, name)
     chunk pieces, the sink correction from the log-sum-exp, V padding) checked on CPU by putting float64
     reference kernels with flash's semantics where the CUDA-only ones would run; a backend that says it
     cannot take a layer is not checked on it."""
-    from bulkgen.engine import attn_backends
+    from bulkgen.engine.attention import attn_backends
 
     def fake_flash(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
         assert k.shape[1] == q.shape[1] and max_q == int((cu_q[1:] - cu_q[:-1]).max())
@@ -192,7 +193,7 @@ def test_cuda_backends_metadata_on_cpu_with_reference_kernels(monkeypatch, name)
 def test_a_fused_backend_that_gets_windows_or_sinks_wrong_is_rejected(monkeypatch):
     """The probe runs each layer's own window and sinks: a flash kernel that ignored either would pass a
     dense probe and still be caught."""
-    from bulkgen.engine import attn_backends
+    from bulkgen.engine.attention import attn_backends
 
     def ignores_window(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left=-1):
         return reference_varlen(q, k, v, cu_q, cu_k, scale)
@@ -288,8 +289,8 @@ def test_sdpa_kernel_order_is_pinned_inside_the_engine_and_the_choice_recorded(
 ):
     """cuDNN attention builds a plan per new shape: inside the engine's forward SDPA may not pick it, the
     caller's settings come back afterwards, and the kernel each call site ran is recorded."""
-    from bulkgen.engine.attention import attention_scope
-    from bulkgen.engine.attn_backends import SDPA_CHOICES
+    from bulkgen.engine.attention.attn_backends import SDPA_CHOICES
+    from bulkgen.engine.attention.interface import attention_scope
 
     engine = make_engine("llama", block_size=4, max_num_batched_tokens=16)
     assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -15,7 +15,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, SequenceBiasLogitsProcessor
 
 from bulkgen.engine import SamplingParams
-from bulkgen.engine.penalties import LogitAdjustments
+from bulkgen.engine.sampling.penalties import LogitAdjustments
 
 ARCH = "llama"
 MAX_NEW = 12

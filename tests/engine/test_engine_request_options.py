@@ -7,7 +7,7 @@ import torch
 
 from bulkgen.engine import SamplingParams
 from bulkgen.engine import scheduler as scheduler_module
-from bulkgen.engine.counter_rng import stream_key
+from bulkgen.engine.sampling.counter_rng import stream_key
 
 ARCH = "llama"
 

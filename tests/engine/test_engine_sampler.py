@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bulkgen.engine import sampler
-from bulkgen.engine.counter_rng import MASK32, hash32, hash32_py, stream_key, uniforms
-from bulkgen.engine.sampling_params import SamplingParams
+from bulkgen.engine.sampling import sampler
+from bulkgen.engine.sampling.counter_rng import MASK32, hash32, hash32_py, stream_key, uniforms
+from bulkgen.engine.sampling.sampling_params import SamplingParams
 
 
 def test_device_hash_matches_the_python_reference_and_uniforms_are_open_and_flat():

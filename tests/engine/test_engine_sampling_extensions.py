@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from bulkgen.engine import Engine, SamplingParams
 from bulkgen.engine.config import EngineConfig
-from bulkgen.engine.sampling_params import SamplingError, generation_defaults
+from bulkgen.engine.sampling.sampling_params import SamplingError, generation_defaults
 
 ARCH = "llama"
 MAX_NEW = 12

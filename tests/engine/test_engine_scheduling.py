@@ -7,7 +7,7 @@ import time
 import pytest
 
 from bulkgen.engine import SamplingParams
-from bulkgen.engine.block_manager import BlockManager
+from bulkgen.engine.kv.block_manager import BlockManager
 from bulkgen.engine.sequence import Request, Sequence
 from bulkgen.lab.grouped import scheduler_for
 
@@ -144,7 +144,7 @@ def test_one_flat_row_per_step_and_no_dense_mask(make_engine, mixed_prompts, mon
     """Every layer sees one packed row holding all scheduled tokens, and transformers builds no mask."""
     from transformers import AttentionInterface
 
-    from bulkgen.engine import attention
+    from bulkgen.engine.attention import interface as attention
 
     seen = []
 

@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.grammar import GrammarRuntime, apply_masks
-from bulkgen.engine.guide import Guide
-from bulkgen.engine.sampling_params import SamplingError
+from bulkgen.engine.features.grammar import GrammarRuntime, apply_masks
+from bulkgen.engine.features.guide import Guide
+from bulkgen.engine.sampling.sampling_params import SamplingError
 from bulkgen.models.registry import BUNDLED_MODEL
 from tests.support.schemas import LATE_FAILURE
 

@@ -1,4 +1,4 @@
-"""Grammar masks from JSON schemas (bulkgen/engine/grammar.py), on the bundled model's tokenizer.
+"""Grammar masks from JSON schemas (bulkgen/engine/features/grammar.py), on the bundled model's tokenizer.
 
 Sampling at temperature 1 from random logits under the mask must give JSON that validates whenever the
 mask allowed the end token and it was drawn: the mask alone, not the model, makes the output valid.
@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from bulkgen.engine import schema_compiler
-from bulkgen.engine.grammar import GrammarRuntime, apply_masks, unpack
-from bulkgen.engine.guide import GrammarError, Guide, check, compile_guide, grammar
+from bulkgen.engine.features import schema_compiler
+from bulkgen.engine.features.grammar import GrammarRuntime, apply_masks, unpack
+from bulkgen.engine.features.guide import GrammarError, Guide, check, compile_guide, grammar
 from bulkgen.models.registry import BUNDLED_MODEL
 from tests.support.schemas import SLOW_TO_COMPILE, ref_chain
 

@@ -1,4 +1,4 @@
-"""Image tokens that attend to their whole image (Gemma 3, bulkgen.engine.image_blocks): the chunking
+"""Image tokens that attend to their whole image (Gemma 3, bulkgen.engine.features.image_blocks): the chunking
 rule, a prefix cache hit that ends inside an image block, and the routing of such steps away from a
 fused kernel that masks causally only. The tiny Gemma 3 model is tests/engine/test_vision.py's."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from bulkgen.engine import attn_backends
-from bulkgen.engine.image_blocks import ImageBlockRouting, chunk_end, runs
+from bulkgen.engine.attention import attn_backends
+from bulkgen.engine.features.image_blocks import ImageBlockRouting, chunk_end, runs
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 from tests.engine.test_vision import Fixture, noise_image, run_outputs
 from tests.support.attention import reference_varlen
@@ -103,7 +103,7 @@ def test_a_request_is_sized_for_its_image_block_taken_whole(gemma3):
     chunks only took it, then stalled the whole engine with 'scheduler made no progress'), and runs with
     transformers' token in a cache that holds it."""
     from bulkgen.engine import SamplingParams
-    from bulkgen.engine.multimodal import process
+    from bulkgen.engine.features.multimodal import process
 
     content = [{"type": "text", "text": "Look"}, {"type": "image"}]  # the block ends near the prompt's end
     text = gemma3.processor.apply_chat_template(

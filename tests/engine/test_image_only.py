@@ -1,6 +1,6 @@
 """Qwen-VL and SmolVLM checkpoints as users have them (processor files with a video processor config:
 lab/hub_processor.py), loaded on this machine, which has no torchvision: multimodal.load_processor builds
-their processor without the video processor (engine/image_only.py), with the checkpoint's own settings and
+their processor without the video processor (engine/features/image_only.py), with the checkpoint's own settings and
 chat template, so it prepares an image as the tiny builder's processor does, and Engine.from_pretrained and
 `bulkgen plan` run the checkpoint with it. Images are made here with PIL from seeded noise.
 """
@@ -19,7 +19,7 @@ from transformers.utils import is_torchvision_available
 
 from bulkgen.cli import cli
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.multimodal import load_processor, process
+from bulkgen.engine.features.multimodal import load_processor, process
 from bulkgen.lab.hub_processor import HUB_LAYOUTS, HUB_PROCESSORS, write_hub_processor
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 from bulkgen.lab.tiny_vision import load_processor as builder_processor

@@ -1,4 +1,4 @@
-"""The FP8 KV cache (engine/kv_cache.py): its rounding, every attention path over it, the engine end to end.
+"""The FP8 KV cache (engine/kv/kv_cache.py): its rounding, every attention path over it, the engine end to end.
 
 Each path is checked twice: exactly (within float32 rounding) against the same path over a float cache
 that holds the dequantized FP8 rows, which proves it reads rows and scales where they are; and within
@@ -14,11 +14,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen import settings
-from bulkgen.engine import Engine, SamplingParams, attn_backends, attn_select, kv_cache, triton_decode
-from bulkgen.engine.attn_plain import DecodeMeta, paged_decode
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.attention import attn_backends, attn_select, triton_decode
+from bulkgen.engine.attention.attn_plain import DecodeMeta, paged_decode
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind, LayerAttention
 from bulkgen.engine.config import EngineConfig
-from bulkgen.engine.kv_layout import KVLayout
-from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
+from bulkgen.engine.kv import kv_cache
+from bulkgen.engine.kv.kv_layout import KVLayout
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
 from tests.support.attention import reference_varlen

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bulkgen.engine import Engine, SamplingParams, attn_select, kv_cache
-from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.attention import attn_select
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind, LayerAttention
+from bulkgen.engine.kv import kv_cache
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -8,9 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.block_manager import BlockManager
-from bulkgen.engine.kv_layout import KVLayout
-from bulkgen.engine.layer_attention import FULL, AttnKind, LayerAttention
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind, LayerAttention
+from bulkgen.engine.kv.block_manager import BlockManager
+from bulkgen.engine.kv.kv_layout import KVLayout
 from bulkgen.engine.sequence import Request, Sequence
 from bulkgen.lab.tiny import WINDOW, build_tiny_model
 

@@ -17,7 +17,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import EmbedParams, Engine, SamplingParams
-from bulkgen.engine.lora import LoraError
+from bulkgen.engine.features.lora import LoraError
 from bulkgen.lab.tiny import build_tiny_model
 
 pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)

@@ -1,4 +1,4 @@
-"""MLA's latent KV cache (bulkgen/engine/mla.py): what it stores, what it costs, and the paths that read it.
+"""MLA's latent KV cache (bulkgen/engine/attention/mla.py): what it stores, what it costs, and the paths that read it.
 
 Greedy tokens against transformers (chunked prefill, prefix caching, preemption, the decode buffers) for
 the tiny DeepSeek-V3, DeepSeek-V2-Lite-shaped and yarn-scaled models are in test_architectures.py; here,
@@ -12,14 +12,15 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-from bulkgen.engine import Engine, SamplingParams, kv_cache
-from bulkgen.engine import triton_decode as td
-from bulkgen.engine.attn_backends import BACKENDS, DecodeMeta, paged_decode
-from bulkgen.engine.attn_select import _all_fused_refused
-from bulkgen.engine.kv_layout import KVLayout
-from bulkgen.engine.layer_attention import probe_layers
-from bulkgen.engine.mla import absorbed_weights, find_mla, wrap_mla
-from bulkgen.engine.quantize import Fp8Linear
+from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.attention import triton_decode as td
+from bulkgen.engine.attention.attn_backends import BACKENDS, DecodeMeta, paged_decode
+from bulkgen.engine.attention.attn_select import _all_fused_refused
+from bulkgen.engine.attention.layer_attention import probe_layers
+from bulkgen.engine.attention.mla import absorbed_weights, find_mla, wrap_mla
+from bulkgen.engine.kv import kv_cache
+from bulkgen.engine.kv.kv_layout import KVLayout
+from bulkgen.engine.model.quantize import Fp8Linear
 from bulkgen.engine.sequence import Request, Sequence
 from bulkgen.plan.memory import plan_memory
 
@@ -123,7 +124,7 @@ def test_plan_counts_the_latent_bytes(tiny):
 def test_flash_kernels_refuse_the_latent_head_as_a_feature():
     """On CUDA an MLA model runs plain prefills: the refusal is a feature one, so selection logs it and
     takes plain instead of failing the load or running a kernel that cannot take a 576-wide head."""
-    from bulkgen.engine.layer_attention import FULL, LayerAttention
+    from bulkgen.engine.attention.layer_attention import FULL, LayerAttention
 
     layer = LayerAttention(FULL, 1, 576, 512, q_heads=128, latent=True)
     report = {name: BACKENDS[name]().supports(layer) for name in ("flash_varlen", "varlen_paged")}
@@ -168,7 +169,7 @@ def test_lora_on_the_absorbed_kv_b_proj_is_refused(tiny, tmp_path):
     it is refused naming the layer; one on the other projections (q_b_proj) still loads."""
     from test_lora import _write_adapter
 
-    from bulkgen.engine.lora import LoraError
+    from bulkgen.engine.features.lora import LoraError
 
     engine = Engine.from_pretrained(str(tiny), device="cpu", block_size=8, num_kv_blocks=16)
     attn = engine.model.model.layers[0].self_attn

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from bulkgen.engine import SamplingParams, sampler
+from bulkgen.engine import SamplingParams
 from bulkgen.engine import engine as engine_module
-from bulkgen.engine.guide import Guide
+from bulkgen.engine.features.guide import Guide
+from bulkgen.engine.features.pooling import EmbedParams
 from bulkgen.engine.model_runner import ModelRunner
-from bulkgen.engine.pooling import EmbedParams
+from bulkgen.engine.sampling import sampler
 
 ARCH = "llama"
 STOPS = list(range(0, 256, 9))  # about one byte token in nine ends a completion early

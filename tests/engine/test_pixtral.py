@@ -1,5 +1,5 @@
 """Mistral 3's processor where transformers' PixtralProcessor cannot be imported (no torchvision): bulkgen's
-mirror of it (engine/pixtral.py) prepares what transformers' own class prepares, and serving and `bulkgen
+mirror of it (engine/features/pixtral.py) prepares what transformers' own class prepares, and serving and `bulkgen
 plan` both load it through multimodal.load_processor.
 
 transformers' processing_pixtral.py imports one name from the torchvision image processor's module,
@@ -24,8 +24,8 @@ from transformers.models.pixtral import image_processing_pil_pixtral
 from transformers.utils import is_torchvision_available
 
 from bulkgen.engine import Engine
-from bulkgen.engine.multimodal import load_processor, process
-from bulkgen.engine.pixtral import PixtralPilProcessor
+from bulkgen.engine.features.multimodal import load_processor, process
+from bulkgen.engine.features.pixtral import PixtralPilProcessor
 from bulkgen.lab.tiny_vision import build_tiny_vlm
 
 pytestmark = pytest.mark.upstream  # also on the lower bound and the canary (README: tested ranges)

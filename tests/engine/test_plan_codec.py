@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch
 
 from bulkgen.engine import SamplingParams
-from bulkgen.engine.block_manager import BlockManager
-from bulkgen.engine.layer_attention import FULL, AttnKind
-from bulkgen.engine.lora import LoraAdapter
-from bulkgen.engine.lora_slots import LoraSlots
-from bulkgen.engine.plan_codec import PlanDecoder, PlanEncoder
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind
+from bulkgen.engine.features.lora import LoraAdapter
+from bulkgen.engine.features.lora_slots import LoraSlots
+from bulkgen.engine.kv.block_manager import BlockManager
+from bulkgen.engine.parallel.plan_codec import PlanDecoder, PlanEncoder
 from bulkgen.engine.sequence import Request, Sequence
 
 BLOCK = 4
@@ -91,8 +91,8 @@ def test_followers_rebuild_each_chunks_image_positions_blocks_and_mrope_position
     """A prefill chunk reaching an image, a decode past the prompt (M-RoPE: p + delta) and a text
     sequence in one step: the follower's stand-ins hold what rank 0's splice, positions and image blocks
     read of them, with the LoRA section after it; a text-only step carries no images section."""
-    from bulkgen.engine.image_blocks import runs
-    from bulkgen.engine.multimodal import ImageInputs, RequestImages
+    from bulkgen.engine.features.image_blocks import runs
+    from bulkgen.engine.features.multimodal import ImageInputs, RequestImages
 
     prompt = [1, 2, 3, 99, 99, 99, 99, 4, 99, 99, 5, 6]
     seqs = _sequences(3)

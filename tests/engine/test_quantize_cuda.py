@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.loading import load_model
-from bulkgen.engine.quantize import Fp8Linear, quantize_layers, weight_bytes
+from bulkgen.engine.model.loading import load_model
+from bulkgen.engine.model.quantize import Fp8Linear, quantize_layers, weight_bytes
 from bulkgen.lab.quantized import write_compressed_fp8
 from bulkgen.lab.tiny import build_tiny_model
 from tests.support.divergence import judge_bf16_run

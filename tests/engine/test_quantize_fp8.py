@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.fp8 import FP8, quantize_rows
-from bulkgen.engine.quantize import Fp8Linear, quantize_layers, weight_bytes
+from bulkgen.engine.model.fp8 import FP8, quantize_rows
+from bulkgen.engine.model.quantize import Fp8Linear, quantize_layers, weight_bytes
 from tests.support.logprobs import assert_follows
 
 # e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by at most 2^-4 of itself; a
@@ -113,8 +113,8 @@ def test_engine_greedy_equals_generate_over_the_same_fp8_modules(arch, model_dir
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-from bulkgen.engine.fp8 import quantize_rows
-from bulkgen.engine.quantize import quantize_layers
+from bulkgen.engine.model.fp8 import quantize_rows
+from bulkgen.engine.model.quantize import quantize_layers
 
 def rss(field):
     for line in open("/proc/self/status"):

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.loading import load_model
-from bulkgen.engine.quantize import Fp8Linear
+from bulkgen.engine.model.loading import load_model
+from bulkgen.engine.model.quantize import Fp8Linear
 from bulkgen.lab.quantized import write_bitsandbytes, write_block_fp8, write_compressed_fp8, write_mxfp4
 from bulkgen.lab.tiny import build_tiny_model
 from tests.support.logprobs import assert_follows

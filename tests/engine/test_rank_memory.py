@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from transformers import LlamaConfig
 
 from bulkgen.cli import cli
-from bulkgen.engine.rank_memory import GIB, check_fits, rank_memory
+from bulkgen.engine.parallel.rank_memory import GIB, check_fits, rank_memory
 from bulkgen.lab.tiny import build_tokenizer
 
 # Llama-3-70B: 70,553,706,496 parameters, 2 bytes each in bf16

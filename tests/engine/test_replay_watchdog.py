@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from bulkgen.engine.replay_watchdog import ReplayWatchdog
+from bulkgen.engine.parallel.replay_watchdog import ReplayWatchdog
 
 
 class Step:

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bulkgen.engine import SamplingParams, sampler
-from bulkgen.engine.counter_rng import MASK32, stream_key, uniforms
-from bulkgen.engine.sampler import (
+from bulkgen.engine import SamplingParams
+from bulkgen.engine.sampling import sampler
+from bulkgen.engine.sampling.counter_rng import MASK32, stream_key, uniforms
+from bulkgen.engine.sampling.sampler import (
     DRAWS_PER_POSITION,
     REJECTION_ROUNDS,
     _draw,

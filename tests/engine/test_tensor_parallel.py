@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.tensor_parallel import ProcessLauncher, RankLost, launch
+from bulkgen.engine.parallel.tensor_parallel import ProcessLauncher, RankLost, launch
 from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12

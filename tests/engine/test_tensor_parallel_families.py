@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.rank_memory import rank_memory
-from bulkgen.engine.shard_families import fit_modules, read_packed_last
-from bulkgen.engine.sharding import build_shard_model, parameters_on_meta
+from bulkgen.engine.parallel.rank_memory import rank_memory
+from bulkgen.engine.parallel.shard_families import fit_modules, read_packed_last
+from bulkgen.engine.parallel.sharding import build_shard_model, parameters_on_meta
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_lora import save_random_adapter
 

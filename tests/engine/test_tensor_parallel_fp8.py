@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.quantize import weight_bytes
+from bulkgen.engine.model.quantize import weight_bytes
 from bulkgen.lab.tiny import build_tiny_model
 
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, num_kv_blocks=256)

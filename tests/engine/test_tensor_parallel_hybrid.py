@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from bulkgen.engine import Engine
-from bulkgen.engine.rank_memory import rank_memory
+from bulkgen.engine.parallel.rank_memory import rank_memory
 from bulkgen.lab.tiny_hybrid import build_tiny_hybrid
 from bulkgen.plan.memory import describe_memory, plan_memory
 from tests.engine.test_tensor_parallel_architectures import ENGINE, MAX_TOKENS, _greedy, _prompt_logprobs

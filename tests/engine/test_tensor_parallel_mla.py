@@ -21,8 +21,8 @@ from test_tensor_parallel_fp8 import test_two_rank_fp8_is_close_to_single_proces
 from transformers import AutoConfig, DeepseekV3Config
 
 from bulkgen.engine import Engine
-from bulkgen.engine.mla import absorbed_weights
-from bulkgen.engine.rank_memory import rank_memory
+from bulkgen.engine.attention.mla import absorbed_weights
+from bulkgen.engine.parallel.rank_memory import rank_memory
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.plan.memory import plan_memory
 

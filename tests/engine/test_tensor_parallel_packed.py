@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.sharding import parameters_on_meta, tp_plan
+from bulkgen.engine.parallel.sharding import parameters_on_meta, tp_plan
 from bulkgen.lab.tiny import build_tiny_model
 
 ENGINE = dict(device="cpu", max_num_batched_tokens=64, block_size=8, num_kv_blocks=256)

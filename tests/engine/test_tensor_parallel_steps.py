@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.guide import Guide
+from bulkgen.engine.features.guide import Guide
 from bulkgen.lab.tiny import build_tiny_model
 
 MAX_TOKENS = 12

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.quantize import Fp8Linear
+from bulkgen.engine.model.quantize import Fp8Linear
 from bulkgen.lab import tiny_vision
 from tests.engine.test_vision import Fixture, mixed_batch, noise_image, run, run_outputs
 

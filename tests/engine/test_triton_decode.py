@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine import triton_decode as td
-from bulkgen.engine.attn_backends import DecodeMeta, PlainBackend, paged_decode
+from bulkgen.engine.attention import triton_decode as td
+from bulkgen.engine.attention.attn_backends import DecodeMeta, PlainBackend, paged_decode
+from bulkgen.engine.attention.layer_attention import FULL, AttnKind
 from bulkgen.engine.decode_graphs import buckets_up_to
-from bulkgen.engine.layer_attention import FULL, AttnKind
 
 
 @pytest.fixture

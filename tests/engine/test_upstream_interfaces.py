@@ -21,8 +21,9 @@ import torch
 import transformers
 from transformers.cache_utils import Cache
 
-from bulkgen.engine import hybrid_layers, upstream
-from bulkgen.engine.layer_attention import ATTENTION_KWARGS, probe_layers
+from bulkgen.engine.attention.layer_attention import ATTENTION_KWARGS, probe_layers
+from bulkgen.engine.features import hybrid_layers
+from bulkgen.engine.model import upstream
 from bulkgen.lab.tiny import ARCHITECTURES, build_tiny_model
 from bulkgen.lab.tiny_hybrid import HYBRID_ARCHITECTURES, build_tiny_hybrid
 
@@ -84,7 +85,7 @@ def test_state_views_answer_every_cache_member_the_mixer_reads(arch):
         missing = sorted(m for m in members if m not in dir(view))
         assert not missing, (
             f"transformers {transformers.__version__}'s {mixer.__name__} reads {missing} of its cache, "
-            f"which bulkgen's {type(view).__name__} lacks (bulkgen/engine/hybrid_layers.py)"
+            f"which bulkgen's {type(view).__name__} lacks (bulkgen/engine/features/hybrid_layers.py)"
         )
 
 
@@ -155,7 +156,7 @@ def test_an_unknown_attention_keyword_is_said_at_load(tmp_path, caplog):
     attn = model.model.layers[0].self_attn
     forward = attn.forward
     attn.forward = lambda *a, **kw: forward(*a, **kw, sinks=torch.zeros(1))
-    with caplog.at_level(logging.WARNING, logger="bulkgen.engine.layer_attention"):
+    with caplog.at_level(logging.WARNING, logger="bulkgen.engine.attention.layer_attention"):
         probe_layers(model)
     assert "passes sinks to its attention" in caplog.text
     assert "transformers" in caplog.text

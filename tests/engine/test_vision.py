@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.multimodal import VisionTower, process, text_model
+from bulkgen.engine.features.multimodal import VisionTower, process, text_model
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_vision import VISION_FAMILIES, build_tiny_vlm, load_processor
 
@@ -248,7 +248,7 @@ def test_a_text_model_refuses_images(tmp_path):
     path = build_tiny_model(tmp_path / "llama", "llama")
     engine = Engine.from_pretrained(str(path), device="cpu", dtype="float32", num_kv_blocks=8)
     fx_image = noise_image(1)
-    from bulkgen.engine.multimodal import ImageInputs, image_hash
+    from bulkgen.engine.features.multimodal import ImageInputs, image_hash
 
     inputs = ImageInputs(torch.zeros(1, 3, 4, 4), [image_hash(fx_image)])
     with pytest.raises(ValueError, match="takes no images"):

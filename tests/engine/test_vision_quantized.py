@@ -15,10 +15,10 @@ from safetensors import safe_open
 from transformers import AutoModelForImageTextToText
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.loading import load_model
-from bulkgen.engine.multimodal import VisionTower, process, text_model
-from bulkgen.engine.quantize import Fp8Linear, decoder_layers, quantize_layers, weight_bytes
-from bulkgen.engine.weight_format import FP8_E4M3, served_weights
+from bulkgen.engine.features.multimodal import VisionTower, process, text_model
+from bulkgen.engine.model.loading import load_model
+from bulkgen.engine.model.quantize import Fp8Linear, decoder_layers, quantize_layers, weight_bytes
+from bulkgen.engine.model.weight_format import FP8_E4M3, served_weights
 from bulkgen.lab.quantized import write_compressed_fp8
 from bulkgen.lab.tiny_vision import build_tiny_vlm, load_processor
 from tests.engine.test_vision import noise_image

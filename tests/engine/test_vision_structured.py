@@ -14,9 +14,9 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, LogitsProcessorList
 
 from bulkgen.engine import Engine, SamplingParams
-from bulkgen.engine.grammar import GrammarRuntime
-from bulkgen.engine.guide import Guide
-from bulkgen.engine.multimodal import process
+from bulkgen.engine.features.grammar import GrammarRuntime
+from bulkgen.engine.features.guide import Guide
+from bulkgen.engine.features.multimodal import process
 from tests.engine.test_engine_structured import GrammarProcessor
 from tests.support.schemas import ANIMAL
 

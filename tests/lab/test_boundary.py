@@ -66,4 +66,4 @@ def test_the_scan_sees_lab_imports_where_they_are():
 
 def test_relative_imports_resolve_to_their_package():
     engine_module = PACKAGE / "engine" / "scheduler.py"
-    assert "bulkgen.engine.block_manager" in imported_modules(engine_module)
+    assert "bulkgen.engine.kv.block_manager" in imported_modules(engine_module)

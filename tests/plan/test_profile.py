@@ -102,7 +102,7 @@ def test_the_simulator_counts_the_context_the_engines_decode_attention_reads(mon
     from bulkgen.batch.prepare import fit_context, tokenize
     from bulkgen.batch.requests import CHAT, parse_line
     from bulkgen.engine import Engine, SamplingParams
-    from bulkgen.engine.attn_backends import DecodeMeta
+    from bulkgen.engine.attention.attn_backends import DecodeMeta
 
     spec = importlib.util.spec_from_file_location("bench_plan", ROOT / "bench" / "bench_plan.py")
     bench = importlib.util.module_from_spec(spec)

@@ -1,4 +1,4 @@
-"""The reasoning gate in the engine (bulkgen/engine/reasoning_gate.py) on the scripted Qwen3 and DeepSeek-R1 of
+"""The reasoning gate in the engine (bulkgen/engine/features/reasoning_gate.py) on the scripted Qwen3 and DeepSeek-R1 of
 bulkgen/lab/scripted.py, step by step and overlapped: a thinking budget cuts the reasoning at exactly the
 budget and forces `</think>` + "\\n\\n", a budget past the reasoning changes no token, and a grammar applies
 only after the reasoning. The scripted model writes by position, so after a forced end it goes on with its
@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 
 from bulkgen.engine import SamplingParams, engine_class
-from bulkgen.engine.guide import Guide
-from bulkgen.engine.reasoning_gate import ReasoningSpec
+from bulkgen.engine.features.guide import Guide
+from bulkgen.engine.features.reasoning_gate import ReasoningSpec
 from tests.support.reasoning import DEEPSEEK_R1, GPT_OSS, QWEN3, build_family
 
 

@@ -1,5 +1,5 @@
 """A worker still loading its model is alive, not lost (issue 46): `bulkgen run` with a model whose load
-takes 90 s (BULKGEN_TEST_LOAD_DELAY_S slows the real loader's tensor reads: engine/load_progress.py) and a
+takes 90 s (BULKGEN_TEST_LOAD_DELAY_S slows the real loader's tensor reads: engine/model/load_progress.py) and a
 5 s --worker-poll-deadline loads the model once, replaces no worker and writes every line exactly once; a
 load that outlasts its own deadline (--model-load-deadline, scaled by the checkpoint's size) fails the
 batch with one line naming that deadline and the checkpoint's size.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bulkgen.engine.load_progress import LOAD_DELAY_ENV
+from bulkgen.engine.model.load_progress import LOAD_DELAY_ENV
 
 pytestmark = pytest.mark.slow
 

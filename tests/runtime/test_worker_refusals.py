@@ -13,8 +13,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import bulkgen.runtime.worker as worker_module
-from bulkgen.engine.checkpoint_checks import CheckpointError
-from bulkgen.engine.lora import WEIGHTS_FILE
+from bulkgen.engine.features.lora import WEIGHTS_FILE
+from bulkgen.engine.model.checkpoint_checks import CheckpointError
 from bulkgen.lab.quantized import write_block_fp8
 from bulkgen.lab.tiny_lora import save_random_adapter
 from bulkgen.runtime.lineindex import index_file

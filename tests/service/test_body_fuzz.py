@@ -15,7 +15,7 @@ from bulkgen.batch.bodyfields import BODY_FIELDS
 from bulkgen.batch.prepare import fit_context, tokenize
 from bulkgen.batch.requests import CHAT, COMPLETIONS, LineError, parse_line
 from bulkgen.batch.validate import Validator, validate_stream
-from bulkgen.engine.sampling_params import SamplingParams
+from bulkgen.engine.sampling.sampling_params import SamplingParams
 from bulkgen.lab.tiny import build_tokenizer
 from bulkgen.runtime.lineindex import IndexBuilder
 from tests.support.service import HERMES_TEMPLATE, MODEL, chat_row, completion_row

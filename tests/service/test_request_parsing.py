@@ -162,7 +162,7 @@ def test_streamed_lines_keep_numbers_and_offsets_across_chunk_edges(monkeypatch,
     ("field", "value"), [("top_p", -0.1), ("seed", 2**70), ("n", 0), ("temperature", -1)]
 )
 def test_the_parser_refuses_what_the_engine_refuses(field, value):
-    from bulkgen.engine.sampling_params import SamplingError, SamplingParams
+    from bulkgen.engine.sampling.sampling_params import SamplingError, SamplingParams
 
     with pytest.raises(SamplingError):
         SamplingParams(**{field: value})

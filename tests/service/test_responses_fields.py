@@ -18,7 +18,7 @@ from bulkgen.batch.outputlines import success_line
 from bulkgen.batch.prepare import fit_context
 from bulkgen.batch.requests import CHAT, RESPONSES, LineError, parse_line
 from bulkgen.batch.resultfiles import parquet_row
-from bulkgen.engine.guide import Guide
+from bulkgen.engine.features.guide import Guide
 from bulkgen.watch.job import Job, JobError
 from tests.service.test_body_fuzz import EDGES, JSON
 from tests.service.test_body_fuzz import _run_like_a_worker as run_like_a_worker

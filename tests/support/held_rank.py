@@ -25,7 +25,7 @@ class HeldRankActor(RankActor):
     def serve(self, spec: dict) -> None:
         gate = RankGate(os.environ[GATE_ENV])
         if gate.closed() == "load":
-            from bulkgen.engine import tensor_parallel
+            from bulkgen.engine.parallel import tensor_parallel
 
             load = tensor_parallel.load_shard
 

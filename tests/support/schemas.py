@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # A schema whose grammar fails only as a document is written: its pattern (past llguidance's lexer limits)
 # sits behind a `$ref`, after a property whose long name takes the first steps, so it passes the compiler's
-# first steps (bulkgen/engine/schema_compiler.py) and fails in the engine, where the value begins.
+# first steps (bulkgen/engine/features/schema_compiler.py) and fails in the engine, where the value begins.
 LATE_FAILURE = {
     "$defs": {"bad": {"type": "string", "pattern": "^(a{1000}){1000}$"}},
     "type": "object",

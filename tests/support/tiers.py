@@ -104,12 +104,12 @@ def _names(code: types.CodeType) -> Iterable[str]:
 def fast_tier_guard(test: str) -> Iterator[None]:
     """While `test` runs (its fixtures' setup and teardown included), starting Ray, a uvicorn server or a
     process raises, naming the mark to write on the test. The one process allowed is the engine's own
-    schema compiler (bulkgen/engine/schema_compiler.py): the code under test starts it once per test run
+    schema compiler (bulkgen/engine/features/schema_compiler.py): the code under test starts it once per test run
     and keeps it, as it keeps it in a worker, and tests of a crashing schema restart it on purpose."""
     import ray
     import uvicorn
 
-    from bulkgen.engine import schema_compiler
+    from bulkgen.engine.features import schema_compiler
 
     def refuse(what: str, mark: str):
         def start(*args, **kwargs):

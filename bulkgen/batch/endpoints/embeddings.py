@@ -4,7 +4,7 @@ A line's `input` (a string, a list of strings, a token list or a list of token l
 the API) becomes one engine request per input, like a completions line's several prompts, and their vectors
 come back as `data[i]` in input order. `encoding_format` base64 is the vector's little-endian float32 bytes,
 as the openai SDK decodes them. `dimensions` is checked here for its type; whether the model may truncate
-(a matryoshka model, bulkgen.engine.pooling) is the worker's judgement, as that line's 400.
+(a matryoshka model, bulkgen.engine.features.pooling) is the worker's judgement, as that line's 400.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from bulkgen.batch.messages import ImageParts, template_kwargs, text_parts
 from bulkgen.batch.sampling import sampling
 from bulkgen.batch.schema import InvalidRequest, check_metadata, quote
 from bulkgen.batch.structured import json_schema_guide
-from bulkgen.engine.guide import Guide
+from bulkgen.engine.features.guide import Guide
 
 if TYPE_CHECKING:
     from bulkgen.batch.requests import ParsedRequest
