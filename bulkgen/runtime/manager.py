@@ -10,6 +10,10 @@ once. Leases are renewed here; a runner whose lease was taken stops without writ
 An index entry whose record cannot be read yet is a batch still being created (the record is written
 first, but a slow write may show the entry alone): its runner gives it up and a later scan tries again.
 After UNCREATED_AFTER_S the entry is a leftover of a creator that died between its writes, and is dropped.
+
+The manager thread also hands the C heap's free pages back to the system every 30 s while batches
+run, and once each runner ends (what its finalize merged): freed memory otherwise stays in glibc's arenas
+(bulkgen.batch.image_budget.PeriodicTrim).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Callable
 
 from bulkgen.batch.batchrecord import BatchRecord
 from bulkgen.batch.ids import id_time
+from bulkgen.batch.image_budget import PeriodicTrim
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.batch.service import BatchService
@@ -66,6 +71,7 @@ class BatchManager:
         self._wake = threading.Event()
         self._stopped = threading.Event()
         self._renewed = 0.0
+        self._trim = PeriodicTrim()
         self._scan_pace = Backoff()
         self._soon = threading.Event()
         self._active_seen: set[str] = set()
@@ -160,6 +166,8 @@ class BatchManager:
                     next_scan = time.monotonic() + self._scan_pace.next()
                 if self.runners and time.monotonic() - self._renewed >= ttl / 3:
                     self._renew()
+                if self.runners:
+                    self._trim()
             except StorageUnavailable as exc:  # storage down: say so in one line, try again soon
                 log.warning("batch manager: %s", exc)
                 self._scan_pace.reset()
@@ -213,6 +221,7 @@ class BatchManager:
             with self._lock:
                 self.runners.pop(runner.batch_id, None)
             runner.progress_written.set()  # a waiter here looks now
+            self._trim(now=True)  # what the batch's finalize read and merged
             self._soon.set()
             self._wake.set()
             try:

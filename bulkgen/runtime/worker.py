@@ -32,7 +32,7 @@ from collections import defaultdict, deque
 from concurrent.futures import Future
 from typing import Any
 
-from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, ImageBudget, trim_heap
+from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, ImageBudget, PeriodicTrim, trim_heap
 from bulkgen.batch.images import (
     Probed,
     check_images,
@@ -117,6 +117,7 @@ class EngineWorker(EngineLoop, PartWriter):
         self._quarantine: deque[list[Prepared]] = deque()
         self._group: list[Prepared] | None = None  # the suspects in the engine while isolating a failure
         self._writes: queue.Queue = queue.Queue()
+        self._trim = PeriodicTrim()  # the writer thread hands free heap pages back (part_writer.py)
         self._load_lock = threading.Lock()  # a load the dispatcher asks for waits for one under way
         self._tasks: deque = deque()  # (fn, Future): torch work other threads hand the engine thread
         self.node_ip = node_ip()
