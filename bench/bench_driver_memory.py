@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from bench_scale import write_file
 
-    from bulkgen.batch.image_budget import trim_heap
+    from bulkgen.batch.heap_trim import trim_heap
     from bulkgen.engine.process_memory import peak_rss, reset_peak_rss
     from bulkgen.models.registry import DEFAULT_MODEL_NAME
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bulkgen.batch.bodyfields import LineError
-from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, trim_heap
+from bulkgen.batch.heap_trim import trim_heap
+from bulkgen.batch.image_budget import TRIM_AFTER_BYTES
 from bulkgen.batch.image_fetch import Network, fetch, host_allowed
 from bulkgen.batch.records import FileRepo, RecordNotFound
 from bulkgen.batch.schema import quote
@@ -274,7 +275,7 @@ def decode_probed(probed: Probed) -> Image:
     except Exception as exc:  # PIL's decoders raise many types on corrupt data: each is this line's 400
         raise ImageError(ref, f"the image could not be decoded ({type(exc).__name__}: {exc})") from None
     if large:
-        trim_heap()  # what decoding freed, back to the system before the processor allocates (image_budget.py)
+        trim_heap()  # what decoding freed, back to the system before the processor allocates (heap_trim.py)
     return image
 
 

@@ -13,7 +13,7 @@ After UNCREATED_AFTER_S the entry is a leftover of a creator that died between i
 
 The manager thread also hands the C heap's free pages back to the system every 30 s while batches
 run, and once each runner ends (what its finalize merged): freed memory otherwise stays in glibc's arenas
-(bulkgen.batch.image_budget.PeriodicTrim).
+(bulkgen.batch.heap_trim.PeriodicTrim).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import time
 from collections.abc import Callable
 
 from bulkgen.batch.batchrecord import BatchRecord
+from bulkgen.batch.heap_trim import PeriodicTrim
 from bulkgen.batch.ids import id_time
-from bulkgen.batch.image_budget import PeriodicTrim
 from bulkgen.batch.records import RecordNotFound
 from bulkgen.batch.schema import TERMINAL_STATUSES
 from bulkgen.batch.service import BatchService

@@ -1,6 +1,6 @@
 """The engine worker's writer thread: stores each finished range's result part, off the step loop, and
 keeps trying while storage is down, unless the range's driver is gone (see ORPHAN_AFTER_S). Between parts
-it hands the C heap's free pages back to the system every 30 s (image_budget.PeriodicTrim): what ranges
+it hands the C heap's free pages back to the system every 30 s (heap_trim.PeriodicTrim): what ranges
 were read, prepared and written from is freed into glibc's arenas, where it can otherwise stay."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from bulkgen.batch.batchrecord import BatchRecord
-from bulkgen.batch.image_budget import trim_heap
+from bulkgen.batch.heap_trim import trim_heap
 from bulkgen.batch.requests import Fill
 from bulkgen.batch.service import BatchService
 from bulkgen.batch.validate import ValidationResult, validate_stream

@@ -32,7 +32,8 @@ from collections import defaultdict, deque
 from concurrent.futures import Future
 from typing import Any
 
-from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, ImageBudget, PeriodicTrim, trim_heap
+from bulkgen.batch.heap_trim import PeriodicTrim, trim_heap
+from bulkgen.batch.image_budget import TRIM_AFTER_BYTES, ImageBudget
 from bulkgen.batch.images import (
     Probed,
     check_images,

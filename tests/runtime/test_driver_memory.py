@@ -73,7 +73,7 @@ def test_validating_a_batch_keeps_its_index_not_the_pass():
 # between live ones, so glibc cannot shrink the heap by itself; prints resident MB: freed, after a trim not
 # yet due, after one forced
 _TRIM = """
-from bulkgen.batch.image_budget import PeriodicTrim
+from bulkgen.batch.heap_trim import PeriodicTrim
 
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
