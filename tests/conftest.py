@@ -168,7 +168,9 @@ def pytest_collection_modifyitems(config, items):
             marks.add("server")
         for mark in sorted(marks):
             item.add_marker(mark)
-        if not marks and not item.get_closest_marker("slow"):
+        # a CUDA test is never the edit tier: it skips on CPU, and on a GPU triton compiles its kernels
+        # in subprocesses (the fast-tier guard would refuse them)
+        if not marks and not item.get_closest_marker("slow") and not item.get_closest_marker("gpu"):
             item.add_marker(pytest.mark.fast)
 
 

@@ -34,9 +34,11 @@ agree, and one rank's failure makes every rank run eagerly from then on). Rank 0
 from __future__ import annotations
 
 import logging
+import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -288,12 +290,13 @@ class DecodeGraphs:
         except Exception as exc:  # noqa: BLE001 - any capture failure: this bucket runs eagerly
             root = failure[0] if failure else exc
             log.error(
-                "decode CUDA graph for batch %d, width %d failed to capture (%s: %s); decode steps run "
-                "eagerly from now on",
+                "decode CUDA graph for batch %d, width %d failed to capture (%s: %s; at %s); decode steps "
+                "run eagerly from now on",
                 b.batch,
                 b.width,
                 type(root).__name__,
                 root,
+                _where(root),
             )
             b.graph, b.out, self.use_graphs = None, None, False
 
@@ -314,3 +317,10 @@ class DecodeGraphs:
                 raise
         self.pool = graph.pool()
         b.graph = graph
+
+
+def _where(error: BaseException, frames: int = 4) -> str:
+    """The innermost `frames` of `error`'s traceback, innermost first ("file.py:12 fn <- ..."): where in
+    the forward a capture broke (a host copy in a model's or a kernel's Python code, say)."""
+    stack = traceback.extract_tb(error.__traceback__)[-frames:]
+    return " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack)) or "?"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 
 import pytest
 import torch
@@ -127,6 +128,7 @@ def test_a_failed_capture_is_logged_with_its_cause_and_decoding_goes_on(
     assert got == _eager_tokens(model, tokenizer)
     errors = [r.getMessage() for r in caplog.records]
     assert len(errors) == 1 and "CUDA out of memory while capturing (injected)" in errors[0], errors
+    assert re.search(r"at test_decode_graphs_capture.py:\d+ failing_forward <- ", errors[0])  # where it broke
     assert not engine.runner.graphs.use_graphs
     assert all(b.graph is None for b in engine.runner.graphs.buckets.values())
 

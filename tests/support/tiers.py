@@ -17,6 +17,7 @@ test count as read).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import re
 import subprocess
@@ -101,16 +102,24 @@ def _names(code: types.CodeType) -> Iterable[str]:
             yield from _names(const)
 
 
+def _installed(name: str) -> types.ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError:
+        return None
+
+
 @contextlib.contextmanager
 def fast_tier_guard(test: str) -> Iterator[None]:
     """While `test` runs (its fixtures' setup and teardown included), starting Ray, a uvicorn server or a
     process raises, naming the mark to write on the test. The one process allowed is the engine's own
     schema compiler (bulkgen/engine/features/schema_compiler.py): the code under test starts it once per test run
-    and keeps it, as it keeps it in a worker, and tests of a crashing schema restart it on purpose."""
-    import ray
-    import uvicorn
-
+    and keeps it, as it keeps it in a worker, and tests of a crashing schema restart it on purpose. Where Ray
+    or uvicorn is not installed (the GPU image has neither) nothing can start it, so there is nothing to guard."""
     from bulkgen.engine.features import schema_compiler
+
+    ray = _installed("ray")
+    uvicorn = _installed("uvicorn")
 
     def refuse(what: str, mark: str):
         def start(*args, **kwargs):
@@ -126,7 +135,9 @@ def fast_tier_guard(test: str) -> Iterator[None]:
         return execute(popen, args, *rest, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ray, "init", refuse("Ray", "ray"))
-        patch.setattr(uvicorn.Server, "serve", refuse("a uvicorn server", "server"))
+        if ray is not None:
+            patch.setattr(ray, "init", refuse("Ray", "ray"))
+        if uvicorn is not None:
+            patch.setattr(uvicorn.Server, "serve", refuse("a uvicorn server", "server"))
         patch.setattr(subprocess.Popen, "_execute_child", child)
         yield
