@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from bulkgen.engine import QUANTIZE_MODES
-from bulkgen.engine.config import GENERATION_CONFIG_MODES, KV_CACHE_DTYPES, EngineConfig
+from bulkgen.engine.config import GENERATION_CONFIG_MODES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 from bulkgen.models.loras import LoraSpec, parse_lora_specs
 from bulkgen.models.registry import (
     EVERY_MODEL,
@@ -188,8 +188,9 @@ def _per_model(usage: str, parse: Callable, help: str, check: Callable | None = 
 
 
 def _check_engine(engine_kwargs: dict[str, Any]) -> None:
-    """The flags' values with one line naming the flag's field; then the rest as EngineConfig takes them, so an
-    option that is no engine setting is refused here, not when a worker builds its engine."""
+    """Refuse an option that is no engine setting here, not when a worker builds its engine; EngineConfig checks
+    each value (once, for the library and the service alike) and its error names the field, so the command
+    line names the flag."""
     unknown = sorted(engine_kwargs.keys() - EngineConfig.__dataclass_fields__.keys())
     if unknown:
         key = unknown[0]
@@ -200,27 +201,10 @@ def _check_engine(engine_kwargs: dict[str, Any]) -> None:
         raise SettingError(
             "tensor_parallel", engine_kwargs["tensor_parallel"], "set WorkerSettings.tensor_parallel instead"
         )
-    for key in ENGINE_FLAGS.keys() & engine_kwargs.keys():
-        value = engine_kwargs[key]
-        try:
-            if key == "async_scheduling":
-                if not isinstance(value, bool):
-                    raise ValueError("must be true or false (on/off)")
-            elif key == "kv_cache_dtype":
-                _one_of(KV_CACHE_DTYPES)(value)
-            elif key == "generation_config":
-                _one_of(GENERATION_CONFIG_MODES)(value)
-            elif key == "quantize":
-                if value is not None and value not in QUANTIZE_MODES:
-                    raise ValueError(f"must be one of {', '.join(QUANTIZE_MODES)}")
-            else:
-                _positive_int(value)
-        except ValueError as exc:
-            raise SettingError(key, value, str(exc)) from None
     try:
         EngineConfig(**engine_kwargs)
-    except ValueError as exc:
-        raise SettingError("engine_kwargs", engine_kwargs, str(exc)) from None
+    except ConfigError as exc:  # EngineConfig checks each value once; this names its field (and so its flag)
+        raise SettingError(exc.field, exc.value, exc.message) from None
 
 
 def _check_fields(settings: Any) -> None:

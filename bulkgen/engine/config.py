@@ -63,9 +63,7 @@ class EngineConfig:
         for name in ("block_size", "max_loras", "max_lora_rank", "tensor_parallel"):
             _positive_int(name, getattr(self, name))
         if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s <= 0:
-            raise ValueError(
-                f"collective_timeout_s must be a positive number, got {self.collective_timeout_s!r}"
-            )
+            raise ConfigError("collective_timeout_s", self.collective_timeout_s, "must be a positive number")
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
@@ -76,23 +74,28 @@ class EngineConfig:
         ):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
-        if not 0 < self.kv_cache_memory_fraction <= 1:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
-            )
-        if self.admission not in ADMISSIONS:
-            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.quantize not in (None, *QUANTIZE_MODES):
-            raise ValueError(f"quantize must be one of {QUANTIZE_MODES} or None, got {self.quantize!r}")
-        if self.generation_config not in GENERATION_CONFIG_MODES:
-            raise ValueError(
-                f"generation_config must be one of {GENERATION_CONFIG_MODES}, got {self.generation_config!r}"
-            )
+        fraction = self.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ConfigError("kv_cache_memory_fraction", self.kv_cache_memory_fraction, "must be in (0, 1]")
+        _one_of("admission", self.admission, ADMISSIONS)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantize is not None:
+            _one_of("quantize", self.quantize, QUANTIZE_MODES, " (or None)")
+        _one_of("generation_config", self.generation_config, GENERATION_CONFIG_MODES)
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in (None, True, False):
-                raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
+                raise ConfigError(
+                    name, getattr(self, name), "must be true, false or None (the device's default)"
+                )
+
+
+class ConfigError(ValueError):
+    """An EngineConfig field's value fails its check: `field` names it and `message` says what it must be, so
+    the service's settings (bulkgen.settings) can name the flag without checking the value a second time."""
+
+    def __init__(self, field: str, value: object, message: str) -> None:
+        super().__init__(f"{field} {message}, got {value!r}")
+        self.field, self.value, self.message = field, value, message
 
 
 def engine_config(config: EngineConfig | None, options: dict[str, Any]) -> EngineConfig:
@@ -110,7 +113,12 @@ def engine_config(config: EngineConfig | None, options: dict[str, Any]) -> Engin
 
 def _positive_int(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ConfigError(name, value, "must be a positive int")
+
+
+def _one_of(name: str, value: object, choices: tuple[str, ...], more: str = "") -> None:
+    if value not in choices:
+        raise ConfigError(name, value, f"must be one of {', '.join(choices)}{more}")
 
 
 CPU_DEFAULTS = (64, 2048)  # (max_num_seqs, max_num_batched_tokens)

@@ -57,8 +57,13 @@ def test_worker_settings_build_the_config_once_and_refuse_unknown_options():
         WorkerSettings(engine_kwargs={"max_num_seq": 8})
     assert refused.value.field == "max_num_seq"
     # a field without a flag is checked by EngineConfig itself, naming it
-    with pytest.raises(SettingError, match="block_size must be a positive int, got 0"):
+    with pytest.raises(SettingError, match=r"^block_size 0: must be a positive int$") as refused:
         WorkerSettings(engine_kwargs={"block_size": 0})
+    assert refused.value.field == "block_size"
+    with pytest.raises(SettingError, match=r"^kv_cache_memory_fraction 'most': must be in \(0, 1\]$"):
+        WorkerSettings(engine_kwargs={"kv_cache_memory_fraction": "most"})
+    with pytest.raises(SettingError, match=r"^async_scheduling 'maybe': must be true, false or None"):
+        WorkerSettings(engine_kwargs={"async_scheduling": "maybe"})
 
 
 def test_the_config_imports_no_torch():

@@ -164,7 +164,7 @@ def test_the_engine_quantizes_a_float_model_it_is_given(model_dirs, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).eval()
     engine = Engine(model, tokenizer, quantize="fp8", max_num_seqs=2)
     assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) == 7 * len(model.model.layers)
-    with pytest.raises(ValueError, match="quantize must be one of \\('fp8',\\) or None, got 'int4'"):
+    with pytest.raises(ValueError, match=r"^quantize must be one of fp8 \(or None\), got 'int4'$"):
         Engine(AutoModelForCausalLM.from_pretrained(model_dirs["llama"]), tokenizer, quantize="int4")
 
 
