@@ -3,12 +3,12 @@
 # (default $OUT) as it goes, so a crash or a timeout keeps what ran before it; phases.txt gets one line per
 # phase (and per bench/gpu.py step) with its wall seconds, so a timeout shows where the time went.
 #   run: bash bench/gpu_check.sh "$OUT"        (from the repo root; installs nothing)
-# Then copy $OUT/gpu-*.json and gpu-probe.json into bench/results/ with the date, and commit them.
+# Then copy $OUT/gpu-*.json, gpu-probe.json and gpu-decode-tiles.json into bench/results/ with the date, and commit them.
 # GPU_CHECK_QUICK=1 runs bench/gpu.py --quick (the CPU test of this script); PYTHON picks the interpreter.
 set -u
 out="${1:-${OUT:?give the output folder}}"
 PY="${PYTHON:-python3}"  # the device image names python3 only
-echo "device call: run(command='bash bench/gpu_check.sh \"\$OUT\"', timeout_s=540) - no carry; phases time out at 150/170/200 s"
+echo "device call: run(command='bash bench/gpu_check.sh \"\$OUT\"', timeout_s=600) - no carry; phases time out at 150/170/200/150 s"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK_PHASES="$out/phases.txt"
 : > "$out/phases.txt"
@@ -26,4 +26,6 @@ phase probe probe.log 150 "$PY" bench/gpu_probe.py --out "$out"
 # test needing a package the image lacks (compressed-tensors) fails alone and says so in the log
 phase cuda-tests cuda-tests.log 170 "$PY" -m pytest -q -p no:cacheprovider -s tests/engine/*_cuda.py
 phase gpu-bench gpu-bench.log 200 "$PY" bench/gpu.py --out "$out" ${GPU_CHECK_QUICK:+--quick}
+# the paged decode kernel's launch choices against its defaults (tiles of rows per iteration, warps, splits)
+[ -n "${GPU_CHECK_QUICK:-}" ] || phase decode-tiles decode-tiles.log 150 "$PY" bench/gpu_decode_tiles.py --out "$out" --budget-s 110
 ls -l "$out"

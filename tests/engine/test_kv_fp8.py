@@ -139,7 +139,8 @@ def test_attention_over_an_fp8_cache(monkeypatch, path, layer_name):
     assert 0 < worst <= ATTENTION_MAX_ERROR and mean <= ATTENTION_MEAN_ERROR, (worst, mean)
 
 
-def test_triton_kernel_reads_fp8_rows_with_their_scales():
+@pytest.mark.parametrize("tile_tokens", [8, 32])  # one block per iteration; four
+def test_triton_kernel_reads_fp8_rows_with_their_scales(tile_tokens):
     """The kernel itself on an FP8 cache (window, soft-cap, sinks, GQA, V heads narrower than K as in
     MLA) against the padded path over the same FP8 cache; freed blocks behind the window hold NaN
     scales, which the kernel must never load."""
@@ -160,7 +161,9 @@ def test_triton_kernel_reads_fp8_rows_with_their_scales():
     assert behind
     for cache in caches:  # the padded path gathers whole blocks; the kernel must load none of these
         cache.scale[behind] = float("nan")
-    got = triton_decode.paged_decode(q, *caches, table, lens, dim**-0.5, kind.window, None, 20.0, sinks)
+    got = triton_decode.paged_decode(
+        q, *caches, table, lens, dim**-0.5, kind.window, None, 20.0, sinks, {"tile_tokens": tile_tokens}
+    )
     torch.testing.assert_close(got, want, **SAME_ROWS)
 
 

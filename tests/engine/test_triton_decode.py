@@ -3,7 +3,7 @@
 On CUDA the kernel is compiled; here `TRITON_INTERPRET=1` runs the same kernel body on numpy. The
 interpreter cannot loop to a bound held in a tensor, so it walks a fixed count of blocks per split with
 the blocks past a sequence's end masked, where the compiled kernel loops over the sequence's own
-blocks only; the block body (`_attend_block`) is the same code in both.
+blocks only; the loop's body (`_attend_tile`: one or more whole blocks) is the same code in both.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ def _case(
     return q, k_cache, v_cache, table, torch.tensor(lengths)
 
 
+# the defaults; several blocks per loop iteration (a tile of 32 rows); tiles of 64 rows over more splits
+TUNINGS = [None, {"tile_tokens": 32}, {"tile_tokens": 64, "target_programs": 528, "num_warps": 8}]
+
+
 @pytest.mark.parametrize(
     "lengths,hq,hkv,dim,block_size",
     [
@@ -57,9 +61,10 @@ def _case(
         ([70], 6, 2, 16, 8),  # one sequence: its blocks split across programs
     ],
 )
-def test_kernel_matches_the_padded_reference(interpreted, lengths, hq, hkv, dim, block_size):
+@pytest.mark.parametrize("tuning", TUNINGS, ids=str)
+def test_kernel_matches_the_padded_reference(interpreted, lengths, hq, hkv, dim, block_size, tuning):
     q, k_cache, v_cache, table, lens = _case(len(lengths), lengths, hq, hkv, dim, block_size)
-    got = interpreted.paged_decode(q, k_cache, v_cache, table, lens, dim**-0.5)
+    got = interpreted.paged_decode(q, k_cache, v_cache, table, lens, dim**-0.5, tuning=tuning)
     want = paged_decode(q, k_cache, v_cache, DecodeMeta(0, len(lengths), table, lens), dim**-0.5, "padded")
     assert got.shape == want.shape and got.dtype == q.dtype
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
@@ -76,14 +81,15 @@ LAYER_CASES = {  # kind, soft-cap, sinks, V head size
 }
 
 
+@pytest.mark.parametrize("tuning", TUNINGS[:2], ids=str)
 @pytest.mark.parametrize("name", list(LAYER_CASES))
-def test_kernel_takes_windows_chunks_softcap_sinks_and_narrow_v(interpreted, name):
+def test_kernel_takes_windows_chunks_softcap_sinks_and_narrow_v(interpreted, name, tuning):
     kind, softcap, sinks, dim_v = LAYER_CASES[name]
     lengths, hq, hkv, dim, bs = [1, 5, 9, 16, 23, 40], 8, 2, 24 if dim_v else 16, 4
     q, k_cache, v_cache, table, lens = _case(11, lengths, hq, hkv, dim, bs, dim_v=dim_v)
     sink = torch.randn(hq, generator=torch.Generator().manual_seed(5)) if sinks else None
     got = interpreted.paged_decode(
-        q, k_cache, v_cache, table, lens, dim**-0.5, kind.window, kind.chunk, softcap, sink
+        q, k_cache, v_cache, table, lens, dim**-0.5, kind.window, kind.chunk, softcap, sink, tuning
     )
     meta = DecodeMeta(0, len(lengths), table, lens, kind=kind)
     want = paged_decode(q, k_cache, v_cache, meta, dim**-0.5, "padded", softcap, sink)
@@ -149,6 +155,11 @@ def test_every_split_gets_blocks_of_a_short_context_in_a_wide_table(interpreted)
     want = paged_decode(q, k_cache, v_cache, DecodeMeta(0, 2, table, lens), 0.25, "padded")
     got = td._merge(acc, stats[0], stats[1]).to(q.dtype)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    # tiles of two blocks are dealt the same way: 5 tiles of the 10 blocks, 2 of the 4
+    acc, stats = td._launch(q, k_cache, v_cache, table, lens, 0.25, splits, tile=2)
+    holding = (stats[1] > 0).sum(dim=-1)
+    assert holding[0].tolist() == [5] * 8 and holding[1].tolist() == [2] * 8
+    torch.testing.assert_close(td._merge(acc, stats[0], stats[1]).to(q.dtype), want, atol=2e-6, rtol=2e-5)
 
 
 @pytest.mark.slow  # whole engine runs through the interpreted kernel: 9 s of CPU
