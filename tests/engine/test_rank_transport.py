@@ -20,7 +20,7 @@ from bulkgen.engine.parallel.tensor_parallel import RankGroup, load_shard
 PACKAGE = Path(__file__).resolve().parents[2] / "bulkgen"
 ENGINE = PACKAGE / "engine"
 WING = re.compile(
-    r"^bulkgen\.engine\.parallel\.(vocab_parallel|shard_\w+|sharding)$"
+    r"^bulkgen\.engine\.parallel\.(layers|shard_\w+|sharding)$"
 )  # the parallel layer types' homes
 
 

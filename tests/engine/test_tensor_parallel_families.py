@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from bulkgen.engine import Engine, SamplingParams
+from bulkgen.engine.parallel.layers import STYLES
 from bulkgen.engine.parallel.rank_memory import rank_memory
-from bulkgen.engine.parallel.shard_families import fit_modules, read_packed_last
+from bulkgen.engine.parallel.shard_families import fit_modules
 from bulkgen.engine.parallel.sharding import build_shard_model, parameters_on_meta
 from bulkgen.lab.tiny import build_tiny_model
 from bulkgen.lab.tiny_lora import save_random_adapter
@@ -64,7 +65,10 @@ def test_llama4_experts_split_each_half_of_the_last_dimension():
     experts, hidden, inter, world = 3, 4, 6, 2
     packed = torch.arange(experts * hidden * 2 * inter, dtype=torch.float32).view(experts, hidden, 2 * inter)
     gate, up = packed.chunk(2, dim=-1)
-    shards = [read_packed_last(packed, tuple(packed.shape), rank, world) for rank in range(world)]
+    local = (experts, hidden, 2 * inter // world)
+    shards = [
+        STYLES["packed_rowwise"].read(packed, tuple(packed.shape), local, r, world) for r in range(world)
+    ]
     assert all(s.shape == (experts, hidden, 2 * inter // world) for s in shards)
     assert torch.equal(torch.cat([s.chunk(2, dim=-1)[0] for s in shards], dim=-1), gate)
     assert torch.equal(torch.cat([s.chunk(2, dim=-1)[1] for s in shards], dim=-1), up)

@@ -15,7 +15,8 @@ column_parallel_linear / row_parallel_linear LoRA layers, written for our slots)
   delta, its slice's shrink times the whole B, before the base's all-reduce: no extra collective, its
   sum in the collective's order; one all-reduce of tokens × rank per layer is what ours costs.)
 
-The rank group (tensor_parallel.RankGroup.shard_lora / lora_reduce) hands these to the LoRA feature, which
+Each split is its base layer's type's (layers.py: `shard_lora`, `lora_reduces`); this module finds the
+type of the layer an adapter targets. The rank group (tensor_parallel.RankGroup.shard_lora / lora_reduce) hands these to the LoRA feature, which
 never imports this module: lora.load_adapter asks for each pair's shard, lora_slots.LoraSlots for the
 reduce of each layer it wraps. Which adapter sits in which slot travels in the step plan (lora_plan.py).
 """
@@ -26,9 +27,9 @@ from collections.abc import Callable
 
 import torch
 
+from bulkgen.engine.parallel.layers import layer_of
 from bulkgen.engine.parallel.shard_families import in_block
-from bulkgen.engine.parallel.shard_packed import qkv_rows
-from bulkgen.engine.parallel.sharding import packed_half, shard_slice, style_of, tp_plan
+from bulkgen.engine.parallel.sharding import tp_plan
 
 
 def shard_pair(
@@ -45,17 +46,7 @@ def shard_pair(
     target = getattr(target, "base", target)  # a LoraLinear another adapter already wrapped
     if not isinstance(target, torch.nn.Linear) or a.dim() != 2 or b.dim() != 2:
         return a, b
-    style = style_of(tp_plan(model), module)
-    out, width = target.out_features, b.shape[0]
-    if style == "colwise" and width != out and width % out == 0:
-        b = b[shard_slice((width, b.shape[1]), (out, b.shape[1]), rank, world)]
-    elif style == "packed_colwise" and width == out * world and out % 2 == 0:  # each half's rows
-        b = torch.cat([packed_half(b, tuple(b.shape), part, rank, world) for part in (0, 1)])
-    elif style == "packed_qkv" and width != out:  # its heads' rows of each of q, k and v
-        b = qkv_rows(b, tuple(b.shape), style, rank, world)
-    elif style == "rowwise" and a.shape[1] == target.in_features * world:
-        a = a[shard_slice(tuple(a.shape), (a.shape[0], target.in_features), rank, world)]
-    return a, b
+    return layer_of(tp_plan(model), module).shard_lora(target, a, b, rank, world)
 
 
 def row_parallel_reduce(
@@ -63,5 +54,5 @@ def row_parallel_reduce(
 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The all-reduce (the group's `all_reduce`) a row-parallel target's shrink needs (its A holds a slice of
     the input columns); None for any other layer, and for one inside an MoE block reduced once at its output."""
-    rowwise = style_of(tp_plan(model), module) == "rowwise" and not in_block(model, module)
-    return all_reduce if rowwise else None
+    reduces = layer_of(tp_plan(model), module).lora_reduces and not in_block(model, module)
+    return all_reduce if reduces else None

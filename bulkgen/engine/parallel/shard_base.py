@@ -1,7 +1,7 @@
 """The floor of the tensor-parallel wing: what every family's sharding rules share (sharding.py,
-shard_packed.py, shard_quantized.py, shard_gptoss.py, lora_tp.py): a plan's style for a name, the slice of a
-checkpoint tensor a rank holds, parameters built on meta and allocated at load, and the checkpoint's
-safetensors files. It imports nothing of the wing, so the wing's modules import it and never each other
+layers.py, shard_quantized.py, shard_gptoss.py): a plan's style for a name, parameters built on meta and
+allocated at load, and the checkpoint's safetensors files (the slice of a checkpoint tensor a rank holds is
+its layer type's: layers.py). It imports nothing of the wing, so the wing's modules import it and never each other
 in a circle."""
 
 from __future__ import annotations
@@ -36,25 +36,6 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = register
-
-
-def shard_slice(full: tuple[int, ...], local: tuple[int, ...], rank: int, world: int) -> tuple | None:
-    """Index of this rank's part of a checkpoint tensor of shape `full` for a parameter of shape `local`
-    (None: the whole tensor): the one dimension where they differ is the split one."""
-    if full == local:
-        return None
-    dim = next(d for d in range(len(full)) if full[d] != local[d])
-    chunks = full[dim] // local[dim]
-    index = rank * chunks // world  # KV heads fewer than ranks: neighbours share one
-    return (slice(None),) * dim + (slice(index * local[dim], (index + 1) * local[dim]),)
-
-
-def packed_half(view, full: tuple[int, ...], part: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of half `part` of a packed gate_up (a checkpoint view or a tensor, e.g. a LoRA
-    B: lora_tp.py), so each half splits over the ranks like an unpacked one."""
-    rows = full[-2] // 2 // world
-    start = part * full[-2] // 2 + rank * rows
-    return view[(slice(None),) * (len(full) - 2) + (slice(start, start + rows),)]
 
 
 def materialize(model: nn.Module, name: str, params: dict, dtype, device) -> nn.Parameter:

@@ -17,10 +17,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# a fused [experts, in, 2 * inter] gate_up (Llama 4's, used as `x @ w`): each half split on the last dim
-PACKED_LAST = "packed_rowwise"
-STYLES = {PACKED_LAST}
-
 FAMILIES = {"mixtral", "qwen2_moe", "llama4_text", "phi", "gpt_neox", "gptj", "codegen"}
 # model_type -> plan entries (relative to the base model, as transformers' plans are) added to its own plan
 PLANS: dict[str, dict[str, str]] = {
@@ -30,7 +26,7 @@ PLANS: dict[str, dict[str, str]] = {
         "layers.*.mlp.shared_expert.down_proj": "rowwise",
     },
 }
-# plan entries that name a split bulkgen makes anyway: split_vocab splits a plain embedding by vocabulary
+# plan entries that name a split bulkgen makes anyway: layers.VocabParallel splits a plain embedding by vocabulary
 DROPPED = {"embedding_rowwise"}
 # the MoE block classes reduced once at their output, by their module's class name
 BLOCKS = {"Qwen2MoeSparseMoeBlock", "Llama4TextMoe"}
@@ -70,7 +66,7 @@ def fused_experts_plan(model: nn.Module, prefix: str) -> dict[str, str]:
 
 def family_plan(model_type: str, base: dict[str, str]) -> dict[str, str]:
     """`base` (a model's transformers plan) with its family's entries added and, for the families here,
-    the vocabulary split of its embedding left to split_vocab."""
+    the vocabulary split of its embedding left to layers.VocabParallel."""
     if model_type not in FAMILIES:
         return base
     return {k: v for k, v in {**base, **PLANS.get(model_type, {})}.items() if v not in DROPPED}
@@ -161,13 +157,3 @@ def in_block(model: nn.Module, name: str) -> bool:
     return any(
         type(model.get_submodule(".".join(parts[:i]))).__name__ in BLOCKS for i in range(1, len(parts))
     )
-
-
-def read_packed_last(view, full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    """This rank's columns of both halves of a gate_up packed along its last dimension
-    ([experts, hidden, 2 * inter]: gate then up), so each half splits over the ranks like an unpacked
-    one."""
-    cols = full[-1] // 2 // world
-    lead = (slice(None),) * (len(full) - 1)
-    starts = [part * full[-1] // 2 + rank * cols for part in (0, 1)]
-    return torch.cat([view[lead + (slice(start, start + cols),)] for start in starts], dim=-1)

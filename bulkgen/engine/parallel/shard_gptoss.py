@@ -1,6 +1,6 @@
-"""gpt-oss under tensor parallel: the plan transformers' own config lacks, and the bias added once.
+"""gpt-oss under tensor parallel: the plan transformers' own config lacks, and its MXFP4 experts read by slice.
 
-transformers' plan for gpt-oss names only its embedding (`embedding_rowwise`, which split_vocab does for a
+transformers' plan for gpt-oss names only its embedding (`embedding_rowwise`, which VocabParallel does for a
 plain nn.Embedding), so sharding.tp_plan takes this one instead, as vLLM splits the family:
 
 - attention: q/k/v column-parallel with their biases, o_proj row-parallel (its bias zeroed on ranks > 0 by
@@ -12,8 +12,9 @@ plain nn.Embedding), so sharding.tp_plan takes this one instead, as vLLM splits 
   share of the intermediate units with the interleave kept; the bias [experts, 2 * inter] slices alike,
   `down_proj` [experts, inter, hidden] by the same units (its rows). The router stays whole on every rank
   (routing is computed from the whole hidden state), and the experts block's output is all-reduced.
-  `down_proj_bias` [experts, hidden] is read whole and kept on rank 0 only (`add_bias_once`): every rank
-  adds its routed experts' partial sums, so a bias on each would count world times.
+  `down_proj_bias` [experts, hidden] is read whole and kept on rank 0 only (layers.FusedExpertsParallel,
+  the experts' type): every rank adds its routed experts' partial sums, so a bias on each would count
+  world times.
 
 gpt-oss' MXFP4 checkpoints (the experts as `*_blocks` / `*_scales`) are read here too, each rank
 dequantizing its slice (load_mxfp4_experts) before load_shards reads the float rest.
@@ -44,15 +45,6 @@ GPT_OSS_PLAN = {
 def family_plan(config) -> dict[str, str] | None:
     """The tensor-parallel plan of a family whose transformers plan does not split its layers, or None."""
     return GPT_OSS_PLAN if getattr(config, "model_type", None) == "gpt_oss" else None
-
-
-def add_bias_once(model: nn.Module, rank: int) -> None:
-    """Zero the experts' down-projection bias on ranks > 0: the block's output is summed over the ranks."""
-    if rank and family_plan(model.config) is not None:
-        for module in model.modules():
-            bias = getattr(module, "down_proj_bias", None)
-            if isinstance(bias, nn.Parameter) and getattr(module, "gate_up_proj", None) is not None:
-                bias.data.zero_()
 
 
 def splits_quantized(config) -> bool:

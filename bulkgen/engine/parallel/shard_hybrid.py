@@ -13,7 +13,7 @@ checkpoint:
   of the group's value heads, group after group), so a rank's groups are one contiguous block of rows:
   plain colwise.
 - Qwen3.5's `in_proj_qkv` and every layer's depthwise `conv1d` hold all queries, then all keys, then all
-  values: a rank takes its share of each of the three parts (COLWISE_PARTS).
+  values: a rank takes its share of each of the three parts (`colwise_parts`: layers.PartsColumnParallel).
 - `in_proj_z`, `in_proj_b`, `in_proj_a`, `A_log` and `dt_bias` are per value head, contiguous: colwise.
 - The gated RMSNorm normalizes each head over its own head_dim: replicated, no cross-rank statistic.
 - `out_proj` reads the value heads: rowwise, its partial sums all-reduced (sharding.add_all_reduces).
@@ -34,10 +34,6 @@ import torch
 LINEAR_HEAD_FIELDS = ("linear_num_key_heads", "linear_num_value_heads")
 # the text configs whose gated delta net layout this module knows (a vision-language model's decoder too)
 GATED_DELTA_NET_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
-# "colwise_parts:a,b,c": a tensor whose rows are parts of a * world, b * world and c * world rows, of which
-# each rank holds its a, b and c (the sizes come from the rank's model, built from the local config); a
-# part "b~" may instead be held once, whole on every rank (read_parts)
-COLWISE_PARTS = "colwise_parts"
 MAMBA_TYPE = "granitemoehybrid"  # Granite 4: Mamba-2 layers (split_mamba, mamba_plan)
 
 
@@ -48,7 +44,7 @@ def linear_attention_plan(config) -> dict[str, str]:
         return {}
     keys = config.linear_num_key_heads * config.linear_key_head_dim
     values = config.linear_num_value_heads * config.linear_value_head_dim
-    qkv = f"{COLWISE_PARTS}:{keys},{keys},{values}"
+    qkv = f"colwise_parts:{keys},{keys},{values}"  # layers.PartsColumnParallel
     layer = "layers.*.linear_attn"
     plan = {f"{layer}.{name}": "colwise" for name in ("in_proj_qkvz", "in_proj_ba", "in_proj_z")}
     plan.update({f"{layer}.{name}": "colwise" for name in ("in_proj_b", "in_proj_a", "A_log", "dt_bias")})
@@ -117,9 +113,9 @@ def mamba_plan(config) -> dict[str, str]:
     plan.update({f"{attn}.o_proj": "rowwise", "layers.*.shared_mlp.input_linear": "packed_colwise"})
     plan.update({"layers.*.shared_mlp.output_linear": "rowwise", f"{mamba}.out_proj": "rowwise"})
     plan.update({f"{mamba}.{name}": "colwise" for name in ("A_log", "D", "dt_bias", "norm")})
-    # "~": a B/C part, whole on every rank when the checkpoint holds one group (read_parts tells)
-    plan[f"{mamba}.in_proj"] = f"{COLWISE_PARTS}:{inner},{inner},{groups}~,{groups}~,{config.mamba_n_heads}"
-    plan[f"{mamba}.conv1d"] = f"{COLWISE_PARTS}:{inner},{groups}~,{groups}~"
+    # "~": a B/C part, whole on every rank when the checkpoint holds one group (PartsColumnParallel tells)
+    plan[f"{mamba}.in_proj"] = f"colwise_parts:{inner},{inner},{groups}~,{groups}~,{config.mamba_n_heads}"
+    plan[f"{mamba}.conv1d"] = f"colwise_parts:{inner},{groups}~,{groups}~"
     return plan
 
 
@@ -143,29 +139,6 @@ def _group_norm(norm, group, width: int, hidden_states: torch.Tensor, gate=None)
         x = x * torch.nn.functional.silu(gate.to(torch.float32))
     variance = group.all_reduce(x.pow(2).sum(-1, keepdim=True)) / width
     return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon)).to(dtype)
-
-
-def base_style(style: str) -> str:
-    """A style without its parameters ("colwise_parts:32,32,64" -> "colwise_parts")."""
-    return style.partition(":")[0]
-
-
-def read_parts(view, style: str, full: tuple[int, ...], rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of each part of a COLWISE_PARTS tensor (`view`: a safetensors slice), in order;
-    a part marked "~" is whole on every rank when the checkpoint's rows add up only that way."""
-    tokens = style.partition(":")[2].split(",")
-    shares = [int(token.rstrip("~")) for token in tokens]
-    copies = [world] * len(shares)
-    if sum(shares) * world != full[0]:
-        copies = [1 if token.endswith("~") else world for token in tokens]
-    if sum(n * c for n, c in zip(shares, copies, strict=True)) != full[0]:
-        raise ValueError(f"its {full[0]} rows are not parts of {[n * world for n in shares]} rows")
-    chunks, start = [], 0
-    for rows, count in zip(shares, copies, strict=True):
-        offset = start + (rank * rows if count == world else 0)
-        chunks.append(view[offset : offset + rows])
-        start += rows * count
-    return torch.cat(chunks, dim=0)
 
 
 def state_bytes_per_sequence(local, dtype: torch.dtype) -> int:

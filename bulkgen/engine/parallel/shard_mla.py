@@ -20,7 +20,7 @@ from torch import nn
 from bulkgen.engine.attention.mla import find_mla
 
 # the latent's projections and norms are left out: a module outside the plan loads whole, and one whose
-# shape differed on a rank would be refused at load (sharding._read) rather than sliced
+# shape differed on a rank would be refused at load (layers.Unplanned) rather than sliced
 ATTENTION_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
     "layers.*.self_attn.q_b_proj": "colwise",

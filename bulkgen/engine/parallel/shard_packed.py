@@ -8,8 +8,8 @@ splits them, so each rank runs only its heads and its MLP rows:
   sum of squares is all-reduced (one small all-reduce per norm) and its slice of the norm weight applied.
   A KV head that several ranks hold (KV heads fewer than ranks) is counted once, by the first of them;
 - a packed qkv gives each rank its heads' rows of each of q, k and v (a KV head replicated as for a
-  separate k_proj: sharding.shard_slice);
-- a packed gate_up gives each rank its rows of each half (sharding's `packed_colwise`).
+  separate k_proj: layers.PackedQKVParallel);
+- a packed gate_up gives each rank its rows of each half (`packed_colwise`: layers.PackedColumnParallel).
 
 Any other model whose plan uses those styles stays refused by sharding.tp_plan.
 """
@@ -21,23 +21,23 @@ import re
 import torch
 from torch import nn
 
-from bulkgen.engine.parallel.shard_base import shard_slice, style_of
+from bulkgen.engine.parallel.layers import COLUMN, layer_of
 
 # model types whose gather-output / split-input plan entries are what this module splits
 COVERED = {"olmo2", "olmo3", "minimax_m2", "phi3", "glm"}
 _GATHER, _SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
+# (their plan's style, the module's leaf name or None for any) -> the style it splits as here
+_COVERED = {
+    (_SPLIT_INPUT, None): "rowwise",
+    (_GATHER, "qkv_proj"): "packed_qkv",  # with its widths: _packed_qkv
+    (_GATHER, "gate_up_proj"): "packed_colwise",
+    (_GATHER, "q_proj"): "colwise",
+    (_GATHER, "k_proj"): "colwise",
+    (_GATHER, "v_proj"): "colwise",
+}
+_NORMED = {(_GATHER, "q_proj"), (_GATHER, "k_proj")}  # projections normalised over their whole width
 # norms whose weight multiplies after the cast back to the input dtype (the others multiply in float32)
 _WEIGHT_AFTER_CAST = {"MiniMaxM2RMSNorm"}
-
-
-class PackedQKV(str):
-    """The plan style `packed_qkv`, carrying the rank's query width and the head width: the checkpoint's
-    [q | k | v] shape alone does not say where q ends."""
-
-    def __new__(cls, query_width: int, head_dim: int) -> PackedQKV:
-        style = super().__new__(cls, "packed_qkv")
-        style.query_width, style.head_dim = query_width, head_dim
-        return style
 
 
 def covered_plan(model: nn.Module, config, plan: dict[str, str]) -> dict[str, str]:
@@ -49,45 +49,20 @@ def covered_plan(model: nn.Module, config, plan: dict[str, str]) -> dict[str, st
     out: dict[str, str] = {}
     for key, style in plan.items():
         leaf = key.rpartition(".")[2]
-        if style == _SPLIT_INPUT:
-            style = "rowwise"
-        elif style == _GATHER and leaf == "qkv_proj":
-            style = _packed_qkv(model, key)
-        elif style == _GATHER and leaf == "gate_up_proj":
-            style = "packed_colwise"
-        elif style == _GATHER and leaf in ("q_proj", "k_proj"):
-            style = "colwise"
-            out[f"{key[: -len(leaf)]}{leaf[0]}_norm"] = "colwise"  # its whole-width norm's weight
-        elif style == _GATHER and leaf == "v_proj":
-            style = "colwise"
-        out[key] = style
+        ours = _COVERED.get((style, leaf), _COVERED.get((style, None), style))
+        out[key] = _packed_qkv(model, key) if ours == "packed_qkv" else ours
+        if (style, leaf) in _NORMED:  # its whole-width norm's weight splits with it
+            out[f"{key[: -len(leaf)]}{leaf[0]}_norm"] = "colwise"
     return out
 
 
-def _packed_qkv(model: nn.Module, key: str) -> PackedQKV:
-    """The packed_qkv style of the attention modules plan key `key` names (one layout for all layers)."""
+def _packed_qkv(model: nn.Module, key: str) -> str:
+    """The packed_qkv style of the attention modules plan key `key` names (one layout for all layers),
+    with the rank's query width and the head width (layers.PackedQKVParallel)."""
     pattern = re.compile(re.escape(key.rpartition(".")[0]).replace(r"\*", r"\d+") + "$")
     attention = next(m for name, m in model.named_modules() if pattern.match(name))
     heads = model.config.get_text_config().num_attention_heads  # the rank's own: the local config's
-    return PackedQKV(heads * attention.head_dim, attention.head_dim)
-
-
-def qkv_rows(view, full: tuple[int, ...], style: PackedQKV, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of a packed [q | k | v] checkpoint tensor (weight or bias): its query heads, and
-    the KV heads its query heads read."""
-
-    query = style.query_width * world
-    kv = (full[0] - query) // 2
-    kv_local = max(kv // style.head_dim // world, 1) * style.head_dim
-    parts = []
-    for start, width, local in (
-        (0, query, style.query_width),
-        (query, kv, kv_local),
-        (query + kv, kv, kv_local),
-    ):
-        rows = shard_slice((width,), (local,), rank, world)[0] if width != local else slice(0, width)
-        parts.append(view[start + rows.start : start + rows.stop])
-    return torch.cat(parts, dim=0)
+    return f"packed_qkv:{heads * attention.head_dim},{attention.head_dim}"
 
 
 class WholeWidthRMSNorm(nn.Module):
@@ -122,7 +97,7 @@ def whole_width_norms(model: nn.Module, plan: dict[str, str], config, group) -> 
     holders = max(group.world // kv_heads, 1)
     for name, norm in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
-        if leaf not in ("q_norm", "k_norm") or style_of(plan, name) != "colwise":
+        if leaf not in ("q_norm", "k_norm") or layer_of(plan, name) is not COLUMN:
             continue
         replicas = holders if leaf == "k_norm" else 1
         width = norm.weight.shape[-1] * group.world // replicas

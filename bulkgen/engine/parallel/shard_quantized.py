@@ -33,7 +33,8 @@ import torch
 from torch import nn
 
 from bulkgen.engine.model.checkpoint_checks import SCALE_SUFFIX
-from bulkgen.engine.parallel.shard_base import safetensors_files, style_of
+from bulkgen.engine.parallel.layers import layer_of
+from bulkgen.engine.parallel.shard_base import safetensors_files
 from bulkgen.engine.parallel.shard_gptoss import splits_quantized
 
 ACTIVATION_STRATEGIES = {"token", "tensor", "group"}
@@ -259,7 +260,7 @@ def _attach_compressed_tensors(model: nn.Module, path, plan: dict[str, str], gro
                 delattr(module, param)
         module.quantization_status = QuantizationStatus.DECOMPRESSED
         inputs = scheme.input_activations
-        if inputs is not None and style_of(plan, name) == "rowwise":
+        if inputs is not None and layer_of(plan, name).splits_input:
             if inputs.strategy == "group" and module.in_features % inputs.group_size:
                 raise ValueError(
                     f"{name}: a rank's {module.in_features} input columns are not whole groups of "

@@ -32,22 +32,23 @@ import torch
 from torch import nn
 
 from bulkgen.engine.features.hybrid_layers import find_mixers
-from bulkgen.engine.model.quantize import Fp8Linear, quantize_layers
+from bulkgen.engine.model.quantize import quantize_layers
 from bulkgen.engine.parallel import shard_families as families
 from bulkgen.engine.parallel import shard_hybrid as hybrid
-from bulkgen.engine.parallel.shard_base import (
-    materialize,
-    packed_half,
-    parameters_on_meta,
-    safetensors_files,
-    shard_slice,
-    style_of,
+from bulkgen.engine.parallel.layers import (
+    STYLES,
+    VOCAB,
+    ParallelLayer,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    layer_of,
+    parallel_layer,
 )
-from bulkgen.engine.parallel.shard_gptoss import add_bias_once, family_plan, load_mxfp4_experts
+from bulkgen.engine.parallel.shard_base import materialize, parameters_on_meta, safetensors_files, style_of
+from bulkgen.engine.parallel.shard_gptoss import family_plan, load_mxfp4_experts
 from bulkgen.engine.parallel.shard_mla import mla_plan
-from bulkgen.engine.parallel.shard_packed import covered_plan, qkv_rows, whole_width_norms
+from bulkgen.engine.parallel.shard_packed import covered_plan, whole_width_norms
 from bulkgen.engine.parallel.shard_quantized import fp8_checkpoint
-from bulkgen.engine.parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelHead, split_vocab
 
 DEFAULT_PLAN = {
     "layers.*.self_attn.q_proj": "colwise",
@@ -58,12 +59,6 @@ DEFAULT_PLAN = {
     "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
-REPLICATED = {"replicated_with_grad_allreduce"}
-SUPPORTED = (
-    {"colwise", "rowwise", "packed_colwise", "packed_qkv", "moe_tp_experts", hybrid.COLWISE_PARTS}
-    | REPLICATED
-    | families.STYLES
-)
 # config fields that are per-rank widths: each is divided by the world size
 SPLIT_FIELDS = (
     "num_attention_heads",
@@ -129,14 +124,14 @@ def tp_plan(model: nn.Module) -> dict[str, str]:
     if (
         prefix != model.base_model_prefix
     ):  # a language model whose plan names only its embedding (Qwen3-VL's),
-        # which split_vocab splits anyway: its layers take the common names' plan
-        base = {k: v for k, v in base.items() if v != "embedding_rowwise"} or DEFAULT_PLAN
+        # which VocabParallel splits anyway: its layers take the common names' plan
+        base = {k: v for k, v in base.items() if v not in families.DROPPED} or DEFAULT_PLAN
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     plan = covered_plan(model, config, plan)  # whole-width q/k norms, packed qkv and gate_up
-    unsupported = sorted({s for s in plan.values() if hybrid.base_style(s) not in SUPPORTED})
+    unsupported = sorted({s for s in plan.values() if s.partition(":")[0] not in STYLES})
     if unsupported:
         raise ValueError(
-            f"{type(model).__name__}'s tensor-parallel plan uses {unsupported}; bulkgen shards {sorted(SUPPORTED)}"
+            f"{type(model).__name__}'s tensor-parallel plan uses {unsupported}; bulkgen shards {sorted(STYLES)}"
         )
     return plan
 
@@ -158,13 +153,12 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
     if (Path(path) / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     plan = tp_plan(model)
-    split_vocab(model, config, group)
+    VOCAB.split(model, config, group)
     load_mxfp4_experts(model, path, group.rank, dtype, "cpu" if quantize else group.device)
     if fp8 := fp8_checkpoint(config, group.world, group.device):  # as loading.load_model: its own format
         quantize = "fp8" if fp8.keeps_fp8 else None
     load_shards(model, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     whole_width_norms(model, plan, config, group)
-    add_bias_once(model, group.rank)
     hybrid.share_group_norm(model, config, group)
     if quantize:
         quantize_layers(model, group.device, quantize)
@@ -175,19 +169,14 @@ def build_shard_model(path: str | Path, group, dtype: torch.dtype, quantize: str
 
 
 def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
-    """Sum the partial outputs of row-parallel linears and of tensor-parallel experts across ranks."""
-
-    def reduce(_module, _args, output: torch.Tensor) -> torch.Tensor:
-        return group.all_reduce(output)
-
+    """Sum the partial outputs of row-parallel linears and of tensor-parallel experts across ranks (each
+    module's layer type installs its all-reduce: layers.py), an MoE block's once at its output."""
     blocks = families.reduce_blocks(model, group)
     reduced = {i for name in blocks for i in re.findall(r"\.(\d+)\.", name + ".")[:1]}
     for name, module in model.named_modules():
-        style = style_of(plan, name)
         if families.in_block(model, name):
             continue
-        if (style == "rowwise" and isinstance(module, (nn.Linear, Fp8Linear))) or style == "moe_tp_experts":
-            module.register_forward_hook(reduce)
+        if layer_of(plan, name).install(module, group):
             reduced.update(re.findall(r"\.(\d+)\.", name)[:1])
     layers = model.config.get_text_config().num_hidden_layers
     missing = sorted(set(range(layers)) - {int(i) for i in reduced})
@@ -201,48 +190,27 @@ def add_all_reduces(model: nn.Module, plan: dict[str, str], group) -> None:
         )
 
 
-def _read(view, style: str | None, shape: tuple[int, ...], rank: int, world: int, half: int | None):
+def _read(view, layer: ParallelLayer, shape: tuple[int, ...], rank: int, world: int, half: int | None):
     """This rank's slice of one checkpoint tensor (`view`: a safetensors slice) for a parameter of shape
-    `shape`; for a legacy expert, `half` says which half of the packed gate_up it fills."""
+    `shape` split as `layer`; for a legacy expert, `half` says which half of the packed gate_up it fills."""
     full = tuple(view.get_shape())
     if half is not None:
-        shape = (shape[-2] // 2, shape[-1])
+        shape, layer = (shape[-2] // 2, shape[-1]), layer.unpacked()
     elif len(full) < len(shape):  # a legacy expert's down_proj, into the fused [experts, out, in]
         shape = shape[1:]
-    if style == families.PACKED_LAST:
-        return families.read_packed_last(view, full, rank, world)
-    if style == "packed_colwise" and half is None:  # a fused gate_up in the checkpoint: both halves
-        return torch.cat([packed_half(view, full, part, rank, world) for part in (0, 1)], dim=-2)
-    if style == "packed_qkv":
-        return qkv_rows(view, full, style, rank, world)
-    if style and hybrid.base_style(style) == hybrid.COLWISE_PARTS:  # shard_hybrid.py
-        return hybrid.read_parts(view, style, full, rank, world)
-    if style == "vocab":
-        rows = shape[0]
-        return view[rank * rows : min((rank + 1) * rows, full[0])]
-    index = shard_slice(full, shape, rank, world)
-    if index is not None and style is None:
-        raise ValueError(
-            f"shape {full} -> {shape} differs on a rank but its module is not in the tensor-parallel plan"
-        )
-    if index is None and style == "rowwise" and len(full) > 1 and world > 1:
-        # its partial sums are all-reduced: a whole weight on every rank would count world times
-        raise ValueError(
-            f"a row-parallel weight of shape {full} is whole on a rank: the model builds it from a width "
-            "that tensor parallel does not split"
-        )
-    return view[index] if index is not None else view[:]
+    return layer.read(view, full, shape, rank, world)
 
 
-def _style(plan: dict[str, str], name: str, vocab: set[str]) -> str | None:
-    """How parameter `name` splits: its own plan entry, its module's, or "vocab" (`vocab`: the names of
-    the vocabulary-split embedding's and head's parameters)."""
+def _layer(plan: dict[str, str], name: str, vocab: set[str]) -> ParallelLayer:
+    """How parameter `name` splits: its own plan entry's layer type, its module's, or VOCAB (`vocab`: the
+    names of the vocabulary-split embedding's and head's parameters)."""
     if name in vocab:
-        return "vocab"
+        return VOCAB
     module, _, leaf = name.rpartition(".")
-    return (
+    style = (
         style_of(plan, name) or style_of(plan, module) if leaf in ("weight", "bias") else style_of(plan, name)
     )
+    return parallel_layer(style)
 
 
 def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: int, dtype, device) -> None:
@@ -279,16 +247,17 @@ def load_shards(model: nn.Module, path, plan: dict[str, str], rank: int, world: 
                 target, half, expert = _target(rename(name, params), params, rename)
                 if target is None:
                     continue
-                style = _style(plan, target, vocab)
+                layer = _layer(plan, target, vocab)
                 param = materialize(model, target, params, dtype, device)
-                if style == "rowwise" and target.endswith(".bias") and rank:
-                    param.data.zero_()  # a row-parallel bias is added once, by rank 0, before the all-reduce
+                owner, _, leaf = target.rpartition(".")
+                if rank and layer_of(plan, owner).added_once(leaf):
+                    param.data.zero_()  # a bias added once, by rank 0, before its module's all-reduce
                 else:
                     try:
-                        data = _read(handle.get_slice(name), style, tuple(param.shape), rank, world, half)
+                        data = _read(handle.get_slice(name), layer, tuple(param.shape), rank, world, half)
                     except ValueError as err:
                         raise ValueError(f"checkpoint tensor {name}: {err}") from None
-                    _place(param, data, half, expert, name, pad=style == "vocab")
+                    _place(param, data, half, expert, name)
                 filled.add(target)
     missing = sorted(n for n, p in params.items() if n not in filled and p.is_meta)
     if missing:
@@ -338,19 +307,12 @@ def _target(name: str, params: dict, rename) -> tuple[str | None, int | None, in
     return None, None, None
 
 
-def _place(
-    param: torch.Tensor, data: torch.Tensor, half: int | None, expert: int | None, name: str, pad: bool
-) -> None:
-    """Copy a slice into its parameter (one expert's, one half of a packed gate_up); `pad`: the last
-    vocabulary shard, shorter than the others, with zero rows after it."""
+def _place(param: torch.Tensor, data: torch.Tensor, half: int | None, expert: int | None, name: str) -> None:
+    """Copy a slice into its parameter (one expert's, one half of a packed gate_up)."""
     dest = param.data if expert is None else param.data[expert]
     if half is not None:
         rows = dest.shape[0] // 2
         dest = dest[half * rows : (half + 1) * rows]
-    if pad and dest.shape[0] > data.shape[0]:
-        dest[: data.shape[0]].copy_(data)
-        dest[data.shape[0] :].zero_()
-        return
     if dest.shape != data.shape:
         raise ValueError(
             f"checkpoint tensor {name}: slice of shape {tuple(data.shape)} does not fit {tuple(dest.shape)}"

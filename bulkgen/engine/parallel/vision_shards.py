@@ -15,6 +15,7 @@ from torch import nn
 from bulkgen.engine.features.hybrid_layers import find_mixers
 from bulkgen.engine.features.multimodal import text_model
 from bulkgen.engine.model.quantize import quantize_layers
+from bulkgen.engine.parallel.layers import VOCAB
 from bulkgen.engine.parallel.shard_hybrid import check_split_mixers
 from bulkgen.engine.parallel.sharding import (
     add_all_reduces,
@@ -23,7 +24,6 @@ from bulkgen.engine.parallel.sharding import (
     parameters_on_meta,
     tp_plan,
 )
-from bulkgen.engine.parallel.vocab_parallel import split_vocab
 
 
 def build_vision_shard(
@@ -47,7 +47,7 @@ def build_vision_shard(
     if group.rank:
         drop_encoder(vlm)
     plan = tp_plan(vlm)
-    split_vocab(vlm, config.get_text_config(), group)
+    VOCAB.split(vlm, config.get_text_config(), group)
     load_shards(vlm, path, plan, group.rank, group.world, dtype, "cpu" if quantize else group.device)
     if quantize:
         quantize_layers(vlm, group.device, quantize)
