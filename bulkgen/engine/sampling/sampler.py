@@ -229,19 +229,18 @@ class RandomDraw:
 
     tokens: torch.Tensor
     status: torch.Tensor | None = None
-    state: tuple[torch.Tensor, ...] = ()  # cum, weights, limit, top_p, key_lo, key_hi, counter
+    state: tuple[torch.Tensor, ...] = ()  # cum, weights, limit, top_p, draws (every round's uniform)
 
     def settle(self, rows: list[int], status: list[int]) -> torch.Tensor:
         """The tokens of `rows` (with their host-side `status`): the remaining rounds for SKIPPED rows,
         then the sorted nucleus for rows no round accepted. May synchronise; it is the rare path."""
         device = self.tokens.device
         index = torch.tensor(rows).to(device, non_blocking=True)
-        cum, weights, limit, top_p, key_lo, key_hi, counter = (t.index_select(0, index) for t in self.state)
+        cum, weights, limit, top_p, u = (t.index_select(0, index) for t in self.state)
         exhausted = torch.tensor(status).to(device, non_blocking=True)[:, None] == EXHAUSTED
         start = self.tokens.index_select(0, index)[:, None]  # round 0's draw: neither kind replaced it
-        token, done = _redraw(cum, weights, limit, key_lo, key_hi, counter, start, exhausted)
-        u = uniforms(key_lo, key_hi, counter + REJECTION_ROUNDS)
-        nucleus = _sorted_nucleus(weights, top_p, u)
+        token, done = _redraw(cum, weights, limit, u, start, exhausted)
+        nucleus = _sorted_nucleus(weights, top_p, u[:, REJECTION_ROUNDS:])
         return torch.where((exhausted | ~done).squeeze(1), nucleus, token.squeeze(1))
 
 
@@ -263,24 +262,21 @@ def sample_random(
     if max_k > 0:
         weights = _mask_top_k(weights, torch.where(top_k < vocab, top_k, 0), max_k)
     cum = weights.cumsum(dim=-1)
-    token = _draw(cum, key_lo, key_hi, counter)
     if all(s.params.top_p >= 1.0 for s in seqs):
-        return RandomDraw(token.squeeze(1))
+        return RandomDraw(_draw(cum, uniforms(key_lo, key_hi, counter)).squeeze(1))
+    # every round's uniform (and the sorted fallback's, last) in one hash: [B, REJECTION_ROUNDS + 1]
+    u = uniforms(key_lo, key_hi, counter + torch.arange(REJECTION_ROUNDS + 1, device=counter.device))
+    token = _draw(cum, u[:, :1])
     limit = top_p * cum[:, -1:]
     accepted = _in_nucleus(weights, token, limit)
-    state = (cum, weights, limit, top_p, key_lo, key_hi, counter)
+    state = (cum, weights, limit, top_p, u)
     redrawn = min(batch, _redrawn_rows(seqs))
     if redrawn == batch:
-        token, done = _redraw(cum, weights, limit, key_lo, key_hi, counter, token, accepted)
+        token, done = _redraw(cum, weights, limit, u, token, accepted)
         status = torch.where(done, SETTLED, EXHAUSTED).squeeze(1)
     else:
         index = torch.argsort(accepted.squeeze(1).to(torch.int8), stable=True)[:redrawn]
-        picked, done = _redraw(
-            *(
-                t.index_select(0, index)
-                for t in (cum, weights, limit, key_lo, key_hi, counter, token, accepted)
-            )
-        )
+        picked, done = _redraw(*(t.index_select(0, index) for t in (cum, weights, limit, u, token, accepted)))
         token.index_copy_(0, index, picked)
         status = torch.where(accepted, SETTLED, SKIPPED).squeeze(1)
         status.index_copy_(0, index, torch.where(done, SETTLED, EXHAUSTED).squeeze(1))
@@ -293,22 +289,27 @@ def _redrawn_rows(seqs: list[Sequence]) -> int:
     return math.ceil(2 * sum(max(0.0, 1.0 - s.params.top_p) for s in seqs)) + 8
 
 
-def _redraw(cum, weights, limit, key_lo, key_hi, counter, token, done) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rounds 1.. of the rejection loop over fixed-shape [R, 1] rows: a row not `done` takes the first
-    redraw inside its nucleus. Returns (token, done)."""
-    for round_ in range(1, REJECTION_ROUNDS):
-        if done.device.type in EARLY_EXIT and bool(done.all()):
+def _redraw(cum, weights, limit, u, token, done) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rounds 1.. of the rejection loop over fixed-shape [R, 1] rows (`u`: each row's uniforms, round r's in
+    column r): a row not `done` takes the first redraw inside its nucleus. Returns (token, done). Where a
+    flag read is free (EARLY_EXIT) the rounds stop once every row is settled; elsewhere every round's draw
+    comes from one search (on a GPU each small op costs the host a launch: a round is a handful of ops)."""
+    rounds = range(1, REJECTION_ROUNDS)
+    early = done.device.type in EARLY_EXIT
+    retries = None if early else _draw(cum, u[:, 1:REJECTION_ROUNDS])
+    for round_ in rounds:
+        if early and bool(done.all()):
             break
-        retry = _draw(cum, key_lo, key_hi, counter + round_)
+        retry = _draw(cum, u[:, round_ : round_ + 1]) if early else retries[:, round_ - 1 : round_]
         ok = _in_nucleus(weights, retry, limit)
         token = torch.where(~done & ok, retry, token)
         done = done | ok
     return token, done
 
 
-def _draw(cum: torch.Tensor, key_lo, key_hi, counter) -> torch.Tensor:
-    """[B, 1] inverse-CDF draws: the first token whose cumulative weight exceeds u * total."""
-    u = uniforms(key_lo, key_hi, counter)
+def _draw(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[B, K] inverse-CDF draws for uniforms `u` [B, K]: the first token whose cumulative weight exceeds
+    u * total."""
     return torch.searchsorted(cum, u * cum[:, -1:], right=True).clamp_(max=cum.shape[1] - 1)
 
 
