@@ -152,11 +152,14 @@ class Service:
         self.server.should_exit = True
         if self in Service.running:
             Service.running.remove(self)
-        self.manager.stop(kill_workers=False)
-        self.manager.pool.shutdown(
-            keep=set().union(*(other.manager.pool.names() for other in Service.running))
-        )
+        stop_manager(self.manager)
         self.thread.join(10)
+
+
+def stop_manager(manager: BatchManager) -> None:
+    """Stop a test's batch manager and end the workers no running Service uses (see Service)."""
+    manager.stop(kill_workers=False)
+    manager.pool.shutdown(keep=set().union(*(other.manager.pool.names() for other in Service.running)))
 
 
 def settings_for(storage: str, **overrides) -> Settings:
