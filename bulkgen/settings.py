@@ -571,6 +571,19 @@ class Settings:
             "its runner stops, the batch stays active and resumes once storage answers.",
         ),
     )
+    # a manager lists the active batches this often at first, twice as long after each listing that found
+    # nothing new, up to once a minute (runtime/pacing.py's Backoff)
+    scan_every_s: float = setting(
+        2.0,
+        check=_over(0, "0 seconds"),
+        flag=Flag(
+            "--scan-interval",
+            help="Seconds between a replica's first looks for active batches it does not run yet (another "
+            "replica's, or left by one that died); doubled after each look that finds nothing new, up to a "
+            "minute. A batch created or cancelled through this replica is seen at once; a shorter interval "
+            "finds the others' sooner at more listings (S3 bills each).",
+        ),
+    )
     # create answers 400 for a batch its window cannot hold (bulkgen.plan); only `serve` creates from a client
     refuse_infeasible: bool = setting(
         False,

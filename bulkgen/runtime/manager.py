@@ -72,7 +72,7 @@ class BatchManager:
         self._stopped = threading.Event()
         self._renewed = 0.0
         self._trim = PeriodicTrim()
-        self._scan_pace = Backoff()
+        self._scan_pace = Backoff(s.scan_every_s)
         self._soon = threading.Event()
         self._active_seen: set[str] = set()
 

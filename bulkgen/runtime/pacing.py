@@ -9,9 +9,9 @@ Each storage request costs money on S3, so the runtime's periodic writes and rea
   lines it has: per 1,000 lines of a 10k-line batch, one write. That is on storage that bills each request
   (S3: Store.billed_requests); on a local folder progress is written at every PUBLISH_FLOOR_S it moved. Status changes are not progress: they are
   written at once, by whoever makes them (bulkgen.batch.lifecycle through BatchRepo.update).
-- A manager lists the active batches with a back-off: every SCAN_EVERY_S at first, twice as long after
-  each listing that found nothing new, up to SCAN_IDLE_MAX_S; a batch created or cancelled through this
-  process, a runner that stopped, or a failed listing starts over at SCAN_EVERY_S.
+- A manager lists the active batches with a back-off: every Settings.scan_every_s (2 s) at first, twice
+  as long after each listing that found nothing new, up to SCAN_IDLE_MAX_S; a batch created or cancelled
+  through this process, a runner that stopped, or a failed listing starts over at the first interval.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ PUBLISH_FLOOR_S = 2.0  # at most one progress write per this
 PUBLISH_STEPS = 10  # else one per 1/10 of the batch's lines
 PUBLISH_QUIET_S = 20.0  # or, with any progress, once per this
 CONTROL_QUIET_S = 10.0  # without a progress write (which reads the record), the runner reads it this often
-SCAN_EVERY_S = 2.0
 SCAN_IDLE_MAX_S = 60.0
 
 
@@ -52,7 +51,7 @@ class ProgressPacer:
 class Backoff:
     """An interval that doubles while nothing happens, up to `cap`, and starts over when something does."""
 
-    def __init__(self, first: float = SCAN_EVERY_S, cap: float = SCAN_IDLE_MAX_S) -> None:
+    def __init__(self, first: float, cap: float = SCAN_IDLE_MAX_S) -> None:
         self.first, self.cap = first, cap
         self.current = first
 

@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import ray
@@ -275,10 +276,17 @@ class WorkerPool:
         ranks = self.ranks[index]
         return f"bulkgen-worker-{index}" + (f"-tp{ranks}" if ranks > 1 else "")
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: Collection[str] = ()) -> None:
+        """End the workers, but those named in `keep` (Ray names: `actor_name`), which another pool in this
+        Ray uses too: a pool's actors are named, and a second pool of the same names takes them over."""
         for index in range(len(self.workers)):
-            self._remove(index)
+            if self.actor_name(index) not in keep:
+                self._remove(index)
         self.workers = []
+
+    def names(self) -> set[str]:
+        """The Ray names of this pool's workers."""
+        return {self.actor_name(index) for index in range(len(self.workers))}
 
     def _remove(self, index: int) -> None:
         """End worker `index`: its actor, or its group's actors and placement group."""

@@ -153,6 +153,7 @@ class BatchRunner:
             self.svc.settings.workers.template_options_of(record.model),
             self.svc.settings.workers.tool_parser_of(record.model),
             self.svc.settings.workers.thinking_budget_of(record.model),
+            self.svc.settings.endpoint_url,
         )
         ranges = make_ranges(batch, self.index, ~self.done, self.svc.settings.range_size)
         self.queue.add_batch(batch, self.index, ranges)

@@ -94,7 +94,6 @@ class EngineWorker(EngineLoop, PartWriter):
         self.engine = None
         self.model_name: str | None = None
         self.model_key: str | None = None
-        self.endpoint_url: str | None = None  # the storage's S3 endpoint, for s3:// models and adapters
         self._loras: dict[str, str] = {}  # LoRA adapters in the loaded engine: name -> the path it came from
         # (name, path, version of its files) -> why it could not be loaded: never tried again
         self._lora_failed: dict[tuple[str, str, str], str] = {}
@@ -138,7 +137,6 @@ class EngineWorker(EngineLoop, PartWriter):
         An `s3://` model is copied to this node's cache by the worker itself, so workers on other
         nodes of a cluster load it too; `endpoint_url` is the storage's S3 endpoint."""
         with self._load_lock:
-            self.endpoint_url = endpoint_url
             if self.model_key != model_key(model_name, model_path) or self.engine is None:
                 refused = (model_key(model_name, model_path), folder_version(model_path))
                 if refused in self._model_refused:  # refused before: at once, the loaded engine kept
@@ -558,10 +556,10 @@ class EngineWorker(EngineLoop, PartWriter):
                 request.thinking_budget = batch.thinking_budget
         request.lora = pick_adapter(request.model, batch.model, batch.loras)
         if request.lora is not None:
-            self._load_lora(request.lora, batch.loras[request.lora])
+            self._load_lora(request.lora, batch.loras[request.lora], batch.endpoint_url)
         return request
 
-    def _load_lora(self, name: str, path: str) -> None:
+    def _load_lora(self, name: str, path: str, endpoint_url: str | None) -> None:
         """Have the adapter in the engine before the first line that names it is queued (its host copy stays
         there, the engine moves it into a device slot when a step needs it); LineError, that line's 400,
         if it cannot be loaded. An adapter renamed to another path is loaded anew. A refusal is
@@ -576,7 +574,7 @@ class EngineWorker(EngineLoop, PartWriter):
         if key not in self._lora_failed:
             local = None
             try:
-                local = fetch_folder(path, ADAPTER_CONFIG, "adapter", endpoint_url=self.endpoint_url)
+                local = fetch_folder(path, ADAPTER_CONFIG, "adapter", endpoint_url=endpoint_url)
                 self._on_engine_thread(lambda: self._swap_lora(name, local))
                 self._loras[name] = path
                 return

@@ -71,6 +71,9 @@ class QueuedBatch:
     # template options where they set none
     tool_parser: str | None = None  # --tool-parser for the model; None: what its template teaches
     thinking_budget: int | None = None  # --thinking-token-budget for the model: where a line sets none
+    # the S3 endpoint of its service's s3:// adapters (--endpoint-url): a worker serving several services
+    # fetches each batch's from its own service's endpoint, not from whichever service loaded a model last
+    endpoint_url: str | None = None
 
     @property
     def model_key(self) -> str:

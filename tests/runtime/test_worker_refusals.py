@@ -26,12 +26,14 @@ from tests.runtime.test_worker import _drain, _lines
 from tests.support.service import MODEL, completion_row, random_model
 
 
-def _batch(store, batch_id: str, rows: list[dict], loras: dict[str, str]):
+def _batch(store, batch_id: str, rows: list[dict], loras: dict[str, str], **fields):
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     key = f"files/data/{batch_id}-in"
     store.write_bytes(key, data)
     index = index_file(io.BytesIO(data), "/v1/completions")
-    job = QueuedBatch(batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.open_args(), loras=loras)
+    job = QueuedBatch(
+        batch_id, key, "/v1/completions", MODEL, "unused", 0.0, store.open_args(), loras=loras, **fields
+    )
     return job, [r.bounds for r in make_ranges(job, index, np.ones(len(index), bool), 4)]
 
 

@@ -19,7 +19,7 @@ from bulkgen.batch.ids import new_id
 from bulkgen.batch.service import BatchService
 from bulkgen.runtime.manager import BatchManager
 from tests.support.gated_store import GatedStore
-from tests.support.service import chat_row, settings_for
+from tests.support.service import chat_row, settings_for, stop_manager
 from tests.support.wait import wait_until
 
 ROWS = b"".join(json.dumps(chat_row(f"r{i}", f"hi {i}", max_tokens=2)).encode() + b"\n" for i in range(3))
@@ -34,7 +34,7 @@ def running(tmp_path_factory):
     manager = BatchManager(svc)
     manager.start()
     yield store, svc, manager
-    manager.stop()
+    stop_manager(manager)  # the session's workers, if it runs, stay up
 
 
 def _upload(svc: BatchService) -> str:

@@ -197,9 +197,7 @@ def keyed(tmp_path_factory):
     key_a, key_b = add_key(root / "keys", "team-a"), add_key(root / "keys", "team-b")
     service = Service(settings_for(str(root / "store")), keyring=KeyRing.from_file(root / "keys"))
     yield service.client(key_a), service.client(key_b)
-    service.server.should_exit = True
-    service.manager.stop(kill_workers=False)  # the workers are the session's: the next tests keep them loaded
-    service.thread.join(10)
+    service.stop()  # the workers are the session's: they stay up, loaded, for the next tests
 
 
 def test_another_tenant_cannot_retry_and_a_failed_validation_is_not_retried(keyed, tmp_path):

@@ -9,7 +9,8 @@ workers send to the S3 endpoint is counted by a real HTTP proxy in front of moto
   while it is held the runtime sends only a few requests (renewals and a rare look at the record), not
   a record and report write every 2 s.
 - An idle service (API and runtime, nothing to run) lists the active batches at most IDLE_LISTS times in
-  IDLE_S: a back-off from 2 s to a minute, not a listing every 2 s.
+  IDLE_S: a back-off that doubles from its first interval (2 s by default, SCAN_EVERY_S here, so the test
+  waits a quarter of the minute the default takes) to a minute, not a listing every first interval.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ PUT_CLASS_PER_1000 = 40  # PUT, POST, COPY and LIST: S3's dearer request class
 PER_BATCH_WRITES = PUBLISH_STEPS + 2  # its progress writes (by share of its lines) and their metrics state
 GET_CLASS_PER_1000 = 80  # GET and HEAD
 HELD_REQUESTS = 12  # in HELD_S, leases included: the old runtime sent ~60 (record, report, control, listing)
-IDLE_S = 60.0
-IDLE_LISTS = 6  # listings at 0, 2, 6, 14, 30 and 62 s (the old runtime: 30)
+SCAN_EVERY_S = 0.5  # the manager's first listing interval (Settings.scan_every_s; 2 s by default)
+IDLE_S = 30 * SCAN_EVERY_S  # a listing every first interval would be 30 listings
+IDLE_LISTS = 6  # listings at 0, 0.5, 1.5, 3.5, 7.5 and 15.5 s (at the default: 0, 2, 6, 14, 30 and 62 s)
 
 
 def batch_lines(count: int, held: bool) -> bytes:
@@ -111,7 +113,7 @@ def test_slowed_batch_stays_within_the_budget_per_1000_lines(counted_svc, flaky_
 
 
 def test_idle_service_lists_with_back_off(s3_bucket_url, flaky_proxy):
-    service = Service(settings_for(s3_bucket_url, endpoint_url=flaky_proxy.url))
+    service = Service(settings_for(s3_bucket_url, endpoint_url=flaky_proxy.url, scan_every_s=SCAN_EVERY_S))
     try:
         wait_until(lambda: tally(flaky_proxy.log)["list"], 30, "the manager's first listing")
         start, began = len(flaky_proxy.log), time.monotonic()

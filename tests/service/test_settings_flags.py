@@ -21,7 +21,7 @@ SHARED_FLAGS = {
     "--max-file-mb", "--scheduling",
     "--fair-share-after", "--tenant-weight", "--lease-ttl", "--tenant", "--worker-poll-deadline",
     "--model-load-deadline", "--model-load-seconds-per-gb",
-    "--storage-outage-timeout", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
+    "--storage-outage-timeout", "--scan-interval", "--async-scheduling", "--lora", "--lora-file", "--max-loras",
     "--quantize", "--kv-cache-dtype", "--generation-config", "--tensor-parallel", "--reasoning-parser", "--tool-parser", "--chat-template-kwargs", "--thinking-token-budget", "--image-url-hosts", "--max-image-mb", "--max-image-pixels",
     "--max-images-per-line", "--image-fetch-timeout", "--image-decode-threads", "--image-memory-mb",
 }  # fmt: skip

@@ -18,6 +18,7 @@ import tempfile
 import threading
 from functools import lru_cache
 from pathlib import Path
+from typing import ClassVar
 
 import uvicorn
 
@@ -123,7 +124,14 @@ def start_uvicorn(app) -> tuple[uvicorn.Server, threading.Thread, int]:
 
 
 class Service:
-    """A running service: its base URL, its storage context, and a way to stop it."""
+    """A running service: its base URL, its storage context, and a way to stop it.
+
+    Services in one process share their workers: Ray runs once per process and worker actors are named, so
+    a module's own service takes over the session's (`service` in tests/conftest.py) and its loaded models.
+    Stopping one ends only the workers no other running service uses: the session's stay up, loaded, for
+    the tests after it instead of being started again (a fresh process that imports torch and loads)."""
+
+    running: ClassVar[list[Service]] = []
 
     def __init__(
         self, settings: Settings, api_key: str | None = None, keyring=None, on_batch_end=None
@@ -131,6 +139,7 @@ class Service:
         self.svc = BatchService(settings, on_batch_end=on_batch_end)
         self.manager = BatchManager(self.svc)
         self.manager.start()
+        Service.running.append(self)
         self.server, self.thread, port = start_uvicorn(create_app(self.svc, self.manager, api_key, keyring))
         self.base_url = f"http://127.0.0.1:{port}/v1"
 
@@ -141,8 +150,16 @@ class Service:
 
     def stop(self) -> None:
         self.server.should_exit = True
-        self.manager.stop()
+        if self in Service.running:
+            Service.running.remove(self)
+        stop_manager(self.manager)
         self.thread.join(10)
+
+
+def stop_manager(manager: BatchManager) -> None:
+    """Stop a test's batch manager and end the workers no running Service uses (see Service)."""
+    manager.stop(kill_workers=False)
+    manager.pool.shutdown(keep=set().union(*(other.manager.pool.names() for other in Service.running)))
 
 
 def settings_for(storage: str, **overrides) -> Settings:
