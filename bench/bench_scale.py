@@ -9,7 +9,9 @@ on 127.0.0.1), each step in its own process, as a user runs it:
 - `bulkgen plan FILE --json`: seconds and the command's peak memory;
 - `bulkgen run FILE`: seconds, lines per second, the command's peak memory and the largest of its children's
   (the Ray workers: sampled every 0.5 s), and on S3 its requests by class (a counting proxy in front of moto,
-  tests/support/s3.py: put, get, list, delete, lease), per 1,000 lines.
+  tests/support/s3.py: put, get, list, delete, lease), per 1,000 lines; every minute, on stderr, the lines in
+  the parts written so far and (on S3) the requests so far per 1,000 of them, so a run cut short still has
+  its rate and its requests while running.
 
 Each figure is printed with the rate that extrapolates it to 10M lines (the issue's target) and the load
 average before and after: the machine's other work shows there.
@@ -27,11 +29,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 TARGET = 10_000_000
+PROGRESS_S = 60.0
 
 # Runs a bulkgen command in this interpreter and reports its own peak memory on stderr's last line.
 _WRAP = """
@@ -96,8 +100,9 @@ def validate(path: Path, model: str) -> dict:
     return {"seconds": float(seconds), "peak_bytes": int(added), "requests": int(indexed)}
 
 
-def command(args: list[str], env: dict | None = None) -> dict:
-    """Run `bulkgen ARGS` in its own process: seconds, its peak memory, the largest child's peak RSS."""
+def command(args: list[str], env: dict | None = None, progress: Callable[[], str] | None = None) -> dict:
+    """Run `bulkgen ARGS` in its own process: seconds, its peak memory, the largest child's peak RSS;
+    `progress()` printed on stderr every PROGRESS_S while it runs."""
     import psutil
 
     started = time.perf_counter()
@@ -112,7 +117,11 @@ def command(args: list[str], env: dict | None = None) -> dict:
     done = threading.Event()
 
     def sample() -> None:
+        report_at = time.perf_counter() + PROGRESS_S
         while not done.wait(0.5):
+            if progress is not None and time.perf_counter() >= report_at:
+                report_at += PROGRESS_S
+                print(f"  [{time.perf_counter() - started:6.0f} s] {progress()}", file=sys.stderr, flush=True)
             try:
                 for child in psutil.Process(proc.pid).children(recursive=True):
                     try:
@@ -138,6 +147,29 @@ def command(args: list[str], env: dict | None = None) -> dict:
         "largest_child_bytes": max(children.values(), default=0),
         "stdout": stdout,
     }
+
+
+def run_progress(store: Path, proxy) -> Callable[[], str]:
+    """Lines in the result parts written so far (the S3 PUTs the proxy forwarded, or the local folder's
+    files) and, on S3, the requests so far per 1,000 of those lines."""
+    from bulkgen.store.layout import part_range
+    from tests.support.s3 import tally
+
+    def lines(keys) -> int:
+        return sum(last - first + 1 for first, last in filter(None, map(part_range, keys)))
+
+    def progress() -> str:
+        if proxy is None:
+            done = lines(str(f) for f in (store / "parts").glob("*/*"))
+            return f"{done:,} lines in parts"
+        log = list(proxy.log)
+        done = lines(
+            {path.split("?")[0] for method, path, status in log if method == "PUT" and status == 200}
+        )
+        per_1000 = {k: round(1000 * v / done, 1) for k, v in tally(log).items()} if done else {}
+        return f"{done:,} lines in parts; S3 requests so far per 1,000 of them: {per_1000}"
+
+    return progress
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -188,7 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
                 report["plan"] = plan
             if not args.skip_run:
                 out = Path(tmp) / "out.jsonl"
-                run = command(["run", str(path), "--output", str(out), "--storage", storage, *limit], env)
+                progress = run_progress(Path(storage), proxy)
+                run = command(
+                    ["run", str(path), "--output", str(out), "--storage", storage, *limit], env, progress
+                )
                 run.pop("stdout")
                 answered = sum(1 for _ in out.open()) if out.exists() else 0
                 run["answered"] = answered
