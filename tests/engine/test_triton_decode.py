@@ -49,8 +49,10 @@ def _case(
     return q, k_cache, v_cache, table, torch.tensor(lengths)
 
 
+# the interpreter's seconds: the launch choices run in the full suite, not the edit tier
+SLOW = pytest.mark.slow
 # the defaults; several blocks per loop iteration (a tile of 32 rows); tiles of 64 rows over more splits
-TUNINGS = [None, {"tile_tokens": 64, "target_programs": 528, "num_warps": 8}]
+TUNINGS = [None, pytest.param({"tile_tokens": 64, "target_programs": 528, "num_warps": 8}, marks=SLOW)]
 
 
 @pytest.mark.parametrize(
@@ -85,7 +87,7 @@ LAYER_CASES = {  # kind, soft-cap, sinks, V head size
     "name, tuning",
     [(name, None) for name in LAYER_CASES]
     + [
-        (name, {"tile_tokens": 32})
+        pytest.param(name, {"tile_tokens": 32}, marks=SLOW)
         for name in ("chunked 8", "window, soft-cap and sinks", "MLA: V heads 8 of K heads 24")
     ],
     ids=str,
