@@ -294,10 +294,9 @@ def _redraw(cum, weights, limit, u, token, done) -> tuple[torch.Tensor, torch.Te
     column r): a row not `done` takes the first redraw inside its nucleus. Returns (token, done). Where a
     flag read is free (EARLY_EXIT) the rounds stop once every row is settled; elsewhere every round's draw
     comes from one search (on a GPU each small op costs the host a launch: a round is a handful of ops)."""
-    rounds = range(1, REJECTION_ROUNDS)
     early = done.device.type in EARLY_EXIT
     retries = None if early else _draw(cum, u[:, 1:REJECTION_ROUNDS])
-    for round_ in rounds:
+    for round_ in range(1, REJECTION_ROUNDS):
         if early and bool(done.all()):
             break
         retry = _draw(cum, u[:, round_ : round_ + 1]) if early else retries[:, round_ - 1 : round_]
