@@ -8,7 +8,7 @@
 set -u
 out="${1:-${OUT:?give the output folder}}"
 PY="${PYTHON:-python3}"  # the device image names python3 only
-echo "device call: run(command='bash bench/gpu_check.sh \"\$OUT\"', timeout_s=600) - no carry; phases time out at 150/170/200/150 s"
+echo "device call: run(command='bash bench/gpu_check.sh \"\$OUT\"', timeout_s=600) - no carry; phases time out at 120/170/190/110 s"
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 GPU_CHECK_PHASES="$out/phases.txt"
 : > "$out/phases.txt"
@@ -20,12 +20,12 @@ phase() {  # phase NAME LOG TIMEOUT CMD...: run it, tee its output to LOG, appen
     echo "$name rc=$rc wall_s=$((SECONDS - started))" | tee -a "$out/phases.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv > "$out/nvidia-smi.csv" 2>&1
-phase probe probe.log 150 "$PY" bench/gpu_probe.py --out "$out"
+phase probe probe.log 120 "$PY" bench/gpu_probe.py --out "$out"
 # no -x: one failing test must not cost the ones after it
 # every CUDA test module (tests/engine/*_cuda.py): the engine's paths, online FP8 and the FP8 KV cache; a
 # test needing a package the image lacks (compressed-tensors) fails alone and says so in the log
 phase cuda-tests cuda-tests.log 170 "$PY" -m pytest -q -p no:cacheprovider -s tests/engine/*_cuda.py
-phase gpu-bench gpu-bench.log 200 "$PY" bench/gpu.py --out "$out" ${GPU_CHECK_QUICK:+--quick}
+phase gpu-bench gpu-bench.log 190 "$PY" bench/gpu.py --out "$out" ${GPU_CHECK_QUICK:+--quick}
 # the paged decode kernel's launch choices against its defaults (tiles of rows per iteration, warps, splits)
-[ -n "${GPU_CHECK_QUICK:-}" ] || phase decode-tiles decode-tiles.log 150 "$PY" bench/gpu_decode_tiles.py --out "$out" --budget-s 110
+[ -n "${GPU_CHECK_QUICK:-}" ] || phase decode-tiles decode-tiles.log 110 "$PY" bench/gpu_decode_tiles.py --out "$out" --budget-s 80
 ls -l "$out"

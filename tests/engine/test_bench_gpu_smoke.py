@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -134,7 +135,13 @@ def test_the_device_script_runs_each_phase_with_python3_alone(tmp_path):
         timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "timeout_s=540" in run.stdout.splitlines()[0]  # the device call to make, printed first
+    call = run.stdout.splitlines()[0]  # the device call to make, printed first
+    assert "timeout_s=600" in call  # the device's limit for one command
+    printed = re.search(r"phases time out at ([\d/]+) s", call).group(1).split("/")
+    # the limits printed are the ones the script sets, phase by phase, and together fit the call's
+    script = (BENCH / "gpu_check.sh").read_text()
+    assert printed == re.findall(r"phase [\w-]+ [\w.-]+ (\d+) ", script)
+    assert sum(map(int, printed)) <= 590, printed
     phases = (out / "phases.txt").read_text().splitlines()
     top = [line.split()[:2] for line in phases if not line.startswith(" ")]
     assert top == [["probe", "rc=0"], ["cuda-tests", "rc=0"], ["gpu-bench", "rc=0"]], phases
