@@ -177,11 +177,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Fail a fast-tier test that starts Ray, a uvicorn server or a subprocess, in its body or in any fixture
-    it sets up (module and session ones included): it belongs in another tier."""
-    if not item.get_closest_marker("fast"):
-        yield
-        return
-    from tests.support.tiers import fast_tier_guard
+    it sets up (module and session ones included): it belongs in another tier. With BULKGEN_TEST_CPU set, each
+    test's wall and machine CPU seconds are written there (tests/support/cpu_account.py)."""
+    from contextlib import ExitStack
 
-    with fast_tier_guard(item.nodeid):
+    from tests.support import cpu_account
+
+    with ExitStack() as stack:
+        if os.environ.get(cpu_account.ENV):
+            stack.enter_context(cpu_account.accounted(item.nodeid, os.environ[cpu_account.ENV]))
+        if item.get_closest_marker("fast"):
+            from tests.support.tiers import fast_tier_guard
+
+            stack.enter_context(fast_tier_guard(item.nodeid))
         yield

@@ -63,8 +63,8 @@ class WorkTally:
         """The images' encoder work by the profile's costs (None without an encoder cost or images)."""
         if profile.encoder_call_s is None or not any(self.images):
             return None
-        seconds = [profile.encoder_seconds(n, n * IMAGE_TOKENS_GUESS) for n in self.images]
-        return Encoder(seconds, profile.encoder_call_s)
+        images = np.array(self.images, np.int64)
+        return Encoder(profile.encoder_seconds(images, images * IMAGE_TOKENS_GUESS), profile.encoder_call_s)
 
 
 def newest_profile(store, model: str) -> profiles.Profile | None:

@@ -6,7 +6,7 @@ model's chat template and tokenizer, `fit_context` resolving max_tokens as the r
 model's images read and expanded into their placeholder tokens by its processor). What a
 worker would refuse (a prompt longer than the context, say) is counted as refused here too.
 
-Memory: a read buffer, the validator's custom_id digests, five small ints per request (the simulator needs
+Memory: a read buffer, the validator's custom_id digests, six 32-bit ints per sequence (the simulator needs
 every request's lengths and the images its encoder runs), and the hashes of prompt blocks seen (for the prefix-cache share; at most
 MAX_BLOCK_HASHES, after which new blocks are assumed uncached).
 """
@@ -32,26 +32,28 @@ from bulkgen.store import Store
 MAX_BLOCK_HASHES = 4_000_000
 
 
+def _ints() -> array:
+    return array("i")
+
+
 @dataclass
 class FileWork:
     """What a file asks of the engine, one entry per sequence the engine will run."""
 
     validation: ValidationResult
-    # machine-word arrays, 8 bytes a value (a list of ints takes ~40): `bulkgen plan` holds a whole file's
-    prompt_tokens: array = field(default_factory=lambda: array("q"))  # the whole prompt (usage.input_tokens)
-    uncached_tokens: array = field(
-        default_factory=lambda: array("q")
-    )  # prefill's (prefix-cache hits removed)
-    max_tokens: array = field(
-        default_factory=lambda: array("q")
-    )  # as fit_context resolves it (0: embeddings)
+    # 32-bit arrays, 4 bytes a value (a list of ints takes ~40, a tuple ~60): `bulkgen plan` holds a whole
+    # file's; a prompt or max_tokens is at most the model's context
+    prompt_tokens: array = field(default_factory=_ints)  # the whole prompt (usage.input_tokens)
+    uncached_tokens: array = field(default_factory=_ints)  # prefill's (prefix-cache hits removed)
+    max_tokens: array = field(default_factory=_ints)  # as fit_context resolves it (0: embeddings)
     # what prefill computes without a prefix cache (hybrid models): every sequence its whole prompt
-    sequence_prompts: array = field(default_factory=lambda: array("q"))
+    sequence_prompts: array = field(default_factory=_ints)
     refused: int = 0  # lines their worker would answer with a 400
     images: int = 0  # images of the lines that run (their tokens are in prompt_tokens, from the processor)
-    # per sequence, what the vision encoder runs: (images, their placeholder tokens), (0, 0) where a
-    # request has none or the prefix cache holds them all (the engine then never reaches them)
-    encoded: list[tuple[int, int]] = field(default_factory=list)
+    # per sequence, what the vision encoder runs: images and their placeholder tokens, 0 where a request
+    # has none or the prefix cache holds them all (the engine then never reaches them)
+    encoded_images: array = field(default_factory=_ints)
+    encoded_tokens: array = field(default_factory=_ints)
 
     def arrays(self, prefix_caching: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(prompt tokens, tokens prefill computes, max tokens) per sequence; `prefix_caching` off: the
@@ -61,6 +63,10 @@ class FileWork:
             np.array(self.uncached_tokens if prefix_caching else self.sequence_prompts, np.int64),
             np.array(self.max_tokens, np.int64),
         )
+
+    def encoded(self) -> tuple[np.ndarray, np.ndarray]:
+        """(images, their placeholder tokens) the vision encoder runs, per sequence."""
+        return np.array(self.encoded_images, np.int64), np.array(self.encoded_tokens, np.int64)
 
 
 @dataclass(frozen=True)
@@ -170,10 +176,11 @@ def _add(
     sequences = max(params.get("n") or 1, params.get("best_of") or 1)
     cached = cache.cached(prompt.keyed, request.lora)
     work.images += len(request.images)
-    encoded = (len(request.images), prompt.image_tokens) if cached <= prompt.last_image_row else (0, 0)
+    encoded = cached <= prompt.last_image_row
     for k in range(sequences):  # the engine runs each completion as a sequence; they share the prompt
         work.prompt_tokens.append(len(prompt.ids) if k == 0 else 0)
         work.uncached_tokens.append(len(prompt.ids) - cached if k == 0 else 0)
         work.sequence_prompts.append(len(prompt.ids))
         work.max_tokens.append(max_tokens)
-        work.encoded.append(encoded if k == 0 else (0, 0))
+        work.encoded_images.append(len(request.images) if encoded and k == 0 else 0)
+        work.encoded_tokens.append(prompt.image_tokens if encoded and k == 0 else 0)

@@ -52,8 +52,8 @@ def estimate(
     def seconds(outputs: np.ndarray) -> float:
         return runtime.seconds(
             batch_seconds(
-                uncached.tolist(),
-                outputs.tolist(),
+                uncached,
+                outputs,
                 profile.step_seconds,
                 limits,
                 workers,
@@ -192,8 +192,8 @@ def _encoder(work: FileWork, profile: profiles.Profile) -> Encoder | None:
     """The vision encoder's seconds per sequence, from the profile's encoder cost (None without one)."""
     if profile.encoder_call_s is None or not work.images:
         return None
-    seconds = [profile.encoder_seconds(images, tokens) for images, tokens in work.encoded]
-    return Encoder(seconds, profile.encoder_call_s)
+    images, tokens = work.encoded()
+    return Encoder(profile.encoder_seconds(images, tokens), profile.encoder_call_s)
 
 
 def _encoder_summary(
@@ -204,9 +204,10 @@ def _encoder_summary(
     before encoders were measured) leaves it out of the time, and says so."""
     if profile.encoder_call_s is None and not work.images:
         return None
+    images, tokens = work.encoded()
     summary = {
-        "images": sum(images for images, _ in work.encoded),
-        "image_tokens": sum(tokens for _, tokens in work.encoded),
+        "images": int(images.sum()),
+        "image_tokens": int(tokens.sum()),
         "seconds": None,
     }
     if profile.encoder_call_s is None:

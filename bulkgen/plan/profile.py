@@ -91,8 +91,9 @@ class Profile:
             + self.per_new_seq_s * new_seqs
         )
 
-    def encoder_seconds(self, images: int, image_tokens: int) -> float:
-        """The encoder's seconds for one request's images, beyond its call's fixed cost."""
+    def encoder_seconds(self, images, image_tokens):
+        """The encoder's seconds for one request's images, beyond its call's fixed cost (ints, or arrays of
+        them: a second per request)."""
         return self.per_image_s * images + self.per_image_token_s * image_tokens
 
     def to_json(self) -> bytes:

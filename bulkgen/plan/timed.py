@@ -25,8 +25,11 @@ that step's new images (bulkgen.engine.features.multimodal.splice): each request
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 # (sequences in the step, prefill tokens, context tokens, sequences admitted in it) -> seconds
 StepCost = Callable[[int, int, int, int], float]
@@ -68,8 +71,8 @@ def attended(lengths: Sequence[int], block_size: int = 1, padded: bool = False) 
 
 
 def batch_seconds(
-    prompts: Sequence[int],
-    outputs: Sequence[int],
+    prompts: Sequence[int] | np.ndarray,
+    outputs: Sequence[int] | np.ndarray,
     cost: StepCost,
     limits: EngineLimits,
     workers: int = 1,
@@ -78,31 +81,79 @@ def batch_seconds(
 ) -> float:
     """Wall seconds from the first request entering an engine to the last one finishing.
     `prompts`: prompt tokens each request must compute (cached prefix excluded); `outputs`: tokens each
-    generates (>= 1; 0 for a prefill-only request such as an embedding); `encoder`: a vision model's."""
-    encoder = encoder or Encoder([0.0] * len(prompts))
-    requests = list(zip(prompts, outputs, encoder.seconds, strict=True))
-    loads = _deal(requests, max(1, workers), range_size)
-    return max((engine_seconds(load, cost, limits, encoder.call_s) for load in loads if load), default=0.0)
+    generates (>= 1; 0 for a prefill-only request such as an embedding); `encoder`: a vision model's.
+    The requests stay in arrays (a few machine words each: `bulkgen plan` of 10M lines holds them all), and
+    only the sequences an engine runs at once are objects."""
+    prompts, outputs = np.asarray(prompts), np.asarray(outputs)
+    seconds = None if encoder is None else np.asarray(encoder.seconds, np.float64)
+    if len(outputs) != len(prompts) or (seconds is not None and len(seconds) != len(prompts)):
+        raise ValueError("prompts, outputs and the encoder's seconds must be one entry per request")
+    loads = _deal(prompts + outputs, max(1, workers), range_size)
+    call_s = encoder.call_s if encoder is not None else 0.0
+    return max(
+        (
+            engine_seconds(
+                _Waiting(prompts[load], outputs[load], None if seconds is None else seconds[load]),
+                cost,
+                limits,
+                call_s,
+            )
+            for load in loads
+            if len(load)
+        ),
+        default=0.0,
+    )
 
 
-def _deal(requests: list[Request], workers: int, range_size: int) -> list[list[Request]]:
-    ranges = [requests[i : i + range_size] for i in range(0, len(requests), range_size)]
-    ranges.sort(key=lambda r: -sum(p + o for p, o, _ in r) / len(r))
-    loads: list[list[Request]] = [[] for _ in range(workers)]
-    work = [0] * workers
-    for r in ranges:
-        w = work.index(min(work))
-        loads[w] += r
-        work[w] += sum(p + o for p, o, _ in r)
+def _deal(work: np.ndarray, workers: int, range_size: int) -> list[np.ndarray]:
+    """Each worker's requests (indices): ranges of `range_size` in file order, dealt heaviest first (by
+    mean work a request) to the least loaded worker, the lowest-numbered on a tie."""
+    starts = np.arange(0, len(work), range_size)
+    if not len(starts):
+        return [np.zeros(0, np.int64) for _ in range(workers)]
+    sums = np.add.reduceat(work, starts) if len(work) else np.zeros(0)
+    sizes = np.diff(np.append(starts, len(work)))
+    order = np.argsort(-(sums / sizes), kind="stable")  # sorted() is stable: ties keep file order
+    if workers == 1:
+        owner = np.zeros(len(starts), np.int64)
+    else:
+        heap = [(0, w) for w in range(workers)]  # (work dealt, worker): the least, then the lowest number
+        owner = np.empty(len(starts), np.int64)
+        for r, total in zip(order.tolist(), sums[order].tolist(), strict=True):
+            dealt, w = heapq.heappop(heap)
+            owner[r] = w
+            heapq.heappush(heap, (dealt + total, w))
+    loads = []
+    for w in range(workers):
+        ranges = order[owner[order] == w]  # in the order they were dealt
+        parts = [np.arange(starts[r], starts[r] + sizes[r]) for r in ranges.tolist()]
+        loads.append(np.concatenate(parts) if parts else np.zeros(0, np.int64))
     return loads
 
 
+class _Waiting:
+    """One engine's requests not yet admitted, longest (prompt + output) first, popped off the end."""
+
+    def __init__(self, prompts: np.ndarray, outputs: np.ndarray, seconds: np.ndarray | None) -> None:
+        order = np.argsort(prompts + outputs, kind="stable")  # the next to admit is last
+        self.prompts, self.outputs = prompts[order], outputs[order]
+        self.seconds = None if seconds is None else seconds[order]
+        self.left = len(order)
+
+    def __bool__(self) -> bool:
+        return self.left > 0
+
+    def pop(self) -> Request:
+        self.left -= 1
+        i = self.left
+        encoder_s = 0.0 if self.seconds is None else float(self.seconds[i])
+        return self.prompts[i].item(), self.outputs[i].item(), encoder_s
+
+
 def engine_seconds(
-    requests: list[Request], cost: StepCost, limits: EngineLimits, encoder_call_s: float = 0.0
+    waiting: _Waiting, cost: StepCost, limits: EngineLimits, encoder_call_s: float = 0.0
 ) -> float:
-    """One engine's time for `requests` (prompt tokens, output tokens, encoder seconds), admitted longest
-    first."""
-    waiting = sorted(requests, key=lambda r: r[0] + r[1])  # the next to admit is last
+    """One engine's time for its `waiting` requests, admitted longest first."""
     running: list[_Seq] = []
     seconds = 0.0
     while waiting or running:
@@ -135,7 +186,7 @@ def _decode_run(running: list[_Seq], cost: StepCost, limits: EngineLimits) -> fl
 
 def _mixed_step(
     running: list[_Seq],
-    waiting: list[Request],
+    waiting: _Waiting,
     cost: StepCost,
     limits: EngineLimits,
     encoder_call_s: float = 0.0,
