@@ -111,18 +111,15 @@ def _deal(work: np.ndarray, workers: int, range_size: int) -> list[np.ndarray]:
     starts = np.arange(0, len(work), range_size)
     if not len(starts):
         return [np.zeros(0, np.int64) for _ in range(workers)]
-    sums = np.add.reduceat(work, starts) if len(work) else np.zeros(0)
+    sums = np.add.reduceat(work, starts)
     sizes = np.diff(np.append(starts, len(work)))
-    order = np.argsort(-(sums / sizes), kind="stable")  # sorted() is stable: ties keep file order
-    if workers == 1:
-        owner = np.zeros(len(starts), np.int64)
-    else:
-        heap = [(0, w) for w in range(workers)]  # (work dealt, worker): the least, then the lowest number
-        owner = np.empty(len(starts), np.int64)
-        for r, total in zip(order.tolist(), sums[order].tolist(), strict=True):
-            dealt, w = heapq.heappop(heap)
-            owner[r] = w
-            heapq.heappush(heap, (dealt + total, w))
+    order = np.argsort(-(sums / sizes), kind="stable")  # heaviest first; ties keep file order
+    heap = [(0, w) for w in range(workers)]  # (work dealt, worker): the least, then the lowest number
+    owner = np.empty(len(starts), np.int64)
+    for r, total in zip(order.tolist(), sums[order].tolist(), strict=True):
+        dealt, w = heapq.heappop(heap)
+        owner[r] = w
+        heapq.heappush(heap, (dealt + total, w))
     loads = []
     for w in range(workers):
         ranges = order[owner[order] == w]  # in the order they were dealt
