@@ -6,18 +6,14 @@ copies, took ~100 bytes a request."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bulkgen.plan.timed import EngineLimits, batch_seconds
+from tests.support.fresh import measure_fresh
 
-ROOT = Path(__file__).resolve().parents[2]
 REQUESTS = 100_000
 
 
@@ -41,13 +37,9 @@ def measure(requests: int = REQUESTS) -> dict:
     return {"peak": peak / requests, "seconds": seconds}
 
 
-@pytest.mark.subprocess  # a fresh interpreter, for tracemalloc's count
+@pytest.mark.subprocess  # a fresh interpreter (tests/support/fresh.py)
 def test_the_simulator_holds_a_few_words_a_request():
-    code = "import json; from tests.plan.test_timed_memory import measure; print(json.dumps(measure()))"
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = measure_fresh("tests.plan.test_timed_memory", "measure")
     print(f"the simulator over {REQUESTS:,} requests: peak {result['peak']:.0f} B a request")
     assert result["seconds"] > 0
     assert result["peak"] < 48, result  # 28 in arrays; ~100 as lists of tuples

@@ -9,18 +9,15 @@ import gc
 import io
 import json
 import os
-import subprocess
-import sys
 import tracemalloc
-from pathlib import Path
 
 import pytest
 
 from bulkgen.batch.validate import FirstLines, Validator, _digest, validate_stream
 from bulkgen.runtime.validation import Checked
+from tests.support.fresh import measure_fresh
 
 LINES = 60_000
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _file(lines: int) -> io.BytesIO:
@@ -65,16 +62,9 @@ def measure(lines: int = LINES) -> dict:
 
 
 @pytest.mark.slow  # 60,000 lines under tracemalloc: ~11 s
-@pytest.mark.subprocess  # a fresh interpreter: tracemalloc counts every thread's allocations, and a test
-# process has other tests' threads (a service's manager, an S3 server) allocating beside the pass
+@pytest.mark.subprocess  # a fresh interpreter (tests/support/fresh.py)
 def test_validating_holds_tens_of_bytes_a_request_not_hundreds():
-    code = (
-        "import json; from tests.runtime.test_validation_memory import measure; print(json.dumps(measure()))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = measure_fresh("tests.runtime.test_validation_memory", "measure")
     assert result["ok"] and result["first_lines"] == [1, 2, 3] and result["first_length_right"], result
     print(
         f"validating {LINES:,} lines: peak {result['peak']:.0f} B a request, {result['held']:.0f} B held after"

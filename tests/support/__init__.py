@@ -6,6 +6,8 @@ serve_process  `bulkgen serve` as a subprocess (for tests that kill or double th
 watch          `bulkgen watch` as a subprocess
 held_engine    the engine every worker builds in tests: requests marked HOLD wait at a gate the test
                opens, so cancel, kill and expiry tests catch a batch in progress on any machine
+cpu_account    each test's wall and machine CPU seconds (BULKGEN_TEST_CPU), and a report of them
+fresh          a measurement in a fresh interpreter (tracemalloc counts every thread of a process)
 clock          a fake clock for leases, claims and the work queue: expiry without waiting
 wait           wait_until: a condition with a deadline, never a sleep "long enough"
 gated_store    a LocalStore whose chosen calls a test holds, to interleave writers

@@ -32,13 +32,10 @@ class ServeProcess:
         # its own session, so a SIGKILL reaches the whole process group (the service and its local Ray)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            wait_until(  # a process that imports torch and starts its own Ray: a minute and more on 2 loaded
-                # cores (Ray's own start waits up to 120 s there, RAY_START_WAITS); an exit fails at once
-                self._healthy,
-                300,
-                f"bulkgen serve on port {self.port}",
-                interval=0.1,
-                check=self._running,
+            # a process that imports torch and starts its own Ray: a minute and more on 2 loaded cores (Ray's
+            # own start waits up to 120 s there, RAY_START_WAITS); an exit fails at once
+            wait_until(
+                self._healthy, 300, f"bulkgen serve on port {self.port}", interval=0.1, check=self._running
             )
         except AssertionError:
             self.kill()
